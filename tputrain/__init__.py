@@ -1,0 +1,1 @@
+"""tputrain: a TPU-first training library for TensorFlow 2 / Keras 3."""

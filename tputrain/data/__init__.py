@@ -1,0 +1,1 @@
+"""Input pipelines: sharded TFRecord reading and writing."""

@@ -1,1 +1,30 @@
-"""tputrain: a TPU-first training library for TensorFlow 2 / Keras 3."""
+"""tputrain: a TPU-first training library for TensorFlow 2 / Keras 3.
+
+The public API is re-exported here; everything else is an implementation detail.
+"""
+
+import os
+
+# TensorFlow's C++ INFO lines drown the progress lines; users can still override.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
+from tputrain import data  # noqa: E402
+from tputrain.checkpoint import Checkpointer  # noqa: E402
+from tputrain.optimizers import build_optimizer  # noqa: E402
+from tputrain.precision import set_precision_policy  # noqa: E402
+from tputrain.strategy import resolve_strategy, split_cpu  # noqa: E402
+from tputrain.task import Task  # noqa: E402
+from tputrain.trainer import Trainer  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Checkpointer",
+    "Task",
+    "Trainer",
+    "build_optimizer",
+    "data",
+    "resolve_strategy",
+    "set_precision_policy",
+    "split_cpu",
+]

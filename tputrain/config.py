@@ -1,0 +1,126 @@
+"""Gin at the edges: parse config files and bindings, fail early with the fix.
+
+Gin reports a misspelled binding only as "No configurable matching 'Traner'";
+`parse_gin` re-raises it as a `ConfigError` that also names the nearest valid
+configurable or parameter, before anything is built.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import os
+import re
+from typing import Sequence
+
+import gin
+
+
+class ConfigError(ValueError):
+    """A gin file or binding is invalid; the message says how to fix it."""
+
+
+def _registry_names() -> list[str]:
+    names = set()
+    for selector, _ in gin.config._REGISTRY.items():  # pylint: disable=protected-access
+        names.add(selector)
+        names.add(selector.rsplit(".", 1)[-1])
+    return sorted(names)
+
+
+def _parameters(configurable: str) -> list[str]:
+    match = gin.config._REGISTRY.get_match(configurable)  # pylint: disable=protected-access
+    if match is None:
+        return []
+    wrapped = match.wrapped
+    target = wrapped.__init__ if inspect.isclass(wrapped) else wrapped
+    return [p for p in inspect.signature(target).parameters if p != "self"]
+
+
+def _suggestion(word: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def explain_gin_error(error: Exception) -> str:
+    """Turns a gin parse error into one line that names the nearest valid name."""
+    text = str(error)
+    first = text.splitlines()[0] if text else type(error).__name__
+    location = " ".join(line.strip() for line in text.splitlines()[1:3])
+    where = f" ({location})" if location else ""
+    match = re.search(r"No configurable matching (?:reference )?'@?([\w.]+)", first)
+    if match:
+        name = match.group(1)
+        hint = _suggestion(name, _registry_names()) or (
+            "; register it with @gin.configurable and import its module with --gin_import")
+        return f"{first}{where}{hint}"
+    match = re.search(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'", first)
+    if match:
+        configurable, parameter = match.groups()
+        valid = _parameters(configurable)
+        hint = _suggestion(parameter, valid) or (f"; valid parameters: {', '.join(valid)}" if valid else "")
+        return f"{first}{where}{hint}"
+    return f"gin could not parse the configuration: {first}{where}"
+
+
+def parse_gin(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
+              search_paths: Sequence[str] = (), imports: Sequence[str] = (),
+              finalize: bool = True) -> None:
+    """Registers tputrain's configurables, imports user modules, parses all bindings.
+
+    Built-in configs (`configs/` in the source tree, `tputrain.configs` when
+    installed) are always on the search path, so `--gin_file=digits.gin` works
+    from any directory.
+    """
+    import tputrain.tasks  # noqa: F401  (registers the built-in configurables)
+
+    for module in imports:
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise ConfigError(f"--gin_import={module}: {error}; is it on PYTHONPATH?") from error
+    for path in [*search_paths, builtin_config_dir()]:
+        if path and path not in gin.config._LOCATION_PREFIXES:  # pylint: disable=protected-access
+            gin.add_config_file_search_path(path)
+    try:
+        gin.parse_config_files_and_bindings(list(gin_files), list(gin_params),
+                                            finalize_config=finalize)
+    except OSError as error:
+        raise ConfigError(f"{error} Pass an existing file or add its folder with "
+                          "--gin_search_path") from error
+    except (ValueError, SyntaxError) as error:
+        raise ConfigError(explain_gin_error(error)) from error
+    except Exception as error:  # tokenizer errors have their own types
+        if type(error).__module__.startswith(("tokenize", "gin")):
+            raise ConfigError(f"gin could not parse the configuration: {error}") from error
+        raise
+
+
+def builtin_config_dir() -> str:
+    """The directory of the configs shipped with tputrain."""
+    from tputrain import configs  # the repository's configs/ folder, packaged
+
+    return os.path.dirname(os.path.abspath(configs.__file__))
+
+
+def require_bound(*bindings: str) -> None:
+    """Fails with the fix when a required binding (e.g. 'Trainer.task') is missing."""
+    for binding in bindings:
+        try:
+            gin.query_parameter(binding)
+        except ValueError:
+            raise ConfigError(f"{binding} is not bound: add `{binding} = ...` to your gin file "
+                              f"or pass --gin_param='{binding}=...'") from None
+
+
+def write_operative_config(model_dir: str) -> str:
+    """Writes the bindings actually used to model_dir/operative_config.gin."""
+    import tensorflow as tf
+
+    path = os.path.join(model_dir, "operative_config.gin")
+    tf.io.gfile.makedirs(model_dir)
+    with tf.io.gfile.GFile(path + ".tmp", "w") as f:
+        f.write(gin.operative_config_str())
+    tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+    return path

@@ -1,0 +1,97 @@
+"""Progress: one log line per loop and TensorBoard scalars in model_dir."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Mapping
+
+import tensorflow as tf
+from absl import logging
+
+
+def _format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{seconds:02d}s"
+    return f"{seconds}s"
+
+
+def _format_logs(logs: Mapping[str, float]) -> str:
+    return " | ".join(f"{name} {value:.4g}" for name, value in logs.items())
+
+
+class Progress:
+    """Logs each loop (step, loss, metrics, examples/s, ETA) and writes summaries.
+
+    Throughput is wall time per loop on the host, so it includes input waits and
+    any host work between loops; the first loop also includes tracing.
+    `summary_dir=None` logs without writing (non-chief workers).
+    """
+
+    def __init__(self, summary_dir: str | None, train_steps: int, global_batch_size: int):
+        self.train_steps = train_steps
+        self.global_batch_size = global_batch_size
+        self._writers: dict[str, tf.summary.SummaryWriter] = {}
+        self._summary_dir = summary_dir
+        self._steps_per_second: float | None = None
+
+    def _writer(self, split: str) -> tf.summary.SummaryWriter | None:
+        if self._summary_dir is None:
+            return None
+        if split not in self._writers:
+            self._writers[split] = tf.summary.create_file_writer(
+                os.path.join(self._summary_dir, split))
+        return self._writers[split]
+
+    def write_scalars(self, split: str, step: int, scalars: Mapping[str, float]) -> None:
+        writer = self._writer(split)
+        if writer is None:
+            return
+        with writer.as_default(step=step):
+            for name, value in scalars.items():
+                tf.summary.scalar(name, value)
+        writer.flush()
+
+    def train_loop_done(self, step: int, steps: int, seconds: float,
+                        logs: Mapping[str, float]) -> dict[str, float]:
+        """Records a finished loop of `steps` steps ending at `step`; returns rates."""
+        steps_per_second = steps / max(seconds, 1e-9)
+        # Smooth the ETA; the first loop (tracing) is not representative.
+        if self._steps_per_second is None:
+            self._steps_per_second = steps_per_second
+        else:
+            self._steps_per_second = 0.7 * self._steps_per_second + 0.3 * steps_per_second
+        rates = {"steps_per_second": steps_per_second,
+                 "examples_per_second": steps_per_second * self.global_batch_size}
+        eta = (self.train_steps - step) / self._steps_per_second
+        logging.info("tputrain: step %d/%d | %s | %.0f examples/s | %.2f steps/s | ETA %s",
+                     step, self.train_steps, _format_logs(logs),
+                     rates["examples_per_second"], steps_per_second, _format_duration(eta))
+        self.write_scalars("train", step, {**logs, **rates})
+        return rates
+
+    def eval_done(self, step: int, logs: Mapping[str, float], seconds: float) -> None:
+        logging.info("tputrain: eval at step %d | %s | %.1fs", step, _format_logs(logs), seconds)
+        self.write_scalars("eval", step, logs)
+
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()
+
+
+class Stopwatch:
+    """Wall-clock timer: `with Stopwatch() as t: ...; t.seconds`."""
+
+    def __enter__(self) -> "Stopwatch":
+        self._start = time.perf_counter()
+        self.seconds = 0.0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self._start

@@ -1,0 +1,91 @@
+"""`python -m tputrain.run --gin_file=F [--gin_param=...]`: train a gin config.
+
+The `tputrain` console script runs this too; `tputrain <command>` dispatches to
+the other commands (see `COMMANDS`), and with no command it trains.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+
+
+def define_gin_flags() -> None:
+    """The gin flags shared by every tputrain command."""
+    flags.DEFINE_multi_string("gin_file", [], "Gin config file(s); later files override earlier ones.")
+    flags.DEFINE_multi_string("gin_param", [], "Gin binding(s), e.g. 'Trainer.train_steps=100'.")
+    flags.DEFINE_multi_string("gin_search_path", [], "Folder(s) searched for gin files and includes.")
+    flags.DEFINE_multi_string("gin_import", [], "Python module(s) to import before parsing, "
+                              "e.g. a module defining your Task.")
+    flags.DEFINE_string("model_dir", None, "Overrides Trainer.model_dir.")
+
+
+def parse_gin_flags() -> None:
+    """Parses the gin flags; a bad config exits with one line naming the fix."""
+    from tputrain.config import ConfigError, parse_gin
+
+    if not FLAGS.gin_file and not FLAGS.gin_param:
+        raise app.UsageError("pass --gin_file=CONFIG (e.g. --gin_file=digits.gin)")
+    try:
+        parse_gin(FLAGS.gin_file, FLAGS.gin_param, FLAGS.gin_search_path, FLAGS.gin_import)
+    except ConfigError as error:
+        _fail(str(error))
+
+
+def _fail(message: str, code: int = 2) -> None:
+    print(f"tputrain: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def build_trainer():
+    """Builds the gin-configured Trainer (inputs validated before anything is written)."""
+    from tputrain.config import ConfigError, require_bound
+    from tputrain.trainer import Trainer
+
+    try:
+        require_bound("Trainer.task")
+        if FLAGS.model_dir is None:
+            require_bound("Trainer.model_dir")
+    except ConfigError as error:
+        _fail(str(error))
+    kwargs = {"model_dir": FLAGS.model_dir} if FLAGS.model_dir else {}
+    return Trainer(**kwargs)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    parse_gin_flags()
+    from tputrain.config import write_operative_config
+
+    trainer = build_trainer()
+    if trainer.is_chief:
+        write_operative_config(trainer.model_dir)
+    results = trainer.train()
+    if trainer.is_chief:
+        write_operative_config(trainer.model_dir)
+    logging.info("tputrain: done at step %d: %s", int(trainer.step.numpy()),
+                 " | ".join(f"{k} {v:.4g}" for k, v in results.items()))
+
+
+# `tputrain <command>`: module with a `console_main()` each; `run` is the default.
+COMMANDS = {"run": "tputrain.run"}
+
+
+def console_main() -> None:
+    """Entry point of the `tputrain` console script."""
+    if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
+        command = sys.argv.pop(1)
+        if command != "run":
+            importlib.import_module(COMMANDS[command]).console_main()
+            return
+    define_gin_flags()
+    app.run(main)
+
+
+if __name__ == "__main__":
+    console_main()

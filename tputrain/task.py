@@ -1,0 +1,115 @@
+"""The user's side of training: model, inputs, loss, metrics and optimizer.
+
+Subclass `Task` and override the `build_*` methods and `compute_loss`. The
+`Trainer` owns everything else (strategy, compiled loops, checkpoints, logs).
+
+Where each method runs:
+
+* `build_model`, `build_metrics`, `build_optimizer`: once per host, in
+  cross-replica context inside `strategy.scope()`, so variables are mirrored.
+* `build_inputs`: once per host (per input pipeline), outside any replica
+  context; it returns per-replica batches of `(features, labels)`.
+* `compute_loss`, `train_step`, `eval_step`: inside `strategy.run`, i.e. in
+  replica context, once per replica per step, traced into a `tf.function`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import keras
+import tensorflow as tf
+
+from tputrain.data import InputContext
+from tputrain.optimizers import build_optimizer
+from tputrain.precision import to_float32
+
+
+class Task:
+    """Base class for a training task; see the module docstring for contexts."""
+
+    def build_model(self) -> keras.Model:
+        """Returns the Keras model (strategy scope, precision policy already set)."""
+        raise NotImplementedError("Task.build_model must return a keras.Model")
+
+    def build_inputs(self, split: str, input_context: InputContext) -> tf.data.Dataset:
+        """Returns this host's dataset of per-replica `(features, labels)` batches.
+
+        `split` is "train" or "eval". `input_context.global_batch_size` is the
+        Trainer's global batch; batch with `drop_remainder=True` so shapes stay
+        static (TPUs need them; a ragged last batch also leaves replicas empty).
+        The train split should repeat forever; the eval split should be finite.
+        """
+        raise NotImplementedError("Task.build_inputs must return a tf.data.Dataset")
+
+    def compute_loss(self, labels: Any, outputs: Any) -> tf.Tensor:
+        """Returns the per-example loss, shape [per_replica_batch] (replica context).
+
+        `outputs` arrive in float32 whatever the precision policy. Do not average:
+        the Trainer divides by the *global* batch so gradients summed across
+        replicas equal a single-device step.
+        """
+        raise NotImplementedError("Task.compute_loss must return a per-example loss")
+
+    def build_metrics(self) -> Sequence[keras.metrics.Metric]:
+        """Returns metrics updated with `(labels, outputs)` each step (strategy scope)."""
+        return []
+
+    def build_optimizer(self) -> keras.optimizers.Optimizer:
+        """Returns the optimizer; by default `tputrain.build_optimizer()` from gin."""
+        return build_optimizer()
+
+    # Steps. Override these only for unusual training (GANs, several optimizers).
+
+    def total_loss(self, labels: Any, outputs: Any, model: keras.Model,
+                   global_batch_size: int) -> tf.Tensor:
+        """Replica context: this replica's share of the global mean loss.
+
+        `compute_average_loss` divides by the global batch and
+        `scale_regularization_loss` divides `model.losses` by the replica count, so
+        summing over replicas gives exactly the single-device loss and gradients.
+        """
+        per_example = tf.cast(self.compute_loss(labels, outputs), tf.float32)
+        loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
+        if model.losses:
+            regularization = tf.add_n([tf.cast(l, tf.float32) for l in model.losses])
+            loss += tf.nn.scale_regularization_loss(regularization)
+        return loss
+
+    def update_metrics(self, metrics: Sequence[keras.metrics.Metric], labels: Any,
+                       outputs: Any) -> None:
+        """Replica context: updates every metric with this replica's batch."""
+        for metric in metrics:
+            metric.update_state(labels, outputs)
+
+    def train_step(self, batch: Any, model: keras.Model,
+                   optimizer: keras.optimizers.Optimizer,
+                   metrics: Sequence[keras.metrics.Metric],
+                   global_batch_size: int) -> dict[str, tf.Tensor]:
+        """Replica context: forward, backward and update on this replica's batch.
+
+        Returns per-replica values that the Trainer *sums* across replicas (the
+        loss is already divided by the global batch, so the sum is the mean).
+        `optimizer.scale_loss` is the Keras 3 loss scaling used by mixed_float16
+        (identity otherwise); `apply_gradients` unscales and skips overflow steps.
+        """
+        features, labels = batch
+        with tf.GradientTape() as tape:
+            outputs = to_float32(model(features, training=True))
+            loss = self.total_loss(labels, outputs, model, global_batch_size)
+            scaled_loss = optimizer.scale_loss(loss)
+        variables = model.trainable_variables
+        gradients = tape.gradient(scaled_loss, variables)
+        optimizer.apply_gradients(zip(gradients, variables))
+        self.update_metrics(metrics, labels, outputs)
+        return {"loss": loss}
+
+    def eval_step(self, batch: Any, model: keras.Model,
+                  metrics: Sequence[keras.metrics.Metric],
+                  global_batch_size: int) -> dict[str, tf.Tensor]:
+        """Replica context: forward pass and metric updates, no weight change."""
+        features, labels = batch
+        outputs = to_float32(model(features, training=False))
+        loss = self.total_loss(labels, outputs, model, global_batch_size)
+        self.update_metrics(metrics, labels, outputs)
+        return {"loss": loss}

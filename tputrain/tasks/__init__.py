@@ -1,0 +1,6 @@
+"""Built-in tasks used by the configs in `configs/` (and as examples of `Task`)."""
+
+from tputrain.tasks.digits import DigitsTask
+from tputrain.tasks.transformer import SyntheticLMTask
+
+__all__ = ["DigitsTask", "SyntheticLMTask"]

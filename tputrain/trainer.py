@@ -1,0 +1,380 @@
+"""The Trainer: compiled train/eval loops, checkpoints and progress around a Task.
+
+A *step* is one optimizer update on one global batch (every replica processes
+its per-replica slice). A *loop* is up to `steps_per_loop` steps inside a
+single `tf.function` call, so the host pays Python overhead once per loop.
+
+Data flows one way: strategy -> precision policy -> the task builds its model,
+optimizer, metrics (in `strategy.scope()`) and inputs -> compiled loops ->
+checkpoints and summaries in `model_dir`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any, Callable
+
+import gin
+import keras
+import tensorflow as tf
+from absl import logging
+
+from tputrain.checkpoint import Checkpointer, seed_generator_states
+from tputrain.data import InputContext
+from tputrain.precision import set_precision_policy
+from tputrain.progress import Progress, Stopwatch
+from tputrain.strategy import resolve_strategy
+from tputrain.task import Task
+
+_INPUT_MODES = ("host", "distributed")
+_EXHAUSTED = "tputrain: input exhausted"
+
+
+def _host_topology(strategy: tf.distribute.Strategy) -> tuple[int, int]:
+    """Returns (number of input pipelines/hosts, this host's index)."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and resolver:
+        spec = resolver.cluster_spec().as_dict()
+        hosts = [("chief", i) for i in range(len(spec.get("chief", [])))]
+        hosts += [("worker", i) for i in range(len(spec.get("worker", [])))]
+        if (resolver.task_type, resolver.task_id) in hosts:
+            return len(hosts), hosts.index((resolver.task_type, resolver.task_id))
+    return 1, 0
+
+
+def _is_chief(strategy: tf.distribute.Strategy) -> bool:
+    """Only the chief writes the real checkpoints and summaries."""
+    return bool(getattr(strategy.extended, "should_checkpoint", True))
+
+
+def _check_static(element_spec: Any, split: str, per_replica_batch: int) -> None:
+    """Fails early on dynamic shapes or a batch that is not the per-replica batch."""
+    for path, spec in _flatten_with_paths(element_spec):
+        shape = getattr(spec, "shape", None)
+        if shape is None:
+            continue
+        if not shape.is_fully_defined():
+            raise ValueError(
+                f"{split} input {path!r} has dynamic shape {shape}: TPUs and compiled loops "
+                "need static shapes; batch with drop_remainder=True and pad variable-length "
+                "features to a fixed length")
+        if shape.rank and shape[0] != per_replica_batch:
+            raise ValueError(
+                f"{split} input {path!r} has batch dimension {shape[0]} but the per-replica "
+                f"batch is {per_replica_batch}: batch with "
+                "input_context.get_per_replica_batch_size(input_context.global_batch_size)")
+
+
+def _flatten_with_paths(structure: Any) -> list[tuple[str, Any]]:
+    return [("/".join(map(str, path)) or "<root>", value)
+            for path, value in keras.tree.flatten_with_path(structure)]
+
+
+@gin.configurable
+class Trainer:
+    """Trains a `Task` under a distribution strategy, with exact-resume checkpoints.
+
+    Args:
+      task: the user's model, data and loss.
+      model_dir: checkpoints, TensorBoard events and the operative gin config.
+      strategy: a `tf.distribute.Strategy`; None resolves one (`resolve_strategy`).
+      train_steps: total optimizer steps; a rerun continues up to this number.
+      steps_per_loop: steps per compiled host call; loops also stop at eval and
+        checkpoint boundaries.
+      global_batch_size: examples per step over all replicas.
+      eval_every: evaluate every N steps (and at the end); None: only at the end.
+      eval_steps: eval batches per evaluation; None: the whole (finite) eval split.
+      checkpoint_every: save every N steps (and at the end); None: as eval_every,
+        or 1000.
+      keep_checkpoints: how many checkpoints to keep.
+      precision: "float32", "mixed_bfloat16" or "mixed_float16"; None keeps the
+        gin binding of `set_precision_policy` (bf16 on TPU, else float32).
+      seed: seeds weight initialisation and Keras random ops.
+      input_mode: "host" keeps a plain per-host iterator that is checkpointed
+        (exact data resume) and splits each step's batches across local replicas;
+        "distributed" uses `distribute_datasets_from_function` (device prefetch,
+        needed for multi-host TPU pods) and resumes by skipping consumed batches.
+        None picks "distributed" on TPU and "host" elsewhere.
+    """
+
+    def __init__(self, task: Task, model_dir: str, strategy: tf.distribute.Strategy | None = None,
+                 train_steps: int = 1000, steps_per_loop: int = 100,
+                 global_batch_size: int = 64, eval_every: int | None = None,
+                 eval_steps: int | None = None, checkpoint_every: int | None = None,
+                 keep_checkpoints: int = 3, precision: str | None = None, seed: int = 0,
+                 input_mode: str | None = None):
+        for name, value in (("train_steps", train_steps), ("steps_per_loop", steps_per_loop),
+                            ("global_batch_size", global_batch_size)):
+            if int(value) < 1:
+                raise ValueError(f"Trainer.{name} must be >= 1, got {value}")
+        for name, value in (("eval_every", eval_every), ("eval_steps", eval_steps),
+                            ("checkpoint_every", checkpoint_every)):
+            if value is not None and int(value) < 1:
+                raise ValueError(f"Trainer.{name} must be >= 1 or None, got {value}")
+        if not isinstance(task, Task):
+            raise TypeError(f"Trainer.task must be a tputrain.Task, got {type(task).__name__}")
+        if not model_dir:
+            raise ValueError("Trainer.model_dir is empty: pass --model_dir or bind Trainer.model_dir")
+        self.task = task
+        self.train_steps = int(train_steps)
+        self.steps_per_loop = int(steps_per_loop)
+        self.global_batch_size = int(global_batch_size)
+        self.eval_every = eval_every
+        self.eval_steps = eval_steps
+        self.checkpoint_every = checkpoint_every or eval_every or 1000
+
+        self.strategy = strategy or resolve_strategy()
+        replicas = self.strategy.num_replicas_in_sync
+        if self.global_batch_size % replicas:
+            raise ValueError(
+                f"global batch {self.global_batch_size} is not divisible by {replicas} replicas: "
+                f"use a multiple of {replicas} (e.g. {replicas * max(1, round(self.global_batch_size / replicas))})")
+        self.num_hosts, self.host_id = _host_topology(self.strategy)
+        self.local_replicas = replicas // self.num_hosts
+        is_tpu = isinstance(self.strategy, tf.distribute.TPUStrategy)
+        self.input_mode = input_mode or ("distributed" if is_tpu else "host")
+        if self.input_mode not in _INPUT_MODES:
+            raise ValueError(f"Trainer.input_mode must be one of {_INPUT_MODES}, got {input_mode!r}")
+        self.precision = (set_precision_policy(precision, strategy=self.strategy)
+                          if precision is not None else set_precision_policy(strategy=self.strategy))
+        keras.utils.set_random_seed(seed)
+
+        # Inputs first: bad data fails before anything is built or written.
+        self._train_dataset = self._build_dataset("train")
+        with self.strategy.scope():
+            self.model = task.build_model()
+            self._ensure_built(self._train_dataset.element_spec)
+            # Built here, in scope, before the first step: slot variables are then
+            # mirrored and a restore can fill them directly.
+            self.optimizer = task.build_optimizer()
+            self.optimizer.build(self.model.trainable_variables)
+            self.train_metrics = list(task.build_metrics())
+            self.eval_metrics = list(task.build_metrics())
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step",
+                                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+        self.is_chief = _is_chief(self.strategy)
+        self.model_dir = model_dir
+        # Non-chief workers must still take part in saves; they write to a temp dir.
+        self._work_dir = model_dir if self.is_chief else tempfile.mkdtemp(prefix="tputrain-worker-")
+        trackables: dict[str, Any] = dict(model=self.model, optimizer=self.optimizer,
+                                          seeds=seed_generator_states(self.model))
+        self._train_iterator = None
+        if self.input_mode == "host":
+            self._train_iterator = iter(self._train_dataset)
+            trackables["iterator"] = self._train_iterator
+        self.checkpointer = Checkpointer(os.path.join(self._work_dir, "checkpoints"), self.step,
+                                         every=self.checkpoint_every, keep=keep_checkpoints,
+                                         **trackables)
+        self.progress = Progress(self._work_dir if self.is_chief else None,
+                                 self.train_steps, self.global_batch_size)
+        self._eval_dataset: tf.data.Dataset | None = None
+        self._eval_iterator = None
+        self._eval_batches: int | None = None
+        self._train_loop_fn: Callable | None = None
+        self._eval_loop_fn: Callable | None = None
+        logging.info("tputrain: %s, %d replica(s) on %d host(s), global batch %d, precision %s, "
+                     "input mode %s", type(self.strategy).__name__, replicas, self.num_hosts,
+                     self.global_batch_size, self.precision, self.input_mode)
+
+    # ----------------------------------------------------------------- inputs
+
+    def _input_context(self, tf_context: tf.distribute.InputContext | None = None) -> InputContext:
+        if tf_context is not None:
+            return InputContext.from_tf(tf_context, self.global_batch_size)
+        return InputContext(num_input_pipelines=self.num_hosts, input_pipeline_id=self.host_id,
+                            num_replicas_in_sync=self.strategy.num_replicas_in_sync,
+                            global_batch_size=self.global_batch_size)
+
+    def _build_dataset(self, split: str) -> tf.data.Dataset:
+        """Builds this host's dataset of per-replica batches and checks its shapes."""
+        dataset = self.task.build_inputs(split, self._input_context())
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TypeError(f"Task.build_inputs({split!r}) must return a tf.data.Dataset, "
+                            f"got {type(dataset).__name__}")
+        per_replica = self.global_batch_size // self.strategy.num_replicas_in_sync
+        _check_static(dataset.element_spec, split, per_replica)
+        return dataset
+
+    def _ensure_built(self, element_spec: Any) -> None:
+        """Builds subclassed models (no Input layer) by calling them on zeros."""
+        if self.model.built and self.model.variables:
+            return
+        features_spec = element_spec[0]
+        zeros = tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), features_spec)
+        self.model(zeros, training=False)
+
+    def _distributed_iterator(self, split: str, skip_steps: int = 0):
+        """distribute_datasets_from_function; skips `skip_steps` steps of data."""
+        def dataset_fn(tf_context):
+            dataset = self.task.build_inputs(split, self._input_context(tf_context))
+            # Each pipeline feeds its local replicas one batch each per step.
+            return dataset.skip(skip_steps * self.local_replicas) if skip_steps else dataset
+        return iter(self.strategy.distribute_datasets_from_function(dataset_fn))
+
+    def _next(self, iterator) -> tuple[tf.Tensor, Any]:
+        """In a tf.function: (has_value, distributed batch) for one step.
+
+        Host mode takes one per-replica batch for each local replica from the plain
+        iterator and places them with `experimental_distribute_values_from_function`.
+        """
+        if self.input_mode == "distributed":
+            optional = iterator.get_next_as_optional()
+            return optional.has_value(), optional
+        optionals = [iterator.get_next_as_optional() for _ in range(self.local_replicas)]
+        has_value = tf.reduce_all(tf.stack([o.has_value() for o in optionals]))
+        return has_value, optionals
+
+    def _distribute(self, value) -> Any:
+        if self.input_mode == "distributed":
+            return value.get_value()
+        batches = [o.get_value() for o in value]
+        local = self.local_replicas
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda ctx: batches[ctx.replica_id_in_sync_group % local])
+
+    # ------------------------------------------------------------------ steps
+
+    def _reduce(self, per_replica_logs: dict[str, Any]) -> dict[str, tf.Tensor]:
+        return {name: self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+                for name, value in per_replica_logs.items()}
+
+    def _replica_train_step(self, batch: Any) -> dict[str, tf.Tensor]:
+        return self.task.train_step(batch, self.model, self.optimizer, self.train_metrics,
+                                    self.global_batch_size)
+
+    def _replica_eval_step(self, batch: Any) -> dict[str, tf.Tensor]:
+        return self.task.eval_step(batch, self.model, self.eval_metrics, self.global_batch_size)
+
+    def _make_loop(self, replica_step: Callable, count_steps: bool) -> Callable:
+        """Compiles `num_steps` steps into one tf.function (a `tf.range` host loop).
+
+        The first step is peeled so the accumulators get the step's log structure;
+        later steps stop cleanly when the data ends (`get_next_as_optional`), so a
+        partial loop is never replayed. Returns (summed logs, steps run).
+        """
+        def one_step(value):
+            logs = self._reduce(self.strategy.run(replica_step, args=(self._distribute(value),)))
+            if count_steps:  # outside strategy.run: a mirrored counter diverges inside it
+                self.step.assign_add(1)
+            return logs
+
+        @tf.function
+        def loop(iterator, num_steps):
+            has_value, value = self._next(iterator)
+            with tf.control_dependencies([tf.debugging.Assert(has_value, [_EXHAUSTED])]):
+                totals = one_step(value)
+            steps = tf.constant(1, tf.int32)
+            for _ in tf.range(num_steps - 1):
+                has_value, value = self._next(iterator)
+                if not has_value:
+                    break
+                totals = tf.nest.map_structure(tf.add, totals, one_step(value))
+                steps += 1
+            return totals, steps
+
+        return loop
+
+    # ------------------------------------------------------------------- loops
+
+    def _train_loop(self, num_steps: int) -> tuple[dict[str, float], int]:
+        if self._train_loop_fn is None:
+            self._train_loop_fn = self._make_loop(self._replica_train_step, count_steps=True)
+        for metric in self.train_metrics:
+            metric.reset_state()
+        totals, steps = self._train_loop_fn(self._train_iterator, tf.constant(num_steps, tf.int32))
+        steps = int(steps)
+        logs = {name: float(value) / steps for name, value in totals.items()}
+        logs.update({m.name: float(m.result()) for m in self.train_metrics})
+        return logs, steps
+
+    def _next_boundary(self, step: int) -> int:
+        """Steps until the next loop end: steps_per_loop, eval, checkpoint or the end."""
+        limits = [self.steps_per_loop, self.train_steps - step,
+                  self.checkpoint_every - step % self.checkpoint_every]
+        if self.eval_every:
+            limits.append(self.eval_every - step % self.eval_every)
+        return max(1, min(limits))
+
+    def train(self) -> dict[str, float]:
+        """Trains to `train_steps`, resuming from the latest checkpoint in model_dir.
+
+        Returns the last evaluation's metrics (evaluated at the end of training).
+        """
+        self.checkpointer.restore_latest()
+        step = int(self.step.numpy())
+        if step >= self.train_steps:
+            logging.info("tputrain: %s is at step %d >= train_steps %d; nothing to train",
+                         self.model_dir, step, self.train_steps)
+            return self.evaluate()
+        if self.input_mode == "distributed":
+            self._train_iterator = self._distributed_iterator("train", skip_steps=step)
+        logging.info("tputrain: training from step %d to %d", step, self.train_steps)
+        eval_logs: dict[str, float] = {}
+        try:
+            while step < self.train_steps:
+                with Stopwatch() as watch:
+                    try:
+                        logs, steps = self._train_loop(self._next_boundary(step))
+                    except tf.errors.InvalidArgumentError as error:
+                        if _EXHAUSTED not in str(error):
+                            raise
+                        logging.warning("tputrain: train input ended at step %d", step)
+                        break
+                step = int(self.step.numpy())
+                logs["learning_rate"] = float(keras.ops.convert_to_numpy(self.optimizer.learning_rate))
+                self.progress.train_loop_done(step, steps, watch.seconds, logs)
+                if self.eval_every and step % self.eval_every == 0 and step < self.train_steps:
+                    eval_logs = self.evaluate()
+                if self.checkpointer.due(step):
+                    self.checkpointer.save()
+            self.checkpointer.save()
+            eval_logs = self.evaluate()
+        finally:
+            self.progress.close()
+            self._cleanup_worker_dir()
+        return eval_logs
+
+    def evaluate(self) -> dict[str, float]:
+        """Evaluates on the eval split; returns {"loss": ..., metric names: ...}.
+
+        The eval iterator is created once and reused (freeing tf.data iterators can
+        block for seconds); each evaluation sees the same `eval_steps` batches, or the
+        whole finite eval split when eval_steps is None.
+        """
+        if self._eval_loop_fn is None:
+            dataset = self._build_dataset("eval")
+            if self.eval_steps is not None:
+                self._eval_batches = int(self.eval_steps)
+                dataset = dataset.take(self._eval_batches)
+            else:
+                count = int(dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+                self._eval_batches = count // self.local_replicas
+                if self._eval_batches < 1:
+                    raise ValueError(
+                        f"the eval split has {count} per-replica batches, fewer than the "
+                        f"{self.local_replicas} local replicas: use a smaller global batch or "
+                        "more eval data")
+            if self.input_mode == "distributed":
+                self._eval_iterator = iter(self.strategy.distribute_datasets_from_function(
+                    lambda c: self.task.build_inputs("eval", self._input_context(c))
+                    .take(self._eval_batches * self.local_replicas).repeat()))
+            else:
+                self._eval_iterator = iter(dataset.repeat())
+            self._eval_loop_fn = self._make_loop(self._replica_eval_step, count_steps=False)
+        for metric in self.eval_metrics:
+            metric.reset_state()
+        with Stopwatch() as watch:
+            totals, steps = self._eval_loop_fn(self._eval_iterator,
+                                               tf.constant(self._eval_batches, tf.int32))
+            steps = int(steps)
+            logs = {name: float(value) / steps for name, value in totals.items()}
+            logs.update({m.name: float(m.result()) for m in self.eval_metrics})
+        self.progress.eval_done(int(self.step.numpy()), logs, watch.seconds)
+        return logs
+
+    def _cleanup_worker_dir(self) -> None:
+        if not self.is_chief:
+            shutil.rmtree(self._work_dir, ignore_errors=True)

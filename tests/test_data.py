@@ -1,0 +1,323 @@
+"""Tests for tputrain.data: TFRecord writing, reading, sharding and the input context."""
+
+import logging
+
+import gin
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tputrain.data import (InputContext, TFRecordInput, feature_spec_for, parse_feature_spec,
+                           write_tfrecords)
+
+FEATURES = {"x": ([3], "float32"), "id": ([], "int64")}
+
+
+def _write(directory, num_examples, num_shards, **kwargs):
+    """Writes examples whose `id` is their index and `x` is id * [1, 2, 3]; returns a glob."""
+    ids = np.arange(num_examples)
+    examples = {"x": ids[:, None] * np.array([1.0, 2.0, 3.0], np.float32), "id": ids}
+    write_tfrecords(examples, str(directory / "data"), num_shards, **kwargs)
+    return str(directory / "data-*")
+
+
+def _ids(dataset, label_key=None):
+    batches = [batch[1] if label_key else batch["id"] for batch in dataset]
+    return np.concatenate([b.numpy() for b in batches]).tolist() if batches else []
+
+
+def _read_all(pattern, context, **kwargs):
+    kwargs = {"shuffle": False, "repeat": False, **kwargs}
+    return _ids(TFRecordInput(pattern, FEATURES, **kwargs)(context))
+
+
+# Writing and reading back.
+
+
+def test_round_trip_dict_of_arrays(tmp_path):
+    examples = {
+        "image": np.random.default_rng(0).normal(size=(12, 2, 3)).astype(np.float32),
+        "id": np.arange(12, dtype=np.int32),
+        "flag": np.arange(12) % 2 == 0,
+        "raw": np.array([b"r%d" % i for i in range(12)]),
+        "text": np.array(["t%d" % i for i in range(12)]),
+        "blob": np.array([b"b" * i for i in range(12)], dtype=object),  # Variable-length bytes.
+    }
+    paths = write_tfrecords(examples, str(tmp_path / "sub" / "rt"), num_shards=3)
+    assert paths == [str(tmp_path / "sub" / f"rt-{i:05d}-of-00003.tfrecord") for i in range(3)]
+    spec = feature_spec_for(examples)
+    assert spec["image"] == tf.io.FixedLenFeature([2, 3], tf.float32)
+    assert spec["id"].dtype == tf.int64 and spec["flag"].dtype == tf.int64
+    assert spec["raw"].dtype == spec["text"].dtype == spec["blob"].dtype == tf.string
+
+    # cycle_length=1 reads the shards one after another: the original order.
+    dataset = TFRecordInput(str(tmp_path / "sub" / "rt-*"), spec, global_batch_size=4,
+                            shuffle=False, repeat=False, cycle_length=1)()
+    batches = list(dataset.as_numpy_iterator())
+    assert len(batches) == 3
+    got = {key: np.concatenate([b[key] for b in batches]) for key in spec}
+    np.testing.assert_array_equal(got["image"], examples["image"])
+    np.testing.assert_array_equal(got["id"], examples["id"])
+    np.testing.assert_array_equal(got["flag"], examples["flag"].astype(np.int64))
+    assert got["raw"].tolist() == examples["raw"].tolist()
+    assert [t.decode() for t in got["text"]] == examples["text"].tolist()
+    assert got["blob"].tolist() == examples["blob"].tolist()
+
+
+def test_round_trip_iterable_is_round_robin_and_gzip(tmp_path):
+    examples = ({"id": i, "x": [i, 2.0 * i, 3.0 * i]} for i in range(10))
+    write_tfrecords(examples, str(tmp_path / "rr"), num_shards=3, compression_type="GZIP")
+    dataset = TFRecordInput(str(tmp_path / "rr-*"), FEATURES, label_key="id",
+                            global_batch_size=1, shuffle=False, repeat=False, cycle_length=1,
+                            compression_type="GZIP")()
+    batches = list(dataset.as_numpy_iterator())
+    assert [int(label[0]) for _, label in batches] == [0, 3, 6, 9, 1, 4, 7, 2, 5, 8]
+    for features, label in batches:
+        np.testing.assert_allclose(features["x"][0], label[0] * np.array([1, 2, 3]))
+
+
+def test_missing_feature_uses_default(tmp_path):
+    pattern = _write(tmp_path, 4, 1)
+    features = {**FEATURES, "weight": ([2], "float32", 0.5)}
+    batch = next(iter(TFRecordInput(pattern, features, global_batch_size=4, shuffle=False)()))
+    np.testing.assert_allclose(batch["weight"].numpy(), np.full((4, 2), 0.5))
+
+
+# Sharding across input pipelines.
+
+
+def test_file_sharding_gives_each_pipeline_disjoint_files(tmp_path, caplog):
+    pattern = _write(tmp_path, 32, 8)  # Shard s holds ids 4s .. 4s+3.
+    shards_per_pipeline = []
+    all_ids = []
+    with caplog.at_level(logging.WARNING):
+        for pipeline in range(4):
+            context = InputContext(4, pipeline, num_replicas_in_sync=4, global_batch_size=4)
+            ids = _read_all(pattern, context)
+            shards_per_pipeline.append({i // 4 for i in ids})
+            all_ids += ids
+    assert "input pipelines" not in caplog.text
+    assert all(len(shards) == 2 for shards in shards_per_pipeline)
+    assert set().union(*shards_per_pipeline) == set(range(8))
+    assert sorted(all_ids) == list(range(32))  # Disjoint and complete.
+
+
+def test_fewer_files_than_pipelines_shards_records_with_a_warning(tmp_path, caplog):
+    pattern = _write(tmp_path, 20, 2)
+    per_pipeline = []
+    with caplog.at_level(logging.WARNING):
+        for pipeline in range(4):
+            context = InputContext(4, pipeline, num_replicas_in_sync=4, global_batch_size=4)
+            # Shuffled and non-deterministic: record sharding must still be disjoint.
+            per_pipeline.append(_read_all(pattern, context, shuffle=True, seed=3,
+                                          deterministic=False))
+    assert "2 file(s)" in caplog.text and "4 input pipelines" in caplog.text
+    assert all(len(ids) == 5 for ids in per_pipeline)
+    assert sorted(sum(per_pipeline, [])) == list(range(20))
+
+
+def test_works_with_distribute_datasets_from_function(tmp_path):
+    pattern = _write(tmp_path, 64, 4)
+    strategy = tf.distribute.MirroredStrategy(
+        [d.name for d in tf.config.list_logical_devices("CPU")])
+    replicas = strategy.num_replicas_in_sync
+    inputs = TFRecordInput(pattern, FEATURES, label_key="id", shuffle=False)
+    dataset = strategy.distribute_datasets_from_function(
+        lambda ctx: inputs(InputContext.from_tf(ctx, 2 * replicas)))
+    features, labels = next(iter(dataset))
+    local = strategy.experimental_local_results(labels)
+    assert len(local) == replicas
+    assert all(t.shape == (2,) for t in local)
+    assert strategy.experimental_local_results(features["x"])[0].shape == (2, 3)
+
+
+# Batching and static shapes.
+
+
+@pytest.mark.parametrize("label_key", [None, "id"])
+def test_element_spec_is_fully_static(tmp_path, label_key):
+    pattern = _write(tmp_path, 8, 2)
+    dataset = TFRecordInput(pattern, FEATURES, label_key=label_key, global_batch_size=4)()
+    specs = tf.nest.flatten(dataset.element_spec)
+    assert specs and all(s.shape.is_fully_defined() for s in specs)
+    if label_key:
+        features, label = dataset.element_spec
+        assert set(features) == {"x"} and label.shape == (4,)
+        assert features["x"].shape == (4, 3)
+    else:
+        assert dataset.element_spec["x"].shape == (4, 3)
+        assert dataset.element_spec["id"].shape == (4,)
+
+
+def test_drop_remainder(tmp_path):
+    pattern = _write(tmp_path, 10, 2)
+    dataset = TFRecordInput(pattern, FEATURES, global_batch_size=4, shuffle=False,
+                            repeat=False)()
+    sizes = [int(batch["id"].shape[0]) for batch in dataset]
+    assert sizes == [4, 4]
+
+
+def test_per_replica_batch_is_global_over_replicas(tmp_path):
+    pattern = _write(tmp_path, 16, 2)
+    inputs = TFRecordInput(pattern, FEATURES)
+    batch = next(iter(inputs(InputContext(num_replicas_in_sync=4, global_batch_size=16))))
+    assert batch["id"].shape == (4,)
+    # A plain TF context plus the constructor's global batch.
+    tf_context = tf.distribute.InputContext(num_replicas_in_sync=2)
+    inputs = TFRecordInput(pattern, FEATURES, global_batch_size=8)
+    assert next(iter(inputs(tf_context)))["id"].shape == (4,)
+    wrapped = InputContext.from_tf(tf_context, 8)
+    assert (wrapped.num_replicas_in_sync, wrapped.global_batch_size) == (2, 8)
+    assert wrapped.get_per_replica_batch_size(8) == 4
+
+
+def test_indivisible_global_batch_names_the_fix(tmp_path):
+    pattern = _write(tmp_path, 4, 1)
+    message = "global batch 100 is not divisible by 8 replicas: use a multiple of 8"
+    inputs = TFRecordInput(pattern, FEATURES, global_batch_size=100)
+    with pytest.raises(ValueError, match=message):
+        inputs(InputContext(num_replicas_in_sync=8))
+    with pytest.raises(ValueError, match=message):
+        InputContext(num_replicas_in_sync=8, global_batch_size=100)
+
+
+def test_missing_global_batch_says_where_to_set_it(tmp_path):
+    pattern = _write(tmp_path, 4, 1)
+    with pytest.raises(ValueError, match="global_batch_size"):
+        TFRecordInput(pattern, FEATURES)()
+
+
+# Errors that name the fix.
+
+
+def test_no_matching_file_names_the_pattern(tmp_path):
+    pattern = str(tmp_path / "nothing-here-*")
+    inputs = TFRecordInput(pattern, FEATURES, global_batch_size=2)
+    with pytest.raises(FileNotFoundError, match="nothing-here-"):
+        inputs()
+
+
+@pytest.mark.parametrize("feature", [
+    tf.io.VarLenFeature(tf.int64),
+    tf.io.RaggedFeature(tf.int64),
+    tf.io.FixedLenSequenceFeature([], tf.int64, allow_missing=True),
+    tf.io.FixedLenFeature([None], tf.int64),
+    ([None, 3], "float32"),
+])
+def test_variable_length_features_are_refused(feature):
+    with pytest.raises(ValueError, match=r"'tokens'.*static shapes.*FixedLenFeature"):
+        parse_feature_spec({"tokens": feature})
+    with pytest.raises(ValueError, match="'tokens'"):
+        TFRecordInput("unused-*", {"tokens": feature})
+
+
+def test_constructor_validates_eagerly():
+    with pytest.raises(ValueError, match="label_key 'y' is not a feature"):
+        TFRecordInput("f-*", FEATURES, label_key="y")
+    with pytest.raises(ValueError, match="float32, int64 or string"):
+        parse_feature_spec({"x": ([2], "int32")})
+    with pytest.raises(ValueError, match="shuffle_buffer"):
+        TFRecordInput("f-*", FEATURES, shuffle_buffer=0)
+    with pytest.raises(ValueError, match="compression_type"):
+        TFRecordInput("f-*", FEATURES, compression_type="zip")
+
+
+def test_short_form_feature_spec_and_gin():
+    spec = parse_feature_spec({
+        "image": ([64], "float32"),
+        "label": ([], "int64"),
+        "mask": ([2], tf.float32, 1.0),
+        "full": tf.io.FixedLenFeature([2, 2], tf.string),
+    })
+    assert spec["image"] == tf.io.FixedLenFeature([64], tf.float32)
+    assert spec["label"] == tf.io.FixedLenFeature([], tf.int64)
+    assert spec["mask"].shape == [2] and spec["mask"].default_value.tolist() == [1.0, 1.0]
+    assert spec["full"] == tf.io.FixedLenFeature([2, 2], tf.string)
+
+    gin.clear_config()
+    try:
+        gin.parse_config("""
+            TFRecordInput.features = {'image': ([64], 'float32'), 'label': ([], 'int64')}
+            TFRecordInput.label_key = 'label'
+        """)
+        inputs = TFRecordInput("f-*")
+    finally:
+        gin.clear_config()
+    assert inputs.features == {"image": tf.io.FixedLenFeature([64], tf.float32),
+                               "label": tf.io.FixedLenFeature([], tf.int64)}
+    assert inputs.label_key == "label"
+
+
+# Atomic, validated writes.
+
+
+def test_writer_leaves_no_temp_files(tmp_path):
+    paths = write_tfrecords({"id": np.arange(6)}, str(tmp_path / "a"), num_shards=2)
+    assert sorted(tf.io.gfile.listdir(str(tmp_path))) == [p.split("/")[-1] for p in paths]
+
+
+def test_writer_failure_leaves_nothing(tmp_path):
+    def examples():
+        for i in range(5):
+            yield {"id": i}
+        raise RuntimeError("source broke")
+
+    with pytest.raises(RuntimeError, match="source broke"):
+        write_tfrecords(examples(), str(tmp_path / "b"), num_shards=2)
+    assert tf.io.gfile.listdir(str(tmp_path)) == []
+
+
+def test_writer_validates_its_input(tmp_path):
+    prefix = str(tmp_path / "c")
+    with pytest.raises(ValueError, match="num_shards"):
+        write_tfrecords({"id": np.arange(4)}, prefix, num_shards=0)
+    with pytest.raises(ValueError, match=r"'a': 3, 'b': 4"):
+        write_tfrecords({"a": np.zeros(3), "b": np.zeros(4)}, prefix, num_shards=1)
+    with pytest.raises(ValueError, match="empty"):
+        write_tfrecords({"id": np.zeros(0)}, prefix, num_shards=1)
+    with pytest.raises(ValueError, match="empty"):
+        write_tfrecords({}, prefix, num_shards=1)
+    with pytest.raises(ValueError, match="empty"):
+        write_tfrecords(iter([]), prefix, num_shards=1)
+    with pytest.raises(ValueError, match="'x'.*pad"):
+        write_tfrecords([{"x": [1, 2]}, {"x": [1, 2, 3]}], prefix, num_shards=1)
+    with pytest.raises(ValueError, match="num_shards <= 2"):
+        write_tfrecords({"id": np.arange(2)}, prefix, num_shards=3)
+    assert tf.io.gfile.listdir(str(tmp_path)) == []
+
+
+def test_writer_works_on_ram_filesystem():
+    prefix = "ram://tputrain_test_data/d"
+    paths = write_tfrecords({"id": np.arange(4), "x": np.ones((4, 3))}, prefix, num_shards=2)
+    try:
+        assert all(tf.io.gfile.exists(p) for p in paths)
+        assert _read_all(prefix + "-*", InputContext(global_batch_size=2)) == [0, 2, 1, 3]
+    finally:
+        for p in paths:
+            tf.io.gfile.remove(p)
+
+
+# Shuffling and caching.
+
+
+def test_seeded_shuffle_is_deterministic_across_builds(tmp_path):
+    pattern = _write(tmp_path, 40, 4)
+
+    def first_ids(seed):
+        dataset = TFRecordInput(pattern, FEATURES, global_batch_size=8, seed=seed,
+                                shuffle_buffer=16)()
+        return _ids(dataset.take(10))  # Two epochs: reshuffled, still reproducible.
+
+    first = first_ids(seed=7)
+    assert first == first_ids(seed=7)
+    assert first != first_ids(seed=8)
+    assert sorted(first[:40]) == list(range(40)) and first[:40] != list(range(40))
+    assert sorted(first[40:]) == list(range(40)) and first[40:] != first[:40]
+
+
+def test_cache(tmp_path):
+    pattern = _write(tmp_path, 12, 3)
+    dataset = TFRecordInput(pattern, FEATURES, global_batch_size=4, cache=True)()
+    ids = _ids(dataset.take(9))  # Three epochs, the last two from the cache.
+    for epoch in range(3):
+        assert sorted(ids[12 * epoch:12 * (epoch + 1)]) == list(range(12))

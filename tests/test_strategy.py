@@ -1,0 +1,209 @@
+"""Tests for tputrain/strategy.py: fallback order, forced choices, never hanging."""
+
+import json
+import logging
+import socket
+import time
+
+import gin
+import pytest
+import tensorflow as tf
+
+from tputrain import strategy as strategy_lib
+
+# At import (collection) time, before any test initialises TensorFlow: a no-op when
+# conftest.py already split the CPU into 4, and what makes this file pass standalone.
+strategy_lib.split_cpu(4)
+
+NUM_CPUS = 4
+requires_no_gpu = pytest.mark.skipif(
+    bool(tf.config.list_physical_devices("GPU")), reason="expects a CPU-only machine"
+)
+
+
+@pytest.fixture(autouse=True)
+def no_cluster_env(monkeypatch):
+    """Each test starts with no TPU, no TF_CONFIG and no local TPU devices."""
+    for var in ("TPU_NAME", "TF_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(strategy_lib, "_local_tpu_devices", lambda: [])
+
+
+@pytest.fixture
+def log_lines(caplog):
+    """The tputrain lines absl logged during the test."""
+    caplog.set_level(logging.INFO, logger="absl")
+    return lambda: [r.getMessage() for r in caplog.records if "tputrain: using" in r.getMessage()]
+
+
+def _timed(fn, *args, **kwargs):
+    start = time.monotonic()
+    result = fn(*args, **kwargs)
+    return result, time.monotonic() - start
+
+
+@requires_no_gpu
+def test_default_is_one_cpu_replica_fast_and_says_why(log_lines):
+    strategy, seconds = _timed(strategy_lib.resolve_strategy)
+
+    assert seconds < 3
+    assert isinstance(strategy, tf.distribute.OneDeviceStrategy)
+    assert strategy.num_replicas_in_sync == 1
+    (line,) = log_lines()
+    assert line.startswith("tputrain: using OneDeviceStrategy(/cpu:0), 1 replica.")
+    for why in ("TPU_NAME unset", "no local TPU devices", "TF_CONFIG unset", "(0 GPUs)"):
+        assert why in line
+
+
+def test_forced_mirrored_uses_every_logical_cpu(log_lines):
+    strategy = strategy_lib.resolve_strategy(strategy="mirrored")
+
+    assert strategy.num_replicas_in_sync == NUM_CPUS
+    # The replicas are real: each one runs and the ids sum to 0 + 1 + 2 + 3.
+    ids = strategy.run(lambda: tf.distribute.get_replica_context().replica_id_in_sync_group)
+    assert int(strategy.reduce("SUM", ids, axis=None)) == sum(range(NUM_CPUS))
+    assert "MirroredStrategy(4 CPU devices), 4 replicas. Forced" in log_lines()[0]
+
+
+@requires_no_gpu
+@pytest.mark.parametrize("name", ["one_device", "cpu"])
+def test_forced_one_device_without_gpu_uses_cpu(name):
+    strategy = strategy_lib.resolve_strategy(strategy=name)
+
+    assert isinstance(strategy, tf.distribute.OneDeviceStrategy)
+    assert strategy.extended.worker_devices[0].endswith("CPU:0")
+
+
+def test_forced_tpu_without_tpu_raises_quickly():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"strategy='tpu' but no TPU is reachable.*TPU_NAME"):
+        strategy_lib.resolve_strategy(strategy="tpu")
+    assert time.monotonic() - start < 3
+
+
+@requires_no_gpu
+def test_unreachable_tpu_address_falls_back_quickly(monkeypatch, log_lines):
+    monkeypatch.setenv("TPU_NAME", "grpc://10.255.255.1:8470")
+
+    strategy, seconds = _timed(strategy_lib.resolve_strategy)
+
+    assert seconds < 3
+    assert strategy.num_replicas_in_sync == 1
+    (line,) = log_lines()
+    assert "Skipped: tpu (TPU_NAME='grpc://10.255.255.1:8470': no TensorFlow server" in line
+
+
+@pytest.fixture
+def silent_server():
+    """A port that accepts TCP connections but never answers, like a dead TPU worker."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)  # The kernel completes handshakes; nothing ever reads.
+    yield f"grpc://127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()
+
+
+def test_silent_tpu_worker_is_skipped_within_the_probe_deadline(silent_server):
+    decision, seconds = _timed(strategy_lib._decide, silent_server, None)
+
+    assert seconds < 3
+    assert decision.name != "tpu"
+    assert silent_server in decision.skipped[0]
+
+
+def test_tpu_name_without_metadata_server_is_skipped_quickly():
+    if strategy_lib._on_gce():
+        pytest.skip("on Google Cloud the name would be looked up for real")
+    decision, seconds = _timed(strategy_lib._decide, "my-tpu", None)
+
+    assert seconds < 3
+    assert decision.skipped[0].startswith("tpu (tpu='my-tpu' is a TPU name")
+    assert "metadata server" in decision.skipped[0]
+
+
+@requires_no_gpu
+def test_local_tpu_devices_that_fail_to_initialise_fall_back(monkeypatch, log_lines):
+    monkeypatch.setattr(strategy_lib, "_local_tpu_devices", lambda: ["/dev/accel0"])
+
+    strategy, seconds = _timed(strategy_lib.resolve_strategy)
+
+    assert seconds < 3
+    assert strategy.num_replicas_in_sync == 1
+    assert "Skipped: tpu (tpu='local': NotFoundError" in log_lines()[0]
+
+
+def test_forced_local_tpu_that_fails_raises():
+    with pytest.raises(RuntimeError, match="strategy='tpu' but the TPU could not be used"):
+        strategy_lib.resolve_strategy(tpu="local", strategy="tpu")
+
+
+def test_forced_multi_worker_without_tf_config_raises():
+    with pytest.raises(RuntimeError, match="needs TF_CONFIG"):
+        strategy_lib.resolve_strategy(strategy="multi_worker")
+
+
+def _set_tf_config(monkeypatch, cluster, task=None):
+    config = {"cluster": cluster}
+    if task is not None:
+        config["task"] = task
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+
+
+@requires_no_gpu
+def test_tf_config_with_one_task_is_not_multi_worker(monkeypatch):
+    _set_tf_config(monkeypatch, {"worker": ["localhost:12345"]}, {"type": "worker", "index": 0})
+
+    decision = strategy_lib._decide(None, None)
+
+    assert decision.name == "cpu"
+    assert "multi_worker (TF_CONFIG has 1 task; needs 2+ workers/chief)" in decision.skipped
+    assert strategy_lib.resolve_strategy().num_replicas_in_sync == 1
+
+
+def test_tf_config_with_chief_and_worker_decides_multi_worker(monkeypatch):
+    # Only the decision: building it would block until the peer task starts.
+    _set_tf_config(
+        monkeypatch,
+        {"chief": ["localhost:12345"], "worker": ["localhost:12346"]},
+        {"type": "chief", "index": 0},
+    )
+
+    decision = strategy_lib._decide(None, None)
+
+    assert decision.name == "multi_worker"
+    assert decision.skipped == ("tpu (no tpu argument, TPU_NAME unset, no local TPU devices)",)
+    assert strategy_lib._tf_config_task_count() == 2
+
+
+def test_tf_config_errors_name_the_fix(monkeypatch):
+    _set_tf_config(monkeypatch, {"worker": ["a:1", "b:2"]})
+    with pytest.raises(ValueError, match='add "task"'):
+        strategy_lib._decide(None, None)
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    with pytest.raises(ValueError, match="TF_CONFIG is not valid JSON"):
+        strategy_lib._decide(None, None)
+
+
+def test_unknown_strategy_lists_the_choices():
+    with pytest.raises(ValueError, match="Unknown strategy 'gpu'") as info:
+        strategy_lib.resolve_strategy(strategy="gpu")
+    for name in strategy_lib.VALID_STRATEGIES:
+        assert name in str(info.value)
+
+
+def test_split_cpu_is_a_noop_for_the_same_count_and_explains_a_different_one():
+    strategy_lib.split_cpu(NUM_CPUS)
+    assert len(tf.config.list_logical_devices("CPU")) == NUM_CPUS
+    with pytest.raises(RuntimeError, match="already initialised with 4 logical CPU"):
+        strategy_lib.split_cpu(2)
+    with pytest.raises(ValueError, match="num_devices >= 1"):
+        strategy_lib.split_cpu(0)
+
+
+def test_strategy_is_gin_configurable():
+    gin.clear_config()
+    try:
+        gin.parse_config("resolve_strategy.strategy = 'mirrored'")
+        assert strategy_lib.resolve_strategy().num_replicas_in_sync == NUM_CPUS
+    finally:
+        gin.clear_config()

@@ -1,0 +1,125 @@
+"""Trainer: replica equivalence, host loops, resume, eval, errors."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tputrain
+from tiny import TinyTask, strategy_for, weights
+
+
+def make_trainer(tmp_path, replicas=1, name="run", **kwargs):
+    options = dict(train_steps=6, steps_per_loop=3, global_batch_size=16, checkpoint_every=3)
+    options.update(kwargs)
+    task = options.pop("task", None) or TinyTask()
+    return tputrain.Trainer(task, str(tmp_path / name), strategy=strategy_for(replicas), **options)
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_replicas_match_single_device(tmp_path, replicas):
+    """Same global batch, regularisation included: loss and weights agree to 1e-5."""
+    single = make_trainer(tmp_path, 1, "one")
+    single_logs = single.train()
+    multi = make_trainer(tmp_path, replicas, f"many{replicas}")
+    multi_logs = multi.train()
+    assert multi.strategy.num_replicas_in_sync == replicas
+    assert multi.model.losses, "the test model must carry a regularisation loss"
+    for a, b in zip(weights(single), weights(multi)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert multi_logs["loss"] == pytest.approx(single_logs["loss"], rel=1e-5, abs=1e-6)
+    assert multi_logs["accuracy"] == pytest.approx(single_logs["accuracy"])
+
+
+def test_steps_per_loop_matches_single_steps(tmp_path):
+    looped = make_trainer(tmp_path, 2, "looped", train_steps=8, steps_per_loop=8, checkpoint_every=8)
+    looped.train()
+    single = make_trainer(tmp_path, 2, "single", train_steps=8, steps_per_loop=1, checkpoint_every=8)
+    single.train()
+    assert int(looped.step.numpy()) == int(single.step.numpy()) == 8
+    for a, b in zip(weights(looped), weights(single)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_resume_continues_and_matches_uninterrupted(tmp_path):
+    """Stopping at step 4 and continuing to 8 equals training to 8 directly (dropout on)."""
+    task = lambda: TinyTask(dropout=0.3)  # noqa: E731
+    full = make_trainer(tmp_path, 2, "full", task=task(), train_steps=8, checkpoint_every=4)
+    full.train()
+    first = make_trainer(tmp_path, 2, "split", task=task(), train_steps=4, checkpoint_every=4)
+    first.train()
+    second = make_trainer(tmp_path, 2, "split", task=task(), train_steps=8, checkpoint_every=4)
+    second.train()
+    assert int(second.step.numpy()) == 8
+    for a, b in zip(weights(full), weights(second)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_rerun_after_finish_does_not_train(tmp_path):
+    first = make_trainer(tmp_path, 1, "done", train_steps=4)
+    first.train()
+    again = make_trainer(tmp_path, 1, "done", train_steps=4)
+    before = weights(again)  # freshly initialised
+    logs = again.train()
+    assert int(again.step.numpy()) == 4
+    assert "accuracy" in logs
+    for a, b in zip(weights(first), weights(again)):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(a, b) for a, b in zip(before, weights(again)))
+
+
+def test_keep_checkpoints(tmp_path):
+    trainer = make_trainer(tmp_path, 1, "keep", train_steps=10, steps_per_loop=2,
+                           checkpoint_every=2, keep_checkpoints=2)
+    trainer.train()
+    kept = sorted(tf.io.gfile.glob(str(tmp_path / "keep" / "checkpoints" / "ckpt-*.index")))
+    assert [p.rsplit("-", 1)[-1] for p in kept] == ["10.index", "8.index"]
+
+
+def test_finite_train_data_stops_cleanly(tmp_path):
+    """256 examples / 16 = 16 steps; asking for 40 stops at 16, no step applied twice."""
+    trainer = make_trainer(tmp_path, 2, "finite", task=TinyTask(finite_train=True),
+                           train_steps=40, steps_per_loop=5, checkpoint_every=40)
+    trainer.train()
+    assert int(trainer.step.numpy()) == 16
+
+
+def test_distributed_input_mode_matches_host_mode(tmp_path):
+    host = make_trainer(tmp_path, 2, "host", input_mode="host")
+    host.train()
+    dist = make_trainer(tmp_path, 2, "dist", input_mode="distributed")
+    dist.train()
+    for a, b in zip(weights(host), weights(dist)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_summaries_written(tmp_path):
+    trainer = make_trainer(tmp_path, 1, "tb", train_steps=4, steps_per_loop=2)
+    trainer.train()
+    tags = set()
+    for path in tf.io.gfile.glob(str(tmp_path / "tb" / "train" / "events.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            tags.update(v.tag for v in event.summary.value)
+    assert {"loss", "accuracy", "learning_rate", "examples_per_second"} <= tags
+
+
+def test_indivisible_global_batch_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="not divisible by 4 replicas: use a multiple of 4"):
+        make_trainer(tmp_path, 4, "bad", global_batch_size=18)
+
+
+def test_dynamic_shapes_rejected_before_anything_is_written(tmp_path):
+    class Ragged(TinyTask):
+        def build_inputs(self, split, input_context):
+            return super().build_inputs(split, input_context).unbatch().batch(16)
+
+    with pytest.raises(ValueError, match="static shapes"):
+        make_trainer(tmp_path, 1, "dyn", task=Ragged())
+    assert not (tmp_path / "dyn").exists()
+
+
+def test_mixed_bfloat16_trains_on_two_replicas(tmp_path):
+    trainer = make_trainer(tmp_path, 2, "bf16", precision="mixed_bfloat16", train_steps=6)
+    logs = trainer.train()
+    assert trainer.precision == "mixed_bfloat16"
+    assert all(v.dtype == "float32" for v in trainer.model.trainable_variables)
+    assert np.isfinite(logs["loss"])

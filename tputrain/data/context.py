@@ -1,0 +1,97 @@
+"""The input context handed to input builders: which pipeline am I, how big is a batch.
+
+`tf.distribute` calls an input function once per input pipeline (one per host)
+with a `tf.distribute.InputContext`. tputrain's `InputContext` adds the global
+batch size, because the Trainer owns it: users configure it once, on the
+Trainer, and every input builder reads it from here.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    # bool is an int subclass; `global_batch_size=True` is never what was meant.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+class InputContext(tf.distribute.InputContext):
+    """A `tf.distribute.InputContext` that also carries the global batch size.
+
+    Args:
+        num_input_pipelines: number of input pipelines (usually one per host).
+        input_pipeline_id: which one this is, in `[0, num_input_pipelines)`.
+        num_replicas_in_sync: replicas, over all hosts, that together consume
+            one global batch per step.
+        global_batch_size: examples per step summed over all replicas, or None
+            if the input builder gets its batch size some other way. Must be a
+            multiple of `num_replicas_in_sync`.
+    """
+
+    def __init__(
+        self,
+        num_input_pipelines: int = 1,
+        input_pipeline_id: int = 0,
+        num_replicas_in_sync: int = 1,
+        global_batch_size: int | None = None,
+    ):
+        _check_int("num_input_pipelines", num_input_pipelines, 1)
+        _check_int("input_pipeline_id", input_pipeline_id, 0)
+        _check_int("num_replicas_in_sync", num_replicas_in_sync, 1)
+        if input_pipeline_id >= num_input_pipelines:
+            raise ValueError(
+                f"input_pipeline_id={input_pipeline_id} is out of range for "
+                f"num_input_pipelines={num_input_pipelines}: use an id in "
+                f"[0, {num_input_pipelines})")
+        super().__init__(
+            num_input_pipelines=num_input_pipelines,
+            input_pipeline_id=input_pipeline_id,
+            num_replicas_in_sync=num_replicas_in_sync)
+        if global_batch_size is not None:
+            # Fail here, at construction, rather than when the first input is built.
+            self.get_per_replica_batch_size(global_batch_size)
+        self.global_batch_size = global_batch_size
+
+    @classmethod
+    def from_tf(cls, ctx: tf.distribute.InputContext | None,
+                global_batch_size: int | None = None) -> InputContext:
+        """Wraps the context `tf.distribute` passes to a dataset function.
+
+        Args:
+            ctx: the TF context (the argument of the function given to
+                `strategy.distribute_datasets_from_function`), a tputrain
+                context, or None for one pipeline feeding one replica.
+            global_batch_size: the global batch size to attach. If None and
+                `ctx` already carries one (a tputrain context), it is kept.
+        """
+        if ctx is None:
+            ctx = tf.distribute.InputContext()
+        if global_batch_size is None:
+            global_batch_size = getattr(ctx, "global_batch_size", None)
+        return cls(
+            num_input_pipelines=ctx.num_input_pipelines,
+            input_pipeline_id=ctx.input_pipeline_id,
+            num_replicas_in_sync=ctx.num_replicas_in_sync,
+            global_batch_size=global_batch_size)
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """Returns `global_batch_size // num_replicas_in_sync`; raises if uneven."""
+        _check_int("global_batch_size", global_batch_size, 1)
+        replicas = self.num_replicas_in_sync
+        if global_batch_size % replicas:
+            raise ValueError(
+                f"global batch {global_batch_size} is not divisible by {replicas} "
+                f"replicas: use a multiple of {replicas}")
+        return global_batch_size // replicas
+
+    def __repr__(self) -> str:
+        return (f"InputContext(num_input_pipelines={self.num_input_pipelines}, "
+                f"input_pipeline_id={self.input_pipeline_id}, "
+                f"num_replicas_in_sync={self.num_replicas_in_sync}, "
+                f"global_batch_size={self.global_batch_size})")
+
+    __str__ = __repr__  # The base class defines a __str__ without the batch size.

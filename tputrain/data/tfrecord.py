@@ -1,0 +1,345 @@
+"""`TFRecordInput`: per-host, sharded, statically shaped batches from TFRecord files.
+
+Called once per input pipeline (one per host), outside any replica context,
+with the `InputContext` that says which pipeline this is; it returns that
+pipeline's dataset of per-replica batches.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import gin
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tputrain.data.context import InputContext
+
+# The only dtypes tf.io.parse_example can produce.
+_PARSE_DTYPES = (tf.float32, tf.int64, tf.string)
+_COMPRESSION_TYPES = (None, "", "ZLIB", "GZIP")
+# Files read in parallel when cycle_length is None. A fixed number, not AUTOTUNE
+# (= the machine's core count), so the record order does not depend on the machine.
+_DEFAULT_MAX_CYCLE_LENGTH = 16
+_NOT_STATIC = ("TPUs need static shapes: use tf.io.FixedLenFeature with a fixed shape "
+               "(pad in the writer)")
+
+
+def _static_shape(name: str, shape: Any) -> list[int]:
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = [shape]
+    try:
+        dims = tf.TensorShape(shape).as_list()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"feature {name!r}: shape {shape!r} is not a shape ({e}); "
+                         f"{_NOT_STATIC}") from None
+    if any(d is None for d in dims):
+        raise ValueError(f"feature {name!r} has shape {shape!r} with an unknown dimension: "
+                         f"{_NOT_STATIC}")
+    return dims
+
+
+def _parse_dtype(name: str, dtype: Any) -> tf.DType:
+    try:
+        dtype = tf.as_dtype(dtype)
+    except TypeError:
+        raise TypeError(f"feature {name!r}: {dtype!r} is not a dtype: use 'float32', "
+                        "'int64' or 'string'") from None
+    if dtype not in _PARSE_DTYPES:
+        raise ValueError(f"feature {name!r}: tf.io.parse_example cannot produce {dtype.name}: "
+                         "use float32, int64 or string (cast after parsing)")
+    return dtype
+
+
+def _default_value(name: str, default: Any, shape: list[int]) -> Any:
+    if default is None:
+        return None
+    value = np.asarray(default)
+    size = math.prod(shape)
+    if value.size == 1:
+        return np.full(shape, value.reshape(()))  # A scalar default fills the shape.
+    if value.size != size:
+        raise ValueError(f"feature {name!r}: default of {value.size} values does not fit "
+                         f"shape {shape}: give a scalar or {size} values")
+    return value.reshape(shape)
+
+
+def parse_feature_spec(features: Mapping[str, Any]) -> dict[str, tf.io.FixedLenFeature]:
+    """Returns a `{name: tf.io.FixedLenFeature}` spec from a full or short-form one.
+
+    Each value is a `tf.io.FixedLenFeature` or a short form `(shape, dtype)` /
+    `(shape, dtype, default)`, so a gin file can write
+    `{'image': ([64], 'float32'), 'label': ([], 'int64')}`. A scalar default
+    fills the whole shape. dtype must be float32, int64 or string (what
+    `tf.io.parse_example` produces). Variable-length features (VarLenFeature,
+    RaggedFeature, SparseFeature, FixedLenSequenceFeature, a None dimension)
+    are refused: TPUs need static shapes.
+    """
+    if not isinstance(features, Mapping) or not features:
+        raise ValueError(f"features must be a non-empty mapping of name -> FixedLenFeature "
+                         f"or (shape, dtype[, default]), got {features!r}")
+    spec = {}
+    for name, value in features.items():
+        if not isinstance(name, str):
+            raise TypeError(f"feature names must be str, got {name!r}")
+        # The tf.io feature types are namedtuples: test for them before plain tuples.
+        if isinstance(value, (tf.io.VarLenFeature, tf.io.RaggedFeature, tf.io.SparseFeature,
+                              tf.io.FixedLenSequenceFeature)):
+            raise ValueError(f"feature {name!r} is a {type(value).__name__}: {_NOT_STATIC}")
+        if isinstance(value, tf.io.FixedLenFeature):
+            shape, dtype, default = value.shape, value.dtype, value.default_value
+        elif isinstance(value, (tuple, list)) and len(value) in (2, 3):
+            shape, dtype = value[0], value[1]
+            default = value[2] if len(value) == 3 else None
+        else:
+            raise TypeError(f"feature {name!r}: expected a tf.io.FixedLenFeature or "
+                            f"(shape, dtype[, default]), got {value!r}")
+        shape = _static_shape(name, shape)
+        spec[name] = tf.io.FixedLenFeature(
+            shape, _parse_dtype(name, dtype), _default_value(name, default, shape))
+    return spec
+
+
+def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"TFRecordInput: {name} must be an int"
+                        f"{' or None' if allow_none else ''}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"TFRecordInput: {name} must be >= {minimum}, got {value}")
+
+
+def _check_bool(name: str, value: Any, allow_none: bool = False) -> None:
+    if not (isinstance(value, bool) or (allow_none and value is None)):
+        raise TypeError(f"TFRecordInput: {name} must be True or False"
+                        f"{' or None' if allow_none else ''}, got {value!r}")
+
+
+@gin.configurable
+class TFRecordInput:
+    """Builds one host's dataset of per-replica batches from sharded TFRecord files.
+
+    Call it with the `InputContext` (per host, outside replica context); it
+    returns a `tf.data.Dataset` of per-replica batches: a dict of features, or
+    `(features, label)` if `label_key` is set. Every shape is static, batch
+    dimension included (`drop_remainder=True`), because TPUs compile for one
+    shape and a ragged last batch would leave replicas empty.
+
+    Pipeline: list files (sorted, each once) -> shard files across input pipelines ->
+    shuffle file order -> interleave reads -> [cache serialized records] ->
+    shuffle records -> repeat -> batch -> parse -> prefetch. Note the order
+    batch-then-parse: one vectorized `tf.io.parse_example` per batch (mapped
+    with `num_parallel_calls=AUTOTUNE`) was ~5x faster than per-example
+    parsing on a 2-core host, where parsing is the bottleneck.
+
+    If there are fewer files than input pipelines, every pipeline reads all
+    files and keeps every n-th record instead (a warning is logged); that costs
+    n times the reading, so write at least as many shards as hosts.
+
+    Args:
+        file_pattern: a glob (or several) of TFRecord files; any `tf.io.gfile`
+            path (local, gs://, ram://).
+        features: `{name: FixedLenFeature or (shape, dtype[, default])}`; see
+            `parse_feature_spec`.
+        label_key: if set, that feature is returned separately as the label.
+        global_batch_size: examples per step over all replicas. None takes it
+            from the `InputContext` (the Trainer sets it there), which is the
+            usual way: configure it once, on the Trainer.
+        shuffle: shuffle file order and records (training); False for a fixed order.
+        shuffle_buffer: records in the shuffle buffer.
+        seed: shuffle seed; the same seed gives the same order. None: random.
+        repeat: repeat forever (training); False for one pass (evaluation).
+        cycle_length: files read concurrently. None: min(files of this
+            pipeline, 16), fixed so the order does not depend on the machine.
+        block_length: consecutive records taken from a file before moving on.
+        deterministic: whether parallel transformations keep their order
+            (`tf.data.Options.deterministic`); False can be faster, True gives
+            a reproducible order. None leaves tf.data's default.
+        cache: cache the serialized records of this pipeline in memory after the
+            first pass (for datasets that fit in RAM).
+        compression_type: None, "ZLIB" or "GZIP", as written.
+    """
+
+    def __init__(
+        self,
+        file_pattern: str | Sequence[str],
+        features: Mapping[str, Any],
+        *,
+        label_key: str | None = None,
+        global_batch_size: int | None = None,
+        shuffle: bool = True,
+        shuffle_buffer: int = 10_000,
+        seed: int | None = 0,
+        repeat: bool = True,
+        cycle_length: int | None = None,
+        block_length: int = 1,
+        deterministic: bool | None = True,
+        cache: bool = False,
+        compression_type: str | None = None,
+    ):
+        patterns = (file_pattern,) if isinstance(file_pattern, str) else tuple(file_pattern)
+        if not patterns or not all(isinstance(p, str) and p for p in patterns):
+            raise ValueError("TFRecordInput: file_pattern must be a non-empty glob or a "
+                             f"non-empty sequence of them, got {file_pattern!r}")
+        spec = parse_feature_spec(features)
+        if label_key is not None:
+            if label_key not in spec:
+                raise ValueError(f"TFRecordInput: label_key {label_key!r} is not a feature: "
+                                 f"use one of {sorted(spec)}")
+            if len(spec) == 1:
+                raise ValueError(f"TFRecordInput: label_key {label_key!r} is the only "
+                                 "feature, which would leave no inputs: add the input "
+                                 "features or set label_key=None")
+        _check_int("global_batch_size", global_batch_size, 1, allow_none=True)
+        _check_bool("shuffle", shuffle)
+        _check_int("shuffle_buffer", shuffle_buffer, 1)
+        _check_int("seed", seed, 0, allow_none=True)
+        _check_bool("repeat", repeat)
+        _check_int("cycle_length", cycle_length, 1, allow_none=True)
+        _check_int("block_length", block_length, 1)
+        _check_bool("deterministic", deterministic, allow_none=True)
+        _check_bool("cache", cache)
+        if compression_type not in _COMPRESSION_TYPES:
+            raise ValueError("TFRecordInput: compression_type must be None, 'ZLIB' or "
+                             f"'GZIP', got {compression_type!r}")
+        self.file_patterns = patterns
+        self.features = spec
+        self.label_key = label_key
+        self.global_batch_size = global_batch_size
+        self.shuffle = shuffle
+        self.shuffle_buffer = shuffle_buffer
+        self.seed = seed
+        self.repeat = repeat
+        self.cycle_length = cycle_length
+        self.block_length = block_length
+        self.deterministic = deterministic
+        self.cache = cache
+        self.compression_type = compression_type or None
+
+    def _list_files(self) -> list[str]:
+        """Globs now, so a typo fails here and not deep inside tf.data.
+
+        Sorted (deterministic, the same on every host) and without duplicates
+        (overlapping patterns would otherwise read a file twice). The same list
+        feeds the dataset, so the shard decision matches what is read.
+        """
+        files = set()
+        for pattern in self.file_patterns:
+            try:
+                matches = tf.io.gfile.glob(pattern)
+            except tf.errors.NotFoundError:
+                matches = []
+            if not matches:
+                raise FileNotFoundError(
+                    f"no file matches {pattern!r}: check the path, or write the data "
+                    "first (tputrain.data.write_tfrecords)")
+            files.update(matches)
+        return sorted(files)
+
+    def _resolve_batch(self, context: InputContext) -> int:
+        global_batch = self.global_batch_size
+        if global_batch is None:
+            global_batch = context.global_batch_size
+        elif context.global_batch_size not in (None, global_batch):
+            logging.warning(
+                "TFRecordInput.global_batch_size=%d overrides the input context's global "
+                "batch %d: set it in one place (usually the Trainer)",
+                global_batch, context.global_batch_size)
+        if global_batch is None:
+            raise ValueError(
+                "TFRecordInput has no global batch size: set TFRecordInput.global_batch_size "
+                "or pass an InputContext with global_batch_size (the Trainer does this)")
+        return context.get_per_replica_batch_size(global_batch)
+
+    def _parse(self, serialized: tf.Tensor):
+        """Parses a whole batch of serialized examples at once (vectorized)."""
+        parsed = tf.io.parse_example(serialized, self.features)
+        if self.label_key is None:
+            return parsed
+        label = parsed.pop(self.label_key)
+        return parsed, label
+
+    def __call__(self, input_context: tf.distribute.InputContext | None = None
+                 ) -> tf.data.Dataset:
+        """Returns this pipeline's dataset of per-replica batches (per host).
+
+        `input_context` is a tputrain or TF `InputContext`; None means one
+        pipeline feeding one replica.
+        """
+        context = InputContext.from_tf(input_context)
+        per_replica_batch = self._resolve_batch(context)
+        file_list = self._list_files()
+        num_files = len(file_list)
+        num_pipelines, pipeline_id = context.num_input_pipelines, context.input_pipeline_id
+        shard_files = num_files >= num_pipelines
+        shard_records = not shard_files
+
+        # What tf.data.Dataset.list_files(shuffle=False) gives, from the list above.
+        files = tf.data.Dataset.from_tensor_slices(file_list)
+        if shard_files:
+            files = files.shard(num_pipelines, pipeline_id)
+            local_files = len(range(pipeline_id, num_files, num_pipelines))
+        else:
+            logging.warning(
+                "TFRecordInput: %d file(s) match %s but there are %d input pipelines: every "
+                "pipeline reads all files and keeps every %d-th record. Write at least %d "
+                "shards to avoid reading everything on every host.",
+                num_files, list(self.file_patterns), num_pipelines, num_pipelines,
+                num_pipelines)
+            local_files = num_files
+        # With record sharding every pipeline must see the records in the same
+        # order, or the shards overlap: an unseeded file shuffle would break that.
+        if self.shuffle and local_files > 1 and (shard_files or self.seed is not None):
+            files = files.shuffle(local_files, seed=self.seed, reshuffle_each_iteration=True)
+
+        compression = self.compression_type or ""
+        records = files.interleave(
+            lambda path: tf.data.TFRecordDataset(path, compression_type=compression),
+            cycle_length=self.cycle_length or min(local_files, _DEFAULT_MAX_CYCLE_LENGTH),
+            block_length=self.block_length,
+            num_parallel_calls=tf.data.AUTOTUNE,
+            # Same reason: record sharding needs the same order in every pipeline.
+            deterministic=True if shard_records else self.deterministic)
+        if shard_records:
+            records = records.shard(num_pipelines, pipeline_id)
+        if self.cache:
+            records = records.cache()  # Serialized records, in memory.
+        if self.shuffle:
+            records = records.shuffle(
+                self.shuffle_buffer, seed=self.seed, reshuffle_each_iteration=True)
+        if self.repeat:
+            records = records.repeat()
+        # drop_remainder keeps the batch dimension static: TPUs compile one shape,
+        # and a partial batch would leave some replicas empty (NaN losses).
+        dataset = records.batch(per_replica_batch, drop_remainder=True)
+        dataset = dataset.map(self._parse, num_parallel_calls=tf.data.AUTOTUNE,
+                              deterministic=self.deterministic)
+        dataset = dataset.prefetch(tf.data.AUTOTUNE)
+
+        options = tf.data.Options()
+        if self.deterministic is not None:
+            options.deterministic = self.deterministic
+        if num_pipelines > 1:
+            # Sharded here already; tf.distribute must not shard it again.
+            options.experimental_distribute.auto_shard_policy = (
+                tf.data.experimental.AutoShardPolicy.OFF)
+        dataset = dataset.with_options(options)
+        self._check_static(dataset.element_spec)
+        return dataset
+
+    def _check_static(self, element_spec: Any) -> None:
+        if self.label_key is None:
+            named = dict(element_spec)
+        else:
+            named = {**element_spec[0], self.label_key: element_spec[1]}
+        for name, spec in named.items():
+            if not spec.shape.is_fully_defined():
+                raise ValueError(f"feature {name!r} has non-static shape {spec.shape} in the "
+                                 f"input pipeline: {_NOT_STATIC}")
+
+    def __repr__(self) -> str:
+        return (f"TFRecordInput({list(self.file_patterns)!r}, features={sorted(self.features)}, "
+                f"label_key={self.label_key!r}, global_batch_size={self.global_batch_size})")

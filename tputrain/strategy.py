@@ -1,0 +1,405 @@
+"""Strategy resolver: pick the best `tf.distribute.Strategy` this process can reach, and say why.
+
+`resolve_strategy()` tries, in order: TPU, multi-worker (TF_CONFIG), mirrored (2+ GPUs),
+one GPU, CPU. It logs one line naming the strategy, the replica count and why each
+earlier option was skipped, so a run on the wrong hardware is obvious from the log.
+
+Resolution is split into `_decide` (cheap: environment, device lists and short
+network probes; builds nothing) and `_build` (constructs the strategy). Two TF calls
+can hang for minutes, so `_decide` probes before making them:
+  * `TPUClusterResolver` with a TPU *name* reads the GCE metadata server with no
+    timeout: we first check the metadata server answers within a second.
+  * `experimental_connect_to_cluster` to an address with no TF server behind it
+    blocks for minutes: we first ask that address for its TF worker status over gRPC
+    with a short deadline. (A plain TCP connect is not enough: proxies and load
+    balancers accept connections for hosts that are not there.)
+Call `resolve_strategy()` (and `split_cpu()`) at program start, before other TF ops:
+multi-worker collectives and logical CPU devices can only be set up then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import http.client
+import json
+import os
+import socket
+from typing import Iterator, NamedTuple
+
+import gin
+import tensorflow as tf
+from absl import logging
+
+VALID_STRATEGIES = ("tpu", "multi_worker", "mirrored", "one_device", "cpu")
+
+# Short enough that a run without a TPU starts at once; a reachable TPU worker or
+# metadata server answers in milliseconds.
+_GRPC_PROBE_TIMEOUT_S = 1.5
+_METADATA_PROBE_TIMEOUT_S = 1.0
+# Bounds the Cloud TPU API calls that TPUClusterResolver makes for a named TPU (it
+# passes no timeout of its own); legitimate calls take a second or two.
+_CLOUD_API_TIMEOUT_S = 15.0
+_METADATA_IP = "169.254.169.254"
+
+
+class _Decision(NamedTuple):
+    """What `_decide` chose: the strategy name, why earlier options were skipped."""
+
+    name: str
+    skipped: tuple[str, ...]  # e.g. "tpu (TPU_NAME unset)", in fallback order.
+    forced: bool = False
+    tpu_target: str | None = None  # What to pass to TPUClusterResolver(tpu=...).
+
+
+class _TpuUnavailable(Exception):
+    """A TPU candidate that could not be connected to or initialised."""
+
+
+@gin.configurable
+def split_cpu(num_devices: int) -> None:
+    """Splits the first physical CPU into `num_devices` logical devices.
+
+    Lets `MirroredStrategy` run real multi-replica code (and tests) on a CPU-only
+    machine. TF fixes its devices when it first runs an op, so call this first;
+    calling it again with the same count is a no-op.
+    """
+    if num_devices < 1:
+        raise ValueError(f"split_cpu needs num_devices >= 1, got {num_devices}.")
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if current is not None and len(current) == num_devices:
+        return
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(num_devices)]
+        )
+    except RuntimeError as e:
+        # TF is already initialised; that is fine only if the count already matches.
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have == num_devices:
+            return
+        raise RuntimeError(
+            f"split_cpu({num_devices}): TensorFlow is already initialised with {have} "
+            f"logical CPU device(s); call split_cpu before any TensorFlow op runs "
+            f"(at the top of main, or in conftest.py for tests)."
+        ) from e
+
+
+@gin.configurable
+def resolve_strategy(
+    tpu: str | None = None, strategy: str | None = None
+) -> tf.distribute.Strategy:
+    """Returns the best strategy available, or the one forced by `strategy`.
+
+    Args:
+      tpu: TPU to use: a TPU name, a `grpc://host:port` worker address, or "local"
+        (TPU VM). Defaults to $TPU_NAME, then to local TPU devices if present.
+      strategy: None to fall back automatically (TPU, multi_worker, mirrored,
+        one_device, cpu); or one of `VALID_STRATEGIES` to force that choice, which
+        raises (naming the fix) if it is impossible here.
+
+    Call it once at program start, before other TF ops. Never hangs on an
+    unreachable TPU: see the module docstring.
+    """
+    decision = _decide(tpu, strategy)
+    try:
+        built = _build(decision)
+    except _TpuUnavailable as e:
+        if decision.forced:
+            raise RuntimeError(
+                f"strategy='tpu' but the TPU could not be used: {e}. Check the TPU is "
+                f"up and reachable, or pass strategy=None to fall back automatically."
+            ) from e
+        decision = _decide(tpu, strategy, tpu_failure=str(e))
+        built = _build(decision)
+    logging.info("%s", _describe(decision, built))
+    return built
+
+
+def _decide(
+    tpu: str | None, strategy: str | None, tpu_failure: str | None = None
+) -> _Decision:
+    """Chooses a strategy name without building it (so it is cheap and testable).
+
+    `tpu_failure` is set when building the TPU strategy already failed: the TPU is
+    then skipped with that reason.
+    """
+    if strategy is not None:
+        return _decide_forced(tpu, strategy)
+
+    if tpu_failure is None:
+        target, why_not = _tpu_candidate(tpu)
+        if target is not None:
+            return _Decision("tpu", (), tpu_target=target)
+    else:
+        why_not = tpu_failure  # Do not probe again: it already failed.
+    skipped = [f"tpu ({why_not})"]
+
+    tasks = _tf_config_task_count()
+    if tasks is not None and tasks > 1:
+        _check_tf_config_task()
+        return _Decision("multi_worker", tuple(skipped))
+    skipped.append(
+        "multi_worker (TF_CONFIG unset)"
+        if tasks is None
+        else f"multi_worker (TF_CONFIG has {tasks} task{'' if tasks == 1 else 's'}; "
+        f"needs 2+ workers/chief)"
+    )
+
+    gpus = _gpu_count()
+    if gpus >= 2:
+        return _Decision("mirrored", tuple(skipped))
+    skipped.append(f"mirrored ({gpus} GPUs)")
+    if gpus == 1:
+        return _Decision("one_device", tuple(skipped))
+    skipped.append("one_device (0 GPUs)")
+    return _Decision("cpu", tuple(skipped))
+
+
+def _decide_forced(tpu: str | None, strategy: str) -> _Decision:
+    """Validates a forced choice; raises with the fix if it cannot work here."""
+    if strategy not in VALID_STRATEGIES:
+        raise ValueError(
+            f"Unknown strategy {strategy!r}: use one of {', '.join(VALID_STRATEGIES)}, "
+            f"or None to choose automatically."
+        )
+    if strategy == "tpu":
+        target, why_not = _tpu_candidate(tpu)
+        if target is None:
+            raise RuntimeError(
+                f"strategy='tpu' but no TPU is reachable: {why_not}. Run on a TPU VM, "
+                f"pass tpu=/set TPU_NAME to a reachable TPU, or use strategy=None to "
+                f"fall back automatically."
+            )
+        return _Decision("tpu", (), forced=True, tpu_target=target)
+    if strategy == "multi_worker":
+        if _tf_config_task_count() is None:
+            raise RuntimeError(
+                "strategy='multi_worker' needs TF_CONFIG describing the cluster and this "
+                "task: set TF_CONFIG on every worker, or use strategy='mirrored' for "
+                "one machine."
+            )
+        _check_tf_config_task()
+    return _Decision(strategy, (), forced=True)
+
+
+def _tpu_candidate(tpu: str | None) -> tuple[str | None, str]:
+    """Returns (target for TPUClusterResolver, "") or (None, why there is no TPU)."""
+    if tpu:
+        target, source = tpu, f"tpu={tpu!r}"
+    elif os.environ.get("TPU_NAME"):
+        target, source = os.environ["TPU_NAME"], f"TPU_NAME={os.environ['TPU_NAME']!r}"
+    elif _local_tpu_devices():
+        target, source = "local", "local TPU devices"
+    else:
+        return None, "no tpu argument, TPU_NAME unset, no local TPU devices"
+
+    if target == "local":
+        return target, ""  # Attached chips: nothing on the network to wait for.
+    if target.startswith("grpc://"):
+        problem = _tf_server_problem(target)
+        if problem:
+            return None, f"{source}: {problem}"
+        return target, ""
+    # A bare TPU name is looked up through the GCE metadata server and Cloud TPU API.
+    if not _on_gce():
+        return None, (
+            f"{source} is a TPU name, which needs the GCE metadata server, and none "
+            f"answered within {_METADATA_PROBE_TIMEOUT_S:g} s (not on Google Cloud?)"
+        )
+    return target, ""
+
+
+def _local_tpu_devices() -> list[str]:
+    """Device files of TPU chips attached to this host (TPU VMs expose these)."""
+    accel = glob.glob("/dev/accel*")
+    vfio = [p for p in glob.glob("/dev/vfio/*") if os.path.basename(p) != "vfio"]
+    return sorted(accel + vfio)
+
+
+def _tf_server_problem(address: str) -> str:
+    """Returns "" if a TF gRPC server answers at `address`, else what went wrong.
+
+    Asks for the worker status with a short deadline, because a bare TCP connect
+    succeeds through proxies even when no TPU worker is behind them.
+    """
+    host_port = address[len("grpc://"):] if address.startswith("grpc://") else address
+    try:
+        import grpc  # A TensorFlow dependency; imported late, only TPU users need it.
+    except ImportError:
+        return _tcp_problem(host_port)
+    with grpc.insecure_channel(host_port) as channel:
+        get_status = channel.unary_unary("/tensorflow.WorkerService/GetStatus")
+        try:
+            get_status(b"", timeout=_GRPC_PROBE_TIMEOUT_S)
+        except grpc.RpcError as e:
+            return (
+                f"no TensorFlow server at {address} ({e.code().name}: {e.details()}; "
+                f"probed with a {_GRPC_PROBE_TIMEOUT_S:g} s deadline)"
+            )
+    return ""
+
+
+def _tcp_problem(host_port: str) -> str:
+    """Fallback probe when grpc is missing: can we open a TCP connection at all?"""
+    host, _, port = host_port.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=_GRPC_PROBE_TIMEOUT_S):
+            return ""
+    except (OSError, ValueError) as e:
+        return f"cannot connect to {host_port} ({e})"
+
+
+def _on_gce() -> bool:
+    """True if the GCE metadata server answers (probed by IP: DNS may hang)."""
+    try:
+        conn = http.client.HTTPConnection(
+            os.environ.get("GCE_METADATA_IP", _METADATA_IP),
+            timeout=_METADATA_PROBE_TIMEOUT_S,
+        )
+        try:
+            conn.request("GET", "/", headers={"Metadata-Flavor": "Google"})
+            # Only Google's server echoes this header; other clouds' metadata
+            # servers and proxies at this address do not.
+            return conn.getresponse().getheader("Metadata-Flavor") == "Google"
+        finally:
+            conn.close()
+    except (OSError, http.client.HTTPException):
+        return False
+
+
+def _tf_config() -> dict | None:
+    """Parsed $TF_CONFIG, or None if unset; raises naming the variable if invalid."""
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return None
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"TF_CONFIG is not valid JSON ({e}): fix or unset it.") from e
+    if not isinstance(config, dict):
+        raise ValueError("TF_CONFIG must be a JSON object with 'cluster' and 'task'.")
+    return config
+
+
+def _tf_config_task_count() -> int | None:
+    """Number of worker + chief tasks in $TF_CONFIG, or None if it is unset."""
+    config = _tf_config()
+    if config is None:
+        return None
+    cluster = config.get("cluster") or {}
+    return len(cluster.get("worker", [])) + len(cluster.get("chief", []))
+
+
+def _check_tf_config_task() -> None:
+    """Multi-worker needs to know which task this process is."""
+    task = (_tf_config() or {}).get("task") or {}
+    if "type" not in task or "index" not in task:
+        raise ValueError(
+            "TF_CONFIG has a cluster but no task: add "
+            '"task": {"type": "worker", "index": N} for this process.'
+        )
+
+
+def _gpu_count() -> int:
+    return len(tf.config.list_physical_devices("GPU"))
+
+
+def _build(decision: _Decision) -> tf.distribute.Strategy:
+    """Constructs the strategy `_decide` chose."""
+    name = decision.name
+    if name == "tpu":
+        return _build_tpu(decision.tpu_target or "local")
+    if name == "multi_worker":
+        # Blocks until every task in TF_CONFIG is up; say so, since it logs nothing.
+        logging.info(
+            "tputrain: starting MultiWorkerMirroredStrategy; waiting for all %d tasks "
+            "in TF_CONFIG to start.",
+            _tf_config_task_count() or 1,
+        )
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    if name == "mirrored":
+        if _gpu_count() > 0:
+            return tf.distribute.MirroredStrategy()
+        # No GPUs: mirror over the logical CPUs (see split_cpu) for real replicas.
+        # Reduce on one device: on CPUs the default collective all-reduce restarts its
+        # group keys per strategy, so a second strategy of another size in the same
+        # process (a notebook, a test suite) aborts. The maths is the same.
+        cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
+        return tf.distribute.MirroredStrategy(
+            devices=cpus, cross_device_ops=tf.distribute.ReductionToOneDevice())
+    if name == "one_device":
+        return tf.distribute.OneDeviceStrategy("/gpu:0" if _gpu_count() else "/cpu:0")
+    if name == "cpu":
+        return tf.distribute.OneDeviceStrategy("/cpu:0")
+    raise AssertionError(f"unhandled strategy {name!r}")
+
+
+def _build_tpu(target: str) -> tf.distribute.TPUStrategy:
+    """Connects to and initialises the TPU; raises _TpuUnavailable on failure."""
+    try:
+        with _socket_timeout(_CLOUD_API_TIMEOUT_S):
+            resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=target)
+            master = resolver.master()  # Named TPUs: resolved through the Cloud API.
+        if master and master != target:
+            problem = _tf_server_problem(master)
+            if problem:
+                raise _TpuUnavailable(f"TPU {target!r} resolved to {master}, but {problem}")
+        tf.config.experimental_connect_to_cluster(resolver)  # No-op for "local".
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+        return tf.distribute.TPUStrategy(resolver)
+    except _TpuUnavailable:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure here means "no TPU": report it.
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        raise _TpuUnavailable(
+            f"tpu={target!r}: {type(e).__name__}: {first_line}"
+        ) from e
+
+
+@contextlib.contextmanager
+def _socket_timeout(seconds: float) -> Iterator[None]:
+    """Bounds socket calls (urlopen, httplib2) made by libraries that set no timeout."""
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(seconds)
+    try:
+        yield
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
+def _describe(decision: _Decision, built: tf.distribute.Strategy) -> str:
+    """The one log line: strategy, replicas, and why earlier options were skipped."""
+    replicas = built.num_replicas_in_sync
+    line = (
+        f"tputrain: using {_strategy_label(decision, built)}, {replicas} "
+        f"replica{'' if replicas == 1 else 's'}."
+    )
+    if decision.forced:
+        return f"{line} Forced by strategy={decision.name!r}."
+    if decision.skipped:
+        return f"{line} Skipped: {'; '.join(decision.skipped)}"
+    return line
+
+
+_CLASS_NAMES = {
+    "tpu": "TPUStrategy",
+    "multi_worker": "MultiWorkerMirroredStrategy",
+    "mirrored": "MirroredStrategy",
+    "one_device": "OneDeviceStrategy",
+    "cpu": "OneDeviceStrategy",
+}
+
+
+def _strategy_label(decision: _Decision, built: tf.distribute.Strategy) -> str:
+    """E.g. "OneDeviceStrategy(/cpu:0)", "MirroredStrategy(4 CPU devices)"."""
+    cls = _CLASS_NAMES[decision.name]
+    if decision.name == "tpu":
+        return f"{cls}({decision.tpu_target})"
+    if decision.name == "multi_worker":
+        return f"{cls}({_tf_config_task_count() or 1} tasks)"
+    devices = [d.rsplit("device:", 1)[-1] for d in built.extended.worker_devices]
+    if len(devices) == 1:
+        return f"{cls}(/{devices[0].lower()})"
+    return f"{cls}({len(devices)} {devices[0].split(':')[0]} devices)"

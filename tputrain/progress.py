@@ -58,8 +58,12 @@ class Progress:
         writer.flush()
 
     def train_loop_done(self, step: int, steps: int, seconds: float,
-                        logs: Mapping[str, float]) -> dict[str, float]:
-        """Records a finished loop of `steps` steps ending at `step`; returns rates."""
+                        logs: Mapping[str, float], input_wait: float = 0.0) -> dict[str, float]:
+        """Records a finished loop of `steps` steps ending at `step`; returns rates.
+
+        `input_wait` is the time the compiled loop spent blocked on the next batch;
+        `input/stall_fraction` is its share of the loop's wall time.
+        """
         steps_per_second = steps / max(seconds, 1e-9)
         # Smooth the ETA; the first loop (tracing) is not representative.
         if self._steps_per_second is None:
@@ -67,11 +71,14 @@ class Progress:
         else:
             self._steps_per_second = 0.7 * self._steps_per_second + 0.3 * steps_per_second
         rates = {"steps_per_second": steps_per_second,
-                 "examples_per_second": steps_per_second * self.global_batch_size}
+                 "examples_per_second": steps_per_second * self.global_batch_size,
+                 "input/stall_fraction": min(1.0, input_wait / max(seconds, 1e-9))}
         eta = (self.train_steps - step) / self._steps_per_second
-        logging.info("tputrain: step %d/%d | %s | %.0f examples/s | %.2f steps/s | ETA %s",
+        logging.info("tputrain: step %d/%d | %s | %.0f examples/s | %.2f steps/s | "
+                     "input stall %.1f%% | ETA %s",
                      step, self.train_steps, _format_logs(logs),
-                     rates["examples_per_second"], steps_per_second, _format_duration(eta))
+                     rates["examples_per_second"], steps_per_second,
+                     100 * rates["input/stall_fraction"], _format_duration(eta))
         self.write_scalars("train", step, {**logs, **rates})
         return rates
 

@@ -253,7 +253,8 @@ class Trainer:
 
         The first step is peeled so the accumulators get the step's log structure;
         later steps stop cleanly when the data ends (`get_next_as_optional`), so a
-        partial loop is never replayed. Returns (summed logs, steps run).
+        partial loop is never replayed. Returns (summed logs, steps run, seconds
+        spent waiting for input).
         """
         def one_step(value):
             logs = self._reduce(self.strategy.run(replica_step, args=(self._distribute(value),)))
@@ -261,19 +262,30 @@ class Trainer:
                 self.step.assign_add(1)
             return logs
 
+        def timed_next(iterator):
+            # Stateful ops run in program order inside a tf.function, so the first
+            # timestamp follows the previous step's updates and the second follows the
+            # batch's arrival: their difference is the time this step waited on input.
+            start = tf.timestamp()
+            has_value, value = self._next(iterator)
+            with tf.control_dependencies([has_value]):
+                waited = tf.timestamp() - start
+            return has_value, value, waited
+
         @tf.function
         def loop(iterator, num_steps):
-            has_value, value = self._next(iterator)
+            has_value, value, input_wait = timed_next(iterator)
             with tf.control_dependencies([tf.debugging.Assert(has_value, [_EXHAUSTED])]):
                 totals = one_step(value)
             steps = tf.constant(1, tf.int32)
             for _ in tf.range(num_steps - 1):
-                has_value, value = self._next(iterator)
+                has_value, value, waited = timed_next(iterator)
+                input_wait += waited
                 if not has_value:
                     break
                 totals = tf.nest.map_structure(tf.add, totals, one_step(value))
                 steps += 1
-            return totals, steps
+            return totals, steps, input_wait
 
         return loop
 
@@ -284,11 +296,12 @@ class Trainer:
             self._train_loop_fn = self._make_loop(self._replica_train_step, count_steps=True)
         for metric in self.train_metrics:
             metric.reset_state()
-        totals, steps = self._train_loop_fn(self._train_iterator, tf.constant(num_steps, tf.int32))
+        totals, steps, input_wait = self._train_loop_fn(
+            self._train_iterator, tf.constant(num_steps, tf.int32))
         steps = int(steps)
         logs = {name: float(value) / steps for name, value in totals.items()}
         logs.update({m.name: float(m.result()) for m in self.train_metrics})
-        return logs, steps
+        return logs, steps, float(input_wait)
 
     def _next_boundary(self, step: int) -> int:
         """Steps until the next loop end: steps_per_loop, eval, checkpoint or the end."""
@@ -317,7 +330,7 @@ class Trainer:
             while step < self.train_steps:
                 with Stopwatch() as watch:
                     try:
-                        logs, steps = self._train_loop(self._next_boundary(step))
+                        logs, steps, input_wait = self._train_loop(self._next_boundary(step))
                     except tf.errors.InvalidArgumentError as error:
                         if _EXHAUSTED not in str(error):
                             raise
@@ -325,7 +338,7 @@ class Trainer:
                         break
                 step = int(self.step.numpy())
                 logs["learning_rate"] = float(keras.ops.convert_to_numpy(self.optimizer.learning_rate))
-                self.progress.train_loop_done(step, steps, watch.seconds, logs)
+                self.progress.train_loop_done(step, steps, watch.seconds, logs, input_wait)
                 if self.eval_every and step % self.eval_every == 0 and step < self.train_steps:
                     eval_logs = self.evaluate()
                 if self.checkpointer.due(step):
@@ -367,8 +380,8 @@ class Trainer:
         for metric in self.eval_metrics:
             metric.reset_state()
         with Stopwatch() as watch:
-            totals, steps = self._eval_loop_fn(self._eval_iterator,
-                                               tf.constant(self._eval_batches, tf.int32))
+            totals, steps, _ = self._eval_loop_fn(self._eval_iterator,
+                                                  tf.constant(self._eval_batches, tf.int32))
             steps = int(steps)
             logs = {name: float(value) / steps for name, value in totals.items()}
             logs.update({m.name: float(m.result()) for m in self.eval_metrics})

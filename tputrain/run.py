@@ -84,6 +84,9 @@ def console_main() -> None:
             importlib.import_module(COMMANDS[command]).console_main()
             return
     define_gin_flags()
+    # The console script is its own __main__: list this module's flags in its --help.
+    for name in ("gin_file", "gin_param", "gin_search_path", "gin_import", "model_dir"):
+        FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
     app.run(main)
 
 

@@ -1,0 +1,103 @@
+"""The CLI end to end, as a user runs it: train, rerun, continue, SIGKILL and resume."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _env(tmp_path):
+    env = dict(os.environ, TPUTRAIN_CACHE_DIR=str(tmp_path / "cache"), TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    return env
+
+
+def run_cli(tmp_path, *args, timeout=240):
+    command = [sys.executable, "-m", "tputrain.run", "--gin_file=digits.gin",
+               f"--model_dir={tmp_path / 'model'}", *args]
+    result = subprocess.run(command, env=_env(tmp_path), capture_output=True, text=True,
+                            timeout=timeout, cwd=tmp_path)
+    return result
+
+
+def restored_step(log: str) -> int | None:
+    match = re.search(r"restored .*ckpt-\d+ \(step (\d+)\)", log)
+    return int(match.group(1)) if match else None
+
+
+def final_accuracy(log: str) -> float:
+    return float(re.findall(r"done at step \d+: .*accuracy ([0-9.]+)", log)[-1])
+
+
+def test_digits_trains_reruns_and_continues(tmp_path):
+    first = run_cli(tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert re.search(r"step 100/1200 \| loss [0-9.]+ \| accuracy .* examples/s .* ETA", first.stderr)
+    assert final_accuracy(first.stderr) >= 0.95
+    model_dir = tmp_path / "model"
+    assert (model_dir / "operative_config.gin").read_text().count("DigitsTask.") >= 3
+    assert list((model_dir / "checkpoints").glob("ckpt-1200.index"))
+    assert list((model_dir / "train").glob("events.out.tfevents.*"))
+    assert list((model_dir / "eval").glob("events.out.tfevents.*"))
+
+    again = run_cli(tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert restored_step(again.stderr) == 1200
+    assert "nothing to train" in again.stderr
+    assert "step 1300" not in again.stderr
+
+    more = run_cli(tmp_path, "--gin_param=Trainer.train_steps=1400")
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert restored_step(more.stderr) == 1200
+    assert "step 1300/1400" in more.stderr and "step 1400/1400" in more.stderr
+    assert "step 100/" not in more.stderr
+
+
+def test_sigkill_midway_resumes_from_latest_checkpoint(tmp_path):
+    command = [sys.executable, "-m", "tputrain.run", "--gin_file=digits.gin",
+               f"--model_dir={tmp_path / 'model'}", "--gin_param=Trainer.steps_per_loop=20",
+               "--gin_param=Trainer.checkpoint_every=100", "--gin_param=Trainer.train_steps=3000"]
+    process = subprocess.Popen(command, env=_env(tmp_path), cwd=tmp_path,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints = tmp_path / "model" / "checkpoints"
+    deadline = time.time() + 180
+    while time.time() < deadline and not list(checkpoints.glob("ckpt-3*.index")):
+        assert process.poll() is None, "training ended before it could be killed"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    assert process.returncode == -signal.SIGKILL
+
+    resumed = run_cli(tmp_path, "--gin_param=Trainer.train_steps=3000",
+                      "--gin_param=Trainer.checkpoint_every=100")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    step = restored_step(resumed.stderr)
+    assert step is not None and step >= 300
+    assert f"training from step {step} to 3000" in resumed.stderr
+
+
+def test_gin_typo_fails_fast_with_suggestion(tmp_path):
+    result = run_cli(tmp_path, "--gin_param=Trainer.train_step=5", timeout=120)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("tputrain: error:") and "did you mean 'train_steps'" in last
+    assert not (tmp_path / "model").exists()
+
+
+def test_console_script_matches_module(tmp_path):
+    """`tputrain --help` is the same program as `python -m tputrain.run --help`."""
+    # The script installed beside this interpreter (a venv's bin/ need not be on PATH).
+    executable = os.path.join(os.path.dirname(sys.executable), "tputrain")
+    script = subprocess.run([executable, "--helpshort"], capture_output=True, text=True,
+                            env=_env(tmp_path), timeout=120)
+    module = subprocess.run([sys.executable, "-m", "tputrain.run", "--helpshort"],
+                            capture_output=True, text=True, env=_env(tmp_path), timeout=120)
+    assert script.returncode == module.returncode  # absl's --help exits 1 by design
+    for flag in ("--gin_file", "--gin_param", "--gin_search_path", "--gin_import", "--model_dir"):
+        assert flag in script.stdout and flag in module.stdout

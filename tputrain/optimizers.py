@@ -1,17 +1,28 @@
-"""Optimizer construction from gin: the default `Task.build_optimizer`."""
+"""Optimizer construction from gin: the default `Task.build_optimizer`.
+
+Names: "adam", "adamw", "sgd" (with momentum), "lamb" (Keras 3's LAMB) and
+"lars" (`tputrain.lars.LARS`). The learning rate may be a schedule, e.g.
+`build_optimizer.learning_rate = @warmup_schedule()` (see `tputrain.schedules`).
+"""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import gin
 import keras
 
+from tputrain.lars import LARS
 from tputrain.precision import wrap_optimizer_for_policy
 
 _OPTIMIZERS = {
     "adam": keras.optimizers.Adam,
     "adamw": keras.optimizers.AdamW,
     "sgd": keras.optimizers.SGD,
+    "lamb": keras.optimizers.Lamb,
+    "lars": LARS,
 }
+_WITH_MOMENTUM = ("sgd", "lars")
 
 
 @gin.configurable
@@ -20,11 +31,18 @@ def build_optimizer(name: str = "adam",
                     weight_decay: float | None = None,
                     momentum: float = 0.9,
                     global_clipnorm: float | None = None,
+                    exclude_from_weight_decay: Sequence[str] | None = None,
                     **kwargs) -> keras.optimizers.Optimizer:
     """Builds a Keras 3 optimizer; wraps it for loss scaling under mixed_float16.
 
     Call inside `strategy.scope()` (the Trainer does) so slot variables are
-    mirrored. Extra keyword arguments go to the Keras optimizer unchanged.
+    mirrored. `global_clipnorm` clips the gradients of all variables together by
+    their global norm before the update. `weight_decay` is Keras' decoupled decay
+    (`w -= lr * wd * w`) for adam/adamw/sgd/lamb, and the paper's L2 term inside
+    the trust ratio for lars. `exclude_from_weight_decay` lists substrings of
+    variable names that get no decay, e.g. `['bias', 'gamma', 'beta']` (LARS
+    already skips biases and norms). Extra keyword arguments go to the Keras
+    optimizer unchanged.
     """
     key = name.lower()
     if key not in _OPTIMIZERS:
@@ -32,6 +50,12 @@ def build_optimizer(name: str = "adam",
     options = dict(kwargs, learning_rate=learning_rate, global_clipnorm=global_clipnorm)
     if weight_decay is not None:
         options["weight_decay"] = weight_decay
-    if key == "sgd":
+    if key in _WITH_MOMENTUM:
         options["momentum"] = momentum
-    return wrap_optimizer_for_policy(_OPTIMIZERS[key](**options))
+    optimizer = _OPTIMIZERS[key](**options)
+    if exclude_from_weight_decay:
+        if key == "lars":
+            optimizer.exclude_from_adaptation += tuple(exclude_from_weight_decay)
+        else:
+            optimizer.exclude_from_weight_decay(var_names=list(exclude_from_weight_decay))
+    return wrap_optimizer_for_policy(optimizer)

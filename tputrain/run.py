@@ -73,7 +73,7 @@ def main(argv: list[str]) -> None:
 
 
 # `tputrain <command>`: module with a `console_main()` each; `run` is the default.
-COMMANDS = {"run": "tputrain.run"}
+COMMANDS = {"run": "tputrain.run", "vertex-spec": "tputrain.vertex"}
 
 
 def console_main() -> None:

@@ -253,7 +253,9 @@ def test_short_form_feature_spec_and_gin():
 
 def test_writer_leaves_no_temp_files(tmp_path):
     paths = write_tfrecords({"id": np.arange(6)}, str(tmp_path / "a"), num_shards=2)
-    assert sorted(tf.io.gfile.listdir(str(tmp_path))) == [p.split("/")[-1] for p in paths]
+    # The shards and their manifest, nothing else.
+    assert sorted(tf.io.gfile.listdir(str(tmp_path))) == sorted(
+        [p.split("/")[-1] for p in paths] + ["a.manifest.json"])
 
 
 def test_writer_failure_leaves_nothing(tmp_path):

@@ -1,13 +1,23 @@
-"""Input pipelines: sharded TFRecord reading and writing."""
+"""Input pipelines: sharded TFRecord and TFDS reading, TFRecord writing, tf.data options."""
 
+from tputrain.data.bad_records import CorruptRecordError, explain_data_loss
 from tputrain.data.context import InputContext
+from tputrain.data.manifest import Manifest, read_manifest
+from tputrain.data.options import InputOptions
+from tputrain.data.tfds import TFDSInput
 from tputrain.data.tfrecord import TFRecordInput, parse_feature_spec
 from tputrain.data.writer import feature_spec_for, write_tfrecords
 
 __all__ = [
+    "CorruptRecordError",
     "InputContext",
+    "InputOptions",
+    "Manifest",
+    "TFDSInput",
     "TFRecordInput",
+    "explain_data_loss",
     "feature_spec_for",
     "parse_feature_spec",
+    "read_manifest",
     "write_tfrecords",
 ]

@@ -8,14 +8,19 @@ pipeline's dataset of per-replica batches.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import gin
 import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tputrain.data.bad_records import explain_data_loss, read_skipping_corrupt, register_files
+from tputrain.data.batching import (check_static, in_memory_batches, resolve_per_replica_batch,
+                                    split_label)
 from tputrain.data.context import InputContext
+from tputrain.data.manifest import Manifest, read_manifest
+from tputrain.data.options import InputOptions
 
 # The only dtypes tf.io.parse_example can produce.
 _PARSE_DTYPES = (tf.float32, tf.int64, tf.string)
@@ -118,6 +123,17 @@ def _check_bool(name: str, value: Any, allow_none: bool = False) -> None:
                         f"{' or None' if allow_none else ''}, got {value!r}")
 
 
+def _check_cache(cache: Any) -> bool | str:
+    if cache is None or cache is False:
+        return False
+    if cache is True or cache == "memory":
+        return "memory"
+    if isinstance(cache, str) and cache:
+        return cache
+    raise ValueError(f"TFRecordInput: cache must be False, True/'memory' or a file path prefix, "
+                     f"got {cache!r}")
+
+
 @gin.configurable
 class TFRecordInput:
     """Builds one host's dataset of per-replica batches from sharded TFRecord files.
@@ -129,11 +145,13 @@ class TFRecordInput:
     shape and a ragged last batch would leave replicas empty.
 
     Pipeline: list files (sorted, each once) -> shard files across input pipelines ->
-    shuffle file order -> interleave reads -> [cache serialized records] ->
-    shuffle records -> repeat -> batch -> parse -> prefetch. Note the order
+    shuffle file order -> interleave reads -> [file cache] -> shuffle records ->
+    repeat -> batch -> parse -> [tf.data service] -> prefetch. Note the order
     batch-then-parse: one vectorized `tf.io.parse_example` per batch (mapped
     with `num_parallel_calls=AUTOTUNE`) was ~5x faster than per-example
-    parsing on a 2-core host, where parsing is the bottleneck.
+    parsing on a 2-core host, where parsing is the bottleneck. With
+    `cache="memory"` the records are read and parsed once, when the dataset is
+    built, and batches are gathered from RAM (see `in_memory_batches`).
 
     If there are fewer files than input pipelines, every pipeline reads all
     files and keeps every n-th record instead (a warning is logged); that costs
@@ -141,16 +159,20 @@ class TFRecordInput:
 
     Args:
         file_pattern: a glob (or several) of TFRecord files; any `tf.io.gfile`
-            path (local, gs://, ram://).
+            path (local, gs://, ram://). Leave None to read `manifest`'s shards.
         features: `{name: FixedLenFeature or (shape, dtype[, default])}`; see
-            `parse_feature_spec`.
+            `parse_feature_spec`. None takes the manifest's spec.
+        manifest: path of a `write_tfrecords` manifest (`{prefix}.manifest.json`):
+            its shard list, feature spec and compression replace hand-written ones.
         label_key: if set, that feature is returned separately as the label.
         global_batch_size: examples per step over all replicas. None takes it
             from the `InputContext` (the Trainer sets it there), which is the
             usual way: configure it once, on the Trainer.
         shuffle: shuffle file order and records (training); False for a fixed order.
-        shuffle_buffer: records in the shuffle buffer.
-        seed: shuffle seed; the same seed gives the same order. None: random.
+        shuffle_buffer: records in the shuffle buffer (not used with cache="memory",
+            which shuffles each epoch fully).
+        seed: shuffle seed; the same seed gives the same order, reshuffled each
+            epoch. None: random.
         repeat: repeat forever (training); False for one pass (evaluation).
         cycle_length: files read concurrently. None: min(files of this
             pipeline, 16), fixed so the order does not depend on the machine.
@@ -158,16 +180,25 @@ class TFRecordInput:
         deterministic: whether parallel transformations keep their order
             (`tf.data.Options.deterministic`); False can be faster, True gives
             a reproducible order. None leaves tf.data's default.
-        cache: cache the serialized records of this pipeline in memory after the
-            first pass (for datasets that fit in RAM).
+        cache: False; True or "memory": this pipeline's examples are read and
+            parsed once and kept in RAM (for data that fits, e.g. small or
+            evaluation sets); a path prefix: serialized records are cached in
+            local files after the first pass (for slow or remote sources; one
+            iterator at a time per cache file, a tf.data rule).
         compression_type: None, "ZLIB" or "GZIP", as written.
+        skip_corrupt: skip unreadable records (corrupt or truncated) instead of
+            failing, and log how many were skipped; a file is abandoned at its
+            first bad record. Without it the error names the file and record.
+        options: `InputOptions` (threads, autotune, prefetch, tf.data service);
+            None uses the defaults.
     """
 
     def __init__(
         self,
-        file_pattern: str | Sequence[str],
-        features: Mapping[str, Any],
+        file_pattern: str | Sequence[str] | None = None,
+        features: Mapping[str, Any] | None = None,
         *,
+        manifest: str | None = None,
         label_key: str | None = None,
         global_batch_size: int | None = None,
         shuffle: bool = True,
@@ -177,13 +208,33 @@ class TFRecordInput:
         cycle_length: int | None = None,
         block_length: int = 1,
         deterministic: bool | None = True,
-        cache: bool = False,
+        cache: bool | str = False,
         compression_type: str | None = None,
+        skip_corrupt: bool = False,
+        options: InputOptions | None = None,
     ):
-        patterns = (file_pattern,) if isinstance(file_pattern, str) else tuple(file_pattern)
-        if not patterns or not all(isinstance(p, str) and p for p in patterns):
-            raise ValueError("TFRecordInput: file_pattern must be a non-empty glob or a "
-                             f"non-empty sequence of them, got {file_pattern!r}")
+        self.manifest: Manifest | None = None
+        if manifest is not None:
+            if file_pattern is not None:
+                raise ValueError("TFRecordInput: pass file_pattern or manifest, not both: the "
+                                 "manifest lists the shards")
+            self.manifest = read_manifest(manifest)
+            if features is None:
+                features = self.manifest.features
+            if compression_type is None:
+                compression_type = self.manifest.compression_type
+            patterns: tuple[str, ...] = tuple(self.manifest.files())
+        else:
+            if file_pattern is None:
+                raise ValueError("TFRecordInput: pass file_pattern (a glob of TFRecord files) "
+                                 "or manifest (written by write_tfrecords)")
+            patterns = (file_pattern,) if isinstance(file_pattern, str) else tuple(file_pattern)
+            if not patterns or not all(isinstance(p, str) and p for p in patterns):
+                raise ValueError("TFRecordInput: file_pattern must be a non-empty glob or a "
+                                 f"non-empty sequence of them, got {file_pattern!r}")
+            if features is None:
+                raise ValueError("TFRecordInput: features is not set: give the feature spec, or "
+                                 "read a manifest (TFRecordInput(manifest=...)) that has it")
         spec = parse_feature_spec(features)
         if label_key is not None:
             if label_key not in spec:
@@ -201,10 +252,12 @@ class TFRecordInput:
         _check_int("cycle_length", cycle_length, 1, allow_none=True)
         _check_int("block_length", block_length, 1)
         _check_bool("deterministic", deterministic, allow_none=True)
-        _check_bool("cache", cache)
+        _check_bool("skip_corrupt", skip_corrupt)
         if compression_type not in _COMPRESSION_TYPES:
             raise ValueError("TFRecordInput: compression_type must be None, 'ZLIB' or "
                              f"'GZIP', got {compression_type!r}")
+        if options is not None and not isinstance(options, InputOptions):
+            raise TypeError(f"TFRecordInput: options must be an InputOptions, got {options!r}")
         self.file_patterns = patterns
         self.features = spec
         self.label_key = label_key
@@ -216,8 +269,10 @@ class TFRecordInput:
         self.cycle_length = cycle_length
         self.block_length = block_length
         self.deterministic = deterministic
-        self.cache = cache
+        self.cache = _check_cache(cache)
         self.compression_type = compression_type or None
+        self.skip_corrupt = skip_corrupt
+        self.options = options or InputOptions()
 
     def _list_files(self) -> list[str]:
         """Globs now, so a typo fails here and not deep inside tf.data.
@@ -226,6 +281,13 @@ class TFRecordInput:
         (overlapping patterns would otherwise read a file twice). The same list
         feeds the dataset, so the shard decision matches what is read.
         """
+        if self.manifest is not None:
+            missing = [path for path in self.file_patterns if not tf.io.gfile.exists(path)]
+            if missing:
+                raise FileNotFoundError(
+                    f"{len(missing)} shard(s) listed in {self.manifest.location} are missing, "
+                    f"e.g. {missing[0]!r}: copy the whole directory or rewrite the data")
+            return sorted(set(self.file_patterns))
         files = set()
         for pattern in self.file_patterns:
             try:
@@ -239,28 +301,31 @@ class TFRecordInput:
             files.update(matches)
         return sorted(files)
 
-    def _resolve_batch(self, context: InputContext) -> int:
-        global_batch = self.global_batch_size
-        if global_batch is None:
-            global_batch = context.global_batch_size
-        elif context.global_batch_size not in (None, global_batch):
-            logging.warning(
-                "TFRecordInput.global_batch_size=%d overrides the input context's global "
-                "batch %d: set it in one place (usually the Trainer)",
-                global_batch, context.global_batch_size)
-        if global_batch is None:
-            raise ValueError(
-                "TFRecordInput has no global batch size: set TFRecordInput.global_batch_size "
-                "or pass an InputContext with global_batch_size (the Trainer does this)")
-        return context.get_per_replica_batch_size(global_batch)
-
     def _parse(self, serialized: tf.Tensor):
         """Parses a whole batch of serialized examples at once (vectorized)."""
-        parsed = tf.io.parse_example(serialized, self.features)
-        if self.label_key is None:
-            return parsed
-        label = parsed.pop(self.label_key)
-        return parsed, label
+        return split_label(tf.io.parse_example(serialized, self.features), self.label_key)
+
+    def _file_reader(self) -> Callable[..., tf.data.Dataset]:
+        compression = self.compression_type or ""
+        if not self.skip_corrupt:
+            return lambda path: tf.data.TFRecordDataset(path, compression_type=compression)
+        return lambda path, size, expected: read_skipping_corrupt(
+            path, size, expected, self.compression_type)
+
+    def _file_dataset(self, file_list: list[str]) -> tf.data.Dataset:
+        """Paths (plus size and expected records, to check files when skipping)."""
+        if not self.skip_corrupt:
+            return tf.data.Dataset.from_tensor_slices(file_list)
+        counts = self.manifest.examples_per_file() if self.manifest else {}
+        sizes = []
+        for path in file_list:
+            try:
+                sizes.append(tf.io.gfile.stat(path).length)
+            except tf.errors.OpError:
+                sizes.append(-1)
+        expected = [counts.get(path, -1) for path in file_list]
+        return tf.data.Dataset.from_tensor_slices(
+            (file_list, tf.constant(sizes, tf.int64), tf.constant(expected, tf.int64)))
 
     def __call__(self, input_context: tf.distribute.InputContext | None = None
                  ) -> tf.data.Dataset:
@@ -270,15 +335,17 @@ class TFRecordInput:
         pipeline feeding one replica.
         """
         context = InputContext.from_tf(input_context)
-        per_replica_batch = self._resolve_batch(context)
+        per_replica_batch = resolve_per_replica_batch("TFRecordInput", self.global_batch_size,
+                                                      context)
         file_list = self._list_files()
+        register_files(file_list, self.compression_type)
         num_files = len(file_list)
         num_pipelines, pipeline_id = context.num_input_pipelines, context.input_pipeline_id
         shard_files = num_files >= num_pipelines
         shard_records = not shard_files
 
         # What tf.data.Dataset.list_files(shuffle=False) gives, from the list above.
-        files = tf.data.Dataset.from_tensor_slices(file_list)
+        files = self._file_dataset(file_list)
         if shard_files:
             files = files.shard(num_pipelines, pipeline_id)
             local_files = len(range(pipeline_id, num_files, num_pipelines))
@@ -290,34 +357,45 @@ class TFRecordInput:
                 num_files, list(self.file_patterns), num_pipelines, num_pipelines,
                 num_pipelines)
             local_files = num_files
+        in_memory = self.cache == "memory"
         # With record sharding every pipeline must see the records in the same
         # order, or the shards overlap: an unseeded file shuffle would break that.
-        if self.shuffle and local_files > 1 and (shard_files or self.seed is not None):
+        # In memory, the full per-epoch permutation makes a file shuffle pointless.
+        if (self.shuffle and not in_memory and local_files > 1
+                and (shard_files or self.seed is not None)):
             files = files.shuffle(local_files, seed=self.seed, reshuffle_each_iteration=True)
 
-        compression = self.compression_type or ""
+        reader = self._file_reader()
         records = files.interleave(
-            lambda path: tf.data.TFRecordDataset(path, compression_type=compression),
+            lambda *file: reader(*file),
             cycle_length=self.cycle_length or min(local_files, _DEFAULT_MAX_CYCLE_LENGTH),
             block_length=self.block_length,
             num_parallel_calls=tf.data.AUTOTUNE,
             # Same reason: record sharding needs the same order in every pipeline.
-            deterministic=True if shard_records else self.deterministic)
+            deterministic=True if (shard_records or in_memory) else self.deterministic)
         if shard_records:
             records = records.shard(num_pipelines, pipeline_id)
-        if self.cache:
-            records = records.cache()  # Serialized records, in memory.
-        if self.shuffle:
-            records = records.shuffle(
-                self.shuffle_buffer, seed=self.seed, reshuffle_each_iteration=True)
-        if self.repeat:
-            records = records.repeat()
-        # drop_remainder keeps the batch dimension static: TPUs compile one shape,
-        # and a partial batch would leave some replicas empty (NaN losses).
-        dataset = records.batch(per_replica_batch, drop_remainder=True)
-        dataset = dataset.map(self._parse, num_parallel_calls=tf.data.AUTOTUNE,
-                              deterministic=self.deterministic)
-        dataset = dataset.prefetch(tf.data.AUTOTUNE)
+
+        if in_memory:
+            dataset = in_memory_batches(
+                self._read_all(records, context), per_replica_batch,
+                shuffle=self.shuffle, seed=self.seed, repeat=self.repeat)
+            dataset = dataset.map(lambda batch: split_label(batch, self.label_key))
+        else:
+            if self.cache:
+                suffix = f"-{pipeline_id:05d}-of-{num_pipelines:05d}"
+                records = records.cache(self.cache + suffix)  # Serialized records, on disk.
+            if self.shuffle:
+                records = records.shuffle(
+                    self.shuffle_buffer, seed=self.seed, reshuffle_each_iteration=True)
+            if self.repeat:
+                records = records.repeat()
+            # drop_remainder keeps the batch dimension static: TPUs compile one shape,
+            # and a partial batch would leave some replicas empty (NaN losses).
+            dataset = records.batch(per_replica_batch, drop_remainder=True)
+            dataset = dataset.map(self._parse, num_parallel_calls=tf.data.AUTOTUNE,
+                                  deterministic=self.deterministic)
+        dataset = self.options.apply(dataset)
 
         options = tf.data.Options()
         if self.deterministic is not None:
@@ -327,18 +405,24 @@ class TFRecordInput:
             options.experimental_distribute.auto_shard_policy = (
                 tf.data.experimental.AutoShardPolicy.OFF)
         dataset = dataset.with_options(options)
-        self._check_static(dataset.element_spec)
+        check_static("TFRecordInput", dataset.element_spec, _NOT_STATIC)
         return dataset
 
-    def _check_static(self, element_spec: Any) -> None:
-        if self.label_key is None:
-            named = dict(element_spec)
-        else:
-            named = {**element_spec[0], self.label_key: element_spec[1]}
-        for name, spec in named.items():
-            if not spec.shape.is_fully_defined():
-                raise ValueError(f"feature {name!r} has non-static shape {spec.shape} in the "
-                                 f"input pipeline: {_NOT_STATIC}")
+    def _read_all(self, records: tf.data.Dataset, context: InputContext) -> dict[str, tf.Tensor]:
+        """Reads and parses all of this pipeline's records now (cache="memory")."""
+        try:
+            serialized = records.batch(2**31 - 1).get_single_element()
+        except tf.errors.InvalidArgumentError:  # "Dataset was empty"
+            raise ValueError(f"TFRecordInput: pipeline {context.input_pipeline_id} of "
+                             f"{context.num_input_pipelines} has no records in "
+                             f"{list(self.file_patterns)}") from None
+        except tf.errors.DataLossError as error:
+            raise explain_data_loss(error) from None
+        examples = tf.io.parse_example(serialized, self.features)
+        count = int(tf.shape(serialized)[0])
+        logging.info("TFRecordInput: cached %d parsed examples (%.1f MB) in memory", count,
+                     sum(t.numpy().nbytes for t in examples.values()) / 1e6)
+        return examples
 
     def __repr__(self) -> str:
         return (f"TFRecordInput({list(self.file_patterns)!r}, features={sorted(self.features)}, "

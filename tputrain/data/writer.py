@@ -1,21 +1,38 @@
-"""Writing examples as sharded TFRecord files that `TFRecordInput` can read.
+"""Writing examples as sharded TFRecord files (plus a manifest) that tputrain reads.
 
 Every example must have the same keys and the same shape per key: TPUs need
-static shapes, so pad variable-length data before writing. Shards are written
-atomically: a crash never leaves a half-written shard under a final name.
+static shapes, so pad variable-length data before writing. The writer takes a
+dict of arrays, any iterable of dicts (numpy or Python values), or a
+`tf.data.Dataset` of dicts (e.g. a TFDS split); chooses the number of shards
+from a target shard size and the number of hosts; writes the shards in
+parallel threads (file I/O and compression run outside the GIL); and writes a
+JSON manifest that `TFRecordInput(manifest=...)` reads instead of a
+hand-written feature spec. Shards are written atomically: a crash never
+leaves a half-written shard under a final name.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
+import queue
+import threading
 import uuid
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 import tensorflow as tf
+from absl import logging
+
+from tputrain.data.example_codec import encode_example
+from tputrain.data.manifest import Manifest, Shard, manifest_path, write_manifest
 
 _COMPRESSION_TYPES = (None, "", "ZLIB", "GZIP")
-_INT64_MAX = np.iinfo(np.int64).max
+_RECORD_OVERHEAD = 16  # TFRecord framing bytes per record
+_SIZE_SAMPLE = 256  # examples serialized to estimate the data size
+_CHUNK = 256  # records handed to a writer thread at once
+DEFAULT_TARGET_SHARD_MB = 128.0
 
 
 def _as_array(key: str, value: Any) -> np.ndarray:
@@ -36,26 +53,9 @@ def _as_array(key: str, value: Any) -> np.ndarray:
     return array
 
 
-def _to_feature(key: str, array: Any) -> tf.train.Feature:
-    array = np.asarray(array)  # A row of an object array may be a bare bytes object.
-    flat = array.ravel()
+def _kind(array: np.ndarray) -> str:
     kind = array.dtype.kind
-    if kind == "f":
-        return tf.train.Feature(float_list=tf.train.FloatList(value=flat.tolist()))
-    if kind in "iub":
-        if kind == "u" and flat.size and int(flat.max()) > _INT64_MAX:
-            raise ValueError(f"feature {key!r}: value {int(flat.max())} does not fit in int64")
-        return tf.train.Feature(int64_list=tf.train.Int64List(value=flat.astype(np.int64).tolist()))
-    if kind == "U":
-        return tf.train.Feature(
-            bytes_list=tf.train.BytesList(value=[s.encode("utf-8") for s in flat.tolist()]))
-    # "S" (fixed-width bytes) or "O" already normalised to bytes by _as_array.
-    return tf.train.Feature(bytes_list=tf.train.BytesList(value=list(flat.tolist())))
-
-
-def _serialize(example: Mapping[str, np.ndarray]) -> bytes:
-    features = {key: _to_feature(key, value) for key, value in example.items()}
-    return tf.train.Example(features=tf.train.Features(feature=features)).SerializeToString()
+    return "float" if kind == "f" else "int64" if kind in "iub" else "bytes"
 
 
 def _columns(examples: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], int]:
@@ -83,137 +83,369 @@ def _columns(examples: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], int]:
     return columns, num_examples
 
 
+def _spec(shapes: Mapping[str, tuple[int, ...]], kinds: Mapping[str, str]
+          ) -> dict[str, tf.io.FixedLenFeature]:
+    dtypes = {"float": tf.float32, "int64": tf.int64, "bytes": tf.string}
+    return {key: tf.io.FixedLenFeature(list(shape), dtypes[kinds[key]])
+            for key, shape in shapes.items()}
+
+
 def feature_spec_for(examples: Mapping[str, Any]) -> dict[str, tf.io.FixedLenFeature]:
     """Returns the `FixedLenFeature` spec that reads back a dict of arrays.
 
     Floats read back as float32, integers and bools as int64, bytes and str as
     string, each with shape `array.shape[1:]`; this is what `write_tfrecords`
-    stores.
+    stores (and records in its manifest).
     """
     columns, _ = _columns(examples)
-    spec = {}
-    for key, array in columns.items():
-        kind = array.dtype.kind
-        dtype = tf.float32 if kind == "f" else tf.int64 if kind in "iub" else tf.string
-        spec[key] = tf.io.FixedLenFeature(list(array.shape[1:]), dtype)
-    return spec
+    return _spec({k: a.shape[1:] for k, a in columns.items()},
+                 {k: _kind(a) for k, a in columns.items()})
 
 
 class _ExampleChecker:
-    """Checks that streamed examples all have the first example's keys and shapes."""
+    """Checks that streamed examples all have the first example's keys, shapes and kinds."""
 
     def __init__(self):
-        self._shapes: dict[str, tuple[int, ...]] | None = None
+        self.shapes: dict[str, tuple[int, ...]] | None = None
+        self.kinds: dict[str, str] = {}
 
     def __call__(self, index: int, example: Any) -> dict[str, np.ndarray]:
         if not isinstance(example, Mapping):
+            hint = (" (a tf.data/TFDS element (features, label)? map it to one dict first)"
+                    if isinstance(example, tuple) else "")
             raise TypeError(
                 f"example {index} is a {type(example).__name__}: examples must be a "
-                "dict of arrays or an iterable of dicts")
+                f"dict of arrays or an iterable of dicts{hint}")
         arrays = {key: _as_array(key, value) for key, value in example.items()}
         shapes = {key: array.shape for key, array in arrays.items()}
-        if self._shapes is None:
+        if self.shapes is None:
             if not shapes:
                 raise ValueError(f"example {index} has no features")
-            self._shapes = shapes
-        elif shapes.keys() != self._shapes.keys():
+            if not all(isinstance(key, str) for key in shapes):
+                raise TypeError(f"feature names must be str, got {sorted(map(repr, shapes))}")
+            self.shapes = shapes
+            self.kinds = {key: _kind(array) for key, array in arrays.items()}
+        elif shapes.keys() != self.shapes.keys():
             raise ValueError(
                 f"example {index} has keys {sorted(shapes)} but example 0 has "
-                f"{sorted(self._shapes)}: every example needs the same features")
+                f"{sorted(self.shapes)}: every example needs the same features")
         else:
             for key, shape in shapes.items():
-                if shape != self._shapes[key]:
+                if shape != self.shapes[key]:
                     raise ValueError(
                         f"feature {key!r} has shape {shape} in example {index} but "
-                        f"{self._shapes[key]} in example 0: TPUs need static shapes, "
+                        f"{self.shapes[key]} in example 0: TPUs need static shapes, "
                         "pad every example to the same shape")
+                if _kind(arrays[key]) != self.kinds[key]:
+                    raise ValueError(
+                        f"feature {key!r} is {_kind(arrays[key])} in example {index} but "
+                        f"{self.kinds[key]} in example 0: cast it to one type")
         return arrays
 
 
+def _dataset_examples(dataset: tf.data.Dataset) -> Iterator[Mapping[str, Any]]:
+    """A tf.data.Dataset's elements as dicts of numpy values (batched reads when static)."""
+    spec = dataset.element_spec
+    if isinstance(spec, Mapping) and all(
+            getattr(s, "shape", None) is not None and s.shape.is_fully_defined()
+            for s in spec.values()):
+        for batch in dataset.batch(1024).as_numpy_iterator():
+            n = len(next(iter(batch.values())))
+            for i in range(n):
+                yield {key: value[i] for key, value in batch.items()}
+    else:
+        yield from dataset.as_numpy_iterator()
+
+
+def _known_length(examples: Any) -> int | None:
+    if isinstance(examples, tf.data.Dataset):
+        cardinality = int(examples.cardinality())
+        if cardinality == tf.data.INFINITE_CARDINALITY:
+            raise ValueError("the dataset is infinite (repeat()?): write a finite dataset")
+        return cardinality if cardinality >= 0 else None
+    try:
+        return len(examples)
+    except TypeError:
+        return None
+
+
+def choose_num_shards(total_bytes: float, num_examples: int, num_hosts: int = 1,
+                      target_shard_mb: float = DEFAULT_TARGET_SHARD_MB) -> int:
+    """Shards of about `target_shard_mb` MB, at least one per host, a multiple of the hosts.
+
+    A multiple of the host count lets every host read the same number of whole
+    files (`TFRecordInput` shards by file). Never more shards than examples.
+    """
+    if num_examples < num_hosts:
+        raise ValueError(f"{num_examples} example(s) cannot fill one shard for each of "
+                         f"{num_hosts} hosts: write more data or use fewer hosts")
+    by_size = math.ceil(total_bytes / (target_shard_mb * 2**20))
+    shards = max(by_size, num_hosts, 1)
+    shards = math.ceil(shards / num_hosts) * num_hosts
+    if shards > num_examples:
+        shards = (num_examples // num_hosts) * num_hosts
+    return shards
+
+
+class _ShardWriters:
+    """Temp-named shard files written by background threads; renamed on commit.
+
+    Worker thread w owns shards w, w + W, ...; each shard's records stay in
+    order. Serialization happens in the caller's thread; TFRecordWriter.write
+    (compression, file I/O) runs in the workers without the GIL.
+    """
+
+    def __init__(self, paths: list[str], compression_type: str | None, num_workers: int):
+        self.paths = paths
+        token = uuid.uuid4().hex
+        # Hidden, and not ending in ".tfrecord", so that globs such as "prefix-*" or
+        # "*.tfrecord" never pick up a shard left by a killed writer.
+        self.temp_paths = [os.path.join(os.path.dirname(p), f".{os.path.basename(p)}.tmp-{token}")
+                           for p in paths]
+        options = tf.io.TFRecordOptions(compression_type=compression_type or "")
+        self.counts = [0] * len(paths)
+        self._writers: list[tf.io.TFRecordWriter] = []
+        self._pending: list[list[bytes]] = [[] for _ in paths]
+        self._error: BaseException | None = None
+        self._threads: list[threading.Thread] = []
+        try:
+            for temp in self.temp_paths:
+                self._writers.append(tf.io.TFRecordWriter(temp, options))
+        except BaseException:
+            self.abort()
+            raise
+        self._queues = [queue.Queue(maxsize=8) for _ in range(max(1, min(num_workers, len(paths))))]
+        for q in self._queues:
+            thread = threading.Thread(target=self._work, args=(q,), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _work(self, q: queue.Queue) -> None:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            shard, records = item
+            if self._error is not None:
+                continue  # Drain after a failure.
+            try:
+                writer = self._writers[shard]
+                for record in records:
+                    writer.write(record)
+            except BaseException as error:  # Re-raised in the caller's thread.
+                self._error = error
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _flush(self, shard: int) -> None:
+        records, self._pending[shard] = self._pending[shard], []
+        if records:
+            self._queues[shard % len(self._queues)].put((shard, records))
+            self._check()
+
+    def write(self, shard: int, record: bytes) -> None:
+        self._pending[shard].append(record)
+        self.counts[shard] += 1
+        if len(self._pending[shard]) >= _CHUNK:
+            self._flush(shard)
+
+    def _stop(self) -> None:
+        for q in self._queues if self._threads else []:
+            q.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
+
+    def commit(self) -> list[int]:
+        """Flushes, closes and renames every shard; returns the shards' sizes in bytes."""
+        for shard in range(len(self.paths)):
+            self._flush(shard)
+        self._stop()
+        self._check()
+        for writer in self._writers:
+            writer.close()
+        for temp, path in zip(self.temp_paths, self.paths):
+            tf.io.gfile.rename(temp, path, overwrite=True)
+        return [tf.io.gfile.stat(path).length for path in self.paths]
+
+    def abort(self) -> None:
+        """Stops the threads and removes every temp file."""
+        self._stop()
+        for writer in self._writers:
+            writer.close()
+        for temp in self.temp_paths:
+            if tf.io.gfile.exists(temp):
+                tf.io.gfile.remove(temp)
+
+
+def _shard_paths(output_prefix: str, num_shards: int) -> list[str]:
+    return [f"{output_prefix}-{i:05d}-of-{num_shards:05d}.tfrecord" for i in range(num_shards)]
+
+
+def _estimate_bytes(sample: list[bytes], num_examples: int) -> float:
+    return (sum(map(len, sample)) / len(sample) + _RECORD_OVERHEAD) * num_examples
+
+
 def write_tfrecords(
-    examples: Mapping[str, Any] | Iterable[Mapping[str, Any]],
+    examples: Mapping[str, Any] | Iterable[Mapping[str, Any]] | tf.data.Dataset,
     output_prefix: str,
-    num_shards: int,
+    num_shards: int | None = None,
     compression_type: str | None = None,
+    *,
+    num_hosts: int = 1,
+    target_shard_mb: float = DEFAULT_TARGET_SHARD_MB,
+    num_workers: int | None = None,
+    manifest: bool = True,
 ) -> list[str]:
-    """Writes examples to `num_shards` TFRecord files; returns their paths in order.
+    """Writes examples to sharded TFRecord files; returns the shard paths in order.
 
     Args:
         examples: a dict of arrays sharing a leading (example) dimension, split
             into contiguous near-equal blocks, one per shard; or an iterable of
-            dicts of scalars/arrays, dealt round-robin over the shards.
+            dicts of scalars/arrays, or a finite `tf.data.Dataset` of dicts (a
+            TFDS split), dealt round-robin over the shards.
             Floats are stored as float_list, integers and bools as int64_list,
             bytes and str as bytes_list; arrays are flattened (read them back
             with a `FixedLenFeature` of the original shape, see
-            `feature_spec_for`).
+            `feature_spec_for`, or simply through the manifest).
         output_prefix: shards are named
-            `{output_prefix}-{i:05d}-of-{num_shards:05d}.tfrecord`. Any
-            `tf.io.gfile` path works (local, gs://, ram://); the parent
-            directory is created.
-        num_shards: number of files. Use at least as many as the hosts that will
-            read them, so each host can read whole files.
-        compression_type: None, "ZLIB" or "GZIP"; the reader needs the same.
+            `{output_prefix}-{i:05d}-of-{num_shards:05d}.tfrecord`, the manifest
+            `{output_prefix}.manifest.json`. Any `tf.io.gfile` path works
+            (local, gs://, ram://); the parent directory is created.
+        num_shards: number of files; None chooses it (`choose_num_shards`): about
+            `target_shard_mb` MB each (uncompressed size), at least `num_hosts`,
+            rounded up to a multiple of `num_hosts`.
+        compression_type: None, "ZLIB" or "GZIP"; the manifest records it.
+        num_hosts: hosts that will read the data (for the automatic shard count).
+        target_shard_mb: wanted shard size; 100-200 MB reads well from local
+            disks and GCS alike.
+        num_workers: threads writing shards; None: min(shards, 8).
+        manifest: also write the JSON manifest (count, feature spec, shards).
 
-    All shards are first written under temporary names in the same directory
-    and renamed only once every shard is complete; on an error the temporary
-    files are removed and no final-name shard is written.
+    An iterable of unknown length with `num_shards=None` is first spooled to a
+    temporary file to learn its size. All shards are written under temporary
+    names in the same directory and renamed only once every shard is complete;
+    on an error the temporary files are removed and nothing is left behind.
     """
-    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1:
-        raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+    if num_shards is not None and (isinstance(num_shards, bool) or not isinstance(num_shards, int)
+                                   or num_shards < 1):
+        raise ValueError(f"num_shards must be an int >= 1 or None, got {num_shards!r}")
+    if isinstance(num_hosts, bool) or not isinstance(num_hosts, int) or num_hosts < 1:
+        raise ValueError(f"num_hosts must be an int >= 1, got {num_hosts!r}")
+    if not target_shard_mb or target_shard_mb <= 0:
+        raise ValueError(f"target_shard_mb must be > 0, got {target_shard_mb!r}")
     if compression_type not in _COMPRESSION_TYPES:
         raise ValueError(
             f"compression_type must be None, 'ZLIB' or 'GZIP', got {compression_type!r}")
     if not isinstance(output_prefix, str) or not output_prefix:
         raise ValueError(f"output_prefix must be a non-empty path, got {output_prefix!r}")
-
-    paths = [f"{output_prefix}-{i:05d}-of-{num_shards:05d}.tfrecord" for i in range(num_shards)]
+    if isinstance(examples, (str, bytes)):
+        raise TypeError("examples must be a dict of arrays, an iterable of dicts or a "
+                        "tf.data.Dataset of dicts")
     directory = os.path.dirname(output_prefix)
     if directory:
         tf.io.gfile.makedirs(directory)
-    # Hidden, and not ending in ".tfrecord", so that globs such as
-    # "prefix-*" or "*.tfrecord" never pick up a shard left by a killed writer.
-    token = uuid.uuid4().hex
-    temp_paths = [os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{token}")
-                  for path in paths]
-    options = tf.io.TFRecordOptions(compression_type=compression_type or "")
-    writers = []
-    try:
-        for temp_path in temp_paths:
-            writers.append(tf.io.TFRecordWriter(temp_path, options))
-        if isinstance(examples, Mapping):
-            columns, num_examples = _columns(examples)
-            if num_examples < num_shards:
-                raise ValueError(
-                    f"cannot split {num_examples} examples into {num_shards} shards "
-                    f"without empty shards: use num_shards <= {num_examples}")
-            for shard, writer in enumerate(writers):
+    workers = num_workers or 8
+
+    if isinstance(examples, Mapping):
+        columns, num_examples = _columns(examples)
+        shapes = {k: a.shape[1:] for k, a in columns.items()}
+        kinds = {k: _kind(a) for k, a in columns.items()}
+
+        def row(i: int) -> bytes:
+            return encode_example({key: col[i] for key, col in columns.items()})
+
+        if num_shards is None:
+            step = max(1, num_examples // _SIZE_SAMPLE)
+            sample = [row(i) for i in range(0, num_examples, step)[:_SIZE_SAMPLE]]
+            num_shards = choose_num_shards(_estimate_bytes(sample, num_examples), num_examples,
+                                           num_hosts, target_shard_mb)
+        if num_examples < num_shards:
+            raise ValueError(
+                f"cannot split {num_examples} examples into {num_shards} shards "
+                f"without empty shards: use num_shards <= {num_examples}")
+        writers = _ShardWriters(_shard_paths(output_prefix, num_shards), compression_type, workers)
+        try:
+            for shard in range(num_shards):
                 begin = shard * num_examples // num_shards
                 end = (shard + 1) * num_examples // num_shards
                 for i in range(begin, end):
-                    writer.write(_serialize({key: col[i] for key, col in columns.items()}))
-        else:
-            if isinstance(examples, (str, bytes)):
-                raise TypeError("examples must be a dict of arrays or an iterable of dicts")
-            check = _ExampleChecker()
-            num_examples = 0
-            for index, example in enumerate(examples):
-                writers[index % num_shards].write(_serialize(check(index, example)))
-                num_examples += 1
-            if num_examples == 0:
-                raise ValueError("examples is empty: nothing to write")
-            if num_examples < num_shards:
-                raise ValueError(
-                    f"got {num_examples} examples for {num_shards} shards, which would "
-                    f"leave empty shards: use num_shards <= {num_examples}")
-        for writer in writers:
-            writer.close()
-        for temp_path, path in zip(temp_paths, paths):
-            tf.io.gfile.rename(temp_path, path, overwrite=True)
-    except BaseException:
-        for writer in writers:
-            writer.close()
-        for temp_path in temp_paths:
-            if tf.io.gfile.exists(temp_path):
-                tf.io.gfile.remove(temp_path)
-        raise
+                    writers.write(shard, row(i))
+            sizes = writers.commit()
+        except BaseException:
+            writers.abort()
+            raise
+    else:
+        check = _ExampleChecker()
+        length = _known_length(examples)
+        source = (_dataset_examples(examples) if isinstance(examples, tf.data.Dataset)
+                  else iter(examples))
+        records = (encode_example(check(i, example)) for i, example in enumerate(source))
+        spool = None
+        try:
+            if num_shards is None:
+                if length is not None:
+                    sample = list(itertools.islice(records, _SIZE_SAMPLE))
+                    if not sample:
+                        raise ValueError("examples is empty: nothing to write")
+                    num_shards = choose_num_shards(_estimate_bytes(sample, length), length,
+                                                   num_hosts, target_shard_mb)
+                    records = itertools.chain(sample, records)
+                else:
+                    spool, count, total = _spool(records, output_prefix)
+                    if count == 0:
+                        raise ValueError("examples is empty: nothing to write")
+                    num_shards = choose_num_shards(total, count, num_hosts, target_shard_mb)
+                    records = (r.numpy() for r in tf.data.TFRecordDataset(spool))
+            writers = _ShardWriters(_shard_paths(output_prefix, num_shards), compression_type,
+                                    workers)
+            try:
+                num_examples = 0
+                for index, record in enumerate(records):
+                    writers.write(index % num_shards, record)
+                    num_examples += 1
+                if num_examples == 0:
+                    raise ValueError("examples is empty: nothing to write")
+                if num_examples < num_shards:
+                    raise ValueError(
+                        f"got {num_examples} examples for {num_shards} shards, which would "
+                        f"leave empty shards: use num_shards <= {num_examples}")
+                sizes = writers.commit()
+            except BaseException:
+                writers.abort()
+                raise
+        finally:
+            if spool is not None and tf.io.gfile.exists(spool):
+                tf.io.gfile.remove(spool)
+        shapes, kinds = check.shapes, check.kinds
+
+    paths = writers.paths
+    if manifest:
+        shards = tuple(Shard(os.path.basename(path), count, size)
+                       for path, count, size in zip(paths, writers.counts, sizes))
+        write_manifest(manifest_path(output_prefix),
+                       Manifest(sum(writers.counts), _spec(shapes, kinds), shards,
+                                compression_type or None))
+    logging.info("write_tfrecords: %d examples in %d shard(s) %s-*, %.1f MB", sum(writers.counts),
+                 len(paths), output_prefix, sum(sizes) / 2**20)
     return paths
+
+
+def _spool(records: Iterable[bytes], output_prefix: str) -> tuple[str, int, int]:
+    """Writes records to one hidden temp file; returns (path, count, bytes incl. framing)."""
+    path = os.path.join(os.path.dirname(output_prefix),
+                        f".{os.path.basename(output_prefix)}.spool-{uuid.uuid4().hex}")
+    count = total = 0
+    try:
+        with tf.io.TFRecordWriter(path) as writer:
+            for record in records:
+                writer.write(record)
+                count += 1
+                total += len(record) + _RECORD_OVERHEAD
+    except BaseException:
+        if tf.io.gfile.exists(path):
+            tf.io.gfile.remove(path)
+        raise
+    return path, count, total

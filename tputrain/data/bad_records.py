@@ -1,0 +1,159 @@
+"""Corrupt or truncated TFRecord data: name the file, or skip it and count.
+
+TensorFlow reports a bad record as `DataLossError: corrupted record at 162`:
+a byte offset, but no file. tputrain keeps the fast path untouched and pays
+only when something breaks:
+
+* Strict (the default): `explain_data_loss` turns that error into a one-line
+  `CorruptRecordError` naming the file and the record index, by re-reading the
+  files the process's `TFRecordInput` pipelines read (only after a failure).
+* `TFRecordInput(skip_corrupt=True)`: each file is read with
+  `ignore_errors`, which stops that file at its first unreadable record; a
+  check at the end of each file logs how many records were skipped (exact when
+  a manifest gives the file's count, else estimated from the bytes left).
+  TFRecord framing cannot be resynchronised after a bad length field, so the
+  rest of that file is skipped, not only the bad record.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import tensorflow as tf
+
+_RECORD_OVERHEAD = 16  # length (8) + length CRC (4) + data CRC (4) bytes per record
+_OFFSET = re.compile(r"(?:corrupted|truncated) record at (\d+)")
+_FIX = ("rewrite the file (tputrain.data.write_tfrecords) or set TFRecordInput.skip_corrupt=True "
+        "to skip bad records")
+
+# Files read by TFRecordInput pipelines in this process -> compression type.
+_FILES_READ: dict[str, str] = {}
+
+
+class CorruptRecordError(IOError):
+    """A TFRecord file has an unreadable record; the message names file and record."""
+
+
+def register_files(files: Iterable[str], compression_type: str | None) -> None:
+    """Remembers files a pipeline reads, so a later DataLossError can be located."""
+    for path in files:
+        _FILES_READ[path] = compression_type or ""
+
+
+def _count_readable(path: str, compression: str) -> tuple[int, int]:
+    """(records, bytes incl. framing) read from the start until the first error."""
+    records = tf.data.TFRecordDataset(path, compression_type=compression).ignore_errors()
+    count, size = records.reduce(
+        (tf.constant(0, tf.int64), tf.constant(0, tf.int64)),
+        lambda state, r: (state[0] + 1,
+                          state[1] + tf.cast(tf.strings.length(r), tf.int64) + _RECORD_OVERHEAD))
+    return int(count), int(size)
+
+
+def _first_error(path: str, compression: str) -> str | None:
+    """The error message of reading `path` strictly, or None if it reads cleanly."""
+    try:
+        tf.data.TFRecordDataset(path, compression_type=compression).reduce(
+            tf.constant(0, tf.int64), lambda n, _: n + 1)
+    except (tf.errors.DataLossError, tf.errors.OutOfRangeError) as error:
+        return error.message.split("[Op:")[0].strip().split("}} ")[-1]
+    return None
+
+
+def locate_corruption(files: Iterable[str], compression_type: str | None = None,
+                      offset: int | None = None) -> tuple[str, int, int, str] | None:
+    """Finds the first unreadable file: (path, record index, byte offset, reason), or None.
+
+    `offset` (from TF's message) puts the files whose size fits it first. Reads
+    whole files: for the error path only.
+    """
+    compression = compression_type or ""
+    files = list(files)
+    if offset is not None and not compression:
+        sizes = {}
+        for path in files:
+            try:
+                sizes[path] = tf.io.gfile.stat(path).length
+            except tf.errors.OpError:
+                sizes[path] = -1
+        files.sort(key=lambda p: sizes[p] < offset)  # Stable: candidates first.
+    for path in files:
+        reason = _first_error(path, compression)
+        if reason is not None:
+            count, consumed = _count_readable(path, compression)
+            return path, count, consumed, reason
+    return None
+
+
+def explain_data_loss(error: Exception) -> Exception:
+    """Returns a one-line `CorruptRecordError` for a TF DataLossError, or `error` itself.
+
+    Looks only at files read by `TFRecordInput` pipelines in this process.
+    """
+    if not isinstance(error, tf.errors.DataLossError) or not _FILES_READ:
+        return error
+    match = _OFFSET.search(str(error))
+    offset = int(match.group(1)) if match else None
+    by_compression: dict[str, list[str]] = {}
+    for path, compression in _FILES_READ.items():
+        by_compression.setdefault(compression, []).append(path)
+    for compression, files in by_compression.items():
+        found = locate_corruption(files, compression, offset)
+        if found is not None:
+            path, index, consumed, reason = found
+            where = f"record {index}" + ("" if compression else f" (byte {consumed})")
+            return CorruptRecordError(
+                f"corrupt TFRecord file {path}: {where} is unreadable ({reason}): {_FIX}")
+    return error
+
+
+def read_skipping_corrupt(path: tf.Tensor, size: tf.Tensor, expected: tf.Tensor,
+                          compression_type: str | None, buffer_size: int | None = None
+                          ) -> tf.data.Dataset:
+    """One file's records, stopping at the first unreadable one and logging the loss.
+
+    `size` is the file's size in bytes (-1: unknown) and `expected` its record
+    count (-1: unknown, e.g. no manifest). A truncation is detected when the bytes
+    read (uncompressed files) fall short of `size`, or the records read fall short
+    of `expected`. Runs inside tf.data (in a per-file `interleave` function).
+    """
+    compression = compression_type or ""
+    records = tf.data.TFRecordDataset(path, compression_type=compression,
+                                      buffer_size=buffer_size).ignore_errors()
+    marked = records.map(lambda r: (r, tf.constant(False))).concatenate(
+        tf.data.Dataset.from_tensors((tf.constant(b""), tf.constant(True))))
+
+    def check(state, element):
+        count, consumed = state
+        record, is_end = element
+
+        known_size = tf.logical_and(tf.constant(not compression), size >= 0)
+
+        def report():
+            average = consumed // tf.maximum(count, 1)
+            lost_bytes = tf.where(known_size, size - consumed, tf.constant(0, tf.int64))
+            estimate = tf.where(expected >= 0, expected - count,
+                                tf.maximum(lost_bytes // tf.maximum(average, 1), 1))
+            exact = tf.where(expected >= 0, tf.constant(""), tf.constant("~"))
+            message = tf.strings.join([
+                "tputrain: TFRecordInput skipped ", exact, tf.strings.as_string(estimate),
+                " corrupt or unreadable record(s) of ", path, ": reading stopped at record ",
+                tf.strings.as_string(count), " after ", tf.strings.as_string(consumed), " of ",
+                tf.strings.as_string(size), " bytes"])
+            tf.print(message, output_stream=tf.compat.v1.logging.warning)
+            return tf.constant(True)
+
+        truncated = tf.logical_or(tf.logical_and(expected >= 0, count < expected),
+                                  tf.logical_and(known_size, consumed < size))
+        logged = tf.cond(tf.logical_and(is_end, truncated), report, lambda: tf.constant(False))
+        with tf.control_dependencies([logged]):
+            step = tf.cast(tf.logical_not(is_end), tf.int64)
+            new_state = (count + step,
+                         consumed + step * (tf.cast(tf.strings.length(record), tf.int64)
+                                            + _RECORD_OVERHEAD))
+        return new_state, (record, is_end)
+
+    checked = marked.scan((tf.constant(0, tf.int64), tf.constant(0, tf.int64)), check)
+    return checked.filter(lambda record, is_end: tf.logical_not(is_end)).map(
+        lambda record, is_end: record)

@@ -1,0 +1,119 @@
+"""`InputOptions`: the tf.data knobs shared by every tputrain input builder.
+
+One gin-configurable object instead of a dozen arguments on each builder:
+`TFRecordInput.options = @InputOptions()` and `InputOptions.threadpool_size = 1`
+in a gin file reach threading, autotuning, prefetch depth and the tf.data
+service without code changes. The builders call `apply` on their batched,
+parsed dataset (per host, outside any replica context).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gin
+import tensorflow as tf
+
+_PROCESSING_MODES = ("parallel_epochs", "distributed_epoch")
+
+
+def _check_optional_int(name: str, value, minimum: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"InputOptions.{name} must be an int or None, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"InputOptions.{name} must be >= {minimum} or None, got {value}")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class InputOptions:
+    """tf.data options for one input pipeline (per host).
+
+    Args:
+        threadpool_size: threads of a private pool for this pipeline; None
+            shares TensorFlow's inter-op pool. On hosts with few cores, a small
+            pool (1-2) keeps tf.data from competing with the train step.
+        max_intra_op_parallelism: threads one tf.data op may use; None is
+            tf.data's default.
+        autotune: let tf.data tune parallelism and buffer sizes. Off, every
+            AUTOTUNE setting runs at its minimum, and freeing iterators no longer
+            waits on the autotuning thread (which can block for seconds).
+        autotune_ram_budget: bytes tf.data may use for prefetch buffers when
+            autotuning; None is tf.data's default (half the host RAM).
+        autotune_cpu_budget: cores tf.data may use when autotuning; None: all.
+        prefetch: batches prefetched at the end of the pipeline; None lets
+            tf.data choose (AUTOTUNE); 0: no prefetch. Deeper buffers absorb
+            bursty input.
+        service_address: a tf.data service dispatcher (e.g.
+            "grpc://dispatcher:5050"); preprocessing then runs on the service's
+            workers instead of this host. The iterator of such a pipeline is not
+            checkpointable: use it with `Trainer.input_mode="distributed"`,
+            which resumes by skipping batches.
+        service_job_name: share one service job between consumers (e.g. hosts
+            reading disjoint parts of one `distributed_epoch` job).
+        service_processing_mode: "parallel_epochs" (each worker produces the
+            whole dataset) or "distributed_epoch" (workers split one epoch).
+    """
+
+    threadpool_size: int | None = None
+    max_intra_op_parallelism: int | None = None
+    autotune: bool = True
+    autotune_ram_budget: int | None = None
+    autotune_cpu_budget: int | None = None
+    prefetch: int | None = None
+    service_address: str | None = None
+    service_job_name: str | None = None
+    service_processing_mode: str = "parallel_epochs"
+
+    def __post_init__(self):
+        _check_optional_int("threadpool_size", self.threadpool_size, 1)
+        _check_optional_int("max_intra_op_parallelism", self.max_intra_op_parallelism, 1)
+        _check_optional_int("autotune_ram_budget", self.autotune_ram_budget, 1)
+        _check_optional_int("autotune_cpu_budget", self.autotune_cpu_budget, 1)
+        _check_optional_int("prefetch", self.prefetch, 0)
+        if not isinstance(self.autotune, bool):
+            raise TypeError(f"InputOptions.autotune must be True or False, got {self.autotune!r}")
+        if self.service_processing_mode not in _PROCESSING_MODES:
+            raise ValueError(
+                f"InputOptions.service_processing_mode must be one of {_PROCESSING_MODES}, "
+                f"got {self.service_processing_mode!r}")
+        if self.service_address is not None and (
+                not isinstance(self.service_address, str) or "://" not in self.service_address):
+            raise ValueError(
+                f"InputOptions.service_address must look like 'grpc://host:port', got "
+                f"{self.service_address!r}")
+        if self.service_job_name is not None and self.service_address is None:
+            raise ValueError("InputOptions.service_job_name is set but service_address is not: "
+                             "set service_address to the tf.data service dispatcher")
+
+    def tf_options(self) -> tf.data.Options:
+        """The `tf.data.Options` these settings amount to."""
+        options = tf.data.Options()
+        if self.threadpool_size is not None:
+            options.threading.private_threadpool_size = self.threadpool_size
+        if self.max_intra_op_parallelism is not None:
+            options.threading.max_intra_op_parallelism = self.max_intra_op_parallelism
+        options.autotune.enabled = self.autotune
+        if self.autotune_ram_budget is not None:
+            options.autotune.ram_budget = self.autotune_ram_budget
+        if self.autotune_cpu_budget is not None:
+            options.autotune.cpu_budget = self.autotune_cpu_budget
+        return options
+
+    def apply(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
+        """Offloads to the tf.data service if configured, prefetches, sets options.
+
+        Called on a finished (batched, parsed) per-host dataset: everything up to
+        here runs on the service's workers when `service_address` is set.
+        """
+        if self.service_address is not None:
+            dataset = dataset.apply(tf.data.experimental.service.distribute(
+                processing_mode=self.service_processing_mode,
+                service=self.service_address,
+                job_name=self.service_job_name))
+        if self.prefetch != 0:
+            dataset = dataset.prefetch(
+                tf.data.AUTOTUNE if self.prefetch is None else self.prefetch)
+        return dataset.with_options(self.tf_options())

@@ -5,15 +5,43 @@ host's input iterator (the data position, including shuffle buffers) and the
 state of every Keras `SeedGenerator` in the model. Keras does not expose the
 seed generators to `tf.train.Checkpoint`, so without tracking them explicitly
 dropout masks after a resume differ from an uninterrupted run.
+
+Integrity, in the order things can go wrong:
+
+* A save killed mid-write is never chosen: `CheckpointManager` writes the data
+  and index files first and only then (atomically) the `checkpoint` state file
+  that lists the checkpoints; restore only considers listed ones.
+* A listed checkpoint that cannot be read (truncated, bit rot, a lost data
+  file) is skipped with a warning and the previous one is tried.
+* A checkpoint written by a *different model* is not "corrupt": restoring
+  stops with `CheckpointMismatchError`, naming the mismatched variables, instead
+  of silently falling back or loading half of it.
+* A state with NaN/Inf in any variable is never saved (`NonFiniteStateError`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Iterable
 
+import gin
 import keras
+import numpy as np
 import tensorflow as tf
 from absl import logging
+
+# Keys every TF2 checkpoint has besides the objects it saves.
+_BOOKKEEPING_KEYS = ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/")
+_VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+_SHOW = 6  # mismatches listed in an error message
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint in model_dir was written by a different model or pipeline."""
+
+
+class NonFiniteStateError(FloatingPointError):
+    """Refusing to checkpoint variables that hold NaN or Inf."""
 
 
 def seed_generator_states(model: keras.Model) -> list[tf.Variable]:
@@ -28,16 +56,117 @@ def seed_generator_states(model: keras.Model) -> list[tf.Variable]:
     return states
 
 
+def _is_variable(obj: Any) -> bool:
+    return isinstance(obj, (tf.Variable, keras.Variable))
+
+
+def _expected_entries(checkpoint: tf.train.Checkpoint) -> dict[str, tuple[Any, str]] | None:
+    """{checkpoint key: (shape or None, readable name)} of what `checkpoint` saves.
+
+    Variables get their exact key; other saveables (the data iterator) a key
+    prefix ending in "/.ATTRIBUTES/". Uses TF's object-graph traversal (the one
+    `save` uses); returns None if that private API changes, which only loses the
+    friendly mismatch message.
+    """
+    try:
+        from tensorflow.python.checkpoint import graph_view
+        from tensorflow.python.trackable import base as trackable_base
+
+        objects, paths = graph_view.ObjectGraphView(checkpoint).breadth_first_traversal()
+    except Exception as error:  # noqa: BLE001 - a private API; degrade gracefully
+        logging.debug("tputrain: cannot list checkpoint keys (%s)", error)
+        return None
+    entries: dict[str, tuple[Any, str]] = {}
+    for obj in objects:
+        path = "/".join(ref.name for ref in paths[obj])
+        if not path:
+            continue
+        if _is_variable(obj):
+            name = getattr(obj, "path", None) or getattr(obj, "name", path)
+            entries[path + _VARIABLE_SUFFIX] = (tuple(obj.shape), str(name).removesuffix(":0"))
+        elif (type(obj)._serialize_to_tensors
+              is not trackable_base.Trackable._serialize_to_tensors):
+            entries[path + "/.ATTRIBUTES/"] = (None, path)
+    return entries
+
+
+def describe_mismatch(checkpoint: tf.train.Checkpoint, path: str) -> str:
+    """'' if `path` holds what `checkpoint` saves, else the differences in words."""
+    expected = _expected_entries(checkpoint)
+    if expected is None:
+        return ""
+    shapes = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    saved = {k: tuple(v) for k, v in shapes.items() if not k.startswith(_BOOKKEEPING_KEYS)}
+    problems, matched = [], set()
+    for key, (shape, name) in expected.items():
+        if shape is None:  # a non-variable saveable: any key under its prefix
+            hits = [k for k in saved if k.startswith(key)]
+            matched.update(hits)
+            if not hits:
+                problems.append(f"{name} is not in the checkpoint")
+            continue
+        if key not in saved:
+            problems.append(f"{name} {list(shape)} is not in the checkpoint")
+            continue
+        matched.add(key)
+        if saved[key] != shape:
+            problems.append(f"{name}: checkpoint has shape {list(saved[key])}, "
+                            f"this model {list(shape)}")
+    extra = [k for k in saved if k not in matched]
+    problems += [f"{k.removesuffix(_VARIABLE_SUFFIX)} {list(saved[k])} is in the checkpoint "
+                 "but not in this model" for k in extra]
+    if not problems:
+        return ""
+    more = f" (and {len(problems) - _SHOW} more)" if len(problems) > _SHOW else ""
+    return "; ".join(problems[:_SHOW]) + more
+
+
+def _float_variables(trackables: Iterable[Any]) -> list[Any]:
+    """The floating-point variables of the saved objects (for the finite check)."""
+    found, seen = [], set()
+
+    def add(variable):
+        if id(variable) not in seen and variable.dtype in (tf.float16, tf.bfloat16,
+                                                           tf.float32, tf.float64):
+            seen.add(id(variable))
+            found.append(variable)
+
+    for obj in trackables:
+        if _is_variable(obj):
+            add(obj)
+        elif isinstance(obj, (list, tuple)):
+            found_inner = _float_variables(obj)
+            for variable in found_inner:
+                add(variable)
+        elif hasattr(obj, "variables") and not callable(obj.variables):
+            for variable in obj.variables:
+                if _is_variable(variable):
+                    add(variable)
+    return found
+
+
+def _all_finite(variables: list[Any]) -> tf.Tensor:
+    if not variables:
+        return tf.constant(True)
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(v)))
+                          for v in variables])
+
+
+@gin.configurable(denylist=["directory", "step", "every", "keep"])
 class Checkpointer:
     """Saves every `every` steps into `directory`, keeps `keep`, restores the latest.
 
-    `CheckpointManager` writes the data files before it updates the `checkpoint`
-    index file, so a save interrupted mid-write is never chosen on restore. If the
-    newest listed checkpoint cannot be read, older ones are tried with a warning.
+    Args:
+      directory: where checkpoints go (any `tf.io.gfile` path: local, gs://, ram://).
+      step: the int64 step variable; names the checkpoints (`ckpt-<step>`).
+      every: save when the step is a multiple of this.
+      keep: how many checkpoints to keep.
+      check_finite: refuse to save a state with NaN/Inf in a float variable.
+      **trackables: what to save (model, optimizer, iterator, seed states...).
     """
 
     def __init__(self, directory: str, step: tf.Variable, every: int, keep: int = 3,
-                 **trackables: Any):
+                 check_finite: bool = True, **trackables: Any):
         if every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {every}")
         if keep < 1:
@@ -45,40 +174,129 @@ class Checkpointer:
         self.directory = directory
         self.every = every
         self.step = step
+        self.check_finite = check_finite
+        self._trackables = dict(trackables)
         self.checkpoint = tf.train.Checkpoint(step=step, **trackables)
         self.manager = tf.train.CheckpointManager(
             self.checkpoint, directory, max_to_keep=keep, step_counter=step)
+        self._float_vars = _float_variables(trackables.values())
+        self._finite_fn = tf.function(lambda: _all_finite(self._float_vars))
+        self._lock = threading.Lock()
 
     @property
     def latest(self) -> str | None:
         return self.manager.latest_checkpoint
 
-    def restore_latest(self) -> str | None:
-        """Restores the newest readable checkpoint; returns its path or None."""
-        candidates = list(reversed(self.manager.checkpoints))
-        for index, path in enumerate(candidates):
+    def _candidates(self) -> list[str]:
+        """Listed checkpoints, newest first (re-read: another process may have saved)."""
+        state = tf.train.get_checkpoint_state(self.directory)
+        if state is None:
+            return []
+        paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
+        return list(reversed([p for p in paths if p]))
+
+    def check_compatible(self) -> None:
+        """Raises `CheckpointMismatchError` if the latest checkpoint is another model's.
+
+        Reads only the checkpoint's index (names and shapes), so the Trainer can
+        call it before anything is written to model_dir.
+        """
+        for path in self._candidates():
             try:
-                status = self.checkpoint.restore(path)
-                status.assert_existing_objects_matched()
-            except (tf.errors.OpError, ValueError, AssertionError) as error:
-                if index + 1 == len(candidates):
-                    raise
-                logging.warning("tputrain: checkpoint %s is unreadable (%s); trying %s",
-                                path, str(error).splitlines()[0], candidates[index + 1])
+                problems = describe_mismatch(self.checkpoint, path)
+            except (tf.errors.OpError, ValueError, IndexError):
+                continue  # unreadable: restore_latest falls back past it
+            if problems:
+                raise CheckpointMismatchError(self._mismatch_message(path, problems))
+            return
+
+    def _mismatch_message(self, path: str, problems: str) -> str:
+        return (f"checkpoint {path} was written by a different model or input pipeline: "
+                f"{problems}. Use a new model_dir for a new model, or restore the config "
+                "that wrote it")
+
+    def restore_latest(self) -> str | None:
+        """Restores the newest readable checkpoint; returns its path or None.
+
+        Unreadable checkpoints are skipped (with a warning) in favour of older
+        ones; a checkpoint of a different model raises `CheckpointMismatchError`.
+        """
+        candidates = self._candidates()
+        failures = []
+        for path in candidates:
+            try:
+                problems = describe_mismatch(self.checkpoint, path)
+            except (tf.errors.OpError, ValueError, IndexError) as error:
+                failures.append((path, error))
                 continue
+            if problems:
+                raise CheckpointMismatchError(self._mismatch_message(path, problems))
+            try:
+                self.checkpoint.restore(path).assert_consumed()
+            except AssertionError as error:  # structure differs in a way we did not list
+                raise CheckpointMismatchError(
+                    self._mismatch_message(path, str(error).splitlines()[0])) from error
+            except (tf.errors.OpError, ValueError, IndexError) as error:
+                failures.append((path, error))
+                continue
+            for failed, error in failures:
+                logging.warning("tputrain: checkpoint %s is unreadable (%s: %s); restored "
+                                "the older %s instead", failed, type(error).__name__,
+                                _first_line(error), path)
             logging.info("tputrain: restored %s (step %d)", path, int(self.step.numpy()))
             return path
+        if failures:
+            details = "; ".join(f"{p}: {type(e).__name__}: {_first_line(e)}" for p, e in failures)
+            raise RuntimeError(
+                f"no checkpoint in {self.directory} could be read ({details}): delete the "
+                "damaged files (or the whole directory to start over)")
         return None
+
+    def restore_weights(self, exclude: Iterable[str] = ("iterator", "step")) -> str | None:
+        """Restores the latest checkpoint except `exclude` (used to roll back).
+
+        Returns its path, or None if there is no checkpoint yet.
+        """
+        path = self._candidates()[0] if self._candidates() else None
+        if path is None:
+            return None
+        exclude = set(exclude)
+        partial = tf.train.Checkpoint(
+            **{name: obj for name, obj in {"step": self.step, **self._trackables}.items()
+               if name not in exclude})
+        partial.restore(path).expect_partial().assert_existing_objects_matched()
+        return path
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
+    def all_finite(self) -> bool:
+        """Whether every float variable that would be saved is finite."""
+        return bool(self._finite_fn())
+
     def save(self) -> str:
-        """Saves at the current step unless a checkpoint for it already exists."""
-        step = int(self.step.numpy())
-        latest = self.latest
-        if latest and latest.endswith(f"-{step}"):
-            return latest
-        path = self.manager.save(checkpoint_number=step)
-        logging.info("tputrain: saved checkpoint %s", path)
-        return path
+        """Saves at the current step unless a checkpoint for it already exists.
+
+        Raises `NonFiniteStateError` instead of saving NaN/Inf weights.
+        """
+        with self._lock:
+            step = int(self.step.numpy())
+            latest = self.latest
+            if latest and latest.endswith(f"-{step}"):
+                return latest
+            if self.check_finite and not self.all_finite():
+                bad = [getattr(v, "path", v.name) for v in self._float_vars
+                       if not np.all(np.isfinite(np.asarray(v)))]
+                raise NonFiniteStateError(
+                    f"not saving step {step}: NaN/Inf in {', '.join(map(str, bad[:_SHOW]))}. "
+                    f"The last good checkpoint is {latest}; lower the learning rate or "
+                    "enable the non-finite guard (NonFiniteGuard.policy)")
+            logging.info("tputrain: saving checkpoint at step %d", step)
+            path = self.manager.save(checkpoint_number=step)
+            logging.info("tputrain: saved checkpoint %s", path)
+            return path
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

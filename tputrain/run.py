@@ -22,6 +22,8 @@ def define_gin_flags() -> None:
     flags.DEFINE_multi_string("gin_import", [], "Python module(s) to import before parsing, "
                               "e.g. a module defining your Task.")
     flags.DEFINE_string("model_dir", None, "Overrides Trainer.model_dir.")
+    flags.DEFINE_bool("deterministic", False, "Enable TF op determinism: bitwise reproducible "
+                      "runs and resumes, at some speed cost.")
 
 
 def parse_gin_flags() -> None:
@@ -59,17 +61,55 @@ def build_trainer():
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    from tputrain.cluster import join_watchdog  # registers join_watchdog before parsing
+
     parse_gin_flags()
     from tputrain.config import write_operative_config
 
-    trainer = build_trainer()
+    if FLAGS.deterministic:
+        import tensorflow as tf
+
+        tf.config.experimental.enable_op_determinism()
+    try:
+        with join_watchdog():  # multi-worker: a task that never starts is named, not waited on
+            trainer = build_trainer()
+    except (ValueError, TypeError, OSError) as error:  # bad input: one line naming the fix
+        logging.debug("tputrain: building the trainer failed", exc_info=True)
+        _fail(_message(error), EXIT_BAD_INPUT)
     if trainer.is_chief:
         write_operative_config(trainer.model_dir)
-    results = trainer.train()
+    results = _train(trainer)
     if trainer.is_chief:
         write_operative_config(trainer.model_dir)
     logging.info("tputrain: done at step %d: %s", int(trainer.step.numpy()),
                  " | ".join(f"{k} {v:.4g}" for k, v in results.items()))
+
+
+# Exit codes (docs/fault_tolerance.md): 0 done; 1 training failed (e.g. a non-finite
+# loss, corrupt data mid-run, a lost worker); 2 bad config or input, found before any
+# training; 3 a multi-worker task never joined; 42 preempted after saving a checkpoint.
+EXIT_TRAINING_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+
+def _message(error: BaseException) -> str:
+    """The error's own message, without the lines gin appends ("In call to ...")."""
+    text = str(error).split("\n  In call to configurable")[0].strip()
+    return text or type(error).__name__
+
+
+def _train(trainer):
+    """Runs training; known failures end in one line (preemption exits 42 by itself)."""
+    from tputrain.checkpoint import CheckpointMismatchError, NonFiniteStateError
+    from tputrain.guard import NonFiniteError
+    from tputrain.validate import InputDataError, ModelDirError
+
+    try:
+        return trainer.train()
+    except (CheckpointMismatchError, InputDataError, ModelDirError) as error:
+        _fail(_message(error), EXIT_BAD_INPUT)
+    except (NonFiniteError, NonFiniteStateError) as error:
+        _fail(_message(error), EXIT_TRAINING_FAILED)
 
 
 # `tputrain <command>`: module with a `console_main()` each; `run` is the default.
@@ -85,7 +125,8 @@ def console_main() -> None:
             return
     define_gin_flags()
     # The console script is its own __main__: list this module's flags in its --help.
-    for name in ("gin_file", "gin_param", "gin_search_path", "gin_import", "model_dir"):
+    for name in ("gin_file", "gin_param", "gin_search_path", "gin_import", "model_dir",
+                 "deterministic"):
         FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
     app.run(main)
 

@@ -1,0 +1,97 @@
+"""A gin-configurable tiny task for end-to-end fault tests run through the CLI.
+
+Imported by child processes with `--gin_import=faults` (tests/ on PYTHONPATH).
+It splits the CPU into `TPUTRAIN_TEST_CPUS` logical devices (default 2) at
+import, before TensorFlow starts, so `resolve_strategy.strategy='mirrored'`
+gives real replicas.
+"""
+
+from __future__ import annotations
+
+import os
+
+import gin
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tputrain
+from tiny import TinyTask
+
+tputrain.split_cpu(int(os.environ.get("TPUTRAIN_TEST_CPUS", "2")))
+
+
+class Ballast(keras.layers.Layer):
+    """An identity layer owning a large frozen weight.
+
+    It makes every checkpoint write take long enough (tens of ms) that a test
+    can kill the process while the write is in progress.
+    """
+
+    def __init__(self, floats: int, **kwargs):
+        super().__init__(**kwargs)
+        self.floats = floats
+
+    def build(self, input_shape):
+        self.ballast = self.add_weight(shape=(self.floats,), initializer="ones",
+                                       trainable=False, name="ballast")
+
+    def call(self, inputs):
+        return inputs
+
+
+@gin.configurable
+class FaultTask(TinyTask):
+    """TinyTask with dropout, an optional ballast weight, and an optional NaN batch.
+
+    `nan_at_batch`: the train batch with this index (0-based, per replica stream)
+    has NaN features, to exercise the non-finite guard.
+    """
+
+    def __init__(self, dropout: float = 0.3, ballast_floats: int = 0, hidden: int = 16,
+                 nan_at_batch: int | None = None, learning_rate: float = 0.05):
+        super().__init__(dropout=dropout, learning_rate=learning_rate)
+        self.ballast_floats = ballast_floats
+        self.hidden = hidden
+        self.nan_at_batch = nan_at_batch
+
+    def build_model(self) -> keras.Model:
+        inputs = keras.Input((8,), name="x")
+        h = inputs
+        if self.ballast_floats:
+            h = Ballast(self.ballast_floats)(h)
+        h = keras.layers.Dense(self.hidden, activation="relu",
+                               kernel_regularizer=keras.regularizers.L2(self.l2))(h)
+        if self.dropout:
+            h = keras.layers.Dropout(self.dropout, seed=1)(h)
+        logits = keras.layers.Dense(2, dtype="float32")(h)
+        return keras.Model({"x": inputs}, logits)
+
+    def build_inputs(self, split, input_context):
+        dataset = super().build_inputs(split, input_context)
+        if split == "train":
+            # A shuffle buffer makes the iterator state non-trivial to restore.
+            dataset = dataset.unbatch().shuffle(64, seed=3).batch(
+                input_context.get_per_replica_batch_size(input_context.global_batch_size),
+                drop_remainder=True)
+        if split == "train" and self.nan_at_batch is not None:
+            bad = self.nan_at_batch
+
+            def poison(index, batch):
+                features, labels = batch
+                x = tf.where(index == bad, tf.fill(tf.shape(features["x"]), np.nan),
+                             features["x"])
+                return {"x": x}, labels
+
+            dataset = dataset.enumerate().map(poison)
+        return dataset
+
+
+def final_weights(model_dir: str) -> dict[str, np.ndarray]:
+    """The model weights of the latest checkpoint in model_dir, by checkpoint key."""
+    path = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))
+    assert path, f"no checkpoint in {model_dir}"
+    reader = tf.train.load_checkpoint(path)
+    return {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(path)
+            if name.startswith("optimizer/") or name.startswith("model/")
+            or name.startswith("seeds/")}

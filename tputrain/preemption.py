@@ -1,0 +1,140 @@
+"""Preemption: on SIGTERM, stop at the next step boundary, checkpoint, exit 42.
+
+Cloud TPU and GCE preemption, Kubernetes and Slurm all send SIGTERM and wait a
+grace period before SIGKILL. `PreemptionWatcher` turns the signal into a flag
+that the compiled train loop reads before every step, so the run stops after
+the step in flight (not at the end of a `steps_per_loop` loop, which can be
+minutes), the Trainer saves a checkpoint at that step and raises `Preempted`,
+which exits the process with `PREEMPTED_EXIT_CODE` (42, the code TF's
+`PreemptionCheckpointHandler` uses). Rerunning the same command resumes exactly.
+
+Why not `tf.distribute.experimental.PreemptionCheckpointHandler`: it checks for
+preemption only when its `run()` is called from Python, i.e. once per host
+loop here; it probes the GCE metadata server at start (5 s off Google Cloud);
+and it exits the process from inside `run()`. A Python signal handler alone is
+not enough either: Python runs handlers only between bytecodes, and the main
+thread sits in one compiled call for the whole loop. So the C-level handler's
+wakeup byte (`signal.set_wakeup_fd`) wakes a watcher thread, which sets a
+`tf.Variable` that the running loop reads.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Sequence
+
+import tensorflow as tf
+from absl import logging
+
+PREEMPTED_EXIT_CODE = 42
+
+
+class Preempted(SystemExit):
+    """Training stopped on a preemption signal after saving a checkpoint.
+
+    A `SystemExit` with code 42: uncaught, the process exits 42 without a
+    traceback (rerun the same command to resume); catch it to do otherwise.
+    """
+
+    def __init__(self, step: int, checkpoint: str | None):
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.step = step
+        self.checkpoint = checkpoint
+
+    def __str__(self) -> str:
+        return (f"preempted at step {self.step}; saved {self.checkpoint}; rerun the same "
+                f"command to resume (exit code {PREEMPTED_EXIT_CODE})")
+
+
+class PreemptionWatcher:
+    """Sets `flag` (a host tf.Variable) when one of `signals` arrives.
+
+    Create it before tracing the loop that reads `flag`; `install()` it (main
+    thread only: Python's rule for signal handlers) while training and
+    `uninstall()` after, which restores the previous handlers.
+    """
+
+    def __init__(self, signals: Sequence[int] = (signal.SIGTERM,)):
+        self.signals = tuple(signals)
+        # Outside any strategy scope: one host variable, read by the loop on the host.
+        with tf.init_scope(), tf.device("/cpu:0"):
+            self.flag = tf.Variable(False, trainable=False, name="tputrain_preempted")
+        self._requested = threading.Event()
+        self._previous: dict[int, object] = {}
+        self._previous_wakeup_fd: int | None = None
+        self._pipe: tuple[int, int] | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self._requested.is_set()
+
+    def request(self, signum: int | None = None) -> None:
+        """Asks the loop to stop at the next step boundary (also callable directly)."""
+        if not self._requested.is_set():
+            name = signal.Signals(signum).name if signum else "a stop request"
+            logging.warning("tputrain: received %s; stopping at the next step boundary to "
+                            "save a checkpoint", name)
+        self._requested.set()
+        self.flag.assign(True)
+
+    def install(self) -> bool:
+        """Installs the handlers; returns False (and does nothing) off the main thread."""
+        if threading.current_thread() is not threading.main_thread():
+            logging.warning("tputrain: not on the main thread; SIGTERM will not trigger a "
+                            "checkpoint (signal handlers can only be set from the main thread)")
+            return False
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        self._pipe = (read_fd, write_fd)
+        for signum in self.signals:
+            self._previous[signum] = signal.signal(signum, self._python_handler)
+        self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, name="tputrain-preemption",
+                                        daemon=True)
+        self._thread.start()
+        return True
+
+    def _python_handler(self, signum, frame) -> None:  # runs later, on the main thread
+        del frame
+        self.request(signum)
+
+    def _watch(self) -> None:
+        """Watcher thread: wakes on the C-level handler's byte, while the loop runs."""
+        read_fd = self._pipe[0]
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data:  # uninstall() closed the pipe
+                return
+            hits = [b for b in data if b in self.signals]
+            if hits:
+                self.request(hits[0])
+
+    def uninstall(self) -> None:
+        """Restores the previous handlers and wakeup fd; stops the watcher thread."""
+        if self._pipe is None:
+            return
+        signal.set_wakeup_fd(self._previous_wakeup_fd if self._previous_wakeup_fd is not None
+                             else -1)
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+        read_fd, write_fd = self._pipe
+        os.close(write_fd)  # the watcher's read returns b""
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        os.close(read_fd)
+        self._pipe = None
+        self._thread = None
+
+    def __enter__(self) -> "PreemptionWatcher":
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()

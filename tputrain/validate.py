@@ -1,0 +1,129 @@
+"""Pre-flight checks: bad inputs fail in one line that names the fix, before compute.
+
+The Trainer runs these after building its inputs and before writing anything
+to model_dir: the first batch can be read (a corrupt or truncated TFRecord fails
+here, not an hour in), model_dir is writable and has room for checkpoints, and
+a gs:// bucket exists and accepts writes.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import uuid
+from typing import Any, Iterable
+
+import tensorflow as tf
+from absl import logging
+
+_MIB = 1 << 20
+
+
+class InputDataError(ValueError):
+    """The input data cannot be read (corrupt or truncated records)."""
+
+
+class ModelDirError(OSError):
+    """model_dir cannot hold the run's checkpoints and logs."""
+
+
+def corrupt_data_message(error: tf.errors.OpError, split: str, where: str) -> str:
+    return (f"the {split} data is corrupt {where} ({type(error).__name__}: "
+            f"{str(error).strip().splitlines()[0]}): a TFRecord file is damaged or "
+            "truncated. Find it with tputrain.validate.find_corrupt_tfrecords(PATTERN) "
+            "and rewrite it (tputrain.data.write_tfrecords) or remove it")
+
+
+def probe_inputs(dataset: tf.data.Dataset, split: str) -> None:
+    """Reads one element through a throwaway iterator; raises `InputDataError`.
+
+    Autotuning is off for the probe: freeing an autotuned iterator can block for
+    seconds until tf.data's tuning thread wakes up.
+    """
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    try:
+        for _ in dataset.take(1).with_options(options):
+            pass
+    except (tf.errors.DataLossError, tf.errors.InvalidArgumentError) as error:
+        if isinstance(error, tf.errors.InvalidArgumentError) and "record" not in str(error).lower():
+            raise
+        raise InputDataError(corrupt_data_message(error, split, "in its first batch")) from None
+
+
+def find_corrupt_tfrecords(file_pattern: str | Iterable[str],
+                           compression_type: str | None = None) -> list[str]:
+    """Reads every record of every matching file; returns the unreadable files."""
+    patterns = [file_pattern] if isinstance(file_pattern, str) else list(file_pattern)
+    files = sorted({f for p in patterns for f in tf.io.gfile.glob(p)})
+    bad = []
+    for path in files:
+        try:
+            for _ in tf.data.TFRecordDataset(path, compression_type=compression_type or ""):
+                pass
+        except (tf.errors.DataLossError, tf.errors.InvalidArgumentError):
+            bad.append(path)
+    return bad
+
+
+def variable_bytes(variables: Iterable[Any]) -> int:
+    """Bytes of the given variables (an estimate of one checkpoint's size)."""
+    total = 0
+    for variable in variables:
+        total += int(tf.TensorShape(variable.shape).num_elements() or 0) * tf.as_dtype(
+            variable.dtype).size
+    return total
+
+
+def check_model_dir(model_dir: str, checkpoint_bytes: int = 0) -> None:
+    """Fails with the fix if model_dir cannot take this run's checkpoints and logs.
+
+    Creates model_dir, writes and deletes a probe file, and for local paths checks
+    the free space against two checkpoints (the one being written and the last
+    good one). gs:// buckets are checked with google-cloud-storage first.
+    """
+    if model_dir.startswith("gs://"):
+        from tputrain.gcs import check_bucket_writable
+
+        check_bucket_writable(model_dir)
+    try:
+        tf.io.gfile.makedirs(model_dir)
+        if not tf.io.gfile.isdir(model_dir):
+            raise ModelDirError(f"model_dir {model_dir} is not a directory: pass a "
+                                "directory path as --model_dir")
+        probe = f"{model_dir.rstrip('/')}/.tputrain-write-test-{uuid.uuid4().hex[:8]}"
+        with tf.io.gfile.GFile(probe, "wb") as f:
+            f.write(b"\0" * min(max(checkpoint_bytes, 1), _MIB))
+        tf.io.gfile.remove(probe)
+    except ModelDirError:
+        raise
+    except (tf.errors.OpError, OSError) as error:
+        raise ModelDirError(_explain_write_error(model_dir, error)) from None
+    if "://" not in model_dir and checkpoint_bytes:
+        free = shutil.disk_usage(model_dir).free
+        needed = 2 * checkpoint_bytes
+        if free < needed:
+            raise ModelDirError(
+                f"model_dir {model_dir} has {free / _MIB:.1f} MiB free but a checkpoint "
+                f"needs {checkpoint_bytes / _MIB:.1f} MiB (x2 while the next one is "
+                "written): free some space or choose a --model_dir on a larger disk")
+        logging.debug("tputrain: model_dir %s has %.0f MiB free", model_dir, free / _MIB)
+
+
+def _explain_write_error(model_dir: str, error: Exception) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    code = getattr(error, "errno", None)
+    lowered = text.lower()
+    if code == errno.ENOSPC or "no space left" in lowered:
+        return (f"model_dir {model_dir} is full ({text}): free some space or "
+                              "choose a --model_dir on a larger disk")
+    if (code in (errno.EROFS, errno.EACCES, errno.EPERM)
+            or isinstance(error, (tf.errors.PermissionDeniedError, PermissionError))
+            or "read-only" in lowered or "permission" in lowered):
+        return (f"model_dir {model_dir} is not writable ({text}): choose a "
+                              "writable --model_dir or fix its permissions")
+    if code == errno.ENOTDIR or "not a directory" in lowered:
+        return (f"model_dir {model_dir} is inside a file, not a directory "
+                               f"({text}): choose another --model_dir")
+    return (f"cannot write to model_dir {model_dir} ({type(error).__name__}: "
+                               f"{text}): choose a writable --model_dir")

@@ -1,9 +1,9 @@
 """A gin-configurable tiny task for end-to-end fault tests run through the CLI.
 
 Imported by child processes with `--gin_import=faults` (tests/ on PYTHONPATH).
-It splits the CPU into `TPUTRAIN_TEST_CPUS` logical devices (default 2) at
-import, before TensorFlow starts, so `resolve_strategy.strategy='mirrored'`
-gives real replicas.
+In a child with `TPUTRAIN_TEST_CPUS=N` it splits the CPU into N logical devices
+at import, before TensorFlow starts, so `resolve_strategy.strategy='mirrored'`
+gives real replicas. (pytest's own process keeps conftest's 4 devices.)
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import tensorflow as tf
 import tputrain
 from tiny import TinyTask
 
-tputrain.split_cpu(int(os.environ.get("TPUTRAIN_TEST_CPUS", "2")))
+if os.environ.get("TPUTRAIN_TEST_CPUS"):
+    tputrain.split_cpu(int(os.environ["TPUTRAIN_TEST_CPUS"]))
 
 
 class Ballast(keras.layers.Layer):

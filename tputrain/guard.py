@@ -15,6 +15,7 @@ overflow), and then, by `policy`:
   checkpoint, the data position is *not* (the batches since are skipped, as
   large-model practice does for loss spikes), and training continues; more than
   `max_rollbacks` rollbacks raise `NonFiniteError`.
+* None: no checks at all (to measure what they cost: `benchmarks/resume.py`).
 
 Under mixed_float16 the Keras `LossScaleOptimizer` already skips overflowing
 steps and lowers its scale; the guard then watches only the loss, since
@@ -30,7 +31,7 @@ import gin
 import keras
 import tensorflow as tf
 
-POLICIES = ("raise", "skip", "rollback")
+POLICIES = ("raise", "skip", "rollback", None)
 
 
 class NonFiniteError(FloatingPointError):
@@ -48,13 +49,13 @@ class NonFiniteGuard:
     """Detects non-finite losses/gradients in the compiled step and applies `policy`.
 
     Args:
-      policy: "raise", "skip" or "rollback" (see the module docstring).
+      policy: "raise", "skip", "rollback" or None (see the module docstring).
       max_rollbacks: with "rollback", how many rollbacks before giving up.
       check_gradients: also check gradients (skips the update in-step); False
         checks only the step's logged loss, after the update.
     """
 
-    def __init__(self, policy: str = "raise", max_rollbacks: int = 3,
+    def __init__(self, policy: str | None = "raise", max_rollbacks: int = 3,
                  check_gradients: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"NonFiniteGuard.policy must be one of {POLICIES}, got {policy!r}")
@@ -86,7 +87,8 @@ class NonFiniteGuard:
         all-reduce combines the verdicts, and the (cross-replica) `tf.cond`
         either runs the optimizer's own apply on every replica or skips it.
         """
-        if not self.check_gradients or getattr(optimizer, "_tputrain_guarded", False):
+        if (self.policy is None or not self.check_gradients
+                or getattr(optimizer, "_tputrain_guarded", False)):
             return
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             return  # it skips overflowing steps itself (see the module docstring)
@@ -126,6 +128,8 @@ class NonFiniteGuard:
 
     def observe(self, logs: Mapping[str, tf.Tensor], step: tf.Variable) -> None:
         """Cross-replica, after each train step: records a non-finite step."""
+        if self.policy is None:
+            return
         values = [v for v in logs.values() if tf.as_dtype(v.dtype).is_floating]
         bad = tf.logical_not(_all_finite(values))
         if self.check_gradients:
@@ -143,6 +147,8 @@ class NonFiniteGuard:
 
     def should_stop(self) -> tf.Tensor:
         """Whether the loop must stop before its next step (not under "skip")."""
+        if self.policy in (None, "skip"):
+            return tf.constant(False)
         return self.tripped_at.read_value() > 0
 
     # ---------------------------------------------------- between host loops

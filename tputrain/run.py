@@ -101,12 +101,13 @@ def _message(error: BaseException) -> str:
 def _train(trainer):
     """Runs training; known failures end in one line (preemption exits 42 by itself)."""
     from tputrain.checkpoint import CheckpointMismatchError, NonFiniteStateError
+    from tputrain.data import CorruptRecordError
     from tputrain.guard import NonFiniteError
     from tputrain.validate import InputDataError, ModelDirError
 
     try:
         return trainer.train()
-    except (CheckpointMismatchError, InputDataError, ModelDirError) as error:
+    except (CheckpointMismatchError, CorruptRecordError, InputDataError, ModelDirError) as error:
         _fail(_message(error), EXIT_BAD_INPUT)
     except (NonFiniteError, NonFiniteStateError) as error:
         _fail(_message(error), EXIT_TRAINING_FAILED)

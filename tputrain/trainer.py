@@ -29,8 +29,7 @@ from tputrain.strategy import resolve_strategy
 from tputrain.task import Task
 from tputrain.guard import NonFiniteError, NonFiniteGuard
 from tputrain.preemption import Preempted, PreemptionWatcher
-from tputrain.validate import (InputDataError, check_model_dir, corrupt_data_message,
-                               probe_inputs, variable_bytes)
+from tputrain.validate import check_model_dir, input_data_error, probe_inputs, variable_bytes
 
 _INPUT_MODES = ("host", "distributed")
 _EXHAUSTED = "tputrain: input exhausted"
@@ -360,8 +359,7 @@ class Trainer:
                     try:
                         logs, steps, input_wait = self._train_loop(self._next_boundary(step))
                     except tf.errors.DataLossError as error:
-                        raise InputDataError(corrupt_data_message(
-                            error, "train", f"after step {step}")) from None
+                        raise input_data_error(error, "train", f"after step {step}") from None
                     except tf.errors.InvalidArgumentError as error:
                         if _EXHAUSTED not in str(error):
                             raise

@@ -30,12 +30,23 @@ class ModelDirError(OSError):
 def corrupt_data_message(error: tf.errors.OpError, split: str, where: str) -> str:
     return (f"the {split} data is corrupt {where} ({type(error).__name__}: "
             f"{str(error).strip().splitlines()[0]}): a TFRecord file is damaged or "
-            "truncated. Find it with tputrain.validate.find_corrupt_tfrecords(PATTERN) "
-            "and rewrite it (tputrain.data.write_tfrecords) or remove it")
+            "truncated; rewrite it (tputrain.data.write_tfrecords), remove it, or set "
+            "TFRecordInput.skip_corrupt=True to skip bad records")
+
+
+def input_data_error(error: tf.errors.OpError, split: str, where: str) -> Exception:
+    """The one-line error for unreadable input: the file and record when
+    `tputrain.data` can locate them (`CorruptRecordError`), else `InputDataError`."""
+    from tputrain.data import explain_data_loss
+
+    explained = explain_data_loss(error)
+    if explained is not error:
+        return explained
+    return InputDataError(corrupt_data_message(error, split, where))
 
 
 def probe_inputs(dataset: tf.data.Dataset, split: str) -> None:
-    """Reads one element through a throwaway iterator; raises `InputDataError`.
+    """Reads one element through a throwaway iterator; raises the input error.
 
     Autotuning is off for the probe: freeing an autotuned iterator can block for
     seconds until tf.data's tuning thread wakes up.
@@ -45,25 +56,8 @@ def probe_inputs(dataset: tf.data.Dataset, split: str) -> None:
     try:
         for _ in dataset.take(1).with_options(options):
             pass
-    except (tf.errors.DataLossError, tf.errors.InvalidArgumentError) as error:
-        if isinstance(error, tf.errors.InvalidArgumentError) and "record" not in str(error).lower():
-            raise
-        raise InputDataError(corrupt_data_message(error, split, "in its first batch")) from None
-
-
-def find_corrupt_tfrecords(file_pattern: str | Iterable[str],
-                           compression_type: str | None = None) -> list[str]:
-    """Reads every record of every matching file; returns the unreadable files."""
-    patterns = [file_pattern] if isinstance(file_pattern, str) else list(file_pattern)
-    files = sorted({f for p in patterns for f in tf.io.gfile.glob(p)})
-    bad = []
-    for path in files:
-        try:
-            for _ in tf.data.TFRecordDataset(path, compression_type=compression_type or ""):
-                pass
-        except (tf.errors.DataLossError, tf.errors.InvalidArgumentError):
-            bad.append(path)
-    return bad
+    except tf.errors.DataLossError as error:
+        raise input_data_error(error, split, "in its first batch") from None
 
 
 def variable_bytes(variables: Iterable[Any]) -> int:

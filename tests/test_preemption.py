@@ -1,0 +1,95 @@
+"""Preemption: a real SIGTERM mid-loop stops at the next step, saves, exits 42, resumes exactly.
+
+(The same through the CLI, with a rerun of the command, is in test_resume.py.)
+"""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tputrain
+from tputrain.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatcher
+from tiny import TinyTask, strategy_for, weights
+
+STEPS = 300
+
+
+def make_trainer(model_dir, **kwargs):
+    options = dict(train_steps=STEPS, steps_per_loop=STEPS, global_batch_size=16,
+                   checkpoint_every=STEPS, eval_steps=1)
+    options.update(kwargs)
+    return tputrain.Trainer(TinyTask(dropout=0.3), str(model_dir), strategy=strategy_for(2),
+                            **options)
+
+
+def sigterm_when(trainer, step: int) -> threading.Thread:
+    """Sends this process SIGTERM once the trainer's step reaches `step`."""
+    def watch():
+        deadline = time.monotonic() + 120
+        while int(trainer.step.numpy()) < step and time.monotonic() < deadline:
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_sigterm_mid_loop_saves_at_the_next_step_and_resumes_exactly(tmp_path):
+    reference = make_trainer(tmp_path / "reference")
+    reference.train()
+
+    handler_before = signal.getsignal(signal.SIGTERM)
+    trainer = make_trainer(tmp_path / "run")
+    thread = sigterm_when(trainer, 20)
+    with pytest.raises(Preempted) as caught:
+        trainer.train()
+    thread.join()
+    preempted = caught.value
+    assert isinstance(preempted, SystemExit) and preempted.code == PREEMPTED_EXIT_CODE == 42
+    # One compiled loop would run all 300 steps: it stopped at a step boundary inside it.
+    assert 20 <= preempted.step < STEPS
+    assert preempted.checkpoint.endswith(f"ckpt-{preempted.step}")
+    assert int(trainer.step.numpy()) == preempted.step
+    assert signal.getsignal(signal.SIGTERM) is handler_before, "the old handler is back"
+
+    resumed = make_trainer(tmp_path / "run")
+    resumed.train()
+    assert int(resumed.step.numpy()) == STEPS
+    for a, b in zip(weights(reference), weights(resumed)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_watcher_sets_the_flag_from_the_signal_while_python_is_blocked():
+    watcher = PreemptionWatcher()
+    assert watcher.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        # The watcher thread sets the TF flag without the main thread running Python
+        # handlers: wait for it on the flag itself.
+        deadline = time.monotonic() + 10
+        while not bool(watcher.flag.numpy()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert bool(watcher.flag.numpy()) and watcher.requested
+    finally:
+        watcher.uninstall()
+
+
+def test_watcher_off_the_main_thread_does_not_install():
+    watcher = PreemptionWatcher()
+    results = []
+    thread = threading.Thread(target=lambda: results.append(watcher.install()))
+    thread.start()
+    thread.join()
+    assert results == [False]
+    watcher.uninstall()  # a no-op
+
+
+def test_preempted_message_says_how_to_resume():
+    text = str(Preempted(7, "/m/checkpoints/ckpt-7"))
+    assert "step 7" in text and "rerun the same command" in text and "42" in text

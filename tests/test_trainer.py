@@ -123,3 +123,76 @@ def test_mixed_bfloat16_trains_on_two_replicas(tmp_path):
     assert trainer.precision == "mixed_bfloat16"
     assert all(v.dtype == "float32" for v in trainer.model.trainable_variables)
     assert np.isfinite(logs["loss"])
+
+
+# ------------------------------------------- compiled steps: accumulation, XLA, MFU, profiling
+
+
+def test_gradient_accumulation_matches_one_large_batch(tmp_path):
+    """4 micro-batches of 4 (on 2 replicas) give the update of one batch of 16."""
+    large = make_trainer(tmp_path, 2, "large", train_steps=4, steps_per_loop=2)
+    large_logs = large.train()
+    micro = make_trainer(tmp_path, 2, "micro", train_steps=4, steps_per_loop=2,
+                         accumulation_steps=4)
+    micro_logs = micro.train()
+    assert int(micro.step.numpy()) == int(micro.optimizer.iterations.numpy()) == 4
+    for a, b in zip(weights(large), weights(micro)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert micro_logs["loss"] == pytest.approx(large_logs["loss"], rel=1e-5)
+
+
+def test_accumulation_errors_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="use a multiple of 8"):
+        make_trainer(tmp_path, 2, "odd", global_batch_size=12, accumulation_steps=4)
+
+    class CustomStep(TinyTask):
+        def train_step(self, *args):
+            return super().train_step(*args)
+
+    with pytest.raises(ValueError, match="override Task.compute_gradients"):
+        make_trainer(tmp_path, 1, "custom", task=CustomStep(), accumulation_steps=2)
+    with pytest.raises(ValueError, match="override compute_gradients"):
+        make_trainer(tmp_path, 2, "custom2", task=CustomStep(), jit_compile=True)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_jit_compile_matches_uncompiled(tmp_path, replicas):
+    """One replica compiles the whole step; two compile forward/backward only."""
+    plain = make_trainer(tmp_path, replicas, "plain", task=TinyTask(dropout=0.0))
+    plain.train()
+    compiled = make_trainer(tmp_path, replicas, "xla", task=TinyTask(dropout=0.0),
+                            jit_compile=True, accumulation_steps=2)
+    compiled.train()
+    for a, b in zip(weights(plain), weights(compiled)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_mfu_and_throughput_in_logs_and_tensorboard(tmp_path, caplog):
+    import gin
+
+    gin.bind_parameter("peak_flops.peak_flops_per_device", 1e9)  # no probe in this test
+    trainer = make_trainer(tmp_path, 1, "mfu", train_steps=4, steps_per_loop=2)
+    with caplog.at_level("INFO"):
+        trainer.train()
+    # Dense 8->16->2 on 16 examples: forward 2*16*(8*16+16*2), the same again for the
+    # weight gradients, and the input gradient of the second layer only.
+    assert trainer.flops_per_step == 2 * 16 * (8 * 16 + 16 * 2) * 2 + 2 * 16 * 16 * 2
+    assert any("MFU" in r.getMessage() and "examples/s" in r.getMessage() for r in caplog.records)
+    scalars = {}
+    for path in tf.io.gfile.glob(str(tmp_path / "mfu" / "train" / "events.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = tf.make_ndarray(value.tensor)
+    assert {"mfu", "examples_per_second", "steps_per_second"} <= set(scalars)
+    assert scalars["mfu"][4] == pytest.approx(
+        trainer.flops_per_step * scalars["steps_per_second"][4] / 1e9, rel=1e-5)
+
+
+def test_profile_steps_write_a_trace(tmp_path):
+    trainer = make_trainer(tmp_path, 1, "prof", train_steps=6, steps_per_loop=6, report_mfu=False,
+                           profile_steps=(2, 4))
+    trainer.train()
+    traces = tf.io.gfile.glob(str(tmp_path / "prof" / "train" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    assert len(traces) == 1
+    with pytest.raises(ValueError, match="start < stop"):
+        make_trainer(tmp_path, 1, "prof2", profile_steps=(4, 2))

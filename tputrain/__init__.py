@@ -10,7 +10,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 from tputrain import data  # noqa: E402
 from tputrain.checkpoint import Checkpointer  # noqa: E402
+from tputrain.audit import audit_precision  # noqa: E402
+from tputrain.lars import LARS  # noqa: E402
+from tputrain.layer_precision import override_layer_dtypes  # noqa: E402
 from tputrain.optimizers import build_optimizer  # noqa: E402
+from tputrain.schedules import WarmupDecay, scale_learning_rate, warmup_schedule  # noqa: E402
 from tputrain.precision import set_precision_policy  # noqa: E402
 from tputrain.strategy import resolve_strategy, split_cpu  # noqa: E402
 from tputrain.task import Task  # noqa: E402
@@ -20,6 +24,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpointer",
+    "LARS",
+    "WarmupDecay",
+    "audit_precision",
+    "override_layer_dtypes",
+    "scale_learning_rate",
+    "warmup_schedule",
     "Task",
     "Trainer",
     "build_optimizer",

@@ -115,6 +115,7 @@ def _train(trainer):
 
 # `tputrain <command>`: module with a `console_main()` each; `run` is the default.
 COMMANDS = {"run": "tputrain.run", "vertex-spec": "tputrain.vertex"}
+COMMANDS["audit-precision"] = "tputrain.audit"
 
 
 def console_main() -> None:

@@ -24,6 +24,7 @@ from absl import logging
 from tputrain.checkpoint import Checkpointer, seed_generator_states
 from tputrain.data import InputContext
 from tputrain.flops import count_flops, peak_flops, specs_of
+from tputrain.layer_precision import override_layer_dtypes
 from tputrain.precision import set_precision_policy
 from tputrain.progress import Progress, Stopwatch
 from tputrain.strategy import resolve_strategy
@@ -210,6 +211,9 @@ class Trainer:
         with self.strategy.scope():
             self.model = task.build_model()
             self._ensure_built(self._micro_batch_spec())
+            # gin `override_layer_dtypes.keep_float32_layers`: layers the precision
+            # audit found too sensitive for bf16/fp16 compute in float32.
+            override_layer_dtypes(self.model)
             # Built here, in scope, before the first step: slot variables are then
             # mirrored and a restore can fill them directly.
             self.optimizer = task.build_optimizer()

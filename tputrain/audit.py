@@ -1,0 +1,329 @@
+"""`tputrain audit-precision --gin_file=F`: which layers drift in bf16/fp16, and does it matter?
+
+Moving to `mixed_bfloat16` is the biggest speed-up on TPUs (and on CPUs with
+AMX/AVX512-BF16), and its first pitfall is silent drift. The audit builds the
+task's model once, then runs the same weights three ways on representative
+eval batches:
+
+1. every layer in float32 (the reference);
+2. under the target policy, as training would run it (including the gin
+   `override_layer_dtypes.keep_float32_layers`): each layer's *cumulative*
+   relative error, and the eval metrics;
+3. once per low-precision layer, with only that layer at the target policy: its
+   *local* error, the drift the layer itself adds. Errors propagate, so only the
+   local error says which layer to keep in float32.
+
+Layers whose local error exceeds `tolerance` are flagged; the eval-metric delta
+(target minus float32) is what decides whether the drift matters. Keep a flagged
+layer in float32 with `override_layer_dtypes.keep_float32_layers = ['name']` and
+rerun. The exit status is 1 when a metric moves by more than `metric_tolerance`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Any, Sequence
+
+import gin
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tputrain.data import InputContext
+from tputrain.layer_precision import override_layer_dtypes, sublayers
+from tputrain.precision import set_precision_policy, to_float32
+from tputrain.task import Task
+
+
+@dataclasses.dataclass
+class LayerError:
+    """One layer's drift: relative L2 error of its output against float32."""
+
+    name: str
+    class_name: str
+    compute_dtype: str
+    cumulative_error: float
+    local_error: float | None  # None: the layer computes in float32 under the policy
+    flagged: bool
+
+
+@dataclasses.dataclass
+class AuditReport:
+    """Per-layer errors and eval metrics in float32 and under `policy`."""
+
+    policy: str
+    tolerance: float
+    metric_tolerance: float
+    layers: list[LayerError]
+    metrics_float32: dict[str, float]
+    metrics_policy: dict[str, float]
+    examples: int
+
+    @property
+    def metric_deltas(self) -> dict[str, float]:
+        return {k: self.metrics_policy[k] - self.metrics_float32[k] for k in self.metrics_float32}
+
+    @property
+    def flagged_layers(self) -> list[str]:
+        return [layer.name for layer in self.layers if layer.flagged]
+
+    @property
+    def metrics_ok(self) -> bool:
+        """Every metric moved by at most `metric_tolerance`; the loss is judged
+        relatively, and only when the task has no other metric."""
+        deltas = self.metric_deltas
+        judged = [k for k in deltas if k != "loss"] or ["loss"]
+        for key in judged:
+            scale = max(abs(self.metrics_float32[key]), 1e-12) if key == "loss" else 1.0
+            if abs(deltas[key]) / scale > self.metric_tolerance:
+                return False
+        return True
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(policy=self.policy, tolerance=self.tolerance,
+                    metric_tolerance=self.metric_tolerance, examples=self.examples,
+                    flagged_layers=self.flagged_layers, metrics_ok=self.metrics_ok,
+                    metrics_float32=self.metrics_float32, metrics_policy=self.metrics_policy,
+                    metric_deltas=self.metric_deltas,
+                    layers=[dataclasses.asdict(layer) for layer in self.layers])
+
+    def format(self) -> str:
+        """A table for the terminal: one row per layer, then the metrics."""
+        rows = [f"precision audit: {self.policy} vs float32 on {self.examples} examples "
+                f"(flag: local error > {self.tolerance:g})",
+                f"{'layer':<28} {'class':<22} {'dtype':<9} {'cumulative':>11} {'local':>11}"]
+        for layer in self.layers:
+            local = "-" if layer.local_error is None else f"{layer.local_error:.3e}"
+            mark = "  <-- FLAGGED" if layer.flagged else ""
+            rows.append(f"{layer.name:<28} {layer.class_name:<22} {layer.compute_dtype:<9} "
+                        f"{layer.cumulative_error:>11.3e} {local:>11}{mark}")
+        for key, delta in self.metric_deltas.items():
+            rows.append(f"metric {key}: float32 {self.metrics_float32[key]:.6g}, "
+                        f"{self.policy} {self.metrics_policy[key]:.6g}, delta {delta:+.4g}")
+        verdict = "within" if self.metrics_ok else "OVER"
+        rows.append(f"metric delta {verdict} tolerance {self.metric_tolerance:g}")
+        if self.flagged_layers:
+            names = ", ".join(repr(n) for n in self.flagged_layers)
+            rows.append(f"to keep the flagged layers in float32, bind: "
+                        f"override_layer_dtypes.keep_float32_layers = [{names}]")
+        return "\n".join(rows)
+
+
+def relative_error(reference: Any, value: Any) -> float:
+    """||value - reference|| / ||reference|| over all floating tensors of two nests."""
+    num = den = 0.0
+    for ref, val in zip(tf.nest.flatten(reference), tf.nest.flatten(value)):
+        ref = np.asarray(keras.ops.convert_to_numpy(to_float32(ref)))
+        if not np.issubdtype(ref.dtype, np.floating):
+            continue
+        val = np.asarray(keras.ops.convert_to_numpy(to_float32(val)), np.float64)
+        ref = ref.astype(np.float64)
+        num += float(np.sum((val - ref) ** 2))
+        den += float(np.sum(ref ** 2))
+    return float(np.sqrt(num / den)) if den > 0 else float(np.sqrt(num))
+
+
+def _auditable_layers(model: keras.Model) -> list[keras.layers.Layer]:
+    """Top-level layers whose output is one symbolic tensor nest we can fetch."""
+    layers = []
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        try:
+            layer.output  # pylint: disable=pointless-statement
+        except (AttributeError, ValueError, RuntimeError):
+            continue  # shared layers (several call sites) have no single output
+        layers.append(layer)
+    return layers
+
+
+def _activation_model(model: keras.Model, layers: Sequence[keras.layers.Layer]) -> keras.Model:
+    try:
+        return keras.Model(model.inputs, [layer.output for layer in layers])
+    except (AttributeError, ValueError, TypeError) as error:
+        raise ValueError(
+            f"the audit reads per-layer activations from a functional or Sequential model, "
+            f"and {type(model).__name__} {model.name!r} is not one ({error}); build it with "
+            "keras.Input(...) and the functional API") from error
+
+
+def _evaluate(task: Task, model: keras.Model, batches: Sequence[Any]) -> dict[str, float]:
+    metrics = list(task.build_metrics())
+    losses = []
+    for features, labels in batches:
+        outputs = to_float32(model(features, training=False))
+        losses.append(np.asarray(task.compute_loss(labels, outputs), np.float64))
+        task.update_metrics(metrics, labels, outputs)
+    results = {"loss": float(np.mean(np.concatenate([np.ravel(l) for l in losses])))}
+    results.update({m.name: float(m.result()) for m in metrics})
+    return results
+
+
+def _restore(model: keras.Model, checkpoint: str) -> str:
+    path = tf.train.latest_checkpoint(checkpoint) if tf.io.gfile.isdir(checkpoint) else checkpoint
+    if not path:
+        raise ValueError(f"no checkpoint in {checkpoint!r}: pass a model_dir/checkpoints folder "
+                         "or a checkpoint prefix, or omit it to audit the initial weights")
+    tf.train.Checkpoint(model=model).restore(path).expect_partial()
+    return path
+
+
+@gin.configurable
+def audit_precision(task: Task, policy: str = "mixed_bfloat16", global_batch_size: int = 64,
+                    num_batches: int = 4, tolerance: float = 0.05,
+                    metric_tolerance: float = 0.01, checkpoint: str | None = None,
+                    split: str = "eval") -> AuditReport:
+    """Runs the audit described in the module docstring and returns its report.
+
+    Args:
+      task: the task whose model and inputs are audited.
+      policy: the target policy ("mixed_bfloat16" or "mixed_float16").
+      global_batch_size: examples per batch read from `split`.
+      num_batches: batches for the metrics; the first one also gives activations.
+      tolerance: flag layers whose local relative error exceeds it (bf16 rounding
+        alone is ~0.4%; a matmul's accumulated error stays around 1%).
+      metric_tolerance: allowed absolute change of each metric (relative for the
+        loss when the task has no metric).
+      checkpoint: a model_dir/checkpoints folder or checkpoint prefix to load
+        weights from; None audits the freshly initialised weights.
+      split: the input split to read.
+    """
+    if policy == "float32":
+        raise ValueError("audit_precision.policy is float32: audit a mixed policy, "
+                         "e.g. 'mixed_bfloat16'")
+    previous = keras.mixed_precision.global_policy().name
+    set_precision_policy(policy)
+    try:
+        model = task.build_model()
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+    context = InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1,
+                           global_batch_size=global_batch_size)
+    batches = list(task.build_inputs(split, context).take(num_batches))
+    if not batches:
+        raise ValueError(f"the {split!r} split yielded no batch of {global_batch_size}: use a "
+                         "smaller audit_precision.global_batch_size")
+    if not (model.built and model.variables):
+        model(batches[0][0], training=False)
+    override_layer_dtypes(model)
+    if checkpoint:
+        logging.info("tputrain: audit weights from %s", _restore(model, checkpoint))
+
+    layers = _auditable_layers(model)
+    activations = _activation_model(model, layers)
+    every_layer = sublayers(model)
+    target = {id(l): l.dtype_policy for l in every_layer}
+    features = batches[0][0]
+
+    def run_with(low_precision: Sequence[keras.layers.Layer]) -> list[Any]:
+        for layer in every_layer:
+            layer.dtype_policy = "float32"
+        for layer in low_precision:
+            for sub in sublayers(layer):
+                sub.dtype_policy = target[id(sub)]
+        return activations(features, training=False)
+
+    try:
+        reference = run_with([])
+        metrics_float32 = _evaluate(task, model, batches)
+        cumulative = run_with(every_layer)
+        metrics_policy = _evaluate(task, model, batches)
+        results = []
+        for index, layer in enumerate(layers):
+            compute_dtype = target[id(layer)].compute_dtype
+            nested_low = any(target[id(s)].compute_dtype != "float32" for s in sublayers(layer))
+            local = None
+            if nested_low:
+                local = relative_error(reference[index], run_with([layer])[index])
+            results.append(LayerError(
+                name=layer.name, class_name=type(layer).__name__, compute_dtype=compute_dtype,
+                cumulative_error=relative_error(reference[index], cumulative[index]),
+                local_error=local, flagged=local is not None and local > tolerance))
+    finally:
+        for layer in every_layer:
+            layer.dtype_policy = target[id(layer)]
+    return AuditReport(policy=policy, tolerance=tolerance, metric_tolerance=metric_tolerance,
+                       layers=results, metrics_float32=metrics_float32,
+                       metrics_policy=metrics_policy,
+                       examples=sum(int(tf.nest.flatten(b[1])[0].shape[0]) for b in batches))
+
+
+# ---------------------------------------------------------------------- CLI
+
+
+def _task_from_gin() -> Task:
+    """`audit_precision.task` if bound, else the training config's `Trainer.task`."""
+    from tputrain.config import ConfigError, require_bound
+
+    for binding in ("audit_precision.task", "Trainer.task"):
+        try:
+            reference = gin.query_parameter(binding)
+        except ValueError:
+            continue
+        task = reference.scoped_configurable_fn() if hasattr(reference, "scoped_configurable_fn") else reference
+        if not isinstance(task, Task):
+            raise ConfigError(f"{binding} must be a tputrain.Task, got {type(task).__name__}")
+        return task
+    require_bound("Trainer.task")  # raises with the fix
+    raise AssertionError("unreachable")
+
+
+def main(argv: list[str]) -> None:
+    from absl import app, flags
+
+    from tputrain.config import ConfigError
+    from tputrain.run import parse_gin_flags
+
+    FLAGS = flags.FLAGS
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    parse_gin_flags()
+    try:
+        task = _task_from_gin()
+    except ConfigError as error:
+        print(f"tputrain: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    kwargs: dict[str, Any] = {}
+    for binding in ("global_batch_size",):
+        try:
+            gin.query_parameter(f"audit_precision.{binding}")
+        except ValueError:
+            try:
+                kwargs[binding] = gin.query_parameter(f"Trainer.{binding}")
+            except ValueError:
+                pass
+    if FLAGS.policy:
+        kwargs["policy"] = FLAGS.policy
+    checkpoint = FLAGS.checkpoint
+    if not checkpoint and FLAGS.model_dir:
+        checkpoint = f"{FLAGS.model_dir.rstrip('/')}/checkpoints"
+    if checkpoint:
+        kwargs["checkpoint"] = checkpoint
+    report = audit_precision(task, **kwargs)
+    print(report.format())
+    if FLAGS.output:
+        with tf.io.gfile.GFile(FLAGS.output, "w") as f:
+            json.dump(report.to_dict(), f, indent=1)
+    sys.exit(0 if report.metrics_ok else 1)
+
+
+def console_main() -> None:
+    """`tputrain audit-precision --gin_file=CONFIG [--policy=...] [--output=report.json]`."""
+    from absl import app, flags
+
+    from tputrain.run import define_gin_flags
+
+    define_gin_flags()
+    flags.DEFINE_string("policy", None, "Target policy (default: audit_precision.policy, "
+                        "mixed_bfloat16).")
+    flags.DEFINE_string("checkpoint", None, "Checkpoint folder or prefix to load weights from; "
+                        "default: --model_dir's checkpoints if given, else initial weights.")
+    flags.DEFINE_string("output", None, "Also write the report as JSON to this path.")
+    app.run(main)
+
+
+if __name__ == "__main__":
+    console_main()

@@ -116,6 +116,8 @@ def _train(trainer):
 # `tputrain <command>`: module with a `console_main()` each; `run` is the default.
 COMMANDS = {"run": "tputrain.run", "vertex-spec": "tputrain.vertex"}
 COMMANDS["audit-precision"] = "tputrain.audit"
+COMMANDS["diagnose"] = "tputrain.diagnose"
+COMMANDS["write-tfrecords"] = "tputrain.write_tfrecords_cli"
 
 
 def console_main() -> None:

@@ -201,12 +201,33 @@ def gin_reference() -> str:
 _MULTI_HELP_SUFFIX = ";\n    repeat this option to specify a list of values"
 
 
-def _collect_command_flags(command: str) -> dict[str, Any]:
-    """In a forked child: runs `tputrain <command>` up to `app.run`, returns its flags.
+def _argparse_rows(parser: argparse.ArgumentParser) -> list[dict[str, Any]]:
+    rows = []
+    for action in parser._actions:  # pylint: disable=protected-access
+        if isinstance(action, argparse._HelpAction) or not action.option_strings:  # pylint: disable=protected-access
+            continue
+        name = max(action.option_strings, key=len).lstrip("-")
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):  # pylint: disable=protected-access
+            kind = "bool"
+        else:
+            kind = getattr(action.type, "__name__", None) or "string"
+            kind = {"str": "string", "int": "integer", "float": "float"}.get(kind, kind)
+        default = None if action.required else action.default
+        help_text = (action.help or "") + (" (required)" if action.required else "")
+        rows.append({"name": name, "type": kind,
+                     "default": None if default in (None, [], False) else repr(default),
+                     "multi": isinstance(action, argparse._AppendAction),  # pylint: disable=protected-access
+                     "enum": list(action.choices) if action.choices else None,
+                     "help": help_text})
+    return rows
 
-    `absl.app.run` is replaced by a stub that stops before main, so every flag
-    the command defines (at import or in its console_main) is registered, and
-    nothing runs.
+
+def _collect_command_flags(command: str) -> dict[str, Any]:
+    """In a forked child: runs `tputrain <command>` up to its flag parsing; returns its flags.
+
+    `absl.app.run` (and, for argparse commands, `ArgumentParser.parse_known_args`)
+    is replaced by a stub that stops before anything runs, so every flag the
+    command defines (at import or in its console_main) is registered by then.
     """
     from absl import app, flags
 
@@ -215,16 +236,30 @@ def _collect_command_flags(command: str) -> dict[str, Any]:
     class _Stop(Exception):
         pass
 
+    captured: dict[str, Any] = {}
+
+    def stop_absl(*args, **kwargs):
+        raise _Stop()
+
+    def stop_argparse(parser, args=None, namespace=None):
+        captured["parser"] = parser
+        raise _Stop()
+
     before = set(flags.FLAGS)
-    app.run = lambda *args, **kwargs: (_ for _ in ()).throw(_Stop())
+    app.run = stop_absl
+    argparse.ArgumentParser.parse_known_args = stop_argparse
     sys.argv = ["tputrain"] + ([] if command == "run" else [command])
     try:
         run.console_main()
     except _Stop:
         pass
     else:
-        raise RuntimeError(f"`tputrain {command}` did not call absl.app.run")
+        raise RuntimeError(f"`tputrain {command}` parsed no flags (absl.app.run or argparse)")
     module_name = run.COMMANDS[command]
+    module = importlib.import_module(module_name)
+    info = {"command": command, "module": module_name, "doc": inspect.getdoc(module) or ""}
+    if "parser" in captured:
+        return {**info, "flags": _argparse_rows(captured["parser"])}
     by_module = flags.FLAGS.flags_by_module_dict()
     names = {name for name in flags.FLAGS if name not in before}
     names |= {f.name for f in by_module.get(module_name, [])}
@@ -245,9 +280,7 @@ def _collect_command_flags(command: str) -> dict[str, Any]:
             "enum": list(enum_values) if enum_values else None,
             "help": help_text,
         })
-    module = importlib.import_module(module_name)
-    return {"command": command, "module": module_name,
-            "doc": inspect.getdoc(module) or "", "flags": rows}
+    return {**info, "flags": rows}
 
 
 def _in_child(function: Callable[[], Any]) -> Any:
@@ -269,7 +302,7 @@ def _in_child(function: Callable[[], Any]) -> Any:
     os.waitpid(pid, 0)
     payload = json.loads(raw) if raw else {"error": "child exited without output"}
     if "error" in payload:
-        raise RuntimeError(payload["error"])
+        raise RuntimeError(f"{getattr(function, '__doc__', None) or function}: {payload['error']}")
     return payload["ok"]
 
 
@@ -297,7 +330,12 @@ def cli_reference() -> str:
     """Markdown for every `tputrain <command>`, from the absl flags each one defines."""
     from tputrain import run
 
-    sections = [_in_child(lambda c=command: _collect_command_flags(c)) for command in run.COMMANDS]
+    sections = []
+    for command in run.COMMANDS:
+        def collect(c=command):
+            return _collect_command_flags(c)
+        collect.__doc__ = f"collecting the flags of `tputrain {command}`"
+        sections.append(_in_child(collect))
     out = [_HEADER.format(command="cli-reference"), "# CLI reference", "",
            "Every `tputrain` command and its flags, generated from the absl flag "
            "definitions. `tputrain` with no command runs `tputrain run`; "
@@ -374,6 +412,9 @@ def _message_helpers(tree: ast.Module, constants: dict[str, str]) -> dict[str, t
     for node in tree.body:
         if not isinstance(node, ast.FunctionDef):
             continue
+        # Only functions that always end in the raise/exit: straight-line bodies.
+        if not all(isinstance(statement, (ast.Expr, ast.Raise)) for statement in node.body):
+            continue
         params = [a.arg for a in node.args.args]
         for inner in ast.walk(node):
             if isinstance(inner, ast.Raise) and isinstance(inner.exc, ast.Call) and inner.exc.args:
@@ -388,6 +429,18 @@ def _message_helpers(tree: ast.Module, constants: dict[str, str]) -> dict[str, t
                 helpers[node.name] = (params, message, kind)
             break
     return helpers
+
+
+def _message_builders(tree: ast.Module, constants: dict[str, str]) -> dict[str, list[str]]:
+    """Functions that return error messages (`raise X(_explain(...))`): {name: templates}."""
+    builders = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            returned = [_render_message(r.value, constants) for r in ast.walk(node)
+                        if isinstance(r, ast.Return) and r.value is not None]
+            if returned and all(returned):
+                builders[node.name] = returned
+    return builders
 
 
 def _argument_text(node: ast.AST, constants: dict[str, str]) -> str:
@@ -406,9 +459,12 @@ def collect_errors(package_dir: Path = PACKAGE_DIR) -> list[dict[str, Any]]:
     errors = []
     for path in sorted(package_dir.rglob("*.py")):
         module = ".".join(path.relative_to(package_dir.parent).with_suffix("").parts)
+        if module.startswith(_SKIP_MODULES):  # developer tools, not user-facing
+            continue
         tree = ast.parse(path.read_text(), filename=str(path))
         constants = _string_constants(tree)
         helpers = _message_helpers(tree, constants)
+        builders = _message_builders(tree, constants)
         functions = _enclosing_names(tree)
         for node in ast.walk(tree):
             where = functions.get(node, "<module>")
@@ -417,7 +473,16 @@ def collect_errors(package_dir: Path = PACKAGE_DIR) -> list[dict[str, Any]]:
                 if where in helpers:
                     continue  # listed at each call, with its arguments
                 kind = ast.unparse(node.exc.func)
-                message = _render_message(node.exc.args[0], constants)
+                argument = node.exc.args[0]
+                message = _render_message(argument, constants)
+                builder = (ast.unparse(argument.func).rsplit(".", 1)[-1]
+                           if isinstance(argument, ast.Call) else None)
+                if message is None and builder in builders:
+                    for template in builders[builder]:
+                        errors.append({"module": module, "where": where, "type": kind,
+                                       "message": " ".join(template.split()),
+                                       "line": getattr(node, "lineno", 0)})
+                    continue
             elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                   and node.func.id in helpers and node.args):
                 params, template, kind = helpers[node.func.id]

@@ -97,6 +97,20 @@ def _check_profile_steps(profile_steps: Any) -> tuple[int, int] | None:
     return start, stop
 
 
+def _check_steps_per_fetch(steps_per_fetch: Any, **boundaries: Any) -> int:
+    """steps_per_fetch must divide every loop boundary, so no fetch is split."""
+    if isinstance(steps_per_fetch, bool) or not isinstance(steps_per_fetch, int) \
+            or steps_per_fetch < 1:
+        raise ValueError(f"Trainer.steps_per_fetch must be an int >= 1, got {steps_per_fetch!r}")
+    for name, value in boundaries.items():
+        for number in (value if isinstance(value, tuple) else (value,)):
+            if number is not None and int(number) % steps_per_fetch:
+                raise ValueError(
+                    f"Trainer.steps_per_fetch={steps_per_fetch} does not divide Trainer.{name}="
+                    f"{value}: loops end on fetch boundaries, so choose a divisor of it")
+    return steps_per_fetch
+
+
 @gin.configurable
 class Trainer:
     """Trains a `Task` under a distribution strategy, with exact-resume checkpoints.
@@ -136,6 +150,12 @@ class Trainer:
         [start, stop) into `model_dir/train` (open TensorBoard's Profile tab).
       report_mfu: count FLOPs per step (or use `Task.flops_per_example`) and log
         model FLOPs utilization against the device's peak (`tputrain.flops`).
+      steps_per_fetch: host input mode: take the batches of this many steps with one
+        `get_next` (the dataset is batched once more on the host). Each fetch costs a
+        thread hand-off whatever the batch size, which is a noticeable share of a
+        sub-millisecond step; K steps per fetch pay it once. The batch-to-replica
+        order is unchanged (the same weights as 1). It must divide steps_per_loop,
+        checkpoint_every, eval_every, train_steps and profile_steps.
     """
 
     def __init__(self, task: Task, model_dir: str, strategy: tf.distribute.Strategy | None = None,
@@ -145,7 +165,7 @@ class Trainer:
                  keep_checkpoints: int = 3, precision: str | None = None, seed: int = 0,
                  input_mode: str | None = None, jit_compile: bool = False,
                  accumulation_steps: int = 1, profile_steps: tuple[int, int] | None = None,
-                 report_mfu: bool = True):
+                 report_mfu: bool = True, steps_per_fetch: int = 1):
         for name, value in (("train_steps", train_steps), ("steps_per_loop", steps_per_loop),
                             ("global_batch_size", global_batch_size),
                             ("accumulation_steps", accumulation_steps)):
@@ -169,6 +189,10 @@ class Trainer:
         self.jit_compile = bool(jit_compile)
         self.accumulation_steps = int(accumulation_steps)
         self.profile_steps = _check_profile_steps(profile_steps)
+        self.steps_per_fetch = _check_steps_per_fetch(
+            steps_per_fetch, steps_per_loop=self.steps_per_loop, train_steps=self.train_steps,
+            checkpoint_every=self.checkpoint_every, eval_every=eval_every,
+            profile_steps=self.profile_steps)
         self.report_mfu = bool(report_mfu)
         self._profiling = False
         self._custom_train_step = type(task).train_step is not Task.train_step
@@ -201,6 +225,10 @@ class Trainer:
         self.input_mode = input_mode or ("distributed" if is_tpu else "host")
         if self.input_mode not in _INPUT_MODES:
             raise ValueError(f"Trainer.input_mode must be one of {_INPUT_MODES}, got {input_mode!r}")
+        if self.steps_per_fetch > 1 and self.input_mode != "host":
+            raise ValueError(f"Trainer.steps_per_fetch={self.steps_per_fetch} needs "
+                             "input_mode='host'; distributed input prefetches to the devices "
+                             "already: set steps_per_fetch=1")
         self.precision = (set_precision_policy(precision, strategy=self.strategy)
                           if precision is not None else set_precision_policy(strategy=self.strategy))
         keras.utils.set_random_seed(seed)
@@ -236,7 +264,7 @@ class Trainer:
                                           nonfinite_steps=self.guard.nonfinite_steps)
         self._train_iterator = None
         if self.input_mode == "host":
-            self._train_iterator = iter(self._train_dataset)
+            self._train_iterator = iter(self._fetch_groups(self._train_dataset))
             trackables["iterator"] = self._train_iterator
         self.checkpointer = Checkpointer(os.path.join(self._work_dir, "checkpoints"), self.step,
                                          every=self.checkpoint_every, keep=keep_checkpoints,
@@ -328,6 +356,21 @@ class Trainer:
         optionals = [iterator.get_next_as_optional() for _ in range(self.local_replicas)]
         has_value = tf.reduce_all(tf.stack([o.has_value() for o in optionals]))
         return has_value, optionals
+
+    def _fetch_groups(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
+        """With steps_per_fetch K > 1, one element holds K steps' per-replica batches."""
+        if self.steps_per_fetch == 1:
+            return dataset
+        return dataset.batch(self.steps_per_fetch * self.local_replicas, drop_remainder=True)
+
+    def _distribute_from_group(self, group: Any, j: tf.Tensor) -> Any:
+        """Step `j` of a fetched group: replica r takes batch j * local_replicas + r, the
+        order one fetch per step would give."""
+        local = self.local_replicas
+        batches = [tf.nest.map_structure(lambda t, r=r: t[j * local + r], group)
+                   for r in range(local)]
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda ctx: batches[ctx.replica_id_in_sync_group % local])
 
     def _distribute(self, value) -> Any:
         if self.input_mode == "distributed":
@@ -422,42 +465,75 @@ class Trainer:
         later steps stop cleanly when the data ends (`get_next_as_optional`), so a
         partial loop is never replayed. Returns (summed logs, steps run, seconds
         spent waiting for input).
+
+        Input wait: one fetch (`get_next`) per step, or per `steps_per_fetch` steps
+        when training, bracketed by two timestamps. The loop body of the previous
+        step has finished when the first runs (a while-loop iteration starts once
+        the last one's stateful ops are done); the second runs once the batch is
+        there, and the step's ops wait for it, so the executor cannot slip the
+        step's work in between. The difference is the time the loop was blocked on
+        input, including the fetch's own hand-off cost.
         """
-        def one_step(value):
-            logs = self._reduce(self.strategy.run(replica_step, args=(self._distribute(value),)))
+        fetch = self.steps_per_fetch if count_steps else 1
+
+        def one_step(batch):
+            logs = self._reduce(self.strategy.run(replica_step, args=(batch,)))
             if count_steps:  # outside strategy.run: a mirrored counter diverges inside it
                 self.step.assign_add(1)
                 self.guard.observe(logs, self.step)
             return logs
 
         def timed_next(iterator):
-            # Stateful ops run in program order inside a tf.function, so the first
-            # timestamp follows the previous step's updates and the second follows the
-            # batch's arrival: their difference is the time this step waited on input.
+            """(has_value, value, seconds waited, tensor the batch must wait for)."""
+            def next_value():
+                if fetch == 1:
+                    return self._next(iterator)
+                optional = iterator.get_next_as_optional()
+                return optional.has_value(), optional
             if _op_determinism():  # tf.timestamp is refused under op determinism
-                has_value, value = self._next(iterator)
-                return has_value, value, tf.constant(0.0, tf.float64)
+                has_value, value = next_value()
+                return has_value, value, tf.constant(0.0, tf.float64), has_value
             start = tf.timestamp()
-            has_value, value = self._next(iterator)
+            has_value, value = next_value()
             with tf.control_dependencies([has_value]):
-                waited = tf.timestamp() - start
-            return has_value, value, waited
+                end = tf.timestamp()
+            return has_value, value, end - start, end
+
+        def batches_of(value, ready):
+            """The step's distributed batch, or (fetch > 1) the fetched group of batches."""
+            with tf.control_dependencies([ready]):
+                return self._distribute(value) if fetch == 1 else value.get_value()
+
+        def steps_on(batches, totals, steps, first):
+            """Runs the steps of one fetch from step `first` on; returns the new sums."""
+            if fetch == 1:
+                if first == 0:
+                    totals = tf.nest.map_structure(tf.add, totals, one_step(batches))
+                    steps += 1
+                return totals, steps
+            for j in tf.range(first, fetch):
+                totals = tf.nest.map_structure(
+                    tf.add, totals, one_step(self._distribute_from_group(batches, j)))
+                steps += 1
+            return totals, steps
 
         @tf.function
         def loop(iterator, num_steps):
-            has_value, value, input_wait = timed_next(iterator)
+            has_value, value, input_wait, ready = timed_next(iterator)
             with tf.control_dependencies([tf.debugging.Assert(has_value, [_EXHAUSTED])]):
-                totals = one_step(value)
-            steps = tf.constant(1, tf.int32)
-            for _ in tf.range(num_steps - 1):
+                batches = batches_of(value, ready)
+                totals = one_step(batches if fetch == 1 else
+                                  self._distribute_from_group(batches, tf.constant(0)))
+                steps = tf.constant(1, tf.int32)
+                totals, steps = steps_on(batches, totals, steps, first=1)
+            for _ in tf.range(num_steps // fetch - 1):
                 if self._stop_requested(count_steps):  # before taking the next batch
                     break
-                has_value, value, waited = timed_next(iterator)
+                has_value, value, waited, ready = timed_next(iterator)
                 input_wait += waited
                 if not has_value:
                     break
-                totals = tf.nest.map_structure(tf.add, totals, one_step(value))
-                steps += 1
+                totals, steps = steps_on(batches_of(value, ready), totals, steps, first=0)
             return totals, steps, input_wait
 
         return loop
@@ -544,6 +620,11 @@ class Trainer:
             logging.info("tputrain: %s is at step %d >= train_steps %d; nothing to train",
                          self.model_dir, step, self.train_steps)
             return self.evaluate()
+        if step % self.steps_per_fetch:
+            raise ValueError(
+                f"the checkpoint in {self.model_dir} is at step {step}, not a multiple of "
+                f"Trainer.steps_per_fetch={self.steps_per_fetch}: resume with a "
+                "steps_per_fetch that divides it (e.g. 1)")
         if self.input_mode == "distributed":
             self._train_iterator = self._distributed_iterator("train", skip_steps=step)
         logging.info("tputrain: training from step %d to %d", step, self.train_steps)

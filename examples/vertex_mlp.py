@@ -100,7 +100,7 @@ def main(argv):
         tputrain.split_cpu(FLAGS.cpu_replicas)
         strategy = tputrain.resolve_strategy(strategy="mirrored")
     data_dir = FLAGS.data_dir or f"{FLAGS.model_dir}/data"
-    write_synthetic_data(data_dir, FLAGS.num_examples)
+    write_synthetic_data(data_dir, FLAGS.num_examples, num_eval=max(FLAGS.num_examples // 8, 256))
     trainer = tputrain.Trainer(MLPTask(data_dir, FLAGS.learning_rate), FLAGS.model_dir,
                                strategy=strategy, precision=FLAGS.precision,
                                train_steps=FLAGS.train_steps,

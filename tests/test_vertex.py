@@ -143,7 +143,7 @@ def test_spec_parses_as_the_vertex_ai_api_message():
 
 
 @pytest.mark.slow
-def test_cli_prints_the_job_and_fails_with_the_fix(tmp_path):
+def test_cli_prints_the_job_as_json_on_stdout(tmp_path):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     base = [sys.executable, "-m", "tputrain.run", "vertex-spec", "--gin_file=digits.gin",
             f"--image={IMAGE}", f"--bucket={BUCKET}"]
@@ -154,9 +154,3 @@ def test_cli_prints_the_job_and_fails_with_the_fix(tmp_path):
     (pool,) = job["jobSpec"]["workerPoolSpecs"]
     assert pool["machineSpec"]["machineType"] == "ct5lp-hightpu-8t"
     assert f"--model_dir={BUCKET}/tputrain-digits/model" in pool["containerSpec"]["args"]
-    bad = subprocess.run(base + ["--gpu=v100", "--gpu_count=2",
-                                 "--gin_param=Trainer.global_batch_size=63"],
-                         env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert bad.returncode == 2
-    assert bad.stdout == ""
-    assert "not divisible by the 2 replicas" in bad.stderr

@@ -259,7 +259,7 @@ def _collect_command_flags(command: str) -> dict[str, Any]:
     module = importlib.import_module(module_name)
     info = {"command": command, "module": module_name, "doc": inspect.getdoc(module) or ""}
     if "parser" in captured:
-        return {**info, "flags": _argparse_rows(captured["parser"])}
+        return {**info, "parser": "argparse", "flags": _argparse_rows(captured["parser"])}
     by_module = flags.FLAGS.flags_by_module_dict()
     names = {name for name in flags.FLAGS if name not in before}
     names |= {f.name for f in by_module.get(module_name, [])}
@@ -280,7 +280,7 @@ def _collect_command_flags(command: str) -> dict[str, Any]:
             "enum": list(enum_values) if enum_values else None,
             "help": help_text,
         })
-    return {**info, "flags": rows}
+    return {**info, "parser": "absl", "flags": rows}
 
 
 def _in_child(function: Callable[[], Any]) -> Any:
@@ -336,11 +336,14 @@ def cli_reference() -> str:
             return _collect_command_flags(c)
         collect.__doc__ = f"collecting the flags of `tputrain {command}`"
         sections.append(_in_child(collect))
+    argparse_commands = ", ".join(f"`{info['command']}`" for info in sections
+                                  if info.get("parser") == "argparse") or "none"
     out = [_HEADER.format(command="cli-reference"), "# CLI reference", "",
-           "Every `tputrain` command and its flags, generated from the absl flag "
-           "definitions. `tputrain` with no command runs `tputrain run`; "
-           "`python -m tputrain.run` is the same. Each command also accepts absl's "
-           "`--help`, `--helpfull` and `--flagfile`.", "",
+           "Every `tputrain` command and its flags, generated from each command's absl "
+           f"(or argparse: {argparse_commands}) flag definitions. `tputrain` with no command "
+           "runs `tputrain run`; `python -m tputrain.run` is the same. Every command prints "
+           "its flags with `--help`; the absl ones also accept `--helpfull` and "
+           "`--flagfile`.", "",
            "| command | what it does |", "|---|---|"]
     for info in sections:
         first = (info["doc"].split("\n\n", 1)[0] or "").replace("\n", " ")

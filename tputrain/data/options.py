@@ -15,6 +15,7 @@ import gin
 import tensorflow as tf
 
 _PROCESSING_MODES = ("parallel_epochs", "distributed_epoch")
+_EXTERNAL_STATE = {"fail": "FAIL", "warn": "WARN", "ignore": "IGNORE"}
 
 
 def _check_optional_int(name: str, value, minimum: int) -> None:
@@ -55,6 +56,11 @@ class InputOptions:
             reading disjoint parts of one `distributed_epoch` job).
         service_processing_mode: "parallel_epochs" (each worker produces the
             whole dataset) or "distributed_epoch" (workers split one epoch).
+        external_state_policy: what saving the iterator in a checkpoint does when
+            the pipeline has state tf.data cannot save (a `py_function`, a Python
+            generator such as `tfds.testing.mock_data`'s): "fail" (tf.data's
+            default), "warn" or "ignore" (saved without that state, so a resumed
+            run restarts it). None leaves tf.data's default.
     """
 
     threadpool_size: int | None = None
@@ -66,6 +72,7 @@ class InputOptions:
     service_address: str | None = None
     service_job_name: str | None = None
     service_processing_mode: str = "parallel_epochs"
+    external_state_policy: str | None = None
 
     def __post_init__(self):
         _check_optional_int("threadpool_size", self.threadpool_size, 1)
@@ -84,6 +91,9 @@ class InputOptions:
             raise ValueError(
                 f"InputOptions.service_address must look like 'grpc://host:port', got "
                 f"{self.service_address!r}")
+        if self.external_state_policy not in (None, *_EXTERNAL_STATE):
+            raise ValueError(f"InputOptions.external_state_policy must be None or one of "
+                             f"{sorted(_EXTERNAL_STATE)}, got {self.external_state_policy!r}")
         if self.service_job_name is not None and self.service_address is None:
             raise ValueError("InputOptions.service_job_name is set but service_address is not: "
                              "set service_address to the tf.data service dispatcher")
@@ -100,6 +110,9 @@ class InputOptions:
             options.autotune.ram_budget = self.autotune_ram_budget
         if self.autotune_cpu_budget is not None:
             options.autotune.cpu_budget = self.autotune_cpu_budget
+        if self.external_state_policy is not None:
+            options.experimental_external_state_policy = getattr(
+                tf.data.experimental.ExternalStatePolicy, _EXTERNAL_STATE[self.external_state_policy])
         return options
 
     def apply(self, dataset: tf.data.Dataset) -> tf.data.Dataset:

@@ -379,8 +379,8 @@ class TFRecordInput:
         if in_memory:
             dataset = in_memory_batches(
                 self._read_all(records, context), per_replica_batch,
-                shuffle=self.shuffle, seed=self.seed, repeat=self.repeat)
-            dataset = dataset.map(lambda batch: split_label(batch, self.label_key))
+                shuffle=self.shuffle, seed=self.seed, repeat=self.repeat,
+                finish=lambda batch: split_label(batch, self.label_key))
         else:
             if self.cache:
                 suffix = f"-{pipeline_id:05d}-of-{num_pipelines:05d}"

@@ -1,7 +1,8 @@
 """Built-in tasks used by the configs in `configs/` (and as examples of `Task`)."""
 
+from tputrain.tasks.classifier import MLPClassifierTask
 from tputrain.tasks.digits import DigitsTask
 from tputrain.tasks.slow_input import SlowInputTask
 from tputrain.tasks.transformer import SyntheticLMTask
 
-__all__ = ["DigitsTask", "SlowInputTask", "SyntheticLMTask"]
+__all__ = ["DigitsTask", "MLPClassifierTask", "SlowInputTask", "SyntheticLMTask"]

@@ -1,5 +1,6 @@
 """Trainer: replica equivalence, host loops, resume, eval, errors."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -196,3 +197,34 @@ def test_profile_steps_write_a_trace(tmp_path):
     assert len(traces) == 1
     with pytest.raises(ValueError, match="start < stop"):
         make_trainer(tmp_path, 1, "prof2", profile_steps=(4, 2))
+
+
+def test_mixed_float16_wraps_any_optimizer_and_recovers_from_overflow(tmp_path):
+    """TinyTask builds a plain SGD: the Trainer adds Keras 3 loss scaling under fp16.
+    The first batch overflows float16 gradients; that step is skipped, the scale
+    halves, and the following steps train."""
+
+    class Spiky(TinyTask):
+        def build_inputs(self, split, input_context):
+            dataset = super().build_inputs(split, input_context)
+            if split != "train":
+                return dataset
+            spike = lambda i, batch: ({"x": tf.where(i == 0, batch[0]["x"] * 1e3, batch[0]["x"])},  # noqa: E731
+                                      batch[1])
+            return dataset.enumerate().map(spike)
+
+    trainer = make_trainer(tmp_path, 1, "fp16", task=Spiky(), precision="mixed_float16",
+                           train_steps=1, steps_per_loop=1, report_mfu=False)
+    assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+    scale = float(trainer.optimizer.dynamic_scale.numpy())
+    before = weights(trainer)
+    trainer.train()
+    assert float(trainer.optimizer.dynamic_scale.numpy()) == scale / 2
+    for a, b in zip(before, weights(trainer)):
+        np.testing.assert_array_equal(a, b)
+    resumed = make_trainer(tmp_path, 1, "fp16", task=Spiky(), precision="mixed_float16",
+                           train_steps=4, steps_per_loop=1, report_mfu=False)
+    logs = resumed.train()  # continues after the skipped step, with the halved scale
+    assert float(resumed.optimizer.dynamic_scale.numpy()) == scale / 2
+    assert np.isfinite(logs["loss"])
+    assert any(not np.array_equal(a, b) for a, b in zip(before, weights(resumed)))

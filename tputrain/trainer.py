@@ -25,7 +25,7 @@ from tputrain.checkpoint import Checkpointer, seed_generator_states
 from tputrain.data import InputContext
 from tputrain.flops import count_flops, peak_flops, specs_of
 from tputrain.layer_precision import override_layer_dtypes
-from tputrain.precision import set_precision_policy
+from tputrain.precision import set_precision_policy, wrap_optimizer_for_policy
 from tputrain.progress import Progress, Stopwatch
 from tputrain.strategy import resolve_strategy
 from tputrain.task import Task
@@ -244,7 +244,9 @@ class Trainer:
             override_layer_dtypes(self.model)
             # Built here, in scope, before the first step: slot variables are then
             # mirrored and a restore can fill them directly.
-            self.optimizer = task.build_optimizer()
+            # Under mixed_float16 any task's optimizer gets Keras 3 loss scaling (the
+            # step differentiates optimizer.scale_loss(loss)); a no-op otherwise.
+            self.optimizer = wrap_optimizer_for_policy(task.build_optimizer())
             self.optimizer.build(self.model.trainable_variables)
             self.train_metrics = list(task.build_metrics())
             self.eval_metrics = list(task.build_metrics())

@@ -1,0 +1,463 @@
+"""Training-loop throughput: tputrain's Trainer against the loops people would write instead.
+
+    python benchmarks/train_loop.py            # full run, ~10 minutes on 2 cores
+    python benchmarks/train_loop.py --quick    # smoke run on tiny models
+
+Prints one JSON document to stdout (progress goes to stderr). Every contender
+trains the same model (same initial weights, optimizer, precision, input
+pipeline, metric) under the same strategy, in one process:
+
+* `tputrain`: `tputrain.Trainer.train()`, for each `steps_per_loop` candidate;
+* `hand_loop`: one `tf.function` with a `tf.range` loop over `strategy.run` (the
+  framework ceiling: nothing but the step);
+* `keras_fit`: Keras 3 `model.fit` for each `steps_per_execution` candidate;
+* `orbit`: Orbit's `StandardTrainer` (`tf.while_loop` over the step), if
+  importable (`pip install --no-deps tf-models-official tf-keras`; never let pip
+  replace TensorFlow).
+
+Each is built and traced once, then measured `--repeats` times, interleaved
+(contender order rotates each repeat), and the medians are reported. Every
+measurement is steps/s from the end of a call's first loop to the end of its last
+loop, so tracing, iterator start-up and end-of-call work (a Keras fit's iterator
+teardown, the Trainer's final checkpoint and eval) are outside the window for
+all contenders alike; per-loop host work (the Trainer's logs and TensorBoard
+summaries, Keras callbacks) is inside it. The machine may be shared: compare
+the ratios measured side by side, not absolute numbers across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import logging  # noqa: E402
+
+import tputrain  # noqa: E402
+from tputrain.data import InputContext  # noqa: E402
+from tputrain.flops import measure_matmul_peak  # noqa: E402
+from tputrain.precision import to_float32  # noqa: E402
+from tputrain.tasks import SyntheticLMTask  # noqa: E402
+
+
+def log(message: str) -> None:
+    print(f"[train_loop] {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------- tasks
+
+
+class MLPTask(tputrain.Task):
+    """A dense MLP classifier on a fixed set of random in-memory batches."""
+
+    def __init__(self, features: int, hidden: tuple[int, ...], classes: int = 10,
+                 batches: int = 16, optimizer: str = "adam"):
+        self.features, self.hidden, self.classes = features, hidden, classes
+        self.batches = batches
+        self.optimizer = optimizer
+
+    def build_model(self) -> keras.Model:
+        x = inputs = keras.Input((self.features,), name="x")
+        for units in self.hidden:
+            x = keras.layers.Dense(units, activation="relu")(x)
+        logits = keras.layers.Dense(self.classes, dtype="float32")(x)
+        return keras.Model({"x": inputs}, logits)
+
+    def build_inputs(self, split: str, input_context: InputContext) -> tf.data.Dataset:
+        batch = input_context.get_per_replica_batch_size(input_context.global_batch_size)
+        rng = np.random.RandomState(0)
+        x = rng.randn(self.batches * batch, self.features).astype(np.float32)
+        y = rng.randint(0, self.classes, self.batches * batch).astype(np.int64)
+        dataset = tf.data.Dataset.from_tensor_slices(({"x": x}, y)).batch(batch, drop_remainder=True)
+        return (dataset.cache().repeat() if split == "train" else dataset).prefetch(2)
+
+    def compute_loss(self, labels, outputs) -> tf.Tensor:
+        return keras.losses.sparse_categorical_crossentropy(labels, outputs, from_logits=True)
+
+    def build_metrics(self) -> list[keras.metrics.Metric]:
+        return [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
+
+    def build_optimizer(self) -> keras.optimizers.Optimizer:
+        return tputrain.build_optimizer(self.optimizer, learning_rate=1e-3)
+
+
+class LMTask(SyntheticLMTask):
+    """configs/synthetic_transformer.gin's model and optimizer, without gin."""
+
+    def build_optimizer(self) -> keras.optimizers.Optimizer:
+        return tputrain.build_optimizer("adamw", learning_rate=5e-4, weight_decay=0.01,
+                                        global_clipnorm=1.0)
+
+    def build_metrics(self) -> list[keras.metrics.Metric]:
+        return [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
+
+
+# --------------------------------------------------------------- contenders
+
+
+class Contender:
+    """Builds once (`prepare`), then `measure(steps)` returns steps/s."""
+
+    name = ""
+
+    def __init__(self, task_factory: Callable[[], tputrain.Task], strategy, global_batch: int,
+                 precision: str, k: int):
+        self.task_factory = task_factory
+        self.strategy = strategy
+        self.global_batch = global_batch
+        self.precision = precision
+        self.k = k
+
+    def _policy(self) -> None:
+        keras.mixed_precision.set_global_policy(self.precision)
+        keras.utils.set_random_seed(0)
+
+    def prepare(self) -> None:
+        raise NotImplementedError
+
+    def measure(self, steps: int) -> float:
+        raise NotImplementedError
+
+
+def _rate(times: list[float], steps_between: int) -> float:
+    if len(times) < 2:
+        raise RuntimeError("need at least two loops per measurement: raise the step count")
+    return steps_between / (times[-1] - times[0])
+
+
+class TputrainContender(Contender):
+    name = "tputrain"
+
+    def prepare(self) -> None:
+        self.model_dir = tempfile.mkdtemp(prefix="tputrain-bench-")
+        self.trainer = tputrain.Trainer(
+            self.task_factory(), self.model_dir, strategy=self.strategy, train_steps=self.k,
+            steps_per_loop=self.k, global_batch_size=self.global_batch,
+            checkpoint_every=10**9, eval_steps=1, precision=self.precision, seed=0)
+        self._times: list[tuple[float, int]] = []
+        done = self.trainer.progress.train_loop_done
+
+        def record(step, steps, *args, **kwargs):  # time at the end of each loop's host work
+            rates = done(step, steps, *args, **kwargs)
+            self._times.append((time.perf_counter(), steps))
+            return rates
+
+        self.trainer.progress.train_loop_done = record
+        self.trainer.train()  # traces the loop, runs k steps, saves, evaluates once
+        # Later train() calls continue in memory. Their restore of the checkpoint just
+        # written is outside the timed window anyway, and a second train() on one
+        # Trainer currently fails in Checkpointer.restore_latest ("save_counter [] is
+        # not in the checkpoint"), so it is skipped.
+        self.trainer.checkpointer.restore_latest = lambda: None
+
+    def measure(self, steps: int) -> float:
+        self._times.clear()
+        self.trainer.train_steps += steps
+        self.trainer.train()
+        return _rate([t for t, _ in self._times], sum(s for _, s in self._times[1:]))
+
+    @property
+    def flops_per_step(self) -> float | None:
+        return self.trainer.flops_per_step
+
+
+def _replica_step(task: tputrain.Task, model, optimizer, metric, global_batch: int):
+    def step(batch):
+        features, labels = batch
+        with tf.GradientTape() as tape:
+            outputs = to_float32(model(features, training=True))
+            loss = tf.nn.compute_average_loss(task.compute_loss(labels, outputs),
+                                              global_batch_size=global_batch)
+            scaled = optimizer.scale_loss(loss)
+        gradients = tape.gradient(scaled, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        metric.update_state(labels, outputs)
+        return loss
+    return step
+
+
+def _build(contender: Contender):
+    contender._policy()  # pylint: disable=protected-access
+    task = contender.task_factory()
+    with contender.strategy.scope():
+        model = task.build_model()
+        optimizer = task.build_optimizer()
+        optimizer.build(model.trainable_variables)
+        metric = keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+    context = InputContext(num_input_pipelines=1, input_pipeline_id=0,
+                           num_replicas_in_sync=contender.strategy.num_replicas_in_sync,
+                           global_batch_size=contender.global_batch)
+    return task, model, optimizer, metric, task.build_inputs("train", context)
+
+
+class HandLoopContender(Contender):
+    name = "hand_loop"
+
+    def prepare(self) -> None:
+        task, model, optimizer, metric, dataset = _build(self)
+        step = _replica_step(task, model, optimizer, metric, self.global_batch)
+        strategy = self.strategy
+        self.iterator = iter(strategy.experimental_distribute_dataset(dataset))
+
+        @tf.function
+        def loop(iterator, num_steps):
+            for _ in tf.range(num_steps):
+                strategy.run(step, args=(next(iterator),))
+
+        self.loop = loop
+        self.loop(self.iterator, tf.constant(self.k))
+
+    def measure(self, steps: int) -> float:
+        times = []
+        for _ in range(max(2, steps // self.k)):
+            self.loop(self.iterator, tf.constant(self.k))
+            times.append(time.perf_counter())
+        return _rate(times, self.k * (len(times) - 1))
+
+
+class KerasFitContender(Contender):
+    name = "keras_fit"
+
+    def prepare(self) -> None:
+        self._policy()
+        task = self.task_factory()
+        with self.strategy.scope():
+            self.model = task.build_model()
+            self.model.compile(
+                optimizer=task.build_optimizer(),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+                steps_per_execution=self.k, jit_compile=False)
+        context = InputContext(num_input_pipelines=1, input_pipeline_id=0,
+                               num_replicas_in_sync=self.strategy.num_replicas_in_sync,
+                               global_batch_size=self.global_batch)
+        self.dataset = task.build_inputs("train", context)
+        self._times: list[float] = []
+        times = self._times
+
+        class Timer(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                times.append(time.perf_counter())
+
+        self.timer = Timer()
+        self.model.fit(self.dataset, epochs=1, steps_per_epoch=2 * self.k, verbose=0,
+                       callbacks=[self.timer])
+
+    def measure(self, steps: int) -> float:
+        self._times.clear()
+        steps = max(2, steps // self.k) * self.k
+        self.model.fit(self.dataset, epochs=1, steps_per_epoch=steps, verbose=0,
+                       callbacks=[self.timer])
+        # One callback per execution of k steps: timed to the last step, not to the
+        # end of fit (which also waits for the iterator to be freed).
+        return _rate(self._times, self.k * (len(self._times) - 1))
+
+
+def _orbit():
+    try:
+        import orbit  # noqa: F401  pylint: disable=import-outside-toplevel
+        return orbit, None
+    except Exception as error:  # pylint: disable=broad-except
+        return None, (f"cannot import orbit ({type(error).__name__}: {error}); install it for "
+                      "the benchmark with `pip install --no-deps tf-models-official tf-keras` "
+                      "(tf-models-official 2.20 pins TensorFlow 2.20: --no-deps keeps 2.21)")
+
+
+class OrbitContender(Contender):
+    name = "orbit"
+
+    def prepare(self) -> None:
+        orbit, error = _orbit()
+        if orbit is None:
+            raise RuntimeError(error)
+        task, model, optimizer, metric, dataset = _build(self)
+        step = _replica_step(task, model, optimizer, metric, self.global_batch)
+        strategy = self.strategy
+
+        class Trainer(orbit.StandardTrainer):
+            def __init__(self):
+                super().__init__(strategy.experimental_distribute_dataset(dataset),
+                                 options=orbit.StandardTrainerOptions(use_tf_while_loop=True))
+
+            def train_step(self, iterator):
+                strategy.run(step, args=(next(iterator),))
+
+            def train_loop_end(self):
+                return {"accuracy": metric.result()}
+
+        with strategy.scope():
+            self.trainer = Trainer()
+        self.trainer.train(tf.constant(self.k))
+
+    def measure(self, steps: int) -> float:
+        times = []
+        for _ in range(max(2, steps // self.k)):
+            self.trainer.train(tf.constant(self.k))
+            times.append(time.perf_counter())
+        return _rate(times, self.k * (len(times) - 1))
+
+
+# -------------------------------------------------------------- the runner
+
+
+def summarize(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "all": [round(v, 4) for v in values]}
+
+
+def run_workload(name: str, task_factory, strategy, global_batch: int, precision: str,
+                 kinds: list[type[Contender]], ks: list[int], steps: int, repeats: int,
+                 peaks: dict[str, list[float]]) -> dict[str, Any]:
+    """Builds every (contender, k), then measures them interleaved `repeats` times."""
+    contenders: list[Contender] = []
+    skipped: dict[str, str] = {}
+    for kind in kinds:
+        for k in ks:
+            contender = kind(task_factory, strategy, global_batch, precision, k)
+            log(f"{name}: preparing {kind.name} k={k}")
+            try:
+                contender.prepare()
+            except Exception as error:  # pylint: disable=broad-except
+                skipped[kind.name] = f"{type(error).__name__}: {error}"[:500]
+                log(f"{name}: {kind.name} cannot run: {skipped[kind.name]}")
+                break
+            contenders.append(contender)
+    rates: dict[tuple[str, int], list[float]] = {(c.name, c.k): [] for c in contenders}
+    for repeat in range(repeats):
+        order = contenders[repeat % len(contenders):] + contenders[:repeat % len(contenders)]
+        for contender in order:
+            rates[(contender.name, contender.k)].append(contender.measure(steps))
+        for dtype in peaks:  # the matmul peak, probed between the same measurements
+            peaks[dtype].append(measure_matmul_peak(dtype))
+        log(f"{name}: repeat {repeat + 1}/{repeats}: " + ", ".join(
+            f"{n} k={k} {v[-1]:.2f}" for (n, k), v in rates.items()))
+    results: dict[str, Any] = {"precision": precision, "global_batch_size": global_batch,
+                               "steps_per_measurement": steps, "repeats": repeats}
+    best: dict[str, float] = {}
+    for kind in kinds:
+        per_k = {k: summarize(v) for (n, k), v in rates.items() if n == kind.name}
+        if not per_k:
+            results[kind.name] = {"error": skipped.get(kind.name, "not run")}
+            continue
+        best_k = max(per_k, key=lambda k: per_k[k]["median"])
+        best[kind.name] = per_k[best_k]["median"]
+        results[kind.name] = {
+            "best_steps_per_call": best_k, "steps_per_second": per_k[best_k]["median"],
+            "examples_per_second": per_k[best_k]["median"] * global_batch,
+            "by_steps_per_call": {str(k): v for k, v in per_k.items()}}
+    tputrain_runs = [c for c in contenders if c.name == "tputrain"]
+    if tputrain_runs and tputrain_runs[0].flops_per_step:
+        results["flops_per_step"] = tputrain_runs[0].flops_per_step
+    if "tputrain" in best:
+        results["ratios"] = {f"tputrain_vs_{n}": best["tputrain"] / v
+                             for n, v in best.items() if n != "tputrain"}
+    return results
+
+
+def add_mfu(result: dict[str, Any], peak: float, peak_name: str) -> None:
+    if "flops_per_step" in result and "tputrain" in result and "steps_per_second" in result["tputrain"]:
+        result["mfu"] = {"value": result["flops_per_step"] * result["tputrain"]["steps_per_second"] / peak,
+                         "against": f"measured {peak_name} matmul peak {peak / 1e9:.0f} GFLOP/s "
+                                    "(best probe of this run)"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models, one repeat")
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args()
+    logging.set_verbosity(logging.WARNING)
+    quick = args.quick
+    repeats = args.repeats or (1 if quick else 3)
+    strategy = tputrain.resolve_strategy()
+    started = time.time()
+    load_before = os.getloadavg()
+    peaks: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+    all_kinds = [TputrainContender, HandLoopContender, KerasFitContender, OrbitContender]
+
+    if quick:
+        lm = lambda: LMTask(vocab_size=128, sequence_length=32, width=64, num_layers=1, num_heads=2)  # noqa: E731
+        mlp = lambda: MLPTask(64, (128, 128))  # noqa: E731
+        lm_batch, mlp_batch, lm_steps, mlp_steps, lm_ks, mlp_ks = 8, 64, 20, 40, [5], [10]
+    else:
+        lm = lambda: LMTask(vocab_size=512, sequence_length=128, width=256, num_layers=4, num_heads=4)  # noqa: E731
+        mlp = lambda: MLPTask(512, (1024, 1024))  # noqa: E731
+        lm_batch, mlp_batch, lm_steps, mlp_steps, lm_ks, mlp_ks = 16, 256, 60, 400, [10, 20], [20, 100]
+    small = lambda: MLPTask(32, (64,), batches=8)  # noqa: E731
+    small_steps = 100 if quick else 1000
+
+    report: dict[str, Any] = {
+        "command": "python benchmarks/train_loop.py" + (" --quick" if quick else ""),
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "strategy": type(strategy).__name__, "tensorflow": tf.__version__,
+                    "keras": keras.__version__, "load_average_before": load_before},
+        "method": "steps/s from the end of each call's first loop to the end of its last; "
+                  "medians over interleaved repeats; best steps_per_loop / steps_per_execution "
+                  "per contender. The machine is shared: compare ratios within this run.",
+    }
+    workloads: dict[str, Any] = {}
+    workloads["mlp"] = run_workload(
+        "mlp", mlp, strategy, mlp_batch, "float32", all_kinds, mlp_ks, mlp_steps, repeats, peaks)
+    workloads["mlp"]["model"] = "MLP 512-1024-1024-10, Adam" if not quick else "MLP 64-128-128-10"
+    workloads["transformer"] = run_workload(
+        "transformer", lm, strategy, lm_batch, "float32", all_kinds, lm_ks, lm_steps, repeats, peaks)
+    workloads["transformer"]["model"] = ("configs/synthetic_transformer.gin: 4 layers, width 256, "
+                                         "16 x 128 tokens, AdamW + clipnorm") if not quick else "1-layer LM"
+    workloads["transformer_bf16"] = run_workload(
+        "transformer_bf16", lm, strategy, lm_batch, "mixed_bfloat16", [TputrainContender],
+        lm_ks, lm_steps, repeats, peaks)
+    loop_sizes = run_workload(
+        "small_mlp", small, strategy, 64, "float32", [TputrainContender], [1, 50],
+        small_steps, repeats, peaks)
+    by_k = loop_sizes["tputrain"]["by_steps_per_call"]
+    report["steps_per_loop_50_vs_1"] = {
+        "model": "MLP 32-64-10, batch 64 (per-call overhead dominates)",
+        "steps_per_second": {k: v["median"] for k, v in by_k.items()},
+        "ratio": by_k["50"]["median"] / by_k["1"]["median"], "goal": 2.0}
+
+    peak = {dtype: max(values) for dtype, values in peaks.items()}
+    report["matmul_peak_gflops"] = {d: {"best": max(v) / 1e9, "median": statistics.median(v) / 1e9}
+                                    for d, v in peaks.items()}
+    add_mfu(workloads["transformer"], peak["float32"], "float32")
+    add_mfu(workloads["transformer_bf16"], peak["bfloat16"], "bfloat16")
+    add_mfu(workloads["mlp"], peak["float32"], "float32")
+    fp32 = workloads["transformer"].get("tputrain", {}).get("steps_per_second")
+    bf16 = workloads["transformer_bf16"].get("tputrain", {}).get("steps_per_second")
+    if fp32 and bf16:
+        report["bf16_vs_float32"] = {"transformer_step_ms_float32": 1000 / fp32,
+                                     "transformer_step_ms_bfloat16": 1000 / bf16,
+                                     "speedup": bf16 / fp32}
+    report["workloads"] = workloads
+    goals = {"tputrain_vs_hand_loop": 0.98, "tputrain_vs_keras_fit": 1.05, "tputrain_vs_orbit": 1.0}
+    report["goals"] = {
+        f"{w}.{k}": {"measured": workloads[w]["ratios"][k], "goal": g,
+                     "met": workloads[w]["ratios"][k] >= g}
+        for w in ("mlp", "transformer") for k, g in goals.items()
+        if k in workloads[w].get("ratios", {})}
+    report["goals"]["steps_per_loop_50_vs_1"] = {
+        "measured": report["steps_per_loop_50_vs_1"]["ratio"], "goal": 2.0,
+        "met": report["steps_per_loop_50_vs_1"]["ratio"] >= 2.0}
+    for name in ("transformer", "transformer_bf16"):
+        if "mfu" in workloads[name]:
+            report["goals"][f"{name}.mfu"] = {"measured": workloads[name]["mfu"]["value"],
+                                              "goal": 0.5,
+                                              "met": workloads[name]["mfu"]["value"] >= 0.5}
+    report["machine"]["load_average_after"] = os.getloadavg()
+    report["seconds"] = time.time() - started
+    json.dump(report, sys.stdout, indent=1, default=float)
+    print()
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,13 @@ gives real replicas. (pytest's own process keeps conftest's 4 devices.)
 from __future__ import annotations
 
 import os
+import queue
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
 
 import gin
 import keras
@@ -96,3 +103,73 @@ def final_weights(model_dir: str) -> dict[str, np.ndarray]:
     return {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(path)
             if name.startswith("optimizer/") or name.startswith("model/")
             or name.startswith("seeds/")}
+
+
+# ------------------------------------------------------------ child processes
+
+TESTS = Path(__file__).resolve().parent
+
+
+def child_env(cpus: int | None = None) -> dict[str, str]:
+    """Environment of a child: tests/ importable, quiet TF, `cpus` logical CPUs."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    env.pop("TPUTRAIN_TEST_CPUS", None)
+    if cpus:
+        env["TPUTRAIN_TEST_CPUS"] = str(cpus)
+    return env
+
+
+class Process:
+    """A subprocess whose output lines (stdout and stderr merged) can be awaited."""
+
+    def __init__(self, command: list[str], env: dict[str, str]):
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, pattern: str, timeout: float = 180) -> re.Match:
+        """Returns the match in the first new output line matching `pattern` (re.search)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=1)
+            except queue.Empty:
+                continue
+            if line is None:
+                self._queue.put(None)
+                raise AssertionError(f"process ended (code {self.process.wait()}) before "
+                                     f"{pattern!r}:\n{self.log()}")
+            self.lines.append(line)
+            match = re.search(pattern, line)
+            if match:
+                return match
+        raise AssertionError(f"no {pattern!r} within {timeout} s:\n{self.log()}")
+
+    def finish(self, timeout: float = 180) -> int:
+        """Waits for the exit; returns the code after collecting all output."""
+        code = self.process.wait(timeout=timeout)
+        while True:
+            line = self._queue.get(timeout=30)
+            if line is None:
+                self._queue.put(None)
+                return code
+            self.lines.append(line)
+
+    def kill(self, signum: int = signal.SIGKILL) -> int:
+        self.process.send_signal(signum)
+        return self.finish()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def log(self) -> str:
+        return "".join(self.lines[-40:])

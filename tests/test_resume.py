@@ -12,13 +12,10 @@ each), so the trials share one chain.
 from __future__ import annotations
 
 import os
-import queue
 import random
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,9 +23,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from faults import final_weights
+from faults import Process, child_env, final_weights
 
-TESTS = Path(__file__).resolve().parent
 TRAIN_STEPS = 24
 CONFIG = f"""
 Trainer.task = @FaultTask()
@@ -46,65 +42,13 @@ FaultTask.ballast_floats = 8000000
 PREEMPTED_EXIT_CODE = 42
 
 
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    env["TPUTRAIN_TEST_CPUS"] = "2"
-    return env
-
-
-class Child:
-    """A `tputrain` training process whose stderr lines can be awaited."""
+class Child(Process):
+    """A `tputrain` training run of `config` into `model_dir`."""
 
     def __init__(self, config: Path, model_dir: Path):
-        command = [sys.executable, "-m", "tputrain.run", "--gin_import=faults",
-                   f"--gin_file={config}", f"--model_dir={model_dir}", "--deterministic"]
-        self.process = subprocess.Popen(command, env=child_env(), stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True, bufsize=1)
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.process.stderr:
-            self._queue.put(line)
-        self._queue.put(None)
-
-    def wait_for(self, pattern: str, timeout: float = 180) -> re.Match:
-        """Returns the first new stderr line matching `pattern` (re.search)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self._queue.get(timeout=1)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise AssertionError(f"process ended (code {self.process.wait()}) before "
-                                     f"{pattern!r}:\n{self.log()}")
-            self.lines.append(line)
-            match = re.search(pattern, line)
-            if match:
-                return match
-        raise AssertionError(f"no {pattern!r} within {timeout} s:\n{self.log()}")
-
-    def finish(self, timeout: float = 180) -> int:
-        code = self.process.wait(timeout=timeout)
-        while True:
-            line = self._queue.get(timeout=10)
-            if line is None:
-                return code
-            self.lines.append(line)
-
-    def kill(self, signum: int = signal.SIGKILL) -> int:
-        self.process.send_signal(signum)
-        return self.finish()
-
-    def text(self) -> str:
-        return "".join(self.lines)
-
-    def log(self) -> str:
-        return "".join(self.lines[-40:])
+        super().__init__([sys.executable, "-m", "tputrain.run", "--gin_import=faults",
+                          f"--gin_file={config}", f"--model_dir={model_dir}", "--deterministic"],
+                         child_env(cpus=2))
 
 
 def listed_checkpoints(model_dir: Path) -> list[str]:
@@ -124,7 +68,8 @@ def kill_during_write(config: Path, model_dir: Path, attempts: int = 3) -> int:
         step = int(child.wait_for(r"tputrain: saving checkpoint at step (\d+)").group(1))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            if any(name.startswith(f"ckpt-{step}") for name in os.listdir(checkpoints)):
+            names = os.listdir(checkpoints) if checkpoints.exists() else []
+            if any(name.startswith(f"ckpt-{step}") for name in names):
                 break
         child.kill()
         if f"ckpt-{step}" not in listed_checkpoints(model_dir):

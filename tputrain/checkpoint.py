@@ -152,7 +152,7 @@ def _all_finite(variables: list[Any]) -> tf.Tensor:
                           for v in variables])
 
 
-@gin.configurable(denylist=["directory", "step", "every", "keep"])
+@gin.configurable(denylist=["directory", "step", "every", "keep", "restore_directory"])
 class Checkpointer:
     """Saves every `every` steps into `directory`, keeps `keep`, restores the latest.
 
@@ -162,16 +162,21 @@ class Checkpointer:
       every: save when the step is a multiple of this.
       keep: how many checkpoints to keep.
       check_finite: refuse to save a state with NaN/Inf in a float variable.
+      restore_directory: where to restore from, if not `directory`: multi-worker
+        runs restore every worker from the chief's checkpoints, while non-chief
+        workers write theirs to a scratch directory.
       **trackables: what to save (model, optimizer, iterator, seed states...).
     """
 
     def __init__(self, directory: str, step: tf.Variable, every: int, keep: int = 3,
-                 check_finite: bool = True, **trackables: Any):
+                 check_finite: bool = True, restore_directory: str | None = None,
+                 **trackables: Any):
         if every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {every}")
         if keep < 1:
             raise ValueError(f"keep_checkpoints must be >= 1, got {keep}")
         self.directory = directory
+        self.restore_directory = restore_directory or directory
         self.every = every
         self.step = step
         self.check_finite = check_finite
@@ -189,7 +194,7 @@ class Checkpointer:
 
     def _candidates(self) -> list[str]:
         """Listed checkpoints, newest first (re-read: another process may have saved)."""
-        state = tf.train.get_checkpoint_state(self.directory)
+        state = tf.train.get_checkpoint_state(self.restore_directory)
         if state is None:
             return []
         paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
@@ -248,7 +253,7 @@ class Checkpointer:
         if failures:
             details = "; ".join(f"{p}: {type(e).__name__}: {_first_line(e)}" for p, e in failures)
             raise RuntimeError(
-                f"no checkpoint in {self.directory} could be read ({details}): delete the "
+                f"no checkpoint in {self.restore_directory} could be read ({details}): delete the "
                 "damaged files (or the whole directory to start over)")
         return None
 

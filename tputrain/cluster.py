@@ -1,9 +1,10 @@
 """Joining a multi-worker cluster (TF_CONFIG): fail clearly instead of hanging.
 
 `MultiWorkerMirroredStrategy()` blocks, silently and without a deadline, until
-every task in TF_CONFIG has started. `join_watchdog` bounds that wait: if the
-strategy is not built within `timeout` seconds it names the tasks that are not
-reachable, and exits the process (a C++ call cannot be interrupted otherwise).
+every task in TF_CONFIG has started, and holds the GIL while it waits (no Python
+thread of the process runs). `join_watchdog` bounds that wait from a small
+watchdog process: if the strategy is not built within `timeout` seconds it
+names the tasks that are not reachable and ends the process with exit code 3.
 Once the cluster is up, a worker that dies makes the others' collectives fail,
 so they exit non-zero rather than hang (see docs/fault_tolerance.md).
 """
@@ -11,15 +12,15 @@ so they exit non-zero rather than hang (see docs/fault_tolerance.md).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
-import socket
+import signal
+import subprocess
 import sys
-import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 import gin
-from absl import logging
 
 JOIN_TIMEOUT_EXIT_CODE = 3
 
@@ -45,51 +46,79 @@ def this_task() -> tuple[str, int] | None:
         return None
 
 
-def unreachable_tasks(timeout: float = 1.0) -> list[str]:
-    """Other tasks whose address does not accept a TCP connection right now."""
-    me = this_task()
-    missing = []
-    for kind, index, address in cluster_tasks():
-        if me == (kind, index):
-            continue
-        host, _, port = address.rpartition(":")
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-                pass
-        except (OSError, ValueError):
-            missing.append(f"{kind} {index} ({address})")
-    return missing
+# Runs in a separate small Python process: the strategy's C++ wait holds the GIL,
+# so no thread of the waiting process can run. argv: parent pid, timeout, message.
+_WATCHDOG = r"""
+import os, select, signal, socket, sys, time
+parent, timeout, tasks, me = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]
+ready, _, _ = select.select([sys.stdin], [], [], timeout)
+if ready:  # the parent closed the pipe: joined (or gone)
+    sys.exit(0)
+missing = []
+for task in tasks.split(","):
+    name, address = task.split("=")
+    if name == me:
+        continue
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=1).close()
+    except (OSError, ValueError):
+        missing.append(f"{name} ({address})")
+if missing:
+    problem = (", ".join(missing) + f" did not join within {timeout:g} s: start every task "
+               "with the same TF_CONFIG cluster and its own task index, check the addresses "
+               "and firewalls")
+else:
+    problem = (f"every task answers, but the cluster did not form within {timeout:g} s: "
+               "check that all tasks use the same TF_CONFIG cluster")
+print(f"tputrain: error: {problem}, or raise join_watchdog.timeout", file=sys.stderr,
+      flush=True)
+os.kill(parent, signal.SIGQUIT)  # the parent turned SIGQUIT into _exit(3)
+time.sleep(5)
+try:
+    os.kill(parent, signal.SIGKILL)
+except OSError:
+    pass
+"""
+
+
+def _exit_on_sigquit() -> Callable[[], None]:
+    """Makes SIGQUIT call C `_exit(3)` (3 == SIGQUIT): no GIL needed, so it works while
+    TF's C++ code holds it. Returns a function restoring the previous handler."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        previous = libc.signal(signal.SIGQUIT, ctypes.cast(libc._exit, ctypes.c_void_p))
+    except (OSError, AttributeError):  # not glibc-like: the watchdog's SIGKILL follows
+        return lambda: None
+    return lambda: libc.signal(signal.SIGQUIT, previous)
 
 
 @gin.configurable
 @contextlib.contextmanager
 def join_watchdog(timeout: float = 300.0) -> Iterator[None]:
-    """Exits with `JOIN_TIMEOUT_EXIT_CODE` if the body (building the strategy) outlasts
-    `timeout` seconds in a multi-task TF_CONFIG cluster; a no-op otherwise."""
-    if len(cluster_tasks()) < 2:
+    """Ends the process with `JOIN_TIMEOUT_EXIT_CODE` and a message naming the missing
+    tasks if the body (building the strategy) outlasts `timeout` seconds in a
+    multi-task TF_CONFIG cluster; a no-op otherwise.
+
+    A watchdog subprocess does the waiting (see `_WATCHDOG`); the body closing its
+    stdin pipe tells it the cluster formed.
+    """
+    tasks = cluster_tasks()
+    if len(tasks) < 2:
         yield
         return
-    done = threading.Event()
-
-    def watch():
-        if done.wait(timeout):
-            return
-        missing = unreachable_tasks()
-        if missing:
-            problem = (f"{', '.join(missing)} did not join within {timeout:g} s: start "
-                       "every task with the same TF_CONFIG cluster and its own task index, "
-                       "check the addresses and firewalls")
-        else:
-            problem = (f"every task answers, but the cluster did not form within {timeout:g} s: "
-                       "check that all tasks use the same TF_CONFIG cluster")
-        message = f"tputrain: error: {problem}, or raise join_watchdog.timeout"
-        logging.error("%s", message)
-        print(message, file=sys.stderr, flush=True)
-        os._exit(JOIN_TIMEOUT_EXIT_CODE)  # the strategy's C++ wait cannot be interrupted
-
-    thread = threading.Thread(target=watch, name="tputrain-join-watchdog", daemon=True)
-    thread.start()
+    me = this_task()
+    names = ",".join(f"{kind} {index}={address}" for kind, index, address in tasks)
+    restore = _exit_on_sigquit()
+    watchdog = subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(timeout), names,
+         f"{me[0]} {me[1]}" if me else ""],
+        stdin=subprocess.PIPE)
     try:
         yield
     finally:
-        done.set()
+        watchdog.stdin.close()
+        watchdog.wait()
+        restore()

@@ -100,6 +100,8 @@ def _message(error: BaseException) -> str:
 
 def _train(trainer):
     """Runs training; known failures end in one line (preemption exits 42 by itself)."""
+    import tensorflow as tf
+
     from tputrain.checkpoint import CheckpointMismatchError, NonFiniteStateError
     from tputrain.data import CorruptRecordError
     from tputrain.guard import NonFiniteError
@@ -111,10 +113,16 @@ def _train(trainer):
         _fail(_message(error), EXIT_BAD_INPUT)
     except (NonFiniteError, NonFiniteStateError) as error:
         _fail(_message(error), EXIT_TRAINING_FAILED)
+    except tf.errors.UnavailableError as error:
+        if trainer.num_hosts == 1:
+            raise
+        # A peer died: TF aborts the collectives (heartbeats stop) rather than hang.
+        _fail(f"lost a worker ({_message(error).splitlines()[0]}): rerun the job to resume "
+              "from the last checkpoint", EXIT_TRAINING_FAILED)
 
 
 # `tputrain <command>`: module with a `console_main()` each; `run` is the default.
-COMMANDS = {"run": "tputrain.run", "vertex-spec": "tputrain.vertex"}
+COMMANDS = {"run": "tputrain.run", "launch": "tputrain.launch", "vertex-spec": "tputrain.vertex"}
 COMMANDS["audit-precision"] = "tputrain.audit"
 COMMANDS["diagnose"] = "tputrain.diagnose"
 COMMANDS["write-tfrecords"] = "tputrain.write_tfrecords_cli"

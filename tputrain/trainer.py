@@ -270,6 +270,8 @@ class Trainer:
             trackables["iterator"] = self._train_iterator
         self.checkpointer = Checkpointer(os.path.join(self._work_dir, "checkpoints"), self.step,
                                          every=self.checkpoint_every, keep=keep_checkpoints,
+                                         # every worker resumes from the chief's checkpoints
+                                         restore_directory=os.path.join(model_dir, "checkpoints"),
                                          **trackables)
         self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
         self._agree_preempted_fn: Callable | None = None

@@ -1,0 +1,153 @@
+"""Multi-worker for real: `tputrain launch --workers 2` on 127.0.0.1, MultiWorkerMirrored.
+
+The workers run inside a private network namespace (`unshare -rn`, loopback
+only) when the kernel allows it, because TF's gRPC servers listen on every
+interface. Each launch costs ~30-45 s here (three TF imports on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tensorflow as tf
+
+from faults import Process, child_env
+from tputrain.launch import Launcher, parse_args, tf_configs
+
+CONFIG = """
+Trainer.task = @FaultTask()
+Trainer.train_steps = 100000
+Trainer.steps_per_loop = 2
+Trainer.global_batch_size = 16
+Trainer.checkpoint_every = 4
+Trainer.eval_steps = 1
+FaultTask.dropout = 0.3
+"""
+
+
+def _netns_works() -> bool:
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rn", "sh", "-c", "ip link set lo up"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+NETNS = _netns_works()
+
+
+def in_netns(command: list[str]) -> list[str]:
+    """`command` in a private network namespace with only loopback (if available)."""
+    if not NETNS:
+        return command
+    return ["unshare", "-rn", "sh", "-c", "ip link set lo up && exec " + shlex.join(command)]
+
+
+class Launch(Process):
+    """A `tputrain launch` process in the private network namespace."""
+
+    def __init__(self, args: list[str]):
+        super().__init__(in_netns([sys.executable, "-m", "tputrain.run", "launch", *args]),
+                         child_env())
+
+
+def listed_steps(model_dir: Path) -> list[int]:
+    state = tf.train.get_checkpoint_state(str(model_dir / "checkpoints"))
+    return sorted(int(p.rsplit("-", 1)[1]) for p in state.all_model_checkpoint_paths) if state else []
+
+
+@pytest.mark.slow
+def test_two_workers_train_chief_checkpoints_fail_together_and_resume(tmp_path):
+    config = tmp_path / "mw.gin"
+    config.write_text(CONFIG)
+    model_dir = tmp_path / "model"
+    args = ["--workers", "2", "--peer_exit_timeout", "90", "--gin_import=faults",
+            f"--gin_file={config}", f"--model_dir={model_dir}"]
+
+    # 1. Train until the chief has a checkpoint, then SIGKILL worker 1.
+    launch = Launch(args)
+    pids = launch.wait_for(r"worker 0 pid (\d+), worker 1 pid (\d+)")
+    launch.wait_for(rf"\[worker 0\] .*saved checkpoint {re.escape(str(model_dir))}/checkpoints/ckpt-\d+")
+    scratch = launch.wait_for(r"\[worker 1\] .*saved checkpoint (\S+)/checkpoints/ckpt-\d+").group(1)
+    assert not scratch.startswith(str(model_dir)), "only the chief writes to model_dir"
+    os.kill(int(pids.group(2)), signal.SIGKILL)
+    started = time.monotonic()
+    code = launch.finish(timeout=150)
+    text = launch.text()
+    assert code != 0, text[-3000:]
+    # Worker 0 noticed the lost peer and exited non-zero by itself (TF's heartbeats),
+    # well before the launcher would have stopped it.
+    assert "workers exited with worker 0: code 1, worker 1: signal SIGKILL" in text, text[-3000:]
+    assert "stopping worker(s)" not in text
+    assert "[worker 0] tputrain: error: lost a worker" in text
+    assert time.monotonic() - started < 90
+    shutil.rmtree(scratch, ignore_errors=True)  # a SIGKILLed worker cannot clean up
+
+    # 2. Rerun: both workers resume from the chief's latest checkpoint and finish.
+    resume_step = listed_steps(model_dir)[-1]
+    target = resume_step + 4
+    launch = Launch(args + [f"--gin_param=Trainer.train_steps={target}"])
+    assert launch.finish(timeout=240) == 0, launch.log()
+    text = launch.text()
+    for worker in (0, 1):
+        assert re.search(rf"\[worker {worker}\] .*restored \S+/model/checkpoints/ckpt-{resume_step} ",
+                         text), text[-3000:]
+    assert listed_steps(model_dir)[-1] == target
+    assert tf.io.gfile.glob(str(model_dir / "train" / "events.*")), "the chief wrote summaries"
+    scratch = re.search(r"\[worker 1\] .*saved checkpoint (\S+)/checkpoints/ckpt-", text).group(1)
+    assert not os.path.exists(scratch), "the non-chief deletes its scratch directory"
+
+
+@pytest.mark.slow
+def test_a_worker_that_never_joins_is_named_after_the_timeout(tmp_path):
+    config = tmp_path / "mw.gin"
+    config.write_text(CONFIG)
+    model_dir = tmp_path / "model"
+    tf_config = tf_configs(2)[0]
+    missing = json.loads(tf_config)["cluster"]["worker"][1]
+    env = dict(child_env(), TF_CONFIG=tf_config)
+    command = in_netns([sys.executable, "-m", "tputrain.run", "--gin_import=faults",
+                        f"--gin_file={config}", f"--model_dir={model_dir}",
+                        "--gin_param=join_watchdog.timeout=3"])
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert f"worker 1 ({missing}) did not join within 3 s" in result.stderr
+    assert "raise join_watchdog.timeout" in result.stderr
+    assert not model_dir.exists()
+
+
+def test_launcher_arguments_pass_through_to_the_workers():
+    args, rest = parse_args(["--workers", "3", "--gin_file=a.gin", "--model_dir=/m",
+                             "--gin_param=Trainer.train_steps=5"])
+    assert args.workers == 3
+    assert rest == ["--gin_file=a.gin", "--model_dir=/m", "--gin_param=Trainer.train_steps=5"]
+    configs = [json.loads(c) for c in tf_configs(3)]
+    addresses = configs[0]["cluster"]["worker"]
+    assert len(set(addresses)) == 3 and all(a.startswith("127.0.0.1:") for a in addresses)
+    assert [c["task"] for c in configs] == [{"type": "worker", "index": i} for i in range(3)]
+    with pytest.raises(ValueError, match="--workers must be >= 1"):
+        Launcher(0, [])
+
+
+def test_launcher_exit_code_rules(tmp_path):
+    """0 if all succeed, 42 if all were preempted, else the first failure's code."""
+    def run(codes):
+        script = "import sys; sys.exit(int(sys.argv[-1]))"
+        launcher = Launcher(len(codes), [], peer_exit_timeout=5)
+        launcher.processes = [subprocess.Popen([sys.executable, "-c", script, str(c)])
+                              for c in codes]
+        return launcher.wait()
+
+    assert run([0, 0]) == 0
+    assert run([42, 42]) == 42
+    assert run([0, 3]) == 3

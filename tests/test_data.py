@@ -1,13 +1,15 @@
 """Tests for tputrain.data: TFRecord writing, reading, sharding and the input context."""
 
 import logging
+import os
 
 import gin
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tputrain.data import (InputContext, TFRecordInput, feature_spec_for, parse_feature_spec,
+from tputrain.data import (CorruptRecordError, InputContext, InputOptions, TFRecordInput,
+                           explain_data_loss, feature_spec_for, parse_feature_spec,
                            write_tfrecords)
 
 FEATURES = {"x": ([3], "float32"), "id": ([], "int64")}
@@ -323,3 +325,158 @@ def test_cache(tmp_path):
     ids = _ids(dataset.take(9))  # Three epochs, the last two from the cache.
     for epoch in range(3):
         assert sorted(ids[12 * epoch:12 * (epoch + 1)]) == list(range(12))
+
+
+def test_memory_cache_sees_every_example_once_per_epoch_across_batches(tmp_path):
+    pattern = _write(tmp_path, 10, 2)  # 10 examples, batches of 4: epochs end mid-batch
+    def read(seed, shuffle=True):
+        dataset = TFRecordInput(pattern, FEATURES, global_batch_size=4, cache="memory",
+                                seed=seed, shuffle=shuffle)()
+        return _ids(dataset.take(10))  # Four epochs.
+    ids = read(seed=5)
+    for epoch in range(4):
+        assert sorted(ids[10 * epoch:10 * (epoch + 1)]) == list(range(10))
+    assert ids[:10] != ids[10:20]  # Reshuffled each epoch...
+    assert ids == read(seed=5) and ids != read(seed=6)  # ...reproducibly.
+    in_order = TFRecordInput(pattern, FEATURES, global_batch_size=4, shuffle=False)()
+    assert read(seed=0, shuffle=False) == _ids(in_order.take(10))  # Same order as uncached.
+    one_pass = TFRecordInput(pattern, FEATURES, global_batch_size=4, cache="memory",
+                             repeat=False, label_key="id")()
+    assert len(list(one_pass)) == 2  # The partial last batch is dropped.
+
+
+def test_memory_cache_keeps_pipelines_disjoint(tmp_path):
+    pattern = _write(tmp_path, 24, 4)
+    per_pipeline = [
+        _read_all(pattern, InputContext(2, i, num_replicas_in_sync=2, global_batch_size=4),
+                  cache="memory", shuffle=True)
+        for i in range(2)]
+    assert all(len(ids) == 12 for ids in per_pipeline)
+    assert sorted(sum(per_pipeline, [])) == list(range(24))
+
+
+def test_file_cache_writes_per_pipeline_files(tmp_path):
+    pattern = _write(tmp_path, 12, 3)
+    prefix = str(tmp_path / "cache" / "train")
+    tf.io.gfile.makedirs(str(tmp_path / "cache"))
+    dataset = TFRecordInput(pattern, FEATURES, global_batch_size=4, cache=prefix)()
+    ids = _ids(dataset.take(6))  # Two epochs; the second reads the cache file.
+    assert sorted(ids[:12]) == sorted(ids[12:]) == list(range(12))
+    assert any(name.startswith("train-00000-of-00001") for name in os.listdir(tmp_path / "cache"))
+
+
+def test_manifest_replaces_the_feature_spec(tmp_path):
+    ids = np.arange(8)
+    write_tfrecords({"x": ids[:, None] * np.ones((1, 3), np.float32), "id": ids},
+                    str(tmp_path / "m"), num_shards=2)
+    path = str(tmp_path / "m.manifest.json")
+    inputs = TFRecordInput(manifest=path, label_key="id", global_batch_size=4, shuffle=False)
+    assert inputs.features == {"x": tf.io.FixedLenFeature([3], tf.float32),
+                               "id": tf.io.FixedLenFeature([], tf.int64)}
+    with pytest.raises(ValueError, match="not both"):
+        TFRecordInput(str(tmp_path / "m-*"), manifest=path)
+    with pytest.raises(ValueError, match="features is not set"):
+        TFRecordInput(str(tmp_path / "m-*"))
+    with pytest.raises(FileNotFoundError, match="no manifest"):
+        TFRecordInput(manifest=str(tmp_path / "nothing.json"))
+    (tmp_path / "bad.json").write_text("{\"format\": \"other\"}")
+    with pytest.raises(ValueError, match="not a tputrain TFRecord manifest"):
+        TFRecordInput(manifest=str(tmp_path / "bad.json"))
+    os.remove(tmp_path / "m-00001-of-00002.tfrecord")
+    with pytest.raises(FileNotFoundError, match="1 shard.*missing.*m-00001-of-00002"):
+        inputs()
+
+
+def test_input_options_reach_tf_data(tmp_path):
+    pattern = _write(tmp_path, 8, 2)
+    options = InputOptions(threadpool_size=1, max_intra_op_parallelism=1, autotune=False,
+                           autotune_ram_budget=2**28, prefetch=0,
+                           external_state_policy="warn")
+    dataset = TFRecordInput(pattern, FEATURES, global_batch_size=4, options=options)()
+    tf_options = dataset.options()
+    assert tf_options.threading.private_threadpool_size == 1
+    assert tf_options.threading.max_intra_op_parallelism == 1
+    assert tf_options.autotune.enabled is False and tf_options.autotune.ram_budget == 2**28
+    assert tf_options.experimental_external_state_policy == (
+        tf.data.experimental.ExternalStatePolicy.WARN)
+    assert sorted(_ids(dataset.take(2))) == list(range(8))
+    gin.parse_config("InputOptions.prefetch = 8\nTFRecordInput.options = @InputOptions()")
+    assert TFRecordInput(pattern, FEATURES).options == InputOptions(prefetch=8)
+    with pytest.raises(ValueError, match="threadpool_size"):
+        InputOptions(threadpool_size=0)
+    with pytest.raises(ValueError, match="grpc://host:port"):
+        InputOptions(service_address="localhost:5050")
+    with pytest.raises(ValueError, match="service_address"):
+        InputOptions(service_job_name="job")
+
+
+def test_tf_data_service_offloads_the_pipeline(tmp_path):
+    pattern = _write(tmp_path, 16, 2)
+    dispatcher = tf.data.experimental.service.DispatchServer()
+    address = dispatcher.target.split("://")[1]
+    worker = tf.data.experimental.service.WorkerServer(
+        tf.data.experimental.service.WorkerConfig(dispatcher_address=address))
+    try:
+        options = InputOptions(service_address=dispatcher.target, service_job_name="t")
+        dataset = TFRecordInput(pattern, FEATURES, global_batch_size=4, shuffle=False,
+                                repeat=False, options=options)()
+        assert sorted(_ids(dataset)) == list(range(16))
+    finally:
+        worker.stop()
+        dispatcher.stop()
+
+
+# Corrupt and truncated records.
+
+
+def _corrupt(path, record, record_count):
+    """Flips a byte inside the data of `record` (all records have the same size)."""
+    data = bytearray(open(path, "rb").read())
+    size = len(data) // record_count
+    data[record * size + 14] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def test_corrupt_record_error_names_file_and_record(tmp_path):
+    pattern = _write(tmp_path, 20, 2)
+    bad = str(tmp_path / "data-00001-of-00002.tfrecord")
+    _corrupt(bad, record=3, record_count=10)
+    dataset = TFRecordInput(pattern, FEATURES, global_batch_size=4, shuffle=False)()
+    with pytest.raises(tf.errors.DataLossError) as raised:
+        _ids(dataset.take(10))
+    error = explain_data_loss(raised.value)
+    assert isinstance(error, CorruptRecordError)
+    message = str(error)
+    assert "\n" not in message
+    assert bad in message and "record 3" in message and "skip_corrupt=True" in message
+    unrelated = ValueError("not a data loss")
+    assert explain_data_loss(unrelated) is unrelated
+
+
+@pytest.mark.parametrize("with_manifest", [True, False])
+def test_skip_corrupt_reads_the_rest_and_reports_the_count(tmp_path, capfd, with_manifest):
+    _write(tmp_path, 20, 2)
+    bad = str(tmp_path / "data-00001-of-00002.tfrecord")
+    _corrupt(bad, record=3, record_count=10)
+    source = ({"manifest": str(tmp_path / "data.manifest.json")} if with_manifest else
+              {"file_pattern": str(tmp_path / "data-*.tfrecord"), "features": FEATURES})
+    dataset = TFRecordInput(**source, global_batch_size=1, shuffle=False, repeat=False,
+                            skip_corrupt=True)()
+    ids = _ids(dataset)
+    # File 0 whole, file 1 up to its bad record 3: ids 10, 11, 12 of file 1.
+    assert sorted(ids) == list(range(10)) + [10, 11, 12]
+    stderr = capfd.readouterr().err
+    count = "skipped 7" if with_manifest else "skipped ~7"
+    assert f"{count} corrupt or unreadable record(s) of {bad}" in stderr
+    assert "reading stopped at record 3" in stderr
+
+
+def test_truncated_file_is_skipped_with_a_count(tmp_path, capfd):
+    _write(tmp_path, 20, 2)
+    bad = str(tmp_path / "data-00000-of-00002.tfrecord")
+    data = open(bad, "rb").read()
+    open(bad, "wb").write(data[:-30])  # The last record loses its end.
+    dataset = TFRecordInput(manifest=str(tmp_path / "data.manifest.json"), global_batch_size=1,
+                            shuffle=False, repeat=False, skip_corrupt=True)()
+    assert len(_ids(dataset)) == 19
+    assert f"skipped 1 corrupt or unreadable record(s) of {bad}" in capfd.readouterr().err

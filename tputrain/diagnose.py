@@ -189,8 +189,8 @@ def diagnose(trainer, seconds: float = 2.0, steps: int | None = None) -> Diagnos
 
     # (a) input only, from the same iterator (one iterator per pipeline: a file cache
     # allows no second one, and freeing tf.data iterators can block for seconds).
-    elements_per_step = trainer.local_replicas if trainer.input_mode == "host" else 1
-    elements_per_step /= unit  # with steps_per_fetch, one element feeds several steps
+    # Host mode: one element holds the batches of `steps_per_fetch` steps.
+    elements_per_step = 1 / unit if trainer.input_mode == "host" else 1
     drain = _drain_function()
     count = tf.constant(max(1, int(num_steps * elements_per_step)))
     _, warm = _timed(lambda: drain(real_iterator, count))

@@ -362,9 +362,12 @@ class Trainer:
         return has_value, optionals
 
     def _fetch_groups(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
-        """With steps_per_fetch K > 1, one element holds K steps' per-replica batches."""
-        if self.steps_per_fetch == 1:
-            return dataset
+        """One element holds the per-replica batches of `steps_per_fetch` steps.
+
+        Always batched, also for one step: one get_next per step instead of one per
+        local replica, and checkpoints of the iterator stay valid when
+        steps_per_fetch changes (the batch op saves only its input's position).
+        """
         return dataset.batch(self.steps_per_fetch * self.local_replicas, drop_remainder=True)
 
     def _distribute_from_group(self, group: Any, j: tf.Tensor) -> Any:
@@ -478,7 +481,9 @@ class Trainer:
         step's work in between. The difference is the time the loop was blocked on
         input, including the fetch's own hand-off cost.
         """
-        fetch = self.steps_per_fetch if count_steps else 1
+        # Host-mode training fetches groups (see `_fetch_groups`), even of one step.
+        grouped = count_steps and self.input_mode == "host"
+        fetch = self.steps_per_fetch if grouped else 1
 
         def one_step(batch):
             logs = self._reduce(self.strategy.run(replica_step, args=(batch,)))
@@ -490,7 +495,7 @@ class Trainer:
         def timed_next(iterator):
             """(has_value, value, seconds waited, tensor the batch must wait for)."""
             def next_value():
-                if fetch == 1:
+                if not grouped:
                     return self._next(iterator)
                 optional = iterator.get_next_as_optional()
                 return optional.has_value(), optional
@@ -504,15 +509,19 @@ class Trainer:
             return has_value, value, end - start, end
 
         def batches_of(value, ready):
-            """The step's distributed batch, or (fetch > 1) the fetched group of batches."""
+            """The fetched group of batches (host training), else the step's batch."""
             with tf.control_dependencies([ready]):
-                return self._distribute(value) if fetch == 1 else value.get_value()
+                return value.get_value() if grouped else self._distribute(value)
+
+        def first_step(batches):
+            return one_step(self._distribute_from_group(batches, tf.constant(0))
+                            if grouped else batches)
 
         def steps_on(batches, totals, steps, first):
             """Runs the steps of one fetch from step `first` on; returns the new sums."""
             if fetch == 1:
                 if first == 0:
-                    totals = tf.nest.map_structure(tf.add, totals, one_step(batches))
+                    totals = tf.nest.map_structure(tf.add, totals, first_step(batches))
                     steps += 1
                 return totals, steps
             for j in tf.range(first, fetch):
@@ -526,8 +535,7 @@ class Trainer:
             has_value, value, input_wait, ready = timed_next(iterator)
             with tf.control_dependencies([tf.debugging.Assert(has_value, [_EXHAUSTED])]):
                 batches = batches_of(value, ready)
-                totals = one_step(batches if fetch == 1 else
-                                  self._distribute_from_group(batches, tf.constant(0)))
+                totals = first_step(batches)
                 steps = tf.constant(1, tf.int32)
                 totals, steps = steps_on(batches, totals, steps, first=1)
             for _ in tf.range(num_steps // fetch - 1):

@@ -9,8 +9,9 @@ only when something breaks:
   files the process's `TFRecordInput` pipelines read (only after a failure).
 * `TFRecordInput(skip_corrupt=True)`: each file is read with
   `ignore_errors`, which stops that file at its first unreadable record; a
-  check at the end of each file logs how many records were skipped (exact when
-  a manifest gives the file's count, else estimated from the bytes left).
+  check at the end of each file prints to stderr how many records were skipped
+  (exact when a manifest gives the file's count, else estimated from the bytes
+  left).
   TFRecord framing cannot be resynchronised after a bad length field, so the
   rest of that file is skipped, not only the bad record.
 """
@@ -18,6 +19,7 @@ only when something breaks:
 from __future__ import annotations
 
 import re
+import sys
 from typing import Iterable
 
 import tensorflow as tf
@@ -141,7 +143,8 @@ def read_skipping_corrupt(path: tf.Tensor, size: tf.Tensor, expected: tf.Tensor,
                 " corrupt or unreadable record(s) of ", path, ": reading stopped at record ",
                 tf.strings.as_string(count), " after ", tf.strings.as_string(consumed), " of ",
                 tf.strings.as_string(size), " bytes"])
-            tf.print(message, output_stream=tf.compat.v1.logging.warning)
+            # stderr, not TF's C++ log: TF_CPP_MIN_LOG_LEVEL=2 would hide a warning.
+            tf.print(message, output_stream=sys.stderr)
             return tf.constant(True)
 
         truncated = tf.logical_or(tf.logical_and(expected >= 0, count < expected),

@@ -1,0 +1,177 @@
+"""Tests for tputrain.data.writer, its Example encoder and the write-tfrecords CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tputrain.data import InputContext, TFRecordInput, read_manifest, write_tfrecords
+from tputrain.data.example_codec import encode_example, varint, varints
+from tputrain.data.writer import _as_array, choose_num_shards
+from tputrain.write_tfrecords_cli import read_csv, read_input
+
+
+def _reference(example):
+    """The same example built with TensorFlow's own protobuf classes."""
+    feature = {}
+    for key, value in example.items():
+        array = _as_array(key, value)
+        flat = array.ravel()
+        if array.dtype.kind == "f":
+            feature[key] = tf.train.Feature(float_list=tf.train.FloatList(value=flat.tolist()))
+        elif array.dtype.kind in "iub":
+            feature[key] = tf.train.Feature(
+                int64_list=tf.train.Int64List(value=flat.astype(np.int64).tolist()))
+        else:
+            values = [v.encode() if isinstance(v, str) else v for v in flat.tolist()]
+            feature[key] = tf.train.Feature(bytes_list=tf.train.BytesList(value=values))
+    return tf.train.Example(features=tf.train.Features(feature=feature))
+
+
+# The fast encoder writes what TensorFlow's protobuf classes write.
+
+
+def test_encoder_matches_tensorflow_for_every_dtype():
+    rng = np.random.default_rng(0)
+    example = {
+        "floats": rng.normal(size=(2, 3)).astype(np.float32),
+        "doubles": rng.normal(size=4),  # stored as float32, like tf.train.FloatList
+        "ints": np.array([-1, 0, 1, 127, 128, 300, 2**40, -2**63, 2**63 - 1]),
+        "bools": np.array([True, False, True]),
+        "uint8": np.array([0, 255], np.uint8),
+        "bytes": np.array([b"ab", b"", b"\x00\xff"], dtype=object),
+        "text": np.array(["h\u00e9llo", "x"]),
+        "empty": np.zeros((0,), np.float32),
+        "empty_ints": np.zeros((0,), np.int64),
+        "scalar": 1.5,
+    }
+    arrays = {key: _as_array(key, value) for key, value in example.items()}
+    ours = tf.train.Example.FromString(encode_example(arrays))
+    assert ours == _reference(example)
+
+
+def test_varints_match_protobuf_for_random_int64():
+    values = np.random.default_rng(1).integers(-2**63, 2**63 - 1, size=500, dtype=np.int64)
+    values[:5] = [0, 1, 127, 128, -1]
+    expected = tf.train.Int64List(value=values.tolist()).SerializeToString()
+    # Int64List is field 1, packed: tag, payload length, then the varints themselves.
+    assert expected == b"\x0a" + varint(len(varints(values))) + varints(values)
+
+
+# Choosing the number of shards.
+
+
+def test_choose_num_shards():
+    mb = 2**20
+    assert choose_num_shards(1000 * mb, 10**6, num_hosts=1, target_shard_mb=128) == 8
+    assert choose_num_shards(1000 * mb, 10**6, num_hosts=3, target_shard_mb=128) == 9
+    assert choose_num_shards(1 * mb, 10**6, num_hosts=4, target_shard_mb=128) == 4  # >= hosts
+    assert choose_num_shards(10 * mb, 5, num_hosts=2, target_shard_mb=1) == 4  # <= examples
+    with pytest.raises(ValueError, match="one shard for each of 4 hosts"):
+        choose_num_shards(mb, 3, num_hosts=4)
+
+
+def test_automatic_shards_are_a_multiple_of_hosts_with_a_manifest(tmp_path):
+    ids = np.arange(300)
+    examples = {"x": np.repeat(ids[:, None], 100, axis=1).astype(np.float32), "id": ids}
+    # ~0.4 KB per example, 120 KB in all: 0.05 MB shards give 3, rounded up to 4 for 2 hosts.
+    paths = write_tfrecords(examples, str(tmp_path / "d"), num_hosts=2, target_shard_mb=0.05)
+    assert len(paths) == 4
+    manifest = read_manifest(str(tmp_path / "d.manifest.json"))
+    assert manifest.num_examples == 300 and manifest.files() == paths
+    assert [s.num_examples for s in manifest.shards] == [75] * 4
+    assert all(s.num_bytes == os.path.getsize(p) for s, p in zip(manifest.shards, paths))
+    assert manifest.features["x"] == tf.io.FixedLenFeature([100], tf.float32)
+    batches = TFRecordInput(manifest=str(tmp_path / "d.manifest.json"), label_key="id",
+                            shuffle=False, repeat=False, cycle_length=1)(
+        InputContext(global_batch_size=50))
+    assert np.concatenate([label for _, label in batches]).tolist() == list(range(300))
+
+
+def test_unknown_length_iterable_is_spooled_and_dealt_round_robin(tmp_path):
+    def examples():  # a generator: no len()
+        for i in range(40):
+            yield {"id": i, "x": [float(i)] * 50}
+
+    paths = write_tfrecords(examples(), str(tmp_path / "g"), num_hosts=2, target_shard_mb=0.004)
+    assert len(paths) % 2 == 0 and len(paths) > 2
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [os.path.basename(p) for p in paths] + ["g.manifest.json"])  # no spool left behind
+    first = [int(tf.train.Example.FromString(r.numpy()).features.feature["id"].int64_list.value[0])
+             for r in tf.data.TFRecordDataset(paths[1])]
+    assert first == list(range(1, 40, len(paths)))
+
+
+def test_tf_data_dataset_and_sized_iterables(tmp_path):
+    dataset = tf.data.Dataset.from_tensor_slices({"id": tf.range(10, dtype=tf.int64),
+                                                  "name": tf.constant([b"n%d" % i for i in range(10)])})
+    write_tfrecords(dataset, str(tmp_path / "ds"), num_shards=2)
+    manifest = read_manifest(str(tmp_path / "ds.manifest.json"))
+    assert manifest.features == {"id": tf.io.FixedLenFeature([], tf.int64),
+                                 "name": tf.io.FixedLenFeature([], tf.string)}
+    batches = list(TFRecordInput(manifest=str(tmp_path / "ds.manifest.json"), shuffle=False,
+                                 repeat=False, global_batch_size=10)())
+    assert sorted(batches[0]["id"].numpy().tolist()) == list(range(10))
+    assert sorted(batches[0]["name"].numpy().tolist()) == sorted(b"n%d" % i for i in range(10))
+
+    write_tfrecords([{"id": i} for i in range(6)], str(tmp_path / "list"))  # len() known
+    assert read_manifest(str(tmp_path / "list.manifest.json")).num_examples == 6
+
+    supervised = tf.data.Dataset.from_tensor_slices((tf.range(4), tf.range(4)))
+    with pytest.raises(TypeError, match="map it to one dict"):
+        write_tfrecords(supervised, str(tmp_path / "sup"), num_shards=1)
+    with pytest.raises(ValueError, match="infinite"):
+        write_tfrecords(dataset.repeat(), str(tmp_path / "inf"))
+
+
+def test_parallel_writers_write_identical_gzip_shards(tmp_path):
+    examples = {"x": np.random.default_rng(2).normal(size=(2000, 32)).astype(np.float32),
+                "id": np.arange(2000)}
+    one = write_tfrecords(examples, str(tmp_path / "a"), 4, "GZIP", num_workers=1)
+    four = write_tfrecords(examples, str(tmp_path / "b"), 4, "GZIP", num_workers=4)
+    for p, q in zip(one, four):
+        assert open(p, "rb").read() == open(q, "rb").read()
+    # The manifest records the compression, so the reader needs no compression_type.
+    dataset = TFRecordInput(manifest=str(tmp_path / "b.manifest.json"), repeat=False,
+                            shuffle=False, global_batch_size=500)()
+    assert sum(int(b["id"].shape[0]) for b in dataset) == 2000
+
+
+def test_feature_type_changes_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="'v' is float in example 1 but int64 in example 0"):
+        write_tfrecords([{"v": 1}, {"v": 1.5}], str(tmp_path / "t"), num_shards=1)
+    assert os.listdir(tmp_path) == []
+
+
+# The write-tfrecords CLI.
+
+
+def test_read_csv_types_columns(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("label,weight,name\n1,0.5,a\n2,1,b\n")
+    columns = read_csv(str(path))
+    assert columns["label"].dtype == np.int64 and columns["label"].tolist() == [1, 2]
+    assert columns["weight"].dtype == np.float32
+    assert columns["name"].tolist() == ["a", "b"]
+    path.write_text("a,b\n1\n")
+    with pytest.raises(ValueError, match="line 2 has 1 fields but the header has 2"):
+        read_csv(str(path))
+
+
+def test_cli_writes_shards_and_manifest_from_npz(tmp_path):
+    np.savez(tmp_path / "d.npz", image=np.ones((20, 4, 4), np.float32), label=np.arange(20))
+    result = subprocess.run(
+        [sys.executable, "-m", "tputrain.write_tfrecords_cli", f"--input={tmp_path / 'd.npz'}",
+         f"--output_prefix={tmp_path / 'out' / 'train'}", "--num_hosts=2",
+         "--compression=gzip"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "wrote 20 examples to 2 shard(s)" in result.stdout
+    manifest = json.loads((tmp_path / "out" / "train.manifest.json").read_text())
+    assert manifest["compression_type"] == "GZIP"
+    assert manifest["features"]["image"] == {"shape": [4, 4], "dtype": "float32"}
+    with pytest.raises(ValueError, match="use a .npz or a .csv file"):
+        read_input("x.parquet")

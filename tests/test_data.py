@@ -4,9 +4,12 @@ import logging
 import os
 
 import gin
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
+import tputrain
 
 from tputrain.data import (CorruptRecordError, InputContext, InputOptions, TFRecordInput,
                            explain_data_loss, feature_spec_for, parse_feature_spec,
@@ -480,3 +483,45 @@ def test_truncated_file_is_skipped_with_a_count(tmp_path, capfd):
                             shuffle=False, repeat=False, skip_corrupt=True)()
     assert len(_ids(dataset)) == 19
     assert f"skipped 1 corrupt or unreadable record(s) of {bad}" in capfd.readouterr().err
+
+
+class _RecordsTask(tputrain.Task):
+    """Classifies id parity from x = id * [1, 2, 3], read by TFRecordInput."""
+
+    def __init__(self, pattern, **input_options):
+        self.pattern = pattern
+        self.input_options = input_options
+
+    def build_model(self):
+        x = keras.Input((3,), name="x")
+        return keras.Model({"x": x}, keras.layers.Dense(2)(x))
+
+    def build_inputs(self, split, input_context):
+        dataset = TFRecordInput(self.pattern, FEATURES, label_key="id", shuffle=False,
+                                **self.input_options)(input_context)
+        return dataset.map(lambda features, ids: (features, ids % 2))
+
+    def compute_loss(self, labels, outputs):
+        return keras.losses.sparse_categorical_crossentropy(labels, outputs, from_logits=True)
+
+
+def test_training_on_a_corrupt_shard_fails_in_one_line_or_skips(tmp_path, capfd):
+    _write(tmp_path, 40, 2)
+    bad = str(tmp_path / "data-00001-of-00002.tfrecord")
+    _corrupt(bad, record=12, record_count=20)  # past the first batches: fails mid-training
+    options = dict(train_steps=12, steps_per_loop=4, global_batch_size=4, checkpoint_every=12,
+                   eval_steps=1, report_mfu=False,
+                   strategy=tf.distribute.OneDeviceStrategy("/cpu:0"))
+    strict = tputrain.Trainer(_RecordsTask(str(tmp_path / "data-*.tfrecord")),
+                              str(tmp_path / "strict"), **options)
+    with pytest.raises(CorruptRecordError) as raised:
+        strict.train()
+    assert "\n" not in str(raised.value)
+    assert bad in str(raised.value) and "record 12" in str(raised.value)
+
+    skipping = tputrain.Trainer(
+        _RecordsTask(str(tmp_path / "data-*.tfrecord"), skip_corrupt=True),
+        str(tmp_path / "skip"), **options)
+    skipping.train()
+    assert int(skipping.step.numpy()) == 12
+    assert f"skipped ~8 corrupt or unreadable record(s) of {bad}" in capfd.readouterr().err

@@ -9,9 +9,10 @@ written) and measures, on this host, three throughputs in steps per second:
     the step never waits on real input;
 (c) end to end: the same loop on the real input pipeline.
 
-The stall fraction is `1 - end_to_end / compute_only`: the share of step
-time lost to input, whether the step waits on batches that are not ready or
-the pipeline slows the step by competing for the host's cores. The in-loop
+The stall fraction is `1 - end_to_end / compute_only` (the median over
+pairs of loops run back to back, cached and real input in turn): the share of
+step time lost to input, whether the step waits on batches that are not ready
+or the pipeline slows the step by competing for the host's cores. The in-loop
 figure that training logs each loop (`input/stall_fraction`, time blocked in
 `get_next`) is reported beside it. Below 5% the step (compute) is the
 bottleneck; above, the input is, and the advice names the knobs to turn.
@@ -151,7 +152,7 @@ def _cached_iterator(trainer):
         lambda _: tf.data.Dataset.from_tensors(batch).repeat()))
 
 
-def diagnose(trainer, seconds: float = 2.0, steps: int | None = None) -> Diagnosis:
+def diagnose(trainer, seconds: float = 3.0, steps: int | None = None) -> Diagnosis:
     """Measures input-only, compute-only and end-to-end throughput of `trainer`.
 
     Each measurement runs compiled loops of `steps` steps for about `seconds`
@@ -207,16 +208,22 @@ def diagnose(trainer, seconds: float = 2.0, steps: int | None = None) -> Diagnos
     cached_iterator = _cached_iterator(trainer)
     one_loop(cached_iterator)  # warm-up
     one_loop(real_iterator)
-    compute_rates, e2e_rates, e2e_wait, e2e_time = [], [], 0.0, 0.0
+    compute_rates, e2e_rates, ratios, e2e_wait, e2e_time = [], [], [], 0.0, 0.0
     begin = time.perf_counter()
-    while len(e2e_rates) < 3 or time.perf_counter() - begin < 2 * seconds:
-        done, elapsed, _ = one_loop(cached_iterator)
-        compute_rates.append(done / elapsed)
-        done, elapsed, wait = one_loop(real_iterator)
-        e2e_rates.append(done / elapsed)
-        e2e_wait += wait
-        e2e_time += elapsed
-        if len(e2e_rates) >= 100:
+    while len(ratios) < 4 or time.perf_counter() - begin < 2 * seconds:
+        # Alternate which goes first, so neither always follows the other.
+        order = (cached_iterator, real_iterator)[::1 if len(ratios) % 2 else -1]
+        rates = {}
+        for iterator in order:
+            done, elapsed, wait = one_loop(iterator)
+            rates[iterator is real_iterator] = done / elapsed
+            if iterator is real_iterator:
+                e2e_wait += wait
+                e2e_time += elapsed
+        compute_rates.append(rates[False])
+        e2e_rates.append(rates[True])
+        ratios.append(rates[True] / rates[False])
+        if len(ratios) >= 200:
             break
     timings["compute_and_end_to_end"] = time.perf_counter() - begin
     wait_fraction = e2e_wait / max(e2e_time, 1e-9)
@@ -224,7 +231,9 @@ def diagnose(trainer, seconds: float = 2.0, steps: int | None = None) -> Diagnos
     input_only = statistics.median(input_rates)
     compute_only = statistics.median(compute_rates)
     end_to_end = statistics.median(e2e_rates)
-    stall = min(1.0, max(0.0, 1.0 - end_to_end / compute_only))
+    # The median of the pairs' ratios follows a shared host's changing load better
+    # than the ratio of the medians.
+    stall = min(1.0, max(0.0, 1.0 - statistics.median(ratios)))
     bottleneck = "input" if stall >= STALL_GOAL else "compute"
     reason, advice = _advice(bottleneck, input_only, compute_only, stall, trainer.input_mode)
     return Diagnosis(
@@ -240,7 +249,7 @@ def define_flags() -> None:
 
     define_gin_flags()
     flags.DEFINE_bool("json", False, "Print the measurements as one JSON object.")
-    flags.DEFINE_float("seconds", 2.0, "Seconds per measurement (after a warm-up loop).")
+    flags.DEFINE_float("seconds", 3.0, "Seconds per measurement (after a warm-up loop).")
     flags.DEFINE_integer("steps", None, "Steps per measured loop; default Trainer.steps_per_loop.")
 
 

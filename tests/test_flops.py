@@ -96,3 +96,5 @@ def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert list(cached.values()) == [peak.flops_per_second]
     # Second call: read from the cache, not re-measured (the probe never repeats exactly).
     assert flops.peak_flops("float32", strategy).flops_per_second == peak.flops_per_second
+    # The default (no) strategy is the same host CPU.
+    assert flops.peak_flops("float32").flops_per_second == peak.flops_per_second

@@ -226,7 +226,10 @@ def lookup_device(kind: str) -> tuple[float, float] | None:
 
 def _accelerator_kind(strategy: tf.distribute.Strategy) -> tuple[str, str] | None:
     """("tpu"|"gpu", device name) for the strategy's devices, None on CPU."""
-    devices = getattr(strategy.extended, "worker_devices", ()) or ()
+    try:
+        devices = strategy.extended.worker_devices or ()
+    except (AttributeError, RuntimeError):  # the default strategy has none: local devices
+        devices = [d.name for d in tf.config.list_logical_devices()]
     names = " ".join(devices).upper()
     if "TPU" in names or isinstance(strategy, tf.distribute.TPUStrategy):
         # TPU VMs set it (e.g. "v4-8", "v5litepod-16"); elsewhere bind device_kind.

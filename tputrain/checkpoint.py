@@ -17,11 +17,24 @@ Integrity, in the order things can go wrong:
   stops with `CheckpointMismatchError`, naming the mismatched variables, instead
   of silently falling back or loading half of it.
 * A state with NaN/Inf in any variable is never saved (`NonFiniteStateError`).
+
+`async_save=True` takes a consistent snapshot of every saved value on the
+training thread (eager reads: TensorFlow copies a variable's buffer before the
+next in-place update while the snapshot holds it) and writes it on a background
+thread while training continues. The `checkpoint` state file is updated only
+after the write completes, so a kill mid-write is as harmless as above; `sync()`
+(called by the Trainer on every exit path, and at interpreter exit) waits for
+the write, so a normal exit or a preemption never loses it. TF's own
+`CheckpointOptions(experimental_enable_async_checkpoint=True)` is not used: on
+TF 2.21 its second save fails on Keras 3 variables ("tf.function only supports
+singleton tf.Variables created on the first call").
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from typing import Any, Iterable
 
 import gin
@@ -165,12 +178,14 @@ class Checkpointer:
       restore_directory: where to restore from, if not `directory`: multi-worker
         runs restore every worker from the chief's checkpoints, while non-chief
         workers write theirs to a scratch directory.
+      async_save: write checkpoints on a background thread (see the module
+        docstring); `sync()` waits for the write in flight.
       **trackables: what to save (model, optimizer, iterator, seed states...).
     """
 
     def __init__(self, directory: str, step: tf.Variable, every: int, keep: int = 3,
                  check_finite: bool = True, restore_directory: str | None = None,
-                 **trackables: Any):
+                 async_save: bool = False, **trackables: Any):
         if every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {every}")
         if keep < 1:
@@ -184,13 +199,27 @@ class Checkpointer:
         self.checkpoint = tf.train.Checkpoint(step=step, **trackables)
         self.manager = tf.train.CheckpointManager(
             self.checkpoint, directory, max_to_keep=keep, step_counter=step)
+        self.keep = keep
+        self.async_save = async_save
         self._float_vars = _float_variables(trackables.values())
         self._finite_fn = tf.function(lambda: _all_finite(self._float_vars))
         self._lock = threading.Lock()
+        self._writer: threading.Thread | None = None
+        self._writer_error: BaseException | None = None
+        if async_save:
+            _PENDING.add(self)
 
     @property
     def latest(self) -> str | None:
-        return self.manager.latest_checkpoint
+        """The newest listed checkpoint written by this Checkpointer's directory."""
+        if not self.async_save:
+            return self.manager.latest_checkpoint
+        return _listed(self.directory)[-1] if _listed(self.directory) else None
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """Listed checkpoints in `directory`, oldest first."""
+        return _listed(self.directory)
 
     def _candidates(self) -> list[str]:
         """Listed checkpoints, newest first (re-read: another process may have saved)."""
@@ -285,6 +314,8 @@ class Checkpointer:
         Raises `NonFiniteStateError` instead of saving NaN/Inf weights.
         """
         with self._lock:
+            if self.async_save:
+                self._join_writer()  # the write in flight may be this very step
             step = int(self.step.numpy())
             latest = self.latest
             if latest and latest.endswith(f"-{step}"):
@@ -297,9 +328,108 @@ class Checkpointer:
                     f"The last good checkpoint is {latest}; lower the learning rate or "
                     "enable the non-finite guard (NonFiniteGuard.policy)")
             logging.info("tputrain: saving checkpoint at step %d", step)
+            if self.async_save:
+                return self._save_async(step)
             path = self.manager.save(checkpoint_number=step)
             logging.info("tputrain: saved checkpoint %s", path)
             return path
+
+    # ------------------------------------------------------------ async save
+
+    def _save_async(self, step: int) -> str:
+        """Snapshots now, writes on a thread; returns the path the write will have."""
+        self._join_writer()
+        self.checkpoint.save_counter.assign_add(1)  # as CheckpointManager.save does
+        snapshot, registered = _snapshot(self.checkpoint)
+        prefix = f"{self.directory.rstrip('/')}/ckpt-{step}"
+        self._writer = threading.Thread(target=self._write, args=(snapshot, registered, prefix),
+                                        name="tputrain-checkpoint-writer", daemon=True)
+        self._writer.start()
+        return prefix
+
+    def _write(self, snapshot, registered, prefix: str) -> None:
+        """Writer thread: data and index files, then the state file, then old files."""
+        try:
+            from tensorflow.python.checkpoint import checkpoint_management, functional_saver
+
+            tf.io.gfile.makedirs(self.directory)
+            saver = functional_saver.MultiDeviceSaver(snapshot, registered)
+            saver.save(tf.constant(prefix))
+            listed = [p for p in _listed(self.directory) if p != prefix] + [prefix]
+            # What CheckpointManager does: an atomic rewrite of the state file.
+            checkpoint_management.update_checkpoint_state_internal(
+                self.directory, prefix, all_model_checkpoint_paths=listed[-self.keep:],
+                save_relative_paths=True)
+            for old in listed[:-self.keep]:
+                for path in tf.io.gfile.glob(f"{old}.*"):
+                    tf.io.gfile.remove(path)
+            logging.info("tputrain: saved checkpoint %s (async)", prefix)
+        except BaseException as error:  # noqa: BLE001 - re-raised on the training thread
+            self._writer_error = error
+
+    def _join_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._writer_error is not None:
+            error, self._writer_error = self._writer_error, None
+            raise RuntimeError(f"the background checkpoint write failed: {error}") from error
+
+    def sync(self) -> None:
+        """Waits for a background write in flight (no-op for synchronous saves)."""
+        with self._lock:
+            self._join_writer()
+
+
+def _listed(directory: str) -> list[str]:
+    state = tf.train.get_checkpoint_state(directory)
+    if state is None:
+        return []
+    return list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
+
+
+def _snapshot(checkpoint: tf.train.Checkpoint):
+    """What `checkpoint.write` would save, with every value read now (eagerly).
+
+    Uses TF's own serialization of the object graph (the same tensors and keys a
+    synchronous save writes); only the reading of variables is moved earlier.
+    """
+    serialized, _, registered, _ = checkpoint._saver._gather_serialized_tensors(None)
+    from tensorflow.python.training.saving import saveable_object
+    from tensorflow.python.util import object_identity
+
+    def read(value):
+        if isinstance(value, dict):
+            return {k: read(v) for k, v in value.items()}
+        if isinstance(value, saveable_object.SaveSpec):
+            tensor = value.tensor
+            tensor = tensor() if callable(tensor) else tensor
+            return saveable_object.SaveSpec(tensor=tf.identity(tensor), slice_spec=value.slice_spec,
+                                            name=value.name, dtype=value.dtype,
+                                            device=value.device)
+        if callable(value):
+            value = value()
+        if hasattr(value, "read_value"):
+            value = value.read_value()
+        return value
+
+    snapshot = object_identity.ObjectIdentityDictionary()  # variables are unhashable
+    for obj, tensors in serialized.items():
+        snapshot[obj] = {key: read(value) for key, value in tensors.items()}
+    return snapshot, registered
+
+
+# Checkpointers with async saves: their writes finish before the interpreter exits.
+_PENDING: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _sync_all() -> None:
+    for checkpointer in list(_PENDING):
+        try:
+            checkpointer.sync()
+        except Exception as error:  # noqa: BLE001 - at exit, report and go on
+            logging.error("tputrain: %s", error)
 
 
 def _first_line(error: BaseException) -> str:

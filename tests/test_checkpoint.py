@@ -1,0 +1,132 @@
+"""Checkpointer: torn writes ignored, corrupt latest falls back, mismatch named, async saves."""
+
+import logging
+import os
+from pathlib import Path
+
+import gin
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tputrain
+from tputrain.checkpoint import CheckpointMismatchError, Checkpointer, seed_generator_states
+from tputrain.preemption import Preempted
+from tiny import TinyTask, strategy_for, weights
+
+
+def make(directory, units=4, async_save=False, keep=3):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(units),
+                              keras.layers.Dropout(0.5, seed=1)])
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    step = tf.Variable(0, dtype=tf.int64)
+    iterator = iter(tf.data.Dataset.range(100).shuffle(10, seed=1).batch(4))
+    return Checkpointer(str(directory), step, every=2, keep=keep, async_save=async_save,
+                        model=model, optimizer=optimizer, iterator=iterator,
+                        seeds=seed_generator_states(model))
+
+
+def save_at(checkpointer, step, value):
+    checkpointer.step.assign(step)
+    kernel = checkpointer._trackables["model"].trainable_variables[0]
+    kernel.assign(tf.fill(kernel.shape, float(value)))
+    return checkpointer.save()
+
+
+def kernel_value(checkpointer):
+    return float(checkpointer._trackables["model"].trainable_variables[0].numpy().flat[0])
+
+
+def test_unlisted_newer_files_from_a_torn_write_are_never_restored(tmp_path):
+    writer = make(tmp_path)
+    save_at(writer, 2, 2.0)
+    # What a kill mid-write leaves: data and index of step 4, the state file not updated.
+    Path(tmp_path, "ckpt-4.index").write_bytes(b"\0" * 64)
+    Path(tmp_path, "ckpt-4.data-00000-of-00001").write_bytes(b"\1" * 64)
+    os.makedirs(tmp_path / "ckpt-4_temp")
+    reader = make(tmp_path)
+    assert reader.restore_latest().endswith("ckpt-2")
+    assert int(reader.step.numpy()) == 2 and kernel_value(reader) == 2.0
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage_index", "lost_data"])
+def test_corrupt_latest_falls_back_to_the_previous_one_with_a_warning(tmp_path, damage, caplog):
+    writer = make(tmp_path)
+    save_at(writer, 2, 2.0)
+    latest = save_at(writer, 4, 4.0)
+    data, index = Path(latest + ".data-00000-of-00001"), Path(latest + ".index")
+    if damage == "truncate":
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    elif damage == "garbage_index":
+        index.write_bytes(b"not an sstable" * 8)
+    else:
+        data.unlink()
+    reader = make(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert reader.restore_latest().endswith("ckpt-2")
+    assert int(reader.step.numpy()) == 2 and kernel_value(reader) == 2.0
+    assert any("ckpt-4 is unreadable" in r.getMessage() and "restored the older" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_every_checkpoint_unreadable_says_what_to_delete(tmp_path):
+    writer = make(tmp_path)
+    latest = save_at(writer, 2, 2.0)
+    Path(latest + ".index").write_bytes(b"garbage")
+    with pytest.raises(RuntimeError, match="could be read .*delete the damaged files"):
+        make(tmp_path).restore_latest()
+
+
+def test_another_models_checkpoint_is_a_mismatch_not_corruption(tmp_path):
+    save_at(make(tmp_path, units=4), 2, 2.0)
+    with pytest.raises(CheckpointMismatchError, match=r"shape \[3, 4\], this model \[3, 5\]"):
+        make(tmp_path, units=5).restore_latest()
+
+
+def test_async_save_writes_the_state_at_save_time(tmp_path):
+    writer = make(tmp_path, async_save=True, keep=2)
+    for step in (2, 4, 6):
+        path = save_at(writer, step, step)
+        # Training goes on while the write is in flight: change everything at once.
+        save_at_value = kernel_value(writer)
+        writer._trackables["model"].trainable_variables[0].assign_add(
+            tf.ones_like(writer._trackables["model"].trainable_variables[0]) * 100)
+        writer.step.assign_add(1)
+        assert save_at_value == step
+    writer.sync()
+    assert [os.path.basename(p) for p in writer.checkpoints] == ["ckpt-4", "ckpt-6"]
+    assert not tf.io.gfile.glob(str(tmp_path / "ckpt-2.*")), "keep=2 deleted the oldest"
+    reader = make(tmp_path)
+    assert reader.restore_latest() == path
+    assert int(reader.step.numpy()) == 6 and kernel_value(reader) == 6.0
+
+
+def trainer(model_dir, **kwargs):
+    options = dict(train_steps=8, steps_per_loop=2, global_batch_size=16, checkpoint_every=2,
+                   eval_steps=1)
+    options.update(kwargs)
+    return tputrain.Trainer(TinyTask(dropout=0.3), str(model_dir), strategy=strategy_for(2),
+                            **options)
+
+
+def test_async_checkpoints_resume_exactly_and_survive_preemption(tmp_path):
+    reference = trainer(tmp_path / "sync")
+    reference.train()
+
+    gin.bind_parameter("Checkpointer.async_save", True)
+    first = trainer(tmp_path / "async", train_steps=4)
+    assert first.checkpointer.async_save
+    first._preemption.request()  # as if SIGTERM arrived before training: one step, then stop
+    with pytest.raises(Preempted) as caught:
+        first.train()
+    # train() returned only after the background write finished: it is listed.
+    assert caught.value.step == 1
+    assert tf.train.latest_checkpoint(str(tmp_path / "async" / "checkpoints")).endswith("ckpt-1")
+
+    resumed = trainer(tmp_path / "async")
+    resumed.train()
+    assert int(resumed.step.numpy()) == 8
+    for a, b in zip(weights(reference), weights(resumed)):
+        np.testing.assert_array_equal(a, b)

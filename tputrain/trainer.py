@@ -669,10 +669,11 @@ class Trainer:
             self.checkpointer.save()
             eval_logs = self.evaluate()
         finally:
-            self._preemption.uninstall()
             if self._profiling:
                 tf.profiler.experimental.stop()
                 self._profiling = False
+            self.checkpointer.sync()  # an async write in flight completes before we return
+            self._preemption.uninstall()
             self.progress.close()
             self._cleanup_worker_dir()
         return eval_logs

@@ -31,6 +31,7 @@ Trainer.steps_per_loop = 2
 Trainer.global_batch_size = 16
 Trainer.checkpoint_every = 4
 Trainer.eval_steps = 1
+Trainer.report_mfu = False  # skips tracing the step to count FLOPs
 FaultTask.dropout = 0.3
 """
 

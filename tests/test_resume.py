@@ -34,6 +34,7 @@ Trainer.global_batch_size = 16
 Trainer.checkpoint_every = 4
 Trainer.keep_checkpoints = 2
 Trainer.eval_steps = 1
+Trainer.report_mfu = False  # skips tracing the step to count FLOPs
 resolve_strategy.strategy = 'mirrored'
 FaultTask.dropout = 0.3
 # 32 MB of frozen weights: a checkpoint write takes long enough to be interrupted.

@@ -9,7 +9,9 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 from tputrain import data  # noqa: E402
-from tputrain.checkpoint import Checkpointer  # noqa: E402
+from tputrain.checkpoint import Checkpointer, CheckpointMismatchError  # noqa: E402
+from tputrain.guard import NonFiniteError, NonFiniteGuard  # noqa: E402
+from tputrain.preemption import PREEMPTED_EXIT_CODE, Preempted  # noqa: E402
 from tputrain.audit import audit_precision  # noqa: E402
 from tputrain.lars import LARS  # noqa: E402
 from tputrain.layer_precision import override_layer_dtypes  # noqa: E402
@@ -24,6 +26,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpointer",
+    "CheckpointMismatchError",
+    "NonFiniteError",
+    "NonFiniteGuard",
+    "PREEMPTED_EXIT_CODE",
+    "Preempted",
     "LARS",
     "WarmupDecay",
     "audit_precision",

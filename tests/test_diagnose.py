@@ -85,15 +85,16 @@ def test_stall_fraction_is_logged_and_summarised_each_loop(tmp_path, caplog):
 
 
 def test_steps_per_fetch_trains_and_resumes_bitwise_the_same(tmp_path):
-    """Two replicas, dropout: 12 steps fetched one by one equal 8 + 12 steps fetched 4 at a
-    time with a resume from the checkpoint at step 8 in between."""
-    one = _trainer(tmp_path, TinyTask(dropout=0.2), 2, "k1", train_steps=12)
+    """Two replicas, dropout: 8 steps fetched one by one equal 4 + 4 steps fetched 4 at a
+    time with a resume from the checkpoint at step 4 in between."""
+    options = dict(train_steps=8, eval_steps=1)
+    one = _trainer(tmp_path, TinyTask(dropout=0.2), 2, "k1", **options)
     one.train()
-    for train_steps in (8, 12):
-        four = _trainer(tmp_path, TinyTask(dropout=0.2), 2, "k4", train_steps=train_steps,
-                        steps_per_fetch=4)
+    for train_steps in (4, 8):
+        four = _trainer(tmp_path, TinyTask(dropout=0.2), 2, "k4", steps_per_fetch=4,
+                        **{**options, "train_steps": train_steps})
         four.train()
-    assert int(four.step.numpy()) == 12
+    assert int(four.step.numpy()) == 8
     assert all(np.array_equal(a, b) for a, b in zip(weights(one), weights(four)))
 
 
@@ -154,8 +155,8 @@ def test_diagnose_reports_a_fast_pipeline(tmp_path):
 def test_cli_names_the_input_bottleneck_of_slow_input_gin():
     result = subprocess.run(
         [sys.executable, "-m", "tputrain.diagnose", "--gin_file=slow_input.gin", "--json",
-         "--seconds=0.3", "--gin_param=SlowInputTask.work=2000",
-         "--gin_param=Trainer.steps_per_loop=10", "--gin_param=Trainer.eval_every=None"],
+         "--seconds=0.3", "--gin_param=SlowInputTask.work=1000",
+         "--gin_param=Trainer.steps_per_loop=5", "--gin_param=Trainer.eval_every=None"],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)

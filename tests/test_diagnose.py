@@ -124,6 +124,7 @@ def test_advice_names_the_knobs():
     reason, advice = _advice("input", 900.0, 100.0, 0.2, "host")
     assert "compete for the host's cores" in reason
     assert any("threadpool_size" in a for a in advice)
+    assert any("Trainer.steps_per_fetch" in a for a in advice)
 
 
 def test_diagnose_finds_a_slow_input_pipeline(tmp_path):
@@ -142,7 +143,7 @@ def test_diagnose_reports_a_fast_pipeline(tmp_path):
                        steps_per_fetch=2)
     result = diagnose(trainer, seconds=0.3)
     assert isinstance(result, Diagnosis)
-    assert result.steps_per_loop % 2 == 0
+    assert result.loop_steps % 2 == 0
     for rate in (result.input_only_steps_per_second, result.compute_only_steps_per_second,
                  result.end_to_end_steps_per_second):
         assert rate > 0

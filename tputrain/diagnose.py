@@ -38,7 +38,10 @@ STALL_GOAL = 0.05  # the seeds' rule: input wait under 5% of the step
 
 @dataclasses.dataclass
 class Diagnosis:
-    """What `diagnose` measured (steps per second; fractions in [0, 1])."""
+    """What `diagnose` measured (steps per second; fractions in [0, 1]).
+
+    `loop_steps` is the length of the measured loops; `seconds` the time per phase.
+    """
 
     input_only_steps_per_second: float
     compute_only_steps_per_second: float
@@ -48,7 +51,7 @@ class Diagnosis:
     bottleneck: str
     reason: str
     advice: list[str]
-    steps_per_loop: int
+    loop_steps: int
     global_batch_size: int
     seconds: dict[str, float]
 
@@ -112,8 +115,9 @@ def _advice(bottleneck: str, input_only: float, compute_only: float, stall: floa
             "tf.data service (InputOptions.service_address)",
         ]
     if input_mode == "host":
-        advice.append("fewer, larger fetches: more Trainer.steps_per_loop; with multi-host "
-                      "TPUs use Trainer.input_mode='distributed' (device prefetch)")
+        advice.append("fetch several steps' batches at once: Trainer.steps_per_fetch (a divisor "
+                      "of steps_per_loop); on TPU pods use Trainer.input_mode='distributed' "
+                      "(device prefetch)")
     return reason, advice
 
 
@@ -240,7 +244,7 @@ def diagnose(trainer, seconds: float = 3.0, steps: int | None = None) -> Diagnos
         input_only_steps_per_second=input_only, compute_only_steps_per_second=compute_only,
         end_to_end_steps_per_second=end_to_end, stall_fraction=stall,
         measured_input_wait_fraction=wait_fraction, bottleneck=bottleneck, reason=reason,
-        advice=advice, steps_per_loop=num_steps, global_batch_size=trainer.global_batch_size,
+        advice=advice, loop_steps=num_steps, global_batch_size=trainer.global_batch_size,
         seconds={k: round(v, 3) for k, v in timings.items()})
 
 

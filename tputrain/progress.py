@@ -68,8 +68,12 @@ class Progress:
                         logs: Mapping[str, float], input_wait: float = 0.0) -> dict[str, float]:
         """Records a finished loop of `steps` steps ending at `step`; returns rates.
 
-        `input_wait` is the time the compiled loop spent blocked on the next batch;
-        `input/stall_fraction` is its share of the loop's wall time.
+        `input_wait` is the time the compiled loop spent blocked on the next batch
+        (between timestamps around each `get_next`, the fetch's own cost included;
+        see `Trainer._make_loop`); `input/stall_fraction` is its share of the
+        loop's wall time, which in the first loop also holds tracing. It does not
+        count a pipeline that slows the step by competing for host cores:
+        `tputrain diagnose` measures that (docs/input_pipeline.md).
         """
         steps_per_second = steps / max(seconds, 1e-9)
         # Smooth the ETA; the first loop (tracing) is not representative.

@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from faults import Process, child_env, final_weights
 
-TRAIN_STEPS = 24
+TRAIN_STEPS = 40  # long enough that a kill lands before the run ends
 CONFIG = f"""
 Trainer.task = @FaultTask()
 Trainer.train_steps = {TRAIN_STEPS}
@@ -103,7 +103,7 @@ def test_sigkill_and_sigterm_at_random_steps_resume_bitwise(tmp_path):
     assert int(restored.group(1) or restored.group(2)) < torn
 
     # 3. SIGTERM after a random later step: a checkpoint at the step it stopped, exit 42.
-    term_after = rng.randint(torn + 1, TRAIN_STEPS - 4)
+    term_after = rng.randint(torn + 1, min(torn + 8, TRAIN_STEPS // 2 + 8))
     child.wait_for(rf"tputrain: step (?:{'|'.join(map(str, range(term_after, TRAIN_STEPS)))})/")
     assert child.kill(signal.SIGTERM) == PREEMPTED_EXIT_CODE, child.log()
     stopped = re.search(r"preempted at step (\d+); saved \S+ckpt-(\d+)", child.text())

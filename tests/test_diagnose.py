@@ -99,8 +99,10 @@ def test_steps_per_fetch_trains_and_resumes_bitwise_the_same(tmp_path):
 
 
 def test_steps_per_fetch_errors_name_the_fix(tmp_path):
-    with pytest.raises(ValueError, match="steps_per_fetch=3 does not divide Trainer.steps_per_loop=4"):
-        _trainer(tmp_path, TinyTask(), steps_per_fetch=3)
+    # A fetch that does not divide a loop boundary shrinks to the largest one that does.
+    assert _trainer(tmp_path, TinyTask(), name="gcd", steps_per_fetch=6).steps_per_fetch == 2
+    with pytest.raises(ValueError, match="steps_per_fetch must be an int >= 1"):
+        _trainer(tmp_path, TinyTask(), steps_per_fetch=0)
     with pytest.raises(ValueError, match="needs input_mode='host'"):
         _trainer(tmp_path, TinyTask(), steps_per_fetch=2, input_mode="distributed")
     _trainer(tmp_path, TinyTask(), name="at6", train_steps=6, steps_per_loop=3,

@@ -11,6 +11,7 @@ checkpoints and summaries in `model_dir`.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -98,17 +99,25 @@ def _check_profile_steps(profile_steps: Any) -> tuple[int, int] | None:
 
 
 def _check_steps_per_fetch(steps_per_fetch: Any, **boundaries: Any) -> int:
-    """steps_per_fetch must divide every loop boundary, so no fetch is split."""
+    """The fetch size actually used: the largest divisor of every loop boundary.
+
+    Loops end on fetch boundaries, so no fetch is ever split. A config that sets
+    `steps_per_fetch=100` keeps working when a user overrides `steps_per_loop=20`:
+    the fetch shrinks to 20 (logged) instead of the run failing.
+    """
     if isinstance(steps_per_fetch, bool) or not isinstance(steps_per_fetch, int) \
             or steps_per_fetch < 1:
         raise ValueError(f"Trainer.steps_per_fetch must be an int >= 1, got {steps_per_fetch!r}")
+    fetch, reasons = steps_per_fetch, []
     for name, value in boundaries.items():
         for number in (value if isinstance(value, tuple) else (value,)):
-            if number is not None and int(number) % steps_per_fetch:
-                raise ValueError(
-                    f"Trainer.steps_per_fetch={steps_per_fetch} does not divide Trainer.{name}="
-                    f"{value}: loops end on fetch boundaries, so choose a divisor of it")
-    return steps_per_fetch
+            if number is not None and int(number) % fetch:
+                fetch = math.gcd(fetch, int(number))
+                reasons.append(f"Trainer.{name}={value}")
+    if fetch != steps_per_fetch:
+        logging.info("tputrain: steps_per_fetch %d -> %d so that fetches divide %s",
+                     steps_per_fetch, fetch, ", ".join(reasons))
+    return fetch
 
 
 @gin.configurable

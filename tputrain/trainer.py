@@ -377,7 +377,13 @@ class Trainer:
         local replica, and checkpoints of the iterator stay valid when
         steps_per_fetch changes (the batch op saves only its input's position).
         """
-        return dataset.batch(self.steps_per_fetch * self.local_replicas, drop_remainder=True)
+        grouped = dataset.batch(self.steps_per_fetch * self.local_replicas, drop_remainder=True)
+        # tf.data would otherwise inject a prefetch after this batch, and a checkpoint
+        # would then hold whole groups of the old size: resuming with another
+        # steps_per_fetch fails on their shape. The task's own prefetch sits below.
+        options = tf.data.Options()
+        options.experimental_optimization.inject_prefetch = False
+        return grouped.with_options(options)
 
     def _distribute_from_group(self, group: Any, j: tf.Tensor) -> Any:
         """Step `j` of a fetched group: replica r takes batch j * local_replicas + r, the

@@ -16,7 +16,7 @@ import tputrain
 from tputrain.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatcher
 from tiny import TinyTask, strategy_for, weights
 
-STEPS = 300
+STEPS = 300  # one loop of 300 steps: the signal must land inside it, even under load
 
 
 def make_trainer(model_dir, **kwargs):
@@ -52,7 +52,7 @@ def test_sigterm_mid_loop_saves_at_the_next_step_and_resumes_exactly(tmp_path):
     thread.join()
     preempted = caught.value
     assert isinstance(preempted, SystemExit) and preempted.code == PREEMPTED_EXIT_CODE == 42
-    # One compiled loop would run all 300 steps: it stopped at a step boundary inside it.
+    # One compiled loop would run all STEPS steps: it stopped at a step boundary inside it.
     assert 20 <= preempted.step < STEPS
     assert preempted.checkpoint.endswith(f"ckpt-{preempted.step}")
     assert int(trainer.step.numpy()) == preempted.step

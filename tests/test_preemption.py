@@ -46,14 +46,14 @@ def test_sigterm_mid_loop_saves_at_the_next_step_and_resumes_exactly(tmp_path):
 
     handler_before = signal.getsignal(signal.SIGTERM)
     trainer = make_trainer(tmp_path / "run")
-    thread = sigterm_when(trainer, 20)
+    thread = sigterm_when(trainer, 2)  # early: ~300 steps of margin before the loop ends
     with pytest.raises(Preempted) as caught:
         trainer.train()
     thread.join()
     preempted = caught.value
     assert isinstance(preempted, SystemExit) and preempted.code == PREEMPTED_EXIT_CODE == 42
     # One compiled loop would run all STEPS steps: it stopped at a step boundary inside it.
-    assert 20 <= preempted.step < STEPS
+    assert 2 <= preempted.step < STEPS
     assert preempted.checkpoint.endswith(f"ckpt-{preempted.step}")
     assert int(trainer.step.numpy()) == preempted.step
     assert signal.getsignal(signal.SIGTERM) is handler_before, "the old handler is back"

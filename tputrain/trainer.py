@@ -163,8 +163,9 @@ class Trainer:
         `get_next` (the dataset is batched once more on the host). Each fetch costs a
         thread hand-off whatever the batch size, which is a noticeable share of a
         sub-millisecond step; K steps per fetch pay it once. The batch-to-replica
-        order is unchanged (the same weights as 1). It must divide steps_per_loop,
-        checkpoint_every, eval_every, train_steps and profile_steps.
+        order is unchanged (the same weights as 1). It shrinks (logged) to the largest
+        divisor of steps_per_loop, checkpoint_every, eval_every, train_steps and
+        profile_steps, so that no fetch is split by a loop boundary.
     """
 
     def __init__(self, task: Task, model_dir: str, strategy: tf.distribute.Strategy | None = None,

@@ -68,7 +68,7 @@ def listed_steps(model_dir: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_two_workers_train_chief_checkpoints_fail_together_and_resume(tmp_path):
+def test_two_workers_train_chief_checkpoints_fail_together_resume_and_preempt(tmp_path):
     config = tmp_path / "mw.gin"
     config.write_text(CONFIG)
     model_dir = tmp_path / "model"
@@ -94,18 +94,27 @@ def test_two_workers_train_chief_checkpoints_fail_together_and_resume(tmp_path):
     assert time.monotonic() - started < 90
     shutil.rmtree(scratch, ignore_errors=True)  # a SIGKILLed worker cannot clean up
 
-    # 2. Rerun: both workers resume from the chief's latest checkpoint and finish.
+    # 2. Rerun the same command: both workers resume from the chief's latest
+    #    checkpoint. Then SIGTERM the launcher: it reaches both workers, which agree
+    #    on a step (all-reduce at the loop boundary), checkpoint it and exit 42.
     resume_step = listed_steps(model_dir)[-1]
-    target = resume_step + 4
-    launch = Launch(args + [f"--gin_param=Trainer.train_steps={target}"])
-    assert launch.finish(timeout=240) == 0, launch.log()
+    launch = Launch(args)
+    launch.wait_for(r"\[worker \d\] .*tputrain: step \d+/")  # both train (collectives)
+    launch.process.send_signal(signal.SIGTERM)
+    code = launch.finish(timeout=240)
     text = launch.text()
+    assert code == 42, text[-3000:]
     for worker in (0, 1):
         assert re.search(rf"\[worker {worker}\] .*restored \S+/model/checkpoints/ckpt-{resume_step} ",
                          text), text[-3000:]
-    assert listed_steps(model_dir)[-1] == target
+    stopped = {int(w): int(s) for w, s in
+               re.findall(r"\[worker (\d)\] .*preempted at step (\d+); saved", text)}
+    assert set(stopped) == {0, 1} and stopped[0] == stopped[1] > resume_step, stopped
+    assert listed_steps(model_dir)[-1] == stopped[0]
+    assert "workers exited with worker 0: code 42, worker 1: code 42" in text
     assert tf.io.gfile.glob(str(model_dir / "train" / "events.*")), "the chief wrote summaries"
     scratch = re.search(r"\[worker 1\] .*saved checkpoint (\S+)/checkpoints/ckpt-", text).group(1)
+    assert not scratch.startswith(str(model_dir))
     assert not os.path.exists(scratch), "the non-chief deletes its scratch directory"
 
 

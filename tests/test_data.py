@@ -525,3 +525,12 @@ def test_training_on_a_corrupt_shard_fails_in_one_line_or_skips(tmp_path, capfd)
     skipping.train()
     assert int(skipping.step.numpy()) == 12
     assert f"skipped ~8 corrupt or unreadable record(s) of {bad}" in capfd.readouterr().err
+
+
+def test_read_parallelism_follows_the_storage():
+    inputs = TFRecordInput("f-*", FEATURES)
+    assert inputs._read_parallelism(["gs://bucket/f-0"], 16) == tf.data.AUTOTUNE  # network-bound
+    assert inputs._read_parallelism(["/data/f-0"], 16) == min(16, os.cpu_count())  # CPU-bound
+    assert TFRecordInput("f-*", FEATURES, read_parallelism=4)._read_parallelism(["/d/f"], 2) == 2
+    with pytest.raises(ValueError, match="read_parallelism must be >= 1"):
+        TFRecordInput("f-*", FEATURES, read_parallelism=0)

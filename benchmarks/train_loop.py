@@ -212,6 +212,16 @@ class TputrainXLAContender(TputrainContender):
     jit_compile = True
 
 
+class TputrainBF16Contender(TputrainContender):
+    """The same Trainer in mixed_bfloat16, interleaved with the float32 contenders."""
+
+    name = "tputrain_bf16"
+
+    def prepare(self) -> None:
+        self.precision = "mixed_bfloat16"
+        super().prepare()
+
+
 def _replica_step(task: tputrain.Task, model, optimizer, metric, global_batch: int):
     def step(batch):
         features, labels = batch
@@ -421,13 +431,14 @@ def run_workload(name: str, task_factory, strategy, global_batch: int, precision
     return results
 
 
-def add_mfu(result: dict[str, Any], peak: tuple[float, float], peak_name: str) -> None:
+def add_mfu(result: dict[str, Any], peak: tuple[float, float], peak_name: str,
+            contender: str = "tputrain") -> None:
     """MFU of the tputrain Trainer: wall clock against the wall-clock peak, and CPU time
     (FLOPs per CPU-second of training over FLOPs per CPU-second of the best matmul)."""
-    ours = result.get("tputrain", {})
+    ours = result.get(contender, {})
     if "flops_per_step" in result and "steps_per_second" in ours:
         flops = result["flops_per_step"]
-        result["mfu"] = {
+        result["mfu" if contender == "tputrain" else f"mfu_{contender}"] = {
             "value": flops * ours["steps_per_second"] / peak[0],
             "value_cpu_time": flops * ours["steps_per_cpu_second"] / peak[1],
             "against": f"measured {peak_name} matmul peak {peak[0] / 1e9:.0f} GFLOP/s, "
@@ -476,12 +487,10 @@ def main() -> None:
         "mlp", mlp, strategy, mlp_batch, "float32", all_kinds, mlp_ks, mlp_steps, repeats, peaks)
     workloads["mlp"]["model"] = "MLP 512-1024-1024-10, Adam" if not quick else "MLP 64-128-128-10"
     workloads["transformer"] = run_workload(
-        "transformer", lm, strategy, lm_batch, "float32", all_kinds, lm_ks, lm_steps, repeats, peaks)
+        "transformer", lm, strategy, lm_batch, "float32", all_kinds + [TputrainBF16Contender],
+        lm_ks, lm_steps, repeats, peaks)
     workloads["transformer"]["model"] = ("configs/synthetic_transformer.gin: 4 layers, width 256, "
                                          "16 x 128 tokens, AdamW + clipnorm") if not quick else "1-layer LM"
-    workloads["transformer_bf16"] = run_workload(
-        "transformer_bf16", lm, strategy, lm_batch, "mixed_bfloat16", [TputrainContender],
-        lm_ks, lm_steps, repeats, peaks)
     loop_sizes = run_workload(
         "small_mlp", small, strategy, 64, "float32", [TputrainContender], [1, 50],
         small_steps, repeats, peaks)
@@ -497,14 +506,17 @@ def main() -> None:
         d: {"best": peak[d][0] / 1e9, "median": statistics.median(v[0] for v in values) / 1e9,
             "best_per_cpu_second": peak[d][1] / 1e9} for d, values in peaks.items()}
     add_mfu(workloads["transformer"], peak["float32"], "float32")
-    add_mfu(workloads["transformer_bf16"], peak["bfloat16"], "bfloat16")
+    add_mfu(workloads["transformer"], peak["bfloat16"], "bfloat16", "tputrain_bf16")
     add_mfu(workloads["mlp"], peak["float32"], "float32")
-    fp32 = workloads["transformer"].get("tputrain", {}).get("steps_per_second")
-    bf16 = workloads["transformer_bf16"].get("tputrain", {}).get("steps_per_second")
-    if fp32 and bf16:
-        report["bf16_vs_float32"] = {"transformer_step_ms_float32": 1000 / fp32,
-                                     "transformer_step_ms_bfloat16": 1000 / bf16,
-                                     "speedup": bf16 / fp32}
+    lm_result = workloads["transformer"]
+    fp32, bf16 = lm_result.get("tputrain", {}), lm_result.get("tputrain_bf16", {})
+    if "steps_per_second" in fp32 and "steps_per_second" in bf16:
+        report["bf16_vs_float32"] = {
+            "transformer_step_ms_float32": 1000 / fp32["steps_per_second"],
+            "transformer_step_ms_bfloat16": 1000 / bf16["steps_per_second"],
+            "speedup": bf16["steps_per_second"] / fp32["steps_per_second"],
+            "speedup_cpu_time": bf16["steps_per_cpu_second"] / fp32["steps_per_cpu_second"],
+            "note": "tputrain Trainer, float32 and mixed_bfloat16 measured interleaved"}
     report["workloads"] = workloads
     goals = {"tputrain_vs_hand_loop": 0.98, "tputrain_vs_keras_fit": 1.05, "tputrain_vs_orbit": 1.0}
     report["goals"] = {
@@ -516,12 +528,12 @@ def main() -> None:
     report["goals"]["steps_per_loop_50_vs_1"] = {
         "measured": report["steps_per_loop_50_vs_1"]["ratio"], "goal": 2.0,
         "met": report["steps_per_loop_50_vs_1"]["ratio"] >= 2.0}
-    for name in ("transformer", "transformer_bf16"):
-        if "mfu" in workloads[name]:
-            report["goals"][f"{name}.mfu"] = {
-                "measured": workloads[name]["mfu"]["value"], "goal": 0.5,
-                "met": workloads[name]["mfu"]["value"] >= 0.5,
-                "measured_cpu_time": workloads[name]["mfu"]["value_cpu_time"]}
+    for key, label in (("mfu", "transformer.mfu_float32"), ("mfu_tputrain_bf16", "transformer.mfu_bfloat16")):
+        if key in lm_result:
+            report["goals"][label] = {
+                "measured": lm_result[key]["value"], "goal": 0.5,
+                "met": lm_result[key]["value"] >= 0.5,
+                "measured_cpu_time": lm_result[key]["value_cpu_time"]}
     report["machine"]["load_average_after"] = os.getloadavg()
     report["seconds"] = time.time() - started
     json.dump(report, sys.stdout, indent=1, default=float)

@@ -378,10 +378,15 @@ class Trainer:
         local replica, and checkpoints of the iterator stay valid when
         steps_per_fetch changes (the batch op saves only its input's position).
         """
-        grouped = dataset.batch(self.steps_per_fetch * self.local_replicas, drop_remainder=True)
+        size = self.steps_per_fetch * self.local_replicas
+        # One group deep, below the group batch: a fetch then only collects ready
+        # batches instead of waiting for `size` of them to be made one by one. Always
+        # there (empty for one step per fetch), so checkpoints keep one structure.
+        dataset = dataset.prefetch(size if self.steps_per_fetch > 1 else 0)
+        grouped = dataset.batch(size, drop_remainder=True)
         # tf.data would otherwise inject a prefetch after this batch, and a checkpoint
         # would then hold whole groups of the old size: resuming with another
-        # steps_per_fetch fails on their shape. The task's own prefetch sits below.
+        # steps_per_fetch fails on their shape. Buffers below hold per-replica batches.
         options = tf.data.Options()
         options.experimental_optimization.inject_prefetch = False
         return grouped.with_options(options)

@@ -285,6 +285,10 @@ def main(argv: list[str]) -> None:
 def console_main() -> None:
     """Entry point of `tputrain diagnose`."""
     define_flags()
+    # Run as a console script, the script is __main__: list these flags in --help.
+    for name in ("gin_file", "gin_param", "gin_search_path", "gin_import", "json", "seconds",
+                 "steps"):
+        FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
     logging.set_verbosity(logging.WARNING)
     app.run(main)
 

@@ -105,6 +105,10 @@ def main(argv: list[str]) -> None:
 def console_main() -> None:
     """Entry point of `tputrain write-tfrecords`."""
     define_flags()
+    # Run as a console script, the script is __main__: list these flags in --help.
+    for name in ("input", "output_prefix", "num_shards", "num_hosts", "target_shard_mb",
+                 "compression"):
+        FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
     app.run(main)
 
 

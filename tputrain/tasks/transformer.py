@@ -16,6 +16,21 @@ from tputrain.data import InputContext
 from tputrain.task import Task
 
 
+class PositionEmbedding(keras.layers.Layer):
+    """Adds a learned [sequence_length, width] table to the token embeddings.
+
+    A layer of its own so the table is a trainable weight: an `Embedding` called
+    on a constant `arange` is folded into the graph as a constant and never trains.
+    """
+
+    def build(self, input_shape):
+        self.table = self.add_weight(shape=tuple(input_shape[1:]), name="table",
+                                     initializer=keras.initializers.RandomNormal(stddev=0.02))
+
+    def call(self, x):
+        return x + keras.ops.cast(self.table, x.dtype)
+
+
 def _block(x: keras.KerasTensor, width: int, heads: int, mlp_ratio: int) -> keras.KerasTensor:
     h = keras.layers.LayerNormalization(epsilon=1e-5)(x)
     h = keras.layers.MultiHeadAttention(heads, width // heads)(h, h, use_causal_mask=True)
@@ -44,8 +59,7 @@ class SyntheticLMTask(Task):
     def build_model(self) -> keras.Model:
         tokens = keras.Input((self.sequence_length,), dtype="int32", name="tokens")
         x = keras.layers.Embedding(self.vocab_size, self.width)(tokens)
-        positions = keras.ops.arange(self.sequence_length)
-        x = x + keras.layers.Embedding(self.sequence_length, self.width)(positions)
+        x = PositionEmbedding(name="positions")(x)
         for _ in range(self.num_layers):
             x = _block(x, self.width, self.num_heads, self.mlp_ratio)
         x = keras.layers.LayerNormalization(epsilon=1e-5)(x)

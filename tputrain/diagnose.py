@@ -284,11 +284,12 @@ def main(argv: list[str]) -> None:
 
 def console_main() -> None:
     """Entry point of `tputrain diagnose`."""
+    from tputrain.run import list_in_help
+
     define_flags()
-    # Run as a console script, the script is __main__: list these flags in --help.
-    for name in ("gin_file", "gin_param", "gin_search_path", "gin_import", "json", "seconds",
-                 "steps"):
-        FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
+    # Not model_dir: diagnose always works in a temporary directory.
+    list_in_help(("gin_file", "gin_param", "gin_search_path", "gin_import", "json", "seconds",
+                  "steps"))
     logging.set_verbosity(logging.WARNING)
     app.run(main)
 

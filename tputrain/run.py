@@ -128,6 +128,16 @@ COMMANDS["diagnose"] = "tputrain.diagnose"
 COMMANDS["write-tfrecords"] = "tputrain.write_tfrecords_cli"
 
 
+def list_in_help(names) -> None:
+    """Lists these flags in --help of the running command.
+
+    A console script is its own __main__, and absl's --help shows only the flags
+    of the main module, not those of the tputrain module that defined them.
+    """
+    for name in names:
+        FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
+
+
 def console_main() -> None:
     """Entry point of the `tputrain` console script."""
     if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
@@ -136,10 +146,8 @@ def console_main() -> None:
             importlib.import_module(COMMANDS[command]).console_main()
             return
     define_gin_flags()
-    # The console script is its own __main__: list this module's flags in its --help.
-    for name in ("gin_file", "gin_param", "gin_search_path", "gin_import", "model_dir",
-                 "deterministic"):
-        FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
+    list_in_help(("gin_file", "gin_param", "gin_search_path", "gin_import", "model_dir",
+                  "deterministic"))
     app.run(main)
 
 

@@ -334,10 +334,11 @@ def main(argv: list[str]) -> None:
 
 def console_main() -> None:
     """Entry point of `tputrain vertex-spec`."""
+    from tputrain.run import list_in_help
+
     before = set(FLAGS)
     _define_flags()
-    for name in [n for n in FLAGS if n not in before]:  # listed by --help
-        FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
+    list_in_help([n for n in FLAGS if n not in before])
     app.run(main)
 
 

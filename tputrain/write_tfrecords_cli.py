@@ -104,11 +104,11 @@ def main(argv: list[str]) -> None:
 
 def console_main() -> None:
     """Entry point of `tputrain write-tfrecords`."""
+    from tputrain.run import list_in_help
+
     define_flags()
-    # Run as a console script, the script is __main__: list these flags in --help.
-    for name in ("input", "output_prefix", "num_shards", "num_hosts", "target_shard_mb",
-                 "compression"):
-        FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
+    list_in_help(("input", "output_prefix", "num_shards", "num_hosts", "target_shard_mb",
+                  "compression"))
     app.run(main)
 
 

@@ -132,6 +132,20 @@ def test_local_tpu_devices_that_fail_to_initialise_fall_back(monkeypatch, log_li
 
     assert seconds < 3
     assert strategy.num_replicas_in_sync == 1
+    # This plain `tensorflow` build has no TPU kernels: said before trying to initialise.
+    assert "Skipped: tpu (tpu='local': this TensorFlow build has no TPU kernels" in log_lines()[0]
+    assert "install tensorflow-tpu" in log_lines()[0]
+
+
+@requires_no_gpu
+def test_local_tpu_initialisation_failure_falls_back(monkeypatch, log_lines):
+    # A TPU-capable build whose chips fail to initialise: TF's own error is reported.
+    monkeypatch.setattr(strategy_lib, "_local_tpu_devices", lambda: ["/dev/accel0"])
+    monkeypatch.setattr(strategy_lib, "_tpu_kernels_registered", lambda: True)
+
+    strategy = strategy_lib.resolve_strategy()
+
+    assert strategy.num_replicas_in_sync == 1
     assert "Skipped: tpu (tpu='local': NotFoundError" in log_lines()[0]
 
 

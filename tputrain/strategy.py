@@ -338,6 +338,13 @@ def _build(decision: _Decision) -> tf.distribute.Strategy:
 
 def _build_tpu(target: str) -> tf.distribute.TPUStrategy:
     """Connects to and initialises the TPU; raises _TpuUnavailable on failure."""
+    if target == "local" and not _tpu_kernels_registered():
+        # Checked first because initialize_tpu_system clears every eager cache and
+        # garbage-collects before failing: seconds to tens of seconds in a busy process.
+        raise _TpuUnavailable(
+            "tpu='local': this TensorFlow build has no TPU kernels (ConfigureDistributedTPU "
+            "is not registered); on a TPU VM install tensorflow-tpu (see the README)"
+        )
     try:
         with _socket_timeout(_CLOUD_API_TIMEOUT_S):
             resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=target)
@@ -356,6 +363,19 @@ def _build_tpu(target: str) -> tf.distribute.TPUStrategy:
         raise _TpuUnavailable(
             f"tpu={target!r}: {type(e).__name__}: {first_line}"
         ) from e
+
+
+def _tpu_kernels_registered() -> bool:
+    """True if this TensorFlow build can initialise attached TPU chips.
+
+    Plain `tensorflow` wheels lack the TPU system kernels; `tensorflow-tpu` has them.
+    A remote (grpc://) TPU runs them on its own worker, so this is for "local" only.
+    """
+    try:
+        from tensorflow.python.framework import kernels  # Not in the public API.
+    except ImportError:
+        return True  # Cannot tell: let initialize_tpu_system decide.
+    return bool(kernels.get_registered_kernels_for_op("ConfigureDistributedTPU").kernel)
 
 
 @contextlib.contextmanager

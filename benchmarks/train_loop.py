@@ -188,11 +188,8 @@ class TputrainContender(Contender):
 
         self.trainer.progress.train_loop_done = record
         self.trainer.train()  # traces the loop, runs k steps, saves, evaluates once
-        # Later train() calls continue in memory. Their restore of the checkpoint just
-        # written is outside the timed window anyway, and a second train() on one
-        # Trainer currently fails in Checkpointer.restore_latest ("save_counter [] is
-        # not in the checkpoint"), so it is skipped.
-        self.trainer.checkpointer.restore_latest = lambda: None
+        # Later train() calls continue from there (their restore of the checkpoint just
+        # written is outside the timed window).
 
     def measure(self, steps: int) -> tuple[float, float]:
         self._times.clear()

@@ -68,6 +68,19 @@ def test_rerun_after_finish_does_not_train(tmp_path):
     assert any(not np.array_equal(a, b) for a, b in zip(before, weights(again)))
 
 
+def test_train_twice_on_one_trainer_continues(tmp_path):
+    """A notebook calls train() again after raising train_steps: same as one longer run."""
+    once = make_trainer(tmp_path, 2, "once", train_steps=8, checkpoint_every=4)
+    once.train()
+    twice = make_trainer(tmp_path, 2, "twice", train_steps=4, checkpoint_every=4)
+    twice.train()
+    twice.train_steps = 8
+    twice.train()
+    assert int(twice.step.numpy()) == 8
+    for a, b in zip(weights(once), weights(twice)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_keep_checkpoints(tmp_path):
     trainer = make_trainer(tmp_path, 1, "keep", train_steps=10, steps_per_loop=2,
                            checkpoint_every=2, keep_checkpoints=2)

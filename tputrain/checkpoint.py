@@ -108,6 +108,8 @@ def describe_mismatch(checkpoint: tf.train.Checkpoint, path: str) -> str:
     expected = _expected_entries(checkpoint)
     if expected is None:
         return ""
+    # save_counter exists once this object has saved: bookkeeping, not state to match.
+    expected = {k: v for k, v in expected.items() if not k.startswith(_BOOKKEEPING_KEYS)}
     shapes = tf.train.load_checkpoint(path).get_variable_to_shape_map()
     saved = {k: tuple(v) for k, v in shapes.items() if not k.startswith(_BOOKKEEPING_KEYS)}
     problems, matched = [], set()

@@ -162,6 +162,31 @@ def test_drop_remainder(tmp_path):
     assert sizes == [4, 4]
 
 
+@pytest.mark.parametrize("cache", [False, "memory"])
+def test_pad_remainder_keeps_every_example_with_weights(tmp_path, cache):
+    """10 examples, batch 4: three static batches, the last padded with weight-0 zeros."""
+    pattern = _write(tmp_path, 10, 2)
+    dataset = TFRecordInput(pattern, FEATURES, label_key="id", global_batch_size=4,
+                            shuffle=False, repeat=False, cache=cache, pad_remainder=True)()
+    assert [s.shape.as_list() for s in tf.nest.flatten(dataset.element_spec)] == [[4, 3], [4], [4]]
+    batches = list(dataset)
+    assert len(batches) == 3
+    ids = np.concatenate([b[1].numpy() for b in batches])
+    weights = np.concatenate([b[2].numpy() for b in batches])
+    np.testing.assert_array_equal(weights, [1] * 10 + [0, 0])
+    assert sorted(ids[:10].tolist()) == list(range(10))
+    np.testing.assert_array_equal(ids[10:], [0, 0])
+    np.testing.assert_array_equal(batches[-1][0]["x"].numpy()[2:], np.zeros([2, 3]))
+
+
+def test_pad_remainder_is_for_finite_labelled_eval(tmp_path):
+    pattern = _write(tmp_path, 10, 2)
+    with pytest.raises(ValueError, match="pad_remainder is for evaluation"):
+        TFRecordInput(pattern, FEATURES, label_key="id", pad_remainder=True)  # repeats
+    with pytest.raises(ValueError, match="pad_remainder is for evaluation"):
+        TFRecordInput(pattern, FEATURES, repeat=False, pad_remainder=True)  # no label
+
+
 def test_per_replica_batch_is_global_over_replicas(tmp_path):
     pattern = _write(tmp_path, 16, 2)
     inputs = TFRecordInput(pattern, FEATURES)

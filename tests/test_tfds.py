@@ -87,6 +87,21 @@ def test_shuffled_and_reshuffled_each_epoch(tiny_data_dir):
     assert first != list(range(40)) and first != second
 
 
+@pytest.mark.parametrize("cache", [False, True])
+def test_pad_remainder_keeps_the_last_examples(tiny_data_dir, cache):
+    """40 examples in batches of 16: the third batch has 8 real rows and 8 of weight 0."""
+    dataset = _tiny(tiny_data_dir, shuffle=False, repeat=False, cache=cache,
+                    pad_remainder=True)(InputContext(global_batch_size=16))
+    batches = list(dataset)
+    assert [int(b[2].shape[0]) for b in batches] == [16, 16, 16]
+    weights = np.concatenate([b[2].numpy() for b in batches])
+    labels = np.concatenate([b[1].numpy() for b in batches])
+    np.testing.assert_array_equal(weights, [1] * 40 + [0] * 8)
+    assert sorted(labels[:40].tolist()) == list(range(40))
+    with pytest.raises(ValueError, match="pad_remainder is for evaluation"):
+        _tiny(tiny_data_dir, pad_remainder=True)
+
+
 def test_variable_shapes_are_refused_with_the_fix(tiny_data_dir):
     inputs = TFDSInput("tputrain_tiny_tfds", "train", data_dir=tiny_data_dir, global_batch_size=4)
     with pytest.raises(ValueError, match=r"'tokens'.*TFDSInput.preprocess_example"):

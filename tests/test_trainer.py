@@ -81,6 +81,35 @@ def test_train_twice_on_one_trainer_continues(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+class OddEvalTask(TinyTask):
+    """Eval split of 100 examples: no global batch of 16 divides it."""
+
+    def build_inputs(self, split, input_context):
+        if split == "train":
+            return super().build_inputs(split, input_context)
+        batch = input_context.get_per_replica_batch_size(input_context.global_batch_size)
+        dataset = tf.data.Dataset.from_tensor_slices(({"x": self.x[:100]}, self.y[:100]))
+        dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+        return dataset.batch(batch).map(lambda *b: tputrain.data.pad_to_batch(b, batch))
+
+
+@pytest.mark.parametrize("replicas,input_mode", [(1, "host"), (4, "host"), (2, "distributed")])
+def test_padded_eval_counts_every_example_once(tmp_path, replicas, input_mode):
+    """100 examples in per-replica batches of 16/replicas: the padding counts for nothing."""
+    trainer = make_trainer(tmp_path, replicas, f"odd{replicas}", task=OddEvalTask(l2=1e-2),
+                           input_mode=input_mode, train_steps=3)
+    logs = trainer.train()
+    task = trainer.task
+    outputs = trainer.model({"x": task.x[:100]}, training=False)
+    per_example = keras.losses.sparse_categorical_crossentropy(task.y[:100], outputs,
+                                                               from_logits=True)
+    expected_loss = float(np.mean(per_example) + sum(float(l) for l in trainer.model.losses))
+    expected_accuracy = float(np.mean(np.argmax(outputs, -1) == task.y[:100]))
+    assert logs["loss"] == pytest.approx(expected_loss, rel=1e-5)
+    assert logs["accuracy"] == pytest.approx(expected_accuracy)
+    assert 0.0 < expected_accuracy < 1.0  # a real check: some right, some wrong
+
+
 def test_keep_checkpoints(tmp_path):
     trainer = make_trainer(tmp_path, 1, "keep", train_steps=10, steps_per_loop=2,
                            checkpoint_every=2, keep_checkpoints=2)

@@ -152,12 +152,16 @@ def _activation_model(model: keras.Model, layers: Sequence[keras.layers.Layer]) 
 
 def _evaluate(task: Task, model: keras.Model, batches: Sequence[Any]) -> dict[str, float]:
     metrics = list(task.build_metrics())
-    losses = []
-    for features, labels in batches:
+    losses, weights = [], []
+    for features, labels, *weight in batches:  # padded eval batches carry weights
         outputs = to_float32(model(features, training=False))
-        losses.append(np.asarray(task.compute_loss(labels, outputs), np.float64))
-        task.update_metrics(metrics, labels, outputs)
-    results = {"loss": float(np.mean(np.concatenate([np.ravel(l) for l in losses])))}
+        losses.append(np.ravel(np.asarray(task.compute_loss(labels, outputs), np.float64)))
+        weights.append(np.ravel(weight[0]) if weight else np.ones_like(losses[-1]))
+        if weight:
+            task.update_metrics(metrics, labels, outputs, sample_weight=weight[0])
+        else:
+            task.update_metrics(metrics, labels, outputs)
+    results = {"loss": float(np.average(np.concatenate(losses), weights=np.concatenate(weights)))}
     results.update({m.name: float(m.result()) for m in metrics})
     return results
 

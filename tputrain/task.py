@@ -24,6 +24,10 @@ from tputrain.data import InputContext
 from tputrain.optimizers import build_optimizer
 from tputrain.precision import to_float32
 
+# Keys an eval step returns for padded batches (see `Task.eval_step`): summed like
+# the loss, then used by the Trainer to average over real examples only.
+EVAL_WEIGHT = "_eval_weight"
+EVAL_REGULARIZATION = "_eval_regularization"
 
 class Task:
     """Base class for a training task; see the module docstring for contexts."""
@@ -38,6 +42,10 @@ class Task:
         `split` is "train" or "eval". `input_context.global_batch_size` is the
         Trainer's global batch; batch with `drop_remainder=True` so shapes stay
         static (TPUs need them; a ragged last batch also leaves replicas empty).
+        For an eval split whose size is not a multiple of the batch, yield
+        `(features, labels, weights)` with the last batch padded and weight 0 on
+        the padding (`TFRecordInput(pad_remainder=True)` does this) so no
+        example is dropped.
         The train split should repeat forever; the eval split should be finite.
         """
         raise NotImplementedError("Task.build_inputs must return a tf.data.Dataset")
@@ -79,10 +87,16 @@ class Task:
         return loss
 
     def update_metrics(self, metrics: Sequence[keras.metrics.Metric], labels: Any,
-                       outputs: Any) -> None:
-        """Replica context: updates every metric with this replica's batch."""
+                       outputs: Any, sample_weight: tf.Tensor | None = None) -> None:
+        """Replica context: updates every metric with this replica's batch.
+
+        `sample_weight` is set (0 on padding rows) only for padded eval batches.
+        """
         for metric in metrics:
-            metric.update_state(labels, outputs)
+            if sample_weight is None:
+                metric.update_state(labels, outputs)
+            else:
+                metric.update_state(labels, outputs, sample_weight=sample_weight)
 
     def compute_gradients(self, batch: Any, model: keras.Model,
                           optimizer: keras.optimizers.Optimizer,
@@ -132,9 +146,27 @@ class Task:
     def eval_step(self, batch: Any, model: keras.Model,
                   metrics: Sequence[keras.metrics.Metric],
                   global_batch_size: int) -> dict[str, tf.Tensor]:
-        """Replica context: forward pass and metric updates, no weight change."""
-        features, labels = batch
+        """Replica context: forward pass and metric updates, no weight change.
+
+        A batch `(features, labels, weights)` (padded eval, see
+        `TFRecordInput.pad_remainder`) is weighted: padding rows count for nothing.
+        Then the data loss and `EVAL_WEIGHT`, the batch's share of real examples,
+        are returned apart, and the Trainer reports the mean over real examples.
+        """
+        features, labels, *weights = batch
         outputs = to_float32(model(features, training=False))
-        loss = self.total_loss(labels, outputs, model, global_batch_size)
-        self.update_metrics(metrics, labels, outputs)
-        return {"loss": loss}
+        if not weights:
+            loss = self.total_loss(labels, outputs, model, global_batch_size)
+            self.update_metrics(metrics, labels, outputs)
+            return {"loss": loss}
+        (weight,) = weights
+        per_example = tf.cast(self.compute_loss(labels, outputs), tf.float32)
+        data_loss = tf.nn.compute_average_loss(per_example, sample_weight=weight,
+                                               global_batch_size=global_batch_size)
+        logs = {"loss": data_loss,
+                EVAL_WEIGHT: tf.reduce_sum(weight) / global_batch_size}
+        if model.losses:
+            regularization = tf.add_n([tf.cast(l, tf.float32) for l in model.losses])
+            logs[EVAL_REGULARIZATION] = tf.nn.scale_regularization_loss(regularization)
+        self.update_metrics(metrics, labels, outputs, sample_weight=weight)
+        return logs

@@ -15,7 +15,7 @@ import math
 import os
 import shutil
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import gin
 import keras
@@ -29,7 +29,7 @@ from tputrain.layer_precision import override_layer_dtypes
 from tputrain.precision import set_precision_policy, wrap_optimizer_for_policy
 from tputrain.progress import Progress, Stopwatch
 from tputrain.strategy import resolve_strategy
-from tputrain.task import Task
+from tputrain.task import EVAL_REGULARIZATION, EVAL_WEIGHT, Task
 from tputrain.guard import NonFiniteError, NonFiniteGuard
 from tputrain.preemption import Preempted, PreemptionWatcher
 from tputrain.validate import check_model_dir, input_data_error, probe_inputs, variable_bytes
@@ -71,6 +71,32 @@ def _check_static(element_spec: Any, split: str, per_replica_batch: int) -> None
                 f"{split} input {path!r} has batch dimension {shape[0]} but the per-replica "
                 f"batch is {per_replica_batch}: batch with "
                 "input_context.get_per_replica_batch_size(input_context.global_batch_size)")
+
+
+def _is_weighted(element_spec: Any) -> bool:
+    """Eval batches of `(features, labels, weights)`: padded, weight 0 on padding."""
+    return isinstance(element_spec, tuple) and len(element_spec) == 3
+
+
+def _padded(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """A weighted eval dataset followed by endless all-zero, zero-weight batches
+    (to fill the last step's replicas); any other dataset unchanged."""
+    if not _is_weighted(dataset.element_spec):
+        return dataset
+    zeros = tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), dataset.element_spec)
+    return dataset.concatenate(tf.data.Dataset.from_tensors(zeros).repeat())
+
+
+def _eval_means(totals: Mapping[str, Any], steps: int) -> dict[str, float]:
+    """Per-step means of the eval logs; with padded batches, the loss is the mean
+    over real examples (see `Task.eval_step`)."""
+    totals = {name: float(value) for name, value in totals.items()}
+    weight = totals.pop(EVAL_WEIGHT, None)
+    regularization = totals.pop(EVAL_REGULARIZATION, 0.0)
+    logs = {name: value / steps for name, value in totals.items()}
+    if weight is not None and "loss" in totals:
+        logs["loss"] = (totals["loss"] / weight if weight else float("nan")) + regularization / steps
+    return logs
 
 
 def _op_determinism() -> bool:
@@ -708,31 +734,34 @@ class Trainer:
         """
         if self._eval_loop_fn is None:
             dataset = self._build_dataset("eval")
+            weighted = _is_weighted(dataset.element_spec)
             if self.eval_steps is not None:
                 self._eval_batches = int(self.eval_steps)
-                dataset = dataset.take(self._eval_batches)
             else:
                 count = int(dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
-                self._eval_batches = count // self.local_replicas
+                # Padded (weighted) eval: the last step is topped up with zero-weight
+                # batches, so the per-replica batches need not divide by the replicas.
+                self._eval_batches = (-(-count // self.local_replicas) if weighted
+                                      else count // self.local_replicas)
                 if self._eval_batches < 1:
                     raise ValueError(
                         f"the eval split has {count} per-replica batches, fewer than the "
-                        f"{self.local_replicas} local replicas: use a smaller global batch or "
-                        "more eval data")
+                        f"{self.local_replicas} local replicas: use a smaller global batch, "
+                        "more eval data, or pad the eval split (TFRecordInput.pad_remainder)")
+            per_pipeline = self._eval_batches * self.local_replicas  # per-replica batches
             if self.input_mode == "distributed":
                 self._eval_iterator = iter(self.strategy.distribute_datasets_from_function(
-                    lambda c: self.task.build_inputs("eval", self._input_context(c))
-                    .take(self._eval_batches * self.local_replicas).repeat()))
+                    lambda c: _padded(self.task.build_inputs("eval", self._input_context(c)))
+                    .take(per_pipeline).repeat()))
             else:
-                self._eval_iterator = iter(dataset.repeat())
+                self._eval_iterator = iter(_padded(dataset).take(per_pipeline).repeat())
             self._eval_loop_fn = self._make_loop(self._replica_eval_step, count_steps=False)
         for metric in self.eval_metrics:
             metric.reset_state()
         with Stopwatch() as watch:
             totals, steps, _ = self._eval_loop_fn(self._eval_iterator,
                                                   tf.constant(self._eval_batches, tf.int32))
-            steps = int(steps)
-            logs = {name: float(value) / steps for name, value in totals.items()}
+            logs = _eval_means(totals, int(steps))
             logs.update({m.name: float(m.result()) for m in self.eval_metrics})
         self.progress.eval_done(int(self.step.numpy()), logs, watch.seconds)
         return logs

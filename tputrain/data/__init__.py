@@ -1,6 +1,7 @@
 """Input pipelines: sharded TFRecord and TFDS reading, TFRecord writing, tf.data options."""
 
 from tputrain.data.bad_records import CorruptRecordError, explain_data_loss
+from tputrain.data.batching import pad_to_batch
 from tputrain.data.context import InputContext
 from tputrain.data.manifest import Manifest, read_manifest
 from tputrain.data.options import InputOptions
@@ -16,6 +17,7 @@ __all__ = [
     "TFDSInput",
     "TFRecordInput",
     "explain_data_loss",
+    "pad_to_batch",
     "feature_spec_for",
     "parse_feature_spec",
     "read_manifest",

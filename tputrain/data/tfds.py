@@ -16,8 +16,8 @@ import gin
 import tensorflow as tf
 from absl import logging
 
-from tputrain.data.batching import (check_static, in_memory_batches, resolve_per_replica_batch,
-                                    split_label)
+from tputrain.data.batching import (check_static, in_memory_batches, pad_to_batch,
+                                    resolve_per_replica_batch, split_label)
 from tputrain.data.context import InputContext
 from tputrain.data.options import InputOptions
 
@@ -73,6 +73,9 @@ class TFDSInput:
         preprocess_batch: per-batch function (dict -> dict) after batching,
             vectorized: prefer it for anything that can work on a whole batch.
         options: `InputOptions` (threads, autotune, prefetch, tf.data service).
+        pad_remainder: for evaluation (needs repeat=False and label_key): keep
+            the last partial batch, padded with zeros, as `(features, label,
+            weights)` with weight 0 on the padding (`tputrain.data.pad_to_batch`).
     """
 
     def __init__(
@@ -96,13 +99,18 @@ class TFDSInput:
         preprocess_example: Callable[[dict], dict] | None = None,
         preprocess_batch: Callable[[dict], dict] | None = None,
         options: InputOptions | None = None,
+        pad_remainder: bool = False,
     ):
         if not isinstance(name, str) or not name:
             raise ValueError(f"TFDSInput: name must be a TFDS name such as 'mnist', got {name!r}")
         if not isinstance(split, str) or not split:
             raise ValueError(f"TFDSInput: split must be a TFDS split such as 'train', got {split!r}")
-        for flag, value in (("download", download), ("shuffle", shuffle), ("repeat", repeat)):
+        for flag, value in (("download", download), ("shuffle", shuffle), ("repeat", repeat),
+                            ("pad_remainder", pad_remainder)):
             _check_flag(flag, value)
+        if pad_remainder and (repeat or label_key is None):
+            raise ValueError("TFDSInput: pad_remainder is for evaluation: it needs repeat=False "
+                             "and a label_key")
         _check_flag("deterministic", deterministic, allow_none=True)
         _check_int("global_batch_size", global_batch_size, 1, allow_none=True)
         _check_int("shuffle_buffer", shuffle_buffer, 1)
@@ -127,6 +135,7 @@ class TFDSInput:
             raise TypeError(f"TFDSInput: options must be an InputOptions, got {options!r}")
         self.name = name
         self.split = split
+        self.pad_remainder = pad_remainder
         self.data_dir = data_dir
         self.download = download
         self.features = features
@@ -204,12 +213,14 @@ class TFDSInput:
             examples = examples.map(self.preprocess_example, num_parallel_calls=tf.data.AUTOTUNE,
                                     deterministic=self.deterministic)
         check_static("TFDSInput", examples.element_spec, _STATIC_FIX)
-        if self.cache == "memory":
+        if self.cache == "memory" and not self.pad_remainder:
             everything = examples.batch(2**31 - 1).get_single_element()
             dataset = in_memory_batches(everything, per_replica_batch, shuffle=self.shuffle,
                                         seed=self.seed, repeat=self.repeat)
         else:
-            if self.cache:
+            if self.cache == "memory":  # with pad_remainder: tf.data's in-memory cache
+                examples = examples.cache()
+            elif self.cache:
                 suffix = f"-{context.input_pipeline_id:05d}-of-{context.num_input_pipelines:05d}"
                 examples = examples.cache(self.cache + suffix)
             if self.shuffle:
@@ -218,11 +229,14 @@ class TFDSInput:
             if self.repeat:
                 examples = examples.repeat()
             # Static batch dimension: TPUs compile one shape; no replica left empty.
-            dataset = examples.batch(per_replica_batch, drop_remainder=True)
+            # (pad_remainder pads the last batch to full size instead, with weights.)
+            dataset = examples.batch(per_replica_batch, drop_remainder=not self.pad_remainder)
         if self.preprocess_batch is not None:
             dataset = dataset.map(self.preprocess_batch, num_parallel_calls=tf.data.AUTOTUNE,
                                   deterministic=self.deterministic)
         dataset = dataset.map(lambda batch: split_label(batch, self.label_key))
+        if self.pad_remainder:
+            dataset = dataset.map(lambda *batch: pad_to_batch(batch, per_replica_batch))
         dataset = self.options.apply(dataset)
         options = tf.data.Options()
         if self.deterministic is not None:

@@ -17,8 +17,8 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.data.bad_records import explain_data_loss, read_skipping_corrupt, register_files
-from tputrain.data.batching import (check_static, in_memory_batches, resolve_per_replica_batch,
-                                    split_label)
+from tputrain.data.batching import (check_static, in_memory_batches, pad_to_batch,
+                                    resolve_per_replica_batch, split_label)
 from tputrain.data.context import InputContext
 from tputrain.data.manifest import Manifest, read_manifest
 from tputrain.data.options import InputOptions
@@ -195,6 +195,11 @@ class TFRecordInput:
             the network); for local files, the host's core count.
         options: `InputOptions` (threads, autotune, prefetch, tf.data service);
             None uses the defaults.
+        pad_remainder: for evaluation (needs repeat=False and label_key): keep
+            the last partial batch, padded with zero rows, and yield
+            `(features, label, weights)` with weight 0 on the padding, so every
+            example is evaluated once with static shapes (the Trainer's eval
+            weights losses and metrics by it).
     """
 
     def __init__(
@@ -217,6 +222,7 @@ class TFRecordInput:
         skip_corrupt: bool = False,
         read_parallelism: int | None = None,
         options: InputOptions | None = None,
+        pad_remainder: bool = False,
     ):
         self.manifest: Manifest | None = None
         if manifest is not None:
@@ -259,6 +265,10 @@ class TFRecordInput:
         _check_bool("deterministic", deterministic, allow_none=True)
         _check_bool("skip_corrupt", skip_corrupt)
         _check_int("read_parallelism", read_parallelism, 1, allow_none=True)
+        _check_bool("pad_remainder", pad_remainder)
+        if pad_remainder and (repeat or label_key is None):
+            raise ValueError("TFRecordInput: pad_remainder is for evaluation: it needs "
+                             "repeat=False and a label_key")
         if compression_type not in _COMPRESSION_TYPES:
             raise ValueError("TFRecordInput: compression_type must be None, 'ZLIB' or "
                              f"'GZIP', got {compression_type!r}")
@@ -280,6 +290,7 @@ class TFRecordInput:
         self.skip_corrupt = skip_corrupt
         self.read_parallelism = read_parallelism
         self.options = options or InputOptions()
+        self.pad_remainder = pad_remainder
 
     def _list_files(self) -> list[str]:
         """Globs now, so a typo fails here and not deep inside tf.data.
@@ -398,7 +409,8 @@ class TFRecordInput:
             dataset = in_memory_batches(
                 self._read_all(records, context), per_replica_batch,
                 shuffle=self.shuffle, seed=self.seed, repeat=self.repeat,
-                finish=lambda batch: split_label(batch, self.label_key))
+                finish=lambda batch: split_label(batch, self.label_key),
+                pad_remainder=self.pad_remainder)
         else:
             if self.cache:
                 suffix = f"-{pipeline_id:05d}-of-{num_pipelines:05d}"
@@ -410,9 +422,12 @@ class TFRecordInput:
                 records = records.repeat()
             # drop_remainder keeps the batch dimension static: TPUs compile one shape,
             # and a partial batch would leave some replicas empty (NaN losses).
-            dataset = records.batch(per_replica_batch, drop_remainder=True)
+            # (pad_remainder pads the last batch to full size instead, with weights.)
+            dataset = records.batch(per_replica_batch, drop_remainder=not self.pad_remainder)
             dataset = dataset.map(self._parse, num_parallel_calls=tf.data.AUTOTUNE,
                                   deterministic=self.deterministic)
+            if self.pad_remainder:
+                dataset = dataset.map(lambda *batch: pad_to_batch(batch, per_replica_batch))
         dataset = self.options.apply(dataset)
 
         options = tf.data.Options()

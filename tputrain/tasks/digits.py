@@ -79,6 +79,7 @@ class DigitsTask(Task):
         training = split == "train"
         return TFRecordInput(patterns[split], FEATURES, label_key="label",
                              shuffle=training, repeat=training,
+                             pad_remainder=not training,  # every eval example, any batch
                              shuffle_buffer=self.shuffle_buffer, seed=self.seed,
                              cache=self.cache)(input_context)
 

@@ -488,7 +488,7 @@ def main() -> None:
     small_steps = 100 if quick else 1000
 
     report: dict[str, Any] = {
-        "command": "python benchmarks/train_loop.py" + (" --quick" if quick else ""),
+        "command": " ".join(["python benchmarks/train_loop.py", *sys.argv[1:]]),
         "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(),
                     "strategy": type(strategy).__name__, "tensorflow": tf.__version__,
                     "keras": keras.__version__, "load_average_before": load_before},

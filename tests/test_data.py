@@ -481,6 +481,22 @@ def test_corrupt_record_error_names_file_and_record(tmp_path):
     assert explain_data_loss(unrelated) is unrelated
 
 
+def test_corrupt_record_error_names_the_newest_pipelines_file(tmp_path):
+    """An older pipeline's file, corrupt the same way, is not named instead (a notebook,
+    or a test process, builds several pipelines)."""
+    paths = {}
+    for name in ("old", "new"):
+        (tmp_path / name).mkdir()
+        pattern = _write(tmp_path / name, 20, 2)
+        paths[name] = str(tmp_path / name / "data-00001-of-00002.tfrecord")
+        _corrupt(paths[name], record=3, record_count=10)
+        dataset = TFRecordInput(pattern, FEATURES, global_batch_size=4, shuffle=False)()
+    with pytest.raises(tf.errors.DataLossError) as raised:
+        _ids(dataset.take(10))
+    message = str(explain_data_loss(raised.value))
+    assert paths["new"] in message and paths["old"] not in message
+
+
 @pytest.mark.parametrize("with_manifest", [True, False])
 def test_skip_corrupt_reads_the_rest_and_reports_the_count(tmp_path, capfd, with_manifest):
     _write(tmp_path, 20, 2)

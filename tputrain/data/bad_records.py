@@ -29,7 +29,8 @@ _OFFSET = re.compile(r"(?:corrupted|truncated) record at (\d+)")
 _FIX = ("rewrite the file (tputrain.data.write_tfrecords) or set TFRecordInput.skip_corrupt=True "
         "to skip bad records")
 
-# Files read by TFRecordInput pipelines in this process -> compression type.
+# Files read by TFRecordInput pipelines in this process -> compression type, in the
+# order their pipelines were last built (the newest pipeline is the likeliest culprit).
 _FILES_READ: dict[str, str] = {}
 
 
@@ -40,6 +41,7 @@ class CorruptRecordError(IOError):
 def register_files(files: Iterable[str], compression_type: str | None) -> None:
     """Remembers files a pipeline reads, so a later DataLossError can be located."""
     for path in files:
+        _FILES_READ.pop(path, None)  # re-registered: now among the newest
         _FILES_READ[path] = compression_type or ""
 
 
@@ -97,9 +99,12 @@ def explain_data_loss(error: Exception) -> Exception:
         return error
     match = _OFFSET.search(str(error))
     offset = int(match.group(1)) if match else None
+    # Newest pipelines first: in a process that built several (a notebook, eval and
+    # train), an older one's file that is also corrupt must not be named instead.
     by_compression: dict[str, list[str]] = {}
-    for path, compression in _FILES_READ.items():
-        by_compression.setdefault(compression, []).append(path)
+    for path, compression in reversed(list(_FILES_READ.items())):
+        if tf.io.gfile.exists(path):
+            by_compression.setdefault(compression, []).append(path)
     for compression, files in by_compression.items():
         found = locate_corruption(files, compression, offset)
         if found is not None:

@@ -71,6 +71,14 @@ def pad_to_batch(batch: Any, batch_size: int) -> tuple[Any, Any, tf.Tensor]:
     return (*tf.nest.map_structure(pad, batch), weights)
 
 
+def check_pad_remainder(builder: str, pad_remainder: bool, repeat: bool,
+                        label_key: str | None) -> None:
+    """Padding with weights is for a finite, labelled (eval) split."""
+    if pad_remainder and (repeat or label_key is None):
+        raise ValueError(f"{builder}: pad_remainder is for evaluation: it needs repeat=False "
+                         "and a label_key")
+
+
 def check_static(builder: str, element_spec: Any, fix: str = _NOT_STATIC) -> None:
     """Fails with the feature's name if any batch shape is not fully known."""
     for path, spec in keras.tree.flatten_with_path(element_spec):

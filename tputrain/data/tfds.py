@@ -16,8 +16,8 @@ import gin
 import tensorflow as tf
 from absl import logging
 
-from tputrain.data.batching import (check_static, in_memory_batches, pad_to_batch,
-                                    resolve_per_replica_batch, split_label)
+from tputrain.data.batching import (check_pad_remainder, check_static, in_memory_batches,
+                                    pad_to_batch, resolve_per_replica_batch, split_label)
 from tputrain.data.context import InputContext
 from tputrain.data.options import InputOptions
 
@@ -108,9 +108,7 @@ class TFDSInput:
         for flag, value in (("download", download), ("shuffle", shuffle), ("repeat", repeat),
                             ("pad_remainder", pad_remainder)):
             _check_flag(flag, value)
-        if pad_remainder and (repeat or label_key is None):
-            raise ValueError("TFDSInput: pad_remainder is for evaluation: it needs repeat=False "
-                             "and a label_key")
+        check_pad_remainder("TFDSInput", pad_remainder, repeat, label_key)
         _check_flag("deterministic", deterministic, allow_none=True)
         _check_int("global_batch_size", global_batch_size, 1, allow_none=True)
         _check_int("shuffle_buffer", shuffle_buffer, 1)

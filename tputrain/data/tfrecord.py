@@ -17,8 +17,8 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.data.bad_records import explain_data_loss, read_skipping_corrupt, register_files
-from tputrain.data.batching import (check_static, in_memory_batches, pad_to_batch,
-                                    resolve_per_replica_batch, split_label)
+from tputrain.data.batching import (check_pad_remainder, check_static, in_memory_batches,
+                                    pad_to_batch, resolve_per_replica_batch, split_label)
 from tputrain.data.context import InputContext
 from tputrain.data.manifest import Manifest, read_manifest
 from tputrain.data.options import InputOptions
@@ -266,9 +266,7 @@ class TFRecordInput:
         _check_bool("skip_corrupt", skip_corrupt)
         _check_int("read_parallelism", read_parallelism, 1, allow_none=True)
         _check_bool("pad_remainder", pad_remainder)
-        if pad_remainder and (repeat or label_key is None):
-            raise ValueError("TFRecordInput: pad_remainder is for evaluation: it needs "
-                             "repeat=False and a label_key")
+        check_pad_remainder("TFRecordInput", pad_remainder, repeat, label_key)
         if compression_type not in _COMPRESSION_TYPES:
             raise ValueError("TFRecordInput: compression_type must be None, 'ZLIB' or "
                              f"'GZIP', got {compression_type!r}")

@@ -19,7 +19,6 @@ from absl import logging
 
 from tputrain.data.context import InputContext
 
-_WEIGHT = "__tputrain_weight__"  # in-memory padding: the per-row weight column
 _CHUNK_BYTES = 16 * 2**20  # in-memory batches are gathered this much at a time
 _NOT_STATIC = ("TPUs need static shapes: pad or resize every example to one shape "
                "before batching")
@@ -96,15 +95,14 @@ def random_seed() -> int:
 
 def in_memory_batches(examples: Mapping[str, tf.Tensor], batch_size: int, *, shuffle: bool,
                       seed: int | None, repeat: bool,
-                      finish: Callable[[dict[str, tf.Tensor]], Any] | None = None,
-                      pad_remainder: bool = False) -> tf.data.Dataset:
+                      finish: Callable[[dict[str, tf.Tensor]], Any] | None = None
+                      ) -> tf.data.Dataset:
     """Batches of `batch_size` rows of `examples` (a dict of [N, ...] tensors in RAM).
 
     Like `repeat -> batch(drop_remainder=True)` over the examples, with a full
     permutation per epoch when `shuffle` (the same `seed` gives the same
     orders) and batches that carry on across epoch ends, so every example is
-    seen once per epoch. Without `repeat` the last partial batch is dropped, or
-    with `pad_remainder` kept, padded as `pad_to_batch` does (with weights).
+    seen once per epoch. Without `repeat` the last partial batch is dropped.
     `finish` (e.g. splitting off the label) is applied to whole chunks of
     batches. Batches are gathered a chunk (up to ~16 MB) at a time and then
     sliced, so the per-batch cost is one slice: ~3.5x less host time per batch
@@ -114,9 +112,7 @@ def in_memory_batches(examples: Mapping[str, tf.Tensor], batch_size: int, *, shu
     num_examples = next(iter(sizes.values()))
     if len(set(sizes.values())) != 1:
         raise ValueError(f"in-memory features have different lengths: {sizes}")
-    if pad_remainder and repeat:
-        raise ValueError("pad_remainder is for a finite (eval) split: set repeat=False")
-    if num_examples < batch_size and not repeat and not pad_remainder:
+    if num_examples < batch_size and not repeat:
         raise ValueError(f"{num_examples} examples make no batch of {batch_size}: use a smaller "
                          "batch or more data")
     if num_examples == 0:
@@ -127,19 +123,6 @@ def in_memory_batches(examples: Mapping[str, tf.Tensor], batch_size: int, *, shu
     batches_per_chunk = int(max(1, min(256, _CHUNK_BYTES // max(1, row_bytes * batch_size))))
     tensors = dict(examples)
     finish = finish or (lambda batch: batch)
-    if pad_remainder:
-        # Row `num_examples` is all zeros with weight 0: the padding of the last batch.
-        tensors = {name: tf.concat([t, tf.zeros_like(t[:1])], axis=0)
-                   for name, t in tensors.items()}
-        weights = tf.concat([tf.ones([num_examples]), tf.zeros([1])], axis=0)
-        tensors[_WEIGHT] = weights
-        unweighted = finish
-
-        def finish(batch):
-            rest = unweighted({k: v for k, v in batch.items() if k != _WEIGHT})
-            if not (isinstance(rest, tuple) and len(rest) == 2):
-                raise ValueError("pad_remainder needs (features, labels) batches: set label_key")
-            return (*rest, batch[_WEIGHT])
 
     def one_epoch(leftover: tf.Tensor, epoch: tf.Tensor):
         order = tf.range(num_examples, dtype=tf.int32)
@@ -147,9 +130,6 @@ def in_memory_batches(examples: Mapping[str, tf.Tensor], batch_size: int, *, shu
             order = tf.random.experimental.stateless_shuffle(
                 order, seed=tf.stack([tf.constant(seed, tf.int64), epoch]))
         pool = tf.concat([leftover, order], axis=0)
-        if pad_remainder:
-            short = -tf.size(pool) % batch_size
-            pool = tf.concat([pool, tf.fill([short], num_examples)], axis=0)
         num_batches = tf.size(pool) // batch_size
         used = num_batches * batch_size
         return pool[used:], tf.reshape(pool[:used], [num_batches, batch_size])

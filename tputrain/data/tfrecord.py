@@ -383,7 +383,9 @@ class TFRecordInput:
                 num_files, list(self.file_patterns), num_pipelines, num_pipelines,
                 num_pipelines)
             local_files = num_files
-        in_memory = self.cache == "memory"
+        # A padded (eval) split takes the streamed path, where `pad_to_batch` pads the
+        # last batch; cache="memory" then keeps the serialized records in tf.data's cache.
+        in_memory = self.cache == "memory" and not self.pad_remainder
         # With record sharding every pipeline must see the records in the same
         # order, or the shards overlap: an unseeded file shuffle would break that.
         # In memory, the full per-epoch permutation makes a file shuffle pointless.
@@ -407,10 +409,11 @@ class TFRecordInput:
             dataset = in_memory_batches(
                 self._read_all(records, context), per_replica_batch,
                 shuffle=self.shuffle, seed=self.seed, repeat=self.repeat,
-                finish=lambda batch: split_label(batch, self.label_key),
-                pad_remainder=self.pad_remainder)
+                finish=lambda batch: split_label(batch, self.label_key))
         else:
-            if self.cache:
+            if self.cache == "memory":
+                records = records.cache()
+            elif self.cache:
                 suffix = f"-{pipeline_id:05d}-of-{num_pipelines:05d}"
                 records = records.cache(self.cache + suffix)  # Serialized records, on disk.
             if self.shuffle:

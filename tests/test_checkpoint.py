@@ -130,3 +130,106 @@ def test_async_checkpoints_resume_exactly_and_survive_preemption(tmp_path):
     assert int(resumed.step.numpy()) == 8
     for a, b in zip(weights(reference), weights(resumed)):
         np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------- damaged files and resumed configs
+
+
+def _checkpoint_steps(directory) -> list[int]:
+    state = tf.train.get_checkpoint_state(str(directory))
+    return [int(os.path.basename(p).split("-")[1]) for p in state.all_model_checkpoint_paths]
+
+
+def test_a_fallback_saves_again_at_the_damaged_step(tmp_path, caplog):
+    """Issue 10.1: after falling back past a damaged latest checkpoint, the rerun's
+    save at that step must really write (it returned early: the damaged one stayed
+    the latest and every rerun retrained)."""
+    model_dir = tmp_path / "model"
+    trainer(model_dir, train_steps=4).train()
+    checkpoints = model_dir / "checkpoints"
+    data = checkpoints / "ckpt-4.data-00000-of-00001"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+
+    with caplog.at_level(logging.WARNING):
+        rerun = trainer(model_dir, train_steps=4)
+        rerun.train()
+    assert any("ckpt-4 is unreadable" in r.getMessage() for r in caplog.records)
+    assert int(rerun.step.numpy()) == 4
+    # The damaged files are kept aside, the fresh ckpt-4 is readable and listed.
+    assert (checkpoints / "damaged" / "ckpt-4.data-00000-of-00001").exists()
+    assert _checkpoint_steps(checkpoints)[-1] == 4
+    tf.train.load_checkpoint(str(checkpoints / "ckpt-4"))  # raises if unreadable
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        third = trainer(model_dir, train_steps=4)
+        third.train()
+    assert not any("unreadable" in r.getMessage() for r in caplog.records)
+    assert any("restored" in r.getMessage() and "(step 4)" in r.getMessage()
+               for r in caplog.records)
+
+
+@pytest.mark.parametrize("content", [b"garbage that is not a state file", b"",
+                                     b"\xff\xfe binary \x00 junk"])
+def test_a_damaged_state_file_resumes_from_the_files_and_keeps_them(tmp_path, content, caplog):
+    """Issue 10.2: a garbled, empty or non-UTF-8 `checkpoint` file must not restart
+    training at step 0 (which rotated the good checkpoints away)."""
+    model_dir = tmp_path / "model"
+    trainer(model_dir, train_steps=6).train()
+    checkpoints = model_dir / "checkpoints"
+    before = sorted(p.name for p in checkpoints.glob("ckpt-*.index"))
+    assert before == ["ckpt-2.index", "ckpt-4.index", "ckpt-6.index"]
+    (checkpoints / "checkpoint").write_bytes(content)
+
+    with caplog.at_level(logging.WARNING):
+        rerun = trainer(model_dir, train_steps=8)
+        rerun.train()
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "state file is damaged" in messages
+    assert int(rerun.step.numpy()) == 8
+    assert (checkpoints / "damaged" / "checkpoint").read_bytes() == content
+    assert _checkpoint_steps(checkpoints) == [4, 6, 8]  # keep-3 rotation from 6, not from 0
+
+    reference = trainer(tmp_path / "reference", train_steps=8)
+    reference.train()
+    for a, b in zip(weights(reference), weights(rerun)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_damaged_state_file_with_no_checkpoint_files_starts_over(tmp_path):
+    checkpoints = tmp_path / "model" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "checkpoint").write_bytes(b"")
+    run = trainer(tmp_path / "model", train_steps=2)
+    run.train()
+    assert _checkpoint_steps(checkpoints) == [2]
+
+
+def test_temp_folders_of_killed_writes_are_removed(tmp_path):
+    """Issue 10.8: `ckpt-N_temp/` left by a write killed mid-way is tidied on restart."""
+    model_dir = tmp_path / "model"
+    trainer(model_dir, train_steps=2).train()
+    leftover = model_dir / "checkpoints" / "ckpt-4_temp"
+    leftover.mkdir()
+    (leftover / "part-00000-of-00001.data-00000-of-00001").write_bytes(b"\0" * 32)
+    trainer(model_dir, train_steps=2).train()
+    assert not leftover.exists()
+
+
+def test_a_changed_learning_rate_wins_over_the_checkpoint(tmp_path, caplog):
+    """Issue 10.3: the config owns the learning rate on resume (it was restored from
+    the checkpoint, silently defeating "lower the learning rate")."""
+    model_dir = tmp_path / "model"
+    first = tputrain.Trainer(TinyTask(learning_rate=0.05), str(model_dir),
+                             strategy=strategy_for(1), train_steps=2, steps_per_loop=2,
+                             global_batch_size=16, checkpoint_every=2, eval_steps=1)
+    first.train()
+    with caplog.at_level(logging.WARNING):
+        rerun = tputrain.Trainer(TinyTask(learning_rate=0.001), str(model_dir),
+                                 strategy=strategy_for(1), train_steps=4, steps_per_loop=2,
+                                 global_batch_size=16, checkpoint_every=2, eval_steps=1)
+        rerun.train()
+    assert float(rerun.optimizer.learning_rate.numpy()) == pytest.approx(0.001)
+    assert any("learning_rate" in r.getMessage() and "using the config's" in r.getMessage()
+               for r in caplog.records)
+    # The optimizer's slots and step still come from the checkpoint.
+    assert int(rerun.optimizer.iterations.numpy()) == 4

@@ -12,11 +12,26 @@ Integrity, in the order things can go wrong:
   and index files first and only then (atomically) the `checkpoint` state file
   that lists the checkpoints; restore only considers listed ones.
 * A listed checkpoint that cannot be read (truncated, bit rot, a lost data
-  file) is skipped with a warning and the previous one is tried.
+  file) is skipped with a warning and the previous one is tried. The writer
+  then moves the unreadable files into `damaged/` (kept for inspection, never
+  restored again) and rewrites the state file, so the next save at that step
+  really writes instead of finding the damaged one "already there".
+* A damaged `checkpoint` state file (garbage, 0 bytes, not UTF-8) is not read
+  as "no checkpoint" (TensorFlow's reader would start over from step 0 and
+  rotate the good checkpoints away): the `ckpt-<step>.index` files on disk are
+  tried newest first instead, and the writer moves the bad state file aside
+  (`checkpoint.damaged`) and writes a new one.
 * A checkpoint written by a *different model* is not "corrupt": restoring
   stops with `CheckpointMismatchError`, naming the mismatched variables, instead
   of silently falling back or loading half of it.
 * A state with NaN/Inf in any variable is never saved (`NonFiniteStateError`).
+* Hyper-parameters the config owns (`config_owned`: the learning-rate
+  variables) are set back to the config's values after every restore, with a
+  log line when they differ: a rerun with a lower learning rate uses it.
+  Everything else (weights, slots, step, data position, RNG) comes from the
+  checkpoint.
+* `ckpt-<step>_temp*` folders left by a killed write are removed when the
+  writer restores (one process owns model_dir: see `tputrain.lock`).
 
 `async_save=True` takes a consistent snapshot of every saved value on the
 training thread (eager reads: TensorFlow copies a variable's buffer before the
@@ -33,20 +48,33 @@ singleton tf.Variables created on the first call").
 from __future__ import annotations
 
 import atexit
+import errno
+import os
+import re
+import shutil
 import threading
+import time
 import weakref
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import gin
 import keras
 import numpy as np
 import tensorflow as tf
 from absl import logging
+from google.protobuf import text_format
+from tensorflow.python.training.checkpoint_state_pb2 import CheckpointState
+
+from tputrain.validate import ModelDirError
 
 # Keys every TF2 checkpoint has besides the objects it saves.
 _BOOKKEEPING_KEYS = ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/")
 _VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 _SHOW = 6  # mismatches listed in an error message
+_STATE_FILE = "checkpoint"  # TensorFlow's name for the list of checkpoints
+_DAMAGED_DIR = "damaged"  # unreadable checkpoints are moved here, never deleted
+_INDEX = re.compile(r"^ckpt-(\d+)\.index$")
+_MIB = 1 << 20
 
 
 class CheckpointMismatchError(ValueError):
@@ -182,12 +210,16 @@ class Checkpointer:
         workers write theirs to a scratch directory.
       async_save: write checkpoints on a background thread (see the module
         docstring); `sync()` waits for the write in flight.
+      config_owned: variables whose value the config decides, not the checkpoint
+        (the optimizer's learning rate): their values now are put back after every
+        restore, logged where the checkpoint held another value.
       **trackables: what to save (model, optimizer, iterator, seed states...).
     """
 
     def __init__(self, directory: str, step: tf.Variable, every: int, keep: int = 3,
                  check_finite: bool = True, restore_directory: str | None = None,
-                 async_save: bool = False, **trackables: Any):
+                 async_save: bool = False, config_owned: Sequence[Any] = (),
+                 **trackables: Any):
         if every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {every}")
         if keep < 1:
@@ -199,9 +231,9 @@ class Checkpointer:
         self.check_finite = check_finite
         self._trackables = dict(trackables)
         self.checkpoint = tf.train.Checkpoint(step=step, **trackables)
-        self.manager = tf.train.CheckpointManager(
-            self.checkpoint, directory, max_to_keep=keep, step_counter=step)
+        self._manager: tf.train.CheckpointManager | None = None
         self.keep = keep
+        self._config_values = [(v, tf.identity(v)) for v in config_owned]
         self.async_save = async_save
         self._float_vars = _float_variables(trackables.values())
         self._finite_fn = tf.function(lambda: _all_finite(self._float_vars))
@@ -212,11 +244,19 @@ class Checkpointer:
             _PENDING.add(self)
 
     @property
+    def manager(self) -> tf.train.CheckpointManager:
+        """TF's keep-N manager, made on first use: it reads the state file when made,
+        so it must come after `restore_latest` has repaired a damaged one."""
+        if self._manager is None:
+            self._manager = tf.train.CheckpointManager(
+                self.checkpoint, self.directory, max_to_keep=self.keep, step_counter=self.step)
+        return self._manager
+
+    @property
     def latest(self) -> str | None:
         """The newest listed checkpoint written by this Checkpointer's directory."""
-        if not self.async_save:
-            return self.manager.latest_checkpoint
-        return _listed(self.directory)[-1] if _listed(self.directory) else None
+        listed = _listed(self.directory)
+        return listed[-1] if listed else None
 
     @property
     def checkpoints(self) -> list[str]:
@@ -225,11 +265,7 @@ class Checkpointer:
 
     def _candidates(self) -> list[str]:
         """Listed checkpoints, newest first (re-read: another process may have saved)."""
-        state = tf.train.get_checkpoint_state(self.restore_directory)
-        if state is None:
-            return []
-        paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
-        return list(reversed([p for p in paths if p]))
+        return list(reversed([p for p in _listed(self.restore_directory) if p]))
 
     def check_compatible(self) -> None:
         """Raises `CheckpointMismatchError` if the latest checkpoint is another model's.
@@ -280,13 +316,69 @@ class Checkpointer:
                                 "the older %s instead", failed, type(error).__name__,
                                 _first_line(error), path)
             logging.info("tputrain: restored %s (step %d)", path, int(self.step.numpy()))
+            self._after_restore(path, [failed for failed, _ in failures])
             return path
+        if not candidates:
+            self._after_restore(None, [])
         if failures:
             details = "; ".join(f"{p}: {type(e).__name__}: {_first_line(e)}" for p, e in failures)
             raise RuntimeError(
                 f"no checkpoint in {self.restore_directory} could be read ({details}): delete the "
                 "damaged files (or the whole directory to start over)")
         return None
+
+    # ------------------------------------------------------ after a restore
+
+    def _after_restore(self, restored: str | None, failed: list[str]) -> None:
+        """The config's hyper-parameters back; as the writer, the directory tidied:
+        unreadable checkpoints and a damaged state file moved to `damaged/`, the state
+        file rewritten, and temp folders of killed writes removed."""
+        self._apply_config_values()
+        if self.restore_directory != self.directory:
+            return  # a non-chief worker reads the chief's directory, never tidies it
+        state = list_checkpoints(self.directory)
+        if state.damage:
+            logging.warning("tputrain: the checkpoint state file is damaged (%s); used the "
+                            "checkpoint files on disk instead", state.damage)
+        if failed or state.damage:
+            self._quarantine(failed, state_file=state.damage is not None)
+            kept = [p for p in state.paths if p not in failed and tf.io.gfile.exists(f"{p}.index")]
+            if restored is not None:
+                from tensorflow.python.checkpoint import checkpoint_management
+
+                # Timestamps after last_preserved: TF's manager then rotates these too.
+                stamps = [time.time() - len(kept) + i for i in range(len(kept))]
+                checkpoint_management.update_checkpoint_state_internal(
+                    self.directory, restored, all_model_checkpoint_paths=kept,
+                    all_model_checkpoint_timestamps=stamps,
+                    last_preserved_timestamp=min(stamps, default=time.time()) - 1,
+                    save_relative_paths=True)
+            self._manager = None  # it read the old state file
+        for leftover in tf.io.gfile.glob(f"{self.directory.rstrip('/')}/ckpt-*_temp*"):
+            logging.info("tputrain: removing %s, left by a killed checkpoint write", leftover)
+            tf.io.gfile.rmtree(leftover) if tf.io.gfile.isdir(leftover) else tf.io.gfile.remove(leftover)
+
+    def _quarantine(self, failed: list[str], state_file: bool) -> None:
+        """Moves damaged files into `directory/damaged/` (kept for a post-mortem)."""
+        target = f"{self.directory.rstrip('/')}/{_DAMAGED_DIR}"
+        tf.io.gfile.makedirs(target)
+        sources = [f for prefix in failed for f in _files_of(prefix)]
+        if state_file:
+            sources.append(f"{self.directory.rstrip('/')}/{_STATE_FILE}")
+        for source in sources:
+            destination = f"{target}/{source.rsplit('/', 1)[-1]}"
+            tf.io.gfile.rename(source, destination, overwrite=True)
+            logging.warning("tputrain: moved damaged %s to %s", source, destination)
+
+    def _apply_config_values(self) -> None:
+        """Puts the config's hyper-parameters back over what a checkpoint held."""
+        for variable, value in self._config_values:
+            restored = variable.numpy()
+            if not np.array_equal(restored, value.numpy()):
+                logging.warning("tputrain: %s is %s in the config and %s in the checkpoint: "
+                                "using the config's", getattr(variable, "path", variable.name),
+                                value.numpy(), restored)
+                variable.assign(value)
 
     def restore_weights(self, exclude: Iterable[str] = ("iterator", "step")) -> str | None:
         """Restores the latest checkpoint except `exclude` (used to roll back).
@@ -301,6 +393,7 @@ class Checkpointer:
             **{name: obj for name, obj in {"step": self.step, **self._trackables}.items()
                if name not in exclude})
         partial.restore(path).expect_partial().assert_existing_objects_matched()
+        self._apply_config_values()
         return path
 
     def due(self, step: int) -> bool:
@@ -330,11 +423,40 @@ class Checkpointer:
                     f"The last good checkpoint is {latest}; lower the learning rate or "
                     "enable the non-finite guard (NonFiniteGuard.policy)")
             logging.info("tputrain: saving checkpoint at step %d", step)
+            self._check_room(step, latest)
             if self.async_save:
                 return self._save_async(step)
-            path = self.manager.save(checkpoint_number=step)
+            try:
+                path = self.manager.save(checkpoint_number=step)
+            except (tf.errors.OpError, OSError) as error:
+                raise self._save_failed(step, latest, error) from None
             logging.info("tputrain: saved checkpoint %s", path)
             return path
+
+    def _check_room(self, step: int, latest: str | None) -> None:
+        """Local disks: refuse a save that cannot fit, judged by the last one's real size,
+        before a half-written checkpoint takes the last free bytes."""
+        if latest is None or "://" in self.directory or not os.path.isdir(self.directory):
+            return
+        needed = _checkpoint_bytes(latest)
+        free = shutil.disk_usage(self.directory).free
+        if free < needed:
+            raise ModelDirError(
+                f"not saving step {step}: {self.directory} has {free / _MIB:.1f} MiB free and a "
+                f"checkpoint takes {needed / _MIB:.1f} MiB; the last good checkpoint {latest} is "
+                "intact: free some space (or lower Trainer.keep_checkpoints) and rerun to resume")
+
+    def _save_failed(self, step: int, latest: str | None, error: BaseException) -> Exception:
+        """Removes a partly written checkpoint and says what happened to the last good one."""
+        prefix = f"{self.directory.rstrip('/')}/ckpt-{step}"
+        if prefix != latest:
+            for path in _files_of(prefix) + tf.io.gfile.glob(f"{prefix}_temp*"):
+                tf.io.gfile.rmtree(path) if tf.io.gfile.isdir(path) else tf.io.gfile.remove(path)
+        what = "is full" if _is_disk_full(error) else f"failed ({type(error).__name__})"
+        return ModelDirError(
+            f"saving step {step} to {self.directory} {what}: {_first_line(error)}; the last good "
+            f"checkpoint {latest} is intact: free some space or fix the directory, and rerun to "
+            "resume")
 
     # ------------------------------------------------------------ async save
 
@@ -375,6 +497,10 @@ class Checkpointer:
             self._writer = None
         if self._writer_error is not None:
             error, self._writer_error = self._writer_error, None
+            if _is_disk_full(error):
+                raise ModelDirError(f"the background checkpoint write failed, the disk is full "
+                                    f"({_first_line(error)}): free some space and rerun to "
+                                    "resume from the last good checkpoint") from error
             raise RuntimeError(f"the background checkpoint write failed: {error}") from error
 
     def sync(self) -> None:
@@ -383,11 +509,63 @@ class Checkpointer:
             self._join_writer()
 
 
+class CheckpointList(NamedTuple):
+    """The checkpoints of a directory, oldest first, and why its state file was
+    not used (None when it was read, or when there is none yet)."""
+
+    paths: list[str]
+    damage: str | None
+
+
+def list_checkpoints(directory: str) -> CheckpointList:
+    """Reads the `checkpoint` state file strictly; if it is damaged, the ckpt files.
+
+    TensorFlow's own reader logs "Checkpoint ignored" for a garbled state file
+    and returns None, which makes a run start over at step 0 and rotate the good
+    checkpoints away; a 0-byte or non-UTF-8 file raises with no fix named.
+    """
+    path = f"{directory.rstrip('/')}/{_STATE_FILE}"
+    if not tf.io.gfile.exists(path):
+        return CheckpointList([], None)
+    try:
+        with tf.io.gfile.GFile(path, "rb") as f:
+            state = text_format.Parse(f.read().decode("utf-8"), CheckpointState())
+        if not state.model_checkpoint_path:
+            raise ValueError("it names no checkpoint")
+    except (ValueError, text_format.ParseError, tf.errors.OpError) as error:
+        return CheckpointList(_checkpoints_on_disk(directory), f"{path}: {_first_line(error)}")
+    paths = list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
+    return CheckpointList([p if "://" in p or os.path.isabs(p) else f"{directory.rstrip('/')}/{p}"
+                           for p in paths], None)
+
+
+def _checkpoints_on_disk(directory: str) -> list[str]:
+    """`ckpt-<step>` prefixes that have an index file, oldest first."""
+    steps = []
+    for name in tf.io.gfile.listdir(directory):
+        match = _INDEX.match(name)
+        if match:
+            steps.append(int(match.group(1)))
+    return [f"{directory.rstrip('/')}/ckpt-{step}" for step in sorted(steps)]
+
+
 def _listed(directory: str) -> list[str]:
-    state = tf.train.get_checkpoint_state(directory)
-    if state is None:
-        return []
-    return list(state.all_model_checkpoint_paths) or [state.model_checkpoint_path]
+    return list_checkpoints(directory).paths
+
+
+def _files_of(prefix: str) -> list[str]:
+    """A checkpoint's files: `<prefix>.index`, `<prefix>.data-*` (not `ckpt-10` for `ckpt-1`)."""
+    return tf.io.gfile.glob(f"{prefix}.*")
+
+
+def _checkpoint_bytes(prefix: str) -> int:
+    return sum(tf.io.gfile.stat(path).length for path in _files_of(prefix))
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    return (isinstance(error, tf.errors.ResourceExhaustedError)
+            or getattr(error, "errno", None) == errno.ENOSPC
+            or "no space left" in str(error).lower())
 
 
 def _snapshot(checkpoint: tf.train.Checkpoint):

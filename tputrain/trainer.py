@@ -99,6 +99,16 @@ def _eval_means(totals: Mapping[str, Any], steps: int) -> dict[str, float]:
     return logs
 
 
+def _learning_rate_variables(optimizer: keras.optimizers.Optimizer) -> list[Any]:
+    """The optimizer's learning-rate variables (a wrapper's and its inner one's).
+
+    A float learning rate is a variable that checkpoints hold; a resume takes it
+    from the config (see `Checkpointer.config_owned`). Schedules, weight decay,
+    momentum and clipping are Python attributes: the config's value by construction.
+    """
+    return [v for v in optimizer.variables if v.name == "learning_rate"]
+
+
 def _op_determinism() -> bool:
     """Whether `tf.config.experimental.enable_op_determinism()` is on (no public getter)."""
     from tensorflow.python.framework import config as tf_config
@@ -308,6 +318,8 @@ class Trainer:
                                          every=self.checkpoint_every, keep=keep_checkpoints,
                                          # every worker resumes from the chief's checkpoints
                                          restore_directory=os.path.join(model_dir, "checkpoints"),
+                                         # the config, not the checkpoint, sets the rate
+                                         config_owned=_learning_rate_variables(self.optimizer),
                                          **trackables)
         self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
         self._agree_preempted_fn: Callable | None = None

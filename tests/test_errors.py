@@ -106,6 +106,54 @@ def test_corrupt_tfrecord_names_the_file_before_training(tmp_path):
     assert not model_dir.exists()
 
 
+class SplitRecordsTask(TinyTask):
+    """Train and eval from their own file patterns."""
+
+    def __init__(self, train: str, eval_pattern: str):
+        super().__init__()
+        self.patterns = {"train": train, "eval": eval_pattern}
+
+    def build_inputs(self, split, input_context):
+        return tputrain.data.TFRecordInput(
+            self.patterns[split], {"x": ([8], "float32"), "label": ([], "int64")},
+            label_key="label", shuffle=False, repeat=split == "train")(input_context)
+
+
+def test_a_missing_eval_pattern_fails_before_training(tmp_path):
+    """Issue 10.4: it was found only at the first eval, after the whole training run."""
+    write_records(tmp_path / "data")
+    model_dir = tmp_path / "model"
+    with pytest.raises(FileNotFoundError) as caught:
+        make_trainer(model_dir, SplitRecordsTask(str(tmp_path / "data" / "train-*.tfrecord"),
+                                                 str(tmp_path / "data" / "eval-*.tfrecord")))
+    assert "eval-*.tfrecord" in one_line(caught.value)
+    assert not model_dir.exists()
+
+
+@pytest.mark.parametrize("value, error, words", [
+    ("abc", TypeError, "Trainer.train_steps must be an int, got 'abc'"),
+    (250.9, TypeError, "Trainer.train_steps must be an int, got 250.9"),
+    (0, ValueError, "Trainer.train_steps must be >= 1, got 0"),
+])
+def test_a_bad_step_count_names_the_parameter(tmp_path, value, error, words):
+    """Issue 10.4: 'abc' said "invalid literal for int()"; 250.9 was truncated to 250."""
+    with pytest.raises(error) as caught:
+        make_trainer(tmp_path / "model", train_steps=value)
+    assert words in one_line(caught.value)
+    assert not (tmp_path / "model").exists()
+
+
+def test_a_gin_import_of_a_missing_module_is_one_line(tmp_path):
+    """Issue 10.4: an `import` line in a gin file gave a traceback."""
+    config = tmp_path / "bad.gin"
+    config.write_text("import no_such_module_here.tasks\nTrainer.train_steps = 5\n")
+    with pytest.raises(ConfigError) as caught:
+        parse_gin([str(config)])
+    message = one_line(caught.value)
+    assert "No module named 'no_such_module_here'" in message
+    assert "bad.gin" in message and "PYTHONPATH" in message
+
+
 def test_dynamic_shapes_say_to_batch_with_drop_remainder(tmp_path):
     class Ragged(TinyTask):
         def build_inputs(self, split, input_context):

@@ -89,6 +89,10 @@ def parse_gin(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
     except OSError as error:
         raise ConfigError(f"{error} Pass an existing file or add its folder with "
                           "--gin_search_path") from error
+    except ImportError as error:  # an `import` line in a gin file
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        raise ConfigError(f"{lines[0]} ({' '.join(lines[1:3])}): install the module or put "
+                          "its folder on PYTHONPATH") from error
     except (ValueError, SyntaxError) as error:
         raise ConfigError(explain_gin_error(error)) from error
     except Exception as error:  # tokenizer errors have their own types

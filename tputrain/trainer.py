@@ -23,6 +23,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.checkpoint import Checkpointer, seed_generator_states
+from tputrain.checks import check_int
 from tputrain.data import InputContext
 from tputrain.flops import count_flops, peak_flops, specs_of
 from tputrain.layer_precision import override_layer_dtypes
@@ -214,13 +215,12 @@ class Trainer:
                  report_mfu: bool = True, steps_per_fetch: int = 1):
         for name, value in (("train_steps", train_steps), ("steps_per_loop", steps_per_loop),
                             ("global_batch_size", global_batch_size),
-                            ("accumulation_steps", accumulation_steps)):
-            if int(value) < 1:
-                raise ValueError(f"Trainer.{name} must be >= 1, got {value}")
+                            ("accumulation_steps", accumulation_steps),
+                            ("keep_checkpoints", keep_checkpoints), ("seed", seed)):
+            check_int("Trainer", name, value, 0 if name == "seed" else 1)
         for name, value in (("eval_every", eval_every), ("eval_steps", eval_steps),
                             ("checkpoint_every", checkpoint_every)):
-            if value is not None and int(value) < 1:
-                raise ValueError(f"Trainer.{name} must be >= 1 or None, got {value}")
+            check_int("Trainer", name, value, 1, allow_none=True)
         if not isinstance(task, Task):
             raise TypeError(f"Trainer.task must be a tputrain.Task, got {type(task).__name__}")
         if not model_dir:
@@ -282,6 +282,9 @@ class Trainer:
         # Inputs first: bad data fails before anything is built or written.
         self._train_dataset = self._build_dataset("train")
         probe_inputs(self._train_dataset, "train")  # corrupt records fail here, not mid-run
+        # The eval split too: a missing eval pattern must not wait for the end of training.
+        self._eval_dataset = self._build_dataset("eval")
+        probe_inputs(self._eval_dataset, "eval")
         with self.strategy.scope():
             self.model = task.build_model()
             self._ensure_built(self._micro_batch_spec())
@@ -327,7 +330,6 @@ class Trainer:
             self._preflight()
         self.progress = Progress(self._work_dir if self.is_chief else None,
                                  self.train_steps, self.global_batch_size)
-        self._eval_dataset: tf.data.Dataset | None = None
         self._eval_iterator = None
         self._eval_batches: int | None = None
         self._train_loop_fn: Callable | None = None
@@ -745,7 +747,7 @@ class Trainer:
         whole finite eval split when eval_steps is None.
         """
         if self._eval_loop_fn is None:
-            dataset = self._build_dataset("eval")
+            dataset = self._eval_dataset
             weighted = _is_weighted(dataset.element_spec)
             if self.eval_steps is not None:
                 self._eval_batches = int(self.eval_steps)

@@ -575,3 +575,111 @@ def test_read_parallelism_follows_the_storage():
     assert TFRecordInput("f-*", FEATURES, read_parallelism=4)._read_parallelism(["/d/f"], 2) == 2
     with pytest.raises(ValueError, match="read_parallelism must be >= 1"):
         TFRecordInput("f-*", FEATURES, read_parallelism=0)
+
+
+# Globs that match more than the shards (issue item 9).
+
+
+def test_prefix_glob_skips_the_writers_manifest_and_temp_files(tmp_path):
+    """`write_tfrecords(..., "DIR/train")` then `TFRecordInput("DIR/train*")` reads the
+    shards only: the manifest and the temp files of an interrupted write are not records."""
+    ids = np.arange(12)
+    write_tfrecords({"x": ids[:, None] * np.ones((1, 3), np.float32), "id": ids},
+                    str(tmp_path / "train"), num_shards=2)
+    token = "0123456789abcdef0123456789abcdef"
+    (tmp_path / "train.manifest.json.tmp").write_text("{")  # an interrupted manifest write
+    (tmp_path / f".train.manifest.json.tmp-{token}").write_text("{")
+    (tmp_path / f".train-00000-of-00002.tfrecord.tmp-{token}").write_bytes(b"\x07half")
+    (tmp_path / f".train.spool-{token}").write_bytes(b"\x07half")
+    for pattern in ("train*", "*"):
+        inputs = TFRecordInput(str(tmp_path / pattern), FEATURES, global_batch_size=4,
+                               shuffle=False, repeat=False)
+        assert sorted(_ids(inputs())) == list(range(12))
+    with pytest.raises(FileNotFoundError, match="only.*train.manifest.json.*-NNNNN-of-NNNNN"):
+        TFRecordInput(str(tmp_path / "train.m*"), FEATURES, global_batch_size=4)()
+
+
+def test_a_file_that_is_not_a_tfrecord_is_named_with_the_reason(tmp_path):
+    from tputrain.validate import probe_inputs
+
+    _write(tmp_path, 8, 2)
+    notes = tmp_path / "data-notes.txt"
+    notes.write_text("these shards were written on Monday\n")
+    dataset = TFRecordInput(str(tmp_path / "data*"), FEATURES, global_batch_size=4,
+                            shuffle=False)()  # the first batch has a record of each file
+    with pytest.raises(CorruptRecordError) as raised:
+        probe_inputs(dataset, "train")
+    message = str(raised.value)
+    assert "\n" not in message
+    assert f"{notes} is not a TFRecord file" in message and "text" in message
+    assert "file_pattern" in message
+
+
+# Records that do not match the feature spec (issue item 4).
+
+
+def _write_shape_3(directory, **kwargs):
+    ids = np.arange(8)
+    write_tfrecords({"x": ids[:, None] * np.ones((1, 3), np.float32), "id": ids},
+                    str(directory / "data"), num_shards=2, **kwargs)
+
+
+@pytest.mark.parametrize("features, expected", [
+    ({"x": ([4], "float32"), "id": ([], "int64")},
+     r"feature 'x'.*float32 \[4\].*float32 \[3\]"),
+    ({"x": ([3], "float32"), "id": ([], "float32")},
+     r"feature 'id'.*float32 \[\].*int64 \[\]"),
+    ({"x": ([3], "float32"), "y": ([], "int64")}, r"feature 'y'.*not in the data"),
+])
+def test_manifest_next_to_the_shards_catches_a_wrong_spec_before_reading(
+        tmp_path, features, expected):
+    from tputrain.data import FeatureSpecError
+
+    _write_shape_3(tmp_path)
+    inputs = TFRecordInput(str(tmp_path / "data-*"), features, global_batch_size=4)
+    with pytest.raises(FeatureSpecError, match=expected) as raised:
+        inputs()
+    message = str(raised.value)
+    assert "\n" not in message and str(tmp_path / "data.manifest.json") in message
+    with pytest.raises(FeatureSpecError, match=expected):  # at construction with manifest=
+        TFRecordInput(features=features, manifest=str(tmp_path / "data.manifest.json"))
+    # A reshape of the same number of values reads fine.
+    TFRecordInput(str(tmp_path / "data-*"), {"x": ([1, 3], "float32")}, global_batch_size=4)()
+
+
+@pytest.mark.parametrize("features, expected", [
+    ({"x": ([4], "float32"), "id": ([], "int64")},
+     r"feature 'x'.*float32 \[4\] \(4 values\).*float_list of 3 values"),
+    ({"x": ([3], "float32"), "id": ([], "float32")},
+     r"feature 'id'.*float32 \[\].*int64_list of 1 value"),
+    ({"x": ([3], "float32"), "y": ([], "int64")}, r"feature 'y'.*missing"),
+])
+def test_spec_mismatch_without_manifest_names_file_feature_and_data(tmp_path, features, expected):
+    from tputrain.data import FeatureSpecError
+    from tputrain.validate import probe_inputs
+
+    _write_shape_3(tmp_path, manifest=False)
+    dataset = TFRecordInput(str(tmp_path / "data-*"), features, global_batch_size=4,
+                            shuffle=False)()
+    with pytest.raises(FeatureSpecError, match=expected) as raised:
+        probe_inputs(dataset, "train")
+    message = str(raised.value)
+    assert "\n" not in message and "record 0 of " + str(tmp_path / "data-0000") in message
+    with pytest.raises(FeatureSpecError, match=expected):  # cache="memory" parses at build
+        TFRecordInput(str(tmp_path / "data-*"), features, global_batch_size=4,
+                      cache="memory")()
+
+
+def test_trainer_preflight_reports_a_spec_mismatch_in_one_line(tmp_path):
+    from tputrain.data import FeatureSpecError
+
+    ids = np.arange(16)
+    write_tfrecords({"x": ids[:, None] * np.ones((1, 4), np.float32), "id": ids},
+                    str(tmp_path / "data"), num_shards=2, manifest=False)
+    with pytest.raises(FeatureSpecError, match=r"feature 'x'.*\[3\].*4 values") as raised:
+        tputrain.Trainer(_RecordsTask(str(tmp_path / "data-*")), str(tmp_path / "run"),
+                         train_steps=4, global_batch_size=4, report_mfu=False,
+                         strategy=tf.distribute.OneDeviceStrategy("/cpu:0"))
+    message = str(raised.value).split("\n  In call to configurable")[0]  # gin's addition
+    assert "\n" not in message and "data-0000" in message
+    assert not (tmp_path / "run").exists()

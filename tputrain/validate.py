@@ -49,12 +49,27 @@ def probe_inputs(dataset: tf.data.Dataset, split: str) -> None:
     """Reads one element through a throwaway iterator; raises the input error.
 
     Costs one batch of reading at start-up (~0.04 s for the digits pipeline here).
+    Corrupt records raise `CorruptRecordError`/`InputDataError`; records that do
+    not match the feature spec raise `tputrain.data.FeatureSpecError` (naming the
+    file, feature and what the record holds) instead of TF's parse error.
     """
     try:
         for _ in dataset.take(1):
             pass
     except tf.errors.DataLossError as error:
         raise input_data_error(error, split, "in its first batch") from None
+    except tf.errors.InvalidArgumentError as error:
+        raise _feature_spec_error(error, split) from None
+
+
+def _feature_spec_error(error: tf.errors.InvalidArgumentError, split: str) -> Exception:
+    """The parse error explained by `tputrain.data`, with the split named, or `error`."""
+    from tputrain.data import FeatureSpecError, explain_parse_error
+
+    explained = explain_parse_error(error)
+    if isinstance(explained, FeatureSpecError):
+        return FeatureSpecError(f"the {split} data does not match its feature spec: {explained}")
+    return error
 
 
 def variable_bytes(variables: Iterable[Any]) -> int:

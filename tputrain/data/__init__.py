@@ -3,6 +3,7 @@
 from tputrain.data.bad_records import CorruptRecordError, explain_data_loss
 from tputrain.data.batching import pad_to_batch
 from tputrain.data.context import InputContext
+from tputrain.data.feature_check import FeatureSpecError, explain_parse_error
 from tputrain.data.manifest import Manifest, read_manifest
 from tputrain.data.options import InputOptions
 from tputrain.data.tfds import TFDSInput
@@ -11,12 +12,14 @@ from tputrain.data.writer import feature_spec_for, write_tfrecords
 
 __all__ = [
     "CorruptRecordError",
+    "FeatureSpecError",
     "InputContext",
     "InputOptions",
     "Manifest",
     "TFDSInput",
     "TFRecordInput",
     "explain_data_loss",
+    "explain_parse_error",
     "pad_to_batch",
     "feature_spec_for",
     "parse_feature_spec",

@@ -19,6 +19,7 @@ only when something breaks:
 from __future__ import annotations
 
 import re
+import struct
 import sys
 from typing import Iterable
 
@@ -36,6 +37,64 @@ _FILES_READ: dict[str, str] = {}
 
 class CorruptRecordError(IOError):
     """A TFRecord file has an unreadable record; the message names file and record."""
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+        table.append(crc)
+    return table
+
+
+_CRC32C = _crc32c_table()
+
+
+def masked_crc32c(data: bytes) -> int:
+    """TFRecord's checksum: CRC-32C, rotated and offset (for header checks only)."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = _CRC32C[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    crc ^= 0xFFFFFFFF
+    return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _looks_like(head: bytes) -> str:
+    if head[:2] == b"\x1f\x8b":
+        return "it is gzip-compressed: set compression_type='GZIP' if it holds TFRecords"
+    stripped = head.lstrip()
+    if stripped[:1] in (b"{", b"["):
+        return f"it looks like JSON text: {stripped[:24]!r}"
+    text = head.decode("utf-8", "replace").rstrip("\ufffd")  # 32 bytes may cut a character
+    if text and all(c != "\ufffd" and (c.isprintable() or c.isspace()) for c in text):
+        return f"it looks like text: {head[:24]!r}"
+    return "its first 12 bytes are not a TFRecord length header (bad checksum)"
+
+
+def not_a_tfrecord(path: str, compression_type: str | None = None) -> str | None:
+    """Why `path` is clearly not a TFRecord file (reads 32 bytes), or None if it may be one.
+
+    An uncompressed TFRecord file starts with a record length (8 bytes) and its
+    masked CRC-32C (4 bytes); a file whose header fails that check was never
+    written as TFRecords (a corrupt record further in keeps a valid header).
+    """
+    try:
+        with tf.io.gfile.GFile(path, "rb") as f:
+            head = f.read(32)
+    except tf.errors.OpError:
+        return None
+    if compression_type == "GZIP":
+        return None if head[:2] == b"\x1f\x8b" else (
+            "it is not gzip-compressed, but compression_type='GZIP' is set")
+    if compression_type:
+        return None
+    if len(head) < 12:
+        return None if not head else f"it has {len(head)} bytes, fewer than a record header"
+    if struct.unpack("<I", head[8:12])[0] == masked_crc32c(head[:8]):
+        return None
+    return _looks_like(head)
 
 
 def register_files(files: Iterable[str], compression_type: str | None) -> None:
@@ -109,6 +168,12 @@ def explain_data_loss(error: Exception) -> Exception:
         found = locate_corruption(files, compression, offset)
         if found is not None:
             path, index, consumed, reason = found
+            why = not_a_tfrecord(path, compression) if index == 0 else None
+            if why is not None:
+                return CorruptRecordError(
+                    f"{path} is not a TFRecord file ({why}) but file_pattern matches it: "
+                    "narrow file_pattern to the shards (e.g. '<prefix>-*.tfrecord') or "
+                    "move the file elsewhere")
             where = f"record {index}" + ("" if compression else f" (byte {consumed})")
             return CorruptRecordError(
                 f"corrupt TFRecord file {path}: {where} is unreadable ({reason}): {_FIX}")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import uuid
 from typing import Any, Mapping
 
 import tensorflow as tf
@@ -19,6 +21,34 @@ import tensorflow as tf
 MANIFEST_SUFFIX = ".manifest.json"
 _FORMAT = "tputrain.tfrecord_manifest"
 _VERSION = 1
+# Files write_tfrecords makes besides the shards: temp shards and spools of a write in
+# progress or killed (hidden, "<name>.tmp-<hex>" / "<prefix>.spool-<hex>"), and manifest
+# temp files (older versions wrote "<manifest>.tmp").
+_TEMP_FILE = re.compile(r"^\..+\.(tmp|spool)-[0-9a-f]{32}$")
+_SHARD_FILE = re.compile(r"^(.+)-\d{5}-of-\d{5}\.tfrecord$")
+
+
+def writer_side_file(path: str) -> str | None:
+    """Why `path` is a file `write_tfrecords` made that is not a shard, or None.
+
+    A glob such as "DIR/train*" also matches the manifest and, after an
+    interrupted write, temp files; `TFRecordInput` skips these by name.
+    """
+    name = os.path.basename(path.rstrip("/"))
+    if name.endswith(MANIFEST_SUFFIX):
+        return "a tputrain manifest"
+    if name.endswith(MANIFEST_SUFFIX + ".tmp"):
+        return "a manifest temp file"
+    if _TEMP_FILE.match(name):
+        return "a temp file of a write in progress or interrupted"
+    return None
+
+
+def manifest_for_shard(path: str) -> str | None:
+    """The manifest `write_tfrecords` would have written next to this shard, by its name."""
+    directory, name = os.path.split(path)
+    match = _SHARD_FILE.match(name)
+    return os.path.join(directory, match.group(1) + MANIFEST_SUFFIX) if match else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +97,13 @@ def manifest_path(output_prefix: str) -> str:
 
 
 def write_manifest(path: str, manifest: Manifest) -> str:
-    """Writes the manifest atomically (temp file, then rename); returns `path`."""
-    temp = f"{path}.tmp"
+    """Writes the manifest atomically (temp file, then rename); returns `path`.
+
+    The temp file is hidden and unique, so a glob of the shards never matches it
+    and concurrent writers do not share one.
+    """
+    directory, name = os.path.split(path)
+    temp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex}")
     with tf.io.gfile.GFile(temp, "w") as f:
         json.dump(manifest.to_json(), f, indent=1)
         f.write("\n")

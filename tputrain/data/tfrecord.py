@@ -20,7 +20,10 @@ from tputrain.data.bad_records import explain_data_loss, read_skipping_corrupt, 
 from tputrain.data.batching import (check_pad_remainder, check_static, in_memory_batches,
                                     pad_to_batch, resolve_per_replica_batch, split_label)
 from tputrain.data.context import InputContext
-from tputrain.data.manifest import Manifest, read_manifest
+from tputrain.data.feature_check import (check_against_manifest, explain_parse_error,
+                                         manifests_next_to, register_pipeline)
+from tputrain.data.manifest import (MANIFEST_SUFFIX, Manifest, read_manifest,
+                                     writer_side_file)
 from tputrain.data.options import InputOptions
 
 # The only dtypes tf.io.parse_example can produce.
@@ -135,6 +138,30 @@ def _check_cache(cache: Any) -> bool | str:
                      f"got {cache!r}")
 
 
+def _glob_shards(pattern: str) -> tuple[list[str], dict[str, str]]:
+    """The files `pattern` matches that are read, and those skipped (-> why)."""
+    try:
+        matches = tf.io.gfile.glob(pattern)
+    except tf.errors.NotFoundError:
+        matches = []
+    if not matches:
+        raise FileNotFoundError(f"no file matches {pattern!r}: check the path, or write the "
+                                "data first (tputrain.data.write_tfrecords)")
+    skipped = {path: why for path in matches if (why := writer_side_file(path))}
+    kept = [path for path in matches if path not in skipped]
+    if not kept:
+        first = sorted(skipped)[0]
+        raise FileNotFoundError(
+            f"{pattern!r} matches only files write_tfrecords makes besides the shards "
+            f"(e.g. {first}: {skipped[first]}): the shards are named "
+            "'<output_prefix>-NNNNN-of-NNNNN.tfrecord'; glob those, or pass "
+            "TFRecordInput(manifest=...)")
+    if skipped:
+        logging.info("TFRecordInput: %r: not reading %d non-shard file(s) of write_tfrecords "
+                     "(manifest, temp files): %s", pattern, len(skipped), sorted(skipped))
+    return kept, skipped
+
+
 @gin.configurable
 class TFRecordInput:
     """Builds one host's dataset of per-replica batches from sharded TFRecord files.
@@ -158,11 +185,27 @@ class TFRecordInput:
     files and keeps every n-th record instead (a warning is logged); that costs
     n times the reading, so write at least as many shards as hosts.
 
+    Which files are read: every file the glob matches, except those
+    `write_tfrecords` makes besides the shards, skipped by name: its manifest
+    (`*.manifest.json`) and the temp files of a write in progress or
+    interrupted (hidden `.*.tmp-<hex>`, `.*.spool-<hex>`, `*.manifest.json.tmp`).
+    So `write_tfrecords(..., "DIR/train")` reads back with "DIR/train*" or
+    "DIR/*". Any other matched file is read as TFRecords; one that is not (a
+    README, a CSV) stops the pipeline with a `CorruptRecordError` that names the
+    file and says why it is not a TFRecord: narrow the glob.
+
+    The records must hold what `features` asks for. When the shards have a
+    manifest (given, matched by the glob, or next to writer-named shards) the
+    spec is compared with it before anything is read; otherwise a mismatch
+    found by `tputrain.validate.probe_inputs` (the Trainer's pre-flight) names
+    the file, record and feature. Either way it is a `FeatureSpecError`.
+
     Args:
         file_pattern: a glob (or several) of TFRecord files; any `tf.io.gfile`
             path (local, gs://, ram://). Leave None to read `manifest`'s shards.
         features: `{name: FixedLenFeature or (shape, dtype[, default])}`; see
-            `parse_feature_spec`. None takes the manifest's spec.
+            `parse_feature_spec`. None takes the manifest's spec; a given spec
+            is checked against the manifest's.
         manifest: path of a `write_tfrecords` manifest (`{prefix}.manifest.json`):
             its shard list, feature spec and compression replace hand-written ones.
         label_key: if set, that feature is returned separately as the label.
@@ -247,6 +290,8 @@ class TFRecordInput:
                 raise ValueError("TFRecordInput: features is not set: give the feature spec, or "
                                  "read a manifest (TFRecordInput(manifest=...)) that has it")
         spec = parse_feature_spec(features)
+        if self.manifest is not None:
+            check_against_manifest(spec, self.manifest)
         if label_key is not None:
             if label_key not in spec:
                 raise ValueError(f"TFRecordInput: label_key {label_key!r} is not a feature: "
@@ -295,7 +340,8 @@ class TFRecordInput:
 
         Sorted (deterministic, the same on every host) and without duplicates
         (overlapping patterns would otherwise read a file twice). The same list
-        feeds the dataset, so the shard decision matches what is read.
+        feeds the dataset, so the shard decision matches what is read. Checks
+        the feature spec against the shards' manifest, if there is one.
         """
         if self.manifest is not None:
             missing = [path for path in self.file_patterns if not tf.io.gfile.exists(path)]
@@ -304,18 +350,16 @@ class TFRecordInput:
                     f"{len(missing)} shard(s) listed in {self.manifest.location} are missing, "
                     f"e.g. {missing[0]!r}: copy the whole directory or rewrite the data")
             return sorted(set(self.file_patterns))
-        files = set()
+        files: set[str] = set()
+        manifests: set[str] = set()
         for pattern in self.file_patterns:
-            try:
-                matches = tf.io.gfile.glob(pattern)
-            except tf.errors.NotFoundError:
-                matches = []
-            if not matches:
-                raise FileNotFoundError(
-                    f"no file matches {pattern!r}: check the path, or write the data "
-                    "first (tputrain.data.write_tfrecords)")
+            matches, skipped = _glob_shards(pattern)
             files.update(matches)
-        return sorted(files)
+            manifests.update(path for path in skipped if path.endswith(MANIFEST_SUFFIX))
+        files_list = sorted(files)
+        for manifest in manifests_next_to(files_list, sorted(manifests)):
+            check_against_manifest(self.features, manifest)
+        return files_list
 
     def _read_parallelism(self, files: list[str], cycle_length: int) -> int:
         """Files read by parallel threads: remote reads wait on the network, so let
@@ -365,6 +409,7 @@ class TFRecordInput:
                                                       context)
         file_list = self._list_files()
         register_files(file_list, self.compression_type)
+        register_pipeline(file_list, self.features, self.compression_type)
         num_files = len(file_list)
         num_pipelines, pipeline_id = context.num_input_pipelines, context.input_pipeline_id
         shard_files = num_files >= num_pipelines
@@ -452,7 +497,10 @@ class TFRecordInput:
                              f"{list(self.file_patterns)}") from None
         except tf.errors.DataLossError as error:
             raise explain_data_loss(error) from None
-        examples = tf.io.parse_example(serialized, self.features)
+        try:
+            examples = tf.io.parse_example(serialized, self.features)
+        except tf.errors.InvalidArgumentError as error:
+            raise explain_parse_error(error) from None
         count = int(tf.shape(serialized)[0])
         logging.info("TFRecordInput: cached %d parsed examples (%.1f MB) in memory", count,
                      sum(t.numpy().nbytes for t in examples.values()) / 1e6)

@@ -229,6 +229,74 @@ def test_unwritable_and_full_model_dir_are_named_before_training(tmp_path):
     assert not any(p.name == "model" for d in (ro, full, small) for p in d.iterdir())
 
 
+_ROOM_SCRIPT = """
+import sys
+import tputrain
+from faults import FaultTask
+from tiny import strategy_for
+
+
+class Shuffled(FaultTask):
+    # A 30000-example shuffle buffer: ~1.2 MiB of iterator state in every checkpoint.
+    def build_inputs(self, split, input_context):
+        dataset = super().build_inputs(split, input_context)
+        if split != "train":
+            return dataset
+        return dataset.unbatch().shuffle(30000, seed=1).batch(8, drop_remainder=True)
+
+
+for model_dir in sys.argv[1:]:
+    try:
+        trainer = tputrain.Trainer(Shuffled(dropout=0.0, ballast_floats=100_000), model_dir,
+                                   strategy=strategy_for(1), train_steps=6, steps_per_loop=2,
+                                   checkpoint_every=2, global_batch_size=8, eval_steps=1)
+        trainer.train()
+        print("NO ERROR", model_dir)
+    except OSError as error:
+        print(type(error).__name__, str(error).replace("\\n", " "))
+"""
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for private mounts")
+def test_room_counts_the_iterator_and_keep_plus_one_and_checkpoints_must_be_writable(tmp_path):
+    """Issue 10.5 on real mounts: a 2 MiB disk passed the old estimate (2 x 0.4 MiB of
+    variables, no iterator state) and died at a save; a read-only `checkpoints/` inside
+    a writable model_dir passed pre-flight and failed at the first save."""
+    small, ro_model = tmp_path / "small", tmp_path / "romodel"
+    small.mkdir()
+    (ro_model / "checkpoints").mkdir(parents=True)
+    script = tmp_path / "room.py"
+    script.write_text(_ROOM_SCRIPT)
+    shell = textwrap.dedent(f"""
+        set -e
+        mount -t tmpfs -o size=2m tmpfs {small}
+        mount -t tmpfs -o ro,size=1m tmpfs {ro_model}/checkpoints
+        exec {sys.executable} {script} {small}/model {ro_model}
+        """)
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare -rm is not permitted here: {probe.stderr.decode().strip()}")
+    env = dict(os.environ, PYTHONPATH=str(TESTS), TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", shell], capture_output=True,
+                            text=True, env=env, timeout=240)
+    lines = [l for l in result.stdout.splitlines() if l.startswith(("ModelDirError", "NO ERROR"))]
+    assert result.returncode == 0 and len(lines) == 2, result.stdout + result.stderr[-3000:]
+    too_small, read_only = lines
+    assert too_small.startswith("ModelDirError") and "plus the one being written" in too_small
+    assert "keep_checkpoints=3" in too_small
+    assert read_only.startswith("ModelDirError") and "checkpoints is not writable" in read_only
+    assert not list(ro_model.rglob("ckpt-*"))
+
+
+def test_model_dir_that_is_a_file_is_named(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError) as caught:
+        make_trainer(blocker)
+    assert "is a file, not a directory" in one_line(caught.value)
+    assert blocker.read_text() == "not a directory"
+
+
 def test_model_dir_inside_a_file_is_named(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

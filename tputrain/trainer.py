@@ -33,7 +33,8 @@ from tputrain.strategy import resolve_strategy
 from tputrain.task import EVAL_REGULARIZATION, EVAL_WEIGHT, Task
 from tputrain.guard import NonFiniteError, NonFiniteGuard
 from tputrain.preemption import Preempted, PreemptionWatcher
-from tputrain.validate import check_model_dir, input_data_error, probe_inputs, variable_bytes
+from tputrain.validate import (check_model_dir, input_data_error, iterator_state_bytes,
+                               probe_inputs, variable_bytes)
 
 _INPUT_MODES = ("host", "distributed")
 _EXHAUSTED = "tputrain: input exhausted"
@@ -788,10 +789,13 @@ class Trainer:
 
     def _preflight(self) -> None:
         """Chief, before the first write: is the checkpoint there this model's, and can
-        model_dir take checkpoints (writable, room for two)?"""
+        model_dir take checkpoints (writable, room for keep + 1 of them, the data
+        iterator's state included)?"""
         self.checkpointer.check_compatible()
-        check_model_dir(self.model_dir, variable_bytes(self.model.variables)
-                        + variable_bytes(self.optimizer.variables))
+        size = variable_bytes(self.model.variables) + variable_bytes(self.optimizer.variables)
+        if self.input_mode == "host":  # the iterator is checkpointed: shuffle buffers and all
+            size += iterator_state_bytes(self._fetch_groups(self._train_dataset))
+        check_model_dir(self.model_dir, size, keep=self.checkpointer.keep)
 
     def _stop_requested(self, count_steps: bool) -> Any:
         """In the compiled train loop: stop before the next step (guard or SIGTERM)?

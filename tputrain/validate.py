@@ -81,39 +81,68 @@ def variable_bytes(variables: Iterable[Any]) -> int:
     return total
 
 
-def check_model_dir(model_dir: str, checkpoint_bytes: int = 0) -> None:
+def iterator_state_bytes(dataset: tf.data.Dataset) -> int:
+    """Bytes a checkpoint of an iterator over `dataset` takes once it has started.
+
+    Measured, not guessed: a throwaway iterator takes one element (which fills
+    shuffle and prefetch buffers, the bulk of the state) and is written to memory
+    (`ram://`). Costs one element of reading and its state's size in RAM.
+    """
+    iterator = iter(dataset)
+    next(iterator)
+    prefix = f"ram://tputrain-size-probe-{uuid.uuid4().hex[:8]}/iterator"
+    tf.train.Checkpoint(iterator=iterator).write(prefix)
+    files = tf.io.gfile.glob(f"{prefix}*")
+    size = sum(tf.io.gfile.stat(f).length for f in files)
+    for path in files:
+        tf.io.gfile.remove(path)
+    return size
+
+
+# What tputrain writes inside model_dir; each existing one must take writes too.
+_WRITTEN_SUBDIRS = ("checkpoints", "train", "eval")
+
+
+def check_model_dir(model_dir: str, checkpoint_bytes: int = 0, keep: int = 2) -> None:
     """Fails with the fix if model_dir cannot take this run's checkpoints and logs.
 
-    Creates model_dir, writes and deletes a probe file, and for local paths checks
-    the free space against two checkpoints (the one being written and the last
-    good one). gs:// buckets are checked with google-cloud-storage first.
+    Creates model_dir, writes and deletes a probe file there and in each of its
+    existing `checkpoints/`, `train/`, `eval/` folders, and for local paths checks
+    the free space against `keep + 1` checkpoints (keep-N holds N while the next
+    one is written). gs:// buckets are checked with google-cloud-storage first.
     """
     if model_dir.startswith("gs://"):
         from tputrain.gcs import check_bucket_writable
 
         check_bucket_writable(model_dir)
+    if tf.io.gfile.exists(model_dir) and not tf.io.gfile.isdir(model_dir):
+        raise ModelDirError(f"model_dir {model_dir} is a file, not a directory: pass a "
+                            "directory path as --model_dir")
+    directory = model_dir
     try:
         tf.io.gfile.makedirs(model_dir)
-        if not tf.io.gfile.isdir(model_dir):
-            raise ModelDirError(f"model_dir {model_dir} is not a directory: pass a "
-                                "directory path as --model_dir")
-        probe = f"{model_dir.rstrip('/')}/.tputrain-write-test-{uuid.uuid4().hex[:8]}"
-        with tf.io.gfile.GFile(probe, "wb") as f:
-            f.write(b"\0" * min(max(checkpoint_bytes, 1), _MIB))
-        tf.io.gfile.remove(probe)
-    except ModelDirError:
-        raise
+        for directory in [model_dir] + [f"{model_dir.rstrip('/')}/{sub}" for sub in _WRITTEN_SUBDIRS]:
+            if directory == model_dir or tf.io.gfile.isdir(directory):
+                _write_probe(directory, checkpoint_bytes)
     except (tf.errors.OpError, OSError) as error:
-        raise ModelDirError(_explain_write_error(model_dir, error)) from None
+        raise ModelDirError(_explain_write_error(directory, error)) from None
     if "://" not in model_dir and checkpoint_bytes:
         free = shutil.disk_usage(model_dir).free
-        needed = 2 * checkpoint_bytes
+        needed = (keep + 1) * checkpoint_bytes
         if free < needed:
             raise ModelDirError(
                 f"model_dir {model_dir} has {free / _MIB:.1f} MiB free but a checkpoint "
-                f"needs {checkpoint_bytes / _MIB:.1f} MiB (x2 while the next one is "
-                "written): free some space or choose a --model_dir on a larger disk")
+                f"needs {checkpoint_bytes / _MIB:.1f} MiB (x{keep + 1}: keep_checkpoints={keep} "
+                "plus the one being written): free some space, lower "
+                "Trainer.keep_checkpoints or choose a --model_dir on a larger disk")
         logging.debug("tputrain: model_dir %s has %.0f MiB free", model_dir, free / _MIB)
+
+
+def _write_probe(directory: str, checkpoint_bytes: int) -> None:
+    probe = f"{directory.rstrip('/')}/.tputrain-write-test-{uuid.uuid4().hex[:8]}"
+    with tf.io.gfile.GFile(probe, "wb") as f:
+        f.write(b"\0" * min(max(checkpoint_bytes, 1), _MIB))
+    tf.io.gfile.remove(probe)
 
 
 def _explain_write_error(model_dir: str, error: Exception) -> str:
@@ -130,6 +159,6 @@ def _explain_write_error(model_dir: str, error: Exception) -> str:
                               "writable --model_dir or fix its permissions")
     if code == errno.ENOTDIR or "not a directory" in lowered:
         return (f"model_dir {model_dir} is inside a file, not a directory "
-                               f"({text}): choose another --model_dir")
+                f"({text}): choose another --model_dir")
     return (f"cannot write to model_dir {model_dir} ({type(error).__name__}: "
                                f"{text}): choose a writable --model_dir")

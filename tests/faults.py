@@ -95,6 +95,31 @@ class FaultTask(TinyTask):
         return dataset
 
 
+@gin.configurable
+class StallingTask(FaultTask):
+    """Prints a marker in `build_model`, then waits for a signal: a test can signal a
+    process that is still building its Trainer (before `train()`)."""
+
+    def build_model(self) -> keras.Model:
+        print("tputrain-test: building the model", flush=True)
+        signal.pause()
+        return super().build_model()
+
+
+@gin.configurable
+class RecordsTask(TinyTask):
+    """TinyTask read back from TFRecord files: `pattern` (train) and `eval_pattern`."""
+
+    def __init__(self, pattern: str, eval_pattern: str | None = None):
+        super().__init__()
+        self.patterns = {"train": pattern, "eval": eval_pattern or pattern}
+
+    def build_inputs(self, split, input_context):
+        return tputrain.data.TFRecordInput(
+            self.patterns[split], {"x": ([8], "float32"), "label": ([], "int64")},
+            label_key="label", shuffle=False, repeat=split == "train")(input_context)
+
+
 def final_weights(model_dir: str) -> dict[str, np.ndarray]:
     """The model weights of the latest checkpoint in model_dir, by checkpoint key."""
     path = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))

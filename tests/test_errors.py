@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 import tputrain
-from faults import FaultTask
+from faults import FaultTask, RecordsTask
 from tputrain.checkpoint import CheckpointMismatchError
 from tputrain.config import ConfigError, parse_gin, require_bound
 from tiny import TinyTask, strategy_for
@@ -64,19 +64,6 @@ def test_missing_required_binding_says_what_to_add():
 # ---------------------------------------------------------------- inputs
 
 
-class RecordsTask(TinyTask):
-    """TinyTask read back from TFRecord files matching `pattern`."""
-
-    def __init__(self, pattern: str):
-        super().__init__()
-        self.pattern = pattern
-
-    def build_inputs(self, split, input_context):
-        return tputrain.data.TFRecordInput(
-            self.pattern, {"x": ([8], "float32"), "label": ([], "int64")}, label_key="label",
-            shuffle=False)(input_context)
-
-
 def write_records(directory: Path) -> list[str]:
     x = np.random.RandomState(0).randn(64, 8).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int64)
@@ -106,26 +93,13 @@ def test_corrupt_tfrecord_names_the_file_before_training(tmp_path):
     assert not model_dir.exists()
 
 
-class SplitRecordsTask(TinyTask):
-    """Train and eval from their own file patterns."""
-
-    def __init__(self, train: str, eval_pattern: str):
-        super().__init__()
-        self.patterns = {"train": train, "eval": eval_pattern}
-
-    def build_inputs(self, split, input_context):
-        return tputrain.data.TFRecordInput(
-            self.patterns[split], {"x": ([8], "float32"), "label": ([], "int64")},
-            label_key="label", shuffle=False, repeat=split == "train")(input_context)
-
-
 def test_a_missing_eval_pattern_fails_before_training(tmp_path):
     """Issue 10.4: it was found only at the first eval, after the whole training run."""
     write_records(tmp_path / "data")
     model_dir = tmp_path / "model"
     with pytest.raises(FileNotFoundError) as caught:
-        make_trainer(model_dir, SplitRecordsTask(str(tmp_path / "data" / "train-*.tfrecord"),
-                                                 str(tmp_path / "data" / "eval-*.tfrecord")))
+        make_trainer(model_dir, RecordsTask(str(tmp_path / "data" / "train-*.tfrecord"),
+                                            str(tmp_path / "data" / "eval-*.tfrecord")))
     assert "eval-*.tfrecord" in one_line(caught.value)
     assert not model_dir.exists()
 

@@ -31,6 +31,16 @@ def restored_step(log: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def listed_step(checkpoints) -> int | None:
+    """The newest step the `checkpoint` state file lists (None before the first save)."""
+    try:
+        text = (checkpoints / "checkpoint").read_text()
+    except FileNotFoundError:
+        return None
+    match = re.search(r'^model_checkpoint_path: "ckpt-(\d+)"', text, re.M)
+    return int(match.group(1)) if match else None
+
+
 def final_accuracy(log: str) -> float:
     return float(re.findall(r"done at step \d+: .*accuracy ([0-9.]+)", log)[-1])
 
@@ -67,7 +77,9 @@ def test_sigkill_midway_resumes_from_latest_checkpoint(tmp_path):
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoints = tmp_path / "model" / "checkpoints"
     deadline = time.time() + 180
-    while time.time() < deadline and not list(checkpoints.glob("ckpt-3*.index")):
+    # Wait on what the code guarantees: the state file (rewritten atomically after a
+    # save completes) lists step >= 300. An index file can appear before it is listed.
+    while time.time() < deadline and (listed_step(checkpoints) or 0) < 300:
         assert process.poll() is None, "training ended before it could be killed"
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
@@ -101,3 +113,45 @@ def test_console_script_matches_module(tmp_path):
     assert script.returncode == module.returncode  # absl's --help exits 1 by design
     for flag in ("--gin_file", "--gin_param", "--gin_search_path", "--gin_import", "--model_dir"):
         assert flag in script.stdout and flag in module.stdout
+
+
+def test_sigterm_before_training_exits_42(tmp_path):
+    """Issue 10.8: a SIGTERM while the Trainer is being built exited -15."""
+    from faults import Process, child_env
+
+    process = Process([sys.executable, "-m", "tputrain.run", "--gin_import=faults",
+                       "--gin_file=digits.gin", "--gin_param=Trainer.task=@StallingTask()",
+                       f"--model_dir={tmp_path / 'model'}"],
+                      dict(child_env(), TPUTRAIN_CACHE_DIR=str(tmp_path / "cache")))
+    process.wait_for("tputrain-test: building the model")
+    assert process.kill(signal.SIGTERM) == 42, process.log()
+    assert "before training started; nothing to save" in process.text()
+
+
+def test_corrupt_data_found_mid_run_exits_1(tmp_path):
+    """Issue 10.8: exit codes say 1 for corrupt data found mid-run (it exited 2, the code
+    for bad input found before training)."""
+    import numpy as np
+
+    import tputrain
+    from faults import child_env
+
+    x = np.random.RandomState(0).randn(256, 8).astype(np.float32)
+    files = tputrain.data.write_tfrecords({"x": x, "label": (x[:, 0] > 0).astype(np.int64)},
+                                          str(tmp_path / "data" / "train"), num_shards=1)
+    data = bytearray(open(files[0], "rb").read())
+    middle = len(data) * 3 // 4  # records 0-15 (the pre-flight batch) stay readable
+    data[middle:middle + 64] = b"\xff" * 64
+    open(files[0], "wb").write(bytes(data))
+    result = subprocess.run(
+        [sys.executable, "-m", "tputrain.run", "--gin_import=faults", "--gin_file=digits.gin",
+         f"--gin_param=Trainer.task=@RecordsTask()",
+         f"--gin_param=RecordsTask.pattern='{tmp_path / 'data' / 'train-*'}'",
+         f"--gin_param=RecordsTask.eval_pattern='{tmp_path / 'data' / 'train-*'}'",
+         "--gin_param=Trainer.global_batch_size=16", "--gin_param=Trainer.steps_per_loop=4",
+         "--gin_param=Trainer.eval_steps=1", f"--model_dir={tmp_path / 'model'}"],
+        env=dict(child_env(), TPUTRAIN_CACHE_DIR=str(tmp_path / "cache")),
+        capture_output=True, text=True, timeout=240)
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("tputrain: error:") and os.path.basename(files[0]) in last

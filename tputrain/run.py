@@ -7,7 +7,9 @@ the other commands (see `COMMANDS`), and with no command it trains.
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+from typing import Any
 
 from absl import app, flags, logging
 
@@ -58,9 +60,22 @@ def build_trainer():
     return Trainer(**kwargs)
 
 
+def _exit_preempted_before_training(signum: int, frame: Any) -> None:
+    """SIGTERM while the Trainer is built: nothing to save yet; exit 42 all the same,
+    so a scheduler sees a preemption (rerun resumes) and not a crash (-15)."""
+    del frame
+    from tputrain.preemption import PREEMPTED_EXIT_CODE
+
+    print(f"tputrain: signal {signum} before training started; nothing to save: rerun the "
+          f"same command to resume (exit code {PREEMPTED_EXIT_CODE})", file=sys.stderr)
+    sys.exit(PREEMPTED_EXIT_CODE)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    # Until train() installs its own watcher (and after it restores this one).
+    signal.signal(signal.SIGTERM, _exit_preempted_before_training)
     from tputrain.cluster import join_watchdog  # registers join_watchdog before parsing
 
     parse_gin_flags()
@@ -103,15 +118,16 @@ def _train(trainer):
     import tensorflow as tf
 
     from tputrain.checkpoint import CheckpointMismatchError, NonFiniteStateError
-    from tputrain.data import CorruptRecordError
+    from tputrain.data import CorruptRecordError, FeatureSpecError
     from tputrain.guard import NonFiniteError
     from tputrain.validate import InputDataError, ModelDirError
 
     try:
         return trainer.train()
-    except (CheckpointMismatchError, CorruptRecordError, InputDataError, ModelDirError) as error:
+    except CheckpointMismatchError as error:  # found at restore, before any step
         _fail(_message(error), EXIT_BAD_INPUT)
-    except (NonFiniteError, NonFiniteStateError) as error:
+    except (CorruptRecordError, InputDataError, FeatureSpecError, ModelDirError,
+            NonFiniteError, NonFiniteStateError) as error:  # found mid-run
         _fail(_message(error), EXIT_TRAINING_FAILED)
     except tf.errors.UnavailableError as error:
         if trainer.num_hosts == 1:

@@ -24,7 +24,7 @@ from absl import logging
 
 from tputrain.checkpoint import Checkpointer, seed_generator_states
 from tputrain.checks import check_int
-from tputrain.data import InputContext
+from tputrain.data import InputContext, explain_parse_error
 from tputrain.flops import count_flops, peak_flops, specs_of
 from tputrain.layer_precision import override_layer_dtypes
 from tputrain.precision import set_precision_policy, wrap_optimizer_for_policy
@@ -714,8 +714,8 @@ class Trainer:
                     except tf.errors.DataLossError as error:
                         raise input_data_error(error, "train", f"after step {step}") from None
                     except tf.errors.InvalidArgumentError as error:
-                        if _EXHAUSTED not in str(error):
-                            raise
+                        if _EXHAUSTED not in str(error):  # a record unlike its feature spec?
+                            raise explain_parse_error(error) from None
                         logging.warning("tputrain: train input ended at step %d", step)
                         break
                 step = int(self.step.numpy())

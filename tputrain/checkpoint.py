@@ -195,7 +195,8 @@ def _all_finite(variables: list[Any]) -> tf.Tensor:
                           for v in variables])
 
 
-@gin.configurable(denylist=["directory", "step", "every", "keep", "restore_directory"])
+@gin.configurable(denylist=["directory", "step", "every", "keep", "restore_directory",
+                            "config_owned"])
 class Checkpointer:
     """Saves every `every` steps into `directory`, keeps `keep`, restores the latest.
 

@@ -101,8 +101,8 @@ def main(argv: list[str]) -> None:
 
 
 # Exit codes (docs/fault_tolerance.md): 0 done; 1 training failed (e.g. a non-finite
-# loss, corrupt data mid-run, a lost worker); 2 bad config or input, found before any
-# training; 3 a multi-worker task never joined; 42 preempted after saving a checkpoint.
+# loss, corrupt data or a full disk mid-run, a lost worker); 2 bad config or input, found
+# before any training; 3 a multi-worker task never joined; 42 preempted (SIGTERM).
 EXIT_TRAINING_FAILED = 1
 EXIT_BAD_INPUT = 2
 

@@ -110,14 +110,16 @@ class StallingTask(FaultTask):
 class RecordsTask(TinyTask):
     """TinyTask read back from TFRecord files: `pattern` (train) and `eval_pattern`."""
 
-    def __init__(self, pattern: str, eval_pattern: str | None = None):
+    def __init__(self, pattern: str, eval_pattern: str | None = None, pad_eval: bool = False):
         super().__init__()
         self.patterns = {"train": pattern, "eval": eval_pattern or pattern}
+        self.pad_eval = pad_eval
 
     def build_inputs(self, split, input_context):
         return tputrain.data.TFRecordInput(
             self.patterns[split], {"x": ([8], "float32"), "label": ([], "int64")},
-            label_key="label", shuffle=False, repeat=split == "train")(input_context)
+            label_key="label", shuffle=False, repeat=split == "train",
+            pad_remainder=self.pad_eval and split == "eval")(input_context)
 
 
 def final_weights(model_dir: str) -> dict[str, np.ndarray]:

@@ -97,8 +97,11 @@ class Progress:
         self.write_scalars("train", step, {**logs, **rates})
         return rates
 
-    def eval_done(self, step: int, logs: Mapping[str, float], seconds: float) -> None:
-        logging.info("tputrain: eval at step %d | %s | %.1fs", step, _format_logs(logs), seconds)
+    def eval_done(self, step: int, logs: Mapping[str, float], seconds: float,
+                  eval_steps: int | None = None) -> None:
+        steps = f" | {eval_steps} eval steps" if eval_steps is not None else ""
+        logging.info("tputrain: eval at step %d | %s%s | %.1fs", step, _format_logs(logs), steps,
+                     seconds)
         self.write_scalars("eval", step, logs)
 
     def close(self) -> None:

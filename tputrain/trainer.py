@@ -52,6 +52,11 @@ def _host_topology(strategy: tf.distribute.Strategy) -> tuple[int, int]:
     return 1, 0
 
 
+def _replicas_per_pipeline(context: tf.distribute.InputContext) -> int:
+    """Replicas one input pipeline feeds under `distribute_datasets_from_function`."""
+    return context.num_replicas_in_sync // context.num_input_pipelines
+
+
 def _is_chief(strategy: tf.distribute.Strategy) -> bool:
     """Only the chief writes the real checkpoints and summaries."""
     return bool(getattr(strategy.extended, "should_checkpoint", True))
@@ -78,6 +83,18 @@ def _check_static(element_spec: Any, split: str, per_replica_batch: int) -> None
 def _is_weighted(element_spec: Any) -> bool:
     """Eval batches of `(features, labels, weights)`: padded, weight 0 on padding."""
     return isinstance(element_spec, tuple) and len(element_spec) == 3
+
+
+def _with_weights(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """`(features, labels)` batches as `(features, labels, ones)`: weighted, so that
+    a host with fewer eval batches can pad with zero-weight ones (see `_padded`)."""
+    if _is_weighted(dataset.element_spec):
+        return dataset
+
+    def add_weights(features, labels):
+        rows = tf.shape(tf.nest.flatten(features)[0])[0]
+        return features, labels, tf.ones([rows], tf.float32)
+    return dataset.map(add_weights)
 
 
 def _padded(dataset: tf.data.Dataset) -> tf.data.Dataset:
@@ -326,7 +343,7 @@ class Trainer:
                                          config_owned=_learning_rate_variables(self.optimizer),
                                          **trackables)
         self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
-        self._agree_preempted_fn: Callable | None = None
+        self._max_over_hosts_fn: Callable | None = None
         if self.is_chief:  # inputs are checked; nothing has been written yet
             self._preflight()
         self.progress = Progress(self._work_dir if self.is_chief else None,
@@ -395,8 +412,10 @@ class Trainer:
             dataset = self.task.build_inputs(
                 split, self._input_context(tf_context, self._input_batch(split)))
             dataset = self._group_micro_batches(dataset, split)
-            # Each pipeline feeds its local replicas one batch each per step.
-            return dataset.skip(skip_steps * self.local_replicas) if skip_steps else dataset
+            # Each pipeline feeds its replicas one batch each per step (a TPU pod has
+            # one client but a pipeline per host: not self.local_replicas).
+            replicas = _replicas_per_pipeline(tf_context)
+            return dataset.skip(skip_steps * replicas) if skip_steps else dataset
         return iter(self.strategy.distribute_datasets_from_function(dataset_fn))
 
     def _next(self, iterator) -> tuple[tf.Tensor, Any]:
@@ -745,32 +764,12 @@ class Trainer:
 
         The eval iterator is created once and reused (freeing tf.data iterators can
         block for seconds); each evaluation sees the same `eval_steps` batches, or the
-        whole finite eval split when eval_steps is None.
+        whole finite eval split when eval_steps is None. Every host runs the same
+        number of steps (the most any host needs); hosts with fewer batches pad with
+        zero-weight batches, so uneven shards neither hang a pod nor skew the mean.
         """
         if self._eval_loop_fn is None:
-            dataset = self._eval_dataset
-            weighted = _is_weighted(dataset.element_spec)
-            if self.eval_steps is not None:
-                self._eval_batches = int(self.eval_steps)
-            else:
-                count = int(dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
-                # Padded (weighted) eval: the last step is topped up with zero-weight
-                # batches, so the per-replica batches need not divide by the replicas.
-                self._eval_batches = (-(-count // self.local_replicas) if weighted
-                                      else count // self.local_replicas)
-                if self._eval_batches < 1:
-                    raise ValueError(
-                        f"the eval split has {count} per-replica batches, fewer than the "
-                        f"{self.local_replicas} local replicas: use a smaller global batch, "
-                        "more eval data, or pad the eval split (TFRecordInput.pad_remainder)")
-            per_pipeline = self._eval_batches * self.local_replicas  # per-replica batches
-            if self.input_mode == "distributed":
-                self._eval_iterator = iter(self.strategy.distribute_datasets_from_function(
-                    lambda c: _padded(self.task.build_inputs("eval", self._input_context(c)))
-                    .take(per_pipeline).repeat()))
-            else:
-                self._eval_iterator = iter(_padded(dataset).take(per_pipeline).repeat())
-            self._eval_loop_fn = self._make_loop(self._replica_eval_step, count_steps=False)
+            self._build_eval()
         for metric in self.eval_metrics:
             metric.reset_state()
         with Stopwatch() as watch:
@@ -778,8 +777,50 @@ class Trainer:
                                                   tf.constant(self._eval_batches, tf.int32))
             logs = _eval_means(totals, int(steps))
             logs.update({m.name: float(m.result()) for m in self.eval_metrics})
-        self.progress.eval_done(int(self.step.numpy()), logs, watch.seconds)
+        self.progress.eval_done(int(self.step.numpy()), logs, watch.seconds, int(steps))
         return logs
+
+    def _build_eval(self) -> None:
+        """Agrees on the eval step count across hosts; builds the eval iterator and loop."""
+        weighted = self.num_hosts > 1 or _is_weighted(self._eval_dataset.element_spec)
+        self._eval_batches = self._max_over_hosts(self._local_eval_steps(weighted))
+
+        def prepare(dataset: tf.data.Dataset, replicas: int) -> tf.data.Dataset:
+            """`replicas` per-replica batches a step, `_eval_batches` steps, repeated."""
+            return _padded(_with_weights(dataset) if weighted else dataset).take(
+                self._eval_batches * replicas).repeat()
+
+        if self.input_mode == "distributed":
+            self._eval_iterator = iter(self.strategy.distribute_datasets_from_function(
+                lambda c: prepare(self.task.build_inputs("eval", self._input_context(c)),
+                                  _replicas_per_pipeline(c))))
+        else:
+            self._eval_iterator = iter(prepare(self._eval_dataset, self.local_replicas))
+        self._eval_loop_fn = self._make_loop(self._replica_eval_step, count_steps=False)
+
+    def _local_eval_steps(self, padded: bool) -> int:
+        """Steps this host's eval split fills: `eval_steps`, or all of its batches (the
+        last step topped up with zero-weight batches when `padded`)."""
+        if self.eval_steps is not None:
+            return int(self.eval_steps)
+        count = int(self._eval_dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+        steps = -(-count // self.local_replicas) if padded else count // self.local_replicas
+        if steps < 1 and self.num_hosts == 1:
+            raise ValueError(
+                f"the eval split has {count} per-replica batches, fewer than the "
+                f"{self.local_replicas} local replicas: use a smaller global batch, "
+                "more eval data, or pad the eval split (TFRecordInput.pad_remainder)")
+        return steps
+
+    def _max_over_hosts(self, value: int) -> int:
+        """The largest `value` any host passes: a collective, every host must call it."""
+        if self.num_hosts == 1:
+            return value
+        if self._max_over_hosts_fn is None:
+            # ReduceOp has no MAX: gather every replica's value, then take the largest.
+            self._max_over_hosts_fn = tf.function(lambda v: tf.reduce_max(self.strategy.gather(
+                self.strategy.run(lambda x: tf.reshape(x, [1]), args=(v,)), axis=0)))
+        return int(self._max_over_hosts_fn(tf.constant(value, tf.int64)))
 
     def _cleanup_worker_dir(self) -> None:
         if not self.is_chief:
@@ -811,14 +852,8 @@ class Trainer:
         return stop
 
     def _preempted(self) -> bool:
-        if self.num_hosts == 1:
-            return self._preemption.requested
-        if self._agree_preempted_fn is None:
-            flag = self._preemption.flag
-            self._agree_preempted_fn = tf.function(lambda: self.strategy.reduce(
-                tf.distribute.ReduceOp.SUM,
-                self.strategy.run(lambda: tf.cast(flag.read_value(), tf.int32)), axis=None))
-        return int(self._agree_preempted_fn()) > 0
+        """Whether any host was asked to stop (all hosts then stop at this step)."""
+        return self._max_over_hosts(int(self._preemption.requested)) > 0
 
     def _guard_logs(self) -> dict[str, float]:
         count = int(self.guard.nonfinite_steps.numpy())

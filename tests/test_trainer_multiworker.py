@@ -8,10 +8,10 @@ kill -9 resumes equal to an uninterrupted run, in both input modes.
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import signal
-import time
 from pathlib import Path
 
 import keras
@@ -107,3 +107,51 @@ Trainer.report_mfu = False
     assert direct["examples"] == sum(EVAL_FILE_BATCHES) * PER_REPLICA
     assert reported["accuracy"] == pytest.approx(direct["accuracy"], abs=1e-6)
     assert reported["loss"] == pytest.approx(direct["loss"], rel=1e-5)
+
+
+KILL_CONFIG = """
+Trainer.task = @FaultTask()
+Trainer.train_steps = 24
+Trainer.steps_per_loop = 2
+Trainer.global_batch_size = 16
+Trainer.checkpoint_every = 4
+Trainer.eval_steps = 1
+Trainer.input_mode = '{input_mode}'
+Trainer.report_mfu = False
+FaultTask.dropout = 0.3
+"""
+
+
+@pytest.mark.parametrize("input_mode", ["host", "distributed"])
+def test_kill_9_of_a_worker_then_rerun_equals_an_uninterrupted_run(tmp_path, input_mode):
+    """Issue 11 acceptance 2: 2 worker processes, a random worker SIGKILLed after a
+    random checkpoint; the rerun's final weights equal an uninterrupted run's, bitwise."""
+    config = tmp_path / "mw.gin"
+    config.write_text(KILL_CONFIG.format(input_mode=input_mode))
+
+    def args(model_dir: Path) -> list[str]:
+        return ["--workers", "2", "--peer_exit_timeout", "60", "--gin_import=faults",
+                f"--gin_file={config}", f"--model_dir={model_dir}", "--deterministic"]
+
+    reference = Launch(args(tmp_path / "reference"))
+    assert reference.finish(timeout=300) == 0, reference.log()
+
+    rng = random.Random()
+    kill_after, victim = rng.choice([4, 8, 12, 16]), rng.choice([0, 1])
+    interrupted = Launch(args(tmp_path / "model"))
+    pids = interrupted.wait_for(r"worker 0 pid (\d+), worker 1 pid (\d+)")
+    saved = 0
+    while saved < kill_after:
+        saved = int(interrupted.wait_for(r"\[worker 0\] .*saved checkpoint \S+/ckpt-(\d+)").group(1))
+    os.kill(int(pids.group(1 + victim)), signal.SIGKILL)
+    assert interrupted.finish(timeout=150) != 0, interrupted.log()
+    resume_step = listed_steps(tmp_path / "model")[-1]
+    assert resume_step >= kill_after
+
+    rerun = Launch(args(tmp_path / "model"))
+    assert rerun.finish(timeout=300) == 0, rerun.log()
+    assert re.search(rf"\[worker 1\] .*restored \S+/ckpt-{resume_step} ", rerun.text()), rerun.log()
+    expected, actual = final_weights(str(tmp_path / "reference")), final_weights(str(tmp_path / "model"))
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        np.testing.assert_array_equal(actual[name], expected[name], err_msg=name)

@@ -55,7 +55,7 @@ import shutil
 import threading
 import time
 import weakref
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import gin
 import keras
@@ -214,13 +214,20 @@ class Checkpointer:
       config_owned: variables whose value the config decides, not the checkpoint
         (the optimizer's learning rate): their values now are put back after every
         restore, logged where the checkpoint held another value.
-      **trackables: what to save (model, optimizer, iterator, seed states...).
+      per_host: state that differs between hosts (each host's data iterator). On
+        one host it is saved with the rest; on several, each host writes its own to
+        `<restore_directory>/hosts/host-<i>-of-<n>/ckpt-<step>` before the chief
+        commits the step (after `barrier`), and restores its own.
+      host: `(index, count)` of this host.
+      barrier: on several hosts, returns once every host has called it.
+      **trackables: what every host has the same of (model, optimizer, seeds...).
     """
 
     def __init__(self, directory: str, step: tf.Variable, every: int, keep: int = 3,
                  check_finite: bool = True, restore_directory: str | None = None,
                  async_save: bool = False, config_owned: Sequence[Any] = (),
-                 **trackables: Any):
+                 per_host: dict[str, Any] | None = None, host: tuple[int, int] = (0, 1),
+                 barrier: Callable[[], Any] | None = None, **trackables: Any):
         if every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {every}")
         if keep < 1:
@@ -230,6 +237,9 @@ class Checkpointer:
         self.every = every
         self.step = step
         self.check_finite = check_finite
+        self._hosts = _HostState(self.restore_directory, per_host or {}, host, barrier)
+        if not self._hosts.apart:
+            trackables = {**trackables, **(per_host or {})}
         self._trackables = dict(trackables)
         self.checkpoint = tf.train.Checkpoint(step=step, **trackables)
         self._manager: tf.train.CheckpointManager | None = None
@@ -316,6 +326,7 @@ class Checkpointer:
                 logging.warning("tputrain: checkpoint %s is unreadable (%s: %s); restored "
                                 "the older %s instead", failed, type(error).__name__,
                                 _first_line(error), path)
+            self._hosts.restore(int(self.step.numpy()))
             logging.info("tputrain: restored %s (step %d)", path, int(self.step.numpy()))
             self._after_restore(path, [failed for failed, _ in failures])
             return path
@@ -414,8 +425,11 @@ class Checkpointer:
                 self._join_writer()  # the write in flight may be this very step
             step = int(self.step.numpy())
             latest = self.latest
-            if latest and latest.endswith(f"-{step}"):
-                return latest
+            # Several hosts decide by the chief's directory, so that all or none of
+            # them go on to the barrier below.
+            committed = _listed(self.restore_directory) if self._hosts.apart else [latest]
+            if committed and committed[-1] and committed[-1].endswith(f"-{step}"):
+                return latest or committed[-1]
             if self.check_finite and not self.all_finite():
                 bad = [getattr(v, "path", v.name) for v in self._float_vars
                        if not np.all(np.isfinite(np.asarray(v)))]
@@ -425,6 +439,7 @@ class Checkpointer:
                     "enable the non-finite guard (NonFiniteGuard.policy)")
             logging.info("tputrain: saving checkpoint at step %d", step)
             self._check_room(step, latest)
+            self._hosts.save(step, self.keep)  # every host's own state before the commit
             if self.async_save:
                 return self._save_async(step)
             try:
@@ -548,6 +563,43 @@ def _checkpoints_on_disk(directory: str) -> list[str]:
         if match:
             steps.append(int(match.group(1)))
     return [f"{directory.rstrip('/')}/ckpt-{step}" for step in sorted(steps)]
+
+
+class _HostState:
+    """State each host has its own of (its data iterator), on multi-host runs.
+
+    Every host writes its part for a step, all meet at a barrier, and only then
+    does the chief commit the step (its state file): a listed step always has
+    every host's part. Restoring, each host reads its own part of that step.
+    """
+
+    def __init__(self, directory: str, trackables: dict[str, Any], host: tuple[int, int],
+                 barrier: Callable[[], Any] | None):
+        index, count = host
+        self.apart = count > 1 and bool(trackables)
+        self.directory = f"{directory.rstrip('/')}/hosts/host-{index}-of-{count}"
+        self.checkpoint = tf.train.Checkpoint(**trackables) if self.apart else None
+        self.barrier = barrier or (lambda: None)
+
+    def save(self, step: int, keep: int) -> None:
+        if not self.apart:
+            return
+        self.checkpoint.write(f"{self.directory}/ckpt-{step}")
+        self.barrier()
+        stale = sorted(int(m.group(1)) for m in map(_INDEX.match, tf.io.gfile.listdir(
+            self.directory)) if m)[:-(keep + 1)]
+        for old in stale:  # keep + 1: the chief may still list the oldest of them
+            for path in _files_of(f"{self.directory}/ckpt-{old}"):
+                tf.io.gfile.remove(path)
+
+    def restore(self, step: int) -> None:
+        if not self.apart:
+            return
+        prefix = f"{self.directory}/ckpt-{step}"
+        if not tf.io.gfile.exists(f"{prefix}.index"):
+            raise RuntimeError(f"this host's data position for step {step} ({prefix}) is "
+                               "missing: restore it, or start over in a new model_dir")
+        self.checkpoint.read(prefix).assert_consumed()
 
 
 def _listed(directory: str) -> list[str]:

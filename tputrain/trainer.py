@@ -332,18 +332,20 @@ class Trainer:
                                           seeds=seed_generator_states(self.model),
                                           nonfinite_steps=self.guard.nonfinite_steps)
         self._train_iterator = None
-        if self.input_mode == "host":
+        per_host: dict[str, Any] = {}
+        if self.input_mode == "host":  # each host's own data position
             self._train_iterator = iter(self._fetch_groups(self._train_dataset))
-            trackables["iterator"] = self._train_iterator
+            per_host["iterator"] = self._train_iterator
+        self._max_over_hosts_fn: Callable | None = None
         self.checkpointer = Checkpointer(os.path.join(self._work_dir, "checkpoints"), self.step,
                                          every=self.checkpoint_every, keep=keep_checkpoints,
                                          # every worker resumes from the chief's checkpoints
                                          restore_directory=os.path.join(model_dir, "checkpoints"),
                                          # the config, not the checkpoint, sets the rate
                                          config_owned=_learning_rate_variables(self.optimizer),
-                                         **trackables)
+                                         per_host=per_host, host=(self.host_id, self.num_hosts),
+                                         barrier=lambda: self._max_over_hosts(0), **trackables)
         self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
-        self._max_over_hosts_fn: Callable | None = None
         if self.is_chief:  # inputs are checked; nothing has been written yet
             self._preflight()
         self.progress = Progress(self._work_dir if self.is_chief else None,

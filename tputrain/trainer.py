@@ -52,6 +52,15 @@ def _host_topology(strategy: tf.distribute.Strategy) -> tuple[int, int]:
     return 1, 0
 
 
+def _default_input_mode(strategy: tf.distribute.Strategy) -> tuple[str, str]:
+    """("host" or "distributed", why): exact resume unless the strategy cannot have it."""
+    hosts = getattr(strategy.extended, "num_hosts", 1)
+    if isinstance(strategy, tf.distribute.TPUStrategy) and hosts > 1:
+        return "distributed", (f"a {hosts}-host TPU slice is fed by a pipeline per host; "
+                               "a resume re-reads and skips the consumed batches")
+    return "host", "exact resume: the data position is checkpointed"
+
+
 def _replicas_per_pipeline(context: tf.distribute.InputContext) -> int:
     """Replicas one input pipeline feeds under `distribute_datasets_from_function`."""
     return context.num_replicas_in_sync // context.num_input_pipelines
@@ -199,7 +208,10 @@ class Trainer:
         (exact data resume) and splits each step's batches across local replicas;
         "distributed" uses `distribute_datasets_from_function` (device prefetch,
         needed for multi-host TPU pods) and resumes by skipping consumed batches.
-        None picks "distributed" on TPU and "host" elsewhere.
+        None picks "host" (exact resume, at any step in the same time) everywhere
+        but on a multi-host TPU slice, whose one client cannot feed every host's
+        TPUs from one iterator: there "distributed" (the start-up line says so, and
+        that a resume re-reads the consumed batches).
       jit_compile: compile the step with XLA. On one replica the whole per-replica
         step (forward, backward, update) is compiled; on several replicas only
         `Task.compute_gradients` (forward and backward) is, because XLA cannot
@@ -285,8 +297,8 @@ class Trainer:
                 "instead, or set Trainer.jit_compile=False")
         self.num_hosts, self.host_id = _host_topology(self.strategy)
         self.local_replicas = replicas // self.num_hosts
-        is_tpu = isinstance(self.strategy, tf.distribute.TPUStrategy)
-        self.input_mode = input_mode or ("distributed" if is_tpu else "host")
+        self.input_mode, mode_reason = ((input_mode, "as configured") if input_mode
+                                        else _default_input_mode(self.strategy))
         if self.input_mode not in _INPUT_MODES:
             raise ValueError(f"Trainer.input_mode must be one of {_INPUT_MODES}, got {input_mode!r}")
         if self.steps_per_fetch > 1 and self.input_mode != "host":
@@ -356,8 +368,8 @@ class Trainer:
         self._train_step_fn: Callable | None = None
         self._eval_loop_fn: Callable | None = None
         logging.info("tputrain: %s, %d replica(s) on %d host(s), global batch %d, precision %s, "
-                     "input mode %s", type(self.strategy).__name__, replicas, self.num_hosts,
-                     self.global_batch_size, self.precision, self.input_mode)
+                     "input mode %s (%s)", type(self.strategy).__name__, replicas, self.num_hosts,
+                     self.global_batch_size, self.precision, self.input_mode, mode_reason)
 
     # ----------------------------------------------------------------- inputs
 

@@ -2,7 +2,10 @@
 
 import json
 import logging
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import gin
@@ -36,6 +39,12 @@ def log_lines(caplog):
     return lambda: [r.getMessage() for r in caplog.records if "tputrain: using" in r.getMessage()]
 
 
+@pytest.fixture
+def unsplit_cpu(monkeypatch):
+    """Resolution as in a process whose CPU is not split (pytest's own is split in 4)."""
+    monkeypatch.setattr(strategy_lib, "_logical_cpu_count", lambda: 1)
+
+
 def _timed(fn, *args, **kwargs):
     # Start TensorFlow's runtime first: the bound is on the resolver's own work
     # (probes, TPU attempt, fallback), not on a cold runtime start in a busy worker.
@@ -46,7 +55,7 @@ def _timed(fn, *args, **kwargs):
 
 
 @requires_no_gpu
-def test_default_is_one_cpu_replica_fast_and_says_why(log_lines):
+def test_default_is_one_cpu_replica_fast_and_says_why(log_lines, unsplit_cpu):
     strategy, seconds = _timed(strategy_lib.resolve_strategy)
 
     assert seconds < 3
@@ -85,7 +94,7 @@ def test_forced_tpu_without_tpu_raises_quickly():
 
 
 @requires_no_gpu
-def test_unreachable_tpu_address_falls_back_quickly(monkeypatch, log_lines):
+def test_unreachable_tpu_address_falls_back_quickly(monkeypatch, log_lines, unsplit_cpu):
     monkeypatch.setenv("TPU_NAME", "grpc://10.255.255.1:8470")
 
     strategy, seconds = _timed(strategy_lib.resolve_strategy)
@@ -125,7 +134,7 @@ def test_tpu_name_without_metadata_server_is_skipped_quickly():
 
 
 @requires_no_gpu
-def test_local_tpu_devices_that_fail_to_initialise_fall_back(monkeypatch, log_lines):
+def test_local_tpu_devices_that_fail_to_initialise_fall_back(monkeypatch, log_lines, unsplit_cpu):
     monkeypatch.setattr(strategy_lib, "_local_tpu_devices", lambda: ["/dev/accel0"])
 
     strategy, seconds = _timed(strategy_lib.resolve_strategy)
@@ -138,7 +147,7 @@ def test_local_tpu_devices_that_fail_to_initialise_fall_back(monkeypatch, log_li
 
 
 @requires_no_gpu
-def test_local_tpu_initialisation_failure_falls_back(monkeypatch, log_lines):
+def test_local_tpu_initialisation_failure_falls_back(monkeypatch, log_lines, unsplit_cpu):
     # A TPU-capable build whose chips fail to initialise: TF's own error is reported.
     monkeypatch.setattr(strategy_lib, "_local_tpu_devices", lambda: ["/dev/accel0"])
     monkeypatch.setattr(strategy_lib, "_tpu_kernels_registered", lambda: True)
@@ -167,7 +176,7 @@ def _set_tf_config(monkeypatch, cluster, task=None):
 
 
 @requires_no_gpu
-def test_tf_config_with_one_task_is_not_multi_worker(monkeypatch):
+def test_tf_config_with_one_task_is_not_multi_worker(monkeypatch, unsplit_cpu):
     _set_tf_config(monkeypatch, {"worker": ["localhost:12345"]}, {"type": "worker", "index": 0})
 
     decision = strategy_lib._decide(None, None)
@@ -224,3 +233,96 @@ def test_strategy_is_gin_configurable():
         assert strategy_lib.resolve_strategy().num_replicas_in_sync == NUM_CPUS
     finally:
         gin.clear_config()
+
+
+# ---------------------------------------------------------------- a split CPU
+
+
+@requires_no_gpu
+def test_auto_mirrors_over_a_split_cpu_and_says_why(log_lines):
+    strategy = strategy_lib.resolve_strategy()
+
+    assert isinstance(strategy, tf.distribute.MirroredStrategy)
+    assert strategy.num_replicas_in_sync == NUM_CPUS
+    # The same one-device reduction as forced mirrored on CPUs (see _build).
+    assert isinstance(strategy.extended._cross_device_ops, tf.distribute.ReductionToOneDevice)
+    (line,) = log_lines()
+    assert line.startswith("tputrain: using MirroredStrategy(4 CPU devices), 4 replicas: 0 GPUs "
+                           "and the CPU is split into 4 logical devices (split_cpu")
+    assert "Skipped: tpu (" in line and "multi_worker (TF_CONFIG unset)" in line
+
+
+def test_configure_devices_applies_a_bound_split_cpu_and_ignores_an_unbound_one():
+    assert strategy_lib.configure_devices() is None  # nothing bound: nothing to do
+    gin.parse_config(f"split_cpu.num_devices = {NUM_CPUS}")
+    strategy_lib.configure_devices()  # already split in 4: a no-op
+    gin.clear_config()
+    gin.parse_config("split_cpu.num_devices = 2")
+    with pytest.raises(RuntimeError, match=r"split_cpu.num_devices = 2 .* already initialised "
+                                           r"with 4 logical CPU.*before any TensorFlow op"):
+        strategy_lib.configure_devices()
+
+
+_SPLIT_SCRIPT = """
+from absl import logging
+import tputrain
+logging.set_verbosity(logging.INFO)  # What absl's app.run gives a script.
+tputrain.split_cpu(2)
+strategy = tputrain.resolve_strategy()
+print("replicas", strategy.num_replicas_in_sync)
+"""
+
+
+def _quiet_env():
+    """A child on a CPU-only, single-machine view of this host, with quiet TF."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    for var in ("TF_CONFIG", "TPU_NAME"):
+        env.pop(var, None)
+    return env
+
+
+@pytest.mark.slow
+def test_a_split_cpu_script_trains_on_every_logical_cpu():
+    """A newcomer's `split_cpu(2)` then `resolve_strategy()` got 1 replica, silently."""
+    result = subprocess.run([sys.executable, "-c", _SPLIT_SCRIPT], env=_quiet_env(),
+                            capture_output=True, text=True, timeout=120)
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "replicas 2" in result.stdout
+    assert ("using MirroredStrategy(2 CPU devices), 2 replicas: 0 GPUs and the CPU is split "
+            "into 2 logical devices (split_cpu") in result.stderr
+
+
+def _run_cli(tmp_path, *args, env=None):
+    command = [sys.executable, "-m", "tputrain.run", "--gin_file=digits.gin",
+               f"--model_dir={tmp_path / 'model'}", *args]
+    env = dict(env or _quiet_env(), TPUTRAIN_CACHE_DIR=str(tmp_path / "cache"))
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=240,
+                          cwd=tmp_path)
+
+
+@pytest.mark.slow
+def test_cli_gin_split_cpu_trains_on_two_replicas(tmp_path):
+    result = _run_cli(tmp_path, "--gin_param=split_cpu.num_devices=2",
+                      "--gin_param=Trainer.train_steps=20", "--gin_param=Trainer.steps_per_loop=10")
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tputrain: MirroredStrategy, 2 replica(s) on 1 host(s)" in result.stderr
+    assert "done at step 20" in result.stderr
+    assert "split_cpu.num_devices = 2" in (tmp_path / "model" / "operative_config.gin").read_text()
+
+
+@pytest.mark.slow
+def test_cli_gin_split_cpu_after_tensorflow_started_fails_naming_the_fix(tmp_path):
+    # A --gin_import module that runs a TF op at import starts the runtime too early.
+    (tmp_path / "eager_at_import.py").write_text("import tensorflow as tf\ntf.constant(1.0) + 1\n")
+    env = dict(_quiet_env(), PYTHONPATH=str(tmp_path))
+
+    result = _run_cli(tmp_path, "--gin_import=eager_at_import", "--gin_param=split_cpu.num_devices=2",
+                      "--gin_param=Trainer.train_steps=20", env=env)
+
+    assert result.returncode == 2
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("tputrain: error")]
+    assert "split_cpu.num_devices = 2" in error and "already initialised" in error
+    assert "--gin_import" in error
+    assert "step 10" not in result.stderr

@@ -29,8 +29,10 @@ def define_gin_flags() -> None:
 
 
 def parse_gin_flags() -> None:
-    """Parses the gin flags; a bad config exits with one line naming the fix."""
+    """Parses the gin flags and applies the device bindings (`split_cpu.num_devices`),
+    before anything starts TensorFlow's runtime; a bad config exits with one line."""
     from tputrain.config import ConfigError, parse_gin
+    from tputrain.strategy import configure_devices
 
     if not FLAGS.gin_file and not FLAGS.gin_param:
         raise app.UsageError("pass --gin_file=CONFIG (e.g. --gin_file=digits.gin)")
@@ -38,6 +40,10 @@ def parse_gin_flags() -> None:
         parse_gin(FLAGS.gin_file, FLAGS.gin_param, FLAGS.gin_search_path, FLAGS.gin_import)
     except ConfigError as error:
         _fail(str(error))
+    try:
+        configure_devices()  # gin only records split_cpu.num_devices: apply it now
+    except (RuntimeError, ValueError, TypeError) as error:  # e.g. TF already started
+        _fail(_message(error))
 
 
 def _fail(message: str, code: int = 2) -> None:

@@ -1,8 +1,9 @@
 """Strategy resolver: pick the best `tf.distribute.Strategy` this process can reach, and say why.
 
-`resolve_strategy()` tries, in order: TPU, multi-worker (TF_CONFIG), mirrored (2+ GPUs),
-one GPU, CPU. It logs one line naming the strategy, the replica count and why each
-earlier option was skipped, so a run on the wrong hardware is obvious from the log.
+`resolve_strategy()` tries, in order: TPU, multi-worker (TF_CONFIG), mirrored (2+ GPUs,
+or a CPU split into logical devices by `split_cpu`), one GPU, CPU. It logs one line
+naming the strategy, the replica count and why each earlier option was skipped, so a
+run on the wrong hardware is obvious from the log.
 
 Resolution is split into `_decide` (cheap: environment, device lists and short
 network probes; builds nothing) and `_build` (constructs the strategy). Two TF calls
@@ -50,6 +51,7 @@ class _Decision(NamedTuple):
     skipped: tuple[str, ...]  # e.g. "tpu (TPU_NAME unset)", in fallback order.
     forced: bool = False
     tpu_target: str | None = None  # What to pass to TPUClusterResolver(tpu=...).
+    reason: str = ""  # Why this choice, when it is not plain from the order.
 
 
 class _TpuUnavailable(Exception):
@@ -61,8 +63,11 @@ def split_cpu(num_devices: int) -> None:
     """Splits the first physical CPU into `num_devices` logical devices.
 
     Lets `MirroredStrategy` run real multi-replica code (and tests) on a CPU-only
-    machine. TF fixes its devices when it first runs an op, so call this first;
-    calling it again with the same count is a no-op.
+    machine: `resolve_strategy()` then mirrors over the logical CPUs. TF fixes its
+    devices when it first runs an op, so call this first; calling it again with the
+    same count is a no-op. From gin (`split_cpu.num_devices = N`), the `tputrain`
+    CLI applies it through `configure_devices()` right after parsing the config;
+    a script that parses gin itself calls `configure_devices()` the same way.
     """
     if num_devices < 1:
         raise ValueError(f"split_cpu needs num_devices >= 1, got {num_devices}.")
@@ -86,6 +91,30 @@ def split_cpu(num_devices: int) -> None:
         ) from e
 
 
+def configure_devices() -> None:
+    """Applies the device bindings of a parsed gin config: `split_cpu.num_devices`.
+
+    Gin only records a binding; nothing calls `split_cpu` by itself, so a bound
+    `split_cpu.num_devices` was silently ignored. Call this after parsing gin and
+    before any TensorFlow op runs (the CLI does); it does nothing when unbound.
+    """
+    try:
+        num_devices = gin.query_parameter("split_cpu.num_devices")
+    except ValueError:
+        return  # Not bound.
+    try:
+        split_cpu()  # gin supplies num_devices (and records it in the operative config).
+    except RuntimeError as e:
+        have = len(tf.config.list_logical_devices("CPU"))
+        raise RuntimeError(
+            f"split_cpu.num_devices = {num_devices} but TensorFlow is already initialised "
+            f"with {have} logical CPU device(s): something ran a TensorFlow op before "
+            f"the config was applied (a --gin_import module or a gin `import` running "
+            f"TensorFlow ops at import?); move those ops into functions, or call "
+            f"split_cpu before any TensorFlow op runs."
+        ) from e
+
+
 @gin.configurable
 def resolve_strategy(
     tpu: str | None = None, strategy: str | None = None
@@ -95,9 +124,9 @@ def resolve_strategy(
     Args:
       tpu: TPU to use: a TPU name, a `grpc://host:port` worker address, or "local"
         (TPU VM). Defaults to $TPU_NAME, then to local TPU devices if present.
-      strategy: None to fall back automatically (TPU, multi_worker, mirrored,
-        one_device, cpu); or one of `VALID_STRATEGIES` to force that choice, which
-        raises (naming the fix) if it is impossible here.
+      strategy: None to fall back automatically (TPU, multi_worker, mirrored over
+        2+ GPUs or a split CPU, one_device, cpu); or one of `VALID_STRATEGIES` to
+        force that choice, which raises (naming the fix) if it is impossible here.
 
     Call it once at program start, before other TF ops. Never hangs on an
     unreachable TPU: see the module docstring.
@@ -150,6 +179,11 @@ def _decide(
     gpus = _gpu_count()
     if gpus >= 2:
         return _Decision("mirrored", tuple(skipped))
+    cpus = _logical_cpu_count() if gpus == 0 else 1
+    if cpus > 1:  # The user split the CPU to get replicas: give them replicas.
+        return _Decision("mirrored", tuple(skipped), reason=(
+            f"0 GPUs and the CPU is split into {cpus} logical devices "
+            f"(split_cpu or tf.config.set_logical_device_configuration)"))
     skipped.append(f"mirrored ({gpus} GPUs)")
     if gpus == 1:
         return _Decision("one_device", tuple(skipped))
@@ -306,6 +340,13 @@ def _gpu_count() -> int:
     return len(tf.config.list_physical_devices("GPU"))
 
 
+def _logical_cpu_count() -> int:
+    """Logical CPU devices configured (split_cpu), without starting TF's runtime."""
+    configs = [tf.config.get_logical_device_configuration(cpu)
+               for cpu in tf.config.list_physical_devices("CPU")]
+    return sum(len(config) if config else 1 for config in configs)
+
+
 def _build(decision: _Decision) -> tf.distribute.Strategy:
     """Constructs the strategy `_decide` chose."""
     name = decision.name
@@ -322,7 +363,8 @@ def _build(decision: _Decision) -> tf.distribute.Strategy:
     if name == "mirrored":
         if _gpu_count() > 0:
             return tf.distribute.MirroredStrategy()
-        # No GPUs: mirror over the logical CPUs (see split_cpu) for real replicas.
+        # No GPUs: mirror over the logical CPUs (see split_cpu) for real replicas,
+        # whether forced or chosen because the CPU is split.
         # Reduce on one device: on CPUs the default collective all-reduce restarts its
         # group keys per strategy, so a second strategy of another size in the same
         # process (a notebook, a test suite) aborts. The maths is the same.
@@ -394,8 +436,9 @@ def _describe(decision: _Decision, built: tf.distribute.Strategy) -> str:
     replicas = built.num_replicas_in_sync
     line = (
         f"tputrain: using {_strategy_label(decision, built)}, {replicas} "
-        f"replica{'' if replicas == 1 else 's'}."
+        f"replica{'' if replicas == 1 else 's'}"
     )
+    line += f": {decision.reason}." if decision.reason else "."
     if decision.forced:
         return f"{line} Forced by strategy={decision.name!r}."
     if decision.skipped:

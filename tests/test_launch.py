@@ -161,3 +161,32 @@ def test_launcher_exit_code_rules(tmp_path):
     assert run([0, 0]) == 0
     assert run([42, 42]) == 42
     assert run([0, 3]) == 3
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie not yet reaped by its new parent counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_launcher_stops_its_workers(tmp_path):
+    """Issue 10.6: the workers trained on, headless, to the end. They now see the
+    launcher's pipe close, take it as a preemption (checkpoint, exit 42)."""
+    config = tmp_path / "mw.gin"
+    config.write_text(CONFIG)
+    model_dir = tmp_path / "model"
+    launch = Launch(["--workers", "2", "--gin_import=faults", f"--gin_file={config}",
+                     f"--model_dir={model_dir}"])
+    pids = [int(p) for p in launch.wait_for(r"worker 0 pid (\d+), worker 1 pid (\d+)").groups()]
+    launch.wait_for(r"\[worker \d\] .*tputrain: step \d+/")  # both are in the loop
+    launch.process.send_signal(signal.SIGKILL)
+    launch.finish(timeout=60)
+    deadline = time.monotonic() + 120  # the workers' own bound is 60 s after the launcher
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling process state, not file timing: exit is what we wait for
+    assert not any(map(_alive, pids)), f"workers {pids} outlived their launcher"
+    assert listed_steps(model_dir), "the chief checkpointed before exiting"

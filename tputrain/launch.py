@@ -34,6 +34,9 @@ from typing import IO, Sequence
 from tputrain.preemption import PREEMPTED_EXIT_CODE
 
 _GRACE_S = 10.0  # between SIGTERM and SIGKILL when stopping a worker
+# A worker reads this inherited pipe fd; EOF means the launcher died (even by kill -9).
+LAUNCHER_FD_ENV = "TPUTRAIN_LAUNCHER_FD"
+_ORPHAN_GRACE_S = 60.0  # an orphaned worker saves and exits 42 within this, or is ended
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -79,17 +82,22 @@ class Launcher:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
+        # The write end stays here, never written: when this process dies, however it
+        # dies, the workers read EOF and stop (`watch_launcher`).
+        read_fd, self._lifeline = os.pipe()
         for index, config in enumerate(tf_configs(self.num_workers)):
-            env = dict(os.environ, TF_CONFIG=config)
+            env = dict(os.environ, TF_CONFIG=config, **{LAUNCHER_FD_ENV: str(read_fd)})
             process = subprocess.Popen(
                 [self.python, "-m", "tputrain.run", *self.run_args], env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+                pass_fds=(read_fd,))
             self.processes.append(process)
             for stream, out in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)):
                 thread = threading.Thread(target=_pump, args=(stream, f"[worker {index}] ", out),
                                           daemon=True)
                 thread.start()
                 self._threads.append(thread)
+        os.close(read_fd)
         _log(f"started {self.num_workers} worker(s): " + ", ".join(
             f"worker {i} pid {p.pid}" for i, p in enumerate(self.processes)))
 
@@ -143,6 +151,36 @@ class Launcher:
                 self.processes[index].wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.processes[index].kill()
+
+
+def watch_launcher() -> None:
+    """In a worker started by `tputrain launch`: if the launcher dies, stop.
+
+    A thread blocks on the launcher's pipe; EOF (the launcher is gone, even after
+    kill -9) sends this process SIGTERM, so it checkpoints and exits 42 like a
+    preemption; if it is still alive `_ORPHAN_GRACE_S` later (e.g. its peers are
+    gone mid-collective) it exits 1. No-op outside the launcher.
+    """
+    fd = os.environ.pop(LAUNCHER_FD_ENV, None)
+    if fd is None:
+        return
+
+    def watch() -> None:
+        try:
+            while os.read(int(fd), 1):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+        try:  # stderr was a pipe to the launcher: writing to it may fail now
+            print("tputrain: the launcher is gone; stopping this worker", file=sys.stderr,
+                  flush=True)
+        except OSError:
+            pass
+        time.sleep(_ORPHAN_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tputrain-launcher-watch", daemon=True).start()
 
 
 def _describe(code: int | None) -> str:

@@ -13,6 +13,8 @@ from typing import Any
 
 from absl import app, flags, logging
 
+from tputrain.launch import watch_launcher
+
 FLAGS = flags.FLAGS
 
 
@@ -82,6 +84,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     # Until train() installs its own watcher (and after it restores this one).
     signal.signal(signal.SIGTERM, _exit_preempted_before_training)
+    watch_launcher()  # a worker of `tputrain launch` stops when the launcher dies
     from tputrain.cluster import join_watchdog  # registers join_watchdog before parsing
 
     parse_gin_flags()

@@ -27,6 +27,7 @@ from tputrain.checks import check_int
 from tputrain.data import InputContext, explain_parse_error
 from tputrain.flops import count_flops, peak_flops, specs_of
 from tputrain.layer_precision import override_layer_dtypes
+from tputrain.lock import lock_model_dir
 from tputrain.precision import set_precision_policy, wrap_optimizer_for_policy
 from tputrain.progress import Progress, Stopwatch
 from tputrain.strategy import resolve_strategy
@@ -851,6 +852,7 @@ class Trainer:
         if self.input_mode == "host":  # the iterator is checkpointed: shuffle buffers and all
             size += iterator_state_bytes(self._fetch_groups(self._train_dataset))
         check_model_dir(self.model_dir, size, keep=self.checkpointer.keep)
+        lock_model_dir(self.model_dir)  # one run per model_dir, until this process ends
 
     def _stop_requested(self, count_steps: bool) -> Any:
         """In the compiled train loop: stop before the next step (guard or SIGTERM)?

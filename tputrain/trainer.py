@@ -447,31 +447,32 @@ class Trainer:
         return has_value, optionals
 
     def _fetch_groups(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
-        """One element holds the per-replica batches of `steps_per_fetch` steps.
+        """One element holds the per-replica batches of `steps_per_fetch` steps:
+        shape `[steps_per_fetch, local_replicas, per-replica batch, ...]`.
 
-        Always batched, also for one step: one get_next per step instead of one per
-        local replica, and checkpoints of the iterator stay valid when
-        steps_per_fetch changes (the batch op saves only its input's position).
+        The host's prefetch, owned here: each step's per-replica batches are
+        stacked and buffered in the background (`steps_per_fetch` steps deep), so a
+        fetch only takes ready batches, as the device prefetch of
+        `distribute_datasets_from_function` would (benchmarks/resume.py). The buffer
+        holds per-step groups whatever `steps_per_fetch` is, and the outer batch op
+        saves only its input's position, so checkpoints of the iterator stay valid
+        when steps_per_fetch changes.
         """
-        size = self.steps_per_fetch * self.local_replicas
-        # One group deep, below the group batch: a fetch then only collects ready
-        # batches instead of waiting for `size` of them to be made one by one. Always
-        # there (empty for one step per fetch), so checkpoints keep one structure.
-        dataset = dataset.prefetch(size if self.steps_per_fetch > 1 else 0)
-        grouped = dataset.batch(size, drop_remainder=True)
-        # tf.data would otherwise inject a prefetch after this batch, and a checkpoint
-        # would then hold whole groups of the old size: resuming with another
-        # steps_per_fetch fails on their shape. Buffers below hold per-replica batches.
+        per_step = dataset.batch(self.local_replicas, drop_remainder=True)
+        grouped = per_step.prefetch(self.steps_per_fetch).batch(self.steps_per_fetch,
+                                                                drop_remainder=True)
+        # tf.data would otherwise inject a prefetch after the outer batch, and a
+        # checkpoint would then hold whole groups of the old size: resuming with
+        # another steps_per_fetch would fail on their shape.
         options = tf.data.Options()
         options.experimental_optimization.inject_prefetch = False
         return grouped.with_options(options)
 
     def _distribute_from_group(self, group: Any, j: tf.Tensor) -> Any:
-        """Step `j` of a fetched group: replica r takes batch j * local_replicas + r, the
-        order one fetch per step would give."""
+        """Step `j` of a fetched group: replica r takes `group[j, r]`, the order one
+        fetch per step would give."""
         local = self.local_replicas
-        batches = [tf.nest.map_structure(lambda t, r=r: t[j * local + r], group)
-                   for r in range(local)]
+        batches = [tf.nest.map_structure(lambda t, r=r: t[j, r], group) for r in range(local)]
         return self.strategy.experimental_distribute_values_from_function(
             lambda ctx: batches[ctx.replica_id_in_sync_group % local])
 

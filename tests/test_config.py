@@ -54,3 +54,12 @@ def test_user_module_import(tmp_path, monkeypatch):
 def test_bad_import_is_a_config_error():
     with pytest.raises(ConfigError, match="--gin_import=not_a_module_xyz"):
         parse_gin(gin_params=["Trainer.train_steps = 3"], imports=["not_a_module_xyz"])
+
+
+def test_a_builtin_config_parses_without_error_lines(caplog):
+    """gin's package reader logged `E ... Path not found: digits.gin` on every successful run."""
+    import logging as std_logging
+
+    with caplog.at_level(std_logging.INFO):
+        parse_gin(["digits.gin"], finalize=False)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= std_logging.ERROR]

@@ -83,8 +83,10 @@ def parse_gin(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
     for path in [*search_paths, builtin_config_dir()]:
         if path and path not in gin.config._LOCATION_PREFIXES:  # pylint: disable=protected-access
             gin.add_config_file_search_path(path)
+    folders = [*search_paths, builtin_config_dir()]
     try:
-        gin.parse_config_files_and_bindings(list(gin_files), list(gin_params),
+        gin.parse_config_files_and_bindings([_find(f, folders) for f in gin_files],
+                                            list(gin_params),
                                             finalize_config=finalize)
     except OSError as error:
         raise ConfigError(f"{error} Pass an existing file or add its folder with "
@@ -99,6 +101,19 @@ def parse_gin(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
         if type(error).__module__.startswith(("tokenize", "gin")):
             raise ConfigError(f"gin could not parse the configuration: {error}") from error
         raise
+
+
+def _find(gin_file: str, folders: Sequence[str]) -> str:
+    """The file itself, or the first folder's copy of it: gin would ask its Python
+    package reader first, which logs an error-level "Path not found" for names
+    like `digits.gin` on every successful run."""
+    if os.path.isfile(gin_file):
+        return gin_file
+    for folder in folders:
+        candidate = os.path.join(folder, gin_file)
+        if folder and os.path.isfile(candidate):
+            return candidate
+    return gin_file  # gin reports it missing, with its own search
 
 
 def builtin_config_dir() -> str:

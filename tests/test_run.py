@@ -155,3 +155,19 @@ def test_corrupt_data_found_mid_run_exits_1(tmp_path):
     assert result.returncode == 1, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("tputrain: error:") and os.path.basename(files[0]) in last
+
+
+def test_help_lists_the_commands_and_exits_0(tmp_path):
+    """`tputrain --help` exited 1 and listed no subcommand; a subcommand's usage line
+    said `.venv/bin/tputrain [flags]`."""
+    executable = os.path.join(os.path.dirname(sys.executable), "tputrain")
+    overview = subprocess.run([executable, "--help"], capture_output=True, text=True,
+                              env=_env(tmp_path), timeout=60)
+    assert overview.returncode == 0, overview.stderr[-2000:]
+    for command in ("run", "launch", "diagnose", "audit-precision", "write-tfrecords",
+                    "vertex-spec"):
+        assert re.search(rf"^  {command} +\S", overview.stdout, re.M), overview.stdout
+    diagnose = subprocess.run([executable, "diagnose", "--helpshort"], capture_output=True,
+                              text=True, env=_env(tmp_path), timeout=120)
+    assert "USAGE: tputrain diagnose [flags]" in diagnose.stdout, diagnose.stdout[:2000]
+    assert "--gin_file" in diagnose.stdout

@@ -163,10 +163,35 @@ def list_in_help(names) -> None:
         FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
 
 
+# One line each for `tputrain --help` (kept here: importing the commands loads TensorFlow).
+SUMMARIES = {
+    "run": "train a gin config (the default: `tputrain --gin_file=...` runs it)",
+    "launch": "run N local worker processes as one MultiWorkerMirrored cluster",
+    "diagnose": "is this training job waiting on its input? (input stall, bottleneck)",
+    "audit-precision": "which layers drift in bf16/fp16, and does it change the metrics?",
+    "write-tfrecords": "convert .npz/.csv arrays into sharded TFRecords with a manifest",
+    "vertex-spec": "write (or --submit) a Vertex AI CustomJob that trains a gin config",
+}
+
+
+def overview() -> str:
+    """`tputrain --help`: the commands, one line each."""
+    width = max(map(len, SUMMARIES))
+    lines = ["usage: tputrain [COMMAND] [flags]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {summary}" for name, summary in SUMMARIES.items()]
+    lines += ["", "`tputrain COMMAND --help` shows a command's flags; with no command, "
+              "`tputrain` trains (`tputrain run --help` lists the training flags)."]
+    return "\n".join(lines)
+
+
 def console_main() -> None:
     """Entry point of the `tputrain` console script."""
+    if sys.argv[1:] in (["--help"], ["-h"], ["help"]):
+        print(overview())
+        sys.exit(0)
     if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
         command = sys.argv.pop(1)
+        sys.argv[0] = f"tputrain {command}"  # absl's usage line names the command
         if command != "run":
             importlib.import_module(COMMANDS[command]).console_main()
             return

@@ -7,9 +7,12 @@ interface. Each launch costs ~30-45 s here (three TF imports on 2 cores).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -163,30 +166,56 @@ def test_launcher_exit_code_rules(tmp_path):
     assert run([0, 3]) == 3
 
 
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie not yet reaped by its new parent counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _adopt_orphans(on: bool) -> None:
+    """Makes this process the parent of orphaned descendants (Linux), so their exit
+    codes can be waited for once their parent, the launcher, is gone."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
+        pytest.skip(f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}")
+
+
+def _exit_codes(pidfds: dict[int, int], timeout: float) -> dict[int, int | None]:
+    """Exit code of each adopted pid, None for one still running after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    codes: dict[int, int | None] = {}
+    for pid, pidfd in pidfds.items():
+        ready, _, _ = select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))
+        codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) if ready else None
+        os.close(pidfd)
+    return codes
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs Linux pidfds")
 def test_kill_9_of_the_launcher_stops_its_workers(tmp_path):
     """Issue 10.6: the workers trained on, headless, to the end. They now see the
-    launcher's pipe close, take it as a preemption (checkpoint, exit 42)."""
+    launcher's pipe close and take it as a preemption: checkpoint, exit 42."""
     config = tmp_path / "mw.gin"
     config.write_text(CONFIG)
     model_dir = tmp_path / "model"
-    launch = Launch(["--workers", "2", "--gin_import=faults", f"--gin_file={config}",
-                     f"--model_dir={model_dir}"])
-    pids = [int(p) for p in launch.wait_for(r"worker 0 pid (\d+), worker 1 pid (\d+)").groups()]
-    launch.wait_for(r"\[worker \d\] .*tputrain: step \d+/")  # both are in the loop
-    launch.process.send_signal(signal.SIGKILL)
-    launch.finish(timeout=60)
-    deadline = time.monotonic() + 120  # the workers' own bound is 60 s after the launcher
-    while any(map(_alive, pids)) and time.monotonic() < deadline:
-        time.sleep(0.2)  # polling process state, not file timing: exit is what we wait for
-    assert not any(map(_alive, pids)), f"workers {pids} outlived their launcher"
+    pids: list[int] = []
+    codes: dict[int, int | None] = {}
+    _adopt_orphans(True)
+    try:
+        launch = Launch(["--workers", "2", "--gin_import=faults", f"--gin_file={config}",
+                         f"--model_dir={model_dir}"])
+        pids = [int(p) for p in
+                launch.wait_for(r"worker 0 pid (\d+), worker 1 pid (\d+)").groups()]
+        pidfds = {pid: os.pidfd_open(pid) for pid in pids}  # before any pid can be reused
+        launch.wait_for(r"\[worker \d\] .*tputrain: step \d+/")  # both are in the loop
+        launch.process.send_signal(signal.SIGKILL)
+        launch.finish(timeout=60)
+        # The workers' own bound is 60 s after the launcher's death, then exit 1.
+        codes = _exit_codes(pidfds, timeout=120)
+    finally:
+        for pid in pids:
+            if codes.get(pid) is None:  # never leave one training (and reap it if ours)
+                with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+        _adopt_orphans(False)
+    assert list(codes.values()) == [42, 42], f"worker exit codes {codes} (None: still running)"
     assert listed_steps(model_dir), "the chief checkpointed before exiting"

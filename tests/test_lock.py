@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,6 +65,30 @@ def test_the_same_process_may_lock_again(tmp_path):
     holder.wait()
 
 
+def test_a_lock_on_a_deleted_model_dir_protects_nothing(tmp_path):
+    """The directory was removed and made again (a notebook starting over): the old
+    lock is on a file that is gone, so another process could take the new one."""
+    lock_model_dir(str(tmp_path / "model"))
+    shutil.rmtree(tmp_path / "model")
+    holder = _holder(tmp_path / "model")
+    try:
+        with pytest.raises(ModelDirInUseError, match=f"in use by pid {holder.pid}"):
+            lock_model_dir(str(tmp_path / "model"))
+    finally:
+        holder.kill()
+        holder.wait()
+    lock_model_dir(str(tmp_path / "model"))
+    release_model_dir(str(tmp_path / "model"))
+
+
+def test_a_model_dir_that_cannot_be_made_is_left_to_preflight(tmp_path):
+    """No lock error for a bad path: pre-flight is what names the problem and the fix."""
+    (tmp_path / "file").write_text("not a directory")
+    lock_model_dir(str(tmp_path / "file"))
+    lock_model_dir(str(tmp_path / "file" / "model"))
+    assert (tmp_path / "file").read_text() == "not a directory"
+
+
 @pytest.mark.slow
 def test_two_cli_runs_on_one_model_dir(tmp_path):
     """Issue 10.7: both ran and both exited 0, interleaving their checkpoints."""
@@ -81,6 +106,6 @@ def test_two_cli_runs_on_one_model_dir(tmp_path):
         assert second.returncode == 2, second.stderr[-3000:]
         last = second.stderr.strip().splitlines()[-1]
         assert last.startswith("tputrain: error: model_dir") and \
-            f"in use by pid {first.process.pid}" in last, last
+            f"in use by pid {first.process.pid}" in last and "-m tputrain.run" in last, last
     finally:
         assert first.kill(signal.SIGTERM) == 42, first.log()

@@ -2,14 +2,19 @@
 
 Two runs on one model_dir would interleave their checkpoints and rotate each
 other's away, both exiting 0. The chief takes `model_dir/.tputrain.lock` with
-`fcntl.flock` before it writes anything and holds it until the process ends.
+`fcntl.flock` after pre-flight (which only reads and writes probe files) and
+before its first checkpoint, summary or config, and holds it until it ends.
 The kernel drops a flock when its holder dies, even by kill -9, so a stale lock
 never needs cleaning up. The file names the holder (pid, host, command, start
 time) so a refused run can say who has the directory.
 
 Re-entrant within a process: a notebook (or a test) that builds a second
 Trainer on the same model_dir keeps the lock it has. Remote paths (gs://,
-ram://) cannot be flocked: a warning says the directory is not protected.
+ram://) cannot be flocked and a lease with heartbeats would still race on
+object stores without preconditions, so they are not locked: a warning says so.
+A local lock file that cannot be created (a model_dir that is not writable, or
+a `.tputrain.lock` that is not a file) is not fatal here: a warning says the
+directory is not locked, and pre-flight is what names an unusable model_dir.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shlex
 import socket
 import sys
 import time
@@ -25,7 +31,7 @@ from typing import IO
 from absl import logging
 
 LOCK_FILE = ".tputrain.lock"
-_HELD: dict[str, IO[str]] = {}  # real path of model_dir -> open lock file
+_HELD: dict[str, IO[str]] = {}  # real path of model_dir -> open, flocked lock file
 
 
 class ModelDirInUseError(OSError):
@@ -42,10 +48,16 @@ def lock_model_dir(model_dir: str) -> None:
                         "no other run writes to it", model_dir)
         return
     key = os.path.realpath(model_dir)
-    if key in _HELD:
+    if _still_held(key):
         return
-    os.makedirs(key, exist_ok=True)
-    handle = open(os.path.join(key, LOCK_FILE), "a+", encoding="utf-8")
+    path = os.path.join(key, LOCK_FILE)
+    try:
+        os.makedirs(key, exist_ok=True)
+        handle = open(path, "a+", encoding="utf-8")
+    except OSError as error:  # unwritable, a file, ...: pre-flight names those
+        logging.warning("tputrain: cannot create %s (%s): model_dir is not locked against "
+                        "a second run", path, error)
+        return
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -53,12 +65,8 @@ def lock_model_dir(model_dir: str) -> None:
         holder = handle.read()
         handle.close()
         raise ModelDirInUseError(_in_use_message(model_dir, holder)) from None
-    handle.seek(0)
-    handle.truncate()
-    json.dump({"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
-               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, handle)
-    handle.flush()
     _HELD[key] = handle
+    _write_holder(handle)
 
 
 def release_model_dir(model_dir: str) -> None:
@@ -69,12 +77,39 @@ def release_model_dir(model_dir: str) -> None:
         handle.close()
 
 
+def _still_held(key: str) -> bool:
+    """Whether this process holds the lock on the file now at `key` (the directory may
+    have been deleted and made again since: then that lock protects nothing)."""
+    handle = _HELD.get(key)
+    if handle is None:
+        return False
+    try:
+        if os.stat(os.path.join(key, LOCK_FILE)).st_ino == os.fstat(handle.fileno()).st_ino:
+            return True
+    except OSError:
+        pass
+    release_model_dir(key)
+    return False
+
+
+def _write_holder(handle: IO[str]) -> None:
+    """Names this process in the lock file, for the message a refused run prints."""
+    holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                         "command": shlex.join(getattr(sys, "orig_argv", sys.argv)),
+                         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
+    try:  # unbuffered: a failed write must not be retried when the file is closed
+        os.ftruncate(handle.fileno(), 0)
+        os.write(handle.fileno(), holder.encode("utf-8"))
+    except OSError as error:  # e.g. a full disk: the lock holds, unnamed
+        logging.warning("tputrain: could not name this process in %s: %s", handle.name, error)
+
+
 def _in_use_message(model_dir: str, holder: str) -> str:
     try:
         info = json.loads(holder)
-        who = (f"pid {info['pid']} on host {info['host']} ({info['command']}), started "
+        who = (f"pid {info['pid']} on host {info['host']} ({info['command']}), started at "
                f"{info['started']}")
     except (ValueError, KeyError, TypeError):
-        who = "another process"
+        who = "another process (it has not named itself yet)"
     return (f"model_dir {model_dir} is in use by {who}: wait for it to finish, stop it, or "
             "choose another --model_dir")

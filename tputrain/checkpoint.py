@@ -243,6 +243,7 @@ class Checkpointer:
         self._trackables = dict(trackables)
         self.checkpoint = tf.train.Checkpoint(step=step, **trackables)
         self._manager: tf.train.CheckpointManager | None = None
+        self._saved_step: int | None = None  # the step last saved or restored here
         self.keep = keep
         self._config_values = [(v, tf.identity(v)) for v in config_owned]
         self.async_save = async_save
@@ -327,6 +328,7 @@ class Checkpointer:
                                 "the older %s instead", failed, type(error).__name__,
                                 _first_line(error), path)
             self._hosts.restore(int(self.step.numpy()))
+            self._saved_step = int(self.step.numpy())  # this step is on disk already
             logging.info("tputrain: restored %s (step %d)", path, int(self.step.numpy()))
             self._after_restore(path, [failed for failed, _ in failures])
             return path
@@ -425,11 +427,10 @@ class Checkpointer:
                 self._join_writer()  # the write in flight may be this very step
             step = int(self.step.numpy())
             latest = self.latest
-            # Several hosts decide by the chief's directory, so that all or none of
-            # them go on to the barrier below.
-            committed = _listed(self.restore_directory) if self._hosts.apart else [latest]
-            if committed and committed[-1] and committed[-1].endswith(f"-{step}"):
-                return latest or committed[-1]
+            # Decided in memory, not from the files: on several hosts the chief may
+            # still be writing, and all or none of them must reach the barrier below.
+            if step == self._saved_step:
+                return latest or f"{self.restore_directory.rstrip('/')}/ckpt-{step}"
             if self.check_finite and not self.all_finite():
                 bad = [getattr(v, "path", v.name) for v in self._float_vars
                        if not np.all(np.isfinite(np.asarray(v)))]
@@ -441,11 +442,13 @@ class Checkpointer:
             self._check_room(step, latest)
             self._hosts.save(step, self.keep)  # every host's own state before the commit
             if self.async_save:
+                self._saved_step = step
                 return self._save_async(step)
             try:
                 path = self.manager.save(checkpoint_number=step)
             except (tf.errors.OpError, OSError) as error:
                 raise self._save_failed(step, latest, error) from None
+            self._saved_step = step
             logging.info("tputrain: saved checkpoint %s", path)
             return path
 

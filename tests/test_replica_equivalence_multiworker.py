@@ -14,60 +14,22 @@ import sys
 import textwrap
 from pathlib import Path
 
-import keras
 import numpy as np
 import pytest
 
-import tputrain
 from faults import child_env
 from test_launch import in_netns
-from tiny import TinyTask, strategy_for
+from test_replica_equivalence import OPTIONS, train
+from tiny import strategy_for
 from tputrain.launch import tf_configs
 
 pytestmark = pytest.mark.slow
-
-# name -> (build_optimizer keyword arguments or "user", Trainer keyword arguments).
-# Thresholds are small enough that clipping fires on this model's gradients.
-OPTIONS = {
-    "global_clipnorm": ({"name": "sgd", "global_clipnorm": 0.02}, {}),
-    "clipnorm": ({"name": "sgd", "clipnorm": 0.01}, {}),
-    "clipvalue": ({"name": "sgd", "clipvalue": 0.002}, {}),
-    "weight_decay": ({"name": "adamw", "weight_decay": 0.1}, {}),
-    "lars": ({"name": "lars", "learning_rate": 0.1}, {}),
-    "lamb": ({"name": "lamb"}, {}),
-    "accumulation": ({"name": "adam"}, {"accumulation_steps": 2}),
-    "user_global_clipnorm": ("user", {}),
-}
-
-
-class OptionTask(TinyTask):
-    """TinyTask with the optimizer of one OPTIONS entry."""
-
-    def __init__(self, option: str):
-        super().__init__()
-        self.option = option
-
-    def build_optimizer(self):
-        kwargs, _ = OPTIONS[self.option]
-        if kwargs == "user":
-            return keras.optimizers.Adam(0.01, global_clipnorm=0.02)
-        return tputrain.build_optimizer(**{"learning_rate": 0.05, **kwargs})
-
-
-def train(option: str, model_dir: str, strategy=None) -> list[np.ndarray]:
-    _, trainer_kwargs = OPTIONS[option]
-    trainer = tputrain.Trainer(OptionTask(option), model_dir, strategy=strategy, train_steps=4,
-                               steps_per_loop=2, global_batch_size=16, checkpoint_every=4,
-                               eval_steps=1, report_mfu=False, **trainer_kwargs)
-    trainer.train()
-    return [np.asarray(w) for w in trainer.model.get_weights()]
-
 
 WORKER = textwrap.dedent("""
     import json, sys
     import numpy as np
     import tputrain
-    from test_replica_equivalence_multiworker import OPTIONS, train
+    from test_replica_equivalence import OPTIONS, train
 
     strategy = tputrain.resolve_strategy()
     out, results = sys.argv[1], {}
@@ -99,15 +61,7 @@ def two_workers(tmp_path_factory) -> dict[str, list]:
     return json.loads((out / "weights.json").read_text())
 
 
-# Keras 3 clips inside `apply`, before the cross-replica sum: each worker clips its own
-# partial gradient (FINDINGS). Strict: the day clipping sees the all-reduced gradient,
-# these start passing and the marks must go.
-_PER_REPLICA_CLIPPING = pytest.mark.xfail(
-    strict=True, reason="known: clipping is applied per replica, before the all-reduce")
-
-
-@pytest.mark.parametrize("option", [
-    pytest.param(o, marks=_PER_REPLICA_CLIPPING) if "clip" in o else o for o in OPTIONS])
+@pytest.mark.parametrize("option", list(OPTIONS))
 def test_two_worker_processes_equal_one_replica(two_workers, tmp_path, option):
     expected = train(option, str(tmp_path / option), strategy_for(1))
     for got, want in zip(two_workers[option], expected):

@@ -1,8 +1,8 @@
 """The non-finite guard: NaN/Inf losses or gradients never reach the weights.
 
-Checked inside the compiled step, where it is nearly free: one `is_finite`
-pass over the gradients and a scalar all-reduce so every replica makes the same
-decision. A step with a non-finite loss or gradient does not update the weights
+Checked inside the compiled step, where it is nearly free: one pass over the
+gradients, which are already summed over replicas (so every replica makes the
+same decision without another all-reduce). A step with a non-finite loss or gradient does not update the weights
 (the optimizer's apply is skipped, as Keras's loss-scale optimizer does for
 overflow), and then, by `policy`:
 
@@ -91,9 +91,10 @@ class NonFiniteGuard:
     def wrap_optimizer(self, optimizer: keras.optimizers.Optimizer) -> None:
         """Makes `optimizer.apply` skip non-finite updates (all replicas agree).
 
-        Replica context: each replica checks its own gradients, one scalar
-        all-reduce combines the verdicts, and the (cross-replica) `tf.cond`
-        either runs the optimizer's own apply on every replica or skips it.
+        Replica context: the gradients arrive summed over replicas
+        (`tputrain.allreduce.reduce_gradients_first` wraps this wrapper), so each
+        replica's check agrees; the (cross-replica) `tf.cond` either runs the
+        optimizer's own apply on every replica or skips it.
         """
         if (self.policy is None or not self.check_gradients
                 or getattr(optimizer, "_tputrain_guarded", False)):
@@ -113,11 +114,12 @@ class NonFiniteGuard:
                 tf.cond(bad, lambda: tf.constant(False),
                         lambda: _as_op(original_apply(grads, trainable_variables)))
                 return
-            local_bad = tf.cast(tf.logical_not(_all_finite(grads)), tf.float32)
-            bad_replicas = context.all_reduce(tf.distribute.ReduceOp.SUM, local_bad)
+            # The gradients are already summed over replicas (tputrain.allreduce), so
+            # every replica reaches the same verdict: no all-reduce of it is needed.
+            local_bad = tf.logical_not(_all_finite(grads))
 
-            def cross_replica(distribution, bad_replicas, grads):
-                bad = distribution.experimental_local_results(bad_replicas)[0] > 0
+            def cross_replica(distribution, local_bad, grads):
+                bad = distribution.experimental_local_results(local_bad)[0]
 
                 def apply_on_every_replica():
                     distribution.extended.call_for_each_replica(
@@ -129,7 +131,7 @@ class NonFiniteGuard:
                 tf.cond(bad, lambda: tf.constant(False), apply_on_every_replica)
                 guard._gradients_bad.assign(tf.cast(bad, tf.int64))
 
-            context.merge_call(cross_replica, args=(bad_replicas, grads))
+            context.merge_call(cross_replica, args=(local_bad, grads))
 
         optimizer.apply = types.MethodType(guarded_apply, optimizer)
         optimizer._tputrain_guarded = True

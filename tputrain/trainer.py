@@ -32,6 +32,7 @@ from tputrain.precision import set_precision_policy, wrap_optimizer_for_policy
 from tputrain.progress import Progress, Stopwatch
 from tputrain.strategy import resolve_strategy
 from tputrain.task import EVAL_REGULARIZATION, EVAL_WEIGHT, Task
+from tputrain.allreduce import reduce_gradients_first
 from tputrain.guard import NonFiniteError, NonFiniteGuard
 from tputrain.preemption import Preempted, PreemptionWatcher
 from tputrain.validate import (check_model_dir, input_data_error, iterator_state_bytes,
@@ -336,6 +337,7 @@ class Trainer:
             self.guard = NonFiniteGuard()
             self.guard.build()
             self.guard.wrap_optimizer(self.optimizer)
+            reduce_gradients_first(self.optimizer)  # outermost: clipping and guard see the sum
 
         self.is_chief = _is_chief(self.strategy)
         self.model_dir = model_dir

@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import gin  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -208,6 +209,25 @@ class TputrainXLAContender(TputrainContender):
     """The same Trainer with `jit_compile=True` (one replica: the whole step in XLA)."""
 
     name = "tputrain_xla"
+    jit_compile = True
+
+
+class TputrainNoGuardContender(TputrainContender):
+    """The default Trainer with the NaN/Inf guard off (`NonFiniteGuard.policy=None`):
+    what the guard costs."""
+
+    name = "tputrain_no_guard"
+
+    def prepare(self) -> None:
+        gin.bind_parameter("NonFiniteGuard.policy", None)
+        try:
+            super().prepare()
+        finally:
+            gin.clear_config()
+
+
+class TputrainXLANoGuardContender(TputrainNoGuardContender):
+    name = "tputrain_xla_no_guard"
     jit_compile = True
 
 

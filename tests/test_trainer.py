@@ -201,13 +201,50 @@ def test_accumulation_errors_name_the_fix(tmp_path):
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_jit_compile_matches_uncompiled(tmp_path, replicas):
     """One replica compiles the whole step; two compile forward/backward only."""
-    plain = make_trainer(tmp_path, replicas, "plain", task=TinyTask(dropout=0.0))
+    plain = make_trainer(tmp_path, replicas, "plain", task=TinyTask(dropout=0.0),
+                         jit_compile=False)
     plain.train()
     compiled = make_trainer(tmp_path, replicas, "xla", task=TinyTask(dropout=0.0),
                             jit_compile=True, accumulation_steps=2)
     compiled.train()
     for a, b in zip(weights(plain), weights(compiled)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+class PyFunctionLoss(TinyTask):
+    """A loss through tf.py_function: no XLA kernel, so the step cannot compile."""
+
+    def compute_loss(self, labels, outputs):
+        loss = super().compute_loss(labels, outputs)
+        return tf.py_function(lambda x: x, [loss], tf.float32)
+
+
+def test_jit_compile_auto_compiles_one_replica_and_falls_back(tmp_path, caplog):
+    """The default compiles the whole step where XLA can lower it; where it cannot,
+    the run goes on uncompiled and says why, with the same weights."""
+    auto = make_trainer(tmp_path, 1, "auto")
+    assert auto.jit_compile == "auto"
+    auto.train()
+    assert auto.jit_compile == "auto"
+    assert auto._train_step_fn._jit_compile is True  # the tf.function XLA compiles
+    plain = make_trainer(tmp_path, 1, "plain", jit_compile=False)
+    plain.train()
+    for a, b in zip(weights(auto), weights(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+    fallback = make_trainer(tmp_path, 1, "py", task=PyFunctionLoss())
+    with caplog.at_level("WARNING"):
+        fallback.train()
+    assert fallback.jit_compile is False
+    assert any("does not compile with XLA" in r.getMessage() and "EagerPyFunc" in r.getMessage()
+               for r in caplog.records)
+    for a, b in zip(weights(fallback), weights(plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_jit_compile_rejects_other_values(tmp_path):
+    with pytest.raises(ValueError, match="True, False or 'auto'"):
+        make_trainer(tmp_path, 1, "bad", jit_compile="yes")
 
 
 def test_mfu_and_throughput_in_logs_and_tensorboard(tmp_path, caplog):

@@ -220,6 +220,11 @@ class Trainer:
         compile MirroredStrategy's cross-device variable updates (on CPU it fails
         with "Trying to access resource ... located in device CPU:1 from device
         CPU:0"). TPUs compile everything anyway; the flag changes nothing there.
+        "auto" (the default) compiles the whole step on one CPU/GPU replica when
+        XLA can lower it (measured faster here: the MLP and the Transformer of
+        `benchmarks/train_loop.py`, see docs/performance.md) and falls back, with
+        a warning, when it cannot; on several replicas it compiles nothing, since
+        only the forward/backward could be.
       accumulation_steps: split each step's `global_batch_size` examples into N
         micro-batches, sum their gradients and apply them once: the same update as
         one N-times-larger batch (batch-norm statistics aside) in 1/N the memory.
@@ -242,7 +247,7 @@ class Trainer:
                  global_batch_size: int = 64, eval_every: int | None = None,
                  eval_steps: int | None = None, checkpoint_every: int | None = None,
                  keep_checkpoints: int = 3, precision: str | None = None, seed: int = 0,
-                 input_mode: str | None = None, jit_compile: bool = False,
+                 input_mode: str | None = None, jit_compile: bool | str = "auto",
                  accumulation_steps: int = 1, profile_steps: tuple[int, int] | None = None,
                  report_mfu: bool = True, steps_per_fetch: int = 1):
         for name, value in (("train_steps", train_steps), ("steps_per_loop", steps_per_loop),
@@ -264,7 +269,9 @@ class Trainer:
         self.eval_every = eval_every
         self.eval_steps = eval_steps
         self.checkpoint_every = checkpoint_every or eval_every or 1000
-        self.jit_compile = bool(jit_compile)
+        if jit_compile not in (True, False, "auto"):
+            raise ValueError(f"Trainer.jit_compile must be True, False or 'auto', got {jit_compile!r}")
+        self.jit_compile = jit_compile
         self.accumulation_steps = int(accumulation_steps)
         self.profile_steps = _check_profile_steps(profile_steps)
         self.steps_per_fetch = _check_steps_per_fetch(
@@ -292,7 +299,7 @@ class Trainer:
                 f"global batch {self.global_batch_size} does not split into "
                 f"{self.accumulation_steps} micro-batches over {replicas} replicas: use a "
                 f"multiple of {replicas * self.accumulation_steps}")
-        if self.jit_compile and self._custom_train_step and replicas > 1:
+        if self.jit_compile is True and self._custom_train_step and replicas > 1:
             raise ValueError(
                 f"jit_compile on {replicas} replicas compiles Task.compute_gradients only, but "
                 f"{type(task).__name__} overrides Task.train_step: override compute_gradients "
@@ -371,8 +378,21 @@ class Trainer:
         self._train_step_fn: Callable | None = None
         self._eval_loop_fn: Callable | None = None
         logging.info("tputrain: %s, %d replica(s) on %d host(s), global batch %d, precision %s, "
-                     "input mode %s (%s)", type(self.strategy).__name__, replicas, self.num_hosts,
-                     self.global_batch_size, self.precision, self.input_mode, mode_reason)
+                     "input mode %s (%s), XLA %s", type(self.strategy).__name__, replicas,
+                     self.num_hosts, self.global_batch_size, self.precision, self.input_mode,
+                     mode_reason, self._xla_summary())
+
+    def _xla_summary(self) -> str:
+        """What `jit_compile` compiles here, for the start-up line."""
+        if isinstance(self.strategy, tf.distribute.TPUStrategy):
+            return "on (TPU: always compiled)"
+        replicas = self.strategy.num_replicas_in_sync
+        if self.jit_compile is True:
+            return "on (the whole step)" if replicas == 1 else "on (forward and backward only)"
+        if self.jit_compile == "auto":
+            return ("auto: the whole step, if it compiles" if replicas == 1
+                    else f"auto: off on {replicas} replicas")
+        return "off"
 
     # ----------------------------------------------------------------- inputs
 
@@ -505,8 +525,9 @@ class Trainer:
         """
         replicas = self.strategy.num_replicas_in_sync
         is_tpu = isinstance(self.strategy, tf.distribute.TPUStrategy)
-        compile_step = self.jit_compile and replicas == 1 and not is_tpu
-        compile_gradients = self.jit_compile and replicas > 1 and not is_tpu
+        compile_step = bool(self.jit_compile) and replicas == 1 and not is_tpu
+        # "auto" leaves several replicas uncompiled: only the forward/backward could be.
+        compile_gradients = self.jit_compile is True and replicas > 1 and not is_tpu
 
         if self._custom_train_step:
             def step(batch):
@@ -527,7 +548,29 @@ class Trainer:
                 gradients, loss = self._accumulate_gradients(batch, compute)
                 self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
                 return {"loss": loss}
-        return tf.function(step, jit_compile=True) if compile_step else step
+        if not compile_step:
+            return step
+        compiled = tf.function(step, jit_compile=True)
+        return compiled if self.jit_compile is True or self._compiles(compiled) else step
+
+    def _compiles(self, compiled: Callable) -> bool:
+        """jit_compile="auto": whether XLA can compile the step (lowered, not run).
+
+        A step XLA refuses (an op without an XLA kernel, e.g. a py_function) then
+        runs uncompiled, with a log line naming the reason, instead of failing.
+        """
+        spec = self._train_dataset.element_spec
+        zeros = tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), spec)
+        try:
+            self.strategy.run(lambda batch: compiled.experimental_get_compiler_ir(batch)(
+                stage="hlo"), args=(zeros,))
+        except (tf.errors.OpError, ValueError, TypeError) as error:
+            first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+            logging.warning("tputrain: jit_compile='auto': the step does not compile with XLA "
+                            "(%s: %s); it runs without XLA", type(error).__name__, first_line)
+            self.jit_compile = False
+            return False
+        return True
 
     def _accumulate_gradients(self, batch: Any, compute: Callable) -> tuple[list[Any], tf.Tensor]:
         """Replica context: gradients and loss summed over the step's micro-batches.

@@ -221,10 +221,11 @@ class Trainer:
         with "Trying to access resource ... located in device CPU:1 from device
         CPU:0"). TPUs compile everything anyway; the flag changes nothing there.
         "auto" (the default) compiles the whole step on one CPU/GPU replica when
-        XLA can lower it (measured faster here: the MLP and the Transformer of
-        `benchmarks/train_loop.py`, see docs/performance.md) and falls back, with
-        a warning, when it cannot; on several replicas it compiles nothing, since
-        only the forward/backward could be.
+        XLA can lower it (measured faster here in float32: the MLP and the
+        Transformer of `benchmarks/train_loop.py`, see docs/performance.md) and
+        falls back, with a warning, when it cannot; it compiles nothing on several
+        replicas (only the forward/backward could be) nor for mixed precision on a
+        CPU (XLA's CPU backend lacks oneDNN's bf16 matmuls: slower there).
       accumulation_steps: split each step's `global_batch_size` examples into N
         micro-batches, sum their gradients and apply them once: the same update as
         one N-times-larger batch (batch-norm statistics aside) in 1/N the memory.
@@ -380,19 +381,26 @@ class Trainer:
         logging.info("tputrain: %s, %d replica(s) on %d host(s), global batch %d, precision %s, "
                      "input mode %s (%s), XLA %s", type(self.strategy).__name__, replicas,
                      self.num_hosts, self.global_batch_size, self.precision, self.input_mode,
-                     mode_reason, self._xla_summary())
+                     mode_reason, self._xla_plan()[2])
 
-    def _xla_summary(self) -> str:
-        """What `jit_compile` compiles here, for the start-up line."""
+    def _xla_plan(self) -> tuple[bool, bool, str]:
+        """(compile the whole step, compile forward/backward only, why) for `jit_compile`."""
         if isinstance(self.strategy, tf.distribute.TPUStrategy):
-            return "on (TPU: always compiled)"
+            return False, False, "on (TPU: always compiled)"
         replicas = self.strategy.num_replicas_in_sync
         if self.jit_compile is True:
-            return "on (the whole step)" if replicas == 1 else "on (forward and backward only)"
-        if self.jit_compile == "auto":
-            return ("auto: the whole step, if it compiles" if replicas == 1
-                    else f"auto: off on {replicas} replicas")
-        return "off"
+            return (replicas == 1, replicas > 1, "on (the whole step)" if replicas == 1
+                    else "on (forward and backward only)")
+        if self.jit_compile != "auto":
+            return False, False, "off"
+        if replicas > 1:
+            return False, False, f"auto: off on {replicas} replicas"
+        on_cpu = not any("GPU" in d.upper() for d in self.strategy.extended.worker_devices)
+        if on_cpu and self.precision != "float32":
+            # XLA's CPU backend has no oneDNN bf16 matmuls: the Transformer's bf16 step
+            # took 320 ms compiled against 250 ms uncompiled (docs/performance.md).
+            return False, False, f"auto: off for {self.precision} on CPU"
+        return True, False, "auto: the whole step, if it compiles"
 
     # ----------------------------------------------------------------- inputs
 
@@ -523,11 +531,11 @@ class Trainer:
         `apply_gradients` and `Task.update_metrics`: the same maths as
         `Task.train_step`, but the forward/backward can be compiled on its own.
         """
-        replicas = self.strategy.num_replicas_in_sync
-        is_tpu = isinstance(self.strategy, tf.distribute.TPUStrategy)
-        compile_step = bool(self.jit_compile) and replicas == 1 and not is_tpu
-        # "auto" leaves several replicas uncompiled: only the forward/backward could be.
-        compile_gradients = self.jit_compile is True and replicas > 1 and not is_tpu
+        compile_step, compile_gradients, _ = self._xla_plan()
+        # With the guard, the conditional update is kept out of the step's XLA program
+        # (see NonFiniteGuard.compile_apply): forward/backward and update compile apart.
+        split = (compile_step and not self._custom_train_step
+                 and self.guard.guards_apply(self.optimizer))
 
         if self._custom_train_step:
             def step(batch):
@@ -541,7 +549,7 @@ class Trainer:
             def compute(batch):
                 return self.task.compute_gradients(batch, self.model, self.optimizer,
                                                    self.global_batch_size, **extra)
-            if compile_gradients:
+            if compile_gradients or split:
                 compute = tf.function(compute, jit_compile=True)
 
             def step(batch):
@@ -551,7 +559,12 @@ class Trainer:
         if not compile_step:
             return step
         compiled = tf.function(step, jit_compile=True)
-        return compiled if self.jit_compile is True or self._compiles(compiled) else step
+        if self.jit_compile == "auto" and not self._compiles(compiled):
+            return self._build_train_step()  # now without XLA
+        if split:
+            self.guard.compile_apply()
+            return step
+        return compiled
 
     def _compiles(self, compiled: Callable) -> bool:
         """jit_compile="auto": whether XLA can compile the step (lowered, not run).

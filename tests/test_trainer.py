@@ -309,3 +309,19 @@ def test_mixed_float16_wraps_any_optimizer_and_recovers_from_overflow(tmp_path):
     assert float(resumed.optimizer.dynamic_scale.numpy()) == scale / 2
     assert np.isfinite(logs["loss"])
     assert any(not np.array_equal(a, b) for a, b in zip(before, weights(resumed)))
+
+
+def test_evaluate_restores_the_latest_checkpoint(tmp_path, caplog):
+    """A new Trainer on a trained model_dir evaluates the trained weights, not new ones."""
+    trained = make_trainer(tmp_path, 1, "run", eval_steps=4)
+    final = trained.train()
+    fresh = make_trainer(tmp_path, 1, "run", eval_steps=4)
+    assert fresh.current_step == 0
+    assert fresh.evaluate() == pytest.approx(final)
+    assert fresh.current_step == 6
+
+    empty = make_trainer(tmp_path, 1, "empty", eval_steps=4)
+    with caplog.at_level("WARNING"):
+        empty.evaluate()
+    assert any("no checkpoint" in r.getMessage() and "untrained" in r.getMessage()
+               for r in caplog.records)

@@ -9,6 +9,9 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 from tputrain import data  # noqa: E402
+from tputrain.actions import Action  # noqa: E402
+from tputrain.console import show_progress  # noqa: E402
+from tputrain.controller import Controller  # noqa: E402
 from tputrain.checkpoint import Checkpointer, CheckpointMismatchError  # noqa: E402
 from tputrain.guard import NonFiniteError, NonFiniteGuard  # noqa: E402
 from tputrain.preemption import PREEMPTED_EXIT_CODE, Preempted  # noqa: E402
@@ -25,6 +28,9 @@ from tputrain.trainer import Trainer  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "Action",
+    "Controller",
+    "show_progress",
     "Checkpointer",
     "CheckpointMismatchError",
     "NonFiniteError",

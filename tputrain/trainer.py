@@ -15,7 +15,7 @@ import math
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import gin
 import keras
@@ -24,7 +24,7 @@ from absl import logging
 
 from tputrain.checkpoint import Checkpointer, seed_generator_states
 from tputrain.checks import check_int
-from tputrain.data import InputContext, explain_parse_error
+from tputrain.data import InputContext
 from tputrain.flops import count_flops, peak_flops, specs_of
 from tputrain.layer_precision import override_layer_dtypes
 from tputrain.lock import lock_model_dir
@@ -32,14 +32,17 @@ from tputrain.precision import set_precision_policy, wrap_optimizer_for_policy
 from tputrain.progress import Progress, Stopwatch
 from tputrain.strategy import resolve_strategy
 from tputrain.task import EVAL_REGULARIZATION, EVAL_WEIGHT, Task
+from tputrain.actions import (Action, NonFinitePolicyAction, PreemptionAction,
+                               ProfilerAction)
 from tputrain.allreduce import reduce_gradients_first
+from tputrain.console import default_progress
+from tputrain.controller import EXHAUSTED, Controller
 from tputrain.guard import NonFiniteError, NonFiniteGuard
 from tputrain.preemption import Preempted, PreemptionWatcher
-from tputrain.validate import (check_model_dir, input_data_error, iterator_state_bytes,
+from tputrain.validate import (check_model_dir, iterator_state_bytes,
                                probe_inputs, variable_bytes)
 
 _INPUT_MODES = ("host", "distributed")
-_EXHAUSTED = "tputrain: input exhausted"
 
 
 def _host_topology(strategy: tf.distribute.Strategy) -> tuple[int, int]:
@@ -241,6 +244,10 @@ class Trainer:
         order is unchanged (the same weights as 1). It shrinks (logged) to the largest
         divisor of steps_per_loop, checkpoint_every, eval_every, train_steps and
         profile_steps, so that no fetch is split by a loop boundary.
+      guard: the NaN/Inf guard (`tputrain.NonFiniteGuard(policy=...)`); None builds
+        one from gin (policy "raise" by default).
+      actions: `tputrain.Action`s called after each loop, evaluation and save and at
+        the end (tputrain.actions).
     """
 
     def __init__(self, task: Task, model_dir: str, strategy: tf.distribute.Strategy | None = None,
@@ -250,7 +257,8 @@ class Trainer:
                  keep_checkpoints: int = 3, precision: str | None = None, seed: int = 0,
                  input_mode: str | None = None, jit_compile: bool | str = "auto",
                  accumulation_steps: int = 1, profile_steps: tuple[int, int] | None = None,
-                 report_mfu: bool = True, steps_per_fetch: int = 1):
+                 report_mfu: bool = True, steps_per_fetch: int = 1,
+                 guard: NonFiniteGuard | None = None, actions: Sequence[Action] = ()):
         for name, value in (("train_steps", train_steps), ("steps_per_loop", steps_per_loop),
                             ("global_batch_size", global_batch_size),
                             ("accumulation_steps", accumulation_steps),
@@ -280,7 +288,11 @@ class Trainer:
             checkpoint_every=self.checkpoint_every, eval_every=eval_every,
             profile_steps=self.profile_steps)
         self.report_mfu = bool(report_mfu)
-        self._profiling = False
+        self.actions = list(actions)
+        if not all(isinstance(a, Action) for a in self.actions):
+            raise TypeError("Trainer.actions must be tputrain.Action instances, got "
+                            f"{[type(a).__name__ for a in self.actions]}")
+        default_progress()  # a plain Python script shows progress, as the CLI does
         self._custom_train_step = type(task).train_step is not Task.train_step
         self.flops_per_step: float | None = None
         if self._custom_train_step and self.accumulation_steps > 1:
@@ -342,7 +354,7 @@ class Trainer:
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step",
                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
             # NaN/Inf losses or gradients are caught inside the step (tputrain.guard).
-            self.guard = NonFiniteGuard()
+            self.guard = guard if guard is not None else NonFiniteGuard()
             self.guard.build()
             self.guard.wrap_optimizer(self.optimizer)
             reduce_gradients_first(self.optimizer)  # outermost: clipping and guard see the sum
@@ -688,7 +700,7 @@ class Trainer:
         @tf.function
         def loop(iterator, num_steps):
             has_value, value, input_wait, ready = timed_next(iterator)
-            with tf.control_dependencies([tf.debugging.Assert(has_value, [_EXHAUSTED])]):
+            with tf.control_dependencies([tf.debugging.Assert(has_value, [EXHAUSTED])]):
                 batches = batches_of(value, ready)
                 totals = first_step(batches)
                 steps = tf.constant(1, tf.int32)
@@ -707,7 +719,10 @@ class Trainer:
 
     # ------------------------------------------------------------------- loops
 
-    def _train_loop(self, num_steps: int) -> tuple[dict[str, float], int]:
+    def run_loop(self, num_steps: int) -> tuple[dict[str, float], int, float]:
+        """Runs up to `num_steps` train steps in one compiled call (no cadence, no
+        actions): (mean logs and train metrics, steps run, seconds waiting for input).
+        `Controller` calls it; tools that time the raw loop (diagnose) too."""
         if self._train_loop_fn is None:
             self._train_step_fn = self._build_train_step()
             self._train_loop_fn = self._make_loop(self._replica_train_step, count_steps=True)
@@ -720,7 +735,9 @@ class Trainer:
         logs.update({m.name: float(m.result()) for m in self.train_metrics})
         return logs, steps, float(input_wait)
 
-    def _next_boundary(self, step: int) -> int:
+    _train_loop = run_loop  # the name diagnose/benchmarks used before run_loop was public
+
+    def next_boundary(self, step: int) -> int:
         """Steps until the next loop end: steps_per_loop, eval, checkpoint or the end."""
         limits = [self.steps_per_loop, self.train_steps - step,
                   self.checkpoint_every - step % self.checkpoint_every]
@@ -762,31 +779,25 @@ class Trainer:
         logging.info("tputrain: %.4g FLOPs per step; peak %.4g FLOP/s (%s)",
                      self.flops_per_step, peak.flops_per_second, peak.source)
 
-    def _update_profiler(self, step: int) -> None:
-        """Starts the TensorBoard profiler at profile_steps[0], stops it at [1]."""
-        if not self.profile_steps or not self.is_chief:
-            return
-        start, stop = self.profile_steps
-        if not self._profiling and start <= step < stop:
-            tf.profiler.experimental.start(os.path.join(self.model_dir, "train"))
-            self._profiling = True
-        elif self._profiling and step >= stop:
-            tf.profiler.experimental.stop()
-            self._profiling = False
-            logging.info("tputrain: profile of steps %d-%d written to %s", start, stop,
-                         os.path.join(self.model_dir, "train", "plugins", "profile"))
+    @property
+    def current_step(self) -> int:
+        """The global step (optimizer updates done), as a Python int."""
+        return int(self.step.numpy())
 
-    def train(self) -> dict[str, float]:
-        """Trains to `train_steps`, resuming from the latest checkpoint in model_dir.
-
-        Returns the last evaluation's metrics (evaluated at the end of training).
+    def train(self, num_steps: int | None = None) -> dict[str, float]:
+        """Trains `num_steps` more steps (None: up to `train_steps`), resuming from the
+        latest checkpoint in model_dir; evaluates and saves on the configured cadence
+        and at the end, and returns the last evaluation's metrics.
         """
         self.checkpointer.restore_latest()
-        step = int(self.step.numpy())
-        if step >= self.train_steps:
+        step = self.current_step
+        if num_steps is not None:
+            check_int("Trainer.train", "num_steps", num_steps, 1)
+        until = self.train_steps if num_steps is None else step + int(num_steps)
+        if step >= until:
             logging.info("tputrain: %s is at step %d >= train_steps %d; nothing to train",
                          self.model_dir, step, self.train_steps)
-            return self.evaluate()
+            return self.evaluate_weights()
         if step % self.steps_per_fetch:
             raise ValueError(
                 f"the checkpoint in {self.model_dir} is at step {step}, not a multiple of "
@@ -794,47 +805,39 @@ class Trainer:
                 "steps_per_fetch that divides it (e.g. 1)")
         if self.input_mode == "distributed":
             self._train_iterator = self._distributed_iterator("train", skip_steps=step)
-        logging.info("tputrain: training from step %d to %d", step, self.train_steps)
+        logging.info("tputrain: training from step %d to %d", step, until)
         self._setup_mfu()
-        eval_logs: dict[str, float] = {}
         self._preemption.install()
         try:
-            while step < self.train_steps:
-                self._update_profiler(step)
-                with Stopwatch() as watch:
-                    try:
-                        logs, steps, input_wait = self._train_loop(self._next_boundary(step))
-                    except tf.errors.DataLossError as error:
-                        raise input_data_error(error, "train", f"after step {step}") from None
-                    except tf.errors.InvalidArgumentError as error:
-                        if _EXHAUSTED not in str(error):  # a record unlike its feature spec?
-                            raise explain_parse_error(error) from None
-                        logging.warning("tputrain: train input ended at step %d", step)
-                        break
-                step = int(self.step.numpy())
-                self._update_profiler(step)
-                logs["learning_rate"] = float(keras.ops.convert_to_numpy(self.optimizer.learning_rate))
-                logs.update(self._guard_logs())
-                self.progress.train_loop_done(step, steps, watch.seconds, logs, input_wait)
-                self._after_loop(step)
-                if self.eval_every and step % self.eval_every == 0 and step < self.train_steps:
-                    eval_logs = self.evaluate()
-                if self.checkpointer.due(step):
-                    self.checkpointer.save()
-            self.checkpointer.save()
-            eval_logs = self.evaluate()
+            return Controller(self, self._actions()).run(until)
         finally:
-            if self._profiling:
-                tf.profiler.experimental.stop()
-                self._profiling = False
             self.checkpointer.sync()  # an async write in flight completes before we return
             self._preemption.uninstall()
             self.progress.close()
             self._cleanup_worker_dir()
-        return eval_logs
+
+    def _actions(self) -> list[Action]:
+        """The built-in actions (profiler, non-finite policy, preemption), then the user's."""
+        built_in: list[Action] = []
+        if self.profile_steps and self.is_chief:
+            built_in.append(ProfilerAction(*self.profile_steps, os.path.join(self.model_dir, "train")))
+        return built_in + [NonFinitePolicyAction(), PreemptionAction()] + self.actions
 
     def evaluate(self) -> dict[str, float]:
-        """Evaluates on the eval split; returns {"loss": ..., metric names: ...}.
+        """Restores the latest checkpoint of model_dir, then evaluates it (see
+        `evaluate_weights`); says so when there is none and the weights are the
+        initial ones."""
+        path = self.checkpointer.restore_latest()
+        if path is None:
+            logging.warning("tputrain: no checkpoint in %s: evaluating the initial (untrained) "
+                            "weights", self.model_dir)
+        logs = self.evaluate_weights()
+        for action in self.actions:
+            action.on_eval_end(self, self.current_step, logs)
+        return logs
+
+    def evaluate_weights(self) -> dict[str, float]:
+        """Evaluates the weights in memory on the eval split; returns {"loss": ..., metrics}.
 
         The eval iterator is created once and reused (freeing tf.data iterators can
         block for seconds); each evaluation sees the same `eval_steps` batches, or the
@@ -851,7 +854,7 @@ class Trainer:
                                                   tf.constant(self._eval_batches, tf.int32))
             logs = _eval_means(totals, int(steps))
             logs.update({m.name: float(m.result()) for m in self.eval_metrics})
-        self.progress.eval_done(int(self.step.numpy()), logs, watch.seconds, int(steps))
+        self.progress.eval_done(self.current_step, logs, watch.seconds, int(steps))
         return logs
 
     def _build_eval(self) -> None:
@@ -930,26 +933,30 @@ class Trainer:
         """Whether any host was asked to stop (all hosts then stop at this step)."""
         return self._max_over_hosts(int(self._preemption.requested)) > 0
 
-    def _guard_logs(self) -> dict[str, float]:
+    def guard_logs(self) -> dict[str, float]:
+        """`nonfinite_steps` for the logs, once any step was non-finite."""
         count = int(self.guard.nonfinite_steps.numpy())
         return {"nonfinite_steps": float(count)} if count else {}
 
-    def _after_loop(self, step: int) -> None:
-        """Between host loops: the non-finite policy, then preemption (save, exit 42)."""
+    def apply_nonfinite_policy(self, step: int) -> None:
+        """After a loop: raise or roll back if the guard tripped (NonFiniteGuard.policy)."""
         tripped = self.guard.take_trip()
-        if tripped:
-            if self.guard.policy == "raise":
-                raise NonFiniteError(self.guard.message(tripped))
-            self.guard.rollbacks += 1
-            if self.guard.rollbacks > self.guard.max_rollbacks:
-                raise NonFiniteError(self.guard.message(tripped, gave_up=True))
-            path = self.checkpointer.restore_weights(
-                exclude=("iterator", "step", "nonfinite_steps"))
-            if path is None:
-                raise NonFiniteError(self.guard.message(tripped, no_checkpoint=True))
-            logging.warning("tputrain: non-finite step %d: rolled the weights back to %s "
-                            "(rollback %d of %d); the data continues from step %d", tripped,
-                            path, self.guard.rollbacks, self.guard.max_rollbacks, step)
+        if not tripped:
+            return
+        if self.guard.policy == "raise":
+            raise NonFiniteError(self.guard.message(tripped))
+        self.guard.rollbacks += 1
+        if self.guard.rollbacks > self.guard.max_rollbacks:
+            raise NonFiniteError(self.guard.message(tripped, gave_up=True))
+        path = self.checkpointer.restore_weights(exclude=("iterator", "step", "nonfinite_steps"))
+        if path is None:
+            raise NonFiniteError(self.guard.message(tripped, no_checkpoint=True))
+        logging.warning("tputrain: non-finite step %d: rolled the weights back to %s "
+                        "(rollback %d of %d); the data continues from step %d", tripped,
+                        path, self.guard.rollbacks, self.guard.max_rollbacks, step)
+
+    def stop_if_preempted(self, step: int) -> None:
+        """After a loop: if any host got SIGTERM, save and raise `Preempted` (exit 42)."""
         if self._preempted():
             path = self.checkpointer.save()
             preempted = Preempted(step, path)

@@ -1,0 +1,98 @@
+"""The Controller: the cadence of a run (train loops, evaluation, checkpoints, actions).
+
+The Trainer knows how to run one compiled loop (`Trainer.run_loop`), evaluate
+and save; the Controller decides when, and calls the actions after each loop,
+evaluation and save. Read this file to change *when* things happen; read
+trainer.py to change *how* a step runs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from tputrain.actions import Action, ProfilerAction
+from tputrain.data import explain_parse_error
+from tputrain.progress import Stopwatch
+from tputrain.validate import input_data_error
+
+if TYPE_CHECKING:  # annotations only: the Trainer imports this module
+    from tputrain.trainer import Trainer
+
+EXHAUSTED = "tputrain: input exhausted"
+
+
+class Controller:
+    """Runs `trainer` to a target step: loops, then actions, eval and saves when due."""
+
+    def __init__(self, trainer: "Trainer", actions: Sequence[Action]):
+        self.trainer = trainer
+        self.actions = list(actions)
+
+    def _loop(self, step: int) -> tuple[dict[str, float], int, float, float] | None:
+        """One compiled loop from `step`; None when the train input ended."""
+        trainer = self.trainer
+        with Stopwatch() as watch:
+            try:
+                logs, steps, input_wait = trainer.run_loop(trainer.next_boundary(step))
+            except tf.errors.DataLossError as error:
+                raise input_data_error(error, "train", f"after step {step}") from None
+            except tf.errors.InvalidArgumentError as error:
+                if EXHAUSTED not in str(error):  # a record unlike its feature spec?
+                    raise explain_parse_error(error) from None
+                logging.warning("tputrain: train input ended at step %d", step)
+                return None
+        return logs, steps, watch.seconds, input_wait
+
+    def _after_loop(self, step: int, logs: dict[str, float], steps: int, seconds: float,
+                    input_wait: float) -> None:
+        trainer = self.trainer
+        logs["learning_rate"] = float(keras.ops.convert_to_numpy(trainer.optimizer.learning_rate))
+        logs.update(trainer.guard_logs())
+        logs.update(trainer.progress.train_loop_done(step, steps, seconds, logs, input_wait))
+        for action in self.actions:
+            action.on_loop_end(trainer, step, logs)
+
+    def evaluate(self) -> dict[str, float]:
+        trainer = self.trainer
+        logs = trainer.evaluate_weights()
+        for action in self.actions:
+            action.on_eval_end(trainer, trainer.current_step, logs)
+        return logs
+
+    def save(self) -> None:
+        trainer = self.trainer
+        path = trainer.checkpointer.save()
+        for action in self.actions:
+            action.on_save(trainer, trainer.current_step, path)
+
+    def run(self, until: int) -> dict[str, float]:
+        """Trains from the current step to `until`; returns the final evaluation."""
+        trainer = self.trainer
+        step = trainer.current_step
+        eval_logs: dict[str, float] = {}
+        profilers = [a for a in self.actions if isinstance(a, ProfilerAction)]
+        try:
+            while step < until:
+                for profiler in profilers:
+                    profiler.update(step)
+                result = self._loop(step)
+                if result is None:
+                    break
+                step = trainer.current_step
+                self._after_loop(step, *result)
+                if trainer.eval_every and step % trainer.eval_every == 0 and step < until:
+                    eval_logs = self.evaluate()
+                if trainer.checkpointer.due(step):
+                    self.save()
+            self.save()
+            eval_logs = self.evaluate()
+        finally:
+            for profiler in profilers:
+                profiler.close()
+        for action in self.actions:
+            action.on_train_end(trainer, step, eval_logs)
+        return eval_logs

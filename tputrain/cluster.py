@@ -1,5 +1,9 @@
 """Joining a multi-worker cluster (TF_CONFIG): fail clearly instead of hanging.
 
+`read_tf_config` is the one reader of $TF_CONFIG: the strategy resolver and the
+join watchdog both ask it, so a malformed value gives the same `TFConfigError`
+whoever reads it first, instead of one reader raising and another ignoring it.
+
 `MultiWorkerMirroredStrategy()` blocks, silently and without a deadline, until
 every task in TF_CONFIG has started, and holds the GIL while it waits (no Python
 thread of the process runs). `join_watchdog` bounds that wait from a small
@@ -13,37 +17,109 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import gin
 
 JOIN_TIMEOUT_EXIT_CODE = 3
+# The task types that train (and so count towards the cluster's size); an
+# "evaluator" or "ps" task is not part of the all-reduce.
+_TRAINING_TASKS = ("chief", "worker")
 
 
-def cluster_tasks() -> list[tuple[str, int, str]]:
-    """[(task type, index, address)] of every chief/worker in $TF_CONFIG ([] if unset)."""
-    raw = os.environ.get("TF_CONFIG")
+class TFConfigError(ValueError):
+    """$TF_CONFIG is set but cannot describe this cluster; the message names the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """What $TF_CONFIG says: the training tasks and which one this process is.
+
+    `tasks` lists `(type, index, address)` of every chief and worker, chief
+    first; `task_type`/`task_index` are None when TF_CONFIG has no "task".
+    """
+
+    tasks: tuple[tuple[str, int, str], ...]
+    task_type: str | None = None
+    task_index: int | None = None
+
+    @property
+    def num_tasks(self) -> int:
+        """Chief + worker tasks: the processes that train together."""
+        return len(self.tasks)
+
+    @property
+    def this_task(self) -> tuple[str, int] | None:
+        """(type, index) of this process, or None if TF_CONFIG does not say."""
+        if self.task_type is None or self.task_index is None:
+            return None
+        return self.task_type, self.task_index
+
+    def require_task(self) -> tuple[str, int]:
+        """This process's task; TFConfigError if TF_CONFIG has none or names a
+        chief/worker the cluster does not list (multi-worker training needs it)."""
+        me = self.this_task
+        if me is None:
+            raise TFConfigError(
+                "TF_CONFIG has a cluster but no task: add "
+                '"task": {"type": "worker", "index": N} for this process.')
+        count = sum(kind == me[0] for kind, _, _ in self.tasks)
+        if me[0] in _TRAINING_TASKS and not 0 <= me[1] < count:
+            raise TFConfigError(
+                f"TF_CONFIG's task is {me[0]} {me[1]}, but its cluster lists {count} "
+                f"{me[0]} task(s): use an index in [0, {count})")
+        return me
+
+
+def read_tf_config(raw: str | None = None) -> ClusterSpec | None:
+    """$TF_CONFIG (or `raw`) parsed, or None if it is unset or empty.
+
+    Raises `TFConfigError` naming the fix if it is not a JSON object with a
+    cluster of address lists and, if given, a task with a type and an int index.
+    """
+    if raw is None:
+        raw = os.environ.get("TF_CONFIG")
     if not raw:
-        return []
-    try:
-        cluster = json.loads(raw).get("cluster") or {}
-    except (json.JSONDecodeError, AttributeError):
-        return []
-    return [(kind, index, address) for kind in ("chief", "worker")
-            for index, address in enumerate(cluster.get(kind, []))]
-
-
-def this_task() -> tuple[str, int] | None:
-    try:
-        task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task") or {}
-        return task["type"], int(task["index"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
         return None
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise TFConfigError(f"TF_CONFIG is not valid JSON ({e}): fix or unset it.") from e
+    if not isinstance(config, dict):
+        raise TFConfigError("TF_CONFIG must be a JSON object with 'cluster' and 'task'.")
+    return ClusterSpec(_training_tasks(config.get("cluster") or {}), *_task(config))
+
+
+def _training_tasks(cluster: Any) -> tuple[tuple[str, int, str], ...]:
+    """(type, index, address) of the chief and workers of TF_CONFIG's "cluster"."""
+    if not isinstance(cluster, dict):
+        raise TFConfigError("TF_CONFIG's cluster must be a JSON object such as "
+                            f'{{"worker": ["host:port", ...]}}, got {cluster!r}')
+    tasks = []
+    for kind in _TRAINING_TASKS:
+        addresses = cluster.get(kind) or []
+        if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+            raise TFConfigError(f'TF_CONFIG\'s cluster "{kind}" must be a list of '
+                                f'"host:port" addresses, got {addresses!r}')
+        tasks.extend((kind, index, address) for index, address in enumerate(addresses))
+    return tuple(tasks)
+
+
+def _task(config: dict) -> tuple[str | None, int | None]:
+    """(type, index) of TF_CONFIG's "task", or (None, None) if it lacks either."""
+    task = config.get("task") or {}
+    if not isinstance(task, dict) or "type" not in task or "index" not in task:
+        return None, None
+    index = task["index"]
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise TFConfigError(f"TF_CONFIG's task index must be an int, got {index!r}")
+    return str(task["type"]), index
 
 
 # Runs in a separate small Python process: the strategy's C++ wait holds the GIL,
@@ -105,12 +181,12 @@ def join_watchdog(timeout: float = 300.0) -> Iterator[None]:
     A watchdog subprocess does the waiting (see `_WATCHDOG`); the body closing its
     stdin pipe tells it the cluster formed.
     """
-    tasks = cluster_tasks()
-    if len(tasks) < 2:
+    spec = read_tf_config()  # a malformed TF_CONFIG fails here, as it would in the resolver
+    if spec is None or spec.num_tasks < 2:
         yield
         return
-    me = this_task()
-    names = ",".join(f"{kind} {index}={address}" for kind, index, address in tasks)
+    me = spec.this_task
+    names = ",".join(f"{kind} {index}={address}" for kind, index, address in spec.tasks)
     restore = _exit_on_sigquit()
     watchdog = subprocess.Popen(
         [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(timeout), names,

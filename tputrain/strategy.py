@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import http.client
-import json
 import os
 import socket
 from typing import Iterator, NamedTuple
@@ -31,6 +30,8 @@ from typing import Iterator, NamedTuple
 import gin
 import tensorflow as tf
 from absl import logging
+
+from tputrain.cluster import read_tf_config
 
 VALID_STRATEGIES = ("tpu", "multi_worker", "mirrored", "one_device", "cpu")
 
@@ -165,9 +166,10 @@ def _decide(
         why_not = tpu_failure  # Do not probe again: it already failed.
     skipped = [f"tpu ({why_not})"]
 
-    tasks = _tf_config_task_count()
-    if tasks is not None and tasks > 1:
-        _check_tf_config_task()
+    spec = read_tf_config()
+    tasks = None if spec is None else spec.num_tasks
+    if spec is not None and spec.num_tasks > 1:
+        spec.require_task()
         return _Decision("multi_worker", tuple(skipped))
     skipped.append(
         "multi_worker (TF_CONFIG unset)"
@@ -208,13 +210,14 @@ def _decide_forced(tpu: str | None, strategy: str) -> _Decision:
             )
         return _Decision("tpu", (), forced=True, tpu_target=target)
     if strategy == "multi_worker":
-        if _tf_config_task_count() is None:
+        spec = read_tf_config()
+        if spec is None:
             raise RuntimeError(
                 "strategy='multi_worker' needs TF_CONFIG describing the cluster and this "
                 "task: set TF_CONFIG on every worker, or use strategy='mirrored' for "
                 "one machine."
             )
-        _check_tf_config_task()
+        spec.require_task()
     return _Decision(strategy, (), forced=True)
 
 
@@ -303,37 +306,10 @@ def _on_gce() -> bool:
         return False
 
 
-def _tf_config() -> dict | None:
-    """Parsed $TF_CONFIG, or None if unset; raises naming the variable if invalid."""
-    raw = os.environ.get("TF_CONFIG")
-    if not raw:
-        return None
-    try:
-        config = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"TF_CONFIG is not valid JSON ({e}): fix or unset it.") from e
-    if not isinstance(config, dict):
-        raise ValueError("TF_CONFIG must be a JSON object with 'cluster' and 'task'.")
-    return config
-
-
 def _tf_config_task_count() -> int | None:
     """Number of worker + chief tasks in $TF_CONFIG, or None if it is unset."""
-    config = _tf_config()
-    if config is None:
-        return None
-    cluster = config.get("cluster") or {}
-    return len(cluster.get("worker", [])) + len(cluster.get("chief", []))
-
-
-def _check_tf_config_task() -> None:
-    """Multi-worker needs to know which task this process is."""
-    task = (_tf_config() or {}).get("task") or {}
-    if "type" not in task or "index" not in task:
-        raise ValueError(
-            "TF_CONFIG has a cluster but no task: add "
-            '"task": {"type": "worker", "index": N} for this process.'
-        )
+    spec = read_tf_config()
+    return None if spec is None else spec.num_tasks
 
 
 def _gpu_count() -> int:

@@ -154,6 +154,22 @@ def test_element_spec_is_fully_static(tmp_path, label_key):
         assert dataset.element_spec["id"].shape == (4,)
 
 
+def test_one_static_shape_check_for_builders_and_the_trainer():
+    """`check_static` names the pipeline and feature; given the per-replica batch it
+    also refuses another leading dimension (what the Trainer checks)."""
+    from tputrain.data.batching import check_static
+    spec = {"x": tf.TensorSpec([4, None]), "y": tf.TensorSpec([3])}
+    with pytest.raises(ValueError, match=r"^TFDSInput: feature 'x' has dynamic shape "
+                                         r"\(4, None\): TPUs and compiled loops need static "
+                                         r"shapes; pad it$"):
+        check_static("TFDSInput", spec, "pad it")
+    spec["x"] = tf.TensorSpec([4, 2])
+    check_static("train input", spec, "pad it")  # shapes alone are static
+    with pytest.raises(ValueError, match="train input: feature 'y' has batch dimension 3 but "
+                                         "the per-replica batch is 4"):
+        check_static("train input", spec, "pad it", per_replica_batch=4)
+
+
 def test_drop_remainder(tmp_path):
     pattern = _write(tmp_path, 10, 2)
     dataset = TFRecordInput(pattern, FEATURES, global_batch_size=4, shuffle=False,

@@ -17,11 +17,12 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tputrain.checks import check_bool, check_int
 from tputrain.data.context import InputContext
+from tputrain.data.options import InputOptions
 
 _CHUNK_BYTES = 16 * 2**20  # in-memory batches are gathered this much at a time
-_NOT_STATIC = ("TPUs need static shapes: pad or resize every example to one shape "
-               "before batching")
+_NOT_STATIC = "pad or resize every example to one shape before batching"
 
 
 def resolve_per_replica_batch(builder: str, configured: int | None,
@@ -78,14 +79,25 @@ def check_pad_remainder(builder: str, pad_remainder: bool, repeat: bool,
                          "and a label_key")
 
 
-def check_static(builder: str, element_spec: Any, fix: str = _NOT_STATIC) -> None:
-    """Fails with the feature's name if any batch shape is not fully known."""
+def check_static(where: str, element_spec: Any, fix: str = _NOT_STATIC,
+                 per_replica_batch: int | None = None) -> None:
+    """Fails naming the first feature whose shape is not fully known, or, given
+    `per_replica_batch`, whose leading dimension is another batch: XLA compiles one
+    shape, so this fails before anything is traced. `where` names the pipeline
+    ("TFRecordInput", "train input"); `fix` is the remedy in its terms."""
     for path, spec in keras.tree.flatten_with_path(element_spec):
-        path = "/".join(map(str, path))
+        path = "/".join(map(str, path)) or "<root>"
         shape = getattr(spec, "shape", None)
-        if shape is not None and not shape.is_fully_defined():
-            raise ValueError(f"{builder}: feature {path!r} has non-static shape {shape} in the "
-                             f"input pipeline: {fix}")
+        if shape is None:
+            continue
+        if not shape.is_fully_defined():
+            raise ValueError(f"{where}: feature {path!r} has dynamic shape {shape}: TPUs and "
+                             f"compiled loops need static shapes; {fix}")
+        if per_replica_batch is not None and shape.rank and shape[0] != per_replica_batch:
+            raise ValueError(
+                f"{where}: feature {path!r} has batch dimension {shape[0]} but the per-replica "
+                f"batch is {per_replica_batch}: batch with "
+                "input_context.get_per_replica_batch_size(input_context.global_batch_size)")
 
 
 def random_seed() -> int:
@@ -143,3 +155,91 @@ def in_memory_batches(examples: Mapping[str, tf.Tensor], batch_size: int, *, shu
     return index_batches.flat_map(
         lambda matrix: tf.data.Dataset.from_tensor_slices(matrix).batch(batches_per_chunk)
         .flat_map(gathered))
+
+
+def check_cache(builder: str, cache: Any) -> bool | str:
+    """`cache` as False, "memory" or a file path prefix (True means "memory")."""
+    if cache is None or cache is False:
+        return False
+    if cache is True or cache == "memory":
+        return "memory"
+    if isinstance(cache, str) and cache:
+        return cache
+    raise ValueError(f"{builder}: cache must be False, True/'memory' or a file path prefix, "
+                     f"got {cache!r}")
+
+
+class BatchedInput:
+    """What every input builder (TFRecordInput, TFDSInput) shares, written once: the
+    checked batching settings, cache -> shuffle -> repeat -> batch, and the tail
+    (InputOptions, tf.data options, the static-shape check)."""
+
+    label_key: str | None
+    global_batch_size: int | None
+    shuffle: bool
+    shuffle_buffer: int
+    seed: int | None
+    repeat: bool
+    deterministic: bool | None
+    cache: bool | str
+    pad_remainder: bool
+    options: InputOptions
+    static_fix: str = _NOT_STATIC  # the remedy for a dynamic shape, in the builder's terms
+
+    def _set_batching(self, *, label_key: str | None, global_batch_size: int | None,
+                      shuffle: bool, shuffle_buffer: int, seed: int | None, repeat: bool,
+                      deterministic: bool | None, cache: bool | str,
+                      options: InputOptions | None, pad_remainder: bool) -> None:
+        """Checks (naming the builder) and stores the shared constructor arguments."""
+        owner = type(self).__name__
+        self.label_key = label_key
+        self.global_batch_size = check_int(owner, "global_batch_size", global_batch_size, 1,
+                                           allow_none=True)
+        self.shuffle = check_bool(owner, "shuffle", shuffle)
+        self.shuffle_buffer = check_int(owner, "shuffle_buffer", shuffle_buffer, 1)
+        self.seed = check_int(owner, "seed", seed, 0, allow_none=True)
+        self.repeat = check_bool(owner, "repeat", repeat)
+        self.deterministic = check_bool(owner, "deterministic", deterministic, allow_none=True)
+        self.pad_remainder = check_bool(owner, "pad_remainder", pad_remainder)
+        check_pad_remainder(owner, pad_remainder, repeat, label_key)
+        self.cache = check_cache(owner, cache)
+        if options is not None and not isinstance(options, InputOptions):
+            raise TypeError(f"{owner}: options must be an InputOptions, got {options!r}")
+        self.options = options or InputOptions()
+
+    def _per_replica_batch(self, context: InputContext) -> int:
+        return resolve_per_replica_batch(type(self).__name__, self.global_batch_size, context)
+
+    def _stream(self, examples: tf.data.Dataset, batch_size: int,
+                context: InputContext) -> tf.data.Dataset:
+        """cache -> shuffle -> repeat -> batch, for data not held in RAM as tensors.
+
+        `drop_remainder` keeps the batch dimension static: TPUs compile one shape,
+        and a partial batch would leave some replicas empty (NaN losses);
+        pad_remainder keeps the last partial batch for `pad_to_batch` instead.
+        """
+        if self.cache == "memory":
+            examples = examples.cache()
+        elif self.cache:  # one cache file per pipeline: tf.data allows one reader per file
+            examples = examples.cache(f"{self.cache}-{context.input_pipeline_id:05d}"
+                                      f"-of-{context.num_input_pipelines:05d}")
+        if self.shuffle:
+            examples = examples.shuffle(self.shuffle_buffer, seed=self.seed,
+                                        reshuffle_each_iteration=True)
+        if self.repeat:
+            examples = examples.repeat()
+        return examples.batch(batch_size, drop_remainder=not self.pad_remainder)
+
+    def _finish(self, dataset: tf.data.Dataset, context: InputContext) -> tf.data.Dataset:
+        """InputOptions, determinism, no second sharding by tf.distribute (each pipeline
+        shards itself), then the static-shape check."""
+        dataset = self.options.apply(dataset)
+        options = tf.data.Options()
+        if self.deterministic is not None:
+            options.deterministic = self.deterministic
+        if context.num_input_pipelines > 1:
+            options.experimental_distribute.auto_shard_policy = (
+                tf.data.experimental.AutoShardPolicy.OFF)
+        dataset = dataset.with_options(options)
+        check_static(type(self).__name__, dataset.element_spec, self.static_fix)
+        return dataset

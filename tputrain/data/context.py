@@ -10,13 +10,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-
-def _check_int(name: str, value, minimum: int) -> None:
-    # bool is an int subclass; `global_batch_size=True` is never what was meant.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+from tputrain.checks import check_int, per_replica_batch
 
 
 class InputContext(tf.distribute.InputContext):
@@ -39,9 +33,9 @@ class InputContext(tf.distribute.InputContext):
         num_replicas_in_sync: int = 1,
         global_batch_size: int | None = None,
     ):
-        _check_int("num_input_pipelines", num_input_pipelines, 1)
-        _check_int("input_pipeline_id", input_pipeline_id, 0)
-        _check_int("num_replicas_in_sync", num_replicas_in_sync, 1)
+        check_int("InputContext", "num_input_pipelines", num_input_pipelines, 1)
+        check_int("InputContext", "input_pipeline_id", input_pipeline_id, 0)
+        check_int("InputContext", "num_replicas_in_sync", num_replicas_in_sync, 1)
         if input_pipeline_id >= num_input_pipelines:
             raise ValueError(
                 f"input_pipeline_id={input_pipeline_id} is out of range for "
@@ -80,13 +74,8 @@ class InputContext(tf.distribute.InputContext):
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """Returns `global_batch_size // num_replicas_in_sync`; raises if uneven."""
-        _check_int("global_batch_size", global_batch_size, 1)
-        replicas = self.num_replicas_in_sync
-        if global_batch_size % replicas:
-            raise ValueError(
-                f"global batch {global_batch_size} is not divisible by {replicas} "
-                f"replicas: use a multiple of {replicas}")
-        return global_batch_size // replicas
+        check_int("InputContext", "global_batch_size", global_batch_size, 1)
+        return per_replica_batch(global_batch_size, self.num_replicas_in_sync)
 
     def __repr__(self) -> str:
         return (f"InputContext(num_input_pipelines={self.num_input_pipelines}, "

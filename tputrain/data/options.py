@@ -14,17 +14,10 @@ import dataclasses
 import gin
 import tensorflow as tf
 
+from tputrain.checks import check_bool, check_int
+
 _PROCESSING_MODES = ("parallel_epochs", "distributed_epoch")
 _EXTERNAL_STATE = {"fail": "FAIL", "warn": "WARN", "ignore": "IGNORE"}
-
-
-def _check_optional_int(name: str, value, minimum: int) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"InputOptions.{name} must be an int or None, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"InputOptions.{name} must be >= {minimum} or None, got {value}")
 
 
 @gin.configurable
@@ -75,13 +68,13 @@ class InputOptions:
     external_state_policy: str | None = None
 
     def __post_init__(self):
-        _check_optional_int("threadpool_size", self.threadpool_size, 1)
-        _check_optional_int("max_intra_op_parallelism", self.max_intra_op_parallelism, 1)
-        _check_optional_int("autotune_ram_budget", self.autotune_ram_budget, 1)
-        _check_optional_int("autotune_cpu_budget", self.autotune_cpu_budget, 1)
-        _check_optional_int("prefetch", self.prefetch, 0)
-        if not isinstance(self.autotune, bool):
-            raise TypeError(f"InputOptions.autotune must be True or False, got {self.autotune!r}")
+        for name, minimum in (("threadpool_size", 1), ("max_intra_op_parallelism", 1),
+                              ("autotune_ram_budget", 1), ("autotune_cpu_budget", 1),
+                              ("prefetch", 0)):
+            # Stored as a plain int: tf.data.Options refuses numpy ints.
+            object.__setattr__(self, name, check_int("InputOptions", name, getattr(self, name),
+                                                     minimum, allow_none=True))
+        check_bool("InputOptions", "autotune", self.autotune)
         if self.service_processing_mode not in _PROCESSING_MODES:
             raise ValueError(
                 f"InputOptions.service_processing_mode must be one of {_PROCESSING_MODES}, "

@@ -16,31 +16,18 @@ import gin
 import tensorflow as tf
 from absl import logging
 
-from tputrain.data.batching import (check_pad_remainder, check_static, in_memory_batches,
-                                    pad_to_batch, resolve_per_replica_batch, split_label)
+from tputrain.checks import check_bool, check_int
+from tputrain.data.batching import (BatchedInput, check_static, in_memory_batches, pad_to_batch,
+                                    split_label)
 from tputrain.data.context import InputContext
 from tputrain.data.options import InputOptions
 
-_STATIC_FIX = ("TPUs need static shapes: resize or pad each example with "
-               "TFDSInput.preprocess_example, or keep only fixed-shape features with "
-               "TFDSInput.features")
-
-
-def _check_flag(name: str, value: Any, allow_none: bool = False) -> None:
-    if not (isinstance(value, bool) or (allow_none and value is None)):
-        raise TypeError(f"TFDSInput: {name} must be True or False, got {value!r}")
-
-
-def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"TFDSInput: {name} must be an int >= {minimum}"
-                         f"{' or None' if allow_none else ''}, got {value!r}")
+_STATIC_FIX = ("resize or pad each example with TFDSInput.preprocess_example, or keep only "
+               "fixed-shape features with TFDSInput.features")
 
 
 @gin.configurable
-class TFDSInput:
+class TFDSInput(BatchedInput):
     """Builds one host's dataset of per-replica batches from a TFDS split.
 
     Pipeline: tfds.load (this pipeline's files, shuffled file order, decoding)
@@ -78,6 +65,8 @@ class TFDSInput:
             weights)` with weight 0 on the padding (`tputrain.data.pad_to_batch`).
     """
 
+    static_fix = _STATIC_FIX
+
     def __init__(
         self,
         name: str,
@@ -105,16 +94,15 @@ class TFDSInput:
             raise ValueError(f"TFDSInput: name must be a TFDS name such as 'mnist', got {name!r}")
         if not isinstance(split, str) or not split:
             raise ValueError(f"TFDSInput: split must be a TFDS split such as 'train', got {split!r}")
-        for flag, value in (("download", download), ("shuffle", shuffle), ("repeat", repeat),
-                            ("pad_remainder", pad_remainder)):
-            _check_flag(flag, value)
-        check_pad_remainder("TFDSInput", pad_remainder, repeat, label_key)
-        _check_flag("deterministic", deterministic, allow_none=True)
-        _check_int("global_batch_size", global_batch_size, 1, allow_none=True)
-        _check_int("shuffle_buffer", shuffle_buffer, 1)
-        _check_int("seed", seed, 0, allow_none=True)
-        _check_int("cycle_length", cycle_length, 1, allow_none=True)
-        _check_int("block_length", block_length, 1, allow_none=True)
+        self._set_batching(label_key=label_key, global_batch_size=global_batch_size,
+                           shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed,
+                           repeat=repeat, deterministic=deterministic, cache=cache,
+                           options=options, pad_remainder=pad_remainder)
+        self.download = check_bool("TFDSInput", "download", download)
+        self.cycle_length = check_int("TFDSInput", "cycle_length", cycle_length, 1,
+                                      allow_none=True)
+        self.block_length = check_int("TFDSInput", "block_length", block_length, 1,
+                                      allow_none=True)
         if features is not None:
             features = tuple(features)
             if not features or not all(isinstance(f, str) for f in features):
@@ -122,34 +110,16 @@ class TFDSInput:
             if label_key is not None and label_key not in features:
                 raise ValueError(f"TFDSInput: label_key {label_key!r} is not in features "
                                  f"{features}: add it or set label_key=None")
-        if cache not in (False, None, True) and not (isinstance(cache, str) and cache):
-            raise ValueError(f"TFDSInput: cache must be False, True/'memory' or a file path "
-                             f"prefix, got {cache!r}")
         for hook_name, hook in (("preprocess_example", preprocess_example),
                                 ("preprocess_batch", preprocess_batch)):
             if hook is not None and not callable(hook):
                 raise TypeError(f"TFDSInput: {hook_name} must be callable, got {hook!r}")
-        if options is not None and not isinstance(options, InputOptions):
-            raise TypeError(f"TFDSInput: options must be an InputOptions, got {options!r}")
         self.name = name
         self.split = split
-        self.pad_remainder = pad_remainder
         self.data_dir = data_dir
-        self.download = download
         self.features = features
-        self.label_key = label_key
-        self.global_batch_size = global_batch_size
-        self.shuffle = shuffle
-        self.shuffle_buffer = shuffle_buffer
-        self.seed = seed
-        self.repeat = repeat
-        self.cycle_length = cycle_length
-        self.block_length = block_length
-        self.deterministic = deterministic
-        self.cache: bool | str = "memory" if cache is True else (cache or False)
         self.preprocess_example = preprocess_example
         self.preprocess_batch = preprocess_batch
-        self.options = options or InputOptions()
 
     def _num_files(self, tfds) -> int | None:
         """Files behind this split, or None if TFDS does not know (e.g. mock data)."""
@@ -204,8 +174,7 @@ class TFDSInput:
                  ) -> tf.data.Dataset:
         """Returns this pipeline's dataset of per-replica batches (per host)."""
         context = InputContext.from_tf(input_context)
-        per_replica_batch = resolve_per_replica_batch("TFDSInput", self.global_batch_size,
-                                                      context)
+        per_replica_batch = self._per_replica_batch(context)
         examples = self._load(context).map(self._select)
         if self.preprocess_example is not None:
             examples = examples.map(self.preprocess_example, num_parallel_calls=tf.data.AUTOTUNE,
@@ -215,36 +184,15 @@ class TFDSInput:
             everything = examples.batch(2**31 - 1).get_single_element()
             dataset = in_memory_batches(everything, per_replica_batch, shuffle=self.shuffle,
                                         seed=self.seed, repeat=self.repeat)
-        else:
-            if self.cache == "memory":  # with pad_remainder: tf.data's in-memory cache
-                examples = examples.cache()
-            elif self.cache:
-                suffix = f"-{context.input_pipeline_id:05d}-of-{context.num_input_pipelines:05d}"
-                examples = examples.cache(self.cache + suffix)
-            if self.shuffle:
-                examples = examples.shuffle(self.shuffle_buffer, seed=self.seed,
-                                            reshuffle_each_iteration=True)
-            if self.repeat:
-                examples = examples.repeat()
-            # Static batch dimension: TPUs compile one shape; no replica left empty.
-            # (pad_remainder pads the last batch to full size instead, with weights.)
-            dataset = examples.batch(per_replica_batch, drop_remainder=not self.pad_remainder)
+        else:  # with pad_remainder, cache="memory" is tf.data's in-memory cache
+            dataset = self._stream(examples, per_replica_batch, context)
         if self.preprocess_batch is not None:
             dataset = dataset.map(self.preprocess_batch, num_parallel_calls=tf.data.AUTOTUNE,
                                   deterministic=self.deterministic)
         dataset = dataset.map(lambda batch: split_label(batch, self.label_key))
         if self.pad_remainder:
             dataset = dataset.map(lambda *batch: pad_to_batch(batch, per_replica_batch))
-        dataset = self.options.apply(dataset)
-        options = tf.data.Options()
-        if self.deterministic is not None:
-            options.deterministic = self.deterministic
-        if context.num_input_pipelines > 1:
-            options.experimental_distribute.auto_shard_policy = (
-                tf.data.experimental.AutoShardPolicy.OFF)
-        dataset = dataset.with_options(options)
-        check_static("TFDSInput", dataset.element_spec, _STATIC_FIX)
-        return dataset
+        return self._finish(dataset, context)
 
     def __repr__(self) -> str:
         return (f"TFDSInput({self.name!r}, {self.split!r}, label_key={self.label_key!r}, "

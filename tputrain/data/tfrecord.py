@@ -17,8 +17,8 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.data.bad_records import explain_data_loss, read_skipping_corrupt, register_files
-from tputrain.data.batching import (check_pad_remainder, check_static, in_memory_batches,
-                                    pad_to_batch, resolve_per_replica_batch, split_label)
+from tputrain.checks import check_bool, check_int
+from tputrain.data.batching import BatchedInput, in_memory_batches, pad_to_batch, split_label
 from tputrain.data.context import InputContext
 from tputrain.data.feature_check import (check_against_manifest, explain_parse_error,
                                          manifests_next_to, register_pipeline)
@@ -32,8 +32,8 @@ _COMPRESSION_TYPES = (None, "", "ZLIB", "GZIP")
 # Files read in parallel when cycle_length is None. A fixed number, not AUTOTUNE
 # (= the machine's core count), so the record order does not depend on the machine.
 _DEFAULT_MAX_CYCLE_LENGTH = 16
-_NOT_STATIC = ("TPUs need static shapes: use tf.io.FixedLenFeature with a fixed shape "
-               "(pad in the writer)")
+_FIXED_LEN = "use tf.io.FixedLenFeature with a fixed shape (pad in the writer)"
+_NOT_STATIC = f"TPUs need static shapes: {_FIXED_LEN}"
 
 
 def _static_shape(name: str, shape: Any) -> list[int]:
@@ -111,31 +111,24 @@ def parse_feature_spec(features: Mapping[str, Any]) -> dict[str, tf.io.FixedLenF
     return spec
 
 
-def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"TFRecordInput: {name} must be an int"
-                        f"{' or None' if allow_none else ''}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"TFRecordInput: {name} must be >= {minimum}, got {value}")
-
-
-def _check_bool(name: str, value: Any, allow_none: bool = False) -> None:
-    if not (isinstance(value, bool) or (allow_none and value is None)):
-        raise TypeError(f"TFRecordInput: {name} must be True or False"
-                        f"{' or None' if allow_none else ''}, got {value!r}")
-
-
-def _check_cache(cache: Any) -> bool | str:
-    if cache is None or cache is False:
-        return False
-    if cache is True or cache == "memory":
-        return "memory"
-    if isinstance(cache, str) and cache:
-        return cache
-    raise ValueError(f"TFRecordInput: cache must be False, True/'memory' or a file path prefix, "
-                     f"got {cache!r}")
+def _sources(file_pattern: str | Sequence[str] | None,
+             manifest: str | None) -> tuple[Manifest | None, tuple[str, ...]]:
+    """(the manifest read, the globs to read): `file_pattern`'s, or the manifest's
+    shards (not both)."""
+    if manifest is not None:
+        if file_pattern is not None:
+            raise ValueError("TFRecordInput: pass file_pattern or manifest, not both: the "
+                             "manifest lists the shards")
+        read = read_manifest(manifest)
+        return read, tuple(read.files())
+    if file_pattern is None:
+        raise ValueError("TFRecordInput: pass file_pattern (a glob of TFRecord files) "
+                         "or manifest (written by write_tfrecords)")
+    patterns = (file_pattern,) if isinstance(file_pattern, str) else tuple(file_pattern)
+    if not patterns or not all(isinstance(p, str) and p for p in patterns):
+        raise ValueError("TFRecordInput: file_pattern must be a non-empty glob or a "
+                         f"non-empty sequence of them, got {file_pattern!r}")
+    return None, patterns
 
 
 def _glob_shards(pattern: str) -> tuple[list[str], dict[str, str]]:
@@ -163,7 +156,7 @@ def _glob_shards(pattern: str) -> tuple[list[str], dict[str, str]]:
 
 
 @gin.configurable
-class TFRecordInput:
+class TFRecordInput(BatchedInput):
     """Builds one host's dataset of per-replica batches from sharded TFRecord files.
 
     Call it with the `InputContext` (per host, outside replica context); it
@@ -245,6 +238,8 @@ class TFRecordInput:
             weights losses and metrics by it).
     """
 
+    static_fix = _FIXED_LEN
+
     def __init__(
         self,
         file_pattern: str | Sequence[str] | None = None,
@@ -267,28 +262,14 @@ class TFRecordInput:
         options: InputOptions | None = None,
         pad_remainder: bool = False,
     ):
-        self.manifest: Manifest | None = None
-        if manifest is not None:
-            if file_pattern is not None:
-                raise ValueError("TFRecordInput: pass file_pattern or manifest, not both: the "
-                                 "manifest lists the shards")
-            self.manifest = read_manifest(manifest)
-            if features is None:
-                features = self.manifest.features
+        self.manifest, patterns = _sources(file_pattern, manifest)
+        if self.manifest is not None:
+            features = self.manifest.features if features is None else features
             if compression_type is None:
                 compression_type = self.manifest.compression_type
-            patterns: tuple[str, ...] = tuple(self.manifest.files())
-        else:
-            if file_pattern is None:
-                raise ValueError("TFRecordInput: pass file_pattern (a glob of TFRecord files) "
-                                 "or manifest (written by write_tfrecords)")
-            patterns = (file_pattern,) if isinstance(file_pattern, str) else tuple(file_pattern)
-            if not patterns or not all(isinstance(p, str) and p for p in patterns):
-                raise ValueError("TFRecordInput: file_pattern must be a non-empty glob or a "
-                                 f"non-empty sequence of them, got {file_pattern!r}")
-            if features is None:
-                raise ValueError("TFRecordInput: features is not set: give the feature spec, or "
-                                 "read a manifest (TFRecordInput(manifest=...)) that has it")
+        elif features is None:
+            raise ValueError("TFRecordInput: features is not set: give the feature spec, or "
+                             "read a manifest (TFRecordInput(manifest=...)) that has it")
         spec = parse_feature_spec(features)
         if self.manifest is not None:
             check_against_manifest(spec, self.manifest)
@@ -300,40 +281,22 @@ class TFRecordInput:
                 raise ValueError(f"TFRecordInput: label_key {label_key!r} is the only "
                                  "feature, which would leave no inputs: add the input "
                                  "features or set label_key=None")
-        _check_int("global_batch_size", global_batch_size, 1, allow_none=True)
-        _check_bool("shuffle", shuffle)
-        _check_int("shuffle_buffer", shuffle_buffer, 1)
-        _check_int("seed", seed, 0, allow_none=True)
-        _check_bool("repeat", repeat)
-        _check_int("cycle_length", cycle_length, 1, allow_none=True)
-        _check_int("block_length", block_length, 1)
-        _check_bool("deterministic", deterministic, allow_none=True)
-        _check_bool("skip_corrupt", skip_corrupt)
-        _check_int("read_parallelism", read_parallelism, 1, allow_none=True)
-        _check_bool("pad_remainder", pad_remainder)
-        check_pad_remainder("TFRecordInput", pad_remainder, repeat, label_key)
+        self._set_batching(label_key=label_key, global_batch_size=global_batch_size,
+                           shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed,
+                           repeat=repeat, deterministic=deterministic, cache=cache,
+                           options=options, pad_remainder=pad_remainder)
+        self.cycle_length = check_int("TFRecordInput", "cycle_length", cycle_length, 1,
+                                      allow_none=True)
+        self.block_length = check_int("TFRecordInput", "block_length", block_length, 1)
+        self.skip_corrupt = check_bool("TFRecordInput", "skip_corrupt", skip_corrupt)
+        self.read_parallelism = check_int("TFRecordInput", "read_parallelism",
+                                          read_parallelism, 1, allow_none=True)
         if compression_type not in _COMPRESSION_TYPES:
             raise ValueError("TFRecordInput: compression_type must be None, 'ZLIB' or "
                              f"'GZIP', got {compression_type!r}")
-        if options is not None and not isinstance(options, InputOptions):
-            raise TypeError(f"TFRecordInput: options must be an InputOptions, got {options!r}")
         self.file_patterns = patterns
         self.features = spec
-        self.label_key = label_key
-        self.global_batch_size = global_batch_size
-        self.shuffle = shuffle
-        self.shuffle_buffer = shuffle_buffer
-        self.seed = seed
-        self.repeat = repeat
-        self.cycle_length = cycle_length
-        self.block_length = block_length
-        self.deterministic = deterministic
-        self.cache = _check_cache(cache)
         self.compression_type = compression_type or None
-        self.skip_corrupt = skip_corrupt
-        self.read_parallelism = read_parallelism
-        self.options = options or InputOptions()
-        self.pad_remainder = pad_remainder
 
     def _list_files(self) -> list[str]:
         """Globs now, so a typo fails here and not deep inside tf.data.
@@ -397,19 +360,10 @@ class TFRecordInput:
         return tf.data.Dataset.from_tensor_slices(
             (file_list, tf.constant(sizes, tf.int64), tf.constant(expected, tf.int64)))
 
-    def __call__(self, input_context: tf.distribute.InputContext | None = None
-                 ) -> tf.data.Dataset:
-        """Returns this pipeline's dataset of per-replica batches (per host).
-
-        `input_context` is a tputrain or TF `InputContext`; None means one
-        pipeline feeding one replica.
-        """
-        context = InputContext.from_tf(input_context)
-        per_replica_batch = resolve_per_replica_batch("TFRecordInput", self.global_batch_size,
-                                                      context)
-        file_list = self._list_files()
-        register_files(file_list, self.compression_type)
-        register_pipeline(file_list, self.features, self.compression_type)
+    def _records(self, file_list: list[str], context: InputContext,
+                 in_memory: bool) -> tf.data.Dataset:
+        """This pipeline's serialized records: its share of the files (or, with fewer
+        files than pipelines, of every file's records), read interleaved."""
         num_files = len(file_list)
         num_pipelines, pipeline_id = context.num_input_pipelines, context.input_pipeline_id
         shard_files = num_files >= num_pipelines
@@ -428,9 +382,6 @@ class TFRecordInput:
                 num_files, list(self.file_patterns), num_pipelines, num_pipelines,
                 num_pipelines)
             local_files = num_files
-        # A padded (eval) split takes the streamed path, where `pad_to_batch` pads the
-        # last batch; cache="memory" then keeps the serialized records in tf.data's cache.
-        in_memory = self.cache == "memory" and not self.pad_remainder
         # With record sharding every pipeline must see the records in the same
         # order, or the shards overlap: an unseeded file shuffle would break that.
         # In memory, the full per-epoch permutation makes a file shuffle pointless.
@@ -449,43 +400,36 @@ class TFRecordInput:
             deterministic=True if (shard_records or in_memory) else self.deterministic)
         if shard_records:
             records = records.shard(num_pipelines, pipeline_id)
+        return records
 
+    def __call__(self, input_context: tf.distribute.InputContext | None = None
+                 ) -> tf.data.Dataset:
+        """Returns this pipeline's dataset of per-replica batches (per host).
+
+        `input_context` is a tputrain or TF `InputContext`; None means one
+        pipeline feeding one replica.
+        """
+        context = InputContext.from_tf(input_context)
+        per_replica_batch = self._per_replica_batch(context)
+        file_list = self._list_files()
+        register_files(file_list, self.compression_type)
+        register_pipeline(file_list, self.features, self.compression_type)
+        # A padded (eval) split takes the streamed path, where `pad_to_batch` pads the
+        # last batch; cache="memory" then keeps the serialized records in tf.data's cache.
+        in_memory = self.cache == "memory" and not self.pad_remainder
+        records = self._records(file_list, context, in_memory)
         if in_memory:
             dataset = in_memory_batches(
                 self._read_all(records, context), per_replica_batch,
                 shuffle=self.shuffle, seed=self.seed, repeat=self.repeat,
                 finish=lambda batch: split_label(batch, self.label_key))
-        else:
-            if self.cache == "memory":
-                records = records.cache()
-            elif self.cache:
-                suffix = f"-{pipeline_id:05d}-of-{num_pipelines:05d}"
-                records = records.cache(self.cache + suffix)  # Serialized records, on disk.
-            if self.shuffle:
-                records = records.shuffle(
-                    self.shuffle_buffer, seed=self.seed, reshuffle_each_iteration=True)
-            if self.repeat:
-                records = records.repeat()
-            # drop_remainder keeps the batch dimension static: TPUs compile one shape,
-            # and a partial batch would leave some replicas empty (NaN losses).
-            # (pad_remainder pads the last batch to full size instead, with weights.)
-            dataset = records.batch(per_replica_batch, drop_remainder=not self.pad_remainder)
+        else:  # serialized records are cached (a file cache: on disk), parsed per batch
+            dataset = self._stream(records, per_replica_batch, context)
             dataset = dataset.map(self._parse, num_parallel_calls=tf.data.AUTOTUNE,
                                   deterministic=self.deterministic)
             if self.pad_remainder:
                 dataset = dataset.map(lambda *batch: pad_to_batch(batch, per_replica_batch))
-        dataset = self.options.apply(dataset)
-
-        options = tf.data.Options()
-        if self.deterministic is not None:
-            options.deterministic = self.deterministic
-        if num_pipelines > 1:
-            # Sharded here already; tf.distribute must not shard it again.
-            options.experimental_distribute.auto_shard_policy = (
-                tf.data.experimental.AutoShardPolicy.OFF)
-        dataset = dataset.with_options(options)
-        check_static("TFRecordInput", dataset.element_spec, _NOT_STATIC)
-        return dataset
+        return self._finish(dataset, context)
 
     def _read_all(self, records: tf.data.Dataset, context: InputContext) -> dict[str, tf.Tensor]:
         """Reads and parses all of this pipeline's records now (cache="memory")."""

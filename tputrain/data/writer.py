@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tputrain.checks import check_int
 from tputrain.data.example_codec import encode_example
 from tputrain.data.manifest import Manifest, Shard, manifest_path, write_manifest
 
@@ -329,11 +330,8 @@ def write_tfrecords(
     names in the same directory and renamed only once every shard is complete;
     on an error the temporary files are removed and nothing is left behind.
     """
-    if num_shards is not None and (isinstance(num_shards, bool) or not isinstance(num_shards, int)
-                                   or num_shards < 1):
-        raise ValueError(f"num_shards must be an int >= 1 or None, got {num_shards!r}")
-    if isinstance(num_hosts, bool) or not isinstance(num_hosts, int) or num_hosts < 1:
-        raise ValueError(f"num_hosts must be an int >= 1, got {num_hosts!r}")
+    num_shards = check_int("write_tfrecords", "num_shards", num_shards, 1, allow_none=True)
+    num_hosts = check_int("write_tfrecords", "num_hosts", num_hosts, 1)
     if not target_shard_mb or target_shard_mb <= 0:
         raise ValueError(f"target_shard_mb must be > 0, got {target_shard_mb!r}")
     if compression_type not in _COMPRESSION_TYPES:

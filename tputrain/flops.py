@@ -338,7 +338,7 @@ def peak_flops(precision: str, strategy: tf.distribute.Strategy | None = None,
 
 def model_flops_utilization(flops_per_step: float, steps_per_second: float,
                             peak: float) -> float:
-    """MFU: achieved model FLOP/s over the peak."""
+    """MFU: achieved model FLOP/s over the peak. The one formula: `Progress` logs it."""
     return flops_per_step * steps_per_second / peak
 
 

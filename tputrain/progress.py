@@ -9,6 +9,8 @@ from typing import Mapping
 import tensorflow as tf
 from absl import logging
 
+from tputrain.flops import model_flops_utilization
+
 
 def _format_duration(seconds: float) -> str:
     seconds = int(round(seconds))
@@ -43,7 +45,7 @@ class Progress:
         self._peak_flops: float | None = None
 
     def set_flops(self, flops_per_step: float, peak_flops: float) -> None:
-        """Enables MFU: `flops_per_step x steps/s / peak_flops` each loop."""
+        """Enables MFU each loop (`tputrain.flops.model_flops_utilization`)."""
         self._flops_per_step = float(flops_per_step)
         self._peak_flops = float(peak_flops)
 
@@ -86,7 +88,8 @@ class Progress:
                  "input/stall_fraction": min(1.0, input_wait / max(seconds, 1e-9))}
         mfu = ""
         if self._flops_per_step and self._peak_flops:
-            rates["mfu"] = self._flops_per_step * steps_per_second / self._peak_flops
+            rates["mfu"] = model_flops_utilization(self._flops_per_step, steps_per_second,
+                                                   self._peak_flops)
             mfu = f" | MFU {100 * rates['mfu']:.1f}%"
         eta = (self.train_steps - step) / self._steps_per_second
         logging.info("tputrain: step %d/%d | %s | %.0f examples/s | %.2f steps/s%s | "

@@ -1,0 +1,33 @@
+"""Tests for tputrain/progress.py: the per-loop rates, MFU by the one formula."""
+
+import pytest
+
+from tputrain import flops, progress
+from tputrain.progress import Progress
+
+
+def test_mfu_is_reported_only_with_flops_and_a_peak():
+    p = Progress(None, train_steps=100, global_batch_size=32)
+    rates = p.train_loop_done(step=10, steps=10, seconds=2.0, logs={"loss": 1.0}, input_wait=0.5)
+    assert rates["steps_per_second"] == pytest.approx(5.0)
+    assert rates["examples_per_second"] == pytest.approx(160.0)
+    assert rates["input/stall_fraction"] == pytest.approx(0.25)
+    assert "mfu" not in rates
+    p.set_flops(flops_per_step=2e9, peak_flops=40e9)
+    rates = p.train_loop_done(step=20, steps=10, seconds=1.0, logs={"loss": 1.0})
+    assert rates["mfu"] == pytest.approx(flops.model_flops_utilization(2e9, 10.0, 40e9)) == 0.5
+
+
+def test_progress_uses_the_flops_formula(monkeypatch):
+    """One formula: a change to tputrain.flops.model_flops_utilization reaches the log."""
+    calls = []
+
+    def recording(flops_per_step, steps_per_second, peak):
+        calls.append((flops_per_step, steps_per_second, peak))
+        return 0.125
+
+    monkeypatch.setattr(progress, "model_flops_utilization", recording)
+    p = Progress(None, train_steps=100, global_batch_size=8)
+    p.set_flops(3e9, 60e9)
+    assert p.train_loop_done(step=4, steps=4, seconds=2.0, logs={})["mfu"] == 0.125
+    assert calls == [(3e9, 2.0, 60e9)]

@@ -33,7 +33,6 @@ _COMPRESSION_TYPES = (None, "", "ZLIB", "GZIP")
 # (= the machine's core count), so the record order does not depend on the machine.
 _DEFAULT_MAX_CYCLE_LENGTH = 16
 _FIXED_LEN = "use tf.io.FixedLenFeature with a fixed shape (pad in the writer)"
-_NOT_STATIC = f"TPUs need static shapes: {_FIXED_LEN}"
 
 
 def _static_shape(name: str, shape: Any) -> list[int]:
@@ -43,10 +42,10 @@ def _static_shape(name: str, shape: Any) -> list[int]:
         dims = tf.TensorShape(shape).as_list()
     except (TypeError, ValueError) as e:
         raise ValueError(f"feature {name!r}: shape {shape!r} is not a shape ({e}); "
-                         f"{_NOT_STATIC}") from None
+                         f"TPUs need static shapes: {_FIXED_LEN}") from None
     if any(d is None for d in dims):
         raise ValueError(f"feature {name!r} has shape {shape!r} with an unknown dimension: "
-                         f"{_NOT_STATIC}")
+                         f"TPUs need static shapes: {_FIXED_LEN}")
     return dims
 
 
@@ -96,7 +95,8 @@ def parse_feature_spec(features: Mapping[str, Any]) -> dict[str, tf.io.FixedLenF
         # The tf.io feature types are namedtuples: test for them before plain tuples.
         if isinstance(value, (tf.io.VarLenFeature, tf.io.RaggedFeature, tf.io.SparseFeature,
                               tf.io.FixedLenSequenceFeature)):
-            raise ValueError(f"feature {name!r} is a {type(value).__name__}: {_NOT_STATIC}")
+            raise ValueError(f"feature {name!r} is a {type(value).__name__}: TPUs need static "
+                             f"shapes: {_FIXED_LEN}")
         if isinstance(value, tf.io.FixedLenFeature):
             shape, dtype, default = value.shape, value.dtype, value.default_value
         elif isinstance(value, (tuple, list)) and len(value) in (2, 3):

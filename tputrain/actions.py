@@ -10,10 +10,15 @@ between compiled loops: keep them short, or do the work every Nth call.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import tensorflow as tf
 from absl import logging
+
+from tputrain.flops import count_flops, peak_flops, specs_of
+from tputrain.guard import NonFiniteError
+from tputrain.preemption import Preempted
+from tputrain.task import Task
 
 if TYPE_CHECKING:  # annotations only: the Trainer imports this module
     from tputrain.trainer import Trainer
@@ -21,6 +26,9 @@ if TYPE_CHECKING:  # annotations only: the Trainer imports this module
 
 class Action:
     """Base class: every hook is a no-op. `logs` are plain floats."""
+
+    def on_train_begin(self, trainer: "Trainer", step: int) -> None:
+        """Once per `train()`, after the restore, before the first loop."""
 
     def on_loop_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
         """After each compiled loop of training steps; `logs` are the loop's means,
@@ -36,8 +44,18 @@ class Action:
         """Once, when `train()` returns normally, with the final evaluation's metrics."""
 
 
+def check_actions(actions: Sequence[Action]) -> list[Action]:
+    """The actions as a list; anything that is not an `Action` is named."""
+    actions = list(actions)
+    if not all(isinstance(a, Action) for a in actions):
+        raise TypeError("Trainer.actions must be tputrain.Action instances, got "
+                        f"{[type(a).__name__ for a in actions]}")
+    return actions
+
+
 class ProfilerAction(Action):
-    """Captures a TensorBoard profiler trace of steps [start, stop) (chief only)."""
+    """Captures a TensorBoard profiler trace of steps [start, stop) (chief only).
+    The Controller also calls `update` before each loop, so the trace starts on time."""
 
     def __init__(self, start: int, stop: int, logdir: str):
         self.start, self.stop, self.logdir = start, stop, logdir
@@ -67,11 +85,65 @@ class NonFinitePolicyAction(Action):
     raise, or roll the weights back to the last checkpoint."""
 
     def on_loop_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
-        trainer.apply_nonfinite_policy(step)
+        guard = trainer.guard
+        tripped = guard.take_trip()
+        if not tripped:
+            return
+        if guard.policy == "raise":
+            raise NonFiniteError(guard.message(tripped))
+        guard.rollbacks += 1
+        if guard.rollbacks > guard.max_rollbacks:
+            raise NonFiniteError(guard.message(tripped, gave_up=True))
+        path = trainer.checkpointer.restore_weights(
+            exclude=("iterator", "step", "nonfinite_steps"))
+        if path is None:
+            raise NonFiniteError(guard.message(tripped, no_checkpoint=True))
+        logging.warning("tputrain: non-finite step %d: rolled the weights back to %s "
+                        "(rollback %d of %d); the data continues from step %d", tripped,
+                        path, guard.rollbacks, guard.max_rollbacks, step)
 
 
 class PreemptionAction(Action):
     """After a loop in which any host got SIGTERM: save and raise `Preempted`."""
 
     def on_loop_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
-        trainer.stop_if_preempted(step)
+        if trainer.preempted():
+            preempted = Preempted(step, trainer.checkpointer.save())
+            logging.warning("tputrain: %s", preempted)
+            raise preempted
+
+
+class MFUAction(Action):
+    """Counts training FLOPs per step and finds the device peak once, at the start;
+    the progress line then shows MFU each loop (`Trainer.report_mfu`)."""
+
+    def on_train_begin(self, trainer: "Trainer", step: int) -> None:
+        if trainer.flops_per_step is not None:
+            return
+        try:
+            trainer.flops_per_step = count_flops_per_step(trainer)
+            peak = peak_flops(trainer.precision, trainer.strategy)
+        except Exception as error:  # pylint: disable=broad-except  (a diagnostic, not training)
+            logging.warning("tputrain: MFU is not reported: %s: %s", type(error).__name__, error)
+            trainer.report_mfu = False
+            return
+        trainer.progress.set_flops(trainer.flops_per_step, peak.flops_per_second)
+        logging.info("tputrain: %.4g FLOPs per step; peak %.4g FLOP/s (%s)",
+                     trainer.flops_per_step, peak.flops_per_second, peak.source)
+
+
+def count_flops_per_step(trainer: "Trainer") -> float:
+    """Training FLOPs of one step over all replicas (see `tputrain.flops`)."""
+    task = trainer.task
+    analytic = task.flops_per_example()
+    if analytic is not None:
+        return float(analytic) * trainer.global_batch_size
+    if type(task).train_step is not Task.train_step:
+        raise ValueError(f"{type(task).__name__} overrides Task.train_step: return an "
+                         "analytic count from Task.flops_per_example()")
+    per_micro_batch = count_flops(
+        lambda batch: task.compute_gradients(batch, trainer.model, trainer.optimizer,
+                                             trainer.global_batch_size),
+        specs_of(trainer.inputs.micro_batch_spec()))
+    return float(per_micro_batch * trainer.accumulation_steps
+                 * trainer.strategy.num_replicas_in_sync)

@@ -16,13 +16,13 @@ from absl import logging
 
 from tputrain.actions import Action, ProfilerAction
 from tputrain.data import explain_parse_error
+from tputrain.loop.host_loop import EXHAUSTED
 from tputrain.progress import Stopwatch
 from tputrain.validate import input_data_error
 
 if TYPE_CHECKING:  # annotations only: the Trainer imports this module
     from tputrain.trainer import Trainer
 
-EXHAUSTED = "tputrain: input exhausted"
 
 
 class Controller:
@@ -31,13 +31,25 @@ class Controller:
     def __init__(self, trainer: "Trainer", actions: Sequence[Action]):
         self.trainer = trainer
         self.actions = list(actions)
+        self.until = trainer.train_steps
+
+    def next_boundary(self, step: int) -> int:
+        """Steps until the next loop end: steps_per_loop, eval, checkpoint or the end."""
+        trainer = self.trainer
+        limits = [trainer.steps_per_loop, self.until - step,
+                  trainer.checkpoint_every - step % trainer.checkpoint_every]
+        if trainer.eval_every:
+            limits.append(trainer.eval_every - step % trainer.eval_every)
+        if trainer.profile_steps:  # the trace covers exactly [start, stop)
+            limits += [b - step for b in trainer.profile_steps if b > step]
+        return max(1, min(limits))
 
     def _loop(self, step: int) -> tuple[dict[str, float], int, float, float] | None:
         """One compiled loop from `step`; None when the train input ended."""
         trainer = self.trainer
         with Stopwatch() as watch:
             try:
-                logs, steps, input_wait = trainer.run_loop(trainer.next_boundary(step))
+                logs, steps, input_wait = trainer.run_loop(self.next_boundary(step))
             except tf.errors.DataLossError as error:
                 raise input_data_error(error, "train", f"after step {step}") from None
             except tf.errors.InvalidArgumentError as error:
@@ -51,7 +63,9 @@ class Controller:
                     input_wait: float) -> None:
         trainer = self.trainer
         logs["learning_rate"] = float(keras.ops.convert_to_numpy(trainer.optimizer.learning_rate))
-        logs.update(trainer.guard_logs())
+        nonfinite = int(trainer.guard.nonfinite_steps.numpy())
+        if nonfinite:  # shown once any step was non-finite
+            logs["nonfinite_steps"] = float(nonfinite)
         logs.update(trainer.progress.train_loop_done(step, steps, seconds, logs, input_wait))
         for action in self.actions:
             action.on_loop_end(trainer, step, logs)
@@ -73,8 +87,11 @@ class Controller:
         """Trains from the current step to `until`; returns the final evaluation."""
         trainer = self.trainer
         step = trainer.current_step
+        self.until = until
         eval_logs: dict[str, float] = {}
         profilers = [a for a in self.actions if isinstance(a, ProfilerAction)]
+        for action in self.actions:
+            action.on_train_begin(trainer, step)
         try:
             while step < until:
                 for profiler in profilers:

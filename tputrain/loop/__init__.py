@@ -1,0 +1,9 @@
+"""The compiled loop, in the order data flows through it.
+
+* `inputs`: the host's datasets and iterators, and how a step's batches reach
+  the replicas (host or distributed input mode);
+* `step`: one optimizer step on one replica (accumulation, XLA);
+* `host_loop`: many steps in one `tf.function` (fetch, input timing, stop);
+* `evaluation`: the eval loop, agreed across hosts;
+* `hosts`: what several hosts must agree on (topology, a MAX collective).
+"""

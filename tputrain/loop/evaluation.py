@@ -1,0 +1,93 @@
+"""The eval loop: the same compiled host loop, no weight updates, agreed across hosts.
+
+The eval iterator is created once and reused (freeing tf.data iterators can
+block for seconds); each evaluation sees the same `eval_steps` batches, or the
+whole finite eval split when eval_steps is None. Every host runs the same number
+of steps (the most any host needs); hosts with fewer batches pad with
+zero-weight batches, so uneven shards neither hang a pod nor skew the mean.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import keras
+import tensorflow as tf
+
+from tputrain.loop.host_loop import HostLoop
+from tputrain.loop.inputs import Inputs, is_weighted, padded, replicas_per_pipeline, with_weights
+from tputrain.task import EVAL_REGULARIZATION, EVAL_WEIGHT, Task
+
+
+def eval_means(totals: Mapping[str, Any], steps: int) -> dict[str, float]:
+    """Per-step means of the eval logs; with padded batches, the loss is the mean
+    over real examples (see `Task.eval_step`)."""
+    totals = {name: float(value) for name, value in totals.items()}
+    weight = totals.pop(EVAL_WEIGHT, None)
+    regularization = totals.pop(EVAL_REGULARIZATION, 0.0)
+    logs = {name: value / steps for name, value in totals.items()}
+    if weight is not None and "loss" in totals:
+        logs["loss"] = (totals["loss"] / weight if weight else float("nan")) + regularization / steps
+    return logs
+
+
+class Evaluator:
+    """`evaluate()` -> (metrics, eval steps run) over this host's eval split."""
+
+    def __init__(self, task: Task, model: keras.Model, metrics: Sequence[keras.metrics.Metric],
+                 inputs: Inputs, eval_steps: int | None, max_over_hosts: Callable[[int], int]):
+        self.task, self.model, self.metrics = task, model, list(metrics)
+        self.inputs = inputs
+        self.eval_steps = eval_steps
+        self.max_over_hosts = max_over_hosts
+        self._loop: Callable | None = None
+        self._iterator = None
+        self._batches = 0
+
+    def _replica_step(self, batch: Any) -> dict[str, tf.Tensor]:
+        return self.task.eval_step(batch, self.model, self.metrics,
+                                   self.inputs.global_batch_size)
+
+    def _build(self) -> None:
+        """Agrees on the eval step count across hosts; builds the eval iterator and loop."""
+        inputs = self.inputs
+        weighted = inputs.num_hosts > 1 or is_weighted(inputs.eval_dataset.element_spec)
+        self._batches = batches = self.max_over_hosts(self._local_steps(weighted))
+
+        def prepare(dataset: tf.data.Dataset, replicas: int) -> tf.data.Dataset:
+            """`replicas` per-replica batches a step, `batches` steps, repeated."""
+            return padded(with_weights(dataset) if weighted else dataset).take(
+                batches * replicas).repeat()
+
+        if inputs.input_mode == "distributed":
+            self._iterator = iter(inputs.strategy.distribute_datasets_from_function(
+                lambda c: prepare(self.task.build_inputs("eval", inputs.input_context(c)),
+                                  replicas_per_pipeline(c))))
+        else:
+            self._iterator = iter(prepare(inputs.eval_dataset, inputs.local_replicas))
+        self._loop = HostLoop(self._replica_step, inputs, count_steps=False).loop
+
+    def _local_steps(self, padded_split: bool) -> int:
+        """Steps this host's eval split fills: `eval_steps`, or all of its batches (the
+        last step topped up with zero-weight batches when `padded_split`)."""
+        if self.eval_steps is not None:
+            return int(self.eval_steps)
+        local = self.inputs.local_replicas
+        count = int(self.inputs.eval_dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+        steps = -(-count // local) if padded_split else count // local
+        if steps < 1 and self.inputs.num_hosts == 1:
+            raise ValueError(
+                f"the eval split has {count} per-replica batches, fewer than the "
+                f"{local} local replicas: use a smaller global batch, "
+                "more eval data, or pad the eval split (TFRecordInput.pad_remainder)")
+        return steps
+
+    def evaluate(self) -> tuple[dict[str, float], int]:
+        if self._loop is None:
+            self._build()
+        for metric in self.metrics:
+            metric.reset_state()
+        totals, steps, _ = self._loop(self._iterator, tf.constant(self._batches, tf.int32))
+        logs = eval_means(totals, int(steps))
+        logs.update({m.name: float(m.result()) for m in self.metrics})
+        return logs, int(steps)

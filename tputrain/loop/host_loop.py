@@ -1,0 +1,120 @@
+"""Many steps in one `tf.function`: the host loop.
+
+The host pays Python and dispatch overhead once per loop of `num_steps` steps
+(a `tf.range` loop) instead of once per step. The first step is peeled so the
+accumulators get the step's log structure; later steps stop cleanly when the
+data ends (`get_next_as_optional`), so a partial loop is never replayed.
+
+Input wait: one fetch (`get_next`) per step, or per `steps_per_fetch` steps when
+training, bracketed by two timestamps. The loop body of the previous step has
+finished when the first runs (a while-loop iteration starts once the last one's
+stateful ops are done); the second runs once the batch is there, and the step's
+ops wait for it, so the executor cannot slip the step's work in between. The
+difference is the time the loop was blocked on input, including the fetch's own
+hand-off cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import tensorflow as tf
+
+from tputrain.guard import NonFiniteGuard
+from tputrain.loop.inputs import Inputs
+
+EXHAUSTED = "tputrain: input exhausted"
+
+
+def op_determinism() -> bool:
+    """Whether `tf.config.experimental.enable_op_determinism()` is on (no public getter)."""
+    from tensorflow.python.framework import config as tf_config  # TF internals, not ours
+
+    return bool(getattr(tf_config, "is_op_determinism_enabled", lambda: False)())
+
+
+class HostLoop:
+    """`loop(iterator, num_steps)` -> (summed logs, steps run, seconds waiting for input).
+
+    Training loops (`count_steps`) advance the step counter, let the guard observe
+    each step and stop early when `stop_requested()` says so (guard trip, SIGTERM).
+    """
+
+    def __init__(self, replica_step: Callable, inputs: Inputs, count_steps: bool,
+                 step: tf.Variable | None = None, guard: NonFiniteGuard | None = None,
+                 stop_requested: Callable[[], Any] = lambda: False):
+        self.replica_step = replica_step
+        self.inputs = inputs
+        self.strategy = inputs.strategy
+        self.count_steps = count_steps
+        self.step, self.guard = step, guard
+        self.stop_requested = stop_requested
+        # Host-mode training fetches groups (see `Inputs.fetch_groups`), even of one step.
+        self.grouped = count_steps and inputs.input_mode == "host"
+        self.fetch = inputs.steps_per_fetch if self.grouped else 1
+        self.loop = tf.function(self._loop)
+
+    def one_step(self, batch: Any) -> dict[str, tf.Tensor]:
+        per_replica = self.strategy.run(self.replica_step, args=(batch,))
+        logs = {name: self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+                for name, value in per_replica.items()}
+        if self.count_steps:  # outside strategy.run: a mirrored counter diverges inside it
+            self.step.assign_add(1)
+            self.guard.observe(logs, self.step)
+        return logs
+
+    def _next_value(self, iterator) -> tuple[tf.Tensor, Any]:
+        if not self.grouped:
+            return self.inputs.next(iterator)
+        optional = iterator.get_next_as_optional()
+        return optional.has_value(), optional
+
+    def timed_next(self, iterator) -> tuple[tf.Tensor, Any, tf.Tensor, tf.Tensor]:
+        """(has_value, value, seconds waited, tensor the batch must wait for)."""
+        if op_determinism():  # tf.timestamp is refused under op determinism
+            has_value, value = self._next_value(iterator)
+            return has_value, value, tf.constant(0.0, tf.float64), has_value
+        start = tf.timestamp()
+        has_value, value = self._next_value(iterator)
+        with tf.control_dependencies([has_value]):
+            end = tf.timestamp()
+        return has_value, value, end - start, end
+
+    def batches_of(self, value: Any, ready: tf.Tensor) -> Any:
+        """The fetched group of batches (host training), else the step's batch."""
+        with tf.control_dependencies([ready]):
+            return value.get_value() if self.grouped else self.inputs.distribute(value)
+
+    def first_step(self, batches: Any) -> dict[str, tf.Tensor]:
+        return self.one_step(self.inputs.distribute_from_group(batches, tf.constant(0))
+                             if self.grouped else batches)
+
+    def steps_on(self, batches: Any, totals: Any, steps: tf.Tensor, first: int):
+        """Runs the steps of one fetch from step `first` on; returns the new sums."""
+        if self.fetch == 1:
+            if first == 0:
+                totals = tf.nest.map_structure(tf.add, totals, self.first_step(batches))
+                steps += 1
+            return totals, steps
+        for j in tf.range(first, self.fetch):
+            totals = tf.nest.map_structure(
+                tf.add, totals, self.one_step(self.inputs.distribute_from_group(batches, j)))
+            steps += 1
+        return totals, steps
+
+    def _loop(self, iterator, num_steps: tf.Tensor):
+        has_value, value, input_wait, ready = self.timed_next(iterator)
+        with tf.control_dependencies([tf.debugging.Assert(has_value, [EXHAUSTED])]):
+            batches = self.batches_of(value, ready)
+            totals = self.first_step(batches)
+            steps = tf.constant(1, tf.int32)
+            totals, steps = self.steps_on(batches, totals, steps, first=1)
+        for _ in tf.range(num_steps // self.fetch - 1):
+            if self.count_steps and self.stop_requested():  # before taking the next batch
+                break
+            has_value, value, waited, ready = self.timed_next(iterator)
+            input_wait += waited
+            if not has_value:
+                break
+            totals, steps = self.steps_on(self.batches_of(value, ready), totals, steps, first=0)
+        return totals, steps, input_wait

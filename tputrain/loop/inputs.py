@@ -1,0 +1,194 @@
+"""The host's input pipelines, and how each step's batches reach the replicas.
+
+Two input modes (see `Trainer.input_mode`): "host" keeps a plain, checkpointed
+iterator per host and places each step's per-replica batches itself (exact
+resume); "distributed" uses `distribute_datasets_from_function` (device
+prefetch) and resumes by skipping consumed batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from tputrain.checks import per_replica_batch
+from tputrain.data import InputContext
+from tputrain.data.batching import check_static
+from tputrain.task import Task
+
+INPUT_MODES = ("host", "distributed")
+
+
+def default_input_mode(strategy: tf.distribute.Strategy) -> tuple[str, str]:
+    """("host" or "distributed", why): exact resume unless the strategy cannot have it."""
+    hosts = getattr(strategy.extended, "num_hosts", 1)
+    if isinstance(strategy, tf.distribute.TPUStrategy) and hosts > 1:
+        return "distributed", (f"a {hosts}-host TPU slice is fed by a pipeline per host; "
+                               "a resume re-reads and skips the consumed batches")
+    return "host", "exact resume: the data position is checkpointed"
+
+
+def replicas_per_pipeline(context: tf.distribute.InputContext) -> int:
+    """Replicas one input pipeline feeds under `distribute_datasets_from_function`."""
+    return context.num_replicas_in_sync // context.num_input_pipelines
+
+
+def is_weighted(element_spec: Any) -> bool:
+    """Eval batches of `(features, labels, weights)`: padded, weight 0 on padding."""
+    return isinstance(element_spec, tuple) and len(element_spec) == 3
+
+
+def with_weights(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """`(features, labels)` batches as `(features, labels, ones)`: weighted, so that
+    a host with fewer eval batches can pad with zero-weight ones (see `padded`)."""
+    if is_weighted(dataset.element_spec):
+        return dataset
+
+    def add_weights(features, labels):
+        rows = tf.shape(tf.nest.flatten(features)[0])[0]
+        return features, labels, tf.ones([rows], tf.float32)
+    return dataset.map(add_weights)
+
+
+def padded(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """A weighted eval dataset followed by endless all-zero, zero-weight batches
+    (to fill the last step's replicas); any other dataset unchanged."""
+    if not is_weighted(dataset.element_spec):
+        return dataset
+    zeros = tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), dataset.element_spec)
+    return dataset.concatenate(tf.data.Dataset.from_tensors(zeros).repeat())
+
+
+
+
+class Inputs:
+    """Builds this host's datasets and iterators, and distributes their batches."""
+
+    def __init__(self, task: Task, strategy: tf.distribute.Strategy, global_batch_size: int,
+                 accumulation_steps: int, steps_per_fetch: int, input_mode: str,
+                 num_hosts: int, host_id: int):
+        self.task = task
+        self.strategy = strategy
+        self.global_batch_size = global_batch_size
+        self.accumulation_steps = accumulation_steps
+        self.steps_per_fetch = steps_per_fetch
+        self.input_mode = input_mode
+        self.num_hosts = num_hosts
+        self.host_id = host_id
+        self.local_replicas = strategy.num_replicas_in_sync // num_hosts
+        # Inputs first: bad data fails before anything is built or written.
+        self._train_dataset = self.build_dataset("train")
+        self._eval_dataset = self.build_dataset("eval")
+
+    @property
+    def train_dataset(self) -> tf.data.Dataset:
+        """This host's train split: per-replica batches (micro-batches stacked)."""
+        return self._train_dataset
+
+    @property
+    def eval_dataset(self) -> tf.data.Dataset:
+        return self._eval_dataset
+
+    def input_context(self, tf_context: tf.distribute.InputContext | None = None,
+                       global_batch_size: int | None = None) -> InputContext:
+        global_batch_size = global_batch_size or self.global_batch_size
+        if tf_context is not None:
+            return InputContext.from_tf(tf_context, global_batch_size)
+        return InputContext(num_input_pipelines=self.num_hosts, input_pipeline_id=self.host_id,
+                            num_replicas_in_sync=self.strategy.num_replicas_in_sync,
+                            global_batch_size=global_batch_size)
+
+    def input_batch(self, split: str) -> int:
+        """The global batch the task's inputs are built with: a micro-batch when training
+        with gradient accumulation."""
+        return self.global_batch_size // (self.accumulation_steps if split == "train" else 1)
+
+    def group_micro_batches(self, dataset: tf.data.Dataset, split: str) -> tf.data.Dataset:
+        """With accumulation, one element holds a replica's N micro-batches stacked on a
+        new leading axis, so one step still takes one element per replica."""
+        if split != "train" or self.accumulation_steps == 1:
+            return dataset
+        return dataset.batch(self.accumulation_steps, drop_remainder=True)
+
+    def micro_batch_spec(self) -> Any:
+        """Element spec of one per-replica (micro-)batch of the train split."""
+        spec = self._train_dataset.element_spec
+        if self.accumulation_steps == 1:
+            return spec
+        return tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape[1:], s.dtype), spec)
+
+    def build_dataset(self, split: str) -> tf.data.Dataset:
+        """Builds this host's dataset of per-replica batches and checks its shapes."""
+        batch = self.input_batch(split)
+        dataset = self.task.build_inputs(split, self.input_context(global_batch_size=batch))
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TypeError(f"Task.build_inputs({split!r}) must return a tf.data.Dataset, "
+                            f"got {type(dataset).__name__}")
+        check_static(f"{split} input", dataset.element_spec,
+                     "batch with drop_remainder=True and pad variable-length features to a "
+                     "fixed length", per_replica_batch(batch, self.strategy.num_replicas_in_sync))
+        return self.group_micro_batches(dataset, split)
+
+    def distributed_iterator(self, split: str, skip_steps: int = 0):
+        """distribute_datasets_from_function; skips `skip_steps` steps of data."""
+        def dataset_fn(tf_context):
+            dataset = self.task.build_inputs(
+                split, self.input_context(tf_context, self.input_batch(split)))
+            dataset = self.group_micro_batches(dataset, split)
+            # Each pipeline feeds its replicas one batch each per step (a TPU pod has
+            # one client but a pipeline per host: not self.local_replicas).
+            replicas = replicas_per_pipeline(tf_context)
+            return dataset.skip(skip_steps * replicas) if skip_steps else dataset
+        return iter(self.strategy.distribute_datasets_from_function(dataset_fn))
+
+    def next(self, iterator) -> tuple[tf.Tensor, Any]:
+        """In a tf.function: (has_value, distributed batch) for one step.
+
+        Host mode takes one per-replica batch for each local replica from the plain
+        iterator and places them with `experimental_distribute_values_from_function`.
+        """
+        if self.input_mode == "distributed":
+            optional = iterator.get_next_as_optional()
+            return optional.has_value(), optional
+        optionals = [iterator.get_next_as_optional() for _ in range(self.local_replicas)]
+        has_value = tf.reduce_all(tf.stack([o.has_value() for o in optionals]))
+        return has_value, optionals
+
+    def fetch_groups(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
+        """One element holds the per-replica batches of `steps_per_fetch` steps:
+        shape `[steps_per_fetch, local_replicas, per-replica batch, ...]`.
+
+        The host's prefetch, owned here: each step's per-replica batches are
+        stacked and buffered in the background (`steps_per_fetch` steps deep), so a
+        fetch only takes ready batches, as the device prefetch of
+        `distribute_datasets_from_function` would (benchmarks/resume.py). The buffer
+        holds per-step groups whatever `steps_per_fetch` is, and the outer batch op
+        saves only its input's position, so checkpoints of the iterator stay valid
+        when steps_per_fetch changes.
+        """
+        per_step = dataset.batch(self.local_replicas, drop_remainder=True)
+        grouped = per_step.prefetch(self.steps_per_fetch).batch(self.steps_per_fetch,
+                                                                drop_remainder=True)
+        # tf.data would otherwise inject a prefetch after the outer batch, and a
+        # checkpoint would then hold whole groups of the old size: resuming with
+        # another steps_per_fetch would fail on their shape.
+        options = tf.data.Options()
+        options.experimental_optimization.inject_prefetch = False
+        return grouped.with_options(options)
+
+    def distribute_from_group(self, group: Any, j: tf.Tensor) -> Any:
+        """Step `j` of a fetched group: replica r takes `group[j, r]`, the order one
+        fetch per step would give."""
+        local = self.local_replicas
+        batches = [tf.nest.map_structure(lambda t, r=r: t[j, r], group) for r in range(local)]
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda ctx: batches[ctx.replica_id_in_sync_group % local])
+
+    def distribute(self, value) -> Any:
+        if self.input_mode == "distributed":
+            return value.get_value()
+        batches = [o.get_value() for o in value]
+        local = self.local_replicas
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda ctx: batches[ctx.replica_id_in_sync_group % local])

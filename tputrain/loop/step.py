@@ -1,0 +1,156 @@
+"""One optimizer step on one replica: gradients (accumulated), then the update.
+
+Without an overridden `Task.train_step` the step is composed from
+`Task.compute_gradients` (once per micro-batch), the summed gradients'
+`apply_gradients` and `Task.update_metrics`: the same maths as
+`Task.train_step`, but the forward/backward can be compiled on its own. The
+gradients reach the optimizer unsummed; `tputrain.allreduce` sums them over
+replicas before clipping.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from tputrain.guard import NonFiniteGuard
+from tputrain.task import Task
+
+
+def ensure_built(model: keras.Model, features_spec: Any) -> None:
+    """Builds subclassed models (no Input layer) by calling them on zeros."""
+    if not (model.built and model.variables):
+        model(tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), features_spec),
+              training=False)
+
+
+class StepBuilder:
+    """Builds the per-replica train step for `Trainer.jit_compile` and accumulation."""
+
+    def __init__(self, task: Task, model: keras.Model, optimizer: keras.optimizers.Optimizer,
+                 train_metrics: Sequence[keras.metrics.Metric], guard: NonFiniteGuard,
+                 strategy: tf.distribute.Strategy, global_batch_size: int,
+                 accumulation_steps: int, jit_compile: bool | str, precision: str,
+                 train_element_spec: Any):
+        self.task = task
+        self.model = model
+        self.optimizer = optimizer
+        self.train_metrics = list(train_metrics)
+        self.guard = guard
+        self.strategy = strategy
+        self.global_batch_size = global_batch_size
+        self.accumulation_steps = accumulation_steps
+        self.jit_compile = jit_compile  # "auto" becomes False if the step does not compile
+        self.precision = precision
+        self.train_element_spec = train_element_spec
+        self._custom_train_step = type(task).train_step is not Task.train_step
+
+    def xla_plan(self) -> tuple[bool, bool, str]:
+        """(compile the whole step, compile forward/backward only, why) for `jit_compile`."""
+        if isinstance(self.strategy, tf.distribute.TPUStrategy):
+            return False, False, "on (TPU: always compiled)"
+        replicas = self.strategy.num_replicas_in_sync
+        if self.jit_compile is True:
+            return (replicas == 1, replicas > 1, "on (the whole step)" if replicas == 1
+                    else "on (forward and backward only)")
+        if self.jit_compile != "auto":
+            return False, False, "off"
+        if replicas > 1:
+            return False, False, f"auto: off on {replicas} replicas"
+        on_cpu = not any("GPU" in d.upper() for d in self.strategy.extended.worker_devices)
+        if on_cpu and self.precision != "float32":
+            # XLA's CPU backend has no oneDNN bf16 matmuls: the Transformer's bf16 step
+            # took 320 ms compiled against 250 ms uncompiled (docs/performance.md).
+            return False, False, f"auto: off for {self.precision} on CPU"
+        return True, False, "auto: the whole step, if it compiles"
+
+    def build(self) -> Callable[[Any], dict[str, tf.Tensor]]:
+        """The per-replica step (replica context), with accumulation and XLA as configured."""
+        compile_step, compile_gradients, _ = self.xla_plan()
+        # With the guard, the conditional update is kept out of the step's XLA program
+        # (see NonFiniteGuard.compile_apply): forward/backward and update compile apart.
+        split = (compile_step and not self._custom_train_step
+                 and self.guard.guards_apply(self.optimizer))
+
+        if self._custom_train_step:
+            def step(batch):
+                return self.task.train_step(batch, self.model, self.optimizer,
+                                            self.train_metrics, self.global_batch_size)
+        else:
+            # micro_batches is passed only when accumulating, so a Task that overrides
+            # compute_gradients without it still works without accumulation.
+            extra = {"micro_batches": self.accumulation_steps} if self.accumulation_steps > 1 else {}
+
+            def compute(batch):
+                return self.task.compute_gradients(batch, self.model, self.optimizer,
+                                                   self.global_batch_size, **extra)
+            if compile_gradients or split:
+                compute = tf.function(compute, jit_compile=True)
+
+            def step(batch):
+                gradients, loss = self._accumulate_gradients(batch, compute)
+                self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
+                return {"loss": loss}
+        if not compile_step:
+            return step
+        compiled = tf.function(step, jit_compile=True)
+        if self.jit_compile == "auto" and not self._compiles(compiled):
+            return self.build()  # now without XLA
+        if split:
+            self.guard.compile_apply()
+            return step
+        return compiled
+
+    def _compiles(self, compiled: Callable) -> bool:
+        """jit_compile="auto": whether XLA can compile the step (lowered, not run).
+
+        A step XLA refuses (an op without an XLA kernel, e.g. a py_function) then
+        runs uncompiled, with a log line naming the reason, instead of failing.
+        """
+        spec = self.train_element_spec
+        zeros = tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), spec)
+        try:
+            self.strategy.run(lambda batch: compiled.experimental_get_compiler_ir(batch)(
+                stage="hlo"), args=(zeros,))
+        except (tf.errors.OpError, ValueError, TypeError) as error:
+            first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+            logging.warning("tputrain: jit_compile='auto': the step does not compile with XLA "
+                            "(%s: %s); it runs without XLA", type(error).__name__, first_line)
+            self.jit_compile = False
+            return False
+        return True
+
+    def _accumulate_gradients(self, batch: Any, compute: Callable) -> tuple[list[Any], tf.Tensor]:
+        """Replica context: gradients and loss summed over the step's micro-batches.
+
+        Each micro-batch's loss is already divided by the *global* batch, so the sums
+        equal the gradients and loss of the whole step's batch.
+        """
+        if self.accumulation_steps == 1:
+            gradients, loss, outputs = compute(batch)
+            self.task.update_metrics(self.train_metrics, batch[1], outputs)
+            return list(gradients), loss
+        variables = self.model.trainable_variables
+        unused = set()  # indices of variables without a gradient: they stay None, not zero
+
+        def micro_step(i, sums, loss):
+            micro = tf.nest.map_structure(lambda t: t[i], batch)
+            gradients, micro_loss, outputs = compute(micro)
+            self.task.update_metrics(self.train_metrics, micro[1], outputs)
+            new_sums = []
+            for index, (total, gradient) in enumerate(zip(sums, gradients)):
+                if gradient is None:
+                    unused.add(index)
+                    new_sums.append(total)
+                else:  # IndexedSlices (embeddings) become dense sums
+                    new_sums.append(total + tf.cast(tf.convert_to_tensor(gradient), total.dtype))
+            return i + 1, new_sums, loss + tf.cast(micro_loss, tf.float32)
+
+        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
+        _, sums, loss = tf.while_loop(
+            lambda i, *_: i < self.accumulation_steps, micro_step,
+            (tf.constant(0), zeros, tf.constant(0.0, tf.float32)))
+        return [None if i in unused else s for i, s in enumerate(sums)], loss

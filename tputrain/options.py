@@ -1,0 +1,166 @@
+"""The Trainer's knobs, validated once: `TrainerOptions`.
+
+`Trainer(...)` takes these as keyword arguments (and gin binds them as
+`Trainer.<name>`); `Trainer.options` holds the validated, frozen result, so what
+a run will do is visible in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from absl import logging
+
+from tputrain.checks import check_int, per_replica_batch
+
+INPUT_MODES = ("host", "distributed")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerOptions:
+    """How a Trainer runs: cadence, batch, precision, input and compilation.
+
+    Attributes:
+      train_steps: total optimizer steps; a rerun continues up to this number.
+      steps_per_loop: steps per compiled host call; loops also stop at eval and
+        checkpoint boundaries.
+      global_batch_size: examples per step over all replicas.
+      eval_every: evaluate every N steps (and at the end); None: only at the end.
+      eval_steps: eval batches per evaluation; None: the whole (finite) eval split.
+      checkpoint_every: save every N steps (and at the end); None: as eval_every,
+        or 1000.
+      keep_checkpoints: how many checkpoints to keep.
+      precision: "float32", "mixed_bfloat16" or "mixed_float16"; None keeps the
+        gin binding of `set_precision_policy` (bf16 on TPU, else float32).
+      seed: seeds weight initialisation and Keras random ops.
+      input_mode: "host" keeps a plain per-host iterator that is checkpointed
+        (exact data resume) and splits each step's batches across local replicas;
+        "distributed" uses `distribute_datasets_from_function` (device prefetch,
+        needed for multi-host TPU pods) and resumes by skipping consumed batches.
+        None picks "host" (exact resume, at any step in the same time) everywhere
+        but on a multi-host TPU slice, whose one client cannot feed every host's
+        TPUs from one iterator: there "distributed" (the start-up line says so, and
+        that a resume re-reads the consumed batches).
+      jit_compile: compile the step with XLA. On one replica the whole per-replica
+        step (forward, backward, update) is compiled; on several replicas only
+        `Task.compute_gradients` (forward and backward) is, because XLA cannot
+        compile MirroredStrategy's cross-device variable updates (on CPU it fails
+        with "Trying to access resource ... located in device CPU:1 from device
+        CPU:0"). TPUs compile everything anyway; the flag changes nothing there.
+        "auto" (the default) compiles the whole step on one CPU/GPU replica when
+        XLA can lower it (measured faster here in float32: the MLP and the
+        Transformer of `benchmarks/train_loop.py`, see docs/performance.md) and
+        falls back, with a warning, when it cannot; it compiles nothing on several
+        replicas (only the forward/backward could be) nor for mixed precision on a
+        CPU (XLA's CPU backend lacks oneDNN's bf16 matmuls: slower there).
+      accumulation_steps: split each step's `global_batch_size` examples into N
+        micro-batches, sum their gradients and apply them once: the same update as
+        one N-times-larger batch (batch-norm statistics aside) in 1/N the memory.
+        Inputs are then built with a global batch of `global_batch_size / N`.
+      profile_steps: `(start, stop)` captures a TensorBoard profiler trace of steps
+        [start, stop) into `model_dir/train` (open TensorBoard's Profile tab).
+      report_mfu: count FLOPs per step (or use `Task.flops_per_example`) and log
+        model FLOPs utilization against the device's peak (`tputrain.flops`).
+      steps_per_fetch: host input mode: take the batches of this many steps with one
+        `get_next` (the dataset is batched once more on the host). Each fetch costs a
+        thread hand-off whatever the batch size, which is a noticeable share of a
+        sub-millisecond step; K steps per fetch pay it once. The batch-to-replica
+        order is unchanged (the same weights as 1). It shrinks (logged) to the largest
+        divisor of steps_per_loop, checkpoint_every, eval_every, train_steps and
+        profile_steps, so that no fetch is split by a loop boundary.
+    """
+
+    train_steps: int = 1000
+    steps_per_loop: int = 100
+    global_batch_size: int = 64
+    eval_every: int | None = None
+    eval_steps: int | None = None
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = 3
+    precision: str | None = None
+    seed: int = 0
+    input_mode: str | None = None
+    jit_compile: bool | str = "auto"
+    accumulation_steps: int = 1
+    profile_steps: tuple[int, int] | None = None
+    report_mfu: bool = True
+    steps_per_fetch: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("train_steps", "steps_per_loop", "global_batch_size",
+                     "accumulation_steps", "keep_checkpoints", "seed"):
+            check_int("Trainer", name, getattr(self, name), 0 if name == "seed" else 1)
+        for name in ("eval_every", "eval_steps", "checkpoint_every"):
+            check_int("Trainer", name, getattr(self, name), 1, allow_none=True)
+        if self.jit_compile not in (True, False, "auto"):
+            raise ValueError(f"Trainer.jit_compile must be True, False or 'auto', "
+                             f"got {self.jit_compile!r}")
+        if self.input_mode is not None and self.input_mode not in INPUT_MODES:
+            raise ValueError(f"Trainer.input_mode must be one of {INPUT_MODES}, "
+                             f"got {self.input_mode!r}")
+        ints = {name: int(getattr(self, name)) for name in (
+            "train_steps", "steps_per_loop", "global_batch_size", "accumulation_steps",
+            "keep_checkpoints", "seed")}
+        for name, value in ints.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "checkpoint_every",
+                           self.checkpoint_every or self.eval_every or 1000)
+        object.__setattr__(self, "report_mfu", bool(self.report_mfu))
+        object.__setattr__(self, "profile_steps", _check_profile_steps(self.profile_steps))
+        object.__setattr__(self, "steps_per_fetch", _check_steps_per_fetch(
+            self.steps_per_fetch, steps_per_loop=self.steps_per_loop,
+            train_steps=self.train_steps, checkpoint_every=self.checkpoint_every,
+            eval_every=self.eval_every, profile_steps=self.profile_steps))
+
+    def check_replicas(self, replicas: int, custom_train_step: bool, task_name: str) -> None:
+        """Checks what depends on the strategy: the batch must split evenly over the
+        replicas (and micro-batches); a Task.train_step override limits accumulation
+        and multi-replica XLA."""
+        if custom_train_step and self.accumulation_steps > 1:
+            raise ValueError(
+                f"{task_name} overrides Task.train_step, which cannot be split into "
+                "micro-batches: override Task.compute_gradients instead, or set "
+                "Trainer.accumulation_steps=1")
+        per_replica_batch(self.global_batch_size, replicas, self.accumulation_steps)
+        if self.jit_compile is True and custom_train_step and replicas > 1:
+            raise ValueError(
+                f"jit_compile on {replicas} replicas compiles Task.compute_gradients only, but "
+                f"{task_name} overrides Task.train_step: override compute_gradients "
+                "instead, or set Trainer.jit_compile=False")
+
+
+def _check_profile_steps(profile_steps: Any) -> tuple[int, int] | None:
+    if profile_steps is None:
+        return None
+    try:
+        start, stop = (int(s) for s in profile_steps)
+    except (TypeError, ValueError):
+        raise ValueError(f"Trainer.profile_steps must be (start, stop), got {profile_steps!r}") from None
+    if not 0 <= start < stop:
+        raise ValueError(f"Trainer.profile_steps=({start}, {stop}) needs 0 <= start < stop, "
+                         "e.g. (10, 15) to trace five steps after warm-up")
+    return start, stop
+
+
+def _check_steps_per_fetch(steps_per_fetch: Any, **boundaries: Any) -> int:
+    """The fetch size actually used: the largest divisor of every loop boundary.
+
+    Loops end on fetch boundaries, so no fetch is ever split. A config that sets
+    `steps_per_fetch=100` keeps working when a user overrides `steps_per_loop=20`:
+    the fetch shrinks to 20 (logged) instead of the run failing.
+    """
+    if isinstance(steps_per_fetch, bool) or not isinstance(steps_per_fetch, int) \
+            or steps_per_fetch < 1:
+        raise ValueError(f"Trainer.steps_per_fetch must be an int >= 1, got {steps_per_fetch!r}")
+    fetch, reasons = steps_per_fetch, []
+    for name, value in boundaries.items():
+        for number in (value if isinstance(value, tuple) else (value,)):
+            if number is not None and int(number) % fetch:
+                fetch = math.gcd(fetch, int(number))
+                reasons.append(f"Trainer.{name}={value}")
+    if fetch != steps_per_fetch:
+        logging.info("tputrain: steps_per_fetch %d -> %d so that fetches divide %s",
+                     steps_per_fetch, fetch, ", ".join(reasons))
+    return fetch

@@ -30,6 +30,12 @@ class Action:
     def on_train_begin(self, trainer: "Trainer", step: int) -> None:
         """Once per `train()`, after the restore, before the first loop."""
 
+    def loop_metrics(self, trainer: "Trainer", step: int, steps: int,
+                     seconds: float) -> Mapping[str, float]:
+        """Before the progress line of each loop (`steps` steps in `seconds`): scalars
+        to add to the loop's logs, its progress line and TensorBoard (e.g. comm/*)."""
+        return {}
+
     def on_loop_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
         """After each compiled loop of training steps; `logs` are the loop's means,
         learning rate and throughput (steps_per_second, examples_per_second, ...)."""

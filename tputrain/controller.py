@@ -66,6 +66,8 @@ class Controller:
         nonfinite = int(trainer.guard.nonfinite_steps.numpy())
         if nonfinite:  # shown once any step was non-finite
             logs["nonfinite_steps"] = float(nonfinite)
+        for action in self.actions:
+            logs.update(action.loop_metrics(trainer, step, steps, seconds))
         logs.update(trainer.progress.train_loop_done(step, steps, seconds, logs, input_wait))
         for action in self.actions:
             action.on_loop_end(trainer, step, logs)

@@ -6,9 +6,17 @@ be high. The preprocessing is a real computation the model consumes (a small
 data-dependent jitter computed by `work` rounds of a 64x64 matmul per batch),
 so tf.data cannot skip it, and it runs with `num_parallel_calls=1`, as a
 careless pipeline would.
+
+An example, not part of the package: `configs/slow_input.gin` imports it as
+`examples.slow_input`, so run that config from the repository root:
+
+    python -m tputrain.run --gin_file=slow_input.gin --model_dir=/tmp/tputrain-runs/slow
+    PYTHONPATH=. tputrain diagnose --gin_file=slow_input.gin
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import gin
 import tensorflow as tf
@@ -33,7 +41,7 @@ def expensive_jitter(images: tf.Tensor, work: int) -> tf.Tensor:
 class SlowInputTask(DigitsTask):
     """DigitsTask whose training batches pass through `expensive_jitter` serially."""
 
-    def __init__(self, work: int = 400, **kwargs):
+    def __init__(self, work: int = 400, **kwargs: Any):
         super().__init__(**kwargs)
         if isinstance(work, bool) or not isinstance(work, int) or work < 0:
             raise ValueError(f"SlowInputTask.work must be an int >= 0, got {work!r}")

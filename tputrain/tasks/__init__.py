@@ -2,7 +2,6 @@
 
 from tputrain.tasks.classifier import MLPClassifierTask
 from tputrain.tasks.digits import DigitsTask
-from tputrain.tasks.slow_input import SlowInputTask
 from tputrain.tasks.transformer import SyntheticLMTask
 
-__all__ = ["DigitsTask", "MLPClassifierTask", "SlowInputTask", "SyntheticLMTask"]
+__all__ = ["DigitsTask", "MLPClassifierTask", "SyntheticLMTask"]

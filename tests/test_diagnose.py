@@ -1,9 +1,9 @@
-"""Tests for tputrain.diagnose and the input-stall measurement it builds on.
+"""Tests for tputrain.diagnose, `tputrain diagnose`, and the input-stall measurement.
 
-The stall each training loop logs (trainer `_make_loop`, `Progress`) and
-`Trainer.steps_per_fetch` are tested here too: they are what diagnose reports.
-Slow inputs sleep (`tf.py_function`), so the outcome does not depend on how
-busy the host is.
+The stall each training loop logs (`Progress`) and `Trainer.steps_per_fetch`
+are tested here too: they are what diagnose reports. Slow inputs and slow
+steps sleep (`tf.py_function`), so the outcome does not depend on how busy the
+host is.
 """
 
 import json
@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +21,9 @@ import tensorflow as tf
 import tputrain
 from tiny import TinyTask, strategy_for, weights
 from tputrain.data import InputOptions
-from tputrain.diagnose import STALL_GOAL, Diagnosis, _advice, diagnose
+from tputrain.diagnose import Diagnosis, _advice, diagnose
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class SleepyTask(TinyTask):
@@ -43,6 +46,20 @@ class SleepyTask(TinyTask):
         # A py_function cannot be saved with the iterator: "warn" saves the rest.
         return dataset.map(slow).with_options(
             InputOptions(external_state_policy="warn").tf_options())
+
+
+class SlowStepTask(TinyTask):
+    """TinyTask whose every step takes `sleep` seconds more (in its loss): compute-bound
+    however busy the host is, its input coming from memory."""
+
+    def __init__(self, sleep: float = 0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.sleep = sleep
+
+    def compute_loss(self, labels, outputs):
+        waited = tf.py_function(lambda: time.sleep(self.sleep) or 0.0, [], tf.float32)
+        waited.set_shape([])
+        return super().compute_loss(labels, outputs) + 0.0 * waited
 
 
 def _trainer(tmp_path, task, replicas=1, name="run", **kwargs):
@@ -140,27 +157,33 @@ def test_diagnose_finds_a_slow_input_pipeline(tmp_path):
     json.dumps(result.to_json())  # --json prints exactly this
 
 
-def test_diagnose_reports_a_fast_pipeline(tmp_path):
-    trainer = _trainer(tmp_path, TinyTask(), train_steps=100, steps_per_loop=4,
+def test_diagnose_names_a_compute_bound_job_compute_bound(tmp_path):
+    """The step (100 ms: far longer than a busy host's scheduling delays) is the
+    bottleneck; the in-memory input is not."""
+    trainer = _trainer(tmp_path, SlowStepTask(sleep=0.1), train_steps=100, steps_per_loop=4,
                        steps_per_fetch=2)
-    result = diagnose(trainer, seconds=0.3)
+    result = diagnose(trainer, seconds=0.4)
     assert isinstance(result, Diagnosis)
-    assert result.loop_steps % 2 == 0
+    assert result.loop_steps % 2 == 0  # whole fetches of steps_per_fetch=2
     for rate in (result.input_only_steps_per_second, result.compute_only_steps_per_second,
                  result.end_to_end_steps_per_second):
         assert rate > 0
     assert 0.0 <= result.stall_fraction <= 1.0
-    assert result.bottleneck == ("input" if result.stall_fraction >= STALL_GOAL else "compute")
+    assert result.bottleneck == "compute" and "keeps up" in result.reason
+    assert result.input_only_steps_per_second > result.compute_only_steps_per_second
+    assert any("mixed_bfloat16" in a for a in result.advice)
     assert "stall fraction" in result.report() and "bottleneck" in result.report()
     assert not os.path.exists(tmp_path / "run" / "checkpoints" / "checkpoint")  # nothing saved
 
 
 def test_cli_names_the_input_bottleneck_of_slow_input_gin():
+    """As documented: `python -m tputrain.diagnose` from the repository root, where
+    slow_input.gin's `import examples.slow_input` finds its task."""
     result = subprocess.run(
         [sys.executable, "-m", "tputrain.diagnose", "--gin_file=slow_input.gin", "--json",
          "--seconds=0.3", "--gin_param=SlowInputTask.work=1000",
          "--gin_param=Trainer.steps_per_loop=5", "--gin_param=Trainer.eval_every=None"],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)
     assert report["bottleneck"] == "input" and report["stall_fraction"] > 0.5

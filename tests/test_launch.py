@@ -25,7 +25,8 @@ import pytest
 import tensorflow as tf
 
 from faults import Process, child_env
-from tputrain.launch import Launcher, parse_args, tf_configs
+from tputrain.cli.launch import parse_args
+from tputrain.launch import Launcher, tf_configs
 
 CONFIG = """
 Trainer.task = @FaultTask()

@@ -1,4 +1,4 @@
-"""`tputrain audit-precision --gin_file=F`: which layers drift in bf16/fp16, and does it matter?
+"""Precision audit: which layers drift in bf16/fp16, and does the drift change the metrics?
 
 Moving to `mixed_bfloat16` is the biggest speed-up on TPUs (and on CPUs with
 AMX/AVX512-BF16), and its first pitfall is silent drift. The audit builds the
@@ -14,16 +14,15 @@ eval batches:
    local error says which layer to keep in float32.
 
 Layers whose local error exceeds `tolerance` are flagged; the eval-metric delta
-(target minus float32) is what decides whether the drift matters. Keep a flagged
-layer in float32 with `override_layer_dtypes.keep_float32_layers = ['name']` and
-rerun. The exit status is 1 when a metric moves by more than `metric_tolerance`.
+(target minus float32) is what decides whether the drift matters
+(`AuditReport.metrics_ok`). Keep a flagged layer in float32 with
+`override_layer_dtypes.keep_float32_layers = ['name']` and rerun.
+`tputrain audit-precision` (tputrain/cli/audit_precision.py) runs it on a gin config.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 from typing import Any, Sequence
 
 import gin
@@ -32,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tputrain.config import ConfigError, require_bound
 from tputrain.data import InputContext
 from tputrain.layer_precision import override_layer_dtypes, sublayers
 from tputrain.precision import set_precision_policy, to_float32
@@ -175,6 +175,56 @@ def _restore(model: keras.Model, checkpoint: str) -> str:
     return path
 
 
+def _build_model(task: Task, policy: str) -> keras.Model:
+    """The task's model built under `policy`, leaving the global policy as it was."""
+    previous = keras.mixed_precision.global_policy().name
+    set_precision_policy(policy)
+    try:
+        return task.build_model()
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
+def _measure(task: Task, model: keras.Model, batches: Sequence[Any],
+             tolerance: float) -> tuple[list[LayerError], dict[str, float], dict[str, float]]:
+    """(per-layer errors, float32 metrics, target-policy metrics): the three runs of
+    the module docstring, switching layer policies in place and restoring them."""
+    layers = _auditable_layers(model)
+    activations = _activation_model(model, layers)
+    every_layer = sublayers(model)
+    target = {id(l): l.dtype_policy for l in every_layer}
+    features = batches[0][0]
+
+    def run_with(low_precision: Sequence[keras.layers.Layer]) -> list[Any]:
+        for layer in every_layer:
+            layer.dtype_policy = "float32"
+        for layer in low_precision:
+            for sub in sublayers(layer):
+                sub.dtype_policy = target[id(sub)]
+        return activations(features, training=False)
+
+    try:
+        reference = run_with([])
+        metrics_float32 = _evaluate(task, model, batches)
+        cumulative = run_with(every_layer)
+        metrics_policy = _evaluate(task, model, batches)
+        results = []
+        for index, layer in enumerate(layers):
+            nested_low = any(target[id(s)].compute_dtype != "float32" for s in sublayers(layer))
+            local = None
+            if nested_low:
+                local = relative_error(reference[index], run_with([layer])[index])
+            results.append(LayerError(
+                name=layer.name, class_name=type(layer).__name__,
+                compute_dtype=target[id(layer)].compute_dtype,
+                cumulative_error=relative_error(reference[index], cumulative[index]),
+                local_error=local, flagged=local is not None and local > tolerance))
+    finally:
+        for layer in every_layer:
+            layer.dtype_policy = target[id(layer)]
+    return results, metrics_float32, metrics_policy
+
+
 @gin.configurable
 def audit_precision(task: Task, policy: str = "mixed_bfloat16", global_batch_size: int = 64,
                     num_batches: int = 4, tolerance: float = 0.05,
@@ -198,12 +248,7 @@ def audit_precision(task: Task, policy: str = "mixed_bfloat16", global_batch_siz
     if policy == "float32":
         raise ValueError("audit_precision.policy is float32: audit a mixed policy, "
                          "e.g. 'mixed_bfloat16'")
-    previous = keras.mixed_precision.global_policy().name
-    set_precision_policy(policy)
-    try:
-        model = task.build_model()
-    finally:
-        keras.mixed_precision.set_global_policy(previous)
+    model = _build_model(task, policy)
     context = InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1,
                            global_batch_size=global_batch_size)
     batches = list(task.build_inputs(split, context).take(num_batches))
@@ -212,62 +257,26 @@ def audit_precision(task: Task, policy: str = "mixed_bfloat16", global_batch_siz
                          "smaller audit_precision.global_batch_size")
     if not (model.built and model.variables):
         model(batches[0][0], training=False)
-    override_layer_dtypes(model)
+    override_layer_dtypes(model)  # as training would run it (gin keep_float32_layers)
     if checkpoint:
         logging.info("tputrain: audit weights from %s", _restore(model, checkpoint))
-
-    layers = _auditable_layers(model)
-    activations = _activation_model(model, layers)
-    every_layer = sublayers(model)
-    target = {id(l): l.dtype_policy for l in every_layer}
-    features = batches[0][0]
-
-    def run_with(low_precision: Sequence[keras.layers.Layer]) -> list[Any]:
-        for layer in every_layer:
-            layer.dtype_policy = "float32"
-        for layer in low_precision:
-            for sub in sublayers(layer):
-                sub.dtype_policy = target[id(sub)]
-        return activations(features, training=False)
-
-    try:
-        reference = run_with([])
-        metrics_float32 = _evaluate(task, model, batches)
-        cumulative = run_with(every_layer)
-        metrics_policy = _evaluate(task, model, batches)
-        results = []
-        for index, layer in enumerate(layers):
-            compute_dtype = target[id(layer)].compute_dtype
-            nested_low = any(target[id(s)].compute_dtype != "float32" for s in sublayers(layer))
-            local = None
-            if nested_low:
-                local = relative_error(reference[index], run_with([layer])[index])
-            results.append(LayerError(
-                name=layer.name, class_name=type(layer).__name__, compute_dtype=compute_dtype,
-                cumulative_error=relative_error(reference[index], cumulative[index]),
-                local_error=local, flagged=local is not None and local > tolerance))
-    finally:
-        for layer in every_layer:
-            layer.dtype_policy = target[id(layer)]
+    layers, metrics_float32, metrics_policy = _measure(task, model, batches, tolerance)
     return AuditReport(policy=policy, tolerance=tolerance, metric_tolerance=metric_tolerance,
-                       layers=results, metrics_float32=metrics_float32,
+                       layers=layers, metrics_float32=metrics_float32,
                        metrics_policy=metrics_policy,
                        examples=sum(int(tf.nest.flatten(b[1])[0].shape[0]) for b in batches))
 
 
-# ---------------------------------------------------------------------- CLI
-
-
-def _task_from_gin() -> Task:
-    """`audit_precision.task` if bound, else the training config's `Trainer.task`."""
-    from tputrain.config import ConfigError, require_bound
-
+def task_from_gin() -> Task:
+    """`audit_precision.task` if bound, else the training config's `Trainer.task`:
+    the audit runs on a training config unchanged."""
     for binding in ("audit_precision.task", "Trainer.task"):
         try:
             reference = gin.query_parameter(binding)
         except ValueError:
             continue
-        task = reference.scoped_configurable_fn() if hasattr(reference, "scoped_configurable_fn") else reference
+        task = (reference.scoped_configurable_fn()
+                if hasattr(reference, "scoped_configurable_fn") else reference)
         if not isinstance(task, Task):
             raise ConfigError(f"{binding} must be a tputrain.Task, got {type(task).__name__}")
         return task
@@ -275,21 +284,9 @@ def _task_from_gin() -> Task:
     raise AssertionError("unreachable")
 
 
-def main(argv: list[str]) -> None:
-    from absl import app, flags
-
-    from tputrain.config import ConfigError
-    from tputrain.run import parse_gin_flags
-
-    FLAGS = flags.FLAGS
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    parse_gin_flags()
-    try:
-        task = _task_from_gin()
-    except ConfigError as error:
-        print(f"tputrain: error: {error}", file=sys.stderr)
-        sys.exit(2)
+def defaults_from_gin() -> dict[str, Any]:
+    """`audit_precision` arguments the training config implies and the audit's own
+    bindings leave open: the audit reads batches of `Trainer.global_batch_size`."""
     kwargs: dict[str, Any] = {}
     for binding in ("global_batch_size",):
         try:
@@ -299,35 +296,4 @@ def main(argv: list[str]) -> None:
                 kwargs[binding] = gin.query_parameter(f"Trainer.{binding}")
             except ValueError:
                 pass
-    if FLAGS.policy:
-        kwargs["policy"] = FLAGS.policy
-    checkpoint = FLAGS.checkpoint
-    if not checkpoint and FLAGS.model_dir:
-        checkpoint = f"{FLAGS.model_dir.rstrip('/')}/checkpoints"
-    if checkpoint:
-        kwargs["checkpoint"] = checkpoint
-    report = audit_precision(task, **kwargs)
-    print(report.format())
-    if FLAGS.output:
-        with tf.io.gfile.GFile(FLAGS.output, "w") as f:
-            json.dump(report.to_dict(), f, indent=1)
-    sys.exit(0 if report.metrics_ok else 1)
-
-
-def console_main() -> None:
-    """`tputrain audit-precision --gin_file=CONFIG [--policy=...] [--output=report.json]`."""
-    from absl import app, flags
-
-    from tputrain.run import define_gin_flags
-
-    define_gin_flags()
-    flags.DEFINE_string("policy", None, "Target policy (default: audit_precision.policy, "
-                        "mixed_bfloat16).")
-    flags.DEFINE_string("checkpoint", None, "Checkpoint folder or prefix to load weights from; "
-                        "default: --model_dir's checkpoints if given, else initial weights.")
-    flags.DEFINE_string("output", None, "Also write the report as JSON to this path.")
-    app.run(main)
-
-
-if __name__ == "__main__":
-    console_main()
+    return kwargs

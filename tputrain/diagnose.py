@@ -1,38 +1,24 @@
-"""`tputrain diagnose --gin_file=F`: is this training job waiting on its input?
+"""Is a training job waiting on its input? Measure it, name the bottleneck and the fix.
 
-Builds the configured Trainer (in a temporary model_dir: nothing is restored or
-written) and measures, on this host, three throughputs in steps per second:
-
-(a) input only: the train dataset drained by a compiled loop, no step;
-(b) compute only: the Trainer's own compiled train loop fed one cached batch
-    again and again from memory (`Dataset.from_tensors(batch).repeat()`), so
-    the step never waits on real input;
-(c) end to end: the same loop on the real input pipeline.
-
-The stall fraction is `1 - end_to_end / compute_only` (the median over
-pairs of loops run back to back, cached and real input in turn): the share of
-step time lost to input, whether the step waits on batches that are not ready
-or the pipeline slows the step by competing for the host's cores. The in-loop
-figure that training logs each loop (`input/stall_fraction`, time blocked in
-`get_next`) is reported beside it. Below 5% the step (compute) is the
-bottleneck; above, the input is, and the advice names the knobs to turn.
-`python -m tputrain.diagnose` runs the same.
+`diagnose(trainer)` measures three throughputs of a built Trainer on this host:
+its input pipeline alone, its compiled train loop on one cached batch (compute
+only), and the same loop on the real input (end to end). The share of step time
+lost to input (the stall fraction) decides the bottleneck; `Diagnosis.advice`
+names the knobs to turn. `tputrain diagnose` (tputrain/cli/diagnose.py) runs it
+on a gin config.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 import statistics
-import sys
-import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from absl import app, flags, logging
+import tensorflow as tf
 
-FLAGS = flags.FLAGS
+from tputrain.trainer import Trainer
+
 STALL_GOAL = 0.05  # the seeds' rule: input wait under 5% of the step
 
 
@@ -127,9 +113,8 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return result, time.perf_counter() - start
 
 
-def _drain_function():
+def _drain_function() -> Callable[[Iterator[Any], tf.Tensor], tf.Tensor]:
     """A compiled loop that pulls `n` elements from an iterator and does nothing else."""
-    import tensorflow as tf
 
     @tf.function
     def drain(iterator, n):
@@ -144,19 +129,112 @@ def _drain_function():
     return drain
 
 
-def _cached_iterator(trainer):
+def _cached_iterator(trainer: Trainer, real_iterator: Iterator[Any]) -> Iterator[Any]:
     """An iterator that yields one real element of the train input forever, from memory."""
-    import tensorflow as tf
-
     if trainer.input_mode == "host":
-        element = trainer._train_iterator.get_next()  # pylint: disable=protected-access
+        element = real_iterator.get_next()
         return iter(tf.data.Dataset.from_tensors(element).repeat())
-    batch = next(iter(trainer._train_dataset))  # pylint: disable=protected-access
+    batch = next(iter(trainer.train_dataset))
     return iter(trainer.strategy.distribute_datasets_from_function(
         lambda _: tf.data.Dataset.from_tensors(batch).repeat()))
 
 
-def diagnose(trainer, seconds: float = 3.0, steps: int | None = None) -> Diagnosis:
+class _Loops:
+    """Runs the Trainer's own compiled train loop (`run_loop`) on a chosen iterator:
+    what is measured is the very program training runs, only fed differently."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        if trainer.input_mode == "distributed":
+            trainer.set_train_iterator(trainer.inputs.distributed_iterator("train"))
+        # The Trainer's own iterator, not a second one (see `_input_only_rates`).
+        self.real_iterator = trainer._train_iterator  # pylint: disable=protected-access
+        self.unit = int(getattr(trainer, "steps_per_fetch", 1))  # loops are multiples of this
+        self.num_steps = self.unit
+
+    def warm_up(self, seconds: float, steps: int | None) -> float:
+        """Traces the loop and fills the pipeline's buffers; sets the loop length:
+        `steps`, or what fits a quarter of `seconds`, at most steps_per_loop (slow
+        steps, a big model on a busy host, must not stretch the run to minutes)."""
+        _, trace = _timed(lambda: self.trainer.run_loop(self.unit))
+        if steps is None:
+            (_, done, _), elapsed = _timed(lambda: self.trainer.run_loop(self.unit))
+            per_step = elapsed / max(done, 1)
+            steps = min(self.trainer.steps_per_loop,
+                        max(1, int(seconds / 4 / max(per_step, 1e-9))))
+        self.num_steps = max(self.unit, int(steps) // self.unit * self.unit)
+        return trace
+
+    def run(self, iterator: Iterator[Any]) -> tuple[float, float, float]:
+        """(steps, seconds, seconds waiting on input) of one loop on `iterator`."""
+        self.trainer.set_train_iterator(iterator)
+        try:
+            (_, done, wait), elapsed = _timed(lambda: self.trainer.run_loop(self.num_steps))
+        finally:
+            self.trainer.set_train_iterator(self.real_iterator)
+        return done, elapsed, wait
+
+
+def _input_only_rates(loops: _Loops, seconds: float) -> tuple[list[float], float]:
+    """Steps per second of the input alone, and the time taken.
+
+    Drains the real iterator itself: one iterator per pipeline (a file cache
+    allows no second one, and freeing tf.data iterators can block for seconds).
+    In host mode one element holds the batches of `steps_per_fetch` steps.
+    """
+    elements_per_step = 1 / loops.unit if loops.trainer.input_mode == "host" else 1
+    drain = _drain_function()
+    count = tf.constant(max(1, int(loops.num_steps * elements_per_step)))
+    _, warm = _timed(lambda: drain(loops.real_iterator, count))
+    rates, begin = [], time.perf_counter()
+    while len(rates) < 3 or time.perf_counter() - begin < seconds:
+        pulled, elapsed = _timed(lambda: int(drain(loops.real_iterator, count)))
+        rates.append(pulled / elements_per_step / elapsed)
+        if len(rates) >= 100:
+            break
+    return rates, warm + time.perf_counter() - begin
+
+
+@dataclasses.dataclass
+class _Pairs:
+    """Compute-only and end-to-end loops run back to back (see `_paired_rates`)."""
+
+    compute_rates: list[float]
+    end_to_end_rates: list[float]
+    ratios: list[float]  # end to end / compute only, per pair
+    wait_fraction: float  # of end-to-end time blocked on get_next
+    seconds: float
+
+
+def _paired_rates(loops: _Loops, seconds: float) -> _Pairs:
+    """The same compiled loop on one cached batch and on the real input, in turn, so
+    that both see the same load on a shared host; the order alternates so that
+    neither always follows the other."""
+    cached, real = _cached_iterator(loops.trainer, loops.real_iterator), loops.real_iterator
+    loops.run(cached)  # warm-up
+    loops.run(real)
+    pairs = _Pairs([], [], [], 0.0, 0.0)
+    wait = e2e_time = 0.0
+    begin = time.perf_counter()
+    while len(pairs.ratios) < 4 or time.perf_counter() - begin < 2 * seconds:
+        rates = {}
+        for iterator in (cached, real)[::1 if len(pairs.ratios) % 2 else -1]:
+            done, elapsed, waited = loops.run(iterator)
+            rates[iterator is real] = done / elapsed
+            if iterator is real:
+                wait += waited
+                e2e_time += elapsed
+        pairs.compute_rates.append(rates[False])
+        pairs.end_to_end_rates.append(rates[True])
+        pairs.ratios.append(rates[True] / rates[False])
+        if len(pairs.ratios) >= 200:
+            break
+    pairs.seconds = time.perf_counter() - begin
+    pairs.wait_fraction = wait / max(e2e_time, 1e-9)
+    return pairs
+
+
+def diagnose(trainer: Trainer, seconds: float = 3.0, steps: int | None = None) -> Diagnosis:
     """Measures input-only, compute-only and end-to-end throughput of `trainer`.
 
     Each measurement runs compiled loops of `steps` steps for about `seconds`
@@ -164,135 +242,28 @@ def diagnose(trainer, seconds: float = 3.0, steps: int | None = None) -> Diagnos
     a quarter of `seconds`, at most the Trainer's steps_per_loop. The trainer's
     weights change (it trains); nothing is saved.
     """
-    import tensorflow as tf
-
-    # pylint: disable=protected-access
-    timings: dict[str, float] = {}
-    if trainer.input_mode == "distributed":
-        trainer._train_iterator = trainer._distributed_iterator("train")
-    real_iterator = trainer._train_iterator
-    unit = int(getattr(trainer, "steps_per_fetch", 1))  # loops are multiples of this
-
-    # Warm-up: traces the compiled loop and fills the pipeline's buffers.
-    _, timings["trace"] = _timed(lambda: trainer._train_loop(unit))
-    if steps is None:
-        # Loops of about a quarter of the budget, at most steps_per_loop: slow steps
-        # (a big model on a busy host) must not stretch the run to minutes.
-        (_, done, _), elapsed = _timed(lambda: trainer._train_loop(unit))
-        per_step = elapsed / max(done, 1)
-        steps = min(trainer.steps_per_loop, max(1, int(seconds / 4 / max(per_step, 1e-9))))
-    num_steps = max(unit, int(steps) // unit * unit)
-
-    def one_loop(iterator) -> tuple[float, float, float]:
-        """(steps, seconds, seconds waiting on input) of one loop on `iterator`."""
-        trainer._train_iterator = iterator
-        try:
-            (_, done, wait), elapsed = _timed(lambda: trainer._train_loop(num_steps))
-        finally:
-            trainer._train_iterator = real_iterator
-        return done, elapsed, wait
-
-    # (a) input only, from the same iterator (one iterator per pipeline: a file cache
-    # allows no second one, and freeing tf.data iterators can block for seconds).
-    # Host mode: one element holds the batches of `steps_per_fetch` steps.
-    elements_per_step = 1 / unit if trainer.input_mode == "host" else 1
-    drain = _drain_function()
-    count = tf.constant(max(1, int(num_steps * elements_per_step)))
-    _, warm = _timed(lambda: drain(real_iterator, count))
-    input_rates, begin = [], time.perf_counter()
-    while len(input_rates) < 3 or time.perf_counter() - begin < seconds:
-        pulled, elapsed = _timed(lambda: int(drain(real_iterator, count)))
-        input_rates.append(pulled / elements_per_step / elapsed)
-        if len(input_rates) >= 100:
-            break
-    timings["input_only"] = warm + time.perf_counter() - begin
-
-    # (b) and (c), interleaved loop by loop so that both see the same load on a
-    # shared host: the same compiled loop on one cached batch, then on the real input.
-    cached_iterator = _cached_iterator(trainer)
-    one_loop(cached_iterator)  # warm-up
-    one_loop(real_iterator)
-    compute_rates, e2e_rates, ratios, e2e_wait, e2e_time = [], [], [], 0.0, 0.0
-    begin = time.perf_counter()
-    while len(ratios) < 4 or time.perf_counter() - begin < 2 * seconds:
-        # Alternate which goes first, so neither always follows the other.
-        order = (cached_iterator, real_iterator)[::1 if len(ratios) % 2 else -1]
-        rates = {}
-        for iterator in order:
-            done, elapsed, wait = one_loop(iterator)
-            rates[iterator is real_iterator] = done / elapsed
-            if iterator is real_iterator:
-                e2e_wait += wait
-                e2e_time += elapsed
-        compute_rates.append(rates[False])
-        e2e_rates.append(rates[True])
-        ratios.append(rates[True] / rates[False])
-        if len(ratios) >= 200:
-            break
-    timings["compute_and_end_to_end"] = time.perf_counter() - begin
-    wait_fraction = e2e_wait / max(e2e_time, 1e-9)
-
+    loops = _Loops(trainer)
+    timings = {"trace": loops.warm_up(seconds, steps)}
+    input_rates, timings["input_only"] = _input_only_rates(loops, seconds)
+    pairs = _paired_rates(loops, seconds)
+    timings["compute_and_end_to_end"] = pairs.seconds
     input_only = statistics.median(input_rates)
-    compute_only = statistics.median(compute_rates)
-    end_to_end = statistics.median(e2e_rates)
+    compute_only = statistics.median(pairs.compute_rates)
     # The median of the pairs' ratios follows a shared host's changing load better
     # than the ratio of the medians.
-    stall = min(1.0, max(0.0, 1.0 - statistics.median(ratios)))
+    stall = min(1.0, max(0.0, 1.0 - statistics.median(pairs.ratios)))
     bottleneck = "input" if stall >= STALL_GOAL else "compute"
     reason, advice = _advice(bottleneck, input_only, compute_only, stall, trainer.input_mode)
     return Diagnosis(
         input_only_steps_per_second=input_only, compute_only_steps_per_second=compute_only,
-        end_to_end_steps_per_second=end_to_end, stall_fraction=stall,
-        measured_input_wait_fraction=wait_fraction, bottleneck=bottleneck, reason=reason,
-        advice=advice, loop_steps=num_steps, global_batch_size=trainer.global_batch_size,
+        end_to_end_steps_per_second=statistics.median(pairs.end_to_end_rates),
+        stall_fraction=stall, measured_input_wait_fraction=pairs.wait_fraction,
+        bottleneck=bottleneck, reason=reason, advice=advice, loop_steps=loops.num_steps,
+        global_batch_size=trainer.global_batch_size,
         seconds={k: round(v, 3) for k, v in timings.items()})
 
 
-def define_flags() -> None:
-    from tputrain.run import define_gin_flags
+if __name__ == "__main__":  # `python -m tputrain.diagnose` (documented) is the command
+    from tputrain.cli.diagnose import console_main
 
-    define_gin_flags()
-    flags.DEFINE_bool("json", False, "Print the measurements as one JSON object.")
-    flags.DEFINE_float("seconds", 3.0, "Seconds per measurement (after a warm-up loop).")
-    flags.DEFINE_integer("steps", None, "Steps per measured loop; default Trainer.steps_per_loop.")
-
-
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    from tputrain import run
-
-    started = time.perf_counter()
-    run.parse_gin_flags()
-    # Never touch the configured model_dir: no restore, no checkpoints, no summaries.
-    work_dir = tempfile.mkdtemp(prefix="tputrain-diagnose-")
-    FLAGS.model_dir = work_dir
-    try:
-        (trainer, build_seconds) = _timed(run.build_trainer)
-        result = diagnose(trainer, seconds=FLAGS.seconds, steps=FLAGS.steps)
-    finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
-    result.seconds["build"] = round(build_seconds, 3)
-    result.seconds["total"] = round(time.perf_counter() - started, 3)
-    if FLAGS.json:
-        print(json.dumps({"gin_file": list(FLAGS.gin_file), "gin_param": list(FLAGS.gin_param),
-                          **result.to_json()}, indent=1))
-    else:
-        print(result.report())
-    sys.stdout.flush()
-
-
-def console_main() -> None:
-    """Entry point of `tputrain diagnose`."""
-    from tputrain.run import list_in_help
-
-    define_flags()
-    # Not model_dir: diagnose always works in a temporary directory.
-    list_in_help(("gin_file", "gin_param", "gin_search_path", "gin_import", "json", "seconds",
-                  "steps"))
-    logging.set_verbosity(logging.WARNING)
-    app.run(main)
-
-
-if __name__ == "__main__":
     console_main()

@@ -1,17 +1,11 @@
-"""`tputrain launch --workers N <run flags>`: N local worker processes, one cluster.
+"""N local worker processes as one MultiWorkerMirroredStrategy cluster.
 
-Starts N `tputrain` training processes on this machine, each with a TF_CONFIG
-that puts them in one `MultiWorkerMirroredStrategy` cluster on free 127.0.0.1
-ports. For testing multi-worker code and for using several processes on one
-big machine; on a real cluster, run `tputrain` on every host with its own
-TF_CONFIG instead (the same program).
-
-Worker output is prefixed with `[worker i]`. If a worker fails, the others are
-expected to fail too (their collectives lose a peer); any still running after
-`--peer_exit_timeout` seconds are stopped (SIGTERM, then SIGKILL). SIGTERM or
-Ctrl-C to the launcher is forwarded to every worker, which checkpoint and exit
-42. The launcher exits 0 if every worker succeeded, 42 if every worker was
-preempted, else with the first failure's code (1 for a worker killed by a signal).
+`Launcher` starts N `python -m tputrain.run` processes on this machine, each
+with a TF_CONFIG (`tf_configs`) that puts them in one cluster on free
+127.0.0.1 ports, relays their output prefixed with `[worker i]`, forwards
+signals and decides the exit code. `watch_launcher` is the worker's side: a
+worker whose launcher died stops like a preempted one. `tputrain launch`
+(tputrain/cli/launch.py) is the command.
 
 Note: TF's gRPC servers listen on all interfaces, not only 127.0.0.1; on a
 shared network run the launcher inside a private network namespace (e.g.
@@ -20,7 +14,6 @@ shared network run the launcher inside a private network namespace (e.g.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -193,33 +186,3 @@ def _describe(code: int | None) -> str:
 
 def _log(message: str) -> None:
     print(f"tputrain launch: {message}", file=sys.stderr, flush=True)
-
-
-def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(
-        prog="tputrain launch",
-        description="Run N local tputrain workers as one MultiWorkerMirroredStrategy cluster. "
-                    "Other flags (--gin_file, --gin_param, --model_dir...) go to every worker.")
-    parser.add_argument("--workers", type=int, required=True, help="number of worker processes")
-    parser.add_argument("--peer_exit_timeout", type=float, default=60.0,
-                        help="seconds to let the other workers fail on their own after one "
-                             "failed, before stopping them")
-    return parser.parse_known_args(list(argv))
-
-
-def console_main(argv: Sequence[str] | None = None) -> None:
-    """`tputrain launch`: see the module docstring."""
-    args, run_args = parse_args(sys.argv[1:] if argv is None else argv)
-    if not any(a.startswith(("--gin_file", "--gin_param")) for a in run_args):
-        print("tputrain launch: error: pass the training flags too, e.g. "
-              "--gin_file=digits.gin --model_dir=/tmp/run", file=sys.stderr)
-        sys.exit(2)
-    launcher = Launcher(args.workers, run_args, args.peer_exit_timeout)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda s, f: launcher.forward(signal.SIGTERM))
-    launcher.start()
-    sys.exit(launcher.wait())
-
-
-if __name__ == "__main__":
-    console_main()

@@ -1,15 +1,11 @@
-"""`tputrain vertex-spec`: the Vertex AI CustomJob that trains a gin config on a TPU or GPU.
+"""Vertex AI CustomJobs that train a gin config on a TPU or GPU, validated offline.
 
-Prints the CustomJob (the REST body: `displayName` and `jobSpec.workerPoolSpecs`)
-whose container runs `python -m tputrain.run` with your gin files, writing to
-`--bucket`. Everything is validated offline before anything is printed: the
-accelerator and machine type, the image and bucket names, and the gin config
-itself (parsed here, with `Trainer.task` bound and the global batch divisible by
-the job's replica count). `--submit` sends it with google-cloud-aiplatform, which
-is only needed (and only imported) then.
-
-    tputrain vertex-spec --gin_file=digits.gin --tpu=v5litepod-8 \\
-        --image=us-docker.pkg.dev/my-project/train/tputrain:latest --bucket=gs://my-bucket
+`build_job` returns the CustomJob REST body (`displayName` and
+`jobSpec.workerPoolSpecs`) whose container runs `python -m tputrain.run` with
+the gin files; `tpu_hardware`/`gpu_hardware` pick the machine spec,
+`validate_config` parses the config here and checks it fits the job, and
+`submit` sends it with google-cloud-aiplatform, which is only needed (and only
+imported) then. `tputrain vertex-spec` (tputrain/cli/vertex_spec.py) drives them.
 """
 
 from __future__ import annotations
@@ -18,12 +14,11 @@ import dataclasses
 import json
 import os
 import re
-import sys
 from typing import Any, Sequence
 
-from absl import app, flags
+import gin
 
-FLAGS = flags.FLAGS
+from tputrain.config import ConfigError, parse_gin, require_bound
 
 _CONTAINER_COMMAND = ["python", "-m", "tputrain.run"]
 # Vertex AI machine specs for TPU slices, named as Cloud TPU names them
@@ -195,10 +190,6 @@ def validate_config(gin_files: Sequence[str], gin_params: Sequence[str],
     unbound `Trainer.task`, a global batch not divisible by the replicas, or a
     forced strategy that contradicts the hardware.
     """
-    import gin
-
-    from tputrain.config import ConfigError, parse_gin, require_bound
-
     warnings = []
     for path in gin_files:
         if os.path.isabs(path):
@@ -207,9 +198,9 @@ def validate_config(gin_files: Sequence[str], gin_params: Sequence[str],
     try:
         parse_gin(gin_files, gin_params, gin_search_paths, gin_imports, finalize=False)
         require_bound("Trainer.task")
-        global_batch = _bound_or(gin, "Trainer.global_batch_size", 64)
-        forced = _bound_or(gin, "resolve_strategy.strategy", None)
-        precision = _bound_or(gin, "Trainer.precision", None)
+        global_batch = _bound_or("Trainer.global_batch_size", 64)
+        forced = _bound_or("resolve_strategy.strategy", None)
+        precision = _bound_or("Trainer.precision", None)
     except ConfigError as error:
         raise SpecError(f"the gin config does not parse: {error}") from error
     finally:
@@ -236,9 +227,9 @@ def validate_config(gin_files: Sequence[str], gin_params: Sequence[str],
     return warnings
 
 
-def _bound_or(gin_module: Any, binding: str, default: Any) -> Any:
+def _bound_or(binding: str, default: Any) -> Any:
     try:
-        return gin_module.query_parameter(binding)
+        return gin.query_parameter(binding)
     except ValueError:
         return default
 
@@ -261,86 +252,7 @@ def submit(job: dict[str, Any], project: str, region: str) -> str:
     return created.name
 
 
-def _define_flags() -> None:
-    from tputrain import run
-
-    run.define_gin_flags()  # --gin_file, --gin_param, --gin_search_path, --gin_import, --model_dir
-    flags.DEFINE_string("tpu", None, "Cloud TPU slice, e.g. v5litepod-8, v5litepod-16, v3-8, v6e-8.")
-    flags.DEFINE_string("gpu", None, "GPU type, e.g. a100, l4, t4, v100 (or the Vertex enum, "
-                        "NVIDIA_TESLA_A100).")
-    flags.DEFINE_integer("gpu_count", 1, "GPUs per machine (with --gpu).")
-    flags.DEFINE_integer("replica_count", 1, "Machines (GPU/CPU jobs); more than 1 trains with "
-                         "MultiWorkerMirroredStrategy.")
-    flags.DEFINE_string("machine_type", None, "Overrides the machine type (alone: a CPU job).")
-    flags.DEFINE_string("tpu_topology", None, "Overrides the TPU topology, e.g. 4x4.")
-    flags.DEFINE_string("image", None, "Container image with tputrain and your code installed.")
-    flags.DEFINE_string("bucket", None, "gs:// location for the job's output; the model_dir "
-                        "defaults to BUCKET/DISPLAY_NAME/model.")
-    flags.DEFINE_string("display_name", None, "Job name; default tputrain-<first gin file>.")
-    flags.DEFINE_bool("spot", False, "Run on Spot VMs (preemptible; tputrain resumes from the "
-                      "last checkpoint when Vertex AI restarts the job).")
-    flags.DEFINE_bool("validate_config", True, "Parse the gin config here before printing "
-                      "(needs your --gin_import modules importable locally).")
-    flags.DEFINE_bool("submit", False, "Create the job with google-cloud-aiplatform.")
-    flags.DEFINE_string("project", None, "GCP project (with --submit).")
-    flags.DEFINE_string("region", "us-central1", "Vertex AI region (with --submit).")
-
-
-def _default_display_name(gin_files: Sequence[str]) -> str:
+def default_display_name(gin_files: Sequence[str]) -> str:
+    """tputrain-<first gin file>, in the letters Vertex AI job names allow."""
     stem = os.path.splitext(os.path.basename(gin_files[0]))[0] if gin_files else "job"
     return re.sub(r"[^a-z0-9-]+", "-", f"tputrain-{stem}".lower()).strip("-")
-
-
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    try:
-        if not FLAGS.gin_file:
-            raise SpecError("pass --gin_file=CONFIG (e.g. --gin_file=digits.gin)")
-        if FLAGS.tpu and FLAGS.gpu:
-            raise SpecError("pass --tpu or --gpu, not both")
-        if FLAGS.tpu:
-            hardware = tpu_hardware(FLAGS.tpu, FLAGS.machine_type, FLAGS.tpu_topology)
-        elif FLAGS.gpu:
-            hardware = gpu_hardware(FLAGS.gpu, FLAGS.gpu_count, FLAGS.machine_type)
-        elif FLAGS.machine_type:
-            hardware = Hardware({"machineType": FLAGS.machine_type}, 1, "cpu")
-        else:
-            raise SpecError("pass --tpu=v5litepod-8 (or another slice), --gpu=TYPE, or "
-                            "--machine_type=TYPE for a CPU-only job")
-        check_bucket(FLAGS.bucket)
-        display_name = FLAGS.display_name or _default_display_name(FLAGS.gin_file)
-        model_dir = FLAGS.model_dir or f"{FLAGS.bucket.rstrip('/')}/{display_name}/model"
-        check_bucket(model_dir, flag="--model_dir")
-        args = container_args(FLAGS.gin_file, FLAGS.gin_param, FLAGS.gin_search_path,
-                              FLAGS.gin_import, model_dir)
-        job = build_job(display_name=display_name, image=FLAGS.image, bucket=FLAGS.bucket,
-                        hardware=hardware, args=args, replica_count=FLAGS.replica_count,
-                        spot=FLAGS.spot)
-        if FLAGS.validate_config:
-            warnings = validate_config(FLAGS.gin_file, FLAGS.gin_param, FLAGS.gin_search_path,
-                                       FLAGS.gin_import,
-                                       num_replicas(hardware, FLAGS.replica_count), hardware.kind)
-            for warning in warnings:
-                print(f"tputrain vertex-spec: warning: {warning}", file=sys.stderr)
-        print(json.dumps(job, indent=2))
-        if FLAGS.submit:
-            name = submit(job, FLAGS.project, FLAGS.region)
-            print(f"tputrain vertex-spec: submitted {name}", file=sys.stderr)
-    except SpecError as error:
-        print(f"tputrain vertex-spec: error: {error}", file=sys.stderr)
-        sys.exit(2)
-
-
-def console_main() -> None:
-    """Entry point of `tputrain vertex-spec`."""
-    from tputrain.run import list_in_help
-
-    before = set(FLAGS)
-    _define_flags()
-    list_in_help([n for n in FLAGS if n not in before])
-    app.run(main)
-
-
-if __name__ == "__main__":
-    console_main()

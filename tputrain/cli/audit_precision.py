@@ -1,0 +1,73 @@
+"""`tputrain audit-precision --gin_file=F`: which layers drift in bf16/fp16, and does it matter?
+
+Runs `tputrain.audit_precision` on the config's task (`audit_precision.task`
+if bound, else `Trainer.task`, with batches of `Trainer.global_batch_size`):
+the same weights in float32, under the target policy, and with one layer at a
+time at the target policy. It prints one row per layer (its cumulative error
+and the local error it adds itself, flagged above `tolerance`) and the eval
+metrics both ways. Keep a flagged layer in float32 with
+`override_layer_dtypes.keep_float32_layers = ['name']` and rerun. The exit
+status is 1 when a metric moves by more than `metric_tolerance`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import tensorflow as tf
+from absl import app, flags
+
+from tputrain.audit import audit_precision, defaults_from_gin, task_from_gin
+from tputrain.cli.common import (GIN_FLAGS, define_gin_flags, fail, list_in_help,
+                                 parse_gin_flags, reject_arguments)
+from tputrain.config import ConfigError
+
+FLAGS = flags.FLAGS
+
+
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+    define_gin_flags(flag_values)
+    flags.DEFINE_string("policy", None, "Target policy (default: audit_precision.policy, "
+                        "mixed_bfloat16).", flag_values=flag_values)
+    flags.DEFINE_string("checkpoint", None, "Checkpoint folder or prefix to load weights from; "
+                        "default: --model_dir's checkpoints if given, else initial weights.",
+                        flag_values=flag_values)
+    flags.DEFINE_string("output", None, "Also write the report as JSON to this path.",
+                        flag_values=flag_values)
+    list_in_help((*GIN_FLAGS, "model_dir", "policy", "checkpoint", "output"), flag_values)
+
+
+def _arguments() -> dict[str, Any]:
+    """`audit_precision` keyword arguments from the config and the flags."""
+    kwargs = defaults_from_gin()
+    if FLAGS.policy:
+        kwargs["policy"] = FLAGS.policy
+    checkpoint = FLAGS.checkpoint
+    if not checkpoint and FLAGS.model_dir:
+        checkpoint = f"{FLAGS.model_dir.rstrip('/')}/checkpoints"
+    if checkpoint:
+        kwargs["checkpoint"] = checkpoint
+    return kwargs
+
+
+def main(argv: list[str]) -> None:
+    reject_arguments(argv)
+    parse_gin_flags()
+    try:
+        task = task_from_gin()
+    except ConfigError as error:
+        fail(str(error))
+    report = audit_precision(task, **_arguments())
+    print(report.format())
+    if FLAGS.output:
+        with tf.io.gfile.GFile(FLAGS.output, "w") as f:
+            json.dump(report.to_dict(), f, indent=1)
+    sys.exit(0 if report.metrics_ok else 1)
+
+
+def console_main() -> None:
+    """`tputrain audit-precision`."""
+    define_flags()
+    app.run(main)

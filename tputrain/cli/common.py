@@ -1,0 +1,93 @@
+"""What the absl commands share: the gin flags, building the Trainer, exit codes."""
+
+from __future__ import annotations
+
+import sys
+from typing import NoReturn, Sequence
+
+from absl import app, flags
+
+from tputrain.config import ConfigError, parse_gin, require_bound
+from tputrain.strategy import configure_devices
+from tputrain.trainer import Trainer
+
+FLAGS = flags.FLAGS
+
+# Exit codes (docs/fault_tolerance.md): 0 done; 1 training failed (e.g. a non-finite
+# loss, corrupt data or a full disk mid-run, a lost worker); 2 bad config or input, found
+# before any training; 3 a multi-worker task never joined; 42 preempted (SIGTERM).
+EXIT_TRAINING_FAILED = 1
+EXIT_BAD_INPUT = 2
+
+GIN_FLAGS = ("gin_file", "gin_param", "gin_search_path", "gin_import")
+
+
+def define_gin_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+    """The gin flags shared by every command that reads a gin config."""
+    flags.DEFINE_multi_string("gin_file", [], "Gin config file(s); later files override "
+                              "earlier ones.", flag_values=flag_values)
+    flags.DEFINE_multi_string("gin_param", [], "Gin binding(s), e.g. "
+                              "'Trainer.train_steps=100'.", flag_values=flag_values)
+    flags.DEFINE_multi_string("gin_search_path", [], "Folder(s) searched for gin files and "
+                              "includes.", flag_values=flag_values)
+    flags.DEFINE_multi_string("gin_import", [], "Python module(s) to import before parsing, "
+                              "e.g. a module defining your Task.", flag_values=flag_values)
+    flags.DEFINE_string("model_dir", None, "Overrides Trainer.model_dir.",
+                        flag_values=flag_values)
+    flags.DEFINE_bool("deterministic", False, "Enable TF op determinism: bitwise reproducible "
+                      "runs and resumes, at some speed cost.", flag_values=flag_values)
+
+
+def list_in_help(names: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> None:
+    """Lists these flags in --help of the running command.
+
+    A console script is its own __main__, and absl's --help shows only the flags
+    of the main module (named by sys.argv[0]), not those of the module that
+    defined them.
+    """
+    for name in names:
+        flag_values.register_key_flag_for_module(sys.argv[0], flag_values[name])
+
+
+def reject_arguments(argv: Sequence[str]) -> None:
+    """absl passes positional arguments through; none of the commands takes any."""
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
+    print(f"tputrain: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def error_message(error: BaseException) -> str:
+    """The error's own message, without the lines gin appends ("In call to ...")."""
+    text = str(error).split("\n  In call to configurable")[0].strip()
+    return text or type(error).__name__
+
+
+def parse_gin_flags() -> None:
+    """Parses the gin flags and applies the device bindings (`split_cpu.num_devices`),
+    before anything starts TensorFlow's runtime; a bad config exits with one line."""
+    if not FLAGS.gin_file and not FLAGS.gin_param:
+        raise app.UsageError("pass --gin_file=CONFIG (e.g. --gin_file=digits.gin)")
+    try:
+        parse_gin(FLAGS.gin_file, FLAGS.gin_param, FLAGS.gin_search_path, FLAGS.gin_import)
+    except ConfigError as error:
+        fail(str(error))
+    try:
+        configure_devices()  # gin only records split_cpu.num_devices: apply it now
+    except (RuntimeError, ValueError, TypeError) as error:  # e.g. TF already started
+        fail(error_message(error))
+
+
+def build_trainer(model_dir: str | None = None) -> Trainer:
+    """The gin-configured Trainer (inputs validated before anything is written) in
+    `model_dir`, or in the config's `Trainer.model_dir` when None."""
+    try:
+        require_bound("Trainer.task")
+        if model_dir is None:
+            require_bound("Trainer.model_dir")
+    except ConfigError as error:
+        fail(str(error))
+    return Trainer(model_dir=model_dir) if model_dir else Trainer()

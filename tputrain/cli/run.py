@@ -1,0 +1,92 @@
+"""`tputrain --gin_file=F [--gin_param=...]`: train a gin config.
+
+`tputrain run` and `python -m tputrain.run` are the same command. It exits 0
+when training is done; 1 when training failed (a non-finite loss, corrupt data
+or a full disk found mid-run, a lost worker); 2 for a bad config or input, found
+before any training; 3 when a multi-worker task never joined; 42 when preempted
+(SIGTERM: rerun the same command to resume).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Any
+
+import tensorflow as tf
+from absl import app, flags, logging
+
+from tputrain.checkpoint import CheckpointMismatchError, NonFiniteStateError
+from tputrain.cli.common import (EXIT_BAD_INPUT, EXIT_TRAINING_FAILED, GIN_FLAGS, build_trainer,
+                                 define_gin_flags, error_message, fail, list_in_help,
+                                 parse_gin_flags, reject_arguments)
+from tputrain.cluster import join_watchdog  # imported before parsing: registers it with gin
+from tputrain.config import write_operative_config
+from tputrain.data import CorruptRecordError, FeatureSpecError
+from tputrain.guard import NonFiniteError
+from tputrain.launch import watch_launcher
+from tputrain.preemption import PREEMPTED_EXIT_CODE
+from tputrain.trainer import Trainer
+from tputrain.validate import InputDataError, ModelDirError
+
+FLAGS = flags.FLAGS
+
+
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+    define_gin_flags(flag_values)
+    list_in_help((*GIN_FLAGS, "model_dir", "deterministic"), flag_values)
+
+
+def _exit_preempted_before_training(signum: int, frame: Any) -> None:
+    """SIGTERM while the Trainer is built: nothing to save yet; exit 42 all the same,
+    so a scheduler sees a preemption (rerun resumes) and not a crash (-15)."""
+    del frame
+    print(f"tputrain: signal {signum} before training started; nothing to save: rerun the "
+          f"same command to resume (exit code {PREEMPTED_EXIT_CODE})", file=sys.stderr)
+    sys.exit(PREEMPTED_EXIT_CODE)
+
+
+def _train(trainer: Trainer) -> dict[str, float]:
+    """Runs training; known failures end in one line (preemption exits 42 by itself)."""
+    try:
+        return trainer.train()
+    except CheckpointMismatchError as error:  # found at restore, before any step
+        fail(error_message(error), EXIT_BAD_INPUT)
+    except (CorruptRecordError, InputDataError, FeatureSpecError, ModelDirError,
+            NonFiniteError, NonFiniteStateError) as error:  # found mid-run
+        fail(error_message(error), EXIT_TRAINING_FAILED)
+    except tf.errors.UnavailableError as error:
+        if trainer.num_hosts == 1:
+            raise
+        # A peer died: TF aborts the collectives (heartbeats stop) rather than hang.
+        fail(f"lost a worker ({error_message(error).splitlines()[0]}): rerun the job to "
+             "resume from the last checkpoint", EXIT_TRAINING_FAILED)
+
+
+def main(argv: list[str]) -> None:
+    reject_arguments(argv)
+    # Until train() installs its own watcher (and after it restores this one).
+    signal.signal(signal.SIGTERM, _exit_preempted_before_training)
+    watch_launcher()  # a worker of `tputrain launch` stops when the launcher dies
+    parse_gin_flags()
+    if FLAGS.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    try:
+        with join_watchdog():  # multi-worker: a task that never starts is named, not waited on
+            trainer = build_trainer(FLAGS.model_dir)
+    except (ValueError, TypeError, OSError) as error:  # bad input: one line naming the fix
+        logging.debug("tputrain: building the trainer failed", exc_info=True)
+        fail(error_message(error), EXIT_BAD_INPUT)
+    if trainer.is_chief:
+        write_operative_config(trainer.model_dir)
+    results = _train(trainer)
+    if trainer.is_chief:
+        write_operative_config(trainer.model_dir)
+    logging.info("tputrain: done at step %d: %s", int(trainer.step.numpy()),
+                 " | ".join(f"{k} {v:.4g}" for k, v in results.items()))
+
+
+def console_main() -> None:
+    """`tputrain [run] --gin_file=...`."""
+    define_flags()
+    app.run(main)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import tensorflow as tf
 from absl import logging
 
+from tputrain.communication import CommunicationOptions, calibrate, gradient_bytes
 from tputrain.flops import count_flops, peak_flops, specs_of
 from tputrain.guard import NonFiniteError
 from tputrain.preemption import Preempted
@@ -153,3 +154,26 @@ def count_flops_per_step(trainer: "Trainer") -> float:
         specs_of(trainer.inputs.micro_batch_spec()))
     return float(per_micro_batch * trainer.accumulation_steps
                  * trainer.strategy.num_replicas_in_sync)
+
+
+class CommunicationAction(Action):
+    """Calibrates the all-reduce at the start of train(); adds comm/* to each loop."""
+
+    def __init__(self, options: CommunicationOptions, repeats: int = 5):
+        self.options = options
+        self.repeats = repeats
+        self.bytes = 0
+        self.seconds_per_allreduce = 0.0
+
+    def on_train_begin(self, trainer: "Trainer", step: int) -> None:
+        replicas = trainer.strategy.num_replicas_in_sync
+        variables = trainer.model.trainable_variables
+        self.bytes = gradient_bytes(variables, self.options.allreduce_dtype, replicas)
+        if replicas > 1:
+            self.seconds_per_allreduce = calibrate(trainer.strategy, variables,
+                                                   self.options.allreduce_dtype, self.repeats)
+
+    def loop_metrics(self, trainer: "Trainer", step: int, steps: int,
+                     seconds: float) -> Mapping[str, float]:
+        fraction = min(1.0, steps * self.seconds_per_allreduce / max(seconds, 1e-9))
+        return {"comm/gradient_bytes": float(self.bytes), "comm/allreduce_fraction": fraction}

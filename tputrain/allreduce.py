@@ -20,15 +20,28 @@ import keras
 import tensorflow as tf
 
 
-def all_reduce_sum(context: tf.distribute.ReplicaContext, gradients: list[Any]) -> list[Any]:
-    """Replica context: the gradients summed over replicas (None stays None)."""
+def all_reduce_sum(context: tf.distribute.ReplicaContext, gradients: list[Any],
+                   dtype: str = "float32") -> list[Any]:
+    """Replica context: the gradients summed over replicas (None stays None).
+
+    With `dtype` "bfloat16"/"float16", floating gradients cross in that dtype (half
+    the bytes) and come back in their own (float32) dtype for the update.
+    """
     present = [i for i, g in enumerate(gradients) if g is not None]
     if not present:
         return gradients
-    reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, [gradients[i] for i in present])
+    wire = tf.as_dtype(dtype)
+
+    def down(gradient):
+        gradient = tf.convert_to_tensor(gradient) if wire != tf.float32 else gradient
+        floating = tf.as_dtype(gradient.dtype).is_floating
+        return tf.cast(gradient, wire) if floating and gradient.dtype != wire else gradient
+
+    reduced = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                 [down(gradients[i]) for i in present])
     out = list(gradients)
     for i, value in zip(present, reduced):
-        out[i] = value
+        out[i] = tf.cast(value, gradients[i].dtype) if value.dtype != gradients[i].dtype else value
     return out
 
 
@@ -41,8 +54,10 @@ def _no_second_sum(optimizer: keras.optimizers.Optimizer) -> None:
     optimizer._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
 
 
-def reduce_gradients_first(optimizer: keras.optimizers.Optimizer) -> None:
-    """Makes `optimizer.apply` sum gradients over replicas before anything else.
+def reduce_gradients_first(optimizer: keras.optimizers.Optimizer,
+                           dtype: str = "float32") -> None:
+    """Makes `optimizer.apply` sum gradients over replicas (crossing in `dtype`, see
+    `CommunicationOptions.allreduce_dtype`) before anything else.
 
     Idempotent. Wrap any other `apply` wrapper (the guard) first: this one must
     be the outermost so that wrapper sees summed gradients.
@@ -58,7 +73,7 @@ def reduce_gradients_first(optimizer: keras.optimizers.Optimizer) -> None:
         grads = list(grads)
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
-            grads = all_reduce_sum(context, grads)
+            grads = all_reduce_sum(context, grads, dtype)
         return original_apply(grads, trainable_variables)
 
     optimizer.apply = types.MethodType(apply, optimizer)

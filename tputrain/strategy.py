@@ -32,6 +32,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.cluster import read_tf_config
+from tputrain.communication import CommunicationOptions
 
 VALID_STRATEGIES = ("tpu", "multi_worker", "mirrored", "one_device", "cpu")
 
@@ -118,7 +119,8 @@ def configure_devices() -> None:
 
 @gin.configurable
 def resolve_strategy(
-    tpu: str | None = None, strategy: str | None = None
+    tpu: str | None = None, strategy: str | None = None,
+    communication: CommunicationOptions | None = None,
 ) -> tf.distribute.Strategy:
     """Returns the best strategy available, or the one forced by `strategy`.
 
@@ -128,13 +130,16 @@ def resolve_strategy(
       strategy: None to fall back automatically (TPU, multi_worker, mirrored over
         2+ GPUs or a split CPU, one_device, cpu); or one of `VALID_STRATEGIES` to
         force that choice, which raises (naming the fix) if it is impossible here.
+      communication: MultiWorkerMirroredStrategy's collective options (implementation,
+        bytes_per_pack, timeout); None: `CommunicationOptions()` from gin.
 
     Call it once at program start, before other TF ops. Never hangs on an
     unreachable TPU: see the module docstring.
     """
     decision = _decide(tpu, strategy)
+    communication = communication or CommunicationOptions()
     try:
-        built = _build(decision)
+        built = _build(decision, communication)
     except _TpuUnavailable as e:
         if decision.forced:
             raise RuntimeError(
@@ -142,7 +147,7 @@ def resolve_strategy(
                 f"up and reachable, or pass strategy=None to fall back automatically."
             ) from e
         decision = _decide(tpu, strategy, tpu_failure=str(e))
-        built = _build(decision)
+        built = _build(decision, communication)
     logging.info("%s", _describe(decision, built))
     return built
 
@@ -323,7 +328,7 @@ def _logical_cpu_count() -> int:
     return sum(len(config) if config else 1 for config in configs)
 
 
-def _build(decision: _Decision) -> tf.distribute.Strategy:
+def _build(decision: _Decision, communication: CommunicationOptions) -> tf.distribute.Strategy:
     """Constructs the strategy `_decide` chose."""
     name = decision.name
     if name == "tpu":
@@ -335,7 +340,8 @@ def _build(decision: _Decision) -> tf.distribute.Strategy:
             "in TF_CONFIG to start.",
             _tf_config_task_count() or 1,
         )
-        return tf.distribute.MultiWorkerMirroredStrategy()
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            communication_options=communication.for_multi_worker())
     if name == "mirrored":
         if _gpu_count() > 0:
             return tf.distribute.MirroredStrategy()

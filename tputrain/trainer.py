@@ -20,11 +20,12 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tputrain.actions import (Action, MFUAction, check_actions, NonFinitePolicyAction, PreemptionAction,
-                              ProfilerAction)
+from tputrain.actions import (Action, CommunicationAction, MFUAction, NonFinitePolicyAction,
+                              PreemptionAction, ProfilerAction, check_actions)
 from tputrain.allreduce import reduce_gradients_first
 from tputrain.checkpoint import Checkpointer, seed_generator_states
 from tputrain.checks import check_int
+from tputrain.communication import CommunicationOptions
 from tputrain.console import default_progress
 from tputrain.controller import Controller
 from tputrain.guard import NonFiniteError, NonFiniteGuard
@@ -71,6 +72,7 @@ class Trainer:
         one from gin (policy "raise" by default).
       actions: `tputrain.Action`s called after each loop, evaluation and save and at
         the end (tputrain.actions).
+      communication: all-reduce dtype and collective options (CommunicationOptions).
     """
 
     def __init__(self, task: Task, model_dir: str, strategy: tf.distribute.Strategy | None = None,
@@ -81,7 +83,8 @@ class Trainer:
                  input_mode: str | None = None, jit_compile: bool | str = "auto",
                  accumulation_steps: int = 1, profile_steps: tuple[int, int] | None = None,
                  report_mfu: bool = True, steps_per_fetch: int = 1,
-                 guard: NonFiniteGuard | None = None, actions: Sequence[Action] = ()):
+                 guard: NonFiniteGuard | None = None, actions: Sequence[Action] = (),
+                 communication: CommunicationOptions | None = None):
         self.options = TrainerOptions(
             train_steps=train_steps, steps_per_loop=steps_per_loop,
             global_batch_size=global_batch_size, eval_every=eval_every, eval_steps=eval_steps,
@@ -98,7 +101,8 @@ class Trainer:
         self.actions = check_actions(actions)
         default_progress()  # a plain Python script shows progress, as the CLI does
         self.task, self.model_dir, self.flops_per_step = task, model_dir, None
-        self.strategy = strategy or resolve_strategy()
+        self.communication = communication or CommunicationOptions()
+        self.strategy = strategy or resolve_strategy(communication=self.communication)
         mode_reason = self._check_strategy()
         self.precision = (set_precision_policy(precision, strategy=self.strategy)
                           if precision is not None else set_precision_policy(strategy=self.strategy))
@@ -140,9 +144,8 @@ class Trainer:
 
     def _build_model(self, guard: NonFiniteGuard | None) -> None:
         """Model, optimizer, metrics, step counter and guard, in strategy scope (mirrored)."""
-        task = self.task
         with self.strategy.scope():
-            self.model = task.build_model()
+            task, self.model = self.task, self.task.build_model()
             ensure_built(self.model, self.inputs.micro_batch_spec()[0])
             override_layer_dtypes(self.model)  # gin: layers the precision audit kept in fp32
             # Built before the first step: slot variables are mirrored and a restore can
@@ -156,7 +159,8 @@ class Trainer:
             self.guard = guard if guard is not None else NonFiniteGuard()
             self.guard.build()
             self.guard.wrap_optimizer(self.optimizer)  # NaN/Inf updates are skipped in-step
-            reduce_gradients_first(self.optimizer)  # outermost: clipping and guard see the sum
+            # Outermost: clipping and the guard see the sum.
+            reduce_gradients_first(self.optimizer, self.communication.allreduce_dtype)
 
     def _build_checkpointer(self) -> None:
         """Checkpoints (the chief's; other workers write a temp dir), pre-flight, progress."""
@@ -195,13 +199,11 @@ class Trainer:
     # ------------------------------------------------------------ public API
 
     @property
-    def current_step(self) -> int:
-        """The global step (optimizer updates done), as a Python int."""
+    def current_step(self) -> int:  # the global step (optimizer updates done)
         return int(self.step.numpy())
 
     @property
-    def train_dataset(self) -> tf.data.Dataset:
-        """This host's train split, as `Task.build_inputs` returned it."""
+    def train_dataset(self) -> tf.data.Dataset:  # this host's, as build_inputs returned it
         return self.inputs.train_dataset
 
     def set_train_iterator(self, iterator: Any) -> None:
@@ -241,7 +243,8 @@ class Trainer:
 
     def _actions(self) -> list[Action]:
         """The built-in actions (MFU, profiler, non-finite policy, preemption), then the user's."""
-        built_in: list[Action] = [MFUAction()] if self.report_mfu else []
+        built_in: list[Action] = [CommunicationAction(self.communication)]
+        built_in += [MFUAction()] if self.report_mfu else []
         if self.profile_steps and self.is_chief:
             built_in.append(ProfilerAction(*self.profile_steps, os.path.join(self.model_dir, "train")))
         return built_in + [NonFinitePolicyAction(), PreemptionAction()] + self.actions
@@ -258,8 +261,7 @@ class Trainer:
         return logs
 
     def evaluate_weights(self) -> dict[str, float]:
-        """Evaluates the weights in memory (tputrain/loop/evaluation.py); returns
-        {"loss": ..., metric names: ...}."""
+        """Evaluates the weights in memory: {"loss": ..., metric names: ...}."""
         with Stopwatch() as watch:
             logs, steps = self._evaluator.evaluate()
         self.progress.eval_done(self.current_step, logs, watch.seconds, steps)

@@ -1,0 +1,72 @@
+"""Regenerates the training-loop section of docs/performance.md from the benchmark JSON.
+
+    python benchmarks/train_loop.py --repeats 3 > docs/benchmarks/train_loop.json
+    python benchmarks/report.py            # rewrites the section between the markers
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- train_loop:begin -->", "<!-- train_loop:end -->"
+LABELS = {
+    "tputrain": "tputrain, defaults (jit_compile auto, guard on)",
+    "tputrain_no_xla": "tputrain, jit_compile=False",
+    "tputrain_no_guard": "tputrain, guard off",
+    "tputrain_no_xla_no_guard": "tputrain, jit_compile=False, guard off",
+    "hand_loop": "hand-written loop",
+    "keras_fit": "Keras `fit` (its defaults)",
+    "keras_fit_xla": "Keras `fit`, XLA",
+    "orbit": "Orbit",
+    "tputrain_bf16": "tputrain, mixed_bfloat16",
+}
+
+
+def contender_rows(workload: dict) -> list[str]:
+    rows = []
+    for name, label in LABELS.items():
+        result = workload.get(name, {})
+        if "steps_per_second" in result:
+            rows.append(f"| | {label} | {result['best_steps_per_call']} | "
+                        f"{result['steps_per_second']:.3g} | {result['steps_per_cpu_second']:.3g} |")
+    return rows
+
+
+def section(report: dict) -> str:
+    machine = report["machine"]
+    lines = [f"`{report['command']}`: TensorFlow {machine['tensorflow']}, Keras "
+             f"{machine['keras']}, {machine['cores']} cores, load average "
+             f"{machine['load_average_before'][0]:.1f} before and "
+             f"{machine['load_average_after'][0]:.1f} after the run.", "",
+             "| workload | contender | best steps/call | steps/s (median) | steps per CPU-s |",
+             "|---|---|---|---|---|"]
+    for name, workload in report["workloads"].items():
+        rows = contender_rows(workload)
+        rows[0] = rows[0].replace("| |", f"| {workload.get('model', name)} |", 1)
+        lines += rows
+    lines += ["", "| ratio | measured (wall) | measured (CPU time) | goal | met (wall / CPU) |",
+              "|---|---|---|---|---|"]
+    for key, goal in report["goals"].items():
+        cpu = goal.get("measured_cpu_time")
+        cpu_text = f"{cpu:.3f}" if cpu else "-"
+        met_cpu = "-" if not cpu else ("yes" if cpu >= goal["goal"] else "no")
+        lines.append(f"| {key} | {goal['measured']:.3f} | {cpu_text} | {goal['goal']} | "
+                     f"{'yes' if goal['met'] else 'no'} / {met_cpu} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    source = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs/benchmarks/train_loop.json"
+    report = json.loads(source.read_text())
+    page = ROOT / "docs/performance.md"
+    text = page.read_text()
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    page.write_text(text[:start] + "\n" + section(report) + "\n" + text[end:])
+    print(f"rewrote the train_loop section of {page} from {source}")
+
+
+if __name__ == "__main__":
+    main()

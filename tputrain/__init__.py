@@ -8,6 +8,10 @@ import os
 # TensorFlow's C++ INFO lines drown the progress lines; users can still override.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
+from tputrain.console import quiet_tensorflow_startup  # noqa: E402
+
+quiet_tensorflow_startup()  # before any other import of TensorFlow (docs/architecture.md)
+
 from tputrain import data  # noqa: E402
 from tputrain.actions import Action  # noqa: E402
 from tputrain.console import show_progress  # noqa: E402

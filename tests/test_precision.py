@@ -102,3 +102,27 @@ def test_policy_is_gin_configurable():
         assert precision.set_precision_policy() == "mixed_bfloat16"
     finally:
         gin.clear_config()
+
+
+def test_trainer_precision_is_the_one_source(tmp_path, caplog):
+    """Trainer.precision wins; a gin set_precision_policy.name still works, with a
+    deprecation warning naming the replacement; nothing bound: the device default."""
+    import tputrain
+    from tiny import TinyTask, strategy_for
+
+    def make(name, **kwargs):
+        return tputrain.Trainer(TinyTask(), str(tmp_path / name), strategy=strategy_for(1),
+                                train_steps=2, global_batch_size=16, **kwargs)
+
+    gin.clear_config()
+    try:
+        assert make("default").precision == "float32"
+        gin.parse_config("set_precision_policy.name = 'mixed_bfloat16'")
+        assert make("explicit", precision="float32").precision == "float32"
+        with caplog.at_level("WARNING"):
+            assert make("gin").precision == "mixed_bfloat16"
+        assert any("deprecated" in r.getMessage() and "Trainer.precision" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        gin.clear_config()
+        keras.mixed_precision.set_global_policy("float32")

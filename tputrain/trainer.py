@@ -28,6 +28,7 @@ from tputrain.checks import check_int
 from tputrain.communication import CommunicationOptions
 from tputrain.console import default_progress
 from tputrain.controller import Controller
+from tputrain.goodput import GoodputAction, StartupClock
 from tputrain.guard import NonFiniteError, NonFiniteGuard
 from tputrain.layer_precision import override_layer_dtypes
 from tputrain.lock import lock_model_dir
@@ -37,7 +38,7 @@ from tputrain.loop.hosts import MaxOverHosts, host_topology, is_chief
 from tputrain.loop.inputs import Inputs, default_input_mode
 from tputrain.loop.step import StepBuilder, ensure_built
 from tputrain.options import TrainerOptions
-from tputrain.precision import set_precision_policy, wrap_optimizer_for_policy
+from tputrain.precision import resolve_precision, wrap_optimizer_for_policy
 from tputrain.preemption import Preempted, PreemptionWatcher
 from tputrain.progress import Progress, Stopwatch
 from tputrain.strategy import resolve_strategy
@@ -98,20 +99,19 @@ class Trainer:
             raise TypeError(f"Trainer.task must be a tputrain.Task, got {type(task).__name__}")
         if not model_dir:
             raise ValueError("Trainer.model_dir is empty: pass --model_dir or bind Trainer.model_dir")
-        self.actions = check_actions(actions)
+        self.actions, self.startup = check_actions(actions), StartupClock()  # goodput.py
         default_progress()  # a plain Python script shows progress, as the CLI does
         self.task, self.model_dir, self.flops_per_step = task, model_dir, None
         self.communication = communication or CommunicationOptions()
         self.strategy = strategy or resolve_strategy(communication=self.communication)
-        mode_reason = self._check_strategy()
-        self.precision = (set_precision_policy(precision, strategy=self.strategy)
-                          if precision is not None else set_precision_policy(strategy=self.strategy))
+        mode_reason = self.startup.mark("strategy", self._check_strategy())
+        self.precision = resolve_precision(precision, self.strategy)  # the one source
         keras.utils.set_random_seed(self.seed)
         self.inputs = Inputs(task, self.strategy, self.global_batch_size, self.accumulation_steps,
                              self.steps_per_fetch, self.input_mode, self.num_hosts, self.host_id)
         for split in ("train", "eval"):  # corrupt records and missing files fail here
-            probe_inputs(getattr(self.inputs, f"{split}_dataset"), split)
-        self._build_model(guard)
+            self.startup.mark("data", probe_inputs(getattr(self.inputs, f"{split}_dataset"), split))
+        self.startup.mark("model", self._build_model(guard))
         self._build_checkpointer()
         self._steps = StepBuilder(task, self.model, self.optimizer, self.train_metrics,
                                   self.guard, self.strategy, self.global_batch_size,
@@ -119,7 +119,6 @@ class Trainer:
                                   self.inputs.train_dataset.element_spec)
         self._evaluator = Evaluator(task, self.model, self.eval_metrics, self.inputs,
                                     self.eval_steps, self._max_over_hosts)
-        self._train_loop_fn = None
         logging.info("tputrain: %s, %d replica(s) on %d host(s), global batch %d, precision %s, "
                      "input mode %s (%s), XLA %s", type(self.strategy).__name__,
                      self.strategy.num_replicas_in_sync, self.num_hosts, self.global_batch_size,
@@ -167,7 +166,7 @@ class Trainer:
         # Non-chief workers must still take part in saves; they write to a temp dir.
         self._work_dir = (self.model_dir if self.is_chief
                           else tempfile.mkdtemp(prefix="tputrain-worker-"))
-        self._train_iterator, per_host = None, {}
+        self._train_iterator, self._train_loop_fn, per_host = None, None, {}
         if self.input_mode == "host":  # each host's own data position
             self._train_iterator = iter(self.inputs.fetch_groups(self.inputs.train_dataset))
             per_host["iterator"] = self._train_iterator
@@ -242,8 +241,8 @@ class Trainer:
                 shutil.rmtree(self._work_dir, ignore_errors=True)
 
     def _actions(self) -> list[Action]:
-        """The built-in actions (MFU, profiler, non-finite policy, preemption), then the user's."""
-        built_in: list[Action] = [CommunicationAction(self.communication)]
+        """The built-in actions (goodput first: tputrain/goodput.py), then the user's."""
+        built_in: list[Action] = [GoodputAction(), CommunicationAction(self.communication)]
         built_in += [MFUAction()] if self.report_mfu else []
         if self.profile_steps and self.is_chief:
             built_in.append(ProfilerAction(*self.profile_steps, os.path.join(self.model_dir, "train")))

@@ -40,7 +40,6 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import gin  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -89,23 +88,20 @@ class BenchTask(tputrain.Task):
 
 
 def make_trainer(name: str, root: str, task: BenchTask, strategy, args, **kwargs):
-    gin.clear_config()
-    if kwargs.pop("guard_off", False):
-        gin.bind_parameter("NonFiniteGuard.policy", None)
+    guard = tputrain.NonFiniteGuard(policy=None) if kwargs.pop("guard_off", False) else None
     trainer = tputrain.Trainer(task, os.path.join(root, name), strategy=strategy,
                                train_steps=10**9, steps_per_loop=args.steps,
                                global_batch_size=args.batch, checkpoint_every=10**9,
-                               eval_steps=1, report_mfu=False, **kwargs)
-    gin.clear_config()
+                               eval_steps=1, report_mfu=False, guard=guard, **kwargs)
     if trainer.input_mode == "distributed":
-        trainer._train_iterator = trainer._distributed_iterator("train")
+        trainer.set_train_iterator(trainer.inputs.distributed_iterator("train"))
     return trainer
 
 
 def time_loop(trainer, steps: int) -> tuple[float, float]:
     """(steps per wall-clock second, CPU seconds of this process per step)."""
     start, cpu_start = time.perf_counter(), time.process_time()
-    _, done, _ = trainer._train_loop(steps)
+    _, done, _ = trainer.run_loop(steps)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     assert done == steps
     return steps / seconds, cpu / steps

@@ -45,7 +45,6 @@ from typing import Any, Callable
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import gin  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -178,31 +177,39 @@ class TputrainContender(Contender):
 
     name = "tputrain"
     jit_compile = "auto"
+    guard_policy: str | None = "raise"
 
     def prepare(self) -> None:
         self.model_dir = tempfile.mkdtemp(prefix="tputrain-bench-")
+        self._times: list[tuple[tuple[float, float], int]] = []
+        times = self._times
+
+        class LoopClock(tputrain.Action):
+            """The time at the end of each loop's host work (progress line included)."""
+
+            steps = 0
+
+            def loop_metrics(self, trainer, step, steps, seconds):
+                self.steps = steps  # called before on_loop_end, in the same loop
+                return {}
+
+            def on_loop_end(self, trainer, step, logs):
+                times.append((_now(), self.steps))
+
+        clock = LoopClock()
+        guard = tputrain.NonFiniteGuard(policy=self.guard_policy)
         self.trainer = tputrain.Trainer(
             self.task_factory(), self.model_dir, strategy=self.strategy, train_steps=self.k,
             steps_per_loop=self.k, global_batch_size=self.global_batch,
             checkpoint_every=10**9, eval_steps=1, precision=self.precision, seed=0,
-            jit_compile=self.jit_compile)
-        self._times: list[tuple[float, int]] = []
-        done = self.trainer.progress.train_loop_done
-
-        def record(step, steps, *args, **kwargs):  # time at the end of each loop's host work
-            rates = done(step, steps, *args, **kwargs)
-            self._times.append((_now(), steps))
-            return rates
-
-        self.trainer.progress.train_loop_done = record
+            jit_compile=self.jit_compile, guard=guard, actions=[clock])
         self.trainer.train()  # traces the loop, runs k steps, saves, evaluates once
-        # Later train() calls continue from there (their restore of the checkpoint just
-        # written is outside the timed window).
+        # Later train(num_steps) calls continue from there (their restore of the
+        # checkpoint just written is outside the timed window).
 
     def measure(self, steps: int) -> tuple[float, float]:
         self._times.clear()
-        self.trainer.train_steps += max(steps, 2 * self.k)
-        self.trainer.train()
+        self.trainer.train(num_steps=max(steps, 2 * self.k))
         return _rate([t for t, _ in self._times], sum(s for _, s in self._times[1:]))
 
     @property
@@ -223,12 +230,7 @@ class TputrainNoGuardContender(TputrainContender):
 
     name = "tputrain_no_guard"
 
-    def prepare(self) -> None:
-        gin.bind_parameter("NonFiniteGuard.policy", None)
-        try:
-            super().prepare()
-        finally:
-            gin.clear_config()
+    guard_policy = None
 
 
 class TputrainNoXLANoGuardContender(TputrainNoGuardContender):

@@ -107,6 +107,21 @@ class StallingTask(FaultTask):
 
 
 @gin.configurable
+class PauseAtStep(tputrain.Action):
+    """After the first loop ending at or past `step`, prints a marker and waits for a
+    signal: a test can kill a run at a known step, after the built-in actions (the
+    goodput record) have seen that loop and before a save or evaluation due there."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_loop_end(self, trainer, step, logs):
+        if step >= self.step:
+            print(f"tputrain-test: paused at step {step}", flush=True)
+            signal.pause()
+
+
+@gin.configurable
 class RecordsTask(TinyTask):
     """TinyTask read back from TFRecord files: `pattern` (train) and `eval_pattern`."""
 

@@ -1,0 +1,208 @@
+"""Goodput: the account arithmetic on hand-made records, the record a Trainer keeps,
+and a digits run killed with SIGKILL and resumed (tputrain/goodput.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import sys
+import time
+
+import pytest
+import tensorflow as tf
+
+import tputrain
+from faults import Process, child_env
+from tiny import TinyTask, strategy_for
+from tputrain import goodput
+
+
+def record(run: int, start: float, updated: float, *, restored: int, last: int,
+           startup: float = 2.0, seconds: dict | None = None, rate: float | None = 0.01,
+           finished: bool = False, checkpoint: int | None = None) -> dict:
+    """A run record as GoodputAction writes it (times in epoch seconds)."""
+    buckets = dict.fromkeys(goodput.RUN_BUCKETS, 0.0)
+    buckets.update(seconds or {})
+    return {"version": 1, "run": run, "host": "elsewhere", "pid": 1, "start": start,
+            "updated": updated, "finished": finished,
+            "startup": {"import": startup / 2, "strategy": 0.0, "data": startup / 4,
+                        "model": startup / 4},
+            "seconds": buckets, "restored_step": restored, "last_step": last,
+            "steps_trained": last - restored, "last_checkpoint_step": checkpoint,
+            "seconds_per_step": rate}
+
+
+def test_one_run_fractions_add_up_with_other():
+    result = goodput.account_of([record(1, 1000.0, 1010.0, restored=0, last=500, finished=True,
+                                        seconds={"compile": 1.0, "steps": 5.0, "input": 0.5,
+                                                 "eval": 0.5, "checkpoint": 0.25})])
+    assert result["wall"] == pytest.approx(10.0)
+    assert result["seconds"]["startup"] == pytest.approx(2.0)
+    assert result["seconds"]["other"] == pytest.approx(10.0 - 2.0 - 1.0 - 5.0 - 0.5 - 0.5 - 0.25)
+    assert sum(result["fractions"].values()) == pytest.approx(1.0)
+    assert result["goodput"] == pytest.approx(0.5)
+    assert result["recomputed_steps"] == 0 and result["runs"][0]["status"] == "finished"
+
+
+def test_a_restart_recomputes_the_steps_after_the_checkpoint_it_restored():
+    killed = record(1, 1000.0, 1020.0, restored=0, last=350, checkpoint=200, rate=0.02,
+                    seconds={"compile": 3.0, "steps": 7.0})
+    resumed = record(2, 1023.0, 1043.0, restored=200, last=600, startup=4.0, finished=True,
+                     checkpoint=600, seconds={"compile": 2.0, "steps": 8.0, "checkpoint": 1.0})
+    result = goodput.account_of([killed, resumed], "/jobs/a")
+    first, second = result["runs"]
+    assert first["status"] == "stopped" and second["status"] == "finished"
+    assert second["recomputed_steps"] == 150 and result["recomputed_steps"] == 150
+    assert second["recomputed_seconds"] == pytest.approx(150 * 0.02)
+    assert second["down"] == pytest.approx(3.0)
+    totals = result["seconds"]
+    assert totals["recomputed"] == pytest.approx(3.0)
+    assert totals["steps"] == pytest.approx(7.0 + 8.0 - 3.0)  # lost work is not goodput
+    assert totals["startup"] == pytest.approx(2.0) and totals["restart"] == pytest.approx(4.0)
+    assert result["wall"] == pytest.approx(20.0 + 3.0 + 20.0)
+    assert sum(result["fractions"].values()) == pytest.approx(1.0)
+    assert totals["other"] == pytest.approx(43.0 - sum(v for k, v in totals.items()
+                                                      if k != "other"))
+
+
+def test_recomputed_time_is_capped_by_the_step_time_of_the_lost_run():
+    killed = record(1, 0.0, 10.0, restored=100, last=150, rate=1.0, seconds={"steps": 2.0})
+    resumed = record(2, 10.0, 20.0, restored=0, last=200, finished=True)  # restored older
+    result = goodput.account_of([killed, resumed])
+    assert result["recomputed_steps"] == 150
+    assert result["seconds"]["recomputed"] == pytest.approx(2.0)
+    assert result["seconds"]["steps"] == pytest.approx(0.0)
+
+
+def loop_record(fallback: float | None = None) -> goodput.RunRecord:
+    return goodput.RunRecord(None, goodput.StartupClock(), 0, 1, fallback)
+
+
+def run_loop(rec: goodput.RunRecord, step: int, steps: int, seconds: float, **logs) -> None:
+    rec.loop_started(steps, seconds)
+    rec.loop_done(step, logs)
+
+
+def test_compile_is_the_first_loop_beyond_its_steps_at_the_steady_rate():
+    rec = loop_record()
+    run_loop(rec, 10, 10, 5.0, **{"input/stall_fraction": 0.1})
+    assert rec.data["seconds"]["compile"] == pytest.approx(4.5)  # no rate yet: all of it
+    run_loop(rec, 20, 10, 1.0, **{"input/stall_fraction": 0.2, "comm/allreduce_fraction": 0.3})
+    seconds = rec.data["seconds"]
+    assert seconds["input"] == pytest.approx(0.5 + 0.2)
+    assert seconds["communication"] == pytest.approx(0.3)
+    assert rec.data["seconds_per_step"] == pytest.approx(0.05)  # 0.5 s of work / 10 steps
+    assert seconds["compile"] == pytest.approx(4.5 - 10 * 0.05)
+    assert seconds["steps"] == pytest.approx(0.5 + 10 * 0.05)
+    assert rec.data["steps_trained"] == 20 and rec.data["last_step"] == 20
+
+
+def test_one_loop_uses_the_previous_runs_rate():
+    rec = loop_record(fallback=0.1)
+    run_loop(rec, 10, 10, 3.0)
+    assert rec.data["seconds"]["compile"] == pytest.approx(2.0)
+    assert rec.data["seconds"]["steps"] == pytest.approx(1.0)
+
+
+def test_format_lists_every_bucket_and_totals_100_percent(tmp_path):
+    (tmp_path / "goodput").mkdir()
+    killed = record(1, 1000.0, 1020.0, restored=0, last=350, checkpoint=200,
+                    seconds={"steps": 7.0})
+    resumed = record(2, 1023.0, 1043.0, restored=200, last=600, finished=True,
+                     seconds={"steps": 8.0})
+    for rec in (killed, resumed):
+        (tmp_path / "goodput" / f"run-{rec['run']}.json").write_text(json.dumps(rec))
+    (tmp_path / "goodput" / "run-3.json").write_text("{not json")  # skipped with a warning
+    result = goodput.account(str(tmp_path))
+    assert [run["run"] for run in result["runs"]] == [1, 2]
+    text = goodput.format_account(result)
+    for bucket in goodput.BUCKETS:
+        assert re.search(rf"^{bucket} +[0-9.]+ +[0-9.]+%", text, re.M), text
+    assert re.search(r"^total +43\.00 +100\.0%", text, re.M), text
+    assert "150 step(s) recomputed" in text
+    assert "no goodput records" in goodput.format_account(goodput.account(str(tmp_path / "x")))
+
+
+def test_process_start_is_before_now_and_after_boot():
+    start, source = goodput.process_start_time()
+    assert source == "/proc" and time.time() - 3600 * 24 * 30 < start <= time.time()
+
+
+def make(tmp_path, **kwargs):
+    options = dict(train_steps=12, steps_per_loop=3, global_batch_size=16, checkpoint_every=6,
+                   eval_every=6, eval_steps=2, report_mfu=False)
+    options.update(kwargs)
+    return tputrain.Trainer(TinyTask(), str(tmp_path / "run"), strategy=strategy_for(1),
+                            **options)
+
+
+def scalar_tags(logdir) -> set[str]:
+    tags = set()
+    for path in tf.io.gfile.glob(str(logdir / "events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            tags.update(value.tag for value in event.summary.value)
+    return tags
+
+
+def test_a_trainer_keeps_a_record_per_process_and_tensorboard_scalars(tmp_path):
+    trainer = make(tmp_path)
+    trainer.train(num_steps=6)
+    trainer.train()  # the same process: the same record, resumed
+    records = goodput.read_records(str(tmp_path / "run"))
+    assert len(records) == 1
+    rec = records[0]
+    assert rec["finished"] and rec["restored_step"] == 0 and rec["last_step"] == 12
+    assert rec["steps_trained"] == 12 and rec["last_checkpoint_step"] == 12
+    assert set(rec["startup"]) == {"import", "strategy", "data", "model", "restore", "actions"}
+    assert rec["seconds"]["compile"] > 0 and rec["seconds"]["steps"] > 0
+    assert rec["seconds"]["eval"] > 0 and rec["seconds"]["checkpoint"] > 0
+    assert {"goodput/steps", "goodput/compile", "goodput/other",
+            "goodput/recomputed_steps"} <= scalar_tags(tmp_path / "run" / "train")
+
+    again = make(tmp_path, train_steps=18)  # a restart: the next record
+    again.train()
+    result = goodput.account(str(tmp_path / "run"))
+    assert [run["run"] for run in result["runs"]] == [1, 2]
+    assert result["runs"][1]["restored_step"] == 12 and result["recomputed_steps"] == 0
+    assert result["runs"][1]["startup_phases"]["import"] == 0.0  # not the process's first
+    assert sum(result["fractions"].values()) == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------ end to end
+
+
+DIGITS = ["--gin_file=digits.gin", "--gin_import=faults", "--gin_param=Trainer.train_steps=400",
+          "--gin_param=Trainer.steps_per_loop=25", "--gin_param=Trainer.steps_per_fetch=25",
+          "--gin_param=Trainer.checkpoint_every=100", "--gin_param=Trainer.eval_every=None"]
+
+
+@pytest.mark.slow
+def test_digits_killed_and_resumed_accounts_the_recomputed_steps(tmp_path):
+    command = [sys.executable, "-m", "tputrain.run", f"--model_dir={tmp_path / 'model'}", *DIGITS]
+    env = {**child_env(), "TPUTRAIN_CACHE_DIR": str(tmp_path / "cache")}
+    started = time.monotonic()
+    killed = Process([*command, "--gin_param=Trainer.actions=[@PauseAtStep()]",
+                      "--gin_param=PauseAtStep.step=275"], env)
+    paused = int(killed.wait_for(r"tputrain-test: paused at step (\d+)").group(1))
+    assert killed.kill() == -signal.SIGKILL
+    saved = [int(s) for s in re.findall(r"saved checkpoint \S+ckpt-(\d+)", killed.text())]
+    resumed = Process(command, env)
+    # The job's wall time: to the resumed run's last line. The interpreter's teardown after
+    # its exit handlers (TensorFlow's final garbage collection, 1-3 s) is outside the account.
+    resumed.wait_for(r"tputrain: done at step 400")
+    wall = time.monotonic() - started
+    assert resumed.finish() == 0, resumed.log()
+
+    result = goodput.account(str(tmp_path / "model"))
+    first, second = result["runs"]
+    assert (first["status"], second["status"]) == ("stopped", "finished")
+    assert first["last_step"] == paused and second["restored_step"] == saved[-1]
+    assert result["recomputed_steps"] == paused - saved[-1] > 0
+    for run in (first, second):  # both runs' start-up, by phase
+        assert run["startup"] > 0 and run["startup_phases"]["import"] > 0
+        assert {"strategy", "data", "model", "restore"} <= set(run["startup_phases"])
+    assert result["seconds"]["restart"] == pytest.approx(second["startup"])
+    named = sum(v for bucket, v in result["seconds"].items() if bucket != "other")
+    assert abs(named - wall) <= 0.05 * wall, (named, wall, goodput.format_account(result))
+    assert "tputrain: goodput" in resumed.text()

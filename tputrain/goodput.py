@@ -1,0 +1,455 @@
+"""Goodput: where a run's wall-clock time went, and a job's across restarts.
+
+Every `Trainer.train()` on the chief keeps a record in
+`model_dir/goodput/run-<n>.json` (one per process; `n` counts the restarts of
+that model_dir), rewritten atomically after each loop, save and evaluation, so
+a run killed with SIGKILL leaves its account up to its last loop. `account()`
+reads them all and `format_account()` prints them (`tputrain goodput`).
+
+How each bucket is measured (docs/performance.md#goodput):
+
+- start-up: `import` is process start to `Trainer()`: the interpreter, imports
+  and config parsing. The process start comes from `/proc/self/stat` and
+  `/proc/uptime` (10 ms ticks), else `psutil`, else the moment this module
+  was imported; only the first Trainer of a process counts it. `strategy`,
+  `data` (input pipelines built and probed) and `model` (model, optimizer,
+  metrics) are marked by the Trainer (`StartupClock.mark`); `restore` is the
+  rest of `Trainer()` and `train()`'s restore; `actions` is the other actions'
+  set-up before the first loop (FLOP count, all-reduce calibration).
+- loops: each loop's seconds (the Controller's stopwatch) less its input stall
+  (`input/stall_fraction`) and all-reduce time (`comm/allreduce_fraction`, 0
+  when absent). What remains is step time, except in the first loop, which also
+  traces and compiles: compilation is that loop's time beyond its steps at the
+  steady rate of the later loops (or of the previous run, or all of it when no
+  rate is known).
+- eval and checkpoint: the time up to `on_eval_end` / `on_save` since the
+  previous hook.
+- across runs: `recomputed` is the step time the previous run spent on steps
+  past the checkpoint this run restored (steps x that run's seconds per step),
+  moved out of `steps`; `restart` is the start-up of every run after the first;
+  `down` is the time between a run's last record and the next run's start.
+- `other` is the wall time no bucket holds: progress lines, TensorBoard, other
+  actions between loops.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import socket
+import time
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import tensorflow as tf
+from absl import logging
+
+from tputrain.actions import Action
+
+try:
+    import psutil
+except ImportError:  # optional: /proc is read first anyway
+    psutil = None
+
+if TYPE_CHECKING:  # annotations only: the Trainer imports this module
+    from tputrain.trainer import Trainer
+
+IMPORTED_AT = time.time()  # the process start when neither /proc nor psutil can say
+RECORD_DIR = "goodput"
+VERSION = 1
+# The record's loop buckets; the account adds startup, restart, recomputed, down, other.
+RUN_BUCKETS = ("compile", "steps", "input", "communication", "eval", "checkpoint")
+BUCKETS = ("startup", "restart", "compile", "steps", "recomputed", "input", "communication",
+           "eval", "checkpoint", "down", "other")
+REMOTE_SAVE_SECONDS = 30.0  # a remote (gs://) record is rewritten at most this often
+_first_clock = True  # only the first StartupClock of a process counts the import time
+_latest: RunRecord | None = None  # the record brought up to date at interpreter exit
+
+
+def process_start_time(pid: int | None = None) -> tuple[float, str]:
+    """The process's start (epoch seconds) and where it came from: /proc, psutil or
+    the import of this module."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        with open(f"/proc/{pid}/stat") as stat, open("/proc/uptime") as uptime:
+            ticks = int(stat.read().rpartition(")")[2].split()[19])  # field 22: starttime
+            since_boot = float(uptime.read().split()[0])
+        return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK")), "/proc"
+    except (OSError, ValueError, IndexError):
+        pass
+    if psutil is not None:
+        try:
+            return psutil.Process(pid).create_time(), "psutil"
+        except psutil.Error:
+            pass
+    return IMPORTED_AT, "import of tputrain.goodput"
+
+
+class StartupClock:
+    """Times a Trainer's start-up phases: the Trainer calls `mark(phase)` after each.
+
+    The first clock of a process starts at the process start (its `import` phase
+    is the interpreter, imports and config); a later Trainer's starts at its own.
+    `run` holds this Trainer's goodput record once `train()` begins.
+    """
+
+    def __init__(self) -> None:
+        global _first_clock
+        self._epoch, self._perf = time.time(), time.perf_counter()
+        self.start, self.source = self._epoch, "Trainer()"
+        self.phases: dict[str, float] = {"import": 0.0}
+        if _first_clock:
+            self.start, self.source = process_start_time()
+            self.phases["import"] = max(0.0, self._epoch - self.start)
+        _first_clock = False
+        self._last = self._perf
+        self.run: RunRecord | None = None
+
+    def now(self) -> float:
+        """Epoch seconds on the monotonic clock (records agree with the phases)."""
+        return self._epoch + time.perf_counter() - self._perf
+
+    def mark(self, phase: str, value: Any = None) -> Any:
+        """Ends `phase` now (its time: since the last mark); returns `value`, so a
+        call can wrap the statement that ends the phase."""
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
+        self._last = now
+        return value
+
+
+class RunRecord:
+    """One process's goodput record: buckets timed between the Controller's hooks."""
+
+    def __init__(self, path: str | None, clock: StartupClock, step: int, run: int,
+                 fallback_rate: float | None):
+        self.path, self.clock, self.fallback_rate = path, clock, fallback_rate
+        self.data: dict[str, Any] = {
+            "version": VERSION, "run": run, "host": socket.gethostname(), "pid": os.getpid(),
+            "start": clock.start, "start_source": clock.source, "updated": clock.now(),
+            "finished": False, "startup": dict(clock.phases),
+            "seconds": {bucket: 0.0 for bucket in RUN_BUCKETS},
+            "restored_step": step, "last_step": step, "steps_trained": 0,
+            "last_checkpoint_step": None, "seconds_per_step": None,
+            "first_loop": None, "later_loops": [0, 0.0]}
+        self._cursor = time.perf_counter()
+        self._starting = True  # until the first loop: time between hooks is start-up
+        self._loop = (0, 0.0)
+        self._saved_at = -float("inf")
+        self._broken = False
+        self.earlier: list[dict[str, Any]] = []  # model_dir's earlier runs (the job's account)
+
+    def since_cursor(self) -> float:
+        """Seconds since the last hook this record saw (and moves the cursor)."""
+        now = time.perf_counter()
+        seconds, self._cursor = now - self._cursor, now
+        return seconds
+
+    def add(self, bucket: str, seconds: float) -> None:
+        self.data["seconds"][bucket] += seconds
+
+    def resume(self, step: int) -> None:
+        """Another `train()` of the same Trainer: its gap is the caller's (other)."""
+        self.since_cursor()
+        self.data["finished"] = False
+        self.data["last_step"] = step
+
+    def loop_started(self, steps: int, seconds: float) -> None:
+        """A loop of `steps` steps took `seconds`; the rest since the last hook is the
+        other actions' set-up before the first loop, else host work (other)."""
+        between = max(0.0, self.since_cursor() - seconds)
+        if self._starting:
+            self.data["startup"]["actions"] = between
+            self._starting = False
+        self._loop = (steps, seconds)
+
+    def loop_done(self, step: int, logs: Mapping[str, float]) -> None:
+        """Splits the loop: input stall, all-reduce, then compile and steps."""
+        steps, seconds = self._loop
+        stall = min(1.0, float(logs.get("input/stall_fraction", 0.0))) * seconds
+        comm = min(1.0, float(logs.get("comm/allreduce_fraction", 0.0))) * seconds
+        work = max(0.0, seconds - stall - comm)
+        self.add("input", stall)
+        self.add("communication", min(comm, seconds - stall))
+        if self.data["first_loop"] is None:
+            self.data["first_loop"] = [steps, work]
+        else:
+            later = self.data["later_loops"]
+            self.data["later_loops"] = [later[0] + steps, later[1] + work]
+        self.data["steps_trained"] += steps
+        self.data["last_step"] = step
+        self._split_first_loop()
+
+    def _split_first_loop(self) -> None:
+        """compile = the first loop's work beyond its steps at the steady rate."""
+        first_steps, first = self.data["first_loop"] or (0, 0.0)
+        later_steps, later = self.data["later_loops"]
+        rate = later / later_steps if later_steps else self.fallback_rate
+        compile_seconds = first if rate is None else min(first, max(0.0, first - first_steps * rate))
+        self.data["seconds"]["compile"] = compile_seconds
+        self.data["seconds"]["steps"] = later + first - compile_seconds
+        self.data["seconds_per_step"] = rate
+
+    def save(self, force: bool = False) -> None:
+        """Rewrites the record atomically (chief only); remote model_dirs at most
+        every REMOTE_SAVE_SECONDS unless `force`. A failed write warns once: the
+        account is a diagnostic and never stops training."""
+        self.data["updated"] = self.clock.now()
+        if self.path is None or self._broken:
+            return
+        if not force and "://" in self.path and (
+                time.perf_counter() - self._saved_at < REMOTE_SAVE_SECONDS):
+            return
+        try:
+            write_atomically(self.path, json.dumps(self.data, indent=1))
+            self._saved_at = time.perf_counter()
+        except (OSError, tf.errors.OpError) as error:
+            self._broken = True
+            logging.warning("tputrain: goodput record %s not written (%s); the run goes on "
+                            "without it", self.path, error)
+
+
+@atexit.register
+def _at_exit() -> None:
+    """The process's tail after its last hook (a crash's, or the CLI's after train())
+    is part of its wall time: the latest record is rewritten if it is still there."""
+    record = _latest
+    if record is not None and record.path is not None and tf.io.gfile.exists(record.path):
+        record.save(force=True)
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Writes a temp file, then renames it over `path` (a reader never sees half)."""
+    tf.io.gfile.makedirs(os.path.dirname(path))
+    temp = f"{path}.tmp-{os.getpid()}"
+    with tf.io.gfile.GFile(temp, "w") as f:
+        f.write(text)
+    tf.io.gfile.rename(temp, path, overwrite=True)
+
+
+def read_records(model_dir: str) -> list[dict[str, Any]]:
+    """The run records of model_dir, oldest first; unreadable ones are skipped."""
+    records = []
+    for path in tf.io.gfile.glob(os.path.join(model_dir, RECORD_DIR, "run-*.json")):
+        match = re.search(r"run-(\d+)\.json$", path)
+        try:
+            with tf.io.gfile.GFile(path) as f:
+                record = json.loads(f.read())
+            record["run"] = int(match.group(1))
+        except (OSError, ValueError, AttributeError, tf.errors.OpError) as error:
+            logging.warning("tputrain: skipping the goodput record %s (%s)", path, error)
+            continue
+        records.append(record)
+    return sorted(records, key=lambda record: record["run"])
+
+
+# ------------------------------------------------------------------ the account
+
+
+def _previous_rate(record: Mapping[str, Any]) -> float:
+    """Seconds per step of a run: its steady rate, else its step time over its steps."""
+    rate = record.get("seconds_per_step")
+    if rate:
+        return float(rate)
+    return float(record["seconds"].get("steps", 0.0)) / max(1, int(record.get("steps_trained", 0)))
+
+
+def _status(record: Mapping[str, Any], is_last: bool) -> str:
+    """finished; stopped (a later run exists: killed, crashed or preempted); running
+    (its process is alive on this host); else ended (no clean end, nothing after it)."""
+    if record.get("finished"):
+        return "finished"
+    if not is_last:
+        return "stopped"
+    if record.get("host") == socket.gethostname():
+        try:
+            start, _ = process_start_time(int(record["pid"]))
+        except (KeyError, ValueError):
+            return "ended"
+        if abs(start - float(record["start"])) < 2.0 and os.path.exists(f"/proc/{record['pid']}"):
+            return "running"
+    return "ended"
+
+
+def run_summary(record: Mapping[str, Any], previous: Mapping[str, Any] | None,
+                is_last: bool = True) -> dict[str, Any]:
+    """One run's numbers, with what its restart cost relative to `previous`."""
+    seconds = {bucket: float(record["seconds"].get(bucket, 0.0)) for bucket in RUN_BUCKETS}
+    startup = {phase: float(value) for phase, value in record["startup"].items()}
+    summary = {
+        "run": int(record["run"]), "status": _status(record, is_last),
+        "start": float(record["start"]), "updated": float(record["updated"]),
+        "wall": max(0.0, float(record["updated"]) - float(record["start"])),
+        "startup": sum(startup.values()), "startup_phases": startup, "seconds": seconds,
+        "restored_step": int(record["restored_step"]), "last_step": int(record["last_step"]),
+        "steps_trained": int(record["steps_trained"]),
+        "last_checkpoint_step": record.get("last_checkpoint_step"),
+        "recomputed_steps": 0, "recomputed_seconds": 0.0, "down": 0.0}
+    if previous is not None:
+        summary["down"] = max(0.0, float(record["start"]) - float(previous["updated"]))
+        lost = max(0, int(previous["last_step"]) - int(record["restored_step"]))
+        summary["recomputed_steps"] = lost
+        summary["recomputed_seconds"] = min(float(previous["seconds"].get("steps", 0.0)),
+                                            lost * _previous_rate(previous))
+    return summary
+
+
+def account_of(records: Sequence[Mapping[str, Any]], model_dir: str = "") -> dict[str, Any]:
+    """The account of a job from its run records (oldest first): per run and in total,
+    buckets in seconds and as fractions of the wall time that add up to 1."""
+    runs = [run_summary(record, records[i - 1] if i else None, i == len(records) - 1)
+            for i, record in enumerate(records)]
+    totals = dict.fromkeys(BUCKETS, 0.0)
+    for i, run in enumerate(runs):
+        totals["restart" if i else "startup"] += run["startup"]
+        for bucket in RUN_BUCKETS:
+            totals[bucket] += run["seconds"][bucket]
+        totals["steps"] -= run["recomputed_seconds"]  # done again by this run: lost
+        totals["recomputed"] += run["recomputed_seconds"]
+        totals["down"] += run["down"]
+    wall = sum(run["wall"] + run["down"] for run in runs)
+    totals["other"] = wall - sum(v for bucket, v in totals.items() if bucket != "other")
+    fractions = {bucket: value / wall if wall > 0 else 0.0 for bucket, value in totals.items()}
+    return {"model_dir": model_dir, "runs": runs, "wall": wall, "seconds": totals,
+            "fractions": fractions, "goodput": fractions["steps"],
+            "recomputed_steps": sum(run["recomputed_steps"] for run in runs),
+            "steps_trained": sum(run["steps_trained"] for run in runs)}
+
+
+def account(model_dir: str) -> dict[str, Any]:
+    """The goodput account of the job in model_dir: every run, finished or running
+    (as of its last record), and the totals (`account_of`)."""
+    return account_of(read_records(model_dir), model_dir)
+
+
+def summary_line(result: Mapping[str, Any]) -> str:
+    """One line: goodput, then every bucket's share of the wall time."""
+    shares = " | ".join(f"{bucket} {100 * result['fractions'][bucket]:.1f}%"
+                        for bucket in BUCKETS if bucket != "steps")
+    runs = len(result["runs"])
+    return (f"goodput {100 * result['goodput']:.1f}% of {result['wall']:.1f}s over {runs} "
+            f"run{'s' if runs != 1 else ''} | {shares} | recomputed steps "
+            f"{result['recomputed_steps']}")
+
+
+_BUCKET_NOTES = {
+    "startup": "first run: import, strategy, data, model, restore",
+    "restart": "start-up of every later run",
+    "compile": "tracing and compiling (first loop of each run)",
+    "steps": "productive steps: the goodput",
+    "recomputed": "steps done again after a restart",
+    "input": "waiting for the next batch",
+    "communication": "gradient all-reduce (estimated)",
+    "eval": "evaluations",
+    "checkpoint": "checkpoint saves",
+    "down": "between a run's last record and the next run's start",
+    "other": "the rest: progress lines, TensorBoard, actions",
+}
+
+
+def _run_lines(result: Mapping[str, Any]) -> list[str]:
+    """The per-run table: status, wall, start-up by phase, step range, restarts."""
+    lines = [f"{'run':>4}  {'status':<8}  {'started':<19}  {'wall':>8}  {'start-up':>8}  "
+             f"{'steps':>15}  {'last ckpt':>9}  {'recomputed':>10}  start-up phases (s)"]
+    for run in result["runs"]:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run["start"]))
+        span = f"{run['restored_step']}->{run['last_step']}"
+        ckpt = "-" if run["last_checkpoint_step"] is None else str(run["last_checkpoint_step"])
+        phases = " ".join(f"{k} {v:.2f}" for k, v in run["startup_phases"].items())
+        lines.append(f"{run['run']:>4}  {run['status']:<8}  {started:<19}  "
+                     f"{run['wall']:>7.1f}s  {run['startup']:>7.1f}s  {span:>15}  {ckpt:>9}  "
+                     f"{run['recomputed_steps']:>10}  {phases}")
+    return lines
+
+
+def format_account(result: Mapping[str, Any]) -> str:
+    """The account as text: the runs, then each bucket's seconds and share (to 100%)."""
+    if not result["runs"]:
+        return (f"no goodput records in {os.path.join(result['model_dir'], RECORD_DIR)}: "
+                "train there first (records are written by the chief while it trains)")
+    lines = [f"goodput of {result['model_dir']}: {100 * result['goodput']:.1f}% of "
+             f"{result['wall']:.1f}s wall over {len(result['runs'])} run(s); "
+             f"{result['recomputed_steps']} step(s) recomputed", ""]
+    lines += _run_lines(result) + ["", f"{'bucket':<14} {'seconds':>9} {'share':>7}"]
+    for bucket in BUCKETS:
+        lines.append(f"{bucket:<14} {result['seconds'][bucket]:>9.2f} "
+                     f"{100 * result['fractions'][bucket]:>6.1f}%  {_BUCKET_NOTES[bucket]}")
+    total = sum(result["fractions"].values())
+    lines.append(f"{'total':<14} {result['wall']:>9.2f} {100 * total:>6.1f}%")
+    return "\n".join(lines)
+
+
+def scalars(result: Mapping[str, Any]) -> dict[str, float]:
+    """goodput/<bucket> (share of the job's wall time) and goodput/recomputed_steps."""
+    values = {f"goodput/{bucket}": float(v) for bucket, v in result["fractions"].items()}
+    values["goodput/recomputed_steps"] = float(result["recomputed_steps"])
+    return values
+
+
+# ------------------------------------------------------------------ the action
+
+
+class GoodputAction(Action):
+    """Times this run's buckets between the Controller's hooks, rewrites its record
+    after each loop (chief), writes goodput/* to TensorBoard and logs the account at
+    the end. Built in, first: its start-up ends before the others' set-up."""
+
+    def __init__(self) -> None:
+        self.record: RunRecord | None = None
+
+    def on_train_begin(self, trainer: "Trainer", step: int) -> None:
+        clock = getattr(trainer, "startup", None)
+        if clock is None:  # a Trainer that did not make one: start-up unknown
+            clock = trainer.startup = StartupClock()
+        if clock.run is None:
+            clock.mark("restore")  # the rest of Trainer(), then train()'s restore
+            clock.run = _new_record(trainer, clock, step)
+        else:  # another train() of the same Trainer: one record per process
+            clock.run.resume(step)
+        self.record = clock.run
+        self.record.save(force=True)
+
+    def loop_metrics(self, trainer: "Trainer", step: int, steps: int,
+                     seconds: float) -> Mapping[str, float]:
+        self.record.loop_started(steps, seconds)
+        return {}
+
+    def on_loop_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+        self.record.loop_done(step, logs)
+        self.record.save()
+        if trainer.is_chief:
+            trainer.progress.write_scalars("train", step, scalars(self.job()))
+
+    def on_eval_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+        self.record.add("eval", self.record.since_cursor())
+        self.record.save()
+
+    def on_save(self, trainer: "Trainer", step: int, path: str | None) -> None:
+        self.record.add("checkpoint", self.record.since_cursor())
+        self.record.data["last_checkpoint_step"] = step
+        self.record.save(force=True)
+
+    def on_train_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+        self.record.since_cursor()  # the tail since the final hook: other
+        self.record.data["finished"] = True
+        self.record.save(force=True)
+        if trainer.is_chief:
+            logging.info("tputrain: %s", summary_line(self.job()))
+
+    def job(self) -> dict[str, Any]:
+        """The account of the job so far: the earlier runs' records and this one."""
+        return account_of([*self.record.earlier, self.record.data])
+
+
+def _new_record(trainer: "Trainer", clock: StartupClock, step: int) -> RunRecord:
+    """This process's record, numbered after model_dir's earlier runs (the chief's)."""
+    earlier = read_records(trainer.model_dir) if trainer.is_chief else []
+    run = earlier[-1]["run"] + 1 if earlier else 1
+    path = (os.path.join(trainer.model_dir, RECORD_DIR, f"run-{run}.json")
+            if trainer.is_chief else None)
+    rates = [r["seconds_per_step"] for r in earlier if r.get("seconds_per_step")]
+    global _latest
+    record = RunRecord(path, clock, step, run, rates[-1] if rates else None)
+    record.earlier, _latest = earlier, record
+    return record

@@ -334,7 +334,7 @@ def summary_line(result: Mapping[str, Any]) -> str:
 
 
 _BUCKET_NOTES = {
-    "startup": "first run: import, strategy, data, model, restore",
+    "startup": "first run: import, strategy, data, model, restore, actions",
     "restart": "start-up of every later run",
     "compile": "tracing and compiling (first loop of each run)",
     "steps": "productive steps: the goodput",

@@ -114,6 +114,7 @@ def test_format_lists_every_bucket_and_totals_100_percent(tmp_path):
     for rec in (killed, resumed):
         (tmp_path / "goodput" / f"run-{rec['run']}.json").write_text(json.dumps(rec))
     (tmp_path / "goodput" / "run-3.json").write_text("{not json")  # skipped with a warning
+    (tmp_path / "goodput" / "run-4.json").write_text("{}")  # as is a record of another kind
     result = goodput.account(str(tmp_path))
     assert [run["run"] for run in result["runs"]] == [1, 2]
     text = goodput.format_account(result)

@@ -63,6 +63,11 @@ RUN_BUCKETS = ("compile", "steps", "input", "communication", "eval", "checkpoint
 BUCKETS = ("startup", "restart", "compile", "steps", "recomputed", "input", "communication",
            "eval", "checkpoint", "down", "other")
 REMOTE_SAVE_SECONDS = 30.0  # a remote (gs://) record is rewritten at most this often
+# goodput/* scalars at most this often (and at the end): a dozen summary ops cost ~5 ms.
+SCALAR_SECONDS = 10.0
+# What the account reads of a record; a record without them is skipped.
+REQUIRED = ("start", "updated", "startup", "seconds", "restored_step", "last_step",
+            "steps_trained")
 _first_clock = True  # only the first StartupClock of a process counts the import time
 _latest: RunRecord | None = None  # the record brought up to date at interpreter exit
 
@@ -237,8 +242,13 @@ def read_records(model_dir: str) -> list[dict[str, Any]]:
             with tf.io.gfile.GFile(path) as f:
                 record = json.loads(f.read())
             record["run"] = int(match.group(1))
-        except (OSError, ValueError, AttributeError, tf.errors.OpError) as error:
+        except (OSError, ValueError, TypeError, AttributeError, tf.errors.OpError) as error:
             logging.warning("tputrain: skipping the goodput record %s (%s)", path, error)
+            continue
+        missing = [key for key in REQUIRED if key not in record]
+        if missing:
+            logging.warning("tputrain: skipping the goodput record %s (no %s)", path,
+                            ", ".join(missing))
             continue
         records.append(record)
     return sorted(records, key=lambda record: record["run"])
@@ -397,6 +407,7 @@ class GoodputAction(Action):
 
     def __init__(self) -> None:
         self.record: RunRecord | None = None
+        self._scalars_at = -float("inf")
 
     def on_train_begin(self, trainer: "Trainer", step: int) -> None:
         clock = getattr(trainer, "startup", None)
@@ -418,8 +429,8 @@ class GoodputAction(Action):
     def on_loop_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
         self.record.loop_done(step, logs)
         self.record.save()
-        if trainer.is_chief:
-            trainer.progress.write_scalars("train", step, scalars(self.job()))
+        if time.perf_counter() - self._scalars_at >= SCALAR_SECONDS:
+            self._write_scalars(trainer, step)
 
     def on_eval_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
         self.record.add("eval", self.record.since_cursor())
@@ -427,15 +438,22 @@ class GoodputAction(Action):
 
     def on_save(self, trainer: "Trainer", step: int, path: str | None) -> None:
         self.record.add("checkpoint", self.record.since_cursor())
-        self.record.data["last_checkpoint_step"] = step
+        if path is not None:
+            self.record.data["last_checkpoint_step"] = step
         self.record.save(force=True)
 
     def on_train_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
         self.record.since_cursor()  # the tail since the final hook: other
         self.record.data["finished"] = True
         self.record.save(force=True)
+        self._write_scalars(trainer, step)
         if trainer.is_chief:
             logging.info("tputrain: %s", summary_line(self.job()))
+
+    def _write_scalars(self, trainer: "Trainer", step: int) -> None:
+        if trainer.is_chief:  # the job's shares so far, in train/
+            trainer.progress.write_scalars("train", step, scalars(self.job()))
+        self._scalars_at = time.perf_counter()
 
     def job(self) -> dict[str, Any]:
         """The account of the job so far: the earlier runs' records and this one."""

@@ -25,3 +25,11 @@ def test_builtin_configs_ship_in_the_package():
 
     shipped = {p.name for p in Path(tputrain.configs.__file__).parent.glob("*.gin")}
     assert {"digits.gin", "synthetic_transformer.gin"} <= shipped
+
+
+def test_every_subpackage_ships_in_the_wheel():
+    """A package missing from [tool.setuptools] packages installs broken (non-editable)."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts)
+               for p in (ROOT / "tputrain").rglob("__init__.py") if "__pycache__" not in p.parts}
+    assert on_disk <= listed, f"not packaged: {sorted(on_disk - listed)}"

@@ -326,3 +326,16 @@ def test_cli_gin_split_cpu_after_tensorflow_started_fails_naming_the_fix(tmp_pat
     assert "split_cpu.num_devices = 2" in error and "already initialised" in error
     assert "--gin_import" in error
     assert "step 10" not in result.stderr
+
+
+def test_a_named_tpu_without_the_cloud_api_client_names_the_extra(monkeypatch):
+    """Finding a TPU by name needs google-api-python-client (`tputrain[tpu]`)."""
+    from tputrain import strategy as strategy_module
+
+    real_find_spec = strategy_module.importlib.util.find_spec
+    monkeypatch.setattr(strategy_module.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "googleapiclient" else real_find_spec(name, *a))
+    with pytest.raises(strategy_module._TpuUnavailable, match=r"pip install 'tputrain\[tpu\]'"):
+        strategy_module._build_tpu("my-tpu")
+    assert not strategy_module._needs_cloud_api("grpc://10.0.0.2:8470")
+    assert not strategy_module._needs_cloud_api("local")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import importlib.util
 import http.client
 import os
 import socket
@@ -360,6 +361,11 @@ def _build(decision: _Decision, communication: CommunicationOptions) -> tf.distr
     raise AssertionError(f"unhandled strategy {name!r}")
 
 
+def _needs_cloud_api(target: str) -> bool:
+    """A TPU *name* (not "local", not a grpc:// address) is looked up in the Cloud API."""
+    return target != "local" and not target.startswith("grpc://")
+
+
 def _build_tpu(target: str) -> tf.distribute.TPUStrategy:
     """Connects to and initialises the TPU; raises _TpuUnavailable on failure."""
     if target == "local" and not _tpu_kernels_registered():
@@ -369,6 +375,12 @@ def _build_tpu(target: str) -> tf.distribute.TPUStrategy:
             "tpu='local': this TensorFlow build has no TPU kernels (ConfigureDistributedTPU "
             "is not registered); on a TPU VM install tensorflow-tpu (see the README)"
         )
+    if _needs_cloud_api(target) and importlib.util.find_spec("googleapiclient") is None:
+        # TPUClusterResolver finds a TPU by name through the Cloud TPU API client
+        # (cloud_tpu_client, else TF's own copy), which needs google-api-python-client.
+        raise _TpuUnavailable(
+            f"TPU {target!r} is found by name through the Cloud TPU API, which needs "
+            "google-api-python-client: pip install 'tputrain[tpu]'")
     try:
         with _socket_timeout(_CLOUD_API_TIMEOUT_S):
             resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=target)

@@ -28,11 +28,17 @@ from tputrain.precision import set_precision_policy  # noqa: E402
 from tputrain.strategy import resolve_strategy, split_cpu  # noqa: E402
 from tputrain.task import Task  # noqa: E402
 from tputrain.trainer import Trainer  # noqa: E402
+from tputrain.best import BestCheckpoint, EarlyStopping  # noqa: E402
+from tputrain.export import Export, export_checkpoint  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Action",
+    "BestCheckpoint",
+    "EarlyStopping",
+    "Export",
+    "export_checkpoint",
     "Controller",
     "show_progress",
     "Checkpointer",

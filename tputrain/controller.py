@@ -91,11 +91,14 @@ class Controller:
         step = trainer.current_step
         self.until = until
         eval_logs: dict[str, float] = {}
+        evaluated_at = None
+        # An action sets this to end training early, e.g. tputrain.EarlyStopping.
+        trainer.stop_training = False
         profilers = [a for a in self.actions if isinstance(a, ProfilerAction)]
         for action in self.actions:
             action.on_train_begin(trainer, step)
         try:
-            while step < until:
+            while step < until and not trainer.stop_training:
                 for profiler in profilers:
                     profiler.update(step)
                 result = self._loop(step)
@@ -104,11 +107,12 @@ class Controller:
                 step = trainer.current_step
                 self._after_loop(step, *result)
                 if trainer.eval_every and step % trainer.eval_every == 0 and step < until:
-                    eval_logs = self.evaluate()
+                    eval_logs, evaluated_at = self.evaluate(), step
                 if trainer.checkpointer.due(step):
                     self.save()
             self.save()
-            eval_logs = self.evaluate()
+            if not (trainer.stop_training and evaluated_at == step):  # stopped after an eval
+                eval_logs = self.evaluate()
         finally:
             for profiler in profilers:
                 profiler.close()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import NoReturn, Sequence
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from tputrain.config import ConfigError, parse_gin, require_bound
 from tputrain.strategy import configure_devices
@@ -18,6 +19,8 @@ FLAGS = flags.FLAGS
 # before any training; 3 a multi-worker task never joined; 42 preempted (SIGTERM).
 EXIT_TRAINING_FAILED = 1
 EXIT_BAD_INPUT = 2
+
+VERTEX_CHECKPOINT_DIR = "AIP_CHECKPOINT_DIR"  # set by Vertex AI (docs/vertex.md)
 
 GIN_FLAGS = ("gin_file", "gin_param", "gin_search_path", "gin_import")
 
@@ -83,7 +86,11 @@ def parse_gin_flags() -> None:
 
 def build_trainer(model_dir: str | None = None) -> Trainer:
     """The gin-configured Trainer (inputs validated before anything is written) in
-    `model_dir`, or in the config's `Trainer.model_dir` when None."""
+    `model_dir`; when None, in Vertex AI's $AIP_CHECKPOINT_DIR if set (a job's output
+    must outlive its machine), else in the config's `Trainer.model_dir`."""
+    if model_dir is None and os.environ.get(VERTEX_CHECKPOINT_DIR):
+        model_dir = os.environ[VERTEX_CHECKPOINT_DIR]
+        logging.info("tputrain: model_dir %s (from $%s)", model_dir, VERTEX_CHECKPOINT_DIR)
     try:
         require_bound("Trainer.task")
         if model_dir is None:

@@ -21,6 +21,7 @@ SUMMARIES = {
     "audit-precision": "which layers drift in bf16/fp16, and does it change the metrics?",
     "write-tfrecords": "convert .npz/.csv arrays into sharded TFRecords with a manifest",
     "vertex-spec": "write (or --submit) a Vertex AI CustomJob that trains a gin config",
+    "export": "write a checkpoint as a SavedModel for serving (best or latest, or --step)",
 }
 _HELP = (["--help"], ["-h"], ["help"])
 

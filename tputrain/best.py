@@ -1,0 +1,260 @@
+"""Actions that watch one evaluation metric: keep the best checkpoint, stop early.
+
+Both keep their state on disk in model_dir, so a preempted (or kill -9'd) run
+that resumes ends with the same best checkpoint and stops at the same step as
+an uninterrupted one:
+
+* `BestCheckpoint` copies the checkpoint of each improving evaluation into
+  `model_dir/best/` (outside the keep-N rotation) and then writes
+  `best/best.json` (step, value) atomically. The Controller evaluates *before*
+  it saves at a step, so instead of waiting for that save the action asks the
+  Checkpointer for it at once (`Checkpointer.save` at a step already saved is a
+  no-op; the Controller's save that follows becomes one).
+* `EarlyStopping` records every evaluation (`{step: value}`) in
+  `checkpoints/early_stopping.json`, rewritten atomically after each one. On
+  resume it keeps the evaluations up to the restored step (those after it are
+  repeated by the resumed run) and recomputes its decision from them, so the
+  record can never be ahead of or behind the checkpoint it resumes from.
+
+Hooks run on every host with the same (agreed) eval metrics; only the chief writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from typing import TYPE_CHECKING, Any, Mapping
+
+import gin
+import tensorflow as tf
+from absl import logging
+
+from tputrain.actions import Action
+from tputrain.checks import check_int
+
+if TYPE_CHECKING:  # annotations only: the Trainer imports the actions
+    from tputrain.trainer import Trainer
+
+BEST_DIR = "best"
+BEST_FILE = "best.json"
+EARLY_STOPPING_FILE = "early_stopping.json"  # in model_dir/checkpoints/
+
+
+class Watch:
+    """One eval metric and what counts as better: `mode` "max" or "min", by more
+    than `min_delta`. NaN/Inf never improves (a diverged eval is never the best)."""
+
+    def __init__(self, owner: str, metric: str, mode: str, min_delta: float = 0.0):
+        if not isinstance(metric, str) or not metric:
+            raise ValueError(f"{owner}.metric must be a metric name such as 'accuracy' or "
+                             f"'eval/loss', got {metric!r}")
+        if mode not in ("max", "min"):
+            raise ValueError(f"{owner}.mode must be 'max' or 'min', got {mode!r}")
+        if not isinstance(min_delta, (int, float)) or min_delta < 0:
+            raise ValueError(f"{owner}.min_delta must be a number >= 0, got {min_delta!r}")
+        self.owner, self.metric, self.mode = owner, metric, mode
+        self.key = metric.removeprefix("eval/")  # eval logs are {"loss": ..., "accuracy": ...}
+        self.min_delta = float(min_delta)
+
+    def value(self, logs: Mapping[str, float]) -> float:
+        if self.key not in logs:
+            raise ValueError(f"{self.owner}.metric {self.metric!r} is not an eval metric of "
+                             f"this task: use one of {sorted(k for k in logs if not k.startswith('_'))}")
+        return float(logs[self.key])
+
+    def improved(self, value: float, best: float | None) -> bool:
+        if not math.isfinite(value):
+            return False
+        if best is None:
+            return True
+        if self.mode == "max":
+            return value > best + self.min_delta
+        return value < best - self.min_delta
+
+
+def write_json(path: str, record: Mapping[str, Any]) -> None:
+    """Writes `record` to a temp file, then renames it over `path`: a kill leaves
+    the old file or the new one, never half of one."""
+    directory = os.path.dirname(path)
+    tf.io.gfile.makedirs(directory)
+    temp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with tf.io.gfile.GFile(temp, "w") as f:
+        f.write(json.dumps(record, indent=1) + "\n")
+    tf.io.gfile.rename(temp, path, overwrite=True)
+
+
+def read_json(path: str) -> dict[str, Any] | None:
+    """The record at `path`; None if there is none or it cannot be read (said once)."""
+    if not tf.io.gfile.exists(path):
+        return None
+    try:
+        with tf.io.gfile.GFile(path, "r") as f:
+            record = json.loads(f.read())
+        if not isinstance(record, dict):
+            raise ValueError("not a JSON object")
+        return record
+    except (ValueError, tf.errors.OpError) as error:
+        logging.warning("tputrain: ignoring %s, which cannot be read (%s)", path, error)
+        return None
+
+
+def best_record(model_dir: str, directory: str | None = None) -> dict[str, Any] | None:
+    """The best checkpoint kept in `directory` (default model_dir/best): the
+    `best.json` record ({"step", "value", "metric", "mode", "checkpoint"}) with
+    "checkpoint" made a full path, or None if there is none whose files exist."""
+    directory = directory or os.path.join(model_dir, BEST_DIR)
+    record = read_json(os.path.join(directory, BEST_FILE))
+    if record is None or "checkpoint" not in record:
+        return None
+    record["checkpoint"] = os.path.join(directory, record["checkpoint"])
+    if not tf.io.gfile.exists(f"{record['checkpoint']}.index"):
+        logging.warning("tputrain: %s names %s, which is missing", BEST_FILE, record["checkpoint"])
+        return None
+    return record
+
+
+@gin.configurable
+class BestCheckpoint(Action):
+    """Keeps the checkpoint with the best eval `metric` in model_dir/best/, apart from
+    the keep-N rotation; `tputrain.Export` and `tputrain export` export it when set.
+
+    Args:
+      metric: an eval metric, "accuracy" or "eval/accuracy" (the same), "loss", ...
+      mode: "max" (accuracy) or "min" (loss): which way is better.
+      directory: where to keep it; None: model_dir/best.
+    """
+
+    def __init__(self, metric: str = "accuracy", mode: str = "max",
+                 directory: str | None = None):
+        self.watch = Watch("BestCheckpoint", metric, mode)
+        self.directory = directory
+        self.step: int | None = None
+        self.value: float | None = None
+        self.loaded = False
+
+    def directory_of(self, trainer: "Trainer") -> str:
+        return self.directory or os.path.join(trainer.model_dir, BEST_DIR)
+
+    def on_train_begin(self, trainer: "Trainer", step: int) -> None:
+        self._load(trainer)
+
+    def _load(self, trainer: "Trainer") -> None:
+        """Reads back the best so far (a resumed run keeps comparing against it)."""
+        record = best_record(trainer.model_dir, self.directory_of(trainer))
+        self.step = self.value = None
+        self.loaded = True
+        if record is None:
+            return
+        if (record.get("metric"), record.get("mode")) != (self.watch.key, self.watch.mode):
+            logging.warning("tputrain: %s kept the best %s (%s); now %s (%s): starting over",
+                            self.directory_of(trainer), record.get("metric"),
+                            record.get("mode"), self.watch.key, self.watch.mode)
+            return
+        self.step, self.value = int(record["step"]), float(record["value"])
+
+    def on_eval_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+        if not self.loaded:  # Trainer.evaluate() outside train()
+            self._load(trainer)
+        value = self.watch.value(logs)
+        if not self.watch.improved(value, self.value):
+            return
+        # Eval runs before the Controller's save at this step: save now (every host
+        # takes part; a step already saved is not written twice), then copy it.
+        path = trainer.checkpointer.save()
+        trainer.checkpointer.sync()  # an async write must be on disk before the copy
+        if trainer.is_chief:
+            self._keep(trainer, step, value, path)
+        logging.info("tputrain: best %s %.4g at step %d (was %s)", self.watch.key, value, step,
+                     "none" if self.value is None else f"{self.value:.4g} at step {self.step}")
+        self.step, self.value = step, value
+
+    def _keep(self, trainer: "Trainer", step: int, value: float, path: str) -> None:
+        """Copies the checkpoint files, then commits best.json, then drops the old copy."""
+        directory = self.directory_of(trainer)
+        tf.io.gfile.makedirs(directory)
+        name = f"ckpt-{step}"
+        sources = tf.io.gfile.glob(f"{path}.*")
+        if not any(s.endswith(".index") for s in sources):
+            raise FileNotFoundError(f"BestCheckpoint: the checkpoint {path} has no files")
+        for source in sources:
+            suffix = source[len(path):]  # ".index", ".data-00000-of-00001"
+            tf.io.gfile.copy(source, os.path.join(directory, name + suffix), overwrite=True)
+        write_json(os.path.join(directory, BEST_FILE),
+                   {"step": step, "value": value, "metric": self.watch.key,
+                    "mode": self.watch.mode, "checkpoint": name})
+        for old in tf.io.gfile.glob(os.path.join(directory, "ckpt-*")):
+            if not os.path.basename(old).startswith(name + "."):
+                tf.io.gfile.remove(old)
+
+
+def early_stopping_path(model_dir: str) -> str:
+    return os.path.join(model_dir, "checkpoints", EARLY_STOPPING_FILE)
+
+
+@gin.configurable
+class EarlyStopping(Action):
+    """Stops training once the eval `metric` has not improved (by more than
+    `min_delta`) for `patience` evaluations in a row. The run then saves, evaluates
+    no more and ends as at `train_steps` (actions' on_train_end, export).
+
+    Args:
+      metric: an eval metric, "loss" or "eval/loss" (the same), "accuracy", ...
+      mode: "min" (loss) or "max" (accuracy): which way is better.
+      patience: evaluations without improvement before stopping.
+      min_delta: a change smaller than this is no improvement.
+    """
+
+    def __init__(self, metric: str = "loss", mode: str = "min", patience: int = 3,
+                 min_delta: float = 0.0):
+        self.watch = Watch("EarlyStopping", metric, mode, min_delta)
+        self.patience = check_int("EarlyStopping", "patience", patience, 1)
+        self.evals: dict[int, float] = {}  # step -> value, every evaluation of this run
+        self.stopped_at: int | None = None
+        self.loaded = False
+
+    def on_train_begin(self, trainer: "Trainer", step: int) -> None:
+        self._load(trainer, step)
+        if self.stopped_at is not None:
+            logging.info("tputrain: early stopping: this run stopped at step %d (%s did not "
+                         "improve for %d evaluations); not training further", self.stopped_at,
+                         self.watch.key, self.patience)
+            trainer.stop_training = True
+
+    def _load(self, trainer: "Trainer", step: int) -> None:
+        """Reads back the evaluations up to the restored `step` and decides again."""
+        record = read_json(early_stopping_path(trainer.model_dir)) or {}
+        self.evals, self.loaded = {}, True
+        if (record.get("metric"), record.get("mode")) == (self.watch.key, self.watch.mode):
+            self.evals = {int(s): float(v) for s, v in record.get("evals", {}).items()
+                          if int(s) <= step}
+        self.stopped_at = self.decide()
+
+    def decide(self) -> int | None:
+        """The step of the evaluation that ran out of patience, or None."""
+        best, waited = None, 0
+        for step in sorted(self.evals):
+            if self.watch.improved(self.evals[step], best):
+                best, waited = self.evals[step], 0
+            else:
+                waited += 1
+                if waited >= self.patience:
+                    return step
+        return None
+
+    def on_eval_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+        if not self.loaded:  # Trainer.evaluate() outside train()
+            self._load(trainer, step)
+        self.evals[step] = self.watch.value(logs)
+        if trainer.is_chief:
+            write_json(early_stopping_path(trainer.model_dir),
+                       {"metric": self.watch.key, "mode": self.watch.mode,
+                        "evals": {str(s): v for s, v in sorted(self.evals.items())}})
+        stopped_at = self.decide()
+        if stopped_at is not None and self.stopped_at is None:
+            self.stopped_at = stopped_at
+            logging.warning("tputrain: early stopping at step %d: %s has not improved for %d "
+                            "evaluations", step, self.watch.key, self.patience)
+        if stopped_at is not None:
+            trainer.stop_training = True

@@ -1,0 +1,250 @@
+"""From a checkpoint to a SavedModel that serving systems load (TF Serving, Vertex AI).
+
+`export_checkpoint(trainer)` builds a fresh copy of the Task's model *outside*
+the training strategy (so TPU or mirrored variables never reach the SavedModel),
+reads a checkpoint's weights into it and writes a SavedModel with:
+
+* `serving_default`: the model's own inputs (the features of the train split,
+  batch dimension free) -> its outputs, **always float32** (a mixed_bfloat16
+  model computes in bfloat16 and is cast at the end): a client never sees
+  bfloat16, which most serving stacks cannot encode;
+* `serving_examples`: serialized `tf.Example` strings, parsed with the Task's
+  feature spec, -> the same outputs; only when the Task has one (see
+  `feature_spec_of`).
+
+Outputs are named by the model's: a dict keeps its keys, a list gives
+`output_0`, `output_1`..., one tensor is `outputs`.
+
+Where: `model_dir/export/<step>/` (a numbered version folder, as TF Serving
+expects), written to a temporary folder and renamed, so a watcher never loads
+half a model; on Vertex AI `$AIP_MODEL_DIR` itself (its prebuilt serving
+containers want `saved_model.pb` at the root of the model's artifact URI).
+Which checkpoint: the best one kept by a `BestCheckpoint` action when the run
+has one, else the latest (or `step=N`). `Export()` does it at the end of training;
+`tputrain export` for any checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging as pylogging
+import os
+import uuid
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+import gin
+import keras
+import tensorflow as tf
+from absl import logging
+
+from tputrain.actions import Action
+from tputrain.best import BestCheckpoint, best_record
+from tputrain.checkpoint import list_checkpoints
+from tputrain.data import parse_feature_spec
+from tputrain.layer_precision import override_layer_dtypes
+from tputrain.loop.step import ensure_built
+from tputrain.tasks.digits import FEATURES as DIGITS_FEATURES, DigitsTask
+
+if TYPE_CHECKING:  # annotations only: the Trainer imports the actions
+    from tputrain.task import Task
+    from tputrain.trainer import Trainer
+
+EXPORT_DIR = "export"
+VERTEX_MODEL_DIR = "AIP_MODEL_DIR"  # set by Vertex AI: where the model artifacts go
+
+
+def feature_spec_of(task: "Task") -> dict[str, tf.io.FixedLenFeature] | None:
+    """The Task's tf.Example feature spec, for the `serving_examples` signature.
+
+    Looked up, in order: a `feature_spec` attribute or method of the Task (add one
+    to your Task to get the signature), the built-in DigitsTask's, and the
+    `features` of input builders in `task.inputs` (MLPClassifierTask over
+    `TFRecordInput`s). None: the Task has none; only `serving_default` is written.
+    """
+    spec = getattr(task, "feature_spec", None)
+    spec = spec() if callable(spec) else spec
+    if spec is None and isinstance(task, DigitsTask):
+        spec = DIGITS_FEATURES
+    if spec is None and isinstance(getattr(task, "inputs", None), Mapping):
+        found = [b.features for b in task.inputs.values() if isinstance(
+            getattr(b, "features", None), Mapping)]
+        spec = found[0] if found else None
+    return parse_feature_spec(spec) if spec else None
+
+
+def serving_inputs(trainer: "Trainer", model: keras.Model) -> Any:
+    """The signature's inputs: the features the model trains on, any batch size,
+    restricted to the named inputs of a functional model (it ignores the rest)."""
+    features = trainer.inputs.micro_batch_spec()[0]
+    if isinstance(features, tf.TensorSpec):
+        return tf.TensorSpec([None, *features.shape[1:]], features.dtype, name="inputs")
+    if not (isinstance(features, Mapping)
+            and all(isinstance(s, tf.TensorSpec) for s in features.values())):
+        raise ValueError("export needs the model's features to be one tensor or a dict of "
+                         f"tensors, got {features}: export your model by hand "
+                         "(tf.saved_model.save) for other structures")
+    try:
+        names = set(model.input) if isinstance(model.input, Mapping) else set(features)
+    except (AttributeError, ValueError):  # a subclassed model has no declared inputs
+        names = set(features)
+    return {name: tf.TensorSpec([None, *spec.shape[1:]], spec.dtype, name=name)
+            for name, spec in sorted(features.items()) if name in names}
+
+
+def _float32_outputs(outputs: Any) -> dict[str, tf.Tensor]:
+    """Named outputs, floating point ones cast to float32 (bfloat16 never leaves)."""
+    if isinstance(outputs, Mapping):
+        items = list(outputs.items())
+    elif isinstance(outputs, (list, tuple)):
+        items = [(f"output_{i}", output) for i, output in enumerate(outputs)]
+    else:
+        items = [("outputs", outputs)]
+    return {name: tf.cast(value, tf.float32) if value.dtype.is_floating else value
+            for name, value in items}
+
+
+def restored_model(trainer: "Trainer", checkpoint: str) -> keras.Model:
+    """A new model from the Task, built outside any strategy under the training
+    precision, holding the weights of `checkpoint` (the optimizer is not read)."""
+    model = trainer.task.build_model()
+    ensure_built(model, trainer.inputs.micro_batch_spec()[0])
+    override_layer_dtypes(model)  # the precision audit's float32 layers, as in training
+    tf.train.Checkpoint(model=model).read(checkpoint).expect_partial() \
+        .assert_existing_objects_matched()
+    return model
+
+
+def save_serving_model(model: keras.Model, inputs: Any, path: str,
+                       examples: Mapping[str, tf.io.FixedLenFeature] | None = None) -> list[str]:
+    """Writes `model` as a SavedModel at `path`; returns the signature names."""
+    @tf.function(input_signature=[inputs])
+    def serve(features):
+        return _float32_outputs(model(features, training=False))
+
+    signatures = {"serving_default": serve}
+    if examples is not None and isinstance(inputs, Mapping):
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="examples")])
+        def serve_examples(serialized):
+            parsed = tf.io.parse_example(serialized, dict(examples))
+            features = {name: tf.cast(parsed[name], spec.dtype) for name, spec in inputs.items()}
+            return _float32_outputs(model(features, training=False))
+
+        signatures["serving_examples"] = serve_examples
+    module = tf.Module()
+    module.model = model  # tracks the variables
+    with _log_levels_kept():
+        tf.saved_model.save(module, path, signatures=signatures)
+    return sorted(signatures)
+
+
+@contextlib.contextmanager
+def _log_levels_kept() -> Iterator[None]:
+    """Hides the SavedModel writer's INFO lines (renamed inputs, assets, fingerprint),
+    then puts the levels back: the writer itself leaves the absl logger at WARNING,
+    which would silence the progress lines that follow."""
+    loggers = [pylogging.getLogger(name) for name in ("absl", "tensorflow")]
+    levels = [logger.level for logger in loggers]
+    try:
+        for logger in loggers:
+            logger.setLevel(max(logger.getEffectiveLevel(), pylogging.WARNING))
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _step_of(prefix: str) -> int:
+    return int(prefix.rsplit("-", 1)[-1])
+
+
+def checkpoint_to_export(trainer: "Trainer", step: int | None = None,
+                         best: bool | None = None) -> tuple[str, int, str]:
+    """(checkpoint prefix, its step, which: "best"/"latest"/"step N") to export.
+
+    `best` None: the best checkpoint if the run has a `BestCheckpoint` action and
+    it kept one, else the latest; True: the best one or an error; False: never.
+    """
+    action = next((a for a in trainer.actions if isinstance(a, BestCheckpoint)), None)
+    best_dir = action.directory_of(trainer) if action else None
+    record = best_record(trainer.model_dir, best_dir) if best is not False else None
+    if step is None and record is not None and (best or action is not None):
+        return record["checkpoint"], int(record["step"]), f"best {record['metric']} {record['value']:.4g}"
+    if best and step is None:
+        raise ValueError(f"no best checkpoint in {best_dir or os.path.join(trainer.model_dir, 'best')}: "
+                         "train with a BestCheckpoint action, or export the latest (--nobest)")
+    if action is not None and best is None and step is None:
+        logging.warning("tputrain: BestCheckpoint kept no checkpoint yet: exporting the latest")
+    listed = list_checkpoints(os.path.join(trainer.model_dir, "checkpoints")).paths
+    if step is None:
+        if not listed:
+            raise ValueError(f"no checkpoint in {trainer.model_dir}: train first")
+        return listed[-1], _step_of(listed[-1]), "latest"
+    found = [p for p in listed if _step_of(p) == step]
+    if not found and record is not None and int(record["step"]) == step:
+        found = [record["checkpoint"]]
+    if not found:
+        raise ValueError(f"no checkpoint of step {step} in {trainer.model_dir}: it has steps "
+                         f"{[_step_of(p) for p in listed]}")
+    return found[0], step, f"step {step}"
+
+
+def export_destination(trainer: "Trainer", step: int, export_dir: str | None = None) -> str:
+    """`export_dir`, else $AIP_MODEL_DIR (Vertex AI), else model_dir/export/<step>."""
+    return (export_dir or os.environ.get(VERTEX_MODEL_DIR)
+            or os.path.join(trainer.model_dir, EXPORT_DIR, str(step)))
+
+
+def export_checkpoint(trainer: "Trainer", step: int | None = None, export_dir: str | None = None,
+                      best: bool | None = None, examples: bool = True) -> str:
+    """Exports a checkpoint of `trainer`'s model_dir as a SavedModel; returns its path.
+
+    Args:
+      trainer: the run (its Task builds the model; its model_dir has the checkpoints).
+      step: the checkpoint's step; None: the best (see `checkpoint_to_export`) or latest.
+      export_dir: the SavedModel's folder; None: $AIP_MODEL_DIR when set (Vertex AI),
+        else model_dir/export/<step>.
+      best: export the BestCheckpoint's checkpoint (None: when the run keeps one).
+      examples: also write `serving_examples` when the Task has a feature spec.
+    """
+    trainer.checkpointer.sync()  # an async save of the last step may still be writing
+    checkpoint, step, which = checkpoint_to_export(trainer, step, best)
+    path = export_destination(trainer, step, export_dir)
+    model = restored_model(trainer, checkpoint)
+    inputs = serving_inputs(trainer, model)
+    spec = feature_spec_of(trainer.task) if examples else None
+    if spec is not None and not (isinstance(inputs, Mapping) and set(inputs) <= set(spec)):
+        logging.info("tputrain: no serving_examples signature: the feature spec lacks inputs %s",
+                     sorted(set(inputs) - set(spec)) if isinstance(inputs, Mapping) else inputs)
+        spec = None
+    # A new folder appears whole (TF Serving loads any numbered folder it sees).
+    fresh = not tf.io.gfile.exists(path)
+    target = f"{path.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}" if fresh else path
+    names = save_serving_model(model, inputs, target, spec)
+    if fresh:
+        tf.io.gfile.rename(target, path)
+    logging.info("tputrain: exported step %d (%s) to %s, signatures %s", step, which, path,
+                 ", ".join(names))
+    return path
+
+
+@gin.configurable
+class Export(Action):
+    """At the end of training, exports a SavedModel (`export_checkpoint`): the best
+    checkpoint if a `BestCheckpoint` action is set, else the last one. Chief only.
+
+    Args:
+      export_dir: the SavedModel's folder; None: $AIP_MODEL_DIR on Vertex AI, else
+        model_dir/export/<step>.
+      examples: also write the `serving_examples` signature (tf.Example strings)
+        when the Task has a feature spec.
+    """
+
+    def __init__(self, export_dir: str | None = None, examples: bool = True):
+        self.export_dir = export_dir
+        self.examples = examples
+        self.path: str | None = None  # where the last export went
+
+    def on_train_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+        if trainer.is_chief:
+            self.path = export_checkpoint(trainer, export_dir=self.export_dir,
+                                          examples=self.examples)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -125,6 +126,23 @@ def test_format_lists_every_bucket_and_totals_100_percent(tmp_path):
     assert "no goodput records" in goodput.format_account(goodput.account(str(tmp_path / "x")))
 
 
+def goodput_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tputrain.run", "goodput", *args],
+                          capture_output=True, text=True, env=child_env(), timeout=300)
+
+
+def test_the_goodput_command_prints_the_account_and_fails_without_records(tmp_path):
+    (tmp_path / "goodput").mkdir()
+    (tmp_path / "goodput" / "run-1.json").write_text(json.dumps(
+        record(1, 1000.0, 1010.0, restored=0, last=500, finished=True, seconds={"steps": 5.0})))
+    result = goodput_cli(f"--model_dir={tmp_path}", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = json.loads(result.stdout)
+    assert printed["goodput"] == pytest.approx(0.5) and len(printed["runs"]) == 1
+    empty = goodput_cli(f"--model_dir={tmp_path / 'none'}")
+    assert empty.returncode == 2 and "no goodput records" in empty.stderr
+
+
 def test_process_start_is_before_now_and_after_boot():
     start, source = goodput.process_start_time()
     assert source == "/proc" and time.time() - 3600 * 24 * 30 < start <= time.time()
@@ -207,3 +225,7 @@ def test_digits_killed_and_resumed_accounts_the_recomputed_steps(tmp_path):
     named = sum(v for bucket, v in result["seconds"].items() if bucket != "other")
     assert abs(named - wall) <= 0.05 * wall, (named, wall, goodput.format_account(result))
     assert "tputrain: goodput" in resumed.text()
+    printed = goodput_cli(f"--model_dir={tmp_path / 'model'}")
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    assert f"{paused - saved[-1]} step(s) recomputed" in printed.stdout
+    assert re.search(r"^total +[0-9.]+ +100\.0%", printed.stdout, re.M), printed.stdout

@@ -18,6 +18,7 @@ SUMMARIES = {
     "run": "train a gin config (the default: `tputrain --gin_file=...` runs it)",
     "launch": "run N local worker processes as one MultiWorkerMirrored cluster",
     "diagnose": "is this training job waiting on its input? (input stall, bottleneck)",
+    "goodput": "where a job's wall-clock time went, restarts included (--model_dir=DIR)",
     "audit-precision": "which layers drift in bf16/fp16, and does it change the metrics?",
     "write-tfrecords": "convert .npz/.csv arrays into sharded TFRecords with a manifest",
     "vertex-spec": "write (or --submit) a Vertex AI CustomJob that trains a gin config",

@@ -13,13 +13,15 @@ leaves a half-written shard under a final name.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import math
 import os
 import queue
 import threading
 import uuid
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -330,6 +332,51 @@ def write_tfrecords(
     names in the same directory and renamed only once every shard is complete;
     on an error the temporary files are removed and nothing is left behind.
     """
+    num_shards, target = _check_arguments(examples, output_prefix, num_shards, compression_type,
+                                          num_hosts, target_shard_mb, num_workers)
+    directory = os.path.dirname(output_prefix)
+    if directory:
+        tf.io.gfile.makedirs(directory)
+    if isinstance(examples, Mapping):
+        written = _write_columns(examples, num_shards, target)
+    else:
+        written = _write_stream(examples, num_shards, target)
+    return _finish(written, target, manifest)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """Where and how the shards go: the settings every write path shares."""
+
+    prefix: str
+    compression_type: str | None
+    num_hosts: int
+    target_shard_mb: float
+    workers: int
+
+    def choose(self, total_bytes: float, num_examples: int) -> int:
+        """The automatic shard count for this much data (`choose_num_shards`)."""
+        return choose_num_shards(total_bytes, num_examples, self.num_hosts, self.target_shard_mb)
+
+    def writers(self, num_shards: int) -> _ShardWriters:
+        """Opens the temp-named shard files and their writer threads."""
+        return _ShardWriters(_shard_paths(self.prefix, num_shards), self.compression_type,
+                             self.workers)
+
+
+class _Written(NamedTuple):
+    """What a write path leaves for the manifest and the log line."""
+
+    writers: _ShardWriters
+    sizes: list[int]
+    shapes: Mapping[str, tuple[int, ...]]
+    kinds: Mapping[str, str]
+
+
+def _check_arguments(examples: Any, output_prefix: Any, num_shards: Any, compression_type: Any,
+                     num_hosts: Any, target_shard_mb: Any, num_workers: int | None
+                     ) -> tuple[int | None, _Target]:
+    """Rejects bad arguments, each naming the fix, before any file is touched."""
     num_shards = check_int("write_tfrecords", "num_shards", num_shards, 1, allow_none=True)
     num_hosts = check_int("write_tfrecords", "num_hosts", num_hosts, 1)
     if not target_shard_mb or target_shard_mb <= 0:
@@ -342,93 +389,123 @@ def write_tfrecords(
     if isinstance(examples, (str, bytes)):
         raise TypeError("examples must be a dict of arrays, an iterable of dicts or a "
                         "tf.data.Dataset of dicts")
-    directory = os.path.dirname(output_prefix)
-    if directory:
-        tf.io.gfile.makedirs(directory)
-    workers = num_workers or 8
+    return num_shards, _Target(output_prefix, compression_type, num_hosts, target_shard_mb,
+                               num_workers or 8)
 
-    if isinstance(examples, Mapping):
-        columns, num_examples = _columns(examples)
-        shapes = {k: a.shape[1:] for k, a in columns.items()}
-        kinds = {k: _kind(a) for k, a in columns.items()}
 
-        def row(i: int) -> bytes:
-            return encode_example({key: col[i] for key, col in columns.items()})
+def _write_columns(examples: Mapping[str, Any], num_shards: int | None,
+                   target: _Target) -> _Written:
+    """A dict of arrays: every row is at hand, so shard i gets the i-th contiguous block."""
+    columns, num_examples = _columns(examples)
+    shapes = {k: a.shape[1:] for k, a in columns.items()}
+    kinds = {k: _kind(a) for k, a in columns.items()}
 
+    def row(i: int) -> bytes:
+        return encode_example({key: col[i] for key, col in columns.items()})
+
+    if num_shards is None:
+        step = max(1, num_examples // _SIZE_SAMPLE)
+        sample = [row(i) for i in range(0, num_examples, step)[:_SIZE_SAMPLE]]
+        num_shards = target.choose(_estimate_bytes(sample, num_examples), num_examples)
+    if num_examples < num_shards:
+        raise ValueError(
+            f"cannot split {num_examples} examples into {num_shards} shards "
+            f"without empty shards: use num_shards <= {num_examples}")
+    writers = target.writers(num_shards)
+
+    def fill() -> None:
+        for shard in range(num_shards):
+            begin = shard * num_examples // num_shards
+            end = (shard + 1) * num_examples // num_shards
+            for i in range(begin, end):
+                writers.write(shard, row(i))
+
+    return _Written(writers, _commit_or_abort(writers, fill), shapes, kinds)
+
+
+def _write_stream(examples: Iterable[Mapping[str, Any]] | tf.data.Dataset,
+                  num_shards: int | None, target: _Target) -> _Written:
+    """An iterable or dataset of dicts: checked as it streams, dealt round-robin.
+
+    The spool file (if the count had to be learned that way) is removed on the
+    way out, whether the write succeeded or not.
+    """
+    check = _ExampleChecker()
+    length = _known_length(examples)
+    source = (_dataset_examples(examples) if isinstance(examples, tf.data.Dataset)
+              else iter(examples))
+    records = (encode_example(check(i, example)) for i, example in enumerate(source))
+    with contextlib.ExitStack() as cleanup:
         if num_shards is None:
-            step = max(1, num_examples // _SIZE_SAMPLE)
-            sample = [row(i) for i in range(0, num_examples, step)[:_SIZE_SAMPLE]]
-            num_shards = choose_num_shards(_estimate_bytes(sample, num_examples), num_examples,
-                                           num_hosts, target_shard_mb)
-        if num_examples < num_shards:
-            raise ValueError(
-                f"cannot split {num_examples} examples into {num_shards} shards "
-                f"without empty shards: use num_shards <= {num_examples}")
-        writers = _ShardWriters(_shard_paths(output_prefix, num_shards), compression_type, workers)
-        try:
-            for shard in range(num_shards):
-                begin = shard * num_examples // num_shards
-                end = (shard + 1) * num_examples // num_shards
-                for i in range(begin, end):
-                    writers.write(shard, row(i))
-            sizes = writers.commit()
-        except BaseException:
-            writers.abort()
-            raise
-    else:
-        check = _ExampleChecker()
-        length = _known_length(examples)
-        source = (_dataset_examples(examples) if isinstance(examples, tf.data.Dataset)
-                  else iter(examples))
-        records = (encode_example(check(i, example)) for i, example in enumerate(source))
-        spool = None
-        try:
-            if num_shards is None:
-                if length is not None:
-                    sample = list(itertools.islice(records, _SIZE_SAMPLE))
-                    if not sample:
-                        raise ValueError("examples is empty: nothing to write")
-                    num_shards = choose_num_shards(_estimate_bytes(sample, length), length,
-                                                   num_hosts, target_shard_mb)
-                    records = itertools.chain(sample, records)
-                else:
-                    spool, count, total = _spool(records, output_prefix)
-                    if count == 0:
-                        raise ValueError("examples is empty: nothing to write")
-                    num_shards = choose_num_shards(total, count, num_hosts, target_shard_mb)
-                    records = (r.numpy() for r in tf.data.TFRecordDataset(spool))
-            writers = _ShardWriters(_shard_paths(output_prefix, num_shards), compression_type,
-                                    workers)
-            try:
-                num_examples = 0
-                for index, record in enumerate(records):
-                    writers.write(index % num_shards, record)
-                    num_examples += 1
-                if num_examples == 0:
-                    raise ValueError("examples is empty: nothing to write")
-                if num_examples < num_shards:
-                    raise ValueError(
-                        f"got {num_examples} examples for {num_shards} shards, which would "
-                        f"leave empty shards: use num_shards <= {num_examples}")
-                sizes = writers.commit()
-            except BaseException:
-                writers.abort()
-                raise
-        finally:
-            if spool is not None and tf.io.gfile.exists(spool):
-                tf.io.gfile.remove(spool)
-        shapes, kinds = check.shapes, check.kinds
+            num_shards, records = _stream_shard_count(records, length, target, cleanup)
+        writers = target.writers(num_shards)
+        sizes = _commit_or_abort(writers, lambda: _deal(writers, records, num_shards))
+    return _Written(writers, sizes, check.shapes, check.kinds)
 
+
+def _stream_shard_count(records: Iterator[bytes], length: int | None, target: _Target,
+                        cleanup: contextlib.ExitStack) -> tuple[int, Iterator[bytes]]:
+    """Chooses the shard count of a stream; returns it and the records to write.
+
+    A known length needs only a sample for the size estimate (put back in front);
+    an unknown one is spooled to a hidden temp file first, which `cleanup` removes.
+    """
+    if length is not None:
+        sample = list(itertools.islice(records, _SIZE_SAMPLE))
+        if not sample:
+            raise ValueError("examples is empty: nothing to write")
+        num_shards = target.choose(_estimate_bytes(sample, length), length)
+        return num_shards, itertools.chain(sample, records)
+    spool, count, total = _spool(records, target.prefix)
+    cleanup.callback(_remove_if_exists, spool)
+    if count == 0:
+        raise ValueError("examples is empty: nothing to write")
+    return target.choose(total, count), (r.numpy() for r in tf.data.TFRecordDataset(spool))
+
+
+def _deal(writers: _ShardWriters, records: Iterable[bytes], num_shards: int) -> None:
+    """Record i goes to shard i % num_shards; fails rather than leave a shard empty."""
+    num_examples = 0
+    for index, record in enumerate(records):
+        writers.write(index % num_shards, record)
+        num_examples += 1
+    if num_examples == 0:
+        raise ValueError("examples is empty: nothing to write")
+    if num_examples < num_shards:
+        raise ValueError(
+            f"got {num_examples} examples for {num_shards} shards, which would "
+            f"leave empty shards: use num_shards <= {num_examples}")
+
+
+def _commit_or_abort(writers: _ShardWriters, fill: Callable[[], None]) -> list[int]:
+    """Runs `fill` then commits; on any error removes every temp shard, so no
+    half-written shard is ever left behind. Returns the shards' sizes."""
+    try:
+        fill()
+        return writers.commit()
+    except BaseException:
+        writers.abort()
+        raise
+
+
+def _finish(written: _Written, target: _Target, manifest: bool) -> list[str]:
+    """Writes the manifest (if asked) and logs the totals; returns the shard paths."""
+    writers, sizes = written.writers, written.sizes
     paths = writers.paths
     if manifest:
         shards = tuple(Shard(os.path.basename(path), count, size)
                        for path, count, size in zip(paths, writers.counts, sizes))
-        write_manifest(manifest_path(output_prefix),
-                       Manifest(sum(writers.counts), _spec(shapes, kinds), shards,
-                                compression_type or None))
+        write_manifest(manifest_path(target.prefix),
+                       Manifest(sum(writers.counts), _spec(written.shapes, written.kinds), shards,
+                                target.compression_type or None))
     logging.info("write_tfrecords: %d examples in %d shard(s) %s-*, %.1f MB", sum(writers.counts),
-                 len(paths), output_prefix, sum(sizes) / 2**20)
+                 len(paths), target.prefix, sum(sizes) / 2**20)
     return paths
+
+
+def _remove_if_exists(path: str) -> None:
+    if tf.io.gfile.exists(path):
+        tf.io.gfile.remove(path)
 
 
 def _spool(records: Iterable[bytes], output_prefix: str) -> tuple[str, int, int]:

@@ -16,6 +16,9 @@ from typing import Sequence
 
 import gin
 
+import tputrain.tasks  # noqa: F401  (registers the built-in configurables)
+from tputrain import configs  # the repository's configs/ folder, packaged
+
 
 class ConfigError(ValueError):
     """A gin file or binding is invalid; the message says how to fix it."""
@@ -73,8 +76,6 @@ def parse_gin(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
     installed) are always on the search path, so `--gin_file=digits.gin` works
     from any directory.
     """
-    import tputrain.tasks  # noqa: F401  (registers the built-in configurables)
-
     for module in imports:
         try:
             importlib.import_module(module)
@@ -118,8 +119,6 @@ def _find(gin_file: str, folders: Sequence[str]) -> str:
 
 def builtin_config_dir() -> str:
     """The directory of the configs shipped with tputrain."""
-    from tputrain import configs  # the repository's configs/ folder, packaged
-
     return os.path.dirname(os.path.abspath(configs.__file__))
 
 

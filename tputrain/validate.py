@@ -16,6 +16,9 @@ from typing import Any, Iterable
 import tensorflow as tf
 from absl import logging
 
+from tputrain.data import FeatureSpecError, explain_data_loss, explain_parse_error
+from tputrain.gcs import check_bucket_writable  # google-cloud-storage itself loads lazily there
+
 _MIB = 1 << 20
 
 
@@ -37,8 +40,6 @@ def corrupt_data_message(error: tf.errors.OpError, split: str, where: str) -> st
 def input_data_error(error: tf.errors.OpError, split: str, where: str) -> Exception:
     """The one-line error for unreadable input: the file and record when
     `tputrain.data` can locate them (`CorruptRecordError`), else `InputDataError`."""
-    from tputrain.data import explain_data_loss
-
     explained = explain_data_loss(error)
     if explained is not error:
         return explained
@@ -64,8 +65,6 @@ def probe_inputs(dataset: tf.data.Dataset, split: str) -> None:
 
 def _feature_spec_error(error: tf.errors.InvalidArgumentError, split: str) -> Exception:
     """The parse error explained by `tputrain.data`, with the split named, or `error`."""
-    from tputrain.data import FeatureSpecError, explain_parse_error
-
     explained = explain_parse_error(error)
     if isinstance(explained, FeatureSpecError):
         return FeatureSpecError(f"the {split} data does not match its feature spec: {explained}")
@@ -112,8 +111,6 @@ def check_model_dir(model_dir: str, checkpoint_bytes: int = 0, keep: int = 2) ->
     one is written). gs:// buckets are checked with google-cloud-storage first.
     """
     if model_dir.startswith("gs://"):
-        from tputrain.gcs import check_bucket_writable
-
         check_bucket_writable(model_dir)
     if tf.io.gfile.exists(model_dir) and not tf.io.gfile.isdir(model_dir):
         raise ModelDirError(f"model_dir {model_dir} is a file, not a directory: pass a "

@@ -216,6 +216,8 @@ def export_checkpoint(trainer: "Trainer", step: int | None = None, export_dir: s
         logging.info("tputrain: no serving_examples signature: the feature spec lacks inputs %s",
                      sorted(set(inputs) - set(spec)) if isinstance(inputs, Mapping) else inputs)
         spec = None
+    if spec is not None:  # the inputs only: a request carries no label
+        spec = {name: spec[name] for name in inputs}
     # A new folder appears whole (TF Serving loads any numbered folder it sees).
     fresh = not tf.io.gfile.exists(path)
     target = f"{path.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}" if fresh else path

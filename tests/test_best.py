@@ -1,0 +1,223 @@
+"""BestCheckpoint and EarlyStopping: what they keep, when they stop, and that a run
+killed with SIGKILL and resumed ends with the same best checkpoint and stop step."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tputrain
+from tiny import TinyTask, strategy_for
+from tputrain.best import Watch, early_stopping_path
+
+
+class Evals(tputrain.Action):
+    """Records each evaluation's logs and the weights evaluated, and the hooks' order."""
+
+    def __init__(self):
+        self.evals, self.weights, self.calls = {}, {}, []
+
+    def on_eval_end(self, trainer, step, logs):
+        self.evals[step] = dict(logs)
+        self.weights[step] = [np.asarray(w) for w in trainer.model.get_weights()]
+        self.calls.append(("eval", step))
+
+    def on_save(self, trainer, step, path):
+        self.calls.append(("save", step))
+
+    def on_train_end(self, trainer, step, logs):
+        self.calls.append(("end", step))
+
+
+def make(model_dir, actions, **kwargs):
+    options = dict(train_steps=12, steps_per_loop=2, global_batch_size=16, eval_every=2,
+                   eval_steps=2, checkpoint_every=4, keep_checkpoints=1, report_mfu=False)
+    options.update(kwargs)
+    return tputrain.Trainer(TinyTask(dropout=0.3), str(model_dir), strategy=strategy_for(1),
+                            actions=actions, **options)
+
+
+def model_variables(prefix: str) -> dict[str, np.ndarray]:
+    reader = tf.train.load_checkpoint(prefix)
+    return {name: reader.get_tensor(name) for name, _ in tf.train.list_variables(prefix)
+            if name.startswith("model/")}
+
+
+# ------------------------------------------------------------ the metric
+
+
+def test_watch_compares_by_mode_and_min_delta_and_never_takes_nan():
+    assert Watch("X", "eval/accuracy", "max").key == "accuracy"
+    high = Watch("X", "accuracy", "max", min_delta=0.1)
+    assert high.improved(0.5, None) and high.improved(0.71, 0.6) and not high.improved(0.65, 0.6)
+    low = Watch("X", "loss", "min")
+    assert low.improved(0.4, 0.5) and not low.improved(0.5, 0.5)
+    assert not low.improved(float("nan"), None) and not low.improved(float("inf"), 1.0)
+    with pytest.raises(ValueError, match="mode must be 'max' or 'min'"):
+        Watch("X", "loss", "down")
+    with pytest.raises(ValueError, match="min_delta"):
+        Watch("X", "loss", "min", min_delta=-1)
+    with pytest.raises(ValueError, match=r"'top5' is not an eval metric.*\['accuracy', 'loss'\]"):
+        Watch("X", "top5", "max").value({"loss": 1.0, "accuracy": 0.5})
+    with pytest.raises(ValueError, match="patience must be >= 1"):
+        tputrain.EarlyStopping(patience=0)
+
+
+# ------------------------------------------------------------ best checkpoint
+
+
+def test_best_checkpoint_keeps_the_best_eval_outside_the_rotation(tmp_path):
+    """Evals at 2, 6, 10 fall between checkpoints (every 4, keep 1): the best is saved
+    at its own step and survives the rotation, with the weights that were evaluated."""
+    evals = Evals()
+    best = tputrain.BestCheckpoint("eval/loss", "min")
+    make(tmp_path / "run", [evals, best]).train()
+    losses = {step: logs["loss"] for step, logs in evals.evals.items()}
+    assert sorted(losses) == [2, 4, 6, 8, 10, 12]
+    expected = min(losses, key=lambda step: (losses[step], step))
+    record = json.loads((tmp_path / "run" / "best" / "best.json").read_text())
+    assert (record["step"], record["value"]) == (expected, losses[expected])
+    assert (best.step, best.value) == (expected, losses[expected])
+    kept = model_variables(str(tmp_path / "run" / "best" / f"ckpt-{expected}"))
+    saved = sorted(kept.values(), key=lambda a: (a.shape, a.sum()))
+    evaluated = sorted(evals.weights[expected], key=lambda a: (a.shape, a.sum()))
+    for a, b in zip(saved, evaluated):
+        np.testing.assert_array_equal(a, b)
+    assert sorted(p.name for p in (tmp_path / "run" / "best").iterdir() if p.name.startswith(
+        "ckpt-")) == [f"ckpt-{expected}.data-00000-of-00001", f"ckpt-{expected}.index"]
+
+
+def test_best_checkpoint_resumes_comparing_against_the_kept_best(tmp_path):
+    first = tputrain.BestCheckpoint("accuracy", "max")
+    make(tmp_path / "run", [first], train_steps=4).train()
+    second = tputrain.BestCheckpoint("accuracy", "max")
+    make(tmp_path / "run", [second], train_steps=8).train()
+    assert second.value >= first.value
+    record = json.loads((tmp_path / "run" / "best" / "best.json").read_text())
+    assert (record["step"], record["value"]) == (second.step, second.value)
+
+
+# ------------------------------------------------------------ early stopping
+
+
+def never_improves_after_the_first(patience: int) -> tputrain.EarlyStopping:
+    """Accuracy never rises by more than 1.0: the first eval is the best, then patience runs out."""
+    return tputrain.EarlyStopping("accuracy", "max", patience=patience, min_delta=1.0)
+
+
+def test_early_stopping_stops_saves_and_ends_once(tmp_path):
+    evals = Evals()
+    trainer = make(tmp_path / "run", [never_improves_after_the_first(2), evals],
+                   train_steps=100)
+    final = trainer.train()
+    assert trainer.current_step == 6
+    # No second evaluation at the stop step; the run still saves and ends normally.
+    assert evals.calls == [("eval", 2), ("eval", 4), ("save", 4), ("eval", 6), ("save", 6),
+                           ("end", 6)]
+    assert final == evals.evals[6]
+    record = json.loads(open(early_stopping_path(str(tmp_path / "run"))).read())
+    assert sorted(map(int, record["evals"])) == [2, 4, 6]
+
+    again = Evals()  # a rerun stays stopped: no step, one evaluation
+    rerun = make(tmp_path / "run", [never_improves_after_the_first(2), again], train_steps=100)
+    rerun.train()
+    assert rerun.current_step == 6 and again.calls == [("save", 6), ("eval", 6), ("end", 6)]
+
+    more = make(tmp_path / "run", [never_improves_after_the_first(4)], train_steps=100)
+    more.train()  # more patience: training goes on from the same record
+    assert more.current_step == 10
+
+
+def test_early_stopping_resumes_from_the_evals_up_to_the_restored_step(tmp_path):
+    reference = make(tmp_path / "reference", [never_improves_after_the_first(3)],
+                     train_steps=100)
+    reference.train()
+    assert reference.current_step == 8
+
+    make(tmp_path / "run", [never_improves_after_the_first(3)], train_steps=100).train(
+        num_steps=4)
+    path = early_stopping_path(str(tmp_path / "run"))
+    record = json.loads(open(path).read())
+    # As if killed after an eval at step 5 whose checkpoint never got written.
+    record["evals"]["5"] = 0.0
+    open(path, "w").write(json.dumps(record))
+    resumed = make(tmp_path / "run", [never_improves_after_the_first(3)], train_steps=100)
+    resumed.train()
+    assert resumed.current_step == reference.current_step == 8
+
+
+# ------------------------------------------------------------ kill -9 and resume
+
+CONFIG = """
+Trainer.task = @FaultTask()
+Trainer.train_steps = 80
+Trainer.steps_per_loop = 2
+Trainer.global_batch_size = 16
+Trainer.eval_every = 4
+Trainer.eval_steps = 2
+Trainer.checkpoint_every = 6
+Trainer.keep_checkpoints = 2
+Trainer.report_mfu = False
+BestCheckpoint.metric = 'eval/loss'
+BestCheckpoint.mode = 'min'
+EarlyStopping.metric = 'loss'
+EarlyStopping.patience = 3
+EarlyStopping.min_delta = 0.01
+resolve_strategy.strategy = 'mirrored'
+FaultTask.dropout = 0.3
+FaultTask.learning_rate = 0.2
+"""
+ACTIONS = "Trainer.actions = [@BestCheckpoint(), @EarlyStopping()"
+
+
+def child(config, model_dir, pause_at: int | None = None):
+    from faults import Process, child_env
+
+    actions = ACTIONS + (", @PauseAtStep()]" if pause_at else "]")
+    extra = [f"--gin_param=PauseAtStep.step={pause_at}"] if pause_at else []
+    return Process([sys.executable, "-m", "tputrain.run", "--gin_import=faults",
+                    f"--gin_file={config}", f"--gin_param={actions}", *extra,
+                    f"--model_dir={model_dir}", "--deterministic"], child_env(cpus=2))
+
+
+def kill_at(config, model_dir, step: int) -> None:
+    process = child(config, model_dir, pause_at=step)
+    process.wait_for(r"tputrain-test: paused at step")
+    assert process.kill() == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_keep_the_same_best_and_stop_step(tmp_path):
+    config = tmp_path / "stop.gin"
+    config.write_text(CONFIG)
+    reference = child(config, tmp_path / "reference")  # uninterrupted, alongside
+    run = tmp_path / "run"
+    kill_at(config, run, 22)  # after the best so far was kept (step 20), before the next
+    kill_at(config, run, 34)  # two non-improving evals counted, the last save at 30
+    resumed = child(config, run)
+    assert resumed.finish() == 0, resumed.log()
+    assert reference.finish() == 0, reference.log()
+    assert "restored" in resumed.text() and "training from step 30 " in resumed.text(), \
+        resumed.log()
+
+    def outcome(model_dir):
+        stop = json.loads((model_dir / "checkpoints" / "early_stopping.json").read_text())
+        best = json.loads((model_dir / "best" / "best.json").read_text())
+        return stop, best, tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
+
+    expected, actual = outcome(tmp_path / "reference"), outcome(run)
+    # The reference really stopped early, after non-improving evals the kill cut across.
+    assert expected[2].endswith("ckpt-36") and "early stopping at step 36" in reference.text()
+    assert expected[0] == actual[0] and expected[1] == actual[1]
+    assert actual[2].endswith("ckpt-36") and "early stopping at step 36" in resumed.text()
+    step = expected[1]["step"]
+    reference_best = model_variables(str(tmp_path / "reference" / "best" / f"ckpt-{step}"))
+    resumed_best = model_variables(str(run / "best" / f"ckpt-{step}"))
+    assert reference_best.keys() == resumed_best.keys()
+    for key in reference_best:
+        np.testing.assert_array_equal(resumed_best[key], reference_best[key], err_msg=key)

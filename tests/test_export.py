@@ -1,0 +1,160 @@
+"""Export: a checkpoint becomes a SavedModel that a fresh process serves, with float32
+outputs whatever the training precision, from the best checkpoint when one is kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tputrain
+from tiny import TinyTask, strategy_for
+from tputrain.export import feature_spec_of
+
+
+class SpecTask(TinyTask):
+    """TinyTask with a tf.Example feature spec (gets the serving_examples signature)."""
+
+    feature_spec = {"x": ([8], "float32"), "label": ([], "int64")}
+
+
+class Bfloat16OutputTask(TinyTask):
+    """Its last layer computes in the policy's dtype: bfloat16 outputs under mixed_bfloat16."""
+
+    def build_model(self) -> keras.Model:
+        inputs = keras.Input((8,), name="x")
+        hidden = keras.layers.Dense(16, activation="relu")(inputs)
+        return keras.Model({"x": inputs}, keras.layers.Dense(2)(hidden))
+
+
+def make(task, model_dir, actions=(), **kwargs):
+    options = dict(train_steps=8, steps_per_loop=2, global_batch_size=16, eval_every=2,
+                   eval_steps=2, checkpoint_every=4, report_mfu=False)
+    options.update(kwargs)
+    return tputrain.Trainer(task, str(model_dir), strategy=strategy_for(1), actions=actions,
+                            **options)
+
+
+def serialized(x: np.ndarray) -> tf.Tensor:
+    return tf.constant([tf.train.Example(features=tf.train.Features(feature={
+        "x": tf.train.Feature(float_list=tf.train.FloatList(value=row))})).SerializeToString()
+        for row in x])
+
+
+def test_export_action_writes_the_best_checkpoint_with_both_signatures(tmp_path):
+    best, export = tputrain.BestCheckpoint("loss", "min"), tputrain.Export()
+    trainer = make(SpecTask(), tmp_path / "run", [best, export])
+    trainer.train()
+    assert export.path == str(tmp_path / "run" / "export" / str(best.step))
+    loaded = tf.saved_model.load(export.path)
+    assert sorted(loaded.signatures) == ["serving_default", "serving_examples"]
+    x = trainer.task.x[:32]
+    outputs = loaded.signatures["serving_default"](x=tf.constant(x))["outputs"]
+    from_examples = loaded.signatures["serving_examples"](examples=serialized(x))["outputs"]
+    np.testing.assert_allclose(from_examples, outputs, rtol=1e-6)
+    # The weights of the best checkpoint, not of the last step.
+    tf.train.Checkpoint(model=trainer.model).read(
+        str(tmp_path / "run" / "best" / f"ckpt-{best.step}")).expect_partial()
+    np.testing.assert_allclose(outputs, trainer.model({"x": x}), rtol=1e-5, atol=1e-6)
+
+
+def test_mixed_bfloat16_exports_float32_outputs_of_any_step(tmp_path, monkeypatch):
+    trainer = make(Bfloat16OutputTask(), tmp_path / "run", precision="mixed_bfloat16")
+    trainer.train()
+    x = trainer.task.x[:32]
+    assert trainer.model({"x": x}).dtype == tf.bfloat16
+    path = tputrain.export_checkpoint(trainer, step=4)
+    assert path == str(tmp_path / "run" / "export" / "4")
+    loaded = tf.saved_model.load(path)
+    assert list(loaded.signatures) == ["serving_default"]  # no feature spec: no examples
+    assert loaded.signatures["serving_default"].structured_outputs["outputs"].dtype == tf.float32
+    outputs = loaded.signatures["serving_default"](x=tf.constant(x))["outputs"]
+    tf.train.Checkpoint(model=trainer.model).read(
+        str(tmp_path / "run" / "checkpoints" / "ckpt-4")).expect_partial()
+    np.testing.assert_allclose(outputs, tf.cast(trainer.model({"x": x}), tf.float32),
+                               rtol=0.02, atol=0.02)
+    with pytest.raises(ValueError, match=r"no checkpoint of step 5 .* steps \[4, 8\]"):
+        tputrain.export_checkpoint(trainer, step=5)
+    with pytest.raises(ValueError, match="no best checkpoint"):
+        tputrain.export_checkpoint(trainer, best=True)
+    monkeypatch.setenv("AIP_MODEL_DIR", str(tmp_path / "vertex" / "model"))
+    assert tputrain.export_checkpoint(trainer) == str(tmp_path / "vertex" / "model")
+    assert (tmp_path / "vertex" / "model" / "saved_model.pb").exists()
+
+
+def test_feature_specs_of_the_built_in_tasks():
+    digits = feature_spec_of(tputrain.tasks.DigitsTask())
+    assert digits["image"].shape == [64] and digits["image"].dtype == tf.float32
+    assert feature_spec_of(TinyTask()) is None
+
+
+# ------------------------------------------------------------ end to end (README)
+
+LOAD = """
+import glob, json, sys
+import numpy as np, tensorflow as tf
+path, cache = sys.argv[1:]
+model = tf.saved_model.load(path)
+records = list(tf.data.TFRecordDataset(sorted(glob.glob(cache + "/digits/eval-*"))))
+parsed = tf.io.parse_example(records, {"image": tf.io.FixedLenFeature([64], tf.float32),
+                                       "label": tf.io.FixedLenFeature([], tf.int64)})
+outputs = model.signatures["serving_default"](image=parsed["image"])["outputs"]
+examples = model.signatures["serving_examples"](examples=tf.stack(records))["outputs"]
+correct = lambda logits: float(np.mean(np.argmax(logits, -1) == parsed["label"].numpy()))
+print(json.dumps({"dtype": outputs.dtype.name, "accuracy": correct(outputs),
+                  "examples_accuracy": correct(examples), "count": len(records)}))
+"""
+
+
+def run(tmp_path, *args):
+    env = dict(os.environ, TPUTRAIN_CACHE_DIR=str(tmp_path / "cache"), TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("TF_CONFIG", None)
+    env.pop("AIP_MODEL_DIR", None)
+    result = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def served_accuracy(tmp_path, path) -> dict:
+    """In a fresh process: load the SavedModel, call it on the digits eval images."""
+    return json.loads(run(tmp_path, "-c", LOAD, str(path), str(tmp_path / "cache")).stdout)
+
+
+def trained_accuracy(log: str) -> float:
+    return float(re.findall(r"done at step \d+: .*accuracy ([0-9.]+)", log)[-1])
+
+
+@pytest.mark.slow
+def test_readme_command_exports_a_model_that_serves_the_trained_accuracy(tmp_path):
+    model_dir = tmp_path / "digits"
+    train = run(tmp_path, "-m", "tputrain.run", "--gin_file=digits.gin",
+                f"--model_dir={model_dir}")
+    assert [p.name for p in (model_dir / "export").iterdir()] == ["1200"]
+    served = served_accuracy(tmp_path, model_dir / "export" / "1200")
+    assert served["count"] == 320 and served["dtype"] == "float32"
+    assert served["accuracy"] == served["examples_accuracy"]
+    assert abs(served["accuracy"] - trained_accuracy(train.stderr)) <= 0.005
+
+
+@pytest.mark.slow
+def test_mixed_bfloat16_run_serves_float32_and_the_cli_exports_any_step(tmp_path):
+    model_dir = tmp_path / "bf16"
+    train = run(tmp_path, "-m", "tputrain.run", "--gin_file=digits.gin",
+                f"--model_dir={model_dir}", "--gin_param=Trainer.precision='mixed_bfloat16'",
+                "--gin_param=Trainer.train_steps=400")
+    served = served_accuracy(tmp_path, model_dir / "export" / "400")
+    assert served["dtype"] == "float32"
+    assert abs(served["accuracy"] - trained_accuracy(train.stderr)) <= 0.005
+    # `tputrain export` reads the run's operative config; any kept step.
+    exported = run(tmp_path, "-m", "tputrain.cli", "export", f"--model_dir={model_dir}",
+                   "--step=200")
+    assert exported.stdout.strip() == str(model_dir / "export" / "200")
+    assert served_accuracy(tmp_path, model_dir / "export" / "200")["dtype"] == "float32"

@@ -1,9 +1,10 @@
 """Tests for tputrain.diagnose, `tputrain diagnose`, and the input-stall measurement.
 
 The stall each training loop logs (`Progress`) and `Trainer.steps_per_fetch`
-are tested here too: they are what diagnose reports. Slow inputs and slow
-steps sleep (`tf.py_function`), so the outcome does not depend on how busy the
-host is.
+are tested here too: they are what diagnose reports. Slow inputs, slow steps
+and slow links sleep (`tf.py_function`), so the outcome does not depend on how
+busy the host is; the communication-bound case is also run for real, a wide
+model with a tiny batch on 2 worker processes.
 """
 
 import json
@@ -14,14 +15,20 @@ import sys
 import time
 from pathlib import Path
 
+import gin
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tputrain
-from tiny import TinyTask, strategy_for, weights
+from faults import child_env
+from test_launch import in_netns
+from tiny import TinyTask, devices, strategy_for, weights
+from tputrain.communication import CommunicationOptions
 from tputrain.data import InputOptions
-from tputrain.diagnose import Diagnosis, _advice, diagnose
+from tputrain.diagnose import (CommunicationCase, Diagnosis, _advice, communication_advice,
+                               diagnose)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,11 +69,61 @@ class SlowStepTask(TinyTask):
         return super().compute_loss(labels, outputs) + 0.0 * waited
 
 
-def _trainer(tmp_path, task, replicas=1, name="run", **kwargs):
+@gin.configurable
+class WideTask(tputrain.Task):
+    """One wide Dense layer (width x width weights) on random in-memory data: many
+    gradient bytes for little compute when the batch is tiny."""
+
+    def __init__(self, width: int = 2048, num_examples: int = 64):
+        rng = np.random.RandomState(0)
+        self.width = width
+        self.x = rng.randn(num_examples, width).astype(np.float32)
+        self.y = rng.randint(0, 10, num_examples).astype(np.int64)
+
+    def build_model(self):
+        inputs = keras.Input((self.width,), name="x")
+        hidden = keras.layers.Dense(self.width, activation="relu")(inputs)
+        return keras.Model({"x": inputs}, keras.layers.Dense(10, dtype="float32")(hidden))
+
+    def build_inputs(self, split, input_context):
+        batch = input_context.get_per_replica_batch_size(input_context.global_batch_size)
+        dataset = tf.data.Dataset.from_tensor_slices(({"x": self.x}, self.y)).shard(
+            input_context.num_input_pipelines, input_context.input_pipeline_id)
+        return (dataset.repeat() if split == "train" else dataset).batch(batch, drop_remainder=True)
+
+    def compute_loss(self, labels, outputs):
+        return keras.losses.sparse_categorical_crossentropy(labels, outputs, from_logits=True)
+
+    def build_optimizer(self):
+        return keras.optimizers.SGD(0.01)
+
+
+class SlowLink(tf.distribute.ReductionToOneDevice):
+    """Replicas joined by a slow link: each reduction first waits its bytes over
+    `bytes_per_second` (in the graph), then reduces as usual."""
+
+    def __init__(self, bytes_per_second: float):
+        super().__init__()
+        self.bytes_per_second = bytes_per_second
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        value = getattr(per_replica_value, "values", (per_replica_value,))[0]
+        seconds = value.shape.num_elements() * value.dtype.size / self.bytes_per_second
+        if seconds < 1e-4:  # scalars: losses and metrics
+            return super().reduce_implementation(reduce_op, per_replica_value, destinations,
+                                                 options)
+        waited = tf.py_function(lambda: time.sleep(seconds) or 0.0, [], tf.float32)
+        with tf.control_dependencies([waited]):
+            return super().reduce_implementation(reduce_op, per_replica_value, destinations,
+                                                 options)
+
+
+def _trainer(tmp_path, task, replicas=1, name="run", strategy=None, **kwargs):
     options = dict(train_steps=8, steps_per_loop=4, global_batch_size=16, checkpoint_every=4,
                    report_mfu=False)
     options.update(kwargs)
-    return tputrain.Trainer(task, str(tmp_path / name), strategy=strategy_for(replicas), **options)
+    return tputrain.Trainer(task, str(tmp_path / name),
+                            strategy=strategy or strategy_for(replicas), **options)
 
 
 def _scalars(directory, tag):
@@ -146,8 +203,42 @@ def test_advice_names_the_knobs():
     assert any("Trainer.steps_per_fetch" in a for a in advice)
 
 
+def _case(**changes):
+    case = dict(split={"input": 0.0, "compute": 0.2, "communication": 0.8},
+                allreduce_seconds=0.04, step_seconds=0.05, gradient_bytes=16_000_000,
+                options=CommunicationOptions(), global_batch_size=4, replicas=2,
+                accumulation_steps=1, multi_worker=True, gpus=False)
+    case.update(changes)
+    return communication_advice(CommunicationCase(**case))
+
+
+def test_communication_advice_fits_the_case():
+    """Each knob with its numbers; knobs that do not apply are left out."""
+    reason, advice = _case()
+    assert "16.0 MB of gradients (float32) takes 40.0 ms alone" in reason
+    assert "communication 80% of the step" in reason
+    text = " ".join(advice)
+    for knob in ("allreduce_dtype='bfloat16': 8.0 MB per step instead of 16.0",
+                 "Trainer.accumulation_steps=4 with a 4x Trainer.global_batch_size (16)",
+                 "today's 2 examples per replica", "a larger per-replica batch (now 2",
+                 "bytes_per_pack (now 0: one pack)"):
+        assert knob in text
+    assert "nccl" not in text  # CPUs
+    # 10 ms of compute and 40 of all-reduce per step; 4x the examples per all-reduce:
+    # 4 x 50 ms / (4 x 10 + 40) = 2.5x the examples/s.
+    assert "about 2.5x the examples/s" in text
+    _, advice = _case(options=CommunicationOptions(allreduce_dtype="bfloat16",
+                                                   bytes_per_pack=4 << 20), gpus=True)
+    text = " ".join(advice)
+    assert "allreduce_dtype" not in text and "bytes_per_pack (now 4.1943 MB)" in text
+    assert "implementation='nccl'" in text
+    _, advice = _case(multi_worker=False, accumulation_steps=2, global_batch_size=8)
+    text = " ".join(advice)
+    assert "bytes_per_pack" not in text and "Trainer.accumulation_steps=8" in text
+
+
 def test_diagnose_finds_a_slow_input_pipeline(tmp_path):
-    trainer = _trainer(tmp_path, SleepyTask(sleep=0.01), train_steps=100, steps_per_loop=4)
+    trainer = _trainer(tmp_path, SleepyTask(sleep=0.01), 2, train_steps=100, steps_per_loop=4)
     result = diagnose(trainer, seconds=0.3)
     assert result.bottleneck == "input" and result.stall_fraction > 0.5
     assert result.input_only_steps_per_second < result.compute_only_steps_per_second
@@ -159,8 +250,8 @@ def test_diagnose_finds_a_slow_input_pipeline(tmp_path):
 
 def test_diagnose_names_a_compute_bound_job_compute_bound(tmp_path):
     """The step (100 ms: far longer than a busy host's scheduling delays) is the
-    bottleneck; the in-memory input is not."""
-    trainer = _trainer(tmp_path, SlowStepTask(sleep=0.1), train_steps=100, steps_per_loop=4,
+    bottleneck; the in-memory input and the all-reduce of 2 replicas are not."""
+    trainer = _trainer(tmp_path, SlowStepTask(sleep=0.1), 2, train_steps=100, steps_per_loop=4,
                        steps_per_fetch=2)
     result = diagnose(trainer, seconds=0.4)
     assert isinstance(result, Diagnosis)
@@ -170,10 +261,27 @@ def test_diagnose_names_a_compute_bound_job_compute_bound(tmp_path):
         assert rate > 0
     assert 0.0 <= result.stall_fraction <= 1.0
     assert result.bottleneck == "compute" and "keeps up" in result.reason
+    assert result.replicas == 2 and result.allreduce_seconds > 0  # measured, and small
     assert result.input_only_steps_per_second > result.compute_only_steps_per_second
     assert any("mixed_bfloat16" in a for a in result.advice)
     assert "stall fraction" in result.report() and "bottleneck" in result.report()
     assert not os.path.exists(tmp_path / "run" / "checkpoints" / "checkpoint")  # nothing saved
+
+
+def test_diagnose_names_a_slow_link_communication_bound(tmp_path):
+    """2 replicas joined by a 100 MB/s link (SlowLink): the 4.2 MB of a wide layer's
+    gradients take ~42 ms per step, its tiny batch's compute ~1 ms."""
+    strategy = tf.distribute.MirroredStrategy(devices(2), cross_device_ops=SlowLink(100e6))
+    trainer = _trainer(tmp_path, WideTask(width=1024), strategy=strategy, train_steps=100,
+                       steps_per_loop=4, global_batch_size=4)
+    result = diagnose(trainer, seconds=0.3)
+    assert result.bottleneck == "communication", result.report()
+    assert 0.03 < result.allreduce_seconds < 0.5  # it measured the link
+    assert result.gradient_bytes > 4_000_000 and result.allreduce_dtype == "float32"
+    text = " ".join(result.advice)
+    assert "allreduce_dtype='bfloat16'" in text and "Trainer.accumulation_steps=4" in text
+    assert "bytes_per_pack" not in text  # one host: MirroredStrategy has no packs
+    assert "communication" in result.report().splitlines()[5]  # the step split line
 
 
 def test_cli_names_the_input_bottleneck_of_slow_input_gin():
@@ -189,3 +297,50 @@ def test_cli_names_the_input_bottleneck_of_slow_input_gin():
     assert report["bottleneck"] == "input" and report["stall_fraction"] > 0.5
     assert report["gin_file"] == ["slow_input.gin"]
     assert set(report["seconds"]) >= {"build", "total", "input_only"}
+
+
+def _diagnose_cli(*args: str, launch_workers: int = 0) -> list[dict]:
+    """`tputrain diagnose --json` (through `tputrain launch` if `launch_workers`): each
+    host's report."""
+    command = [sys.executable, "-m", "tputrain.run", "diagnose", "--json", *args]
+    if launch_workers:
+        command = in_netns([sys.executable, "-m", "tputrain.run", "launch", "--workers",
+                            str(launch_workers), *command[3:]])
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                            env=child_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    if not launch_workers:
+        return [json.loads(result.stdout)]
+    reports = []
+    for worker in range(launch_workers):
+        prefix = f"[worker {worker}] "
+        lines = [line[len(prefix):] for line in result.stdout.splitlines()
+                 if line.startswith(prefix)]
+        reports.append(json.loads("\n".join(lines[lines.index("{"):])))
+    return reports
+
+
+def test_cli_does_not_name_digits_communication_bound():
+    """digits.gin on 2 replicas (split CPU): a 0.2 MB all-reduce, really measured, is
+    not what holds the step back."""
+    (report,) = _diagnose_cli("--gin_file=digits.gin", "--seconds=0.5",
+                              "--gin_param=split_cpu.num_devices=2",
+                              "--gin_param=Trainer.eval_every=None")
+    assert report["replicas"] == 2 and report["allreduce_seconds"] > 0
+    assert report["bottleneck"] != "communication", report
+
+
+@pytest.mark.slow
+def test_cli_names_a_wide_model_on_two_workers_communication_bound(tmp_path):
+    """`tputrain launch --workers 2 diagnose`: a 2048 x 2048 layer (17 MB of gradients
+    over gRPC on loopback) and 2 examples per replica."""
+    config = tmp_path / "wide.gin"
+    config.write_text("Trainer.task = @WideTask()\nTrainer.train_steps = 1000\n"
+                      "Trainer.steps_per_loop = 10\nTrainer.global_batch_size = 4\n"
+                      "Trainer.report_mfu = False\n")
+    reports = _diagnose_cli("--gin_import=test_diagnose", f"--gin_file={config}",
+                            "--seconds=1", launch_workers=2)
+    for host, report in enumerate(reports):
+        assert (report["host"], report["num_hosts"], report["replicas"]) == (host, 2, 2)
+        assert report["bottleneck"] == "communication", json.dumps(report, indent=1)
+        assert any("bytes_per_pack" in line for line in report["advice"])

@@ -1,11 +1,14 @@
-"""Is a training job waiting on its input? Measure it, name the bottleneck and the fix.
+"""Where does a training step's time go? Measure it, name the bottleneck and the fix.
 
-`diagnose(trainer)` measures three throughputs of a built Trainer on this host:
-its input pipeline alone, its compiled train loop on one cached batch (compute
-only), and the same loop on the real input (end to end). The share of step time
-lost to input (the stall fraction) decides the bottleneck; `Diagnosis.advice`
-names the knobs to turn. `tputrain diagnose` (tputrain/cli/diagnose.py) runs it
-on a gin config.
+`diagnose(trainer)` measures, on this host, a built Trainer's input pipeline
+alone, its compiled train loop on one cached batch (compute only), the same
+loop on the real input (end to end), and the all-reduce of its gradients alone
+in a compiled loop (communication). Together they split the end-to-end step
+into input, compute and communication shares; the largest names the
+bottleneck, and `Diagnosis.advice` names the knobs that fit the measured case.
+`tputrain diagnose` (tputrain/cli/diagnose.py) runs it on a gin config, also on
+several workers (`tputrain launch --workers N diagnose ...`): the hosts agree
+on every collective they run.
 """
 
 from __future__ import annotations
@@ -13,20 +16,31 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import tensorflow as tf
 
+from tputrain.allreduce import all_reduce_sum
+from tputrain.communication import CommunicationOptions, calibrate, gradient_bytes
 from tputrain.trainer import Trainer
 
 STALL_GOAL = 0.05  # the seeds' rule: input wait under 5% of the step
+# Communication is the bottleneck when it is the largest share of the step and at
+# least this large: below, shrinking it buys less than the other two could.
+COMMUNICATION_SHARE = 0.30
+MB = 1e6
 
 
 @dataclasses.dataclass
 class Diagnosis:
     """What `diagnose` measured (steps per second; fractions in [0, 1]).
 
-    `loop_steps` is the length of the measured loops; `seconds` the time per phase.
+    `step_split` is the end-to-end step as shares of input, compute and
+    communication (summing to 1); `allreduce_seconds` one all-reduce of the
+    gradients in a compiled loop, `calibrated_allreduce_seconds` the start-up
+    calibration that `comm/allreduce_fraction` divides (one call each, so it
+    also holds a call's overhead). `loop_steps` is the length of the measured
+    loops; `seconds` the time per phase.
     """
 
     input_only_steps_per_second: float
@@ -34,6 +48,12 @@ class Diagnosis:
     end_to_end_steps_per_second: float
     stall_fraction: float
     measured_input_wait_fraction: float
+    step_split: dict[str, float]
+    allreduce_seconds: float
+    calibrated_allreduce_seconds: float
+    gradient_bytes: int
+    allreduce_dtype: str
+    replicas: int
     bottleneck: str
     reason: str
     advice: list[str]
@@ -46,7 +66,7 @@ class Diagnosis:
 
     def report(self) -> str:
         """Human-readable summary, one fact a line."""
-        batch = self.global_batch_size
+        batch, split = self.global_batch_size, self.step_split
         lines = [
             f"input only:   {self.input_only_steps_per_second:10.1f} steps/s "
             f"({self.input_only_steps_per_second * batch:,.0f} examples/s)",
@@ -58,15 +78,39 @@ class Diagnosis:
             f"(1 - end_to_end / compute_only; goal < {100 * STALL_GOAL:.0f}%); "
             f"time blocked on get_next in the loop: "
             f"{100 * self.measured_input_wait_fraction:.1f}%",
+            f"all-reduce: {self.gradient_bytes / MB:.2f} MB of gradients in "
+            f"{self.allreduce_dtype} over {self.replicas} replica(s), "
+            f"{1e3 * self.allreduce_seconds:.2f} ms per step in a compiled loop "
+            f"({1e3 * self.calibrated_allreduce_seconds:.2f} ms per call at start-up)",
+            f"step split: input {100 * split['input']:.0f}% | compute "
+            f"{100 * split['compute']:.0f}% | communication {100 * split['communication']:.0f}%",
             f"bottleneck: {self.bottleneck} ({self.reason})",
         ]
         lines += [f"advice: {line}" for line in self.advice]
         return "\n".join(lines)
 
 
+def step_split(stall: float, compute_only: float, allreduce_seconds: float) -> dict[str, float]:
+    """The end-to-end step as shares: input is the stall; the rest is the compute-only
+    step, of which the all-reduce is communication."""
+    communication = min(1.0, allreduce_seconds * compute_only)
+    return {"input": stall, "compute": (1.0 - stall) * (1.0 - communication),
+            "communication": (1.0 - stall) * communication}
+
+
+def name_bottleneck(split: dict[str, float]) -> str:
+    """Communication if it is the largest share and at least COMMUNICATION_SHARE;
+    else input if the stall misses its goal; else compute."""
+    communication = split["communication"]
+    if communication >= COMMUNICATION_SHARE and communication >= max(split["input"],
+                                                                   split["compute"]):
+        return "communication"
+    return "input" if split["input"] >= STALL_GOAL else "compute"
+
+
 def _advice(bottleneck: str, input_only: float, compute_only: float, stall: float,
             input_mode: str) -> tuple[str, list[str]]:
-    """The reason and the knobs to turn, from the three measurements."""
+    """The reason and the knobs to turn for an input- or compute-bound step."""
     if bottleneck == "compute":
         return (f"input wait {100 * stall:.1f}% < {100 * STALL_GOAL:.0f}% of the step: the "
                 "input pipeline keeps up"), [
@@ -104,6 +148,66 @@ def _advice(bottleneck: str, input_only: float, compute_only: float, stall: floa
         advice.append("fetch several steps' batches at once: Trainer.steps_per_fetch (a divisor "
                       "of steps_per_loop); on TPU pods use Trainer.input_mode='distributed' "
                       "(device prefetch)")
+    return reason, advice
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationCase:
+    """What the communication advice depends on: the measured split and the run's setup."""
+
+    split: dict[str, float]
+    allreduce_seconds: float
+    step_seconds: float  # compute only, all-reduce included
+    gradient_bytes: int
+    options: CommunicationOptions
+    global_batch_size: int
+    replicas: int
+    accumulation_steps: int
+    multi_worker: bool
+    gpus: bool
+
+
+def communication_advice(case: CommunicationCase) -> tuple[str, list[str]]:
+    """The reason and the knobs for a communication-bound step, each with what it trades
+    and, where the measurements allow, what it would buy."""
+    mb, dtype, split = case.gradient_bytes / MB, case.options.allreduce_dtype, case.split
+    reason = (f"one all-reduce of {mb:.1f} MB of gradients ({dtype}) takes "
+              f"{1e3 * case.allreduce_seconds:.1f} ms alone, the whole step "
+              f"{1e3 * case.step_seconds:.1f} ms: communication {100 * split['communication']:.0f}%"
+              f" of the step, compute {100 * split['compute']:.0f}%, input "
+              f"{100 * split['input']:.0f}%")
+    compute = max(case.step_seconds - case.allreduce_seconds, 0.0)
+    k = 4  # the all-reduce is paid once per step, however many examples the step holds
+    speedup = k * case.step_seconds / (k * compute + min(case.allreduce_seconds,
+                                                         case.step_seconds))
+    micro = case.global_batch_size // (case.replicas * case.accumulation_steps)
+    advice = []
+    if dtype == "float32":
+        advice.append(
+            f"CommunicationOptions.allreduce_dtype='bfloat16': {mb / 2:.1f} MB per step instead "
+            f"of {mb:.1f}; gradients are summed to bf16 precision (8 mantissa bits), the "
+            "update stays float32 (compare the loss curve). It halves the time on the wire; "
+            "where the all-reduce is memory traffic (replicas on one host's CPUs) the casts "
+            "can cost more than they save")
+    advice += [
+        f"Trainer.accumulation_steps={k * case.accumulation_steps} with a {k}x "
+        f"Trainer.global_batch_size ({k * case.global_batch_size}): one all-reduce per {k} "
+        f"micro-batches of today's {micro} examples per replica, the same memory: about "
+        f"{speedup:.1f}x the examples/s by this split. A larger batch changes the "
+        "optimisation: rescale the learning rate (warmup_schedule)",
+        f"a larger per-replica batch (now {micro}; Trainer.global_batch_size) if memory "
+        "allows: the all-reduce costs the same per step, so each example pays less of it",
+    ]
+    if case.multi_worker:
+        packs = (f"{case.options.bytes_per_pack / MB:g} MB" if case.options.bytes_per_pack
+                 else "0: one pack")
+        advice.append(
+            f"CommunicationOptions.bytes_per_pack (now {packs}): packs of a few MB let the "
+            "all-reduce start while the backward pass still runs, at more per-message "
+            "overhead; measure before keeping it (benchmarks/communication.py)")
+        if case.gpus and case.options.implementation != "nccl":
+            advice.append("CommunicationOptions.implementation='nccl': NCCL's all-reduce "
+                          "between the GPUs instead of gRPC")
     return reason, advice
 
 
@@ -145,6 +249,9 @@ class _Loops:
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
+        # Several hosts run every collective loop together: they agree on each count
+        # (the largest any host asks for) and on whether to run another round.
+        self.agree: Callable[[int], int] = trainer._max_over_hosts  # pylint: disable=protected-access
         if trainer.input_mode == "distributed":
             trainer.set_train_iterator(trainer.inputs.distributed_iterator("train"))
         # The Trainer's own iterator, not a second one (see `_input_only_rates`).
@@ -162,8 +269,14 @@ class _Loops:
             per_step = elapsed / max(done, 1)
             steps = min(self.trainer.steps_per_loop,
                         max(1, int(seconds / 4 / max(per_step, 1e-9))))
-        self.num_steps = max(self.unit, int(steps) // self.unit * self.unit)
+        self.num_steps = max(self.unit, self.agree(int(steps)) // self.unit * self.unit)
         return trace
+
+    def more(self, rounds: int, begin: float, seconds: float, least: int, cap: int) -> bool:
+        """Another round? At least `least`, until `seconds` have passed, at most `cap`;
+        on several hosts, while any host wants one."""
+        wanted = rounds < cap and (rounds < least or time.perf_counter() - begin < seconds)
+        return bool(self.agree(int(wanted)))
 
     def run(self, iterator: Iterator[Any]) -> tuple[float, float, float]:
         """(steps, seconds, seconds waiting on input) of one loop on `iterator`."""
@@ -187,11 +300,9 @@ def _input_only_rates(loops: _Loops, seconds: float) -> tuple[list[float], float
     count = tf.constant(max(1, int(loops.num_steps * elements_per_step)))
     _, warm = _timed(lambda: drain(loops.real_iterator, count))
     rates, begin = [], time.perf_counter()
-    while len(rates) < 3 or time.perf_counter() - begin < seconds:
+    while loops.more(len(rates), begin, seconds, least=3, cap=100):
         pulled, elapsed = _timed(lambda: int(drain(loops.real_iterator, count)))
-        rates.append(pulled / elements_per_step / elapsed)
-        if len(rates) >= 100:
-            break
+        rates.append(pulled / elements_per_step / max(elapsed, 1e-9))
     return rates, warm + time.perf_counter() - begin
 
 
@@ -216,7 +327,7 @@ def _paired_rates(loops: _Loops, seconds: float) -> _Pairs:
     pairs = _Pairs([], [], [], 0.0, 0.0)
     wait = e2e_time = 0.0
     begin = time.perf_counter()
-    while len(pairs.ratios) < 4 or time.perf_counter() - begin < 2 * seconds:
+    while loops.more(len(pairs.ratios), begin, 2 * seconds, least=4, cap=200):
         rates = {}
         for iterator in (cached, real)[::1 if len(pairs.ratios) % 2 else -1]:
             done, elapsed, waited = loops.run(iterator)
@@ -227,39 +338,111 @@ def _paired_rates(loops: _Loops, seconds: float) -> _Pairs:
         pairs.compute_rates.append(rates[False])
         pairs.end_to_end_rates.append(rates[True])
         pairs.ratios.append(rates[True] / rates[False])
-        if len(pairs.ratios) >= 200:
-            break
     pairs.seconds = time.perf_counter() - begin
     pairs.wait_fraction = wait / max(e2e_time, 1e-9)
     return pairs
 
 
-def diagnose(trainer: Trainer, seconds: float = 3.0, steps: int | None = None) -> Diagnosis:
-    """Measures input-only, compute-only and end-to-end throughput of `trainer`.
+def _allreduce_loop(strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable],
+                    dtype: str) -> Callable[[tf.Tensor], tf.Tensor]:
+    """A compiled loop of `n` all-reduces shaped like the gradients, as the train step
+    runs them (`all_reduce_sum`: cast to the wire dtype, one batched all-reduce, cast
+    back). It reduces the variables' values: real tensors, so nothing is constant-folded
+    away (zeros can be), and one call runs many, so the per-call overhead that a
+    training loop pays once per loop is left out."""
 
-    Each measurement runs compiled loops of `steps` steps for about `seconds`
+    def replica_fn() -> tf.Tensor:
+        context = tf.distribute.get_replica_context()
+        reduced = all_reduce_sum(context, [tf.identity(v) for v in variables], dtype)
+        return tf.add_n([tf.cast(tf.reshape(r, [-1])[0], tf.float32) for r in reduced])
+
+    @tf.function
+    def loop(n: tf.Tensor) -> tf.Tensor:
+        total = tf.constant(0.0)
+        for _ in tf.range(n):
+            total += tf.add_n(strategy.experimental_local_results(strategy.run(replica_fn)))
+        return total
+
+    return loop
+
+
+def _allreduce_seconds(loops: _Loops, seconds: float) -> tuple[float, float]:
+    """(one all-reduce of the gradients in a compiled loop, one `calibrate` call), in
+    seconds; 0 on one replica.
+
+    Loops of 1 and of n all-reduces alternate; the difference of their medians over
+    n - 1 is one all-reduce without the call's overhead (the calibration behind
+    `comm/allreduce_fraction` times single calls, overhead included).
+    """
+    trainer = loops.trainer
+    if trainer.strategy.num_replicas_in_sync <= 1:
+        return 0.0, 0.0
+    dtype, variables = trainer.communication.allreduce_dtype, trainer.model.trainable_variables
+    calibrated = calibrate(trainer.strategy, variables, dtype)
+    loop, one = _allreduce_loop(trainer.strategy, variables, dtype), tf.constant(1)
+    float(loop(one))  # traced, not timed
+    _, once = _timed(lambda: float(loop(one)))
+    n = loops.agree(max(4, min(100, int(seconds / 4 / max(once, 1e-6)))))
+    short, long = [], []
+    for _ in range(5):
+        short.append(_timed(lambda: float(loop(one)))[1])
+        long.append(_timed(lambda: float(loop(tf.constant(n))))[1])
+    per_step = (statistics.median(long) - statistics.median(short)) / (n - 1)
+    return min(max(per_step, 0.0), statistics.median(long) / n), calibrated
+
+
+def _explain(trainer: Trainer, bottleneck: str, split: dict[str, float], input_only: float,
+             compute_only: float, allreduce: float) -> tuple[str, list[str]]:
+    """The reason and the advice for the named bottleneck."""
+    if bottleneck != "communication":
+        return _advice(bottleneck, input_only, compute_only, split["input"], trainer.input_mode)
+    strategy = trainer.strategy
+    return communication_advice(CommunicationCase(
+        split=split, allreduce_seconds=allreduce, step_seconds=1.0 / compute_only,
+        gradient_bytes=gradient_bytes(trainer.model.trainable_variables,
+                                      trainer.communication.allreduce_dtype,
+                                      strategy.num_replicas_in_sync),
+        options=trainer.communication, global_batch_size=trainer.global_batch_size,
+        replicas=strategy.num_replicas_in_sync, accumulation_steps=trainer.accumulation_steps,
+        multi_worker=trainer.num_hosts > 1 or isinstance(
+            strategy, tf.distribute.MultiWorkerMirroredStrategy),
+        gpus=bool(tf.config.list_logical_devices("GPU"))))
+
+
+def diagnose(trainer: Trainer, seconds: float = 3.0, steps: int | None = None) -> Diagnosis:
+    """Splits a step of `trainer` into input, compute and communication; names the
+    bottleneck and the knobs.
+
+    Each throughput runs compiled loops of `steps` steps for about `seconds`
     after one warm-up loop, and takes the median. `steps` defaults to what fits
     a quarter of `seconds`, at most the Trainer's steps_per_loop. The trainer's
-    weights change (it trains); nothing is saved.
+    weights change (it trains); nothing is saved. On several hosts every host
+    must call it (the loops are collectives); each measures its own input.
     """
     loops = _Loops(trainer)
     timings = {"trace": loops.warm_up(seconds, steps)}
     input_rates, timings["input_only"] = _input_only_rates(loops, seconds)
     pairs = _paired_rates(loops, seconds)
     timings["compute_and_end_to_end"] = pairs.seconds
+    (allreduce, calibrated), timings["communication"] = _timed(
+        lambda: _allreduce_seconds(loops, seconds))
     input_only = statistics.median(input_rates)
     compute_only = statistics.median(pairs.compute_rates)
     # The median of the pairs' ratios follows a shared host's changing load better
     # than the ratio of the medians.
     stall = min(1.0, max(0.0, 1.0 - statistics.median(pairs.ratios)))
-    bottleneck = "input" if stall >= STALL_GOAL else "compute"
-    reason, advice = _advice(bottleneck, input_only, compute_only, stall, trainer.input_mode)
+    split = step_split(stall, compute_only, allreduce)
+    bottleneck = name_bottleneck(split)
+    reason, advice = _explain(trainer, bottleneck, split, input_only, compute_only, allreduce)
+    replicas, dtype = trainer.strategy.num_replicas_in_sync, trainer.communication.allreduce_dtype
     return Diagnosis(
         input_only_steps_per_second=input_only, compute_only_steps_per_second=compute_only,
         end_to_end_steps_per_second=statistics.median(pairs.end_to_end_rates),
         stall_fraction=stall, measured_input_wait_fraction=pairs.wait_fraction,
-        bottleneck=bottleneck, reason=reason, advice=advice, loop_steps=loops.num_steps,
-        global_batch_size=trainer.global_batch_size,
+        step_split=split, allreduce_seconds=allreduce, calibrated_allreduce_seconds=calibrated,
+        gradient_bytes=gradient_bytes(trainer.model.trainable_variables, dtype, replicas),
+        allreduce_dtype=dtype, replicas=replicas, bottleneck=bottleneck, reason=reason,
+        advice=advice, loop_steps=loops.num_steps, global_batch_size=trainer.global_batch_size,
         seconds={k: round(v, 3) for k, v in timings.items()})
 
 

@@ -1,21 +1,27 @@
-"""`tputrain diagnose --gin_file=F`: is this training job waiting on its input?
+"""`tputrain diagnose --gin_file=F`: where does a step's time go?
 
 Builds the configured Trainer (in a temporary model_dir: nothing is restored or
-written) and measures, on this host, three throughputs in steps per second:
+written) and measures, on this host, three throughputs in steps per second and
+one time:
 
 (a) input only: the train dataset drained by a compiled loop, no step;
 (b) compute only: the Trainer's own compiled train loop fed one cached batch
     again and again from memory (`Dataset.from_tensors(batch).repeat()`), so
     the step never waits on real input;
-(c) end to end: the same loop on the real input pipeline.
+(c) end to end: the same loop on the real input pipeline;
+(d) communication: the all-reduce of the gradients alone (the run's dtype and
+    collective options, in a compiled loop of many; 0 on one replica).
 
 The stall fraction is `1 - end_to_end / compute_only` (the median over
 pairs of loops run back to back, cached and real input in turn): the share of
 step time lost to input, whether the step waits on batches that are not ready
-or the pipeline slows the step by competing for the host's cores. The in-loop
-figure that training logs each loop (`input/stall_fraction`, time blocked in
-`get_next`) is reported beside it. Below 5% the step (compute) is the
-bottleneck; above, the input is, and the advice names the knobs to turn.
+or the pipeline slows the step by competing for the host's cores. The rest of
+the step is the compute-only step, of which the all-reduce is communication
+and the remainder compute. Communication is the bottleneck when it is the
+largest share and at least 30%; otherwise input if the stall is 5% or more;
+otherwise compute. The advice names the knobs for that case. On several
+workers run it through the launcher (`tputrain launch --workers 2 diagnose
+--gin_file=F`) or on every host: each host prints its own report.
 `python -m tputrain.diagnose` runs the same.
 """
 
@@ -59,14 +65,17 @@ def main(argv: list[str]) -> None:
         trainer = build_trainer(work_dir)
         build_seconds = time.perf_counter() - building
         result = diagnose(trainer, seconds=FLAGS.seconds, steps=FLAGS.steps)
+        host = {"host": trainer.host_id, "num_hosts": trainer.num_hosts}
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
     result.seconds["build"] = round(build_seconds, 3)
     result.seconds["total"] = round(time.perf_counter() - started, 3)
     if FLAGS.json:
         print(json.dumps({"gin_file": list(FLAGS.gin_file), "gin_param": list(FLAGS.gin_param),
-                          **result.to_json()}, indent=1))
+                          **host, **result.to_json()}, indent=1))
     else:
+        if host["num_hosts"] > 1:
+            print(f"host {host['host']} of {host['num_hosts']}:")
         print(result.report())
     sys.stdout.flush()
 

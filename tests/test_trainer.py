@@ -325,3 +325,11 @@ def test_evaluate_restores_the_latest_checkpoint(tmp_path, caplog):
         empty.evaluate()
     assert any("no checkpoint" in r.getMessage() and "untrained" in r.getMessage()
                for r in caplog.records)
+
+
+def test_jit_compile_auto_stays_off_on_cpu_for_dropout(tmp_path):
+    """XLA's CPU random-number generation made a Dropout step 19x slower: auto skips it."""
+    trainer = make_trainer(tmp_path, 1, "dropout", task=TinyTask(dropout=0.5))
+    assert trainer._steps.xla_plan() == (False, False,
+                                         "auto: off on CPU for a model with random ops (dropout)")
+    assert make_trainer(tmp_path, 1, "plain")._steps.xla_plan()[0] is True

@@ -53,8 +53,10 @@ class TrainerOptions:
         XLA can lower it (measured faster here in float32: the MLP and the
         Transformer of `benchmarks/train_loop.py`, see docs/performance.md) and
         falls back, with a warning, when it cannot; it compiles nothing on several
-        replicas (only the forward/backward could be) nor for mixed precision on a
-        CPU (XLA's CPU backend lacks oneDNN's bf16 matmuls: slower there).
+        replicas (only the forward/backward could be), nor for mixed precision on a
+        CPU (XLA's CPU backend lacks oneDNN's bf16 matmuls: slower there), nor on a
+        CPU for a model with random ops such as Dropout (XLA's CPU RNG made a small
+        MLP's step 19x slower).
       accumulation_steps: split each step's `global_batch_size` examples into N
         micro-batches, sum their gradients and apply them once: the same update as
         one N-times-larger batch (batch-norm statistics aside) in 1/N the memory.

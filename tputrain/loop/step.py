@@ -16,6 +16,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tputrain.checkpoint import seed_generator_states
 from tputrain.guard import NonFiniteGuard
 from tputrain.task import Task
 
@@ -61,6 +62,10 @@ class StepBuilder:
         if replicas > 1:
             return False, False, f"auto: off on {replicas} replicas"
         on_cpu = not any("GPU" in d.upper() for d in self.strategy.extended.worker_devices)
+        if on_cpu and seed_generator_states(self.model):
+            # XLA's CPU random-number generation is slow: a small MLP with Dropout took
+            # 9.3 ms per step compiled against 0.5 ms uncompiled (19x).
+            return False, False, "auto: off on CPU for a model with random ops (dropout)"
         if on_cpu and self.precision != "float32":
             # XLA's CPU backend has no oneDNN bf16 matmuls: the Transformer's bf16 step
             # took 320 ms compiled against 250 ms uncompiled (docs/performance.md).

@@ -343,8 +343,8 @@ def _paired_rates(loops: _Loops, seconds: float) -> _Pairs:
     return pairs
 
 
-def _allreduce_loop(strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable],
-                    dtype: str) -> Callable[[tf.Tensor], tf.Tensor]:
+def allreduce_loop(strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable],
+                   dtype: str) -> Callable[[tf.Tensor], tf.Tensor]:
     """A compiled loop of `n` all-reduces shaped like the gradients, as the train step
     runs them (`all_reduce_sum`: cast to the wire dtype, one batched all-reduce, cast
     back). It reduces the variables' values: real tensors, so nothing is constant-folded
@@ -366,29 +366,39 @@ def _allreduce_loop(strategy: tf.distribute.Strategy, variables: Sequence[tf.Var
     return loop
 
 
+def measure_allreduce(strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable],
+                      dtype: str, seconds: float = 1.0,
+                      agree: Callable[[int], int] = int, repeats: int = 5) -> float:
+    """Seconds of one all-reduce of `variables`' gradients inside a compiled loop (a
+    collective: every host calls it; `agree` makes their loop lengths equal, e.g.
+    `tputrain.loop.hosts.MaxOverHosts`).
+
+    Loops of 1 and of n all-reduces alternate (n: what fits about `seconds / 4`);
+    the difference of their medians over n - 1 is one all-reduce without the
+    call's overhead (`tputrain.communication.calibrate` times single calls,
+    overhead included).
+    """
+    loop, one = allreduce_loop(strategy, variables, dtype), tf.constant(1)
+    float(loop(one))  # traced, not timed
+    _, once = _timed(lambda: float(loop(one)))
+    n = agree(max(4, min(100, int(seconds / 4 / max(once, 1e-6)))))
+    short, long = [], []
+    for _ in range(repeats):
+        short.append(_timed(lambda: float(loop(one)))[1])
+        long.append(_timed(lambda: float(loop(tf.constant(n))))[1])
+    per_step = (statistics.median(long) - statistics.median(short)) / (n - 1)
+    return min(max(per_step, 0.0), statistics.median(long) / n)
+
+
 def _allreduce_seconds(loops: _Loops, seconds: float) -> tuple[float, float]:
     """(one all-reduce of the gradients in a compiled loop, one `calibrate` call), in
-    seconds; 0 on one replica.
-
-    Loops of 1 and of n all-reduces alternate; the difference of their medians over
-    n - 1 is one all-reduce without the call's overhead (the calibration behind
-    `comm/allreduce_fraction` times single calls, overhead included).
-    """
+    seconds; 0 on one replica."""
     trainer = loops.trainer
     if trainer.strategy.num_replicas_in_sync <= 1:
         return 0.0, 0.0
     dtype, variables = trainer.communication.allreduce_dtype, trainer.model.trainable_variables
     calibrated = calibrate(trainer.strategy, variables, dtype)
-    loop, one = _allreduce_loop(trainer.strategy, variables, dtype), tf.constant(1)
-    float(loop(one))  # traced, not timed
-    _, once = _timed(lambda: float(loop(one)))
-    n = loops.agree(max(4, min(100, int(seconds / 4 / max(once, 1e-6)))))
-    short, long = [], []
-    for _ in range(5):
-        short.append(_timed(lambda: float(loop(one)))[1])
-        long.append(_timed(lambda: float(loop(tf.constant(n))))[1])
-    per_step = (statistics.median(long) - statistics.median(short)) / (n - 1)
-    return min(max(per_step, 0.0), statistics.median(long) / n), calibrated
+    return measure_allreduce(trainer.strategy, variables, dtype, seconds, loops.agree), calibrated
 
 
 def _explain(trainer: Trainer, bottleneck: str, split: dict[str, float], input_only: float,

@@ -1,6 +1,6 @@
 """Communication: what a bfloat16 all-reduce and gradient packing buy, measured.
 
-    python benchmarks/communication.py > communication.json   # ~8 minutes on 2 cores
+    python benchmarks/communication.py > communication.json   # ~6 minutes on 2 cores
     python benchmarks/communication.py --quick                # smoke run, small model
 
 Prints one JSON document to stdout (progress goes to stderr). Three setups,

@@ -4,8 +4,10 @@
 alone, its compiled train loop on one cached batch (compute only), the same
 loop on the real input (end to end), and the all-reduce of its gradients alone
 in a compiled loop (communication). Together they split the end-to-end step
-into input, compute and communication shares; the largest names the
-bottleneck, and `Diagnosis.advice` names the knobs that fit the measured case.
+into input, compute and communication shares. Communication is the bottleneck
+when it is the largest share and at least 30%; else input, when the stall
+misses its 5% goal; else compute. `Diagnosis.advice` names the knobs that fit
+the measured case.
 `tputrain diagnose` (tputrain/cli/diagnose.py) runs it on a gin config, also on
 several workers (`tputrain launch --workers N diagnose ...`): the hosts agree
 on every collective they run.
@@ -404,9 +406,15 @@ def _allreduce_seconds(loops: _Loops, seconds: float) -> tuple[float, float]:
 def _explain(trainer: Trainer, bottleneck: str, split: dict[str, float], input_only: float,
              compute_only: float, allreduce: float) -> tuple[str, list[str]]:
     """The reason and the advice for the named bottleneck."""
-    if bottleneck != "communication":
-        return _advice(bottleneck, input_only, compute_only, split["input"], trainer.input_mode)
     strategy = trainer.strategy
+    if bottleneck != "communication":
+        reason, advice = _advice(bottleneck, input_only, compute_only, split["input"],
+                                 trainer.input_mode)
+        if strategy.num_replicas_in_sync > 1:
+            reason += (f"; the all-reduce is {100 * split['communication']:.0f}% of the step "
+                       f"(communication is the bottleneck from {100 * COMMUNICATION_SHARE:.0f}%"
+                       " if no other share is larger)")
+        return reason, advice
     return communication_advice(CommunicationCase(
         split=split, allreduce_seconds=allreduce, step_seconds=1.0 / compute_only,
         gradient_bytes=gradient_bytes(trainer.model.trainable_variables,

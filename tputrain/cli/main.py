@@ -17,7 +17,7 @@ DEFAULT_COMMAND = "run"  # `tputrain --gin_file=...` trains
 SUMMARIES = {
     "run": "train a gin config (the default: `tputrain --gin_file=...` runs it)",
     "launch": "run N local worker processes as one MultiWorkerMirrored cluster",
-    "diagnose": "is this training job waiting on its input? (input stall, bottleneck)",
+    "diagnose": "where a step's time goes: input, compute or communication, and the knob to turn",
     "goodput": "where a job's wall-clock time went, restarts included (--model_dir=DIR)",
     "audit-precision": "which layers drift in bf16/fp16, and does it change the metrics?",
     "write-tfrecords": "convert .npz/.csv arrays into sharded TFRecords with a manifest",

@@ -2,9 +2,9 @@
 
 Checked inside the compiled step, where it is nearly free: one pass over the
 gradients, which are already summed over replicas (so every replica makes the
-same decision without another all-reduce). A step with a non-finite loss or gradient does not update the weights
-(the optimizer's apply is skipped, as Keras's loss-scale optimizer does for
-overflow), and then, by `policy`:
+same decision without another all-reduce). A step with a non-finite loss or
+gradient does not update the weights (the optimizer's apply is skipped, as
+Keras's loss-scale optimizer does for overflow), and then, by `policy`:
 
 * "raise" (default): the loop stops and `NonFiniteError` names the step;
   the weights are those before that step, and no checkpoint is written.
@@ -113,7 +113,7 @@ class NonFiniteGuard:
                 bad = tf.logical_not(_all_finite(grads))
                 guard._gradients_bad.assign(tf.cast(bad, tf.int64))
                 tf.cond(bad, lambda: tf.constant(False),
-                        lambda: _as_op(original_apply(grads, trainable_variables)))
+                        lambda: _as_op(guard._apply(grads, trainable_variables)))
                 return
             # The gradients are already summed over replicas (tputrain.allreduce), so
             # every replica reaches the same verdict: no all-reduce of it is needed.

@@ -283,8 +283,6 @@ class Trainer:
         logs.update({m.name: float(m.result()) for m in self.train_metrics})
         return logs, steps, float(input_wait)
 
-    _train_loop = run_loop  # deprecated private name (diagnose, benchmarks): use run_loop
-
     def _stop_requested(self) -> Any:
         """In the compiled loop: stop before the next step (guard trip or SIGTERM)? Several
         hosts stop at loop boundaries only, agreed by `preempted()`."""

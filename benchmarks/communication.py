@@ -23,9 +23,9 @@ Each is traced and warmed up, then measured in rounds of one compiled loop
 reported, and ratios are medians of per-round ratios. Beside wall-clock steps/s,
 steps per CPU-second (summed over the setup's processes) are less disturbed by
 other jobs on a shared machine. The all-reduce alone is timed in a compiled
-loop (`tputrain.diagnose.measure_allreduce`) and by the start-up calibration
-behind `comm/allreduce_fraction` (`tputrain.communication.calibrate`); each
-divided by the step time gives its fraction of the step.
+loop (`tputrain.communication.measure_allreduce`, what every run's
+`comm/allreduce_fraction` and `tputrain diagnose` use); divided by the step
+time it gives its fraction of the step.
 
 Note: TF's gRPC servers listen on all interfaces, not only 127.0.0.1; on a shared
 network run this inside a private network namespace (`unshare -rn`, then
@@ -170,10 +170,9 @@ def num_packs(trainer: Any) -> int:
 
 
 def allreduce_alone(trainer: Any, repeats: int) -> dict[str, float]:
-    """The all-reduce of the trainer's gradients alone: in a compiled loop, and as the
-    start-up calibration behind `comm/allreduce_fraction` times it."""
-    from tputrain.communication import calibrate, gradient_bytes
-    from tputrain.diagnose import measure_allreduce
+    """The all-reduce of the trainer's gradients alone, in a compiled loop (as the
+    measurement behind `comm/allreduce_fraction` times it, with more time)."""
+    from tputrain.communication import gradient_bytes, measure_allreduce
     from tputrain.loop.hosts import MaxOverHosts
 
     strategy, dtype = trainer.strategy, trainer.communication.allreduce_dtype
@@ -184,8 +183,7 @@ def allreduce_alone(trainer: Any, repeats: int) -> dict[str, float]:
             "gradient_bytes": gradient_bytes(variables, dtype, strategy.num_replicas_in_sync),
             "allreduce_seconds": measure_allreduce(
                 strategy, variables, dtype, 1.0, MaxOverHosts(strategy, trainer.num_hosts),
-                repeats=repeats),
-            "calibrated_allreduce_seconds": calibrate(strategy, variables, dtype, repeats)}
+                repeats=repeats)}
 
 
 def measure_process(setup: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -274,8 +272,6 @@ def summarise(processes: list[dict[str, Any]], steps: int) -> dict[str, dict[str
             "gradient_bytes": chief["gradient_bytes"],
             "allreduce_ms": 1e3 * chief["allreduce_seconds"],
             "allreduce_fraction": min(1.0, chief["allreduce_seconds"] * rate),
-            "calibrated_allreduce_ms": 1e3 * chief["calibrated_allreduce_seconds"],
-            "logged_allreduce_fraction": min(1.0, chief["calibrated_allreduce_seconds"] * rate),
             "_per_round": {"wall": chief["wall"], "cpu": cpu},
         }
     return summary

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import tensorflow as tf
 from absl import logging
 
-from tputrain.communication import CommunicationOptions, calibrate, gradient_bytes
+from tputrain.communication import CommunicationOptions, gradient_bytes, measure_allreduce
 from tputrain.flops import count_flops, peak_flops, specs_of
 from tputrain.guard import NonFiniteError
 from tputrain.preemption import Preempted
@@ -157,11 +157,12 @@ def count_flops_per_step(trainer: "Trainer") -> float:
 
 
 class CommunicationAction(Action):
-    """Calibrates the all-reduce at the start of train(); adds comm/* to each loop."""
+    """Times one all-reduce of the gradients at the start of train() (several replicas
+    only); adds comm/* to each loop (tputrain/communication.py says how and how well)."""
 
-    def __init__(self, options: CommunicationOptions, repeats: int = 5):
+    def __init__(self, options: CommunicationOptions, seconds: float = 0.5):
         self.options = options
-        self.repeats = repeats
+        self.seconds = seconds  # measurement budget: about 1.5x this at start-up
         self.bytes = 0
         self.seconds_per_allreduce = 0.0
 
@@ -169,9 +170,10 @@ class CommunicationAction(Action):
         replicas = trainer.strategy.num_replicas_in_sync
         variables = trainer.model.trainable_variables
         self.bytes = gradient_bytes(variables, self.options.allreduce_dtype, replicas)
-        if replicas > 1:
-            self.seconds_per_allreduce = calibrate(trainer.strategy, variables,
-                                                   self.options.allreduce_dtype, self.repeats)
+        if replicas > 1:  # a collective: every host measures, with agreed loop lengths
+            self.seconds_per_allreduce = measure_allreduce(
+                trainer.strategy, variables, self.options.allreduce_dtype, self.seconds,
+                agree=trainer._max_over_hosts)  # pylint: disable=protected-access
 
     def loop_metrics(self, trainer: "Trainer", step: int, steps: int,
                      seconds: float) -> Mapping[str, float]:

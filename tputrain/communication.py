@@ -7,10 +7,13 @@ cost, and `tputrain.actions.CommunicationAction` measures it on every run:
 * `comm/gradient_bytes`: bytes all-reduced per step, in the all-reduce dtype
   (0 on one replica: nothing crosses);
 * `comm/allreduce_fraction`: the share of a loop's wall time spent in the
-  all-reduce. Measured by calibration at the start of `train()`: the strategy's
-  all-reduce is timed on zeros of the real gradient structure (same shapes,
-  dtype and packing, median of several repeats), and each loop divides
-  `steps x that time` by its own wall time. It is an estimate: in the real step
+  all-reduce. Measured once at the start of `train()` (`measure_allreduce`,
+  about 0.75 s, only on several replicas): compiled loops of 1 and of n
+  all-reduces of the real gradient structure (same shapes, wire dtype and
+  packing as the step, the variables' values as data) alternate, and the
+  difference of their fastest runs is one all-reduce without a call's overhead; each
+  loop divides `steps x that time` by its own wall time. `tputrain diagnose`
+  uses the same measurement. It is an estimate: in the real step
   the all-reduce can overlap with compute (the fraction is then an upper bound)
   or contend with it for the network (a lower bound); the profiler's collective
   ops are the ground truth (`Trainer.profile_steps`).
@@ -21,10 +24,12 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import gin
 import tensorflow as tf
+
+from tputrain.allreduce import all_reduce_sum
 
 ALLREDUCE_DTYPES = ("float32", "bfloat16", "float16")
 IMPLEMENTATIONS = {"auto": "AUTO", "ring": "RING", "nccl": "NCCL"}
@@ -92,25 +97,59 @@ def gradient_bytes(variables: Sequence[tf.Variable], allreduce_dtype: str,
     return total
 
 
-def calibrate(strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable],
-              allreduce_dtype: str, repeats: int = 5) -> float:
-    """Median seconds of one all-reduce of zeros shaped like the gradients (every
-    host must call it: it is a collective)."""
-    wire = tf.as_dtype(allreduce_dtype)
-    specs = [(v.shape, wire if tf.as_dtype(v.dtype).is_floating else v.dtype) for v in variables]
+def allreduce_loop(strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable],
+                   dtype: str) -> Callable[[tf.Tensor], tf.Tensor]:
+    """A compiled loop of `n` all-reduces shaped like the gradients, as the train step
+    runs them (`all_reduce_sum`: cast to the wire dtype, one batched all-reduce, cast
+    back). It reduces the variables' values: real tensors, so nothing is constant-folded
+    away (zeros can be), and one call runs many, so the per-call overhead that a
+    training loop pays once per loop is left out."""
 
-    def replica_fn():
+    def replica_fn() -> tf.Tensor:
         context = tf.distribute.get_replica_context()
-        zeros = [tf.zeros(shape, dtype) for shape, dtype in specs]
-        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, zeros)
+        reduced = all_reduce_sum(context, [tf.identity(v) for v in variables], dtype)
         return tf.add_n([tf.cast(tf.reshape(r, [-1])[0], tf.float32) for r in reduced])
 
-    run = tf.function(lambda: strategy.run(replica_fn))
-    strategy.experimental_local_results(run())  # traced and warmed up, not timed
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for value in strategy.experimental_local_results(run()):
-            value.numpy()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    @tf.function
+    def loop(n: tf.Tensor) -> tf.Tensor:
+        total = tf.constant(0.0)
+        for _ in tf.range(n):
+            total += tf.add_n(strategy.experimental_local_results(strategy.run(replica_fn)))
+        return total
+
+    return loop
+
+
+def _seconds(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure_allreduce(strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable],
+                      dtype: str, seconds: float = 1.0,
+                      agree: Callable[[int], int] = int, repeats: int = 5) -> float:
+    """Seconds of one all-reduce of `variables`' gradients inside a compiled loop (a
+    collective: every host calls it; `agree` makes their loop lengths equal, e.g.
+    `tputrain.loop.hosts.MaxOverHosts`). Takes about `1.5 * seconds`.
+
+    Loops of 1 and of n all-reduces alternate (n: what fits about `seconds / 4`);
+    the difference of their fastest runs over n - 1 is one all-reduce without the
+    call's overhead, which a training loop pays once per loop, not per step. The
+    fastest, not the median: other jobs on the machine only ever add time. When
+    the difference drowns in noise (not above 0), n grows 8x, at most twice.
+    """
+    loop, one = allreduce_loop(strategy, variables, dtype), tf.constant(1)
+    float(loop(one))  # traced, not timed
+    once = _seconds(lambda: float(loop(one)))
+    n = agree(max(4, min(100, int(seconds / 4 / max(once, 1e-6)))))
+    for attempt in range(3):
+        short, long = [], []
+        for _ in range(repeats):
+            short.append(_seconds(lambda: float(loop(one))))
+            long.append(_seconds(lambda: float(loop(tf.constant(n)))))
+        per_step = (min(long) - min(short)) / (n - 1)
+        if attempt == 2 or not agree(int(per_step <= 0)):  # every host retries, or none
+            break
+        n *= 8
+    return min(max(per_step, 0.0), min(long) / n)

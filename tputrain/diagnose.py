@@ -22,8 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import tensorflow as tf
 
-from tputrain.allreduce import all_reduce_sum
-from tputrain.communication import CommunicationOptions, calibrate, gradient_bytes
+from tputrain.communication import CommunicationOptions, gradient_bytes, measure_allreduce
 from tputrain.trainer import Trainer
 
 STALL_GOAL = 0.05  # the seeds' rule: input wait under 5% of the step
@@ -39,10 +38,9 @@ class Diagnosis:
 
     `step_split` is the end-to-end step as shares of input, compute and
     communication (summing to 1); `allreduce_seconds` one all-reduce of the
-    gradients in a compiled loop, `calibrated_allreduce_seconds` the start-up
-    calibration that `comm/allreduce_fraction` divides (one call each, so it
-    also holds a call's overhead). `loop_steps` is the length of the measured
-    loops; `seconds` the time per phase.
+    gradients in a compiled loop (`tputrain.communication.measure_allreduce`, the
+    measurement behind every run's `comm/allreduce_fraction`). `loop_steps` is
+    the length of the measured loops; `seconds` the time per phase.
     """
 
     input_only_steps_per_second: float
@@ -52,7 +50,6 @@ class Diagnosis:
     measured_input_wait_fraction: float
     step_split: dict[str, float]
     allreduce_seconds: float
-    calibrated_allreduce_seconds: float
     gradient_bytes: int
     allreduce_dtype: str
     replicas: int
@@ -82,8 +79,7 @@ class Diagnosis:
             f"{100 * self.measured_input_wait_fraction:.1f}%",
             f"all-reduce: {self.gradient_bytes / MB:.2f} MB of gradients in "
             f"{self.allreduce_dtype} over {self.replicas} replica(s), "
-            f"{1e3 * self.allreduce_seconds:.2f} ms per step in a compiled loop "
-            f"({1e3 * self.calibrated_allreduce_seconds:.2f} ms per call at start-up)",
+            f"{1e3 * self.allreduce_seconds:.2f} ms per step in a compiled loop",
             f"step split: input {100 * split['input']:.0f}% | compute "
             f"{100 * split['compute']:.0f}% | communication {100 * split['communication']:.0f}%",
             f"bottleneck: {self.bottleneck} ({self.reason})",
@@ -345,62 +341,14 @@ def _paired_rates(loops: _Loops, seconds: float) -> _Pairs:
     return pairs
 
 
-def allreduce_loop(strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable],
-                   dtype: str) -> Callable[[tf.Tensor], tf.Tensor]:
-    """A compiled loop of `n` all-reduces shaped like the gradients, as the train step
-    runs them (`all_reduce_sum`: cast to the wire dtype, one batched all-reduce, cast
-    back). It reduces the variables' values: real tensors, so nothing is constant-folded
-    away (zeros can be), and one call runs many, so the per-call overhead that a
-    training loop pays once per loop is left out."""
-
-    def replica_fn() -> tf.Tensor:
-        context = tf.distribute.get_replica_context()
-        reduced = all_reduce_sum(context, [tf.identity(v) for v in variables], dtype)
-        return tf.add_n([tf.cast(tf.reshape(r, [-1])[0], tf.float32) for r in reduced])
-
-    @tf.function
-    def loop(n: tf.Tensor) -> tf.Tensor:
-        total = tf.constant(0.0)
-        for _ in tf.range(n):
-            total += tf.add_n(strategy.experimental_local_results(strategy.run(replica_fn)))
-        return total
-
-    return loop
-
-
-def measure_allreduce(strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable],
-                      dtype: str, seconds: float = 1.0,
-                      agree: Callable[[int], int] = int, repeats: int = 5) -> float:
-    """Seconds of one all-reduce of `variables`' gradients inside a compiled loop (a
-    collective: every host calls it; `agree` makes their loop lengths equal, e.g.
-    `tputrain.loop.hosts.MaxOverHosts`).
-
-    Loops of 1 and of n all-reduces alternate (n: what fits about `seconds / 4`);
-    the difference of their medians over n - 1 is one all-reduce without the
-    call's overhead (`tputrain.communication.calibrate` times single calls,
-    overhead included).
-    """
-    loop, one = allreduce_loop(strategy, variables, dtype), tf.constant(1)
-    float(loop(one))  # traced, not timed
-    _, once = _timed(lambda: float(loop(one)))
-    n = agree(max(4, min(100, int(seconds / 4 / max(once, 1e-6)))))
-    short, long = [], []
-    for _ in range(repeats):
-        short.append(_timed(lambda: float(loop(one)))[1])
-        long.append(_timed(lambda: float(loop(tf.constant(n))))[1])
-    per_step = (statistics.median(long) - statistics.median(short)) / (n - 1)
-    return min(max(per_step, 0.0), statistics.median(long) / n)
-
-
-def _allreduce_seconds(loops: _Loops, seconds: float) -> tuple[float, float]:
-    """(one all-reduce of the gradients in a compiled loop, one `calibrate` call), in
-    seconds; 0 on one replica."""
+def _allreduce_seconds(loops: _Loops, seconds: float) -> float:
+    """One all-reduce of the gradients in a compiled loop, in seconds; 0 on one replica
+    (the measurement behind every run's comm/allreduce_fraction, given more time)."""
     trainer = loops.trainer
     if trainer.strategy.num_replicas_in_sync <= 1:
-        return 0.0, 0.0
+        return 0.0
     dtype, variables = trainer.communication.allreduce_dtype, trainer.model.trainable_variables
-    calibrated = calibrate(trainer.strategy, variables, dtype)
-    return measure_allreduce(trainer.strategy, variables, dtype, seconds, loops.agree), calibrated
+    return measure_allreduce(trainer.strategy, variables, dtype, seconds, loops.agree)
 
 
 def _explain(trainer: Trainer, bottleneck: str, split: dict[str, float], input_only: float,
@@ -442,7 +390,7 @@ def diagnose(trainer: Trainer, seconds: float = 3.0, steps: int | None = None) -
     input_rates, timings["input_only"] = _input_only_rates(loops, seconds)
     pairs = _paired_rates(loops, seconds)
     timings["compute_and_end_to_end"] = pairs.seconds
-    (allreduce, calibrated), timings["communication"] = _timed(
+    allreduce, timings["communication"] = _timed(
         lambda: _allreduce_seconds(loops, seconds))
     input_only = statistics.median(input_rates)
     compute_only = statistics.median(pairs.compute_rates)
@@ -457,7 +405,7 @@ def diagnose(trainer: Trainer, seconds: float = 3.0, steps: int | None = None) -
         input_only_steps_per_second=input_only, compute_only_steps_per_second=compute_only,
         end_to_end_steps_per_second=statistics.median(pairs.end_to_end_rates),
         stall_fraction=stall, measured_input_wait_fraction=pairs.wait_fraction,
-        step_split=split, allreduce_seconds=allreduce, calibrated_allreduce_seconds=calibrated,
+        step_split=split, allreduce_seconds=allreduce,
         gradient_bytes=gradient_bytes(trainer.model.trainable_variables, dtype, replicas),
         allreduce_dtype=dtype, replicas=replicas, bottleneck=bottleneck, reason=reason,
         advice=advice, loop_steps=loops.num_steps, global_batch_size=trainer.global_batch_size,

@@ -15,7 +15,7 @@ How each bucket is measured (docs/performance.md#goodput):
   `data` (input pipelines built and probed) and `model` (model, optimizer,
   metrics) are marked by the Trainer (`StartupClock.mark`); `restore` is the
   rest of `Trainer()` and `train()`'s restore; `actions` is the other actions'
-  set-up before the first loop (FLOP count, all-reduce calibration).
+  set-up before the first loop (FLOP count, timing the all-reduce).
 - loops: each loop's seconds (the Controller's stopwatch) less its input stall
   (`input/stall_fraction`) and all-reduce time (`comm/allreduce_fraction`, 0
   when absent). What remains is step time, except in the first loop, which also

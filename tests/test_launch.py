@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
-from faults import Process, child_env
+from faults import FaultTask, Process, child_env
+from test_communication import model_bytes, train_scalars
 from tputrain.cli.launch import parse_args
 from tputrain.launch import Launcher, tf_configs
 
@@ -117,6 +118,10 @@ def test_two_workers_train_chief_checkpoints_fail_together_resume_and_preempt(tm
     assert listed_steps(model_dir)[-1] == stopped[0]
     assert "workers exited with worker 0: code 42, worker 1: code 42" in text
     assert tf.io.gfile.glob(str(model_dir / "train" / "events.*")), "the chief wrote summaries"
+    # Each loop's all-reduce: the model's float32 bytes, a measured share above 0.
+    scalars = train_scalars(model_dir)
+    assert set(scalars["comm/gradient_bytes"]) == {model_bytes(FaultTask())}, scalars
+    assert all(0 < share <= 1 for share in scalars["comm/allreduce_fraction"]), scalars
     scratch = re.search(r"\[worker 1\] .*saved checkpoint (\S+)/checkpoints/ckpt-", text).group(1)
     assert not scratch.startswith(str(model_dir))
     assert not os.path.exists(scratch), "the non-chief deletes its scratch directory"

@@ -117,3 +117,18 @@ def test_two_worker_launch_logs_half_the_model_bytes_with_bf16_all_reduce(tmp_pa
     scalars = train_scalars(model_dir)
     assert scalars["comm/gradient_bytes"] == [model_bytes(DigitsTask(), 2)] * 2
     assert all(0 < fraction <= 1 for fraction in scalars["comm/allreduce_fraction"])
+
+
+def test_mirrored_cross_device_ops_are_chosen_by_name_and_checked():
+    assert CommunicationOptions().for_mirrored() is None  # TensorFlow's choice
+    nccl = CommunicationOptions(mirrored_cross_device_ops="nccl",
+                                mirrored_num_packs=4).for_mirrored()
+    assert isinstance(nccl, tf.distribute.NcclAllReduce) and nccl._num_packs == 4
+    assert isinstance(CommunicationOptions(mirrored_cross_device_ops="hierarchical_copy")
+                      .for_mirrored(), tf.distribute.HierarchicalCopyAllReduce)
+    assert isinstance(CommunicationOptions(mirrored_cross_device_ops="reduce_to_one_device")
+                      .for_mirrored(), tf.distribute.ReductionToOneDevice)
+    with pytest.raises(ValueError, match="mirrored_cross_device_ops must be one of"):
+        CommunicationOptions(mirrored_cross_device_ops="ring")
+    with pytest.raises(ValueError, match="mirrored_num_packs must be an int >= 1"):
+        CommunicationOptions(mirrored_num_packs=0)

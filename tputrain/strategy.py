@@ -132,7 +132,8 @@ def resolve_strategy(
         2+ GPUs or a split CPU, one_device, cpu); or one of `VALID_STRATEGIES` to
         force that choice, which raises (naming the fix) if it is impossible here.
       communication: MultiWorkerMirroredStrategy's collective options (implementation,
-        bytes_per_pack, timeout); None: `CommunicationOptions()` from gin.
+        bytes_per_pack, timeout) and MirroredStrategy's cross-device ops on GPUs;
+        None: `CommunicationOptions()` from gin.
 
     Call it once at program start, before other TF ops. Never hangs on an
     unreachable TPU: see the module docstring.
@@ -345,7 +346,7 @@ def _build(decision: _Decision, communication: CommunicationOptions) -> tf.distr
             communication_options=communication.for_multi_worker())
     if name == "mirrored":
         if _gpu_count() > 0:
-            return tf.distribute.MirroredStrategy()
+            return tf.distribute.MirroredStrategy(cross_device_ops=communication.for_mirrored())
         # No GPUs: mirror over the logical CPUs (see split_cpu) for real replicas,
         # whether forced or chosen because the CPU is split.
         # Reduce on one device: on CPUs the default collective all-reduce restarts its

@@ -23,6 +23,7 @@ SUMMARIES = {
     "write-tfrecords": "convert .npz/.csv arrays into sharded TFRecords with a manifest",
     "vertex-spec": "write (or --submit) a Vertex AI CustomJob that trains a gin config",
     "export": "write a checkpoint as a SavedModel for serving (best or latest, or --step)",
+    "eval": "evaluate a checkpoint (latest or --step), or --continuous each new one as it appears",
 }
 _HELP = (["--help"], ["-h"], ["help"])
 

@@ -1,0 +1,181 @@
+"""Evaluation alone: a given or the latest checkpoint, and a side-car beside training that
+evaluates every checkpoint once, never touching what the training process owns."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tputrain
+from tiny import TinyTask, strategy_for
+from tputrain import sidecar
+from tputrain.sidecar import (NoNewCheckpointError, ReadOnlyTrainer, evaluate_checkpoints,
+                              read_checkpoint)
+
+
+class RecordEvals(tputrain.Action):
+    """The training's own evaluations, by step."""
+
+    def __init__(self):
+        self.logs = {}
+
+    def on_eval_end(self, trainer, step, logs):
+        self.logs[step] = dict(logs)
+
+
+def make(model_dir, cls=tputrain.Trainer, actions=(), **kwargs):
+    options = dict(train_steps=8, steps_per_loop=2, global_batch_size=16, eval_every=2,
+                   eval_steps=2, checkpoint_every=4, keep_checkpoints=5, report_mfu=False)
+    options.update(kwargs)
+    return cls(TinyTask(), str(model_dir), strategy=strategy_for(1), actions=actions, **options)
+
+
+def eval_steps_in(event_dir, pid=None):
+    """Steps of the `loss` scalars in eval/ (of one process's event file when `pid`)."""
+    steps = []
+    for name in sorted(os.listdir(event_dir)):
+        if not name.startswith("events.out.tfevents.") or (pid and f".{pid}." not in name):
+            continue
+        for record in tf.data.TFRecordDataset(os.path.join(event_dir, name)):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            steps += [event.step for value in event.summary.value if value.tag == "loss"]
+    return steps
+
+
+def assert_same(actual, expected):
+    assert sorted(actual) == sorted(expected)
+    for name in expected:
+        np.testing.assert_allclose(actual[name], expected[name], rtol=1e-6)
+
+
+def test_latest_and_given_step_match_the_trainers_evaluation(tmp_path):
+    recorded = RecordEvals()
+    trainer = make(tmp_path / "run", actions=[recorded])
+    trainer.train()
+    latest = evaluate_checkpoints(trainer)
+    assert list(latest) == [8]
+    assert_same(latest[8], trainer.evaluate())
+
+    before = sorted(os.listdir(tmp_path / "run" / "checkpoints"))
+    reader = make(tmp_path / "run", cls=ReadOnlyTrainer)
+    given = evaluate_checkpoints(reader, step=4)
+    assert list(given) == [4] and reader.current_step == 4
+    assert_same(given[4], recorded.logs[4])  # the training's evaluation of those weights
+    assert_same(reader.evaluate(), trainer.evaluate())  # read-only: the latest, no actions
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == before
+
+    record = json.loads((tmp_path / "run" / "eval" / sidecar.RECORD_FILE).read_text())
+    assert sorted(record["evaluated"]) == ["4", "8"] and record["skipped"] == {}
+    assert {4, 8} <= set(eval_steps_in(tmp_path / "run" / "eval", os.getpid()))
+    with pytest.raises(TypeError, match="only evaluates"):
+        reader.train()
+
+
+def test_bad_requests_fail_with_the_fix(tmp_path):
+    trainer = make(tmp_path / "run", train_steps=4)
+    with pytest.raises(ValueError, match="no checkpoint in .*: train first"):
+        evaluate_checkpoints(trainer)
+    trainer.train()
+    with pytest.raises(ValueError, match=r"no checkpoint of step 3 .* it has steps \[4\]"):
+        evaluate_checkpoints(trainer, step=3)
+    with pytest.raises(ValueError, match="not both"):
+        evaluate_checkpoints(trainer, step=4, continuous=True)
+    with pytest.raises(ValueError, match="poll_seconds must be > 0"):
+        evaluate_checkpoints(trainer, continuous=True, poll_seconds=0)
+
+
+def test_continuous_evaluates_each_checkpoint_once_and_skips_vanished_ones(tmp_path,
+                                                                          monkeypatch):
+    make(tmp_path / "run", checkpoint_every=2).train()
+    reader = make(tmp_path / "run", cls=ReadOnlyTrainer, checkpoint_every=2)
+    checkpoints = str(tmp_path / "run" / "checkpoints")
+    (tmp_path / "run" / "checkpoints" / "ckpt-4.data-00000-of-00001").write_bytes(b"")
+    real_list = sidecar.list_checkpoints
+    calls = []
+
+    def listing_with_a_rotated_one(directory):  # ckpt-1: listed, then deleted by rotation
+        listed = real_list(directory)
+        calls.append(directory)
+        if len(calls) == 1:
+            return listed._replace(paths=[f"{checkpoints}/ckpt-1"] + listed.paths)
+        return listed
+
+    monkeypatch.setattr(sidecar, "list_checkpoints", listing_with_a_rotated_one)
+    results = evaluate_checkpoints(reader, continuous=True, poll_seconds=0.01)
+    assert sorted(results) == [2, 6, 8]
+    record = json.loads((tmp_path / "run" / "eval" / sidecar.RECORD_FILE).read_text())
+    assert "keep-N rotation" in record["skipped"]["1"]
+    assert "unreadable" in record["skipped"]["4"]
+    # A restarted side-car evaluates nothing again; past the end it waits, then gives up.
+    assert evaluate_checkpoints(reader, continuous=True, poll_seconds=0.01) == {}
+    with pytest.raises(NoNewCheckpointError, match=r"no new checkpoint .* \(the last was step 8; "
+                       r"waiting for step 10\)") as raised:
+        evaluate_checkpoints(reader, continuous=True, poll_seconds=0.01, timeout=0.05,
+                             until_step=10)
+    assert raised.value.results == {}
+    assert sorted(eval_steps_in(tmp_path / "run" / "eval", os.getpid())).count(8) == 2  # train + once
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    make(tmp_path / "run", train_steps=4).train()
+    other = tputrain.Trainer(WideTask(), str(tmp_path / "other"), strategy=strategy_for(1),
+                             train_steps=4, steps_per_loop=2, global_batch_size=16,
+                             report_mfu=False)
+    with pytest.raises(tputrain.CheckpointMismatchError, match="does not hold this model"):
+        read_checkpoint(other, str(tmp_path / "run" / "checkpoints" / "ckpt-4"))
+
+
+class WideTask(TinyTask):
+    def build_model(self):
+        import keras
+
+        inputs = keras.Input((8,), name="x")
+        return keras.Model({"x": inputs}, keras.layers.Dense(2)(keras.layers.Dense(32)(inputs)))
+
+
+TINY_GIN = """
+Trainer.task = @FaultTask()
+FaultTask.dropout = 0.0
+Trainer.train_steps = 60
+Trainer.steps_per_loop = 5
+Trainer.global_batch_size = 16
+Trainer.checkpoint_every = 5
+Trainer.keep_checkpoints = 100
+Trainer.eval_steps = 2
+Trainer.report_mfu = False
+"""
+
+
+def test_cli_side_car_beside_training_evaluates_every_checkpoint_once(tmp_path):
+    from faults import Process, child_env
+
+    config, model_dir = tmp_path / "tiny.gin", tmp_path / "model"
+    config.write_text(TINY_GIN)
+    common = ["--gin_import=faults", f"--gin_file={config}", f"--model_dir={model_dir}"]
+    side_car = Process([sys.executable, "-m", "tputrain.cli", "eval", *common, "--continuous",
+                        "--poll_seconds=0.1", "--timeout_seconds=600"], child_env())
+    side_car.wait_for("evaluating each new checkpoint in")  # up, model built, watching
+    training = subprocess.run([sys.executable, "-m", "tputrain.run", *common],
+                              env=child_env(), capture_output=True, text=True, timeout=600)
+    assert training.returncode == 0, training.stderr[-3000:]  # the side-car took no lock
+    assert side_car.finish(timeout=600) == 0, side_car.log()
+
+    kept = sorted(int(name[len("ckpt-"):-len(".index")])
+                  for name in os.listdir(model_dir / "checkpoints") if name.endswith(".index"))
+    assert kept == list(range(5, 65, 5))
+    printed = [json.loads(line) for line in side_car.lines if line.startswith("{")]
+    assert [line["step"] for line in printed] == kept and "accuracy" in printed[0]
+    record = json.loads((model_dir / "eval" / sidecar.RECORD_FILE).read_text())
+    assert sorted(map(int, record["evaluated"])) == kept and record["skipped"] == {}
+    assert sorted(eval_steps_in(model_dir / "eval", side_car.process.pid)) == kept
+
+    again = subprocess.run([sys.executable, "-m", "tputrain.cli", "eval", *common,
+                            "--step=7"], env=child_env(), capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 2 and "no checkpoint of step 7" in again.stderr, again.stderr[-2000:]

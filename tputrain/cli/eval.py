@@ -1,0 +1,98 @@
+"""`tputrain eval --model_dir=DIR [--gin_file=F] [--step=N | --continuous]`: evaluation alone.
+
+Builds the run's model from its config (by default the `operative_config.gin`
+that `tputrain run` left in model_dir; a side-car started with the training
+passes the run's own --gin_file and --gin_param) as a `ReadOnlyTrainer`, which
+neither locks model_dir nor writes to it except `eval/` (tputrain/sidecar.py),
+and evaluates the latest checkpoint, `--step`'s, or with `--continuous` each new
+one once as it appears, until the one at `Trainer.train_steps`. Eval summaries
+go to `model_dir/eval/` at the checkpoint's step; stdout gets one JSON line per
+evaluated checkpoint: {"step": N, "loss": ..., metrics...}.
+
+Exits 0 when done; 1 when `--continuous` saw no new checkpoint for
+--timeout_seconds (the training stopped: the lines so far are printed); 2 when
+there is no such checkpoint or the config is bad.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import tensorflow as tf
+from absl import app, flags, logging
+
+from tputrain.cli.common import (EXIT_BAD_INPUT, EXIT_TRAINING_FAILED, GIN_FLAGS,
+                                 VERTEX_CHECKPOINT_DIR, define_gin_flags, error_message, fail,
+                                 list_in_help, parse_gin_flags, reject_arguments)
+from tputrain.config import ConfigError, require_bound
+from tputrain.sidecar import Metrics, NoNewCheckpointError, ReadOnlyTrainer, evaluate_checkpoints
+
+FLAGS = flags.FLAGS
+
+
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+    define_gin_flags(flag_values)
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_integer("step", None, "Evaluate the checkpoint of this step; default: the "
+                         "latest.", **fv)
+    flags.DEFINE_bool("continuous", False, "Evaluate each new checkpoint once as it appears, "
+                      "until the one at Trainer.train_steps (a side-car beside training).", **fv)
+    flags.DEFINE_float("poll_seconds", 10.0, "--continuous: how often to look for a new "
+                       "checkpoint.", **fv)
+    flags.DEFINE_float("timeout_seconds", 3600.0, "--continuous: give up (exit 1) after this "
+                       "long without a new checkpoint; 0 waits for ever.", **fv)
+    list_in_help((*GIN_FLAGS, "model_dir", "step", "continuous", "poll_seconds",
+                  "timeout_seconds"), flag_values)
+
+
+def _default_config() -> None:
+    """No --gin_file: the operative config the run wrote to model_dir."""
+    if FLAGS.gin_file or not FLAGS.model_dir:
+        return
+    operative = os.path.join(FLAGS.model_dir, "operative_config.gin")
+    if not os.path.isfile(operative):
+        fail(f"{operative} does not exist (yet): pass the run's --gin_file")
+    FLAGS.gin_file = [operative]
+
+
+def _build_reader() -> ReadOnlyTrainer:
+    """The gin-configured run as a ReadOnlyTrainer, in --model_dir, else Vertex AI's
+    $AIP_CHECKPOINT_DIR, else the config's Trainer.model_dir (as `tputrain run`)."""
+    model_dir = FLAGS.model_dir or os.environ.get(VERTEX_CHECKPOINT_DIR) or None
+    try:
+        require_bound("Trainer.task")
+        if model_dir is None:
+            require_bound("Trainer.model_dir")
+    except ConfigError as error:
+        fail(str(error))
+    return ReadOnlyTrainer(model_dir=model_dir) if model_dir else ReadOnlyTrainer()
+
+
+def _print(results: dict[int, Metrics]) -> None:
+    for step, logs in sorted(results.items()):
+        print(json.dumps({"step": step, **logs}), flush=True)
+
+
+def main(argv: list[str]) -> None:
+    reject_arguments(argv)
+    _default_config()
+    parse_gin_flags()
+    timeout = FLAGS.timeout_seconds if FLAGS.timeout_seconds > 0 else None
+    try:
+        trainer = _build_reader()
+        results = evaluate_checkpoints(trainer, step=FLAGS.step, continuous=FLAGS.continuous,
+                                       poll_seconds=FLAGS.poll_seconds, timeout=timeout)
+    except NoNewCheckpointError as error:  # the training stopped before train_steps
+        _print(error.results)
+        fail(str(error), EXIT_TRAINING_FAILED)
+    except (ValueError, TypeError, OSError, tf.errors.OpError) as error:
+        logging.debug("tputrain: eval failed", exc_info=True)
+        fail(error_message(error), EXIT_BAD_INPUT)
+    _print(results)
+
+
+def console_main() -> None:
+    """`tputrain eval`."""
+    define_flags()
+    app.run(main)

@@ -102,7 +102,7 @@ def resolve_path(path: str) -> str:
                                 f"ckpt-<step>.index in {folder})")
     raise FileNotFoundError(
         f"InitCheckpoint.path: {path} is neither a tputrain model_dir, a folder of "
-        "checkpoints, a checkpoint prefix (no file {path}.index) nor a .weights.h5 file")
+        f"checkpoints, a checkpoint prefix (no file {path}.index) nor a .weights.h5 file")
 
 
 def _checkpoints_in(folder: str) -> list[str]:
@@ -125,7 +125,8 @@ def read_tf_checkpoint(prefix: str) -> Source:
     try:
         reader = tf.train.load_checkpoint(prefix)
     except (tf.errors.OpError, ValueError) as error:
-        raise ValueError(f"InitCheckpoint: cannot read the checkpoint {prefix}: {error}") from None
+        raise ValueError(f"InitCheckpoint: cannot read the checkpoint {prefix} ({error}): "
+                         "point InitCheckpoint.path at another one (an older ckpt-<step>)") from None
     shapes = reader.get_variable_to_shape_map()
 
     def entry(key: str) -> Entry:
@@ -291,11 +292,16 @@ def match_weights(variables: Sequence[Any], source: Source, include: Sequence[st
                   places: Mapping[int, tuple[str, int]]) -> tuple[list[Match], list[str], list[str]]:
     """(matches, model names outside `include`, model names in it the checkpoint lacks)."""
     matches, excluded, missing = [], [], []
+    seen: set[str] = set()
     for variable in variables:
         name = variable.path
         if not selected(name, include):
             excluded.append(name)
             continue
+        if name in seen:
+            raise ValueError(f"InitCheckpoint: this model has two variables named {name}, which "
+                             "a name cannot tell apart: give their layers distinct names")
+        seen.add(name)
         old = rename(name, mapping)
         key = h5_key(variable, old, places.get(id(variable))) if source.kind == "h5" else old
         if key is None or key not in source.weights:

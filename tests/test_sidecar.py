@@ -81,6 +81,7 @@ def test_bad_requests_fail_with_the_fix(tmp_path):
     trainer = make(tmp_path / "run", train_steps=4)
     with pytest.raises(ValueError, match="no checkpoint in .*: train first"):
         evaluate_checkpoints(trainer)
+    assert not (tmp_path / "run" / "eval").exists()  # nothing written
     trainer.train()
     with pytest.raises(ValueError, match=r"no checkpoint of step 3 .* it has steps \[4\]"):
         evaluate_checkpoints(trainer, step=3)

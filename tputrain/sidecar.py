@@ -162,18 +162,18 @@ def evaluate_checkpoints(trainer: Trainer, step: int | None = None, continuous: 
       until_step: continuous: the last step; None: `trainer.train_steps`.
     """
     _check_arguments(step, continuous, poll_seconds, timeout, until_step)
+    trainer.checkpointer.sync()  # an async save in flight in this process lands first
+    path = None if continuous else _one_checkpoint(trainer, step)  # nothing written if none
     eval_dir = os.path.join(trainer.model_dir, EVAL_DIR)
     try:
         lock_model_dir(eval_dir)
     except ModelDirInUseError as error:
         raise ModelDirInUseError(f"another evaluation writes {eval_dir}: {error}") from None
     try:
-        trainer.checkpointer.sync()  # an async save in flight in this process lands first
         record = EvalRecord(trainer.model_dir)
-        if continuous:
+        if path is None:
             last = trainer.train_steps if until_step is None else until_step
             return _follow(trainer, record, poll_seconds, timeout, last)
-        path = _one_checkpoint(trainer, step)
         read_checkpoint(trainer, path)
         return {checkpoint_step(path): _evaluate_read(trainer, path, record)}
     finally:

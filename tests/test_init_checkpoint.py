@@ -197,6 +197,20 @@ def test_a_plain_tf_checkpoint_of_a_keras_model(tmp_path, as_folder):
         np.testing.assert_array_equal(values(target)[name], expected[name])
 
 
+def test_a_folder_without_a_state_file_takes_the_highest_step(tmp_path):
+    """A `best/` folder or copied files: ckpt-10 is newer than ckpt-7 (not by spelling)."""
+    source = FineTask().build_model()
+    random_weights(source, seed=7)
+    tf.train.Checkpoint(model=source).write(str(tmp_path / "copied" / "ckpt-7"))
+    expected = random_weights(source, seed=10)
+    tf.train.Checkpoint(model=source).write(str(tmp_path / "copied" / "ckpt-10"))
+    target = FineTask().build_model()
+    report = InitCheckpoint(str(tmp_path / "copied")).load(target)
+    assert report.path.endswith("ckpt-10") and not report.missing and not report.unused
+    for name, value in expected.items():
+        np.testing.assert_array_equal(values(target)[name], value)
+
+
 def test_a_keras_weights_file_matches_by_layer_name(tmp_path):
     source = FineTask().build_model()
     expected = random_weights(source)
@@ -288,4 +302,5 @@ def test_rename_and_selected():
     assert rename("enc_2/kernel", mapping) == "other/kernel"  # exact beats prefix
     assert rename("head/bias", mapping) == "head/bias"
     assert selected("backbone_1/kernel", ["backbone"]) and selected("x", None)
-    assert selected("backbone_1/kernel", [r".*/kernel"]) and not selected("head/bias", [r".*/kernel"])
+    assert selected("backbone_1/kernel", [r".*/kernel"])
+    assert not selected("head/bias", [r".*/kernel"])

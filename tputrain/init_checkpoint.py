@@ -112,8 +112,11 @@ def _checkpoints_in(folder: str) -> list[str]:
     if listed:
         return listed
     indexes = [name for name in tf.io.gfile.listdir(folder) if name.endswith(".index")]
-    numbered = sorted(indexes, key=lambda n: (int(m.group(1)) if (m := _INDEX.search(n)) else -1, n))
-    return [os.path.join(folder, name[:-len(".index")]) for name in numbered]
+    def step(name: str) -> tuple[int, str]:
+        found = _INDEX.search(name)
+        return (int(found.group(1)) if found else -1, name)
+
+    return [os.path.join(folder, name[:-len(".index")]) for name in sorted(indexes, key=step)]
 
 
 # ------------------------------------------------------------ reading a TF checkpoint
@@ -125,8 +128,8 @@ def read_tf_checkpoint(prefix: str) -> Source:
     try:
         reader = tf.train.load_checkpoint(prefix)
     except (tf.errors.OpError, ValueError) as error:
-        raise ValueError(f"InitCheckpoint: cannot read the checkpoint {prefix} ({error}): "
-                         "point InitCheckpoint.path at another one (an older ckpt-<step>)") from None
+        raise ValueError(f"InitCheckpoint: cannot read the checkpoint {prefix} ({error}): point "
+                         "InitCheckpoint.path at another one (an older ckpt-<step>)") from None
     shapes = reader.get_variable_to_shape_map()
 
     def entry(key: str) -> Entry:
@@ -288,8 +291,8 @@ class Match(NamedTuple):
 
 
 def match_weights(variables: Sequence[Any], source: Source, include: Sequence[str] | None,
-                  mapping: Mapping[str, str],
-                  places: Mapping[int, tuple[str, int]]) -> tuple[list[Match], list[str], list[str]]:
+                  mapping: Mapping[str, str], places: Mapping[int, tuple[str, int]]
+                  ) -> tuple[list[Match], list[str], list[str]]:
     """(matches, model names outside `include`, model names in it the checkpoint lacks)."""
     matches, excluded, missing = [], [], []
     seen: set[str] = set()

@@ -144,8 +144,9 @@ def read_tf_checkpoint(prefix: str) -> Source:
         model_nodes = _reachable(graph, [roots["model"]])
     else:  # a checkpoint of some other object: every weight that is not bookkeeping
         model_nodes = _reachable(graph, [i for n, i in roots.items() if n not in _NOT_WEIGHTS])
-    optimizer_nodes = _reachable(graph, [roots["optimizer"]]) - model_nodes \
-        if "optimizer" in roots else set()
+    optimizer_nodes = set()
+    if "optimizer" in roots:  # its slots; the weights it also tracks are the model's
+        optimizer_nodes = _reachable(graph, [roots["optimizer"]]) - model_nodes
     weights, ambiguous = _named(graph, model_nodes, entry, lambda name: name)
     slots, _ = _named(graph, optimizer_nodes, entry, lambda name: name.split("/", 1)[-1])
     return Source(prefix, "checkpoint", weights, slots, ambiguous)
@@ -204,10 +205,12 @@ def read_h5(path: str, stack: Any) -> Source:
 
     def visit(name: str, group: Any) -> None:
         layer = group.attrs.get("name") if isinstance(group, h5py.Group) else None
-        if not name.split("/")[-1] == "vars" or layer is None:
+        if name.split("/")[-1] != "vars" or layer is None:
             return
         layer = layer.decode() if isinstance(layer, bytes) else str(layer)
         for index, dataset in group.items():
+            if not isinstance(dataset, h5py.Dataset):
+                continue
             key = f"{layer}/{index}"
             if key in weights:
                 ambiguous.add(key)

@@ -120,7 +120,18 @@ def test_continuous_evaluates_each_checkpoint_once_and_skips_vanished_ones(tmp_p
         evaluate_checkpoints(reader, continuous=True, poll_seconds=0.01, timeout=0.05,
                              until_step=10)
     assert raised.value.results == {}
-    assert sorted(eval_steps_in(tmp_path / "run" / "eval", os.getpid())).count(8) == 2  # train + once
+    # Step 8 in eval/: the training's own evaluation, and the side-car's once.
+    assert eval_steps_in(tmp_path / "run" / "eval", os.getpid()).count(8) == 2
+
+
+class WideTask(TinyTask):
+    """Another model: a wider hidden layer."""
+
+    def build_model(self):
+        import keras
+
+        inputs = keras.Input((8,), name="x")
+        return keras.Model({"x": inputs}, keras.layers.Dense(2)(keras.layers.Dense(32)(inputs)))
 
 
 def test_a_checkpoint_of_another_model_is_refused(tmp_path):
@@ -130,14 +141,6 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
                              report_mfu=False)
     with pytest.raises(tputrain.CheckpointMismatchError, match="does not hold this model"):
         read_checkpoint(other, str(tmp_path / "run" / "checkpoints" / "ckpt-4"))
-
-
-class WideTask(TinyTask):
-    def build_model(self):
-        import keras
-
-        inputs = keras.Input((8,), name="x")
-        return keras.Model({"x": inputs}, keras.layers.Dense(2)(keras.layers.Dense(32)(inputs)))
 
 
 TINY_GIN = """
@@ -153,6 +156,7 @@ Trainer.report_mfu = False
 """
 
 
+@pytest.mark.slow  # three processes starting TensorFlow: 35-50 s on 2 shared cores
 def test_cli_side_car_beside_training_evaluates_every_checkpoint_once(tmp_path):
     from faults import Process, child_env
 

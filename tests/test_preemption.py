@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tputrain
+from tputrain import goodput
 from tputrain.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatcher
 from tiny import TinyTask, strategy_for, weights
 
@@ -61,6 +62,12 @@ def test_sigterm_mid_loop_saves_at_the_next_step_and_resumes_exactly(tmp_path):
     resumed = make_trainer(tmp_path / "run")
     resumed.train()
     assert int(resumed.step.numpy()) == STEPS
+    # The goodput account saw the preemption's save: nothing was lost or recomputed.
+    first, second = goodput.read_records(str(tmp_path / "run"))
+    assert first["last_checkpoint_step"] == first["last_step"] == preempted.step
+    assert first["seconds"]["checkpoint"] > 0 and not first["finished"]
+    assert second["restored_step"] == preempted.step
+    assert goodput.account(str(tmp_path / "run"))["recomputed_steps"] == 0
     for a, b in zip(weights(reference), weights(resumed)):
         np.testing.assert_array_equal(a, b)
 

@@ -18,7 +18,6 @@ from absl import logging
 from tputrain.communication import CommunicationOptions, gradient_bytes, measure_allreduce
 from tputrain.flops import count_flops, peak_flops, specs_of
 from tputrain.guard import NonFiniteError
-from tputrain.preemption import Preempted
 from tputrain.task import Task
 
 if TYPE_CHECKING:  # annotations only: the Trainer imports this module
@@ -111,13 +110,12 @@ class NonFinitePolicyAction(Action):
 
 
 class PreemptionAction(Action):
-    """After a loop in which any host got SIGTERM: save and raise `Preempted`."""
+    """After a loop in which any host got SIGTERM: stop there. The Controller then saves
+    (every action's `on_save` sees it) and raises `Preempted` (exit code 42)."""
 
     def on_loop_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
         if trainer.preempted():
-            preempted = Preempted(step, trainer.checkpointer.save())
-            logging.warning("tputrain: %s", preempted)
-            raise preempted
+            trainer.stop_training, trainer.stop_reason = True, "preempted"
 
 
 class MFUAction(Action):

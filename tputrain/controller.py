@@ -17,6 +17,7 @@ from absl import logging
 from tputrain.actions import Action, ProfilerAction
 from tputrain.data import explain_parse_error
 from tputrain.loop.host_loop import EXHAUSTED
+from tputrain.preemption import Preempted
 from tputrain.progress import Stopwatch
 from tputrain.validate import input_data_error
 
@@ -79,11 +80,12 @@ class Controller:
             action.on_eval_end(trainer, trainer.current_step, logs)
         return logs
 
-    def save(self) -> None:
+    def save(self) -> str | None:
         trainer = self.trainer
         path = trainer.checkpointer.save()
         for action in self.actions:
             action.on_save(trainer, trainer.current_step, path)
+        return path
 
     def run(self, until: int) -> dict[str, float]:
         """Trains from the current step to `until`; returns the final evaluation."""
@@ -92,8 +94,9 @@ class Controller:
         self.until = until
         eval_logs: dict[str, float] = {}
         evaluated_at = None
-        # An action sets this to end training early, e.g. tputrain.EarlyStopping.
-        trainer.stop_training = False
+        # An action sets this to end training early, e.g. tputrain.EarlyStopping; the
+        # built-in PreemptionAction also sets stop_reason = "preempted".
+        trainer.stop_training, trainer.stop_reason = False, None
         profilers = [a for a in self.actions if isinstance(a, ProfilerAction)]
         for action in self.actions:
             action.on_train_begin(trainer, step)
@@ -106,11 +109,15 @@ class Controller:
                     break
                 step = trainer.current_step
                 self._after_loop(step, *result)
+                if trainer.stop_reason == "preempted":
+                    break  # save now: a preempted machine has seconds, not an eval
                 if trainer.eval_every and step % trainer.eval_every == 0 and step < until:
                     eval_logs, evaluated_at = self.evaluate(), step
                 if trainer.checkpointer.due(step):
                     self.save()
-            self.save()
+            path = self.save()  # every action sees it (goodput counts it)
+            if trainer.stop_reason == "preempted":
+                raise _preempted(step, path)
             if not (trainer.stop_training and evaluated_at == step):  # stopped after an eval
                 eval_logs = self.evaluate()
         finally:
@@ -119,3 +126,10 @@ class Controller:
         for action in self.actions:
             action.on_train_end(trainer, step, eval_logs)
         return eval_logs
+
+
+def _preempted(step: int, path: str | None) -> Preempted:
+    """The exit (code 42) after a preemption's checkpoint, logged."""
+    preempted = Preempted(step, path)
+    logging.warning("tputrain: %s", preempted)
+    return preempted

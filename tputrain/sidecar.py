@@ -221,7 +221,8 @@ def _evaluate_if_readable(trainer: Trainer, path: str, record: EvalRecord) -> Me
         raise
     except (tf.errors.OpError, ValueError, IndexError) as error:  # as restore_latest
         if path not in list_checkpoints(checkpoint_dir(trainer)).paths:
-            why = "deleted by keep-N rotation before it was read (Trainer.keep_checkpoints)"
+            why = ("no longer listed when read: deleted by keep-N rotation "
+                   "(Trainer.keep_checkpoints) or moved aside as damaged")
         else:
             why = f"unreadable ({type(error).__name__}: {str(error).strip().splitlines()[0]})"
         logging.warning("tputrain: skipped checkpoint %s: %s", path, why)

@@ -30,6 +30,8 @@ from tputrain.task import Task  # noqa: E402
 from tputrain.trainer import Trainer  # noqa: E402
 from tputrain.best import BestCheckpoint, EarlyStopping  # noqa: E402
 from tputrain.export import Export, export_checkpoint  # noqa: E402
+from tputrain.init_checkpoint import InitCheckpoint  # noqa: E402
+from tputrain.sidecar import NoNewCheckpointError, ReadOnlyTrainer, evaluate_checkpoints  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -38,6 +40,10 @@ __all__ = [
     "BestCheckpoint",
     "EarlyStopping",
     "Export",
+    "InitCheckpoint",
+    "NoNewCheckpointError",
+    "ReadOnlyTrainer",
+    "evaluate_checkpoints",
     "export_checkpoint",
     "Controller",
     "show_progress",

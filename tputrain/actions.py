@@ -158,7 +158,7 @@ class CommunicationAction(Action):
     """Times one all-reduce of the gradients at the start of train() (several replicas
     only); adds comm/* to each loop (tputrain/communication.py says how and how well)."""
 
-    def __init__(self, options: CommunicationOptions, seconds: float = 0.5):
+    def __init__(self, options: CommunicationOptions, seconds: float = 0.25):
         self.options = options
         self.seconds = seconds  # measurement budget: about 1.5x this at start-up
         self.bytes = 0

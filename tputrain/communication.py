@@ -8,7 +8,7 @@ cost, and `tputrain.actions.CommunicationAction` measures it on every run:
   (0 on one replica: nothing crosses);
 * `comm/allreduce_fraction`: the share of a loop's wall time spent in the
   all-reduce. Measured once at the start of `train()` (`measure_allreduce`,
-  about 0.75 s, only on several replicas): compiled loops of 1 and of n
+  under half a second, only on several replicas): compiled loops of 1 and of n
   all-reduces of the real gradient structure (same shapes, wire dtype and
   packing as the step, the variables' values as data) alternate, and the
   difference of their fastest runs is one all-reduce without a call's overhead; each

@@ -84,10 +84,23 @@ def parse_gin_flags() -> None:
         fail(error_message(error))
 
 
-def build_trainer(model_dir: str | None = None) -> Trainer:
+def default_operative_config() -> None:
+    """No --gin_file: read the operative config that `tputrain run` wrote to model_dir
+    (for commands that act on a finished or running job: export, eval)."""
+    if FLAGS.gin_file or not FLAGS.model_dir:
+        return
+    operative = os.path.join(FLAGS.model_dir, "operative_config.gin")
+    if not os.path.isfile(operative):
+        fail(f"{operative} does not exist (yet): pass the run's --gin_file")
+    FLAGS.gin_file = [operative]
+
+
+def build_trainer(model_dir: str | None = None,
+                  trainer_class: type[Trainer] = Trainer) -> Trainer:
     """The gin-configured Trainer (inputs validated before anything is written) in
     `model_dir`; when None, in Vertex AI's $AIP_CHECKPOINT_DIR if set (a job's output
-    must outlive its machine), else in the config's `Trainer.model_dir`."""
+    must outlive its machine), else in the config's `Trainer.model_dir`. Commands that
+    only read a run pass `trainer_class=tputrain.sidecar.ReadOnlyTrainer`."""
     if model_dir is None and os.environ.get(VERTEX_CHECKPOINT_DIR):
         model_dir = os.environ[VERTEX_CHECKPOINT_DIR]
         logging.info("tputrain: model_dir %s (from $%s)", model_dir, VERTEX_CHECKPOINT_DIR)
@@ -97,4 +110,4 @@ def build_trainer(model_dir: str | None = None) -> Trainer:
             require_bound("Trainer.model_dir")
     except ConfigError as error:
         fail(str(error))
-    return Trainer(model_dir=model_dir) if model_dir else Trainer()
+    return trainer_class(model_dir=model_dir) if model_dir else trainer_class()

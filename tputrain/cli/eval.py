@@ -17,15 +17,14 @@ there is no such checkpoint or the config is bad.
 from __future__ import annotations
 
 import json
-import os
 
 import tensorflow as tf
 from absl import app, flags, logging
 
 from tputrain.cli.common import (EXIT_BAD_INPUT, EXIT_TRAINING_FAILED, GIN_FLAGS,
-                                 VERTEX_CHECKPOINT_DIR, define_gin_flags, error_message, fail,
-                                 list_in_help, parse_gin_flags, reject_arguments)
-from tputrain.config import ConfigError, require_bound
+                                 build_trainer, default_operative_config, define_gin_flags,
+                                 error_message, fail, list_in_help, parse_gin_flags,
+                                 reject_arguments)
 from tputrain.sidecar import Metrics, NoNewCheckpointError, ReadOnlyTrainer, evaluate_checkpoints
 
 FLAGS = flags.FLAGS
@@ -46,29 +45,6 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                   "timeout_seconds"), flag_values)
 
 
-def _default_config() -> None:
-    """No --gin_file: the operative config the run wrote to model_dir."""
-    if FLAGS.gin_file or not FLAGS.model_dir:
-        return
-    operative = os.path.join(FLAGS.model_dir, "operative_config.gin")
-    if not os.path.isfile(operative):
-        fail(f"{operative} does not exist (yet): pass the run's --gin_file")
-    FLAGS.gin_file = [operative]
-
-
-def _build_reader() -> ReadOnlyTrainer:
-    """The gin-configured run as a ReadOnlyTrainer, in --model_dir, else Vertex AI's
-    $AIP_CHECKPOINT_DIR, else the config's Trainer.model_dir (as `tputrain run`)."""
-    model_dir = FLAGS.model_dir or os.environ.get(VERTEX_CHECKPOINT_DIR) or None
-    try:
-        require_bound("Trainer.task")
-        if model_dir is None:
-            require_bound("Trainer.model_dir")
-    except ConfigError as error:
-        fail(str(error))
-    return ReadOnlyTrainer(model_dir=model_dir) if model_dir else ReadOnlyTrainer()
-
-
 def _print(results: dict[int, Metrics]) -> None:
     for step, logs in sorted(results.items()):
         print(json.dumps({"step": step, **logs}), flush=True)
@@ -76,11 +52,11 @@ def _print(results: dict[int, Metrics]) -> None:
 
 def main(argv: list[str]) -> None:
     reject_arguments(argv)
-    _default_config()
+    default_operative_config()
     parse_gin_flags()
     timeout = FLAGS.timeout_seconds if FLAGS.timeout_seconds > 0 else None
     try:
-        trainer = _build_reader()
+        trainer = build_trainer(FLAGS.model_dir, ReadOnlyTrainer)
         results = evaluate_checkpoints(trainer, step=FLAGS.step, continuous=FLAGS.continuous,
                                        poll_seconds=FLAGS.poll_seconds, timeout=timeout)
     except NoNewCheckpointError as error:  # the training stopped before train_steps

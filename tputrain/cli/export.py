@@ -1,7 +1,8 @@
 """`tputrain export --model_dir=DIR [--gin_file=F] [--step=N]`: a checkpoint to a SavedModel.
 
 Builds the run's Trainer from its config (by default the `operative_config.gin`
-that `tputrain run` left in model_dir), reads a checkpoint into a fresh copy of
+that `tputrain run` left in model_dir) as a `ReadOnlyTrainer` (tputrain/sidecar.py),
+so it also exports beside a running training job; reads a checkpoint into a fresh copy of
 the model and writes a SavedModel (`tputrain.export`): the best checkpoint if
 the config has a `BestCheckpoint` action, else the latest, or `--step`. The
 SavedModel goes to `--export_dir`, else `$AIP_MODEL_DIR` (Vertex AI), else
@@ -11,14 +12,13 @@ is no such checkpoint or the config is bad.
 
 from __future__ import annotations
 
-import os
-
 from absl import app, flags, logging
 
-from tputrain.cli.common import (EXIT_BAD_INPUT, GIN_FLAGS, build_trainer, define_gin_flags,
-                                 error_message, fail, list_in_help, parse_gin_flags,
-                                 reject_arguments)
+from tputrain.cli.common import (EXIT_BAD_INPUT, GIN_FLAGS, build_trainer,
+                                 default_operative_config, define_gin_flags, error_message,
+                                 fail, list_in_help, parse_gin_flags, reject_arguments)
 from tputrain.export import export_checkpoint
+from tputrain.sidecar import ReadOnlyTrainer
 
 FLAGS = flags.FLAGS
 
@@ -38,22 +38,12 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                  flag_values)
 
 
-def _default_config() -> None:
-    """No --gin_file: the operative config the run wrote to model_dir."""
-    if FLAGS.gin_file or not FLAGS.model_dir:
-        return
-    operative = os.path.join(FLAGS.model_dir, "operative_config.gin")
-    if not os.path.isfile(operative):
-        fail(f"{operative} does not exist: pass the run's --gin_file")
-    FLAGS.gin_file = [operative]
-
-
 def main(argv: list[str]) -> None:
     reject_arguments(argv)
-    _default_config()
+    default_operative_config()
     parse_gin_flags()
     try:
-        trainer = build_trainer(FLAGS.model_dir)
+        trainer = build_trainer(FLAGS.model_dir, ReadOnlyTrainer)  # runs beside training
         path = export_checkpoint(trainer, step=FLAGS.step, export_dir=FLAGS.export_dir,
                                  best=FLAGS.best, examples=FLAGS.examples)
     except (ValueError, TypeError, OSError) as error:  # no such checkpoint, bad config

@@ -158,3 +158,27 @@ def test_mixed_bfloat16_run_serves_float32_and_the_cli_exports_any_step(tmp_path
                    "--step=200")
     assert exported.stdout.strip() == str(model_dir / "export" / "200")
     assert served_accuracy(tmp_path, model_dir / "export" / "200")["dtype"] == "float32"
+
+
+def test_the_cli_exports_while_a_training_process_holds_model_dir(tmp_path):
+    """`tputrain export` only reads the run (a ReadOnlyTrainer): it works beside the
+    process that trains there and holds model_dir's lock (here, this test process)."""
+    from faults import FaultTask, child_env
+
+    model_dir = tmp_path / "run"
+    trainer = make(FaultTask(), model_dir, train_steps=4)
+    trainer.train()  # this process is the chief: it holds the lock until it ends
+    config = tmp_path / "run.gin"
+    config.write_text("Trainer.task = @FaultTask()\nTrainer.global_batch_size = 16\n")
+    command = [sys.executable, "-m", "tputrain.cli", "export", "--gin_import=faults",
+               f"--gin_file={config}", f"--model_dir={model_dir}"]
+    train_again = command[:3] + ["run", *command[4:], "--gin_param=Trainer.train_steps=8"]
+    refused = subprocess.run(train_again, env=child_env(), capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode == 2 and f"in use by pid {os.getpid()}" in refused.stderr, \
+        refused.stderr[-3000:]  # a second writer is refused: the lock is really held
+    exported = subprocess.run(command, env=child_env(), capture_output=True, text=True,
+                              timeout=300)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert exported.stdout.strip() == str(model_dir / "export" / "4")
+    assert tf.saved_model.load(str(model_dir / "export" / "4")).signatures["serving_default"]

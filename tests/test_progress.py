@@ -31,3 +31,22 @@ def test_progress_uses_the_flops_formula(monkeypatch):
     p.set_flops(3e9, 60e9)
     assert p.train_loop_done(step=4, steps=4, seconds=2.0, logs={})["mfu"] == 0.125
     assert calls == [(3e9, 2.0, 60e9)]
+
+
+def test_vertex_tensorboard_dir_gets_the_events(tmp_path, monkeypatch):
+    """On Vertex AI ($AIP_TENSORBOARD_LOG_DIR set) train/ and eval/ events go there,
+    where the job's TensorBoard integration uploads from; checkpoints stay in model_dir."""
+    import tensorflow as tf
+
+    import tputrain
+    from tiny import TinyTask, strategy_for
+
+    monkeypatch.setenv("AIP_TENSORBOARD_LOG_DIR", str(tmp_path / "logs"))
+    trainer = tputrain.Trainer(TinyTask(), str(tmp_path / "model"), strategy=strategy_for(1),
+                               train_steps=4, steps_per_loop=2, global_batch_size=16,
+                               eval_steps=1, report_mfu=False)
+    trainer.train()
+    for split in ("train", "eval"):
+        assert tf.io.gfile.glob(str(tmp_path / "logs" / split / "events.*")), split
+        assert not (tmp_path / "model" / split).exists()
+    assert trainer.checkpointer.latest.startswith(str(tmp_path / "model" / "checkpoints"))

@@ -1,4 +1,5 @@
-"""Progress: one log line per loop and TensorBoard scalars in model_dir."""
+"""Progress: one log line per loop and TensorBoard scalars in model_dir (on Vertex AI,
+in `$AIP_TENSORBOARD_LOG_DIR`, which its TensorBoard integration uploads)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,20 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.flops import model_flops_utilization
+
+
+VERTEX_TENSORBOARD_DIR = "AIP_TENSORBOARD_LOG_DIR"  # set by Vertex AI (docs/vertex.md)
+
+
+def summary_root(model_dir: str) -> str:
+    """Where the `train/` and `eval/` events go: Vertex AI's $AIP_TENSORBOARD_LOG_DIR
+    when it is set (a job with a TensorBoard instance uploads that folder), else
+    model_dir."""
+    root = os.environ.get(VERTEX_TENSORBOARD_DIR)
+    if root:
+        logging.info("tputrain: TensorBoard events in %s (from $%s)", root,
+                     VERTEX_TENSORBOARD_DIR)
+    return root or model_dir
 
 
 def _format_duration(seconds: float) -> str:

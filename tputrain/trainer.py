@@ -40,7 +40,7 @@ from tputrain.loop.step import StepBuilder, ensure_built
 from tputrain.options import TrainerOptions
 from tputrain.precision import resolve_precision, wrap_optimizer_for_policy
 from tputrain.preemption import Preempted, PreemptionWatcher
-from tputrain.progress import Progress, Stopwatch
+from tputrain.progress import Progress, Stopwatch, summary_root
 from tputrain.strategy import resolve_strategy
 from tputrain.task import Task
 from tputrain.validate import check_model_dir, iterator_state_bytes, probe_inputs, variable_bytes
@@ -182,7 +182,7 @@ class Trainer:
         self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
         if self.is_chief:  # inputs are checked; nothing has been written yet
             self._preflight()
-        self.progress = Progress(self._work_dir if self.is_chief else None,
+        self.progress = Progress(summary_root(self._work_dir) if self.is_chief else None,
                                  self.train_steps, self.global_batch_size)
 
     def _preflight(self) -> None:
@@ -245,7 +245,8 @@ class Trainer:
         built_in: list[Action] = [GoodputAction(), CommunicationAction(self.communication)]
         built_in += [MFUAction()] if self.report_mfu else []
         if self.profile_steps and self.is_chief:
-            built_in.append(ProfilerAction(*self.profile_steps, os.path.join(self.model_dir, "train")))
+            logdir = os.path.join(summary_root(self.model_dir), "train")  # beside the events
+            built_in.append(ProfilerAction(*self.profile_steps, logdir))
         return built_in + [NonFinitePolicyAction(), PreemptionAction()] + self.actions
 
     def evaluate(self) -> dict[str, float]:

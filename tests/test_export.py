@@ -65,6 +65,32 @@ def test_export_action_writes_the_best_checkpoint_with_both_signatures(tmp_path)
     np.testing.assert_allclose(outputs, trainer.model({"x": x}), rtol=1e-5, atol=1e-6)
 
 
+class BestSteps(tputrain.Action):
+    """Records the BestCheckpoint's step after each eval (listed after it)."""
+
+    def __init__(self, best):
+        self.best, self.steps = best, []
+
+    def on_eval_end(self, trainer, step, logs):
+        if self.best.step == step:
+            self.steps.append(step)
+
+
+def test_export_every_best_writes_a_version_per_new_best(tmp_path):
+    """Export(every_best=True): one SavedModel per eval that set a new best, named by its
+    step (a server watching export/ picks up each), and no second export at the end."""
+    best = tputrain.BestCheckpoint("loss", "min")
+    recorder, export = BestSteps(best), tputrain.Export(every_best=True)
+    trainer = make(SpecTask(), tmp_path / "run", [best, recorder, export])
+    trainer.train()
+    assert len(recorder.steps) >= 2  # loss fell at more than one eval
+    exported = sorted(int(p.name) for p in (tmp_path / "run" / "export").iterdir())
+    assert exported == recorder.steps
+    assert export.path == str(tmp_path / "run" / "export" / str(best.step))
+    with pytest.raises(ValueError, match="needs a BestCheckpoint action listed before it"):
+        make(SpecTask(), tmp_path / "other", [tputrain.Export(every_best=True), best]).train()
+
+
 def test_mixed_bfloat16_exports_float32_outputs_of_any_step(tmp_path, monkeypatch):
     trainer = make(Bfloat16OutputTask(), tmp_path / "run", precision="mixed_bfloat16")
     trainer.train()

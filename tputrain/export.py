@@ -40,6 +40,7 @@ from absl import logging
 from tputrain.actions import Action
 from tputrain.best import BestCheckpoint, best_record
 from tputrain.checkpoint import list_checkpoints
+from tputrain.checks import check_bool
 from tputrain.data import parse_feature_spec
 from tputrain.layer_precision import override_layer_dtypes
 from tputrain.loop.step import ensure_built
@@ -239,14 +240,41 @@ class Export(Action):
         model_dir/export/<step>.
       examples: also write the `serving_examples` signature (tf.Example strings)
         when the Task has a feature spec.
+      every_best: also export after each eval that set a new best (needs a
+        `BestCheckpoint` action listed before this one): a server watching
+        model_dir/export/ serves the best model while training goes on, at the
+        cost of one export per improvement.
     """
 
-    def __init__(self, export_dir: str | None = None, examples: bool = True):
+    def __init__(self, export_dir: str | None = None, examples: bool = True,
+                 every_best: bool = False):
         self.export_dir = export_dir
         self.examples = examples
+        self.every_best = check_bool("Export", "every_best", every_best)
         self.path: str | None = None  # where the last export went
+        self.exported_step: int | None = None
+
+    def on_train_begin(self, trainer: "Trainer", step: int) -> None:
+        if self.every_best and self._best(trainer) is None:
+            raise ValueError("Export(every_best=True) needs a BestCheckpoint action listed "
+                             "before it in Trainer.actions")
+
+    def _best(self, trainer: "Trainer") -> BestCheckpoint | None:
+        actions = trainer.actions[:trainer.actions.index(self)] if self in trainer.actions else []
+        return next((a for a in actions if isinstance(a, BestCheckpoint)), None)
+
+    def on_eval_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+        best = self._best(trainer) if self.every_best else None
+        if best is not None and best.step == step and self.exported_step != step:
+            self._export(trainer)
+            self.exported_step = step
 
     def on_train_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+        best = self._best(trainer)
+        if best is None or best.step is None or best.step != self.exported_step:
+            self._export(trainer)  # (the best was exported when it was set)
+
+    def _export(self, trainer: "Trainer") -> None:
         if trainer.is_chief:
             self.path = export_checkpoint(trainer, export_dir=self.export_dir,
                                           examples=self.examples)

@@ -134,3 +134,67 @@ def test_mirrored_cross_device_ops_are_chosen_by_name_and_checked():
         CommunicationOptions(mirrored_cross_device_ops="ring")
     with pytest.raises(ValueError, match="mirrored_num_packs must be an int >= 1"):
         CommunicationOptions(mirrored_num_packs=0)
+
+
+def _trace(directory, events):
+    """A profiler run folder with one host plane: (line, name, start_ns, duration_ns)."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    plane = space.planes.add(name="/host:CPU")
+    lines = {}
+    for index, (line_name, name, start, duration) in enumerate(events):
+        plane.event_metadata[index + 1].name = name
+        line = lines.get(line_name) or lines.setdefault(line_name, plane.lines.add(name=line_name))
+        line.events.add(metadata_id=index + 1, offset_ps=start * 1000, duration_ps=duration * 1000)
+    run = directory / "2026_01_01_00_00_00"
+    run.mkdir(parents=True)
+    (run / "host.xplane.pb").write_bytes(space.SerializeToString())
+
+
+def test_collective_share_is_the_union_of_collective_events_over_the_trace(tmp_path):
+    from tputrain.communication import collective_share
+
+    _trace(tmp_path / "a", [
+        ("python", "_loop", 0, 100),                          # the span: 0-100
+        ("tf_Compute/1", "CollectiveOpV2Kernel::Run", 10, 20),  # 10-30
+        ("tf_Compute/2", "CollectiveOpV2Kernel::Run", 20, 20),  # 20-40: overlaps, once
+        ("gpu", "ncclDevKernel_AllReduce_Sum_f32", 60, 10),     # 60-70
+        ("tf_Compute/1", "MatMul", 30, 30)])                  # not a collective
+    assert collective_share(str(tmp_path / "a")) == pytest.approx(0.4)
+    _trace(tmp_path / "b", [("python", "_loop", 0, 100), ("tf_Compute/1", "MatMul", 0, 50)])
+    assert collective_share(str(tmp_path / "b")) is None  # nothing crossed replicas
+    assert collective_share(str(tmp_path / "empty")) is None
+
+
+PROFILED = """
+import sys
+import tputrain
+tputrain.split_cpu(2)
+import tensorflow as tf
+from tiny import TinyTask
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])  # collective all-reduce
+trainer = tputrain.Trainer(TinyTask(), sys.argv[1], strategy=strategy, train_steps=8,
+                           steps_per_loop=2, global_batch_size=16, eval_steps=1,
+                           report_mfu=False, profile_steps=(2, 6))
+trainer.train()
+"""
+
+
+@pytest.mark.slow
+def test_a_profile_on_two_replicas_logs_the_collective_share_beside_the_estimate(tmp_path):
+    """Trainer.profile_steps on 2 replicas with collective all-reduce: the trace's
+    collective ops are read back and logged next to comm/allreduce_fraction."""
+    import re
+    import subprocess
+    import sys
+
+    from faults import child_env
+
+    result = subprocess.run([sys.executable, "-c", PROFILED, str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=300, env=child_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = re.search(r"profile: collective ops in flight ([0-9.]+)% of the traced time "
+                      r"\(comm/allreduce_fraction estimates ([0-9.]+)%", result.stderr)
+    assert found, result.stderr[-3000:]
+    assert 0 < float(found.group(1)) <= 100 and 0 < float(found.group(2)) <= 100

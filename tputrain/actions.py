@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import tensorflow as tf
 from absl import logging
 
-from tputrain.communication import CommunicationOptions, gradient_bytes, measure_allreduce
+from tputrain.communication import (CommunicationOptions, collective_share, gradient_bytes,
+                                    measure_allreduce)
 from tputrain.flops import count_flops, peak_flops, specs_of
 from tputrain.guard import NonFiniteError
 from tputrain.task import Task
@@ -78,7 +79,20 @@ class ProfilerAction(Action):
                          os.path.join(self.logdir, "plugins", "profile"))
 
     def on_loop_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+        was_running = self.running
         self.update(step)
+        if was_running and not self.running and trainer.strategy.num_replicas_in_sync > 1:
+            self.cross_check(logs.get("comm/allreduce_fraction"))
+
+    def cross_check(self, estimate: float | None) -> float | None:
+        """Logs the profile's collective share beside comm/allreduce_fraction's estimate."""
+        share = collective_share(os.path.join(self.logdir, "plugins", "profile"))
+        if share is not None:
+            logging.info("tputrain: profile: collective ops in flight %.1f%% of the traced time "
+                         "(comm/allreduce_fraction estimates %s; the profile's share also counts "
+                         "waiting for the slowest replica and overlap with compute)", 100 * share,
+                         "n/a" if estimate is None else f"{100 * estimate:.1f}%")
+        return share
 
     def close(self) -> None:
         if self.running:

@@ -178,3 +178,51 @@ def measure_allreduce(strategy: tf.distribute.Strategy, variables: Sequence[tf.V
             break
         n *= 8
     return min(max(per_step, 0.0), min(long) / n)
+
+
+# Event names of cross-replica collectives in a profiler trace: TF's collective
+# kernels on CPU/GPU hosts, NCCL kernels on GPUs, XLA's all-reduce on TPUs.
+_COLLECTIVE_MARKERS = ("collective", "allreduce", "all-reduce", "nccl")
+
+
+def _merged_length(intervals: list[tuple[int, int]]) -> int:
+    """Total length covered by `intervals` (overlaps counted once)."""
+    total, end = 0, None
+    for begin, finish in sorted(intervals):
+        if end is None or begin > end:
+            total, end = total + finish - begin, finish
+        elif finish > end:
+            total, end = total + finish - end, finish
+    return total
+
+
+def collective_share(profile_dir: str) -> float | None:
+    """Share of a profiler trace's span during which a collective op was in flight on
+    some thread or device: the profiler's view of `comm/allreduce_fraction`. None
+    when `profile_dir` (a `plugins/profile` folder) holds no trace or no collective.
+
+    It is an upper bound of the all-reduce's cost: a collective kernel starts when
+    its replica is ready and ends when the slowest one has contributed, so it also
+    counts waiting for the other replicas, and overlapping with compute.
+    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # ships with TensorFlow
+
+    runs = sorted(tf.io.gfile.glob(f"{profile_dir.rstrip('/')}/*"))
+    if not runs:
+        return None
+    collective, span = [], [None, None]
+    for path in tf.io.gfile.glob(f"{runs[-1]}/*.xplane.pb"):
+        space = xplane_pb2.XSpace.FromString(tf.io.gfile.GFile(path, "rb").read())
+        for plane in space.planes:
+            names = {key: meta.name.lower() for key, meta in plane.event_metadata.items()}
+            for line in plane.lines:
+                for event in line.events:
+                    begin = line.timestamp_ns * 1000 + event.offset_ps
+                    end = begin + event.duration_ps
+                    span = [min(x for x in (span[0], begin) if x is not None),
+                            max(x for x in (span[1], end) if x is not None)]
+                    if any(m in names.get(event.metadata_id, "") for m in _COLLECTIVE_MARKERS):
+                        collective.append((begin, end))
+    if not collective or span[1] <= span[0]:
+        return None
+    return _merged_length(collective) / (span[1] - span[0])

@@ -6,11 +6,17 @@ Without an overridden `Task.train_step` the step is composed from
 `Task.train_step`, but the forward/backward can be compiled on its own. The
 gradients reach the optimizer unsummed; `tputrain.allreduce` sums them over
 replicas before clipping.
+
+Under a mixed policy on a CPU, `jit_compile="auto"` leaves the matmuls to oneDNN
+(XLA's CPU backend has none for bf16) and compiles only what XLA fuses well and
+oneDNN does not: the optimizer's update, and each LayerNormalization and GELU
+(`ElementwiseFusion`), which TensorFlow otherwise runs as many small kernels.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import keras
 import tensorflow as tf
@@ -26,6 +32,59 @@ def ensure_built(model: keras.Model, features_spec: Any) -> None:
     if not (model.built and model.variables):
         model(tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), features_spec),
               training=False)
+
+
+class XlaPlan(NamedTuple):
+    """What `jit_compile` compiles (`StepBuilder.plan`), and why."""
+
+    whole_step: bool
+    gradients_only: bool
+    why: str
+    apply_only: bool = False  # the optimizer's update alone
+    fuse_elementwise: bool = False  # LayerNormalization and GELU, as small XLA programs
+
+
+# Measured on the Transformer (configs/synthetic_transformer.gin) in mixed_bfloat16 on a
+# 2-core AVX512_BF16 CPU: compiling layer norm 2-3% and the exact GELU (erfc) about 5%
+# of the step; a plain ReLU or tanh would be one kernel either way, so they are left out.
+FUSED_LAYERS: tuple[type, ...] = (keras.layers.LayerNormalization,)
+FUSED_ACTIVATIONS: tuple[Callable, ...] = (keras.activations.gelu,)
+
+
+class ElementwiseFusion:
+    """Small XLA programs for a model's layer norms and GELUs, used while a step traces.
+
+    The layers are swapped back on exit, so evaluation, export and FLOP counting
+    see the model unchanged. Each XLA program (and its gradient) fuses what
+    TensorFlow would run as ~10 kernels, each a full pass over a bf16 tensor.
+    """
+
+    def __init__(self, model: keras.Model):
+        self.swaps: list[tuple[keras.layers.Layer, str, Callable]] = []
+        for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
+            if isinstance(layer, FUSED_LAYERS):
+                self.swaps.append((layer, "call", _compiled(layer.call)))
+            elif any(getattr(layer, "activation", None) is a for a in FUSED_ACTIVATIONS):
+                self.swaps.append((layer, "activation", _compiled(layer.activation)))
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Within: the swapped layers call their XLA programs (instance attributes)."""
+        saved = [(layer, name, vars(layer).get(name)) for layer, name, _ in self.swaps]
+        try:
+            for layer, name, compiled in self.swaps:
+                vars(layer)[name] = compiled  # no Keras tracking: a plain function
+            yield
+        finally:
+            for layer, name, original in saved:
+                if original is None:
+                    vars(layer).pop(name, None)  # back to the class's method
+                else:
+                    vars(layer)[name] = original
+
+
+def _compiled(fn: Callable) -> Callable:
+    return tf.function(fn, jit_compile=True, autograph=False)
 
 
 class StepBuilder:
@@ -50,34 +109,44 @@ class StepBuilder:
         self._custom_train_step = type(task).train_step is not Task.train_step
 
     def xla_plan(self) -> tuple[bool, bool, str]:
-        """(compile the whole step, compile forward/backward only, why) for `jit_compile`."""
+        """(compile the whole step, compile forward/backward only, why): `plan`'s summary;
+        the start-up line logs `why`."""
+        return tuple(self.plan()[:3])
+
+    def plan(self) -> XlaPlan:
+        """What `jit_compile` compiles, and why."""
         if isinstance(self.strategy, tf.distribute.TPUStrategy):
-            return False, False, "on (TPU: always compiled)"
+            return XlaPlan(False, False, "on (TPU: always compiled)")
         replicas = self.strategy.num_replicas_in_sync
         if self.jit_compile is True:
-            return (replicas == 1, replicas > 1, "on (the whole step)" if replicas == 1
-                    else "on (forward and backward only)")
+            return XlaPlan(replicas == 1, replicas > 1, "on (the whole step)" if replicas == 1
+                           else "on (forward and backward only)")
         if self.jit_compile != "auto":
-            return False, False, "off"
+            return XlaPlan(False, False, "off")
         if replicas > 1:
-            return False, False, f"auto: off on {replicas} replicas"
+            return XlaPlan(False, False, f"auto: off on {replicas} replicas")
         on_cpu = not any("GPU" in d.upper() for d in self.strategy.extended.worker_devices)
         if on_cpu and seed_generator_states(self.model):
             # XLA's CPU random-number generation is slow: a small MLP with Dropout took
             # 9.3 ms per step compiled against 0.5 ms uncompiled (19x).
-            return False, False, "auto: off on CPU for a model with random ops (dropout)"
+            return XlaPlan(False, False, "auto: off on CPU for a model with random ops (dropout)")
+        if on_cpu and self.precision == "mixed_bfloat16" and not self._custom_train_step:
+            # XLA's CPU backend has no oneDNN bf16 matmuls (the Transformer's bf16 step
+            # took 320 ms compiled against 250 ms uncompiled), so only the update and the
+            # layer norms / GELUs compile: 8-9% of the bf16 step (docs/performance.md).
+            return XlaPlan(False, False, f"auto: for {self.precision} on CPU the optimizer "
+                           "update, layer norms and GELUs only (matmuls stay on oneDNN)",
+                           apply_only=True, fuse_elementwise=True)
         if on_cpu and self.precision != "float32":
-            # XLA's CPU backend has no oneDNN bf16 matmuls: the Transformer's bf16 step
-            # took 320 ms compiled against 250 ms uncompiled (docs/performance.md).
-            return False, False, f"auto: off for {self.precision} on CPU"
-        return True, False, "auto: the whole step, if it compiles"
+            return XlaPlan(False, False, f"auto: off for {self.precision} on CPU")
+        return XlaPlan(True, False, "auto: the whole step, if it compiles")
 
     def build(self) -> Callable[[Any], dict[str, tf.Tensor]]:
         """The per-replica step (replica context), with accumulation and XLA as configured."""
-        compile_step, compile_gradients, _ = self.xla_plan()
+        plan = self.plan()
         # With the guard, the conditional update is kept out of the step's XLA program
         # (see NonFiniteGuard.compile_apply): forward/backward and update compile apart.
-        split = (compile_step and not self._custom_train_step
+        split = (plan.whole_step and not self._custom_train_step
                  and self.guard.guards_apply(self.optimizer))
 
         if self._custom_train_step:
@@ -85,21 +154,16 @@ class StepBuilder:
                 return self.task.train_step(batch, self.model, self.optimizer,
                                             self.train_metrics, self.global_batch_size)
         else:
-            # micro_batches is passed only when accumulating, so a Task that overrides
-            # compute_gradients without it still works without accumulation.
-            extra = {"micro_batches": self.accumulation_steps} if self.accumulation_steps > 1 else {}
-
-            def compute(batch):
-                return self.task.compute_gradients(batch, self.model, self.optimizer,
-                                                   self.global_batch_size, **extra)
-            if compile_gradients or split:
-                compute = tf.function(compute, jit_compile=True)
+            compute = self._compute(jit_compile=plan.gradients_only or split)
+            apply = self._apply(jit_compile=plan.apply_only)
+            fusion = ElementwiseFusion(self.model) if plan.fuse_elementwise else None
 
             def step(batch):
-                gradients, loss = self._accumulate_gradients(batch, compute)
-                self.optimizer.apply_gradients(zip(gradients, self.model.trainable_variables))
+                with fusion.active() if fusion else contextlib.nullcontext():
+                    gradients, loss = self._accumulate_gradients(batch, compute)
+                apply(gradients)
                 return {"loss": loss}
-        if not compile_step:
+        if not plan.whole_step:
             return step
         compiled = tf.function(step, jit_compile=True)
         if self.jit_compile == "auto" and not self._compiles(compiled):
@@ -108,6 +172,36 @@ class StepBuilder:
             self.guard.compile_apply()
             return step
         return compiled
+
+    def _compute(self, jit_compile: bool) -> Callable:
+        """Task.compute_gradients on a (micro-)batch, as its own XLA program if asked."""
+        # micro_batches is passed only when accumulating, so a Task that overrides
+        # compute_gradients without it still works without accumulation.
+        extra = {"micro_batches": self.accumulation_steps} if self.accumulation_steps > 1 else {}
+
+        def compute(batch):
+            return self.task.compute_gradients(batch, self.model, self.optimizer,
+                                               self.global_batch_size, **extra)
+        return tf.function(compute, jit_compile=True) if jit_compile else compute
+
+    def _apply(self, jit_compile: bool) -> Callable[[list[Any]], None]:
+        """The optimizer's update; with `jit_compile`, the update alone is an XLA program.
+
+        Under the guard only the optimizer's own apply compiles (its verdict stays in
+        TensorFlow, `NonFiniteGuard.compile_apply`); without it, the whole apply does
+        (on one replica: the all-reduce wrapper around it does nothing there).
+        """
+        variables = self.model.trainable_variables
+        if jit_compile and self.guard.guards_apply(self.optimizer):
+            self.guard.compile_apply()
+        elif jit_compile:
+            compiled = tf.function(lambda grads: self.optimizer.apply(grads, variables),
+                                   jit_compile=True)
+            return lambda gradients: compiled(list(gradients))
+
+        def apply(gradients):
+            self.optimizer.apply_gradients(zip(gradients, variables))
+        return apply
 
     def _compiles(self, compiled: Callable) -> bool:
         """jit_compile="auto": whether XLA can compile the step (lowered, not run).

@@ -1,7 +1,7 @@
 """tputrain/loop/step.py: what jit_compile="auto" compiles, and that it keeps the maths.
 
 Under mixed_bfloat16 on a CPU the matmuls stay on oneDNN and only the optimizer's
-update, the layer norms and the GELUs are XLA programs; these tests pin that plan
+update, the layer norms, softmaxes and GELUs are XLA programs; these tests pin that plan
 and check the step against the uncompiled one.
 """
 
@@ -45,8 +45,8 @@ def test_auto_plan_for_mixed_bfloat16_on_cpu_compiles_update_and_elementwise_onl
     plan = steps.plan()
     assert plan == XlaPlan(
         whole_step=False, gradients_only=False,
-        why="auto: for mixed_bfloat16 on CPU the optimizer update, layer norms and GELUs "
-            "only (matmuls stay on oneDNN)", apply_only=True, fuse_elementwise=True)
+        why="auto: for mixed_bfloat16 on CPU the optimizer update, layer norms, softmaxes "
+            "and GELUs only (matmuls stay on oneDNN)", apply_only=True, fuse_elementwise=True)
     assert steps.xla_plan() == (False, False, plan.why)  # what the start-up line logs
 
 
@@ -115,11 +115,11 @@ def _gradients(policy: str, fuse: bool) -> tuple[list[np.ndarray], int]:
     return [g.numpy() for g in gradients()], len(fusion.swaps)
 
 
-def test_fused_layer_norms_and_gelus_are_as_close_to_float32_as_unfused():
+def test_fused_elementwise_layers_are_as_close_to_float32_as_unfused():
     reference, _ = _gradients("float32", fuse=False)
     plain, swaps = _gradients("mixed_bfloat16", fuse=False)
     fused, _ = _gradients("mixed_bfloat16", fuse=True)
-    assert swaps == 2 * 2 + 1 + 2  # two layer norms and a GELU per block, a final norm
+    assert swaps == 2 * 4 + 1  # per block two layer norms, attention's softmax, a GELU
 
     def error(values):  # relative error of each gradient, ignoring ~0 ones (key biases)
         return [np.linalg.norm(v - r) / np.linalg.norm(r) for v, r in zip(values, reference)

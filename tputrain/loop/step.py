@@ -9,8 +9,8 @@ replicas before clipping.
 
 Under a mixed policy on a CPU, `jit_compile="auto"` leaves the matmuls to oneDNN
 (XLA's CPU backend has none for bf16) and compiles only what XLA fuses well and
-oneDNN does not: the optimizer's update, and each LayerNormalization and GELU
-(`ElementwiseFusion`), which TensorFlow otherwise runs as many small kernels.
+oneDNN does not: the optimizer's update, and each LayerNormalization, Softmax and
+GELU (`ElementwiseFusion`), which TensorFlow otherwise runs as many small kernels.
 """
 
 from __future__ import annotations
@@ -41,18 +41,20 @@ class XlaPlan(NamedTuple):
     gradients_only: bool
     why: str
     apply_only: bool = False  # the optimizer's update alone
-    fuse_elementwise: bool = False  # LayerNormalization and GELU, as small XLA programs
+    fuse_elementwise: bool = False  # LayerNormalization, Softmax, GELU: small XLA programs
 
 
 # Measured on the Transformer (configs/synthetic_transformer.gin) in mixed_bfloat16 on a
-# 2-core AVX512_BF16 CPU: compiling layer norm 2-3% and the exact GELU (erfc) about 5%
-# of the step; a plain ReLU or tanh would be one kernel either way, so they are left out.
-FUSED_LAYERS: tuple[type, ...] = (keras.layers.LayerNormalization,)
+# 2-core AVX512_BF16 CPU: compiling layer norm saved 2-3% of the step, the exact GELU
+# (erfc) about 5%, attention's masked Softmax about 2%; a plain ReLU or tanh is one
+# kernel either way, so activations other than GELU are left alone.
+FUSED_LAYERS: tuple[type, ...] = (keras.layers.LayerNormalization, keras.layers.Softmax)
 FUSED_ACTIVATIONS: tuple[Callable, ...] = (keras.activations.gelu,)
 
 
 class ElementwiseFusion:
-    """Small XLA programs for a model's layer norms and GELUs, used while a step traces.
+    """Small XLA programs for a model's layer norms, softmaxes and GELUs, used while a
+    step traces.
 
     The layers are swapped back on exit, so evaluation, export and FLOP counting
     see the model unchanged. Each XLA program (and its gradient) fuses what
@@ -132,10 +134,11 @@ class StepBuilder:
             return XlaPlan(False, False, "auto: off on CPU for a model with random ops (dropout)")
         if on_cpu and self.precision == "mixed_bfloat16" and not self._custom_train_step:
             # XLA's CPU backend has no oneDNN bf16 matmuls (the Transformer's bf16 step
-            # took 320 ms compiled against 250 ms uncompiled), so only the update and the
-            # layer norms / GELUs compile: 8-9% of the bf16 step (docs/performance.md).
+            # took 320 ms compiled against 250 ms uncompiled), so only the update, layer
+            # norms, softmaxes and GELUs compile: ~9% of the bf16 step (docs/performance.md).
             return XlaPlan(False, False, f"auto: for {self.precision} on CPU the optimizer "
-                           "update, layer norms and GELUs only (matmuls stay on oneDNN)",
+                           "update, layer norms, softmaxes and GELUs only (matmuls stay on "
+                           "oneDNN)",
                            apply_only=True, fuse_elementwise=True)
         if on_cpu and self.precision != "float32":
             return XlaPlan(False, False, f"auto: off for {self.precision} on CPU")

@@ -5,6 +5,8 @@ these logical CPUs runs the same collectives as over GPUs.
 """
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -16,6 +18,79 @@ NUM_CPU_DEVICES = 4
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(
     _cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_CPU_DEVICES)
+
+
+# ------------------------------------------------------------ scheduling under -n N
+#
+# `pytest -n 2` (CI) balances tests over 2 workers. Two things decide its wall time:
+# - Tests that share a module- or session-scoped fixture must run on one worker, or
+#   each worker computes the fixture (minutes for the replica-equivalence ones).
+#   SAME_WORKER lists them: a group is one unit of work for xdist.
+# - The longest units must start first, or a worker can be left running one at the
+#   end while the other idles. START_FIRST orders the collection (and so xdist's
+#   queue), longest first; then the other `slow` tests, then the rest.
+# (Not pytest.mark.xdist_group: `--dist loadgroup` of pytest-xdist 3.8 renames node
+# ids through `item._nodeid`, which pytest 9 no longer has, so it groups nothing.)
+
+SAME_WORKER = {  # node id prefix (after tests/) -> group
+    "test_replica_equivalence.py::": "replica_equivalence",  # conftest's one_replica,
+    "test_replica_equivalence_multiworker.py::": "replica_equivalence",  # two_workers
+    "test_run.py::test_digits_trains_reruns_and_continues": "readme_digits",
+    "test_export.py::test_readme_command_exports_a_model": "readme_digits",
+    "test_gcs.py::": "test_gcs.py",  # module-scoped fixtures
+    "test_init_checkpoint.py::": "test_init_checkpoint.py",
+    "test_tfds.py::": "test_tfds.py",
+}
+
+START_FIRST = (  # minutes each on a loaded 2-core machine; longest first
+    "test_replica_equivalence_multiworker.py::",  # with test_replica_equivalence.py
+    "test_trainer_multiworker.py::test_kill_9_of_a_worker",
+    "test_trainer.py::test_padded_eval_counts_every_example_once",
+    "test_trainer_multiworker.py::test_uneven_eval_shards",
+    "test_trainer.py::test_resume_continues_and_matches_uninterrupted",
+    "test_run.py::test_digits_trains_reruns_and_continues",  # with test_export.py's
+    "test_vertex.py::test_spec_parses_as_the_vertex_ai_api_message",
+    "test_run.py::test_sigkill_midway_resumes",
+    "test_docs.py::test_every_runnable_snippet_runs",
+    "test_launch.py::test_two_workers_train_chief_checkpoints",
+    "test_tfds.py::",
+    "test_export.py::test_mixed_bfloat16_run_serves_float32",
+)
+
+
+def _name(nodeid: str) -> str:
+    return nodeid.rsplit("/", 1)[-1]
+
+
+def _start_rank(item) -> int:
+    name = _name(item.nodeid)
+    for rank, prefix in enumerate(START_FIRST):
+        if name.startswith(prefix):
+            return rank
+    return len(START_FIRST) + (0 if item.get_closest_marker("slow") else 1)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=_start_rank)  # stable: collection order within a rank
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under `-n N` (xdist's default `--dist load`): each SAME_WORKER group is one unit,
+    every other test its own, queued in collection order. An explicit --dist wins."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SameWorkerScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            name = _name(nodeid)
+            for prefix, group in SAME_WORKER.items():
+                if name.startswith(prefix):
+                    return group
+            return nodeid
+
+    config.option.loadscopereorder = False  # keep START_FIRST's order, not group sizes
+    return SameWorkerScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)
@@ -35,3 +110,28 @@ def _clear_gin():
     gin.clear_config()
     yield
     gin.clear_config()
+
+
+@pytest.fixture(scope="session")
+def one_replica(tmp_path_factory):
+    """Every optimizer option trained on 1 replica: the reference of both
+    test_replica_equivalence.py and test_replica_equivalence_multiworker.py (one
+    SAME_WORKER group, so one worker computes it once)."""
+    from test_replica_equivalence import train_one_replica
+
+    return train_one_replica(tmp_path_factory.mktemp("one_replica"))
+
+
+@pytest.fixture(scope="session")
+def readme_digits(tmp_path_factory):
+    """README command 1, `tputrain --gin_file=digits.gin --model_dir=...` (1200 steps of
+    digits), run once for test_run.py and test_export.py (one SAME_WORKER group): (the
+    directory holding model/ and the data cache cache/, the finished process)."""
+    root = tmp_path_factory.mktemp("readme_digits")
+    env = dict(os.environ, TPUTRAIN_CACHE_DIR=str(root / "cache"), TF_CPP_MIN_LOG_LEVEL="2")
+    for name in ("TF_CONFIG", "AIP_MODEL_DIR", "AIP_TENSORBOARD_LOG_DIR"):
+        env.pop(name, None)
+    result = subprocess.run([sys.executable, "-m", "tputrain.run", "--gin_file=digits.gin",
+                             f"--model_dir={root / 'model'}"],
+                            env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    return root, result

@@ -159,12 +159,13 @@ def trained_accuracy(log: str) -> float:
 
 
 @pytest.mark.slow
-def test_readme_command_exports_a_model_that_serves_the_trained_accuracy(tmp_path):
-    model_dir = tmp_path / "digits"
-    train = run(tmp_path, "-m", "tputrain.run", "--gin_file=digits.gin",
-                f"--model_dir={model_dir}")
+def test_readme_command_exports_a_model_that_serves_the_trained_accuracy(readme_digits):
+    # `readme_digits` (conftest): README command 1 run once, also checked by test_run.py.
+    root, train = readme_digits
+    assert train.returncode == 0, train.stderr[-3000:]
+    model_dir = root / "model"
     assert [p.name for p in (model_dir / "export").iterdir()] == ["1200"]
-    served = served_accuracy(tmp_path, model_dir / "export" / "1200")
+    served = served_accuracy(root, model_dir / "export" / "1200")
     assert served["count"] == 320 and served["dtype"] == "float32"
     assert served["accuracy"] == served["examples_accuracy"]
     assert abs(served["accuracy"] - trained_accuracy(train.stderr)) <= 0.005

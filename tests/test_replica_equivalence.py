@@ -60,9 +60,13 @@ def train(option: str, model_dir: str, strategy=None) -> list[np.ndarray]:
     return [np.asarray(w) for w in trainer.model.get_weights()]
 
 
-@pytest.fixture(scope="module")
-def one_replica(tmp_path_factory) -> dict[str, list[np.ndarray]]:
-    root = tmp_path_factory.mktemp("one_replica")
+def train_one_replica(root) -> dict[str, list[np.ndarray]]:
+    """The reference: final weights of every option (and its unclipped twin) on 1 replica.
+
+    Computed once per session by conftest's `one_replica` fixture: this module and
+    test_replica_equivalence_multiworker.py (one worker: conftest.SAME_WORKER) compare
+    against it.
+    """
     names = list(OPTIONS) + sorted(set(UNCLIPPED.values()))
     return {name: train(name, str(root / name), strategy_for(1)) for name in names}
 

@@ -19,8 +19,7 @@ import pytest
 
 from faults import child_env
 from test_launch import in_netns
-from test_replica_equivalence import OPTIONS, train
-from tiny import strategy_for
+from test_replica_equivalence import OPTIONS
 from tputrain.launch import tf_configs
 
 pytestmark = pytest.mark.slow
@@ -62,7 +61,7 @@ def two_workers(tmp_path_factory) -> dict[str, list]:
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
-def test_two_worker_processes_equal_one_replica(two_workers, tmp_path, option):
-    expected = train(option, str(tmp_path / option), strategy_for(1))
-    for got, want in zip(two_workers[option], expected):
+def test_two_worker_processes_equal_one_replica(two_workers, one_replica, option):
+    """`one_replica` (conftest): each option trained by 1 process on 1 replica."""
+    for got, want in zip(two_workers[option], one_replica[option]):
         np.testing.assert_allclose(np.array(got), want, atol=1e-5, err_msg=option)

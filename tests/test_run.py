@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,17 +46,21 @@ def final_accuracy(log: str) -> float:
     return float(re.findall(r"done at step \d+: .*accuracy ([0-9.]+)", log)[-1])
 
 
-def test_digits_trains_reruns_and_continues(tmp_path):
-    first = run_cli(tmp_path)
+def test_digits_trains_reruns_and_continues(tmp_path, readme_digits):
+    # `readme_digits` (conftest): README command 1 run once, also served by test_export.py.
+    root, first = readme_digits
     assert first.returncode == 0, first.stderr[-3000:]
     assert re.search(r"step 100/1200 \| loss [0-9.]+ \| accuracy .* examples/s .* ETA", first.stderr)
     assert final_accuracy(first.stderr) >= 0.95
-    model_dir = tmp_path / "model"
+    model_dir = root / "model"
     assert (model_dir / "operative_config.gin").read_text().count("DigitsTask.") >= 3
     assert list((model_dir / "checkpoints").glob("ckpt-1200.index"))
     assert list((model_dir / "train").glob("events.out.tfevents.*"))
     assert list((model_dir / "eval").glob("events.out.tfevents.*"))
 
+    # Rerun and continue in a byte-for-byte copy (model/ and cache/): test_export.py
+    # reads the first run's export/1200 in the original.
+    shutil.copytree(root, tmp_path, dirs_exist_ok=True)
     again = run_cli(tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert restored_step(again.stderr) == 1200

@@ -37,6 +37,7 @@ SAME_WORKER = {  # node id prefix (after tests/) -> group
     "test_replica_equivalence_multiworker.py::": "replica_equivalence",  # two_workers
     "test_run.py::test_digits_trains_reruns_and_continues": "readme_digits",
     "test_export.py::test_readme_command_exports_a_model": "readme_digits",
+    "test_trainer.py::test_replicas_match_single_device": "single_device",
     "test_gcs.py::": "test_gcs.py",  # module-scoped fixtures
     "test_init_checkpoint.py::": "test_init_checkpoint.py",
     "test_tfds.py::": "test_tfds.py",

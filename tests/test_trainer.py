@@ -16,16 +16,24 @@ def make_trainer(tmp_path, replicas=1, name="run", **kwargs):
     return tputrain.Trainer(task, str(tmp_path / name), strategy=strategy_for(replicas), **options)
 
 
-@pytest.mark.parametrize("replicas", [2, 4])
-def test_replicas_match_single_device(tmp_path, replicas):
-    """Same global batch, regularisation included: loss and weights agree to 1e-5."""
-    single = make_trainer(tmp_path, 1, "one")
+@pytest.fixture(scope="module")
+def single_device(tmp_path_factory):
+    """make_trainer's default run on 1 device, trained once for both replica counts
+    below (conftest.SAME_WORKER keeps them on one worker): (weights, final eval logs)."""
+    single = make_trainer(tmp_path_factory.mktemp("single_device"), 1, "one")
     single_logs = single.train()
+    return weights(single), single_logs
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_replicas_match_single_device(tmp_path, single_device, replicas):
+    """Same global batch, regularisation included: loss and weights agree to 1e-5."""
+    single_weights, single_logs = single_device
     multi = make_trainer(tmp_path, replicas, f"many{replicas}")
     multi_logs = multi.train()
     assert multi.strategy.num_replicas_in_sync == replicas
     assert multi.model.losses, "the test model must carry a regularisation loss"
-    for a, b in zip(weights(single), weights(multi)):
+    for a, b in zip(single_weights, weights(multi)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     assert multi_logs["loss"] == pytest.approx(single_logs["loss"], rel=1e-5, abs=1e-6)
     assert multi_logs["accuracy"] == pytest.approx(single_logs["accuracy"])

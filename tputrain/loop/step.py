@@ -64,7 +64,7 @@ class ElementwiseFusion:
     def __init__(self, model: keras.Model):
         self.swaps: list[tuple[keras.layers.Layer, str, Callable]] = []
         for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
-            if isinstance(layer, FUSED_LAYERS):
+            if type(layer) in FUSED_LAYERS:  # not subclasses: their call may not compile
                 self.swaps.append((layer, "call", _compiled(layer.call)))
             elif any(getattr(layer, "activation", None) is a for a in FUSED_ACTIVATIONS):
                 self.swaps.append((layer, "activation", _compiled(layer.activation)))

@@ -20,25 +20,31 @@ from tiny import TinyTask, strategy_for, weights
 STEPS = 300  # one loop of 300 steps: the signal must land inside it, even under load
 
 
-def make_trainer(model_dir, **kwargs):
+class SignalTask(TinyTask):
+    """TinyTask that sends this process SIGTERM from inside the compiled loop, on the
+    `kill_at`-th loss computation (each replica computes one per step): the signal
+    lands mid-loop by construction, not by racing a watcher thread against it."""
+
+    def __init__(self, kill_at: int | None = None):
+        super().__init__(dropout=0.3)
+        self.kill_at, self.calls = kill_at, 0
+
+    def _tick(self):
+        self.calls += 1
+        if self.calls == self.kill_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def compute_loss(self, labels, outputs):
+        with tf.control_dependencies([tf.py_function(self._tick, [], [])]):
+            return tf.identity(super().compute_loss(labels, outputs))
+
+
+def make_trainer(model_dir, kill_at=None, **kwargs):
     options = dict(train_steps=STEPS, steps_per_loop=STEPS, global_batch_size=16,
                    checkpoint_every=STEPS, eval_steps=1)
     options.update(kwargs)
-    return tputrain.Trainer(TinyTask(dropout=0.3), str(model_dir), strategy=strategy_for(2),
+    return tputrain.Trainer(SignalTask(kill_at), str(model_dir), strategy=strategy_for(2),
                             **options)
-
-
-def sigterm_when(trainer, step: int) -> threading.Thread:
-    """Sends this process SIGTERM once the trainer's step reaches `step`."""
-    def watch():
-        deadline = time.monotonic() + 120
-        while int(trainer.step.numpy()) < step and time.monotonic() < deadline:
-            time.sleep(0.001)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
 
 
 def test_sigterm_mid_loop_saves_at_the_next_step_and_resumes_exactly(tmp_path):
@@ -46,11 +52,10 @@ def test_sigterm_mid_loop_saves_at_the_next_step_and_resumes_exactly(tmp_path):
     reference.train()
 
     handler_before = signal.getsignal(signal.SIGTERM)
-    trainer = make_trainer(tmp_path / "run")
-    thread = sigterm_when(trainer, 2)  # early: ~300 steps of margin before the loop ends
+    # The 5th loss of 2 replicas: during step 2 of one 300-step compiled loop.
+    trainer = make_trainer(tmp_path / "run", kill_at=5)
     with pytest.raises(Preempted) as caught:
         trainer.train()
-    thread.join()
     preempted = caught.value
     assert isinstance(preempted, SystemExit) and preempted.code == PREEMPTED_EXIT_CODE == 42
     # One compiled loop would run all STEPS steps: it stopped at a step boundary inside it.

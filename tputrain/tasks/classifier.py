@@ -65,8 +65,8 @@ class MLPClassifierTask(Task):
                             name=self.image_key)
         x = keras.layers.Flatten()(image)
         x = keras.layers.Rescaling(self.scale)(x)  # casts to the compute dtype first
-        for units in self.hidden_units:
-            x = keras.layers.Dense(units, activation="relu")(x)
+        for index, units in enumerate(self.hidden_units):  # named: InitCheckpoint matches by name
+            x = keras.layers.Dense(units, activation="relu", name=f"hidden_{index}")(x)
         logits = keras.layers.Dense(self.num_classes, dtype="float32", name="logits")(x)
         return keras.Model({self.image_key: image}, logits, name="mlp_classifier")
 

@@ -67,8 +67,8 @@ class DigitsTask(Task):
     def build_model(self) -> keras.Model:
         image = keras.Input((64,), name="image")
         x = image
-        for units in self.hidden_units:
-            x = keras.layers.Dense(units, activation="relu")(x)
+        for index, units in enumerate(self.hidden_units):  # named: InitCheckpoint matches by name
+            x = keras.layers.Dense(units, activation="relu", name=f"hidden_{index}")(x)
             if self.dropout:
                 x = keras.layers.Dropout(self.dropout, seed=self.seed)(x)
         logits = keras.layers.Dense(10, dtype="float32", name="logits")(x)

@@ -127,6 +127,9 @@ def test_config_is_parsed_and_the_batch_checked_against_the_replicas():
 
 def test_submit_without_aiplatform_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "google.cloud.aiplatform_v1", None)  # import fails
+    cloud = sys.modules.get("google.cloud")  # imported by an earlier test on this worker:
+    if cloud is not None:  # `from google.cloud import aiplatform_v1` reads the attribute
+        monkeypatch.delattr(cloud, "aiplatform_v1", raising=False)
     with pytest.raises(SpecError, match="pip install google-cloud-aiplatform"):
         vertex.submit({}, project="p", region="us-central1")
 

@@ -11,7 +11,7 @@ cost, and `tputrain.actions.CommunicationAction` measures it on every run:
   under half a second, only on several replicas): compiled loops of 1 and of n
   all-reduces of the real gradient structure (same shapes, wire dtype and
   packing as the step, the variables' values as data) alternate, and the
-  difference of their fastest runs is one all-reduce without a call's overhead; each
+  difference of their medians is one all-reduce without a call's overhead; each
   loop divides `steps x that time` by its own wall time. `tputrain diagnose`
   uses the same measurement. It is an estimate: in the real step
   the all-reduce can overlap with compute (the fraction is then an upper bound)
@@ -159,9 +159,8 @@ def measure_allreduce(strategy: tf.distribute.Strategy, variables: Sequence[tf.V
     `tputrain.loop.hosts.MaxOverHosts`). Takes about `1.5 * seconds`.
 
     Loops of 1 and of n all-reduces alternate (n: what fits about `seconds / 4`);
-    the difference of their fastest runs over n - 1 is one all-reduce without the
-    call's overhead, which a training loop pays once per loop, not per step. The
-    fastest, not the median: other jobs on the machine only ever add time. When
+    the difference of their medians over n - 1 is one all-reduce without the
+    call's overhead, which a training loop pays once per loop, not per step. When
     the difference drowns in noise (not above 0), n grows 8x, at most twice.
     """
     loop, one = allreduce_loop(strategy, variables, dtype), tf.constant(1)
@@ -173,11 +172,11 @@ def measure_allreduce(strategy: tf.distribute.Strategy, variables: Sequence[tf.V
         for _ in range(repeats):
             short.append(_seconds(lambda: float(loop(one))))
             long.append(_seconds(lambda: float(loop(tf.constant(n)))))
-        per_step = (min(long) - min(short)) / (n - 1)
+        per_step = (statistics.median(long) - statistics.median(short)) / (n - 1)
         if attempt == 2 or not agree(int(per_step <= 0)):  # every host retries, or none
             break
         n *= 8
-    return min(max(per_step, 0.0), min(long) / n)
+    return min(max(per_step, 0.0), statistics.median(long) / n)
 
 
 # Event names of cross-replica collectives in a profiler trace: TF's collective

@@ -1,6 +1,7 @@
 """Tests for tputrain/progress.py: the per-loop rates, MFU by the one formula."""
 
 import pytest
+import tensorflow as tf
 
 from tputrain import flops, progress
 from tputrain.progress import Progress
@@ -50,3 +51,21 @@ def test_vertex_tensorboard_dir_gets_the_events(tmp_path, monkeypatch):
         assert tf.io.gfile.glob(str(tmp_path / "logs" / split / "events.*")), split
         assert not (tmp_path / "model" / split).exists()
     assert trainer.checkpointer.latest.startswith(str(tmp_path / "model" / "checkpoints"))
+
+
+def test_scalars_are_what_tensorboard_reads_as_scalars(tmp_path):
+    """The events carry TensorBoard's scalar plugin data: its reader lists each tag
+    under "scalars" with the step and value written."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    p = Progress(str(tmp_path), train_steps=100, global_batch_size=8)
+    p.write_scalars("train", 3, {"loss": 0.25, "input/stall_fraction": 0.5})
+    p.write_scalars("train", 6, {"loss": 0.125, "input/stall_fraction": 0.0})
+    p.close()
+    events = EventAccumulator(str(tmp_path / "train"), size_guidance={"tensors": 0})
+    events.Reload()
+    assert sorted(events.Tags()["tensors"]) == ["input/stall_fraction", "loss"]
+    loss = [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in events.Tensors("loss")]
+    assert loss == [(3, 0.25), (6, 0.125)]
+    plugin = events.SummaryMetadata("loss").plugin_data.plugin_name
+    assert plugin == "scalars"

@@ -85,7 +85,7 @@ def test_bf16_auto_step_matches_the_uncompiled_step(tmp_path, policy):
     bf16_error = _distance(weights(plain), weights(reference))
     assert _distance(weights(auto), weights(reference)) < 1.25 * bf16_error
     if policy:
-        assert auto.guard._apply_compiled  # the guard's verdict stays outside XLA
+        assert auto.guard._select  # the update's XLA program holds the guard's select
     fused = tf.types.experimental.PolymorphicFunction
     for layer in auto.model._flatten_layers(include_self=False, recursive=True):
         assert "call" not in vars(layer)
@@ -138,3 +138,44 @@ def test_guard_skips_a_nan_step_under_the_bf16_plan(tmp_path):
     assert int(trainer.guard.nonfinite_steps.numpy()) == 1
     assert int(trainer.optimizer.iterations.numpy()) == 5
     assert all(np.all(np.isfinite(w)) for w in weights(trainer))
+
+
+class OptimizerFaultTask(FaultTask):
+    """FaultTask with one of tputrain's optimizers, weight decay and clipping: slots,
+    decay and a global norm that a NaN would poison if any part of the update ran."""
+
+    def __init__(self, optimizer: str, **kwargs):
+        super().__init__(dropout=0.0, nan_at_batch=2)
+        self.optimizer, self.options = optimizer, kwargs
+
+    def build_optimizer(self):
+        return tputrain.build_optimizer(self.optimizer, learning_rate=0.01, weight_decay=0.01,
+                                        global_clipnorm=1.0, **self.options)
+
+
+@pytest.mark.parametrize("precision, optimizer, options", [
+    ("float32", "adamw", {}), ("float32", "adam", {}), ("float32", "sgd", {}),
+    ("float32", "lamb", {}), ("float32", "lars", {}),
+    ("float32", "adam", {"use_ema": True, "ema_overwrite_frequency": None}),
+    ("mixed_bfloat16", "adamw", {})])
+def test_a_guarded_nan_step_under_xla_changes_no_variable(tmp_path, precision, optimizer,
+                                                         options):
+    """With the update inside an XLA program (the whole step in float32, the update
+    alone in bf16), a NaN step leaves every model and optimizer variable bit for bit,
+    for every optimizer (an EMA is written directly, not through `optimizer.assign`)."""
+    trainer = make_trainer(tmp_path, precision, precision, global_batch_size=16,
+                           task=OptimizerFaultTask(optimizer, **options), steps_per_loop=1,
+                           train_steps=4, guard=tputrain.NonFiniteGuard(policy="skip"))
+    plan = trainer._steps.plan()
+    assert plan.whole_step or plan.apply_only
+    variables = list(trainer.model.variables) + list(trainer.optimizer.variables)
+    trainer.train(num_steps=2)
+    before = [v.numpy().copy() for v in variables]
+    trainer.train(num_steps=1)  # batch 2: NaN features
+    assert int(trainer.guard.nonfinite_steps.numpy()) == 1
+    for variable, value in zip(variables, before):
+        np.testing.assert_array_equal(variable.numpy(), value, err_msg=variable.path)
+    trainer.train(num_steps=1)  # a good step updates again
+    assert int(trainer.optimizer.iterations.numpy()) == 3
+    assert any(not np.array_equal(v.numpy(), b) for v, b in zip(variables, before))
+    assert all(np.all(np.isfinite(v.numpy())) for v in variables)

@@ -3,8 +3,10 @@
 Checked inside the compiled step, where it is nearly free: one pass over the
 gradients, which are already summed over replicas (so every replica makes the
 same decision without another all-reduce). A step with a non-finite loss or
-gradient does not update the weights (the optimizer's apply is skipped, as
-Keras's loss-scale optimizer does for overflow), and then, by `policy`:
+gradient does not update the weights or the optimizer's state (the optimizer's
+apply is skipped, as Keras's loss-scale optimizer does for overflow; inside an
+XLA program on one replica each of its writes keeps the old value instead, see
+`select_updates`), and then, by `policy`:
 
 * "raise" (default): the loop stops and `NonFiniteError` names the step;
   the weights are those before that step, and no checkpoint is written.
@@ -24,8 +26,9 @@ non-finite scaled gradients are expected there.
 
 from __future__ import annotations
 
+import contextlib
 import types
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import gin
 import keras
@@ -74,6 +77,7 @@ class NonFiniteGuard:
         self.check_gradients = check_gradients
         self.rollbacks = 0
         self._built = False
+        self._select = False
 
     def build(self) -> None:
         """Creates the guard's variables; call inside `strategy.scope()`."""
@@ -108,6 +112,9 @@ class NonFiniteGuard:
         def guarded_apply(self_, grads, trainable_variables=None):
             del self_
             grads = list(grads)
+            if guard._select:
+                guard._select_apply(optimizer, grads, trainable_variables)
+                return
             context = tf.distribute.get_replica_context()
             if context is None:  # cross-replica context: nothing to agree on
                 bad = tf.logical_not(_all_finite(grads))
@@ -141,21 +148,38 @@ class NonFiniteGuard:
         """Whether `wrap_optimizer` put the update of `optimizer` under a conditional."""
         return bool(getattr(optimizer, "_tputrain_guarded", False))
 
-    def compile_apply(self) -> None:
-        """XLA-compiles the optimizer's own apply, apart from the conditional around it.
+    def select_updates(self, on: bool) -> None:
+        """With `on`, a bad step's writes are masked by selects instead of skipped by a
+        conditional (`_select_apply`); for an update inside an XLA program on one
+        replica (`StepBuilder` sets it from its plan).
 
-        One XLA program holding the conditional update cost 8% of an MLP step (the
-        update can no longer be done in place); the gradients in one program, the
-        decision in TensorFlow, the update in a second program cost 3%.
+        Each write of the optimizer (`assign`, `assign_add`, `assign_sub`, the weight
+        decay) keeps the old value on a bad step; in XLA the select fuses into the
+        elementwise update, which stays in place. A conditional cost 8% of an MLP step
+        in one program (copies of every variable), and 3-10% as two programs with the
+        decision in TensorFlow between them.
         """
-        if getattr(self, "_apply_compiled", False):
-            return
-        # The optimizer was built on the variables the Trainer updates, so the compiled
-        # apply takes only the gradients (Keras variables are not tf.function arguments).
-        apply = self._apply
-        compiled = tf.function(lambda grads: apply(grads), jit_compile=True)
-        self._apply = lambda grads, trainable_variables=None: compiled(list(grads))
-        self._apply_compiled = True
+        self._select = bool(on)
+
+    def _select_apply(self, optimizer: keras.optimizers.Optimizer, grads: list[Any],
+                      trainable_variables: Any) -> None:
+        """The optimizer's apply with every write masked by the gradients' verdict.
+
+        Variables it writes some other way (the step counter, an EMA, a custom
+        optimizer's direct `variable.assign`) are put back by a select at the end.
+        """
+        bad = tf.logical_not(_all_finite(grads))
+        if trainable_variables is None:
+            trainable_variables = getattr(optimizer, "_trainable_variables", [])
+        watched = {_key(v): v for v in [*trainable_variables, *optimizer.variables]}
+        old = {key: tf.convert_to_tensor(v) for key, v in watched.items()}
+        masked: set[int] = set()
+        with _masked_writes(optimizer, bad, masked), tf.control_dependencies(list(old.values())):
+            self._apply(grads, trainable_variables)
+        for key, variable in watched.items():  # ordered after the update's writes
+            if key not in masked:
+                variable.assign(tf.where(bad, old[key], tf.convert_to_tensor(variable)))
+        self._gradients_bad.assign(tf.cast(bad, tf.int64))
 
     def observe(self, logs: Mapping[str, tf.Tensor], step: tf.Variable) -> None:
         """Cross-replica, after each train step: records a non-finite step."""
@@ -201,6 +225,57 @@ class NonFiniteGuard:
                     "NonFiniteGuard.policy = 'skip'")
         return (f"{text}. Lower the learning rate, check the inputs of that step, or set "
                 "NonFiniteGuard.policy = 'skip' or 'rollback'")
+
+
+def _key(variable: Any) -> int:
+    """One identity for a Keras variable and the tf.Variable it wraps."""
+    return id(variable.value) if isinstance(variable, keras.Variable) else id(variable)
+
+
+def _masked(bad: tf.Tensor, variable: Any, value: Any, keep: str) -> Any:
+    """`value` on a good step; on a bad one the variable's own value (`keep="old"`)
+    or zeros (`keep="zero"`, for an increment). Sparse values stay sparse."""
+    if isinstance(value, tf.IndexedSlices):
+        old = (tf.gather(tf.convert_to_tensor(variable), value.indices) if keep == "old"
+               else tf.zeros_like(value.values))
+        return tf.IndexedSlices(tf.where(bad, old, value.values), value.indices,
+                                value.dense_shape)
+    value = tf.convert_to_tensor(value)
+    old = tf.convert_to_tensor(variable) if keep == "old" else tf.zeros_like(value)
+    return tf.where(bad, tf.cast(old, value.dtype), value)
+
+
+@contextlib.contextmanager
+def _masked_writes(optimizer: keras.optimizers.Optimizer, bad: tf.Tensor,
+                   masked: set[int]) -> Iterator[None]:
+    """While the optimizer's apply traces: its `assign`, `assign_add` and `assign_sub`
+    write the old value (or add zero) on a bad step, and its weight decay is 0 then.
+    The keys of the variables so written are added to `masked`."""
+    def writer(name: str, keep: str):
+        write = getattr(optimizer, name)
+
+        def masked_write(variable, value):
+            masked.add(_key(variable))
+            return write(variable, _masked(bad, variable, value, keep))
+        return masked_write
+
+    overrides = {"assign": writer("assign", "old"), "assign_add": writer("assign_add", "zero"),
+                 "assign_sub": writer("assign_sub", "zero")}
+    decay = getattr(optimizer, "weight_decay", None)
+    if decay is not None:
+        overrides["weight_decay"] = tf.where(bad, tf.constant(0.0, tf.float32),
+                                             tf.cast(decay, tf.float32))
+    saved = {name: vars(optimizer)[name] for name in overrides if name in vars(optimizer)}
+    try:
+        for name, value in overrides.items():
+            setattr(optimizer, name, value)  # instance attributes: only this optimizer
+        yield
+    finally:
+        for name in overrides:
+            if name in saved:
+                setattr(optimizer, name, saved[name])
+            else:
+                delattr(optimizer, name)
 
 
 def _as_op(result: Any) -> tf.Tensor:

@@ -147,17 +147,15 @@ class StepBuilder:
     def build(self) -> Callable[[Any], dict[str, tf.Tensor]]:
         """The per-replica step (replica context), with accumulation and XLA as configured."""
         plan = self.plan()
-        # With the guard, the conditional update is kept out of the step's XLA program
-        # (see NonFiniteGuard.compile_apply): forward/backward and update compile apart.
-        split = (plan.whole_step and not self._custom_train_step
-                 and self.guard.guards_apply(self.optimizer))
-
+        # An update inside an XLA program (one replica) is guarded by a select, not a
+        # conditional: the select fuses into the update (NonFiniteGuard.select_updates).
+        self.guard.select_updates(plan.whole_step or plan.apply_only)
         if self._custom_train_step:
             def step(batch):
                 return self.task.train_step(batch, self.model, self.optimizer,
                                             self.train_metrics, self.global_batch_size)
         else:
-            compute = self._compute(jit_compile=plan.gradients_only or split)
+            compute = self._compute(jit_compile=plan.gradients_only)
             apply = self._apply(jit_compile=plan.apply_only)
             fusion = ElementwiseFusion(self.model) if plan.fuse_elementwise else None
 
@@ -171,9 +169,6 @@ class StepBuilder:
         compiled = tf.function(step, jit_compile=True)
         if self.jit_compile == "auto" and not self._compiles(compiled):
             return self.build()  # now without XLA
-        if split:
-            self.guard.compile_apply()
-            return step
         return compiled
 
     def _compute(self, jit_compile: bool) -> Callable:
@@ -188,16 +183,11 @@ class StepBuilder:
         return tf.function(compute, jit_compile=True) if jit_compile else compute
 
     def _apply(self, jit_compile: bool) -> Callable[[list[Any]], None]:
-        """The optimizer's update; with `jit_compile`, the update alone is an XLA program.
-
-        Under the guard only the optimizer's own apply compiles (its verdict stays in
-        TensorFlow, `NonFiniteGuard.compile_apply`); without it, the whole apply does
-        (on one replica: the all-reduce wrapper around it does nothing there).
-        """
+        """The optimizer's update; with `jit_compile`, the update alone is an XLA program
+        (with the guard's check and select in it; on one replica the all-reduce wrapper
+        around it does nothing)."""
         variables = self.model.trainable_variables
-        if jit_compile and self.guard.guards_apply(self.optimizer):
-            self.guard.compile_apply()
-        elif jit_compile:
+        if jit_compile:
             compiled = tf.function(lambda grads: self.optimizer.apply(grads, variables),
                                    jit_compile=True)
             return lambda gradients: compiled(list(gradients))

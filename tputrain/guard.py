@@ -241,8 +241,8 @@ def _masked(bad: tf.Tensor, variable: Any, value: Any, keep: str) -> Any:
         return tf.IndexedSlices(tf.where(bad, old, value.values), value.indices,
                                 value.dense_shape)
     value = tf.convert_to_tensor(value)
-    old = tf.convert_to_tensor(variable) if keep == "old" else tf.zeros_like(value)
-    return tf.where(bad, tf.cast(old, value.dtype), value)
+    old = tf.convert_to_tensor(variable) if keep == "old" else tf.constant(0, value.dtype)
+    return tf.where(bad, tf.cast(old, value.dtype), value)  # a scalar 0 broadcasts
 
 
 @contextlib.contextmanager

@@ -234,9 +234,8 @@ def test_jit_compile_auto_compiles_one_replica_and_falls_back(tmp_path, caplog):
     assert auto.jit_compile == "auto"
     auto.train()
     assert auto.jit_compile == "auto"
-    # With the guard on: forward/backward and the optimizer's apply are XLA programs,
-    # the guard's decision between them is not.
-    assert auto.guard._apply_compiled
+    # With the guard on: one XLA program, the guard's selects inside the update.
+    assert auto.guard._select
     plain = make_trainer(tmp_path, 1, "plain", jit_compile=False)
     plain.train()
     for a, b in zip(weights(auto), weights(plain)):
@@ -246,6 +245,7 @@ def test_jit_compile_auto_compiles_one_replica_and_falls_back(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         fallback.train()
     assert fallback.jit_compile is False
+    assert not fallback.guard._select  # uncompiled: the guard's conditional again
     assert any("does not compile with XLA" in r.getMessage() and "EagerPyFunc" in r.getMessage()
                for r in caplog.records)
     for a, b in zip(weights(fallback), weights(plain)):

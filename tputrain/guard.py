@@ -144,10 +144,6 @@ class NonFiniteGuard:
         optimizer.apply = types.MethodType(guarded_apply, optimizer)
         optimizer._tputrain_guarded = True
 
-    def guards_apply(self, optimizer: keras.optimizers.Optimizer) -> bool:
-        """Whether `wrap_optimizer` put the update of `optimizer` under a conditional."""
-        return bool(getattr(optimizer, "_tputrain_guarded", False))
-
     def select_updates(self, on: bool) -> None:
         """With `on`, a bad step's writes are masked by selects instead of skipped by a
         conditional (`_select_apply`); for an update inside an XLA program on one

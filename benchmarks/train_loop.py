@@ -489,7 +489,6 @@ def paired_ratios(keys, cpu_rates: dict[tuple[str, int], list[float]]) -> dict[s
         if name not in best_k or statistics.median(values) > statistics.median(
                 cpu_rates[(name, best_k[name])]):
             best_k[name] = k
-    best_k["tputrain_best"] = best_k.get("tputrain")
     paired = {}
     for key in keys:
         ours, theirs = key.split("_vs_")

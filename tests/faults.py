@@ -53,15 +53,18 @@ class FaultTask(TinyTask):
     """TinyTask with dropout, an optional ballast weight, and an optional NaN batch.
 
     `nan_at_batch`: the train batch with this index (0-based, per replica stream)
-    has NaN features, to exercise the non-finite guard.
+    has NaN features (or `poison`, e.g. a huge finite value), to exercise the
+    non-finite guard.
     """
 
     def __init__(self, dropout: float = 0.3, ballast_floats: int = 0, hidden: int = 16,
-                 nan_at_batch: int | None = None, learning_rate: float = 0.05):
+                 nan_at_batch: int | None = None, learning_rate: float = 0.05,
+                 poison: float = np.nan):
         super().__init__(dropout=dropout, learning_rate=learning_rate)
         self.ballast_floats = ballast_floats
         self.hidden = hidden
         self.nan_at_batch = nan_at_batch
+        self.poison = poison
 
     def build_model(self) -> keras.Model:
         inputs = keras.Input((8,), name="x")
@@ -83,11 +86,11 @@ class FaultTask(TinyTask):
                 input_context.get_per_replica_batch_size(input_context.global_batch_size),
                 drop_remainder=True)
         if split == "train" and self.nan_at_batch is not None:
-            bad = self.nan_at_batch
+            bad, value = self.nan_at_batch, self.poison
 
             def poison(index, batch):
                 features, labels = batch
-                x = tf.where(index == bad, tf.fill(tf.shape(features["x"]), np.nan),
+                x = tf.where(index == bad, tf.fill(tf.shape(features["x"]), value),
                              features["x"])
                 return {"x": x}, labels
 

@@ -144,13 +144,14 @@ class OptimizerFaultTask(FaultTask):
     """FaultTask with one of tputrain's optimizers, weight decay and clipping: slots,
     decay and a global norm that a NaN would poison if any part of the update ran."""
 
-    def __init__(self, optimizer: str, **kwargs):
-        super().__init__(dropout=0.0, nan_at_batch=2)
+    def __init__(self, optimizer: str, poison: float = np.nan, replicas: int = 1, **kwargs):
+        # Replicas take per-replica batches r*k .. r*k+r-1 at step k+1: the third step.
+        super().__init__(dropout=0.0, nan_at_batch=2 * replicas, poison=poison)
         self.optimizer, self.options = optimizer, kwargs
 
     def build_optimizer(self):
-        return tputrain.build_optimizer(self.optimizer, learning_rate=0.01, weight_decay=0.01,
-                                        global_clipnorm=1.0, **self.options)
+        options = {"weight_decay": 0.01, "global_clipnorm": 1.0, **self.options}
+        return tputrain.build_optimizer(self.optimizer, learning_rate=0.01, **options)
 
 
 @pytest.mark.parametrize("precision, optimizer, options", [
@@ -178,4 +179,29 @@ def test_a_guarded_nan_step_under_xla_changes_no_variable(tmp_path, precision, o
     trainer.train(num_steps=1)  # a good step updates again
     assert int(trainer.optimizer.iterations.numpy()) == 3
     assert any(not np.array_equal(v.numpy(), b) for v, b in zip(variables, before))
+    assert all(np.all(np.isfinite(v.numpy())) for v in variables)
+
+
+@pytest.mark.parametrize("replicas, jit_compile, options", [
+    (1, "auto", {}), (1, False, {}), (2, "auto", {}),
+    (1, "auto", {"global_clipnorm": None, "weight_decay": None})])
+def test_a_finite_gradient_whose_square_overflows_is_a_nonfinite_step(
+        tmp_path, replicas, jit_compile, options):
+    """Features of 1e30 give a finite loss and finite gradients (~1e30) whose squares
+    overflow float32: global-norm clipping would scale every gradient by NaN, and
+    Adam's second moment would become inf for good. The guard must skip that step,
+    on every path (one XLA program, no XLA, a conditional on 2 replicas)."""
+    task = OptimizerFaultTask("adam" if options else "adamw", poison=1e30, replicas=replicas,
+                              **options)
+    trainer = make_trainer(tmp_path, "t", "float32", task=task, replicas=replicas,
+                           global_batch_size=16, steps_per_loop=1, train_steps=4,
+                           jit_compile=jit_compile, guard=tputrain.NonFiniteGuard(policy="skip"))
+    variables = list(trainer.model.variables) + list(trainer.optimizer.variables)
+    trainer.train(num_steps=2)
+    before = [np.array(v.numpy()) for v in variables]
+    trainer.train(num_steps=1)  # the third step: features of 1e30
+    assert int(trainer.guard.nonfinite_steps.numpy()) == 1
+    for variable, value in zip(variables, before):
+        np.testing.assert_array_equal(variable.numpy(), value, err_msg=variable.path)
+    trainer.train(num_steps=1)
     assert all(np.all(np.isfinite(v.numpy())) for v in variables)

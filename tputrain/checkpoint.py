@@ -191,8 +191,8 @@ def _float_variables(trackables: Iterable[Any]) -> list[Any]:
 def _every_value_finite(variables: list[Any]) -> tf.Tensor:
     """Whether every value of every variable is finite, element by element.
 
-    Not the guard's sum-based check (`tputrain.guard._all_finite`): a float32 sum
-    of large finite weights (or one float64 weight above 3.4e38) overflows to Inf,
+    Not the guard's checks (`tputrain.guard`), whose float32 sums (of squares)
+    overflow for large finite weights (or one float64 weight above 3.4e38),
     which for a gradient is as bad, but here would refuse to save a good state.
     """
     if not variables:

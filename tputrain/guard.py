@@ -42,17 +42,31 @@ class NonFiniteError(FloatingPointError):
 
 
 def _all_finite(values: list[Any]) -> tf.Tensor:
-    """Whether every element is finite, in one read of each tensor.
-
-    NaN and Inf propagate through a sum, so the sum of all sums is finite iff
-    every element is (a float32 sum above 3e38 also counts as non-finite, which
-    for a gradient is as bad). `reduce_all(is_finite(x))` would write a boolean
-    copy of each gradient first.
-    """
-    sums = [tf.reduce_sum(tf.cast(v.values if isinstance(v, tf.IndexedSlices) else v,
-                                  tf.float32))  # sparse (embedding) gradients: no densifying
-            for v in values if v is not None and tf.as_dtype(v.dtype).is_floating]
+    """Whether every element of these (logged) values is finite: NaN and Inf
+    propagate through a sum, so one sum of sums tells."""
+    sums = [tf.reduce_sum(tf.cast(v, tf.float32)) for v in values]
     return tf.math.is_finite(tf.add_n(sums)) if sums else tf.constant(True)
+
+
+def _gradients_finite(gradients: list[Any]) -> tf.Tensor:
+    """Whether the gradients' squared global norm is finite.
+
+    Stricter than "every element is finite", as it must be: a gradient of 1e20 is
+    finite, but its square is not, and global-norm clipping then scales every
+    gradient by NaN, and Adam's second moment becomes inf for good.
+
+    The global norm is computed with the ops Keras's `clip_by_global_norm` runs, so
+    in an XLA program the two are one computation. The square root matters there:
+    XLA does not copy it (an "expensive" op) into each of its users, whereas the
+    sum alone was fused, as a chain of one add per variable, into every variable's
+    update. Sparse (embedding) gradients: their values.
+    """
+    squares = [tf.reduce_sum(tf.square(tf.cast(
+        g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32)))
+        for g in gradients if g is not None and tf.as_dtype(g.dtype).is_floating]
+    if not squares:
+        return tf.constant(True)
+    return tf.math.is_finite(tf.sqrt(tf.reduce_sum(tf.stack(squares))))
 
 
 @gin.configurable
@@ -117,14 +131,14 @@ class NonFiniteGuard:
                 return
             context = tf.distribute.get_replica_context()
             if context is None:  # cross-replica context: nothing to agree on
-                bad = tf.logical_not(_all_finite(grads))
+                bad = tf.logical_not(_gradients_finite(grads))
                 guard._gradients_bad.assign(tf.cast(bad, tf.int64))
                 tf.cond(bad, lambda: tf.constant(False),
                         lambda: _as_op(guard._apply(grads, trainable_variables)))
                 return
             # The gradients are already summed over replicas (tputrain.allreduce), so
             # every replica reaches the same verdict: no all-reduce of it is needed.
-            local_bad = tf.logical_not(_all_finite(grads))
+            local_bad = tf.logical_not(_gradients_finite(grads))
 
             def cross_replica(distribution, local_bad, grads):
                 bad = distribution.experimental_local_results(local_bad)[0]
@@ -164,7 +178,7 @@ class NonFiniteGuard:
         Variables it writes some other way (the step counter, an EMA, a custom
         optimizer's direct `variable.assign`) are put back by a select at the end.
         """
-        bad = tf.logical_not(_all_finite(grads))
+        bad = tf.logical_not(_gradients_finite(grads))
         if trainable_variables is None:
             trainable_variables = getattr(optimizer, "_trainable_variables", [])
         watched = {_key(v): v for v in [*trainable_variables, *optimizer.variables]}

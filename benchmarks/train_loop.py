@@ -509,20 +509,6 @@ class ContenderProcess:
             self._process.kill()
 
 
-class Measured(NamedTuple):
-    """One (contender, k) of a ContenderProcess, measured like an in-process Contender."""
-
-    process: ContenderProcess
-    k: int
-
-    @property
-    def name(self) -> str:
-        return self.process.name
-
-    def measure(self, steps: int) -> tuple[float, float]:
-        return self.process.measure(self.k, steps)
-
-
 # -------------------------------------------------------------- the runner
 
 
@@ -531,53 +517,73 @@ def summarize(values: list[float]) -> dict[str, Any]:
             "all": [round(v, 4) for v in values]}
 
 
+Rates = dict[tuple[str, int], list[float]]  # (contender, k) -> one rate per round
+
+
 def run_workload(name: str, quick: bool, precision: str, kinds: list[type[Contender]],
                  repeats: int, peaks: dict[str, list[tuple[float, float]]],
-                 ks: list[int] | None = None) -> dict[str, Any]:
-    """Starts every contender in its own process (each prepares there for every k), then
-    measures them interleaved `repeats` times."""
+                 ks: list[int] | None = None, fresh: bool = False) -> dict[str, Any]:
+    """Measures every contender `repeats` times, interleaved, each in a process of its own:
+    the same process all rounds, or with `fresh` a new one each round (so a process's
+    luck, where its memory landed, is one sample of the median rather than all)."""
     spec = workload(name, quick)
     ks = ks or spec.ks
-    global_batch, steps = spec.global_batch, spec.steps
-    processes: list[ContenderProcess] = []
+    rates: Rates = {}
+    cpu_rates: Rates = {}
     skipped: dict[str, str] = {}
-    for kind in kinds:
-        log(f"{name}: starting {kind.name} (k={ks}) in its own process")
-        processes.append(ContenderProcess(name, quick, kind, ks, precision))
-    contenders: list[Measured] = []
-    for process in processes:
+    flops: list[float | None] = []
+
+    def record(process: ContenderProcess) -> None:
+        for k in ks:
+            wall, cpu = process.measure(k, spec.steps)
+            rates.setdefault((process.name, k), []).append(wall)
+            cpu_rates.setdefault((process.name, k), []).append(cpu)
+        if process.name == "tputrain":
+            flops.append(process.flops_per_step)
+
+    def start(kind: type[Contender]) -> ContenderProcess | None:
+        process = ContenderProcess(name, quick, kind, ks, precision)
         try:
             process.wait_ready()
+            return process
         except RuntimeError as error:
-            skipped[process.name] = str(error)
-            log(f"{name}: {process.name} cannot run: {error}")
-            continue
-        contenders.extend(Measured(process, k) for k in ks)
+            skipped[kind.name] = str(error)
+            log(f"{name}: {kind.name} cannot run: {error}")
+            return None
+
+    kept = [] if fresh else [p for p in map(start, kinds) if p is not None]
     try:
-        return _measure(name, contenders, skipped, kinds, global_batch, precision, steps,
-                        repeats, peaks)
+        for repeat in range(repeats):
+            order = kinds[repeat % len(kinds):] + kinds[:repeat % len(kinds)]
+            for kind in order:
+                if kind.name in skipped:
+                    continue
+                process = start(kind) if fresh else next(
+                    (p for p in kept if p.name == kind.name), None)
+                if process is not None:
+                    record(process)
+                    if fresh:
+                        process.close()
+            for dtype in peaks:  # the matmul peak, probed between the same measurements
+                peaks[dtype].append(probe_matmul(dtype))
+            log(f"{name}: repeat {repeat + 1}/{repeats} (steps/s, steps/CPU-s): " + ", ".join(
+                f"{n} k={k} {v[-1]:.2f} {cpu_rates[(n, k)][-1]:.2f}"
+                for (n, k), v in rates.items()))
     finally:
-        for process in processes:
+        for process in kept:
             process.close()
+    results = _summary(rates, cpu_rates, skipped, kinds, spec.global_batch)
+    results.update({"precision": precision, "steps_per_measurement": spec.steps,
+                    "repeats": repeats, "fresh_process_each_round": fresh})
+    if flops and flops[0]:
+        results["flops_per_step"] = flops[0]
+    return results
 
 
-def _measure(name: str, contenders: list["Measured"], skipped: dict[str, str],
-             kinds: list[type[Contender]], global_batch: int, precision: str, steps: int,
-             repeats: int, peaks: dict[str, list[tuple[float, float]]]) -> dict[str, Any]:
-    rates: dict[tuple[str, int], list[float]] = {(c.name, c.k): [] for c in contenders}
-    cpu_rates: dict[tuple[str, int], list[float]] = {(c.name, c.k): [] for c in contenders}
-    for repeat in range(repeats):
-        order = contenders[repeat % len(contenders):] + contenders[:repeat % len(contenders)]
-        for contender in order:
-            wall, cpu = contender.measure(steps)
-            rates[(contender.name, contender.k)].append(wall)
-            cpu_rates[(contender.name, contender.k)].append(cpu)
-        for dtype in peaks:  # the matmul peak, probed between the same measurements
-            peaks[dtype].append(probe_matmul(dtype))
-        log(f"{name}: repeat {repeat + 1}/{repeats} (steps/s, steps/CPU-s): " + ", ".join(
-            f"{n} k={k} {v[-1]:.2f} {cpu_rates[(n, k)][-1]:.2f}" for (n, k), v in rates.items()))
-    results: dict[str, Any] = {"precision": precision, "global_batch_size": global_batch,
-                               "steps_per_measurement": steps, "repeats": repeats}
+def _summary(rates: Rates, cpu_rates: Rates, skipped: dict[str, str],
+             kinds: list[type[Contender]], global_batch: int) -> dict[str, Any]:
+    """Each contender at its best k (by median), and the ratios between them."""
+    results: dict[str, Any] = {"global_batch_size": global_batch}
     best: dict[str, float] = {}
     best_cpu: dict[str, float] = {}
     for kind in kinds:
@@ -595,9 +601,6 @@ def _measure(name: str, contenders: list["Measured"], skipped: dict[str, str],
             "steps_per_cpu_second": best_cpu[kind.name],
             "by_steps_per_call": {str(k): v for k, v in per_k.items()},
             "by_steps_per_call_cpu_time": {str(k): v for k, v in per_k_cpu.items()}}
-    tputrain_runs = [c for c in contenders if c.name == "tputrain"]
-    if tputrain_runs and tputrain_runs[0].process.flops_per_step:
-        results["flops_per_step"] = tputrain_runs[0].process.flops_per_step
     ratios = _ratios(best, best_cpu)
     if ratios:
         results["ratios"] = ratios
@@ -740,6 +743,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--workloads", default="mlp,transformer,small_mlp",
                         help="comma-separated subset of mlp,transformer,small_mlp")
+    parser.add_argument("--fresh", action="store_true",
+                        help="a new process for every contender in every round")
     parser.add_argument("--contenders", default="",
                         help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all)")
     args = parser.parse_args()
@@ -775,11 +780,12 @@ def main() -> None:
             continue
         extra = [TputrainBF16Contender] if name == "transformer" and (
             TputrainBF16Contender.name in chosen) else []
-        workloads[name] = run_workload(name, quick, "float32", kinds + extra, repeats, peaks)
+        workloads[name] = run_workload(name, quick, "float32", kinds + extra, repeats, peaks,
+                                       fresh=args.fresh)
         workloads[name]["model"] = workload(name, quick).model
     if "small_mlp" in args.workloads.split(","):
         loop_sizes = run_workload("small_mlp", quick, "float32", [TputrainContender],
-                                  repeats, peaks)
+                                  repeats, peaks, fresh=args.fresh)
         by_k = loop_sizes["tputrain"]["by_steps_per_call"]
         report["steps_per_loop_50_vs_1"] = {
             "model": workload("small_mlp", quick).model,

@@ -24,8 +24,8 @@ user's job would run:
   importable (`pip install --no-deps tf-models-official tf-keras`; never let pip
   replace TensorFlow).
 
-Each is built and traced once in its own spawned process, then measured
-`--repeats` times in short rounds, interleaved (contender order rotates each
+Each is built and traced once in its own spawned process (with `--fresh`, once
+per round in a new process), then measured `--repeats` times in short rounds, interleaved (contender order rotates each
 round; the parent asks one process at a time while the others wait idle), and
 the medians are reported. One process each because, in one shared process, where
 a contender sat (which models and compiled programs were built before it) moved
@@ -495,8 +495,12 @@ class ContenderProcess:
         self.flops_per_step = value
 
     def measure(self, k: int, steps: int) -> tuple[float, float]:
-        self._conn.send(("measure", k, steps))
-        return self._conn.recv()
+        try:
+            self._conn.send(("measure", k, steps))
+            return self._conn.recv()
+        except (EOFError, BrokenPipeError) as error:
+            raise RuntimeError(f"{self.name}'s process died while measuring k={k} (exit code "
+                               f"{self._process.exitcode}); its stderr is above") from error
 
     def close(self) -> None:
         if self._process.is_alive():

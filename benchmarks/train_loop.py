@@ -25,9 +25,9 @@ user's job would run:
   replace TensorFlow).
 
 Each is built and traced once in its own spawned process (with `--fresh`, once
-per round in a new process), then measured `--repeats` times in short rounds, interleaved (contender order rotates each
-round; the parent asks one process at a time while the others wait idle), and
-the medians are reported. One process each because, in one shared process, where
+per round in a new process), then measured `--repeats` times in short rounds,
+interleaved (contender order rotates each round; the parent asks one process
+at a time while the others wait idle), and the medians are reported. One process each because, in one shared process, where
 a contender sat (which models and compiled programs were built before it) moved
 its rate by up to ~10% on this VM; and each contender's CPU time is then its
 own. Many short rounds follow a shared machine's changing load better than a

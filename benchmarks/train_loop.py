@@ -555,15 +555,14 @@ def run_workload(name: str, quick: bool, precision: str, kinds: list[type[Conten
             log(f"{name}: {kind.name} cannot run: {error}")
             return None
 
-    kept = [] if fresh else [p for p in map(start, kinds) if p is not None]
+    kept = {} if fresh else {kind.name: start(kind) for kind in kinds}
     try:
         for repeat in range(repeats):
             order = kinds[repeat % len(kinds):] + kinds[:repeat % len(kinds)]
             for kind in order:
                 if kind.name in skipped:
                     continue
-                process = start(kind) if fresh else next(
-                    (p for p in kept if p.name == kind.name), None)
+                process = start(kind) if fresh else kept[kind.name]
                 if process is not None:
                     record(process)
                     if fresh:
@@ -574,8 +573,9 @@ def run_workload(name: str, quick: bool, precision: str, kinds: list[type[Conten
                 f"{n} k={k} {v[-1]:.2f} {cpu_rates[(n, k)][-1]:.2f}"
                 for (n, k), v in rates.items()))
     finally:
-        for process in kept:
-            process.close()
+        for process in kept.values():
+            if process is not None:
+                process.close()
     results = _summary(rates, cpu_rates, skipped, kinds, spec.global_batch)
     results.update({"precision": precision, "steps_per_measurement": spec.steps,
                     "repeats": repeats, "fresh_process_each_round": fresh})
@@ -759,9 +759,8 @@ def main() -> None:
     started = time.time()
     load_before = os.getloadavg()
     peaks: dict[str, list[tuple[float, float]]] = {"float32": [], "bfloat16": []}
-    all_kinds = [TputrainContender, HandLoopContender, KerasFitContender, OrbitContender,
-                 TputrainNoXLAContender, KerasFitXLAContender, TputrainNoGuardContender,
-                 TputrainNoXLANoGuardContender]
+    # Every contender; the bf16 one is added to the Transformer workload only.
+    all_kinds = [kind for kind in CONTENDERS.values() if kind is not TputrainBF16Contender]
 
     report: dict[str, Any] = {
         "command": " ".join(["python benchmarks/train_loop.py", *sys.argv[1:]]),

@@ -29,8 +29,8 @@ per round in a new process), then measured `--repeats` times in short rounds,
 interleaved (contender order rotates each round; the parent asks one process
 at a time while the others wait idle), and the medians are reported. One process each because, in one shared process, where
 a contender sat (which models and compiled programs were built before it) moved
-its rate by up to ~10% on this VM; and each contender's CPU time is then its
-own. Many short rounds follow a shared machine's changing load better than a
+its rate by 10% on the Transformer and up to a third on the MLP on this VM; and
+each contender's CPU time is then its own. Many short rounds follow a shared machine's changing load better than a
 few long ones. Steady-state steps/s only: every contender is timed from the end of its
 first loop (call of k steps) to the end of its last, so per-call start-up and
 end-of-call work (a fit's iterator teardown, the Trainer's final checkpoint and

@@ -535,7 +535,7 @@ def run_workload(name: str, quick: bool, precision: str, kinds: list[type[Conten
     rates: Rates = {}
     cpu_rates: Rates = {}
     skipped: dict[str, str] = {}
-    flops: list[float | None] = []
+    flops: dict[str, float] = {}  # the Trainer's FLOPs per step, from its first process
 
     def record(process: ContenderProcess) -> None:
         for k in ks:
@@ -543,7 +543,7 @@ def run_workload(name: str, quick: bool, precision: str, kinds: list[type[Conten
             rates.setdefault((process.name, k), []).append(wall)
             cpu_rates.setdefault((process.name, k), []).append(cpu)
         if process.name == "tputrain":
-            flops.append(process.flops_per_step)
+            flops.setdefault("per_step", process.flops_per_step)
 
     def start(kind: type[Contender]) -> ContenderProcess | None:
         process = ContenderProcess(name, quick, kind, ks, precision)
@@ -579,8 +579,8 @@ def run_workload(name: str, quick: bool, precision: str, kinds: list[type[Conten
     results = _summary(rates, cpu_rates, skipped, kinds, spec.global_batch)
     results.update({"precision": precision, "steps_per_measurement": spec.steps,
                     "repeats": repeats, "fresh_process_each_round": fresh})
-    if flops and flops[0]:
-        results["flops_per_step"] = flops[0]
+    if flops.get("per_step"):
+        results["flops_per_step"] = flops["per_step"]
     return results
 
 

@@ -69,3 +69,34 @@ def test_scalars_are_what_tensorboard_reads_as_scalars(tmp_path):
     assert loss == [(3, 0.25), (6, 0.125)]
     plugin = events.SummaryMetadata("loss").plugin_data.plugin_name
     assert plugin == "scalars"
+
+
+def test_train_num_steps_beyond_train_steps_reports_its_own_target(tmp_path, caplog):
+    """`train(num_steps=N)` past `train_steps` (fine-tuning more, benchmarks): the
+    progress line counts to the run's own end, and the ETA is never negative."""
+    import logging
+
+    import tputrain
+    from tiny import TinyTask, strategy_for
+
+    trainer = tputrain.Trainer(TinyTask(), str(tmp_path), strategy=strategy_for(1),
+                               train_steps=2, steps_per_loop=2, global_batch_size=16,
+                               eval_steps=1, report_mfu=False)
+    trainer.train()
+    with caplog.at_level(logging.INFO):
+        trainer.train(num_steps=4)
+    steps = [r.getMessage() for r in caplog.records
+             if r.getMessage().startswith("tputrain: step ")]
+    assert [line.split(" | ")[0] for line in steps] == ["tputrain: step 4/6",
+                                                        "tputrain: step 6/6"]
+    assert all("ETA -" not in line for line in steps), steps
+    assert steps[-1].endswith("ETA 0s")
+
+
+def test_eta_is_never_negative(caplog):
+    import logging
+
+    p = Progress(None, train_steps=10, global_batch_size=8)
+    with caplog.at_level(logging.INFO):
+        p.train_loop_done(step=12, steps=2, seconds=1.0, logs={})  # past the target
+    assert caplog.records[-1].getMessage().endswith("ETA 0s")

@@ -92,6 +92,7 @@ class Controller:
         trainer = self.trainer
         step = trainer.current_step
         self.until = until
+        trainer.progress.train_steps = until  # train(num_steps) may go past train_steps
         eval_logs: dict[str, float] = {}
         evaluated_at = None
         # An action sets this to end training early, e.g. tputrain.EarlyStopping; the

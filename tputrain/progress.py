@@ -55,7 +55,7 @@ class Progress:
     """
 
     def __init__(self, summary_dir: str | None, train_steps: int, global_batch_size: int):
-        self.train_steps = train_steps
+        self.train_steps = train_steps  # the step this run ends at (`Controller.run` sets it)
         self.global_batch_size = global_batch_size
         self._writers: dict[str, tf.summary.SummaryWriter] = {}
         self._summary_dir = summary_dir
@@ -113,7 +113,7 @@ class Progress:
             rates["mfu"] = model_flops_utilization(self._flops_per_step, steps_per_second,
                                                    self._peak_flops)
             mfu = f" | MFU {100 * rates['mfu']:.1f}%"
-        eta = (self.train_steps - step) / self._steps_per_second
+        eta = max(0, self.train_steps - step) / self._steps_per_second
         logging.info("tputrain: step %d/%d | %s | %.0f examples/s | %.2f steps/s%s | "
                      "input stall %.1f%% | ETA %s",
                      step, self.train_steps, _format_logs(logs),

@@ -341,3 +341,22 @@ def test_jit_compile_auto_stays_off_on_cpu_for_dropout(tmp_path):
     assert trainer._steps.xla_plan() == (False, False,
                                          "auto: off on CPU for a model with random ops (dropout)")
     assert make_trainer(tmp_path, 1, "plain")._steps.xla_plan()[0] is True
+
+
+def test_the_default_strategy_trains_like_one_device(tmp_path):
+    """`strategy=tf.distribute.get_strategy()` (a script with no strategy of its own)
+    trains, saves and resumes, with the weights of the resolved one-device run."""
+    kwargs = dict(train_steps=6, steps_per_loop=3, global_batch_size=16, checkpoint_every=3,
+                  seed=0)
+    default = tputrain.Trainer(TinyTask(), str(tmp_path / "default"),
+                               strategy=tf.distribute.get_strategy(), **{**kwargs,
+                                                                         "train_steps": 3})
+    default.train()
+    resumed = tputrain.Trainer(TinyTask(), str(tmp_path / "default"),
+                               strategy=tf.distribute.get_strategy(), **kwargs)
+    resumed.train()
+    assert int(resumed.step.numpy()) == 6
+    one = make_trainer(tmp_path, 1, "one", seed=0)
+    one.train()
+    for a, b in zip(weights(one), weights(resumed)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

@@ -32,6 +32,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tputrain.strategy import worker_devices
+
 # Dense peak FLOP/s per TensorFlow device: (16-bit, float32). On TPUs float32
 # matmuls run as bf16 passes by default, and on Ampere+ GPUs as TF32 (TensorFlow
 # enables TF32 by default), so those are the float32 peaks. TPU v2/v3 expose
@@ -226,11 +228,7 @@ def lookup_device(kind: str) -> tuple[float, float] | None:
 
 def _accelerator_kind(strategy: tf.distribute.Strategy) -> tuple[str, str] | None:
     """("tpu"|"gpu", device name) for the strategy's devices, None on CPU."""
-    try:
-        devices = strategy.extended.worker_devices or ()
-    except (AttributeError, RuntimeError):  # the default strategy has none: local devices
-        devices = [d.name for d in tf.config.list_logical_devices()]
-    names = " ".join(devices).upper()
+    names = " ".join(worker_devices(strategy)).upper()
     if "TPU" in names or isinstance(strategy, tf.distribute.TPUStrategy):
         # TPU VMs set it (e.g. "v4-8", "v5litepod-16"); elsewhere bind device_kind.
         return "tpu", os.environ.get("TPU_ACCELERATOR_TYPE", "TPU (unknown version)")

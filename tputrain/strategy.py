@@ -61,6 +61,15 @@ class _TpuUnavailable(Exception):
     """A TPU candidate that could not be connected to or initialised."""
 
 
+def worker_devices(strategy: tf.distribute.Strategy) -> tuple[str, ...]:
+    """The strategy's devices on this worker; for the default strategy (a script that
+    made none) the local logical devices, which it has no list of."""
+    try:
+        return tuple(strategy.extended.worker_devices or ())
+    except (AttributeError, RuntimeError):
+        return tuple(d.name for d in tf.config.list_logical_devices())
+
+
 @gin.configurable
 def split_cpu(num_devices: int) -> None:
     """Splits the first physical CPU into `num_devices` logical devices.

@@ -24,6 +24,7 @@ from absl import logging
 
 from tputrain.checkpoint import seed_generator_states
 from tputrain.guard import NonFiniteGuard
+from tputrain.strategy import worker_devices
 from tputrain.task import Task
 
 
@@ -127,7 +128,7 @@ class StepBuilder:
             return XlaPlan(False, False, "off")
         if replicas > 1:
             return XlaPlan(False, False, f"auto: off on {replicas} replicas")
-        on_cpu = not any("GPU" in d.upper() for d in self.strategy.extended.worker_devices)
+        on_cpu = not any("GPU" in d.upper() for d in worker_devices(self.strategy))
         if on_cpu and seed_generator_states(self.model):
             # XLA's CPU random-number generation is slow: a small MLP with Dropout took
             # 9.3 ms per step compiled against 0.5 ms uncompiled (19x).

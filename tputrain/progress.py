@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Mapping
+from typing import Mapping
 
 import tensorflow as tf
 from absl import logging
-from tensorboard.plugins.scalar import metadata as scalar_metadata
+from tensorboard.compat.proto import summary_pb2
+from tensorboard.plugins.scalar import summary_v2 as scalar_summary
 
 from tputrain.flops import model_flops_utilization
 
 
-# What tf.summary.scalar attaches to each value (TensorBoard's scalars plugin).
-_SCALAR_METADATA = scalar_metadata.create_summary_metadata(
-    display_name=None, description=None).SerializeToString()
 VERTEX_TENSORBOARD_DIR = "AIP_TENSORBOARD_LOG_DIR"  # set by Vertex AI (docs/vertex.md)
 
 
@@ -29,17 +27,6 @@ def summary_root(model_dir: str) -> str:
         logging.info("tputrain: TensorBoard events in %s (from $%s)", root,
                      VERTEX_TENSORBOARD_DIR)
     return root or model_dir
-
-
-def _scalar_writer(writer: tf.summary.SummaryWriter,
-                   names: tuple[str, ...]) -> Callable[[tf.Tensor, tf.Tensor], None]:
-    """A compiled function writing `values[i]` as scalar `names[i]` at `step`."""
-    @tf.function(autograph=False)
-    def write(step: tf.Tensor, values: tf.Tensor) -> None:
-        with writer.as_default(step=step):
-            for index, name in enumerate(names):
-                tf.summary.write(name, values[index], metadata=_SCALAR_METADATA)
-    return write
 
 
 def _format_duration(seconds: float) -> str:
@@ -69,7 +56,6 @@ class Progress:
         self.train_steps = train_steps  # the step this run ends at (`Controller.run` sets it)
         self.global_batch_size = global_batch_size
         self._writers: dict[str, tf.summary.SummaryWriter] = {}
-        self._write_fns: dict[tuple[str, tuple[str, ...]], Callable] = {}
         self._summary_dir = summary_dir
         self._steps_per_second: float | None = None
         self._flops_per_step: float | None = None
@@ -89,17 +75,18 @@ class Progress:
         return self._writers[split]
 
     def write_scalars(self, split: str, step: int, scalars: Mapping[str, float]) -> None:
-        """Writes `scalars` at `step` as TensorBoard scalars (the events
-        `tf.summary.scalar` writes), in one compiled call per loop: 0.55 ms for nine
-        tags, where writing them one by one took 1.9 ms of host time between loops."""
+        """Writes `scalars` at `step` as TensorBoard scalars (the values
+        `tf.summary.scalar` writes), built here as one Summary proto and written by one
+        op: 0.3 ms for nine tags, where a summary op per tag took 1.9 ms of host time
+        between loops."""
         writer = self._writer(split)
         if writer is None or not scalars:
             return
-        names = tuple(scalars)
-        write = self._write_fns.get((split, names))
-        if write is None:
-            write = self._write_fns[(split, names)] = _scalar_writer(writer, names)
-        write(tf.constant(step, tf.int64), tf.constant(list(scalars.values()), tf.float32))
+        summary = summary_pb2.Summary()
+        for name, value in scalars.items():
+            summary.value.extend(scalar_summary.scalar_pb(name, float(value)).value)
+        with writer.as_default(step=step):
+            tf.summary.experimental.write_raw_pb(summary.SerializeToString())
         writer.flush()
 
     def train_loop_done(self, step: int, steps: int, seconds: float,
@@ -147,7 +134,6 @@ class Progress:
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()
-        self._write_fns.clear()  # they hold the closed writers
 
 
 class Stopwatch:

@@ -33,7 +33,7 @@ from tputrain.guard import NonFiniteError, NonFiniteGuard
 from tputrain.layer_precision import override_layer_dtypes
 from tputrain.lock import lock_model_dir
 from tputrain.loop.evaluation import Evaluator
-from tputrain.loop.host_loop import HostLoop
+from tputrain.loop.host_loop import HostLoop, count_step
 from tputrain.loop.hosts import MaxOverHosts, host_topology, is_chief
 from tputrain.loop.inputs import Inputs, default_input_mode
 from tputrain.loop.step import StepBuilder, ensure_built
@@ -271,10 +271,12 @@ class Trainer:
         """Runs up to `num_steps` train steps in one compiled call (no cadence, no
         actions): (mean logs and train metrics, steps run, seconds waiting for input)."""
         if self._train_loop_fn is None:
-            step_fn = self._steps.build()
+            step_fn = self._steps.build(
+                count=lambda logs: count_step(self.step, self.guard, logs))
             self.jit_compile = self._steps.jit_compile  # "auto" -> False if XLA refused it
             self._train_loop_fn = HostLoop(step_fn, self.inputs, count_steps=True, step=self.step,
-                                           guard=self.guard, stop_requested=self._stop_requested).loop
+                                           guard=self.guard, stop_requested=self._stop_requested,
+                                           counted_in_step=self._steps.counted_in_step).loop
         for metric in self.train_metrics:
             metric.reset_state()
         totals, steps, input_wait = self._train_loop_fn(

@@ -86,6 +86,14 @@ class ElementwiseFusion:
                     vars(layer)[name] = original
 
 
+def _counted(step: Callable, count: Callable[[dict[str, tf.Tensor]], None]) -> Callable:
+    def counted(batch):
+        logs = step(batch)
+        count(logs)
+        return logs
+    return counted
+
+
 def _compiled(fn: Callable) -> Callable:
     return tf.function(fn, jit_compile=True, autograph=False)
 
@@ -110,6 +118,7 @@ class StepBuilder:
         self.precision = precision
         self.train_element_spec = train_element_spec
         self._custom_train_step = type(task).train_step is not Task.train_step
+        self.counted_in_step = False  # set by build()
 
     def xla_plan(self) -> tuple[bool, bool, str]:
         """(compile the whole step, compile forward/backward only, why): `plan`'s summary;
@@ -145,9 +154,16 @@ class StepBuilder:
             return XlaPlan(False, False, f"auto: off for {self.precision} on CPU")
         return XlaPlan(True, False, "auto: the whole step, if it compiles")
 
-    def build(self) -> Callable[[Any], dict[str, tf.Tensor]]:
-        """The per-replica step (replica context), with accumulation and XLA as configured."""
+    def build(self, count: Callable[[dict[str, tf.Tensor]], None] | None = None
+              ) -> Callable[[Any], dict[str, tf.Tensor]]:
+        """The per-replica step (replica context), with accumulation and XLA as configured.
+
+        `count(logs)` (the step counter and the guard's observation) is called in the
+        step when the whole step is one XLA program, on one replica, where the logs
+        need no reduction; `counted_in_step` then says so, and the loop skips it.
+        """
         plan = self.plan()
+        self.counted_in_step = False
         # An update inside an XLA program (one replica) is guarded by a select, not a
         # conditional: the select fuses into the update (NonFiniteGuard.select_updates).
         self.guard.select_updates(plan.whole_step or plan.apply_only)
@@ -167,9 +183,11 @@ class StepBuilder:
                 return {"loss": loss}
         if not plan.whole_step:
             return step
-        compiled = tf.function(step, jit_compile=True)
+        compiled = tf.function(step if count is None else _counted(step, count),
+                               jit_compile=True)
         if self.jit_compile == "auto" and not self._compiles(compiled):
-            return self.build()  # now without XLA
+            return self.build(count)  # now without XLA
+        self.counted_in_step = count is not None
         return compiled
 
     def _compute(self, jit_compile: bool) -> Callable:

@@ -8,8 +8,8 @@
 
 Prints one JSON document to stdout (progress goes to stderr). Every contender
 trains the same model (same initial weights, optimizer, precision, input
-pipeline, metric) under the same strategy, each in a process of its own, as a
-user's job would run:
+pipeline, metric) under the same strategy (the `_no_strategy` peers under none), each
+in a process of its own, as a user's job would run:
 
 * `tputrain`: `tputrain.Trainer.train()` with its defaults (jit_compile="auto", guard
   on, exact resume), for each `steps_per_loop` candidate;
@@ -17,7 +17,11 @@ user's job would run:
   framework ceiling: nothing but the step);
 * `keras_fit`: Keras 3 `model.fit` for each `steps_per_execution` candidate, with
   Keras's default `jit_compile="auto"` (no XLA on a CPU-only machine);
-* `keras_fit_xla`: the same with `jit_compile=True` (Keras at its best on CPU);
+* `keras_fit_xla`: the same with `jit_compile=True`;
+* `keras_fit_no_strategy`, `keras_fit_xla_no_strategy`, `hand_loop_no_strategy`: the
+  same with no strategy at all, as most scripts run on one device (no distributed
+  dataset: fit with XLA ran the MLP 1.3-1.5x faster so). "keras_fit_best" and
+  "hand_loop_best" are the best of each peer's configurations;
 * `tputrain_no_xla`, `tputrain_no_guard`, `tputrain_no_xla_no_guard`: the Trainer
   with XLA off and/or the NaN/Inf guard off, to show what each costs or buys;
 * `orbit`: Orbit's `StandardTrainer` (`tf.while_loop` over the step), if
@@ -144,6 +148,9 @@ class Contender:
     """Builds once (`prepare`), then `measure(steps)` returns steps/s."""
 
     name = ""
+    # True: built under the default strategy (a script that makes none), as Keras users
+    # run fit on one device; else under tputrain.resolve_strategy()'s.
+    no_strategy = False
 
     def __init__(self, task_factory: Callable[[], tputrain.Task], strategy, global_batch: int,
                  precision: str, k: int):
@@ -357,6 +364,27 @@ class KerasFitXLAContender(KerasFitContender):
     jit_compile = True
 
 
+class KerasFitNoStrategyContender(KerasFitContender):
+    """`model.fit` with no strategy scope, as most Keras scripts on one device run it:
+    no distributed dataset (under OneDeviceStrategy, fit with XLA ran the MLP 1.3-1.5x
+    slower here, at the cost of its per-step iterator)."""
+
+    name = "keras_fit_no_strategy"
+    no_strategy = True
+
+
+class KerasFitXLANoStrategyContender(KerasFitXLAContender):
+    name = "keras_fit_xla_no_strategy"
+    no_strategy = True
+
+
+class HandLoopNoStrategyContender(HandLoopContender):
+    """The hand-written loop with no strategy: the plain dataset iterator."""
+
+    name = "hand_loop_no_strategy"
+    no_strategy = True
+
+
 def _orbit():
     try:
         import orbit  # noqa: F401  pylint: disable=import-outside-toplevel
@@ -407,7 +435,12 @@ class OrbitContender(Contender):
 CONTENDERS: dict[str, type[Contender]] = {kind.name: kind for kind in (
     TputrainContender, HandLoopContender, KerasFitContender, OrbitContender,
     TputrainNoXLAContender, KerasFitXLAContender, TputrainNoGuardContender,
-    TputrainNoXLANoGuardContender, TputrainBF16Contender)}
+    TputrainNoXLANoGuardContender, TputrainBF16Contender, KerasFitNoStrategyContender,
+    KerasFitXLANoStrategyContender, HandLoopNoStrategyContender)}
+# Each peer at its best: the best median of its configurations (strategy, XLA).
+BEST_OF = {"keras_fit_best": ("keras_fit", "keras_fit_xla", "keras_fit_no_strategy",
+                              "keras_fit_xla_no_strategy"),
+           "hand_loop_best": ("hand_loop", "hand_loop_no_strategy")}
 
 
 class Workload(NamedTuple):
@@ -449,9 +482,14 @@ def serve(conn, workload_name: str, quick: bool, kind_name: str, ks: list[int],
     """
     logging.set_verbosity(logging.WARNING)
     try:
-        strategy = tputrain.resolve_strategy()
-        spec = workload(workload_name, quick)
         kind = CONTENDERS[kind_name]
+        strategy = tputrain.resolve_strategy()
+        if kind.no_strategy:
+            if strategy.num_replicas_in_sync > 1:
+                raise RuntimeError(f"{kind_name} is for one device; this machine has "
+                                   f"{strategy.num_replicas_in_sync} replicas")
+            strategy = tf.distribute.get_strategy()
+        spec = workload(workload_name, quick)
         contenders = {}
         for k in ks:
             contenders[k] = kind(spec.task_factory, strategy, spec.global_batch, precision, k)
@@ -628,15 +666,16 @@ def _ratios(best: dict[str, float], best_cpu: dict[str, float]) -> dict[str, flo
     for on, off in (("tputrain", "tputrain_no_guard"), ("tputrain_no_xla", "tputrain_no_xla_no_guard")):
         if on in best and off in best:
             ratios[f"{on}_vs_{off}"] = best[on] / best[off]
-    # Each framework at its best configuration, XLA on or off.
-    ours = [n for n in ("tputrain",) if n in best]  # the defaults only
-    keras_runs = [n for n in ("keras_fit", "keras_fit_xla") if n in best]
-    if ours and keras_runs:
-        best["tputrain_best"] = max(best[n] for n in ours)
-        best_cpu["tputrain_best"] = max(best_cpu[n] for n in ours)
-        best["keras_fit_best"] = max(best[n] for n in keras_runs)
-        best_cpu["keras_fit_best"] = max(best_cpu[n] for n in keras_runs)
-        ratios["tputrain_best_vs_keras_fit_best"] = best["tputrain_best"] / best["keras_fit_best"]
+    # Each framework at its best configuration (XLA on or off, with or without a strategy).
+    if "tputrain" in best:  # the defaults only
+        best["tputrain_best"], best_cpu["tputrain_best"] = best["tputrain"], best_cpu["tputrain"]
+    for peer, configurations in BEST_OF.items():
+        runs = [n for n in configurations if n in best]
+        if "tputrain" in best and runs:
+            best[peer] = max(best[n] for n in runs)
+            best_cpu[peer] = max(best_cpu[n] for n in runs)
+            ours = "tputrain_best" if peer == "keras_fit_best" else "tputrain"
+            ratios[f"{ours}_vs_{peer}"] = best[ours] / best[peer]
     return ratios
 
 
@@ -652,8 +691,8 @@ def paired_ratios(keys, cpu_rates: dict[tuple[str, int], list[float]]) -> dict[s
     paired = {}
     for key in keys:
         ours, theirs = key.split("_vs_")
-        if theirs == "keras_fit_best":  # the better Keras configuration, by median
-            theirs = max((n for n in ("keras_fit", "keras_fit_xla") if n in best_k),
+        if theirs in BEST_OF:  # the peer's best configuration, by median
+            theirs = max((n for n in BEST_OF[theirs] if n in best_k),
                          key=lambda n: statistics.median(cpu_rates[(n, best_k[n])]))
         ours = "tputrain" if ours == "tputrain_best" else ours
         if ours in best_k and theirs in best_k:
@@ -712,7 +751,8 @@ def add_goals(report: dict[str, Any], workloads: dict[str, Any]) -> None:
                 "speedup_vs_float32_without_xla_cpu_time":
                     bf16["steps_per_cpu_second"] / no_xla["steps_per_cpu_second"]})
     # tputrain with its defaults against each peer at its best (XLA allowed on both sides).
-    goals = {"tputrain_vs_hand_loop": 0.99, "tputrain_best_vs_keras_fit_best": 1.0,
+    goals = {"tputrain_vs_hand_loop": 0.99, "tputrain_vs_hand_loop_best": 0.99,
+             "tputrain_best_vs_keras_fit_best": 1.0,
              "tputrain_vs_orbit": 1.0, "tputrain_vs_tputrain_no_guard": 0.99,
              "tputrain_no_xla_vs_tputrain_no_xla_no_guard": 0.99}
     report["goals"] = {

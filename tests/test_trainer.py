@@ -234,8 +234,10 @@ def test_jit_compile_auto_compiles_one_replica_and_falls_back(tmp_path, caplog):
     assert auto.jit_compile == "auto"
     auto.train()
     assert auto.jit_compile == "auto"
-    # With the guard on: one XLA program, the guard's selects inside the update.
+    # With the guard on: one XLA program, the guard's selects inside the update, and
+    # the step counter and the guard's observation inside it too.
     assert auto.guard._select
+    assert auto._steps.counted_in_step and int(auto.step.numpy()) == auto.train_steps
     plain = make_trainer(tmp_path, 1, "plain", jit_compile=False)
     plain.train()
     for a, b in zip(weights(auto), weights(plain)):
@@ -246,6 +248,8 @@ def test_jit_compile_auto_compiles_one_replica_and_falls_back(tmp_path, caplog):
         fallback.train()
     assert fallback.jit_compile is False
     assert not fallback.guard._select  # uncompiled: the guard's conditional again
+    assert not fallback._steps.counted_in_step  # the host loop counts
+    assert int(fallback.step.numpy()) == fallback.train_steps
     assert any("does not compile with XLA" in r.getMessage() and "EagerPyFunc" in r.getMessage()
                for r in caplog.records)
     for a, b in zip(weights(fallback), weights(plain)):
@@ -360,3 +364,14 @@ def test_the_default_strategy_trains_like_one_device(tmp_path):
     one.train()
     for a, b in zip(weights(one), weights(resumed)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_mirrored_strategy_on_one_device_trains(tmp_path):
+    """MirroredStrategy over one device (one replica, mirrored variables): XLA "auto"
+    cannot hold its optimizer's merge_call, so the step runs uncompiled, and says so."""
+    trainer = tputrain.Trainer(TinyTask(), str(tmp_path), train_steps=4, steps_per_loop=2,
+                               strategy=tf.distribute.MirroredStrategy(["/cpu:0"]),
+                               global_batch_size=16, eval_steps=1)
+    trainer.train()
+    assert int(trainer.step.numpy()) == 4
+    assert trainer.jit_compile is False and not trainer._steps.counted_in_step

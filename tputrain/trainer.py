@@ -271,8 +271,11 @@ class Trainer:
         """Runs up to `num_steps` train steps in one compiled call (no cadence, no
         actions): (mean logs and train metrics, steps run, seconds waiting for input)."""
         if self._train_loop_fn is None:
-            step_fn = self._steps.build(
-                count=lambda logs: count_step(self.step, self.guard, logs))
+            # A mirrored counter (MirroredStrategy on one device) is written through a
+            # merge_call, which a nested XLA function cannot hold: the loop counts it.
+            mirrored = isinstance(self.step, tf.distribute.DistributedValues)
+            step_fn = self._steps.build(count=None if mirrored else (
+                lambda logs: count_step(self.step, self.guard, logs)))
             self.jit_compile = self._steps.jit_compile  # "auto" -> False if XLA refused it
             self._train_loop_fn = HostLoop(step_fn, self.inputs, count_steps=True, step=self.step,
                                            guard=self.guard, stop_requested=self._stop_requested,

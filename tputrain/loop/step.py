@@ -226,7 +226,9 @@ class StepBuilder:
         try:
             self.strategy.run(lambda batch: compiled.experimental_get_compiler_ir(batch)(
                 stage="hlo"), args=(zeros,))
-        except (tf.errors.OpError, ValueError, TypeError) as error:
+        except (tf.errors.OpError, ValueError, TypeError, RuntimeError) as error:
+            # RuntimeError: e.g. a merge_call inside the XLA function (MirroredStrategy
+            # on one device, whose optimizer aggregates through one).
             first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
             logging.warning("tputrain: jit_compile='auto': the step does not compile with XLA "
                             "(%s: %s); it runs without XLA", type(error).__name__, first_line)

@@ -85,3 +85,36 @@ def test_a_non_finite_state_is_never_checkpointed(tmp_path):
     with pytest.raises(NonFiniteStateError, match="not saving step 4: NaN/Inf in .*kernel"):
         trainer.checkpointer.save()
     assert checkpoint_steps(trainer) == [2]
+
+
+def one_replica_trainer(tmp_path, name, policy, nan_at_batch):
+    """One replica, the whole step one XLA program: the step counter and the guard's
+    observation run inside it (`StepBuilder.build(count=...)`). One batch a step:
+    batch b is step b + 1."""
+    import gin
+
+    gin.bind_parameter("NonFiniteGuard.policy", policy)
+    task = FaultTask(dropout=0.0, nan_at_batch=nan_at_batch)
+    return tputrain.Trainer(task, str(tmp_path / name), strategy=strategy_for(1),
+                            train_steps=8, steps_per_loop=4, global_batch_size=16,
+                            checkpoint_every=2, eval_steps=1, jit_compile=True)
+
+
+def test_raise_with_the_count_inside_the_xla_step(tmp_path):
+    trainer = one_replica_trainer(tmp_path, "raise1", "raise", nan_at_batch=2)
+    with pytest.raises(NonFiniteError, match=r"at step 3\b"):
+        trainer.train()
+    assert trainer._steps.counted_in_step
+    assert int(trainer.step.numpy()) == 3
+    assert all_finite(trainer)
+    assert checkpoint_steps(trainer) == [2]
+
+
+def test_rollback_with_the_count_inside_the_xla_step(tmp_path):
+    trainer = one_replica_trainer(tmp_path, "rollback1", "rollback", nan_at_batch=3)
+    trainer.train()
+    assert trainer._steps.counted_in_step
+    assert trainer.guard.rollbacks == 1
+    assert int(trainer.step.numpy()) == 8
+    assert all_finite(trainer)
+    assert int(trainer.optimizer.iterations.numpy()) == 2 + 4  # back to ckpt-2, then 5-8

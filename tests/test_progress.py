@@ -100,3 +100,24 @@ def test_eta_is_never_negative(caplog):
     with caplog.at_level(logging.INFO):
         p.train_loop_done(step=12, steps=2, seconds=1.0, logs={})  # past the target
     assert caplog.records[-1].getMessage().endswith("ETA 0s")
+
+
+def test_scalars_of_any_number_type_and_none_at_all(tmp_path):
+    """NaN, inf, ints, bools and numpy scalars are written as float scalars; an empty
+    dict writes nothing and creates no events file."""
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    p = Progress(str(tmp_path), train_steps=100, global_batch_size=8)
+    p.write_scalars("eval", 1, {})
+    p.write_scalars("train", 2, {"nan": float("nan"), "inf": float("inf"), "int": 3,
+                                 "bool": True, "numpy": np.float64(0.5)})
+    p.close()
+    assert not (tmp_path / "eval").exists()
+    events = EventAccumulator(str(tmp_path / "train"), size_guidance={"tensors": 0})
+    events.Reload()
+    values = {tag: float(tf.make_ndarray(events.Tensors(tag)[0].tensor_proto))
+              for tag in events.Tags()["tensors"]}
+    assert values["int"] == 3.0 and values["bool"] == 1.0 and values["numpy"] == 0.5
+    assert np.isnan(values["nan"]) and values["inf"] == float("inf")
+    assert all(events.Tensors(tag)[0].step == 2 for tag in values)

@@ -92,7 +92,9 @@ class Controller:
         trainer = self.trainer
         step = trainer.current_step
         self.until = until
-        trainer.progress.train_steps = until  # train(num_steps) may go past train_steps
+        # The progress line counts to the job's end: train_steps, or further when
+        # train(num_steps) goes past it.
+        trainer.progress.train_steps = max(until, trainer.train_steps)
         eval_logs: dict[str, float] = {}
         evaluated_at = None
         # An action sets this to end training early, e.g. tputrain.EarlyStopping; the

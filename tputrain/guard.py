@@ -209,7 +209,9 @@ class NonFiniteGuard:
         self._gradients_bad.assign(tf.cast(bad, tf.int64))
 
     def observe(self, logs: Mapping[str, tf.Tensor], step: tf.Variable) -> None:
-        """Cross-replica, after each train step: records a non-finite step."""
+        """After each train step, records a non-finite step: in cross-replica context
+        on the replica-summed logs, or inside the step's XLA program on one replica
+        (`tputrain.loop.step.StepBuilder.build`)."""
         if self.policy is None:
             return
         values = [v for v in logs.values() if tf.as_dtype(v.dtype).is_floating]

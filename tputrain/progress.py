@@ -77,10 +77,10 @@ class Progress:
     def write_scalars(self, split: str, step: int, scalars: Mapping[str, float]) -> None:
         """Writes `scalars` at `step` as TensorBoard scalars (the values
         `tf.summary.scalar` writes), built here as one Summary proto and written by one
-        op: 0.3 ms for nine tags, where a summary op per tag took 1.9 ms of host time
+        op: 0.41 ms for nine tags, where a summary op per tag took 1.9 ms of host time
         between loops."""
-        writer = self._writer(split)
-        if writer is None or not scalars:
+        writer = self._writer(split) if scalars else None
+        if writer is None:
             return
         summary = summary_pb2.Summary()
         for name, value in scalars.items():

@@ -35,7 +35,7 @@ def op_determinism() -> bool:
 
 def count_step(step: tf.Variable, guard: NonFiniteGuard, logs: dict[str, tf.Tensor]) -> None:
     """After a train step: advance the counter and let the guard observe the step's
-    (replica-summed) logs."""
+    logs (summed over replicas, or the one replica's inside an XLA step)."""
     step.assign_add(1)
     guard.observe(logs, step)
 

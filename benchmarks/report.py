@@ -14,7 +14,8 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SECTIONS = {"train_loop": "docs/benchmarks/train_loop.json",
-            "train_loop_fresh": "docs/benchmarks/train_loop_fresh.json"}
+            "train_loop_fresh": "docs/benchmarks/train_loop_fresh.json",
+            "train_loop_no_strategy": "docs/benchmarks/train_loop_no_strategy.json"}
 LABELS = {
     "tputrain": "tputrain, defaults (jit_compile auto, guard on)",
     "tputrain_no_xla": "tputrain, jit_compile=False",
@@ -23,6 +24,9 @@ LABELS = {
     "hand_loop": "hand-written loop",
     "keras_fit": "Keras `fit` (its defaults)",
     "keras_fit_xla": "Keras `fit`, XLA",
+    "hand_loop_no_strategy": "hand-written loop, no strategy",
+    "keras_fit_no_strategy": "Keras `fit`, no strategy",
+    "keras_fit_xla_no_strategy": "Keras `fit`, XLA, no strategy",
     "orbit": "Orbit",
     "tputrain_bf16": "tputrain, mixed_bfloat16",
 }

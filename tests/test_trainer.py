@@ -366,12 +366,15 @@ def test_the_default_strategy_trains_like_one_device(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_mirrored_strategy_on_one_device_trains(tmp_path):
+def test_mirrored_strategy_on_one_device_trains(tmp_path, caplog):
     """MirroredStrategy over one device (one replica, mirrored variables): XLA "auto"
-    cannot hold its optimizer's merge_call, so the step runs uncompiled, and says so."""
+    cannot hold its optimizer's merge_call, so the step runs uncompiled, and says why."""
     trainer = tputrain.Trainer(TinyTask(), str(tmp_path), train_steps=4, steps_per_loop=2,
                                strategy=tf.distribute.MirroredStrategy(["/cpu:0"]),
                                global_batch_size=16, eval_steps=1)
-    trainer.train()
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert any("does not compile with XLA (RuntimeError: `merge_call`" in r.getMessage()
+               for r in caplog.records)
     assert int(trainer.step.numpy()) == 4
     assert trainer.jit_compile is False and not trainer._steps.counted_in_step

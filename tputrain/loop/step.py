@@ -16,6 +16,7 @@ GELU (`ElementwiseFusion`), which TensorFlow otherwise runs as many small kernel
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import keras
@@ -92,6 +93,15 @@ def _counted(step: Callable, count: Callable[[dict[str, tf.Tensor]], None]) -> C
         count(logs)
         return logs
     return counted
+
+
+def _reason(error: Exception) -> str:
+    """The line of an error that names it: an error raised while tracing starts with
+    "in user code:" and a traceback, and names itself ("RuntimeError: ...") later."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^[A-Za-z.]*(Error|Exception): ", line)]
+    line = (named or lines or [""])[0]
+    return line.removeprefix(f"{type(error).__name__}: ")[:300]
 
 
 def _compiled(fn: Callable) -> Callable:
@@ -229,7 +239,7 @@ class StepBuilder:
         except (tf.errors.OpError, ValueError, TypeError, RuntimeError) as error:
             # RuntimeError: e.g. a merge_call inside the XLA function (MirroredStrategy
             # on one device, whose optimizer aggregates through one).
-            first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+            first_line = _reason(error)
             logging.warning("tputrain: jit_compile='auto': the step does not compile with XLA "
                             "(%s: %s); it runs without XLA", type(error).__name__, first_line)
             self.jit_compile = False

@@ -70,9 +70,9 @@ class HostLoop:
         per_replica = self.strategy.run(self.replica_step, args=(batch,))
         logs = {name: self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
                 for name, value in per_replica.items()}
+        # Outside strategy.run: a mirrored counter diverges inside it.
         if self.count_steps and not self.counted_in_step:
-            count_step(self.step, self.guard, logs)  # outside strategy.run: a mirrored
-            # counter diverges inside it
+            count_step(self.step, self.guard, logs)
         return logs
 
     def _next_value(self, iterator) -> tuple[tf.Tensor, Any]:

@@ -11,12 +11,14 @@ import pytest
 import tensorflow as tf
 
 import tputrain
-from tputrain.checkpoint import CheckpointMismatchError, Checkpointer, seed_generator_states
+from tputrain.checkpoint import (CheckpointMismatchError, Checkpointer, InputLayoutError,
+                                 seed_generator_states)
+from tputrain.input_layout import InputLayout
 from tputrain.preemption import Preempted
 from tiny import TinyTask, strategy_for, weights
 
 
-def make(directory, units=4, async_save=False, keep=3):
+def make(directory, units=4, async_save=False, keep=3, **layout):
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(units),
                               keras.layers.Dropout(0.5, seed=1)])
     optimizer = keras.optimizers.Adam()
@@ -24,8 +26,8 @@ def make(directory, units=4, async_save=False, keep=3):
     step = tf.Variable(0, dtype=tf.int64)
     iterator = iter(tf.data.Dataset.range(100).shuffle(10, seed=1).batch(4))
     return Checkpointer(str(directory), step, every=2, keep=keep, async_save=async_save,
-                        model=model, optimizer=optimizer, iterator=iterator,
-                        seeds=seed_generator_states(model))
+                        model=model, optimizer=optimizer, per_host={"iterator": iterator},
+                        seeds=seed_generator_states(model), **layout)
 
 
 def save_at(checkpointer, step, value):
@@ -241,3 +243,96 @@ def test_large_finite_weights_are_saved(tmp_path):
     checkpointer = make(tmp_path)
     assert save_at(checkpointer, 2, 3e38).endswith("ckpt-2")
     assert checkpointer.all_finite()
+
+
+# ------------------------------------------- resumed on another replica count
+
+
+def tiny_trainer(model_dir, replicas, **kwargs):
+    options = dict(train_steps=4, steps_per_loop=2, global_batch_size=16, checkpoint_every=4,
+                   eval_steps=1, report_mfu=False)
+    options.update(kwargs)
+    return tputrain.Trainer(TinyTask(), str(model_dir), strategy=strategy_for(replicas),
+                            **options)
+
+
+def checkpoint_files(directory) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in Path(directory).iterdir() if path.is_file()}
+
+
+def test_resume_on_two_replicas_of_a_one_replica_run_skips_to_its_step(tmp_path, caplog):
+    """The checkpointed iterator was built for 1 replica's batches and cannot feed 2:
+    the weights, optimizer slots and step are restored, the input is rebuilt and the
+    examples of the steps done skipped, and one warning line says so. The training
+    then matches an uninterrupted 1-replica run; the checkpoint is left as it was."""
+    reference = tiny_trainer(tmp_path / "reference", 1, train_steps=8)
+    reference.train()
+    model_dir = tmp_path / "model"
+    tiny_trainer(model_dir, 1).train()
+    written = checkpoint_files(model_dir / "checkpoints")
+
+    resumed = tiny_trainer(model_dir, 2, train_steps=8)
+    with caplog.at_level(logging.WARNING):
+        resumed.train()
+    assert resumed.current_step == 8
+    assert int(resumed.optimizer.iterations.numpy()) == 8  # the slots' step came back too
+    for a, b in zip(weights(reference), weights(resumed)):  # only the sums' order differs
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and "replica" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert all(words in warnings[0] for words in
+               ("ckpt-4", "1 replica", "2 replicas", "skipped", "64 examples")), warnings[0]
+    after = checkpoint_files(model_dir / "checkpoints")
+    assert {name: after[name] for name in written if name != "checkpoint"} == \
+        {name: data for name, data in written.items() if name != "checkpoint"}
+    assert not (model_dir / "checkpoints" / "damaged").exists()
+
+
+def test_a_changed_global_batch_is_refused_naming_both_and_the_checkpoint_is_kept(tmp_path):
+    """A step of 16 examples is not one of 32: no data position to skip to. The error
+    names both layouts and what to do; nothing is moved aside as damaged."""
+    model_dir = tmp_path / "model"
+    tiny_trainer(model_dir, 1).train()
+    written = checkpoint_files(model_dir / "checkpoints")
+    with pytest.raises(InputLayoutError) as caught:
+        tiny_trainer(model_dir, 2, global_batch_size=32, train_steps=8).train()
+    message = str(caught.value)
+    assert all(words in message for words in
+               ("ckpt-4", "1 replica on 1 host, global batch 16",
+                "2 replicas on 1 host, global batch 32", "intact", "InitCheckpoint")), message
+    assert checkpoint_files(model_dir / "checkpoints") == written
+    assert not (model_dir / "checkpoints" / "damaged").exists()
+
+
+def test_input_layouts_old_checkpoints_hosts_and_no_reposition(tmp_path):
+    """Checkpointer level: a checkpoint without a layout (written before layouts were
+    recorded) restores exactly and the next save records one; another host count, or
+    a replica change without `reposition`, is refused; with it, the iterator is not
+    restored and `reposition` gets the change."""
+    one = InputLayout(replicas=1, hosts=1, global_batch=16)
+    old = make(tmp_path / "old")
+    next(old._trackables["iterator"])
+    save_at(old, 2, 2.0)
+    reader = make(tmp_path / "old", input_layout=one)
+    assert reader.restore_latest().endswith("ckpt-2") and kernel_value(reader) == 2.0
+    assert int(next(reader._trackables["iterator"])[0]) == int(next(old._trackables["iterator"])[0])
+    save_at(reader, 4, 4.0)
+    assert tf.train.load_checkpoint(str(tmp_path / "old" / "ckpt-4")).has_tensor(
+        "input_layout/.ATTRIBUTES/VARIABLE_VALUE")
+
+    writer = make(tmp_path / "new", input_layout=one)
+    next(writer._trackables["iterator"])
+    save_at(writer, 2, 2.0)
+    two_hosts = InputLayout(replicas=2, hosts=2, global_batch=16)
+    with pytest.raises(InputLayoutError, match="host shard"):
+        make(tmp_path / "new", input_layout=two_hosts, reposition=print).restore_latest()
+    two = InputLayout(replicas=2, hosts=1, global_batch=16)
+    with pytest.raises(InputLayoutError, match="cannot move its data position"):
+        make(tmp_path / "new", input_layout=two).restore_latest()
+    changes = []
+    moved = make(tmp_path / "new", input_layout=two, reposition=changes.append)
+    assert moved.restore_latest().endswith("ckpt-2") and kernel_value(moved) == 2.0
+    assert [(c.step, c.saved, c.now) for c in changes] == [(2, one, two)]
+    first = next(iter(tf.data.Dataset.range(100).shuffle(10, seed=1).batch(4)))
+    np.testing.assert_array_equal(next(moved._trackables["iterator"]), first)  # not restored

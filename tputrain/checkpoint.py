@@ -24,6 +24,11 @@ Integrity, in the order things can go wrong:
 * A checkpoint written by a *different model* is not "corrupt": restoring
   stops with `CheckpointMismatchError`, naming the mismatched variables, instead
   of silently falling back or loading half of it.
+* A checkpoint written under another input layout (replicas, hosts, global
+  batch: `tputrain.input_layout`) is not "corrupt" either: its data iterator
+  cannot feed this run's batches, so it is left out and `reposition` moves the
+  fresh one to the step, or, where no position matches, `InputLayoutError` names
+  both layouts. Checkpoints from before layouts were recorded restore as before.
 * A state with NaN/Inf in any variable is never saved (`NonFiniteStateError`).
 * Hyper-parameters the config owns (`config_owned`: the learning-rate
   variables) are set back to the config's values after every restore, with a
@@ -65,20 +70,28 @@ from absl import logging
 from google.protobuf import text_format
 from tensorflow.python.training.checkpoint_state_pb2 import CheckpointState
 
+from tputrain.input_layout import KEY as LAYOUT_KEY
+from tputrain.input_layout import InputLayout, LayoutChange, saved_layout
 from tputrain.validate import ModelDirError
 
-# Keys every TF2 checkpoint has besides the objects it saves.
-_BOOKKEEPING_KEYS = ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/")
+# Keys every TF2 checkpoint has besides the objects it saves (the input layout:
+# older checkpoints lack it, and it describes the run, it is not restored).
+_BOOKKEEPING_KEYS = ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/", f"{LAYOUT_KEY}/")
 _VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 _SHOW = 6  # mismatches listed in an error message
 _STATE_FILE = "checkpoint"  # TensorFlow's name for the list of checkpoints
 _DAMAGED_DIR = "damaged"  # unreadable checkpoints are moved here, never deleted
 _INDEX = re.compile(r"^ckpt-(\d+)\.index$")
 _MIB = 1 << 20
+_ITERATOR_FAILURE = "Failed to restore dataset iterator"  # TF's words
 
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint in model_dir was written by a different model or pipeline."""
+
+
+class InputLayoutError(CheckpointMismatchError):
+    """The checkpoint's data position has no equivalent under this run's input layout."""
 
 
 class NonFiniteStateError(FloatingPointError):
@@ -202,7 +215,7 @@ def _every_value_finite(variables: list[Any]) -> tf.Tensor:
 
 
 @gin.configurable(denylist=["directory", "step", "every", "keep", "restore_directory",
-                            "config_owned"])
+                            "config_owned", "input_layout", "reposition"])
 class Checkpointer:
     """Saves every `every` steps into `directory`, keeps `keep`, restores the latest.
 
@@ -226,6 +239,12 @@ class Checkpointer:
         commits the step (after `barrier`), and restores its own.
       host: `(index, count)` of this host.
       barrier: on several hosts, returns once every host has called it.
+      input_layout: how a step's batch is split (`tputrain.input_layout`); saved with
+        every checkpoint, so that `per_host` state saved under another layout is
+        recognised instead of failing to restore (or restoring batches of the old shape).
+      reposition: called with the `LayoutChange` when the checkpoint's layout differs
+        from `input_layout`: the `per_host` state is then not restored, and this moves
+        it to the checkpoint's step. None: such a checkpoint is refused.
       **trackables: what every host has the same of (model, optimizer, seeds...).
     """
 
@@ -233,7 +252,9 @@ class Checkpointer:
                  check_finite: bool = True, restore_directory: str | None = None,
                  async_save: bool = False, config_owned: Sequence[Any] = (),
                  per_host: dict[str, Any] | None = None, host: tuple[int, int] = (0, 1),
-                 barrier: Callable[[], Any] | None = None, **trackables: Any):
+                 barrier: Callable[[], Any] | None = None,
+                 input_layout: InputLayout | None = None,
+                 reposition: Callable[[LayoutChange], None] | None = None, **trackables: Any):
         if every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {every}")
         if keep < 1:
@@ -247,7 +268,10 @@ class Checkpointer:
         if not self._hosts.apart:
             trackables = {**trackables, **(per_host or {})}
         self._trackables = dict(trackables)
-        self.checkpoint = tf.train.Checkpoint(step=step, **trackables)
+        self._data_names = frozenset(per_host or {})
+        self.input_layout, self._reposition = input_layout, reposition
+        self._layout = {LAYOUT_KEY: input_layout.variable()} if input_layout else {}
+        self.checkpoint = tf.train.Checkpoint(step=step, **trackables, **self._layout)
         self._manager: tf.train.CheckpointManager | None = None
         self._saved_step: int | None = None  # the step last saved or restored here
         self.keep = keep
@@ -309,23 +333,16 @@ class Checkpointer:
         """Restores the newest readable checkpoint; returns its path or None.
 
         Unreadable checkpoints are skipped (with a warning) in favour of older
-        ones; a checkpoint of a different model raises `CheckpointMismatchError`.
+        ones; a checkpoint of a different model raises `CheckpointMismatchError`,
+        one whose data position this input layout cannot take `InputLayoutError`.
         """
         candidates = self._candidates()
         failures = []
         for path in candidates:
             try:
-                problems = describe_mismatch(self.checkpoint, path)
-            except (tf.errors.OpError, ValueError, IndexError) as error:
-                failures.append((path, error))
-                continue
-            if problems:
-                raise CheckpointMismatchError(self._mismatch_message(path, problems))
-            try:
-                self.checkpoint.restore(path).assert_consumed()
-            except AssertionError as error:  # structure differs in a way we did not list
-                raise CheckpointMismatchError(
-                    self._mismatch_message(path, str(error).splitlines()[0])) from error
+                change = self._restore(path)
+            except CheckpointMismatchError:
+                raise
             except (tf.errors.OpError, ValueError, IndexError) as error:
                 failures.append((path, error))
                 continue
@@ -333,7 +350,10 @@ class Checkpointer:
                 logging.warning("tputrain: checkpoint %s is unreadable (%s: %s); restored "
                                 "the older %s instead", failed, type(error).__name__,
                                 _first_line(error), path)
-            self._hosts.restore(int(self.step.numpy()))
+            if change is None:
+                self._hosts.restore(int(self.step.numpy()))
+            else:
+                self._reposition(change)  # the fresh data state, moved to the step
             self._saved_step = int(self.step.numpy())  # this step is on disk already
             logging.info("tputrain: restored %s (step %d)", path, int(self.step.numpy()))
             self._after_restore(path, [failed for failed, _ in failures])
@@ -341,11 +361,62 @@ class Checkpointer:
         if not candidates:
             self._after_restore(None, [])
         if failures:
-            details = "; ".join(f"{p}: {type(e).__name__}: {_first_line(e)}" for p, e in failures)
-            raise RuntimeError(
-                f"no checkpoint in {self.restore_directory} could be read ({details}): delete the "
-                "damaged files (or the whole directory to start over)")
+            raise RuntimeError(_unreadable_message(self.restore_directory, failures))
         return None
+
+    def _restore(self, path: str) -> LayoutChange | None:
+        """Restores `path`, leaving out the data state when its layout differs (returned).
+
+        Raises `CheckpointMismatchError` for another model's checkpoint (or a layout
+        with no matching data position), OpError/ValueError for an unreadable one.
+        """
+        reader = tf.train.load_checkpoint(path)
+        saved = saved_layout(reader)
+        change = self._layout_change(path, reader, saved)
+        problems = describe_mismatch(self.checkpoint, path)
+        if problems:
+            raise CheckpointMismatchError(self._mismatch_message(path, problems))
+        left_out = set(self._data_names) if change else set()
+        if saved is None or not self._layout:
+            left_out.add(LAYOUT_KEY)  # not in both: restored by neither
+        try:
+            if not left_out:
+                self.checkpoint.restore(path).assert_consumed()
+            else:
+                root = tf.train.Checkpoint(**{name: obj for name, obj in self._saveables().items()
+                                              if name not in left_out})
+                status = root.restore(path)
+                if change is not None or saved is not None:  # some of it deliberately unread
+                    status.expect_partial().assert_existing_objects_matched()
+                else:
+                    status.assert_consumed()
+        except AssertionError as error:  # structure differs in a way we did not list
+            raise CheckpointMismatchError(
+                self._mismatch_message(path, str(error).splitlines()[0])) from error
+        finally:
+            if self.input_layout is not None:  # the layout saved next is this run's
+                self._layout[LAYOUT_KEY].assign(self.input_layout.to_json())
+        return change
+
+    def _saveables(self) -> dict[str, Any]:
+        """What `self.checkpoint` saves, by name (save_counter aside)."""
+        return {"step": self.step, **self._trackables, **self._layout}
+
+    def _layout_change(self, path: str, reader: Any,
+                       saved: InputLayout | None) -> LayoutChange | None:
+        """The change of input layout, if the data state must be left out; raises
+        `InputLayoutError` if no data position in this layout matches the saved one."""
+        if (saved is None or self.input_layout is None or saved == self.input_layout
+                or not self._data_names):
+            return None  # nothing to compare, or no data state to leave out
+        step = int(reader.get_tensor("step" + _VARIABLE_SUFFIX))
+        change = LayoutChange(path, step, saved, self.input_layout)
+        why = change.why_not_repositionable()
+        if why is None and self._reposition is None:
+            why = "this run cannot move its data position to the step"
+        if why is not None:
+            raise InputLayoutError(_layout_refusal(change, why))
+        return change
 
     # ------------------------------------------------------ after a restore
 
@@ -609,6 +680,29 @@ class _HostState:
             raise RuntimeError(f"this host's data position for step {step} ({prefix}) is "
                                "missing: restore it, or start over in a new model_dir")
         self.checkpoint.read(prefix).assert_consumed()
+
+
+def _layout_refusal(change: LayoutChange, why: str) -> str:
+    """The cause, both layouts, what is intact and what to do."""
+    return (f"checkpoint {change.path} (step {change.step}) was written with "
+            f"{change.saved.describe()}, this run has {change.now.describe()}: {why}. The "
+            "checkpoint is intact: resume with the global batch and hosts that wrote it (the "
+            "replica count may change), or start a new model_dir from its weights "
+            "(tputrain.InitCheckpoint)")
+
+
+def _unreadable_message(directory: str, failures: list[tuple[str, BaseException]]) -> str:
+    """Why no checkpoint was restored, and what to do about it."""
+    details = "; ".join(f"{p}: {type(e).__name__}: {_first_line(e)}" for p, e in failures)
+    if any(_ITERATOR_FAILURE in str(error) for _, error in failures):
+        return (f"no checkpoint in {directory} could be restored ({details}). A data iterator "
+                "that fails to restore means the input pipeline is not the one that saved it "
+                "(its ops, batching or sharding; for checkpoints written before tputrain "
+                "recorded the input layout, also another replica count). The files are intact: "
+                "resume once with the setup that wrote them (later checkpoints record the "
+                "layout and resume on another replica count), or start a new model_dir")
+    return (f"no checkpoint in {directory} could be read ({details}): delete the damaged files "
+            "(or the whole directory to start over)")
 
 
 def _listed(directory: str) -> list[str]:

@@ -30,6 +30,7 @@ from tputrain.console import default_progress
 from tputrain.controller import Controller
 from tputrain.goodput import GoodputAction, StartupClock
 from tputrain.guard import NonFiniteError, NonFiniteGuard
+from tputrain.input_layout import LayoutChange
 from tputrain.layer_precision import override_layer_dtypes
 from tputrain.lock import lock_model_dir
 from tputrain.loop.evaluation import Evaluator
@@ -177,13 +178,21 @@ class Trainer:
             # A float learning rate is a variable: the config's value wins over the checkpoint's.
             config_owned=[v for v in self.optimizer.variables if v.name == "learning_rate"],
             per_host=per_host, host=(self.host_id, self.num_hosts),
-            barrier=lambda: self._max_over_hosts(0), model=self.model, optimizer=self.optimizer,
+            barrier=lambda: self._max_over_hosts(0), input_layout=self.inputs.layout(),
+            reposition=self._reposition_input, model=self.model, optimizer=self.optimizer,
             seeds=seed_generator_states(self.model), nonfinite_steps=self.guard.nonfinite_steps)
         self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
         if self.is_chief:  # inputs are checked; nothing has been written yet
             self._preflight()
         self.progress = Progress(summary_root(self._work_dir) if self.is_chief else None,
                                  self.train_steps, self.global_batch_size)
+
+    def _reposition_input(self, change: LayoutChange) -> None:
+        """The checkpoint's iterator was saved for other batches (another replica count):
+        the fresh one is read past the steps done instead, and the log says so."""
+        self._check_fetch_alignment(change.step)
+        skipped = self.inputs.advance(self._train_iterator, change.step)
+        logging.warning("tputrain: %s", change.recovered(skipped))
 
     def _preflight(self) -> None:
         """Chief, before the first write: is the checkpoint there this model's, and can
@@ -222,11 +231,7 @@ class Trainer:
             logging.info("tputrain: %s is at step %d >= train_steps %d; nothing to train",
                          self.model_dir, step, self.train_steps)
             return self.evaluate_weights()
-        if step % self.steps_per_fetch:
-            raise ValueError(
-                f"the checkpoint in {self.model_dir} is at step {step}, not a multiple of "
-                f"Trainer.steps_per_fetch={self.steps_per_fetch}: resume with a "
-                "steps_per_fetch that divides it (e.g. 1)")
+        self._check_fetch_alignment(step)
         if self.input_mode == "distributed":
             self._train_iterator = self.inputs.distributed_iterator("train", skip_steps=step)
         logging.info("tputrain: training from step %d to %d", step, until)
@@ -239,6 +244,14 @@ class Trainer:
             self.progress.close()
             if not self.is_chief:
                 shutil.rmtree(self._work_dir, ignore_errors=True)
+
+    def _check_fetch_alignment(self, step: int) -> None:
+        """Host input is read in whole fetches: a resume must start on a fetch boundary."""
+        if step % self.steps_per_fetch:
+            raise ValueError(
+                f"the checkpoint in {self.model_dir} is at step {step}, not a multiple of "
+                f"Trainer.steps_per_fetch={self.steps_per_fetch}: resume with a "
+                "steps_per_fetch that divides it (e.g. 1)")
 
     def _actions(self) -> list[Action]:
         """The built-in actions (goodput first: tputrain/goodput.py), then the user's."""

@@ -15,6 +15,7 @@ import tensorflow as tf
 from tputrain.checks import per_replica_batch
 from tputrain.data import InputContext
 from tputrain.data.batching import check_static
+from tputrain.input_layout import InputLayout
 from tputrain.task import Task
 
 INPUT_MODES = ("host", "distributed")
@@ -98,6 +99,31 @@ class Inputs:
         return InputContext(num_input_pipelines=self.num_hosts, input_pipeline_id=self.host_id,
                             num_replicas_in_sync=self.strategy.num_replicas_in_sync,
                             global_batch_size=global_batch_size)
+
+    def layout(self) -> InputLayout:
+        """How a step's global batch is split: what a checkpointed iterator fits."""
+        return InputLayout(replicas=self.strategy.num_replicas_in_sync, hosts=self.num_hosts,
+                           global_batch=self.global_batch_size,
+                           accumulation=self.accumulation_steps)
+
+    def advance(self, iterator: Any, steps: int) -> int:
+        """Reads a `fetch_groups` iterator past `steps` steps' batches (whole fetches),
+        in one compiled loop; returns the steps read (fewer if a finite input ended).
+
+        For a resume whose saved iterator does not fit (tputrain.input_layout): the
+        fresh iterator keeps the pipeline's structure, which later checkpoints of it
+        need (a `skip` op would make them unreadable by the next plain pipeline).
+        """
+        @tf.function
+        def read(count: tf.Tensor) -> tf.Tensor:
+            def body(done, more):
+                more = iterator.get_next_as_optional().has_value()
+                return done + tf.cast(more, tf.int64), more
+            done, _ = tf.while_loop(lambda done, more: tf.logical_and(more, done < count),
+                                    body, (tf.constant(0, tf.int64), tf.constant(True)))
+            return done
+        fetches = tf.constant(steps // self.steps_per_fetch, tf.int64)
+        return int(read(fetches)) * self.steps_per_fetch
 
     def input_batch(self, split: str) -> int:
         """The global batch the task's inputs are built with: a micro-batch when training

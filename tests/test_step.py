@@ -238,3 +238,31 @@ def test_exact_gelu_in_bf16_is_within_a_rounding_of_the_float32_gelu():
     half_step = np.abs(exact) * 2.0 ** -8 + 1e-30  # bf16 keeps 8 significant bits
     assert np.all(np.abs(value - exact) <= half_step)
     assert np.all(np.abs(gradient - exact_gradient) <= np.abs(exact_gradient) * 2.0 ** -7 + 1e-6)
+
+
+class _Scaled:
+    """An activation that is a callable object compared by value: unhashable."""
+
+    def __init__(self, factor: float):
+        self.factor = factor
+
+    def __eq__(self, other):
+        return isinstance(other, _Scaled) and other.factor == self.factor
+
+    def __call__(self, x):
+        return x * self.factor
+
+
+def test_fusion_swaps_only_the_gelu_and_accepts_any_activation():
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="gelu")(inputs)
+    hidden = keras.layers.Dense(8, activation=_Scaled(0.5))(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(2, activation="relu")(hidden))
+    fusion = ElementwiseFusion(model)
+    assert [(layer.name, name, fn) for layer, name, fn in fusion.swaps] == [
+        (model.layers[1].name, "activation", exact_gelu)]
+    x = tf.random.stateless_normal([3, 4], [5, 6])
+    with fusion.active():
+        fused = model(x)
+    np.testing.assert_allclose(fused, model(x), rtol=1e-5, atol=1e-6)
+    assert model.layers[1].activation is keras.activations.gelu  # swapped back

@@ -86,6 +86,13 @@ FUSED_LAYERS: tuple[type, ...] = ()
 FUSED_ACTIVATIONS: dict[Callable, Callable] = {keras.activations.gelu: exact_gelu}
 
 
+def _fused_activation(activation: Any) -> Callable | None:
+    """The replacement for this activation, matched by identity (an activation may be
+    any callable, unhashable ones included)."""
+    return next((fused for original, fused in FUSED_ACTIVATIONS.items()
+                 if activation is original), None)
+
+
 class ElementwiseFusion:
     """Small XLA programs for a model's GELUs (`FUSED_ACTIVATIONS`; and the layers of
     `FUSED_LAYERS`, none by default), used while a step traces.
@@ -100,8 +107,8 @@ class ElementwiseFusion:
         for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
             if type(layer) in FUSED_LAYERS:  # not subclasses: their call may not compile
                 self.swaps.append((layer, "call", _compiled(layer.call)))
-            elif getattr(layer, "activation", None) in FUSED_ACTIVATIONS:
-                self.swaps.append((layer, "activation", FUSED_ACTIVATIONS[layer.activation]))
+            elif (fused := _fused_activation(getattr(layer, "activation", None))) is not None:
+                self.swaps.append((layer, "activation", fused))
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

@@ -18,7 +18,7 @@ from tputrain.preemption import Preempted
 from tiny import TinyTask, strategy_for, weights
 
 
-def make(directory, units=4, async_save=False, keep=3, **layout):
+def make(directory, units=4, async_save=False, keep=3, data_state=True, **layout):
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(units),
                               keras.layers.Dropout(0.5, seed=1)])
     optimizer = keras.optimizers.Adam()
@@ -26,7 +26,8 @@ def make(directory, units=4, async_save=False, keep=3, **layout):
     step = tf.Variable(0, dtype=tf.int64)
     iterator = iter(tf.data.Dataset.range(100).shuffle(10, seed=1).batch(4))
     return Checkpointer(str(directory), step, every=2, keep=keep, async_save=async_save,
-                        model=model, optimizer=optimizer, per_host={"iterator": iterator},
+                        model=model, optimizer=optimizer,
+                        per_host={"iterator": iterator} if data_state else None,
                         seeds=seed_generator_states(model), **layout)
 
 
@@ -303,6 +304,40 @@ def test_a_changed_global_batch_is_refused_naming_both_and_the_checkpoint_is_kep
                 "2 replicas on 1 host, global batch 32", "intact", "InitCheckpoint")), message
     assert checkpoint_files(model_dir / "checkpoints") == written
     assert not (model_dir / "checkpoints" / "damaged").exists()
+
+
+def test_distributed_input_a_changed_global_batch_is_refused_another_replica_count_resumes(
+        tmp_path):
+    """input_mode="distributed" recovers the data position by skipping `step` batches
+    of the *current* global batch: with another global batch that is another position,
+    so it is refused as in host mode; another replica count skips to the same one."""
+    model_dir = tmp_path / "model"
+    tiny_trainer(model_dir, 1, input_mode="distributed").train()
+    written = checkpoint_files(model_dir / "checkpoints")
+    with pytest.raises(InputLayoutError, match="global batch 16.*global batch 32"):
+        tiny_trainer(model_dir, 1, input_mode="distributed", global_batch_size=32,
+                     train_steps=8).train()
+    assert checkpoint_files(model_dir / "checkpoints") == written
+    resumed = tiny_trainer(model_dir, 2, input_mode="distributed", train_steps=8)
+    resumed.train()
+    assert resumed.current_step == 8
+
+
+def test_without_data_state_another_host_count_warns_and_restores(tmp_path, caplog):
+    """Checkpointer level, as input_mode="distributed" uses it (no iterator saved): each
+    host then skips its share in its own shard, close to the position but not it."""
+    one = InputLayout(replicas=1, hosts=1, global_batch=16)
+    save_at(make(tmp_path, data_state=False, input_layout=one), 2, 2.0)
+    two_hosts = InputLayout(replicas=2, hosts=2, global_batch=16)
+    restored = make(tmp_path, data_state=False, input_layout=two_hosts)
+    with caplog.at_level("WARNING"):
+        assert restored.restore_latest().endswith("ckpt-2")
+    assert kernel_value(restored) == 2.0
+    warnings = [r.getMessage() for r in caplog.records if "not exactly" in r.getMessage()]
+    assert len(warnings) == 1 and "1 replica on 1 host" in warnings[0], warnings
+    other_batch = InputLayout(replicas=1, hosts=1, global_batch=8)
+    with pytest.raises(InputLayoutError, match="a step was 16 examples and is now 8"):
+        make(tmp_path, data_state=False, input_layout=other_batch).restore_latest()
 
 
 def test_input_layouts_old_checkpoints_hosts_and_no_reposition(tmp_path):

@@ -406,11 +406,13 @@ class Checkpointer:
                        saved: InputLayout | None) -> LayoutChange | None:
         """The change of input layout, if the data state must be left out; raises
         `InputLayoutError` if no data position in this layout matches the saved one."""
-        if (saved is None or self.input_layout is None or saved == self.input_layout
-                or not self._data_names):
-            return None  # nothing to compare, or no data state to leave out
+        if saved is None or self.input_layout is None or saved == self.input_layout:
+            return None  # nothing to compare
         step = int(reader.get_tensor("step" + _VARIABLE_SUFFIX))
         change = LayoutChange(path, step, saved, self.input_layout)
+        if not self._data_names:  # input_mode="distributed": the position is the step
+            _check_distributed_position(change)
+            return None
         why = change.why_not_repositionable()
         if why is None and self._reposition is None:
             why = "this run cannot move its data position to the step"
@@ -680,6 +682,20 @@ class _HostState:
             raise RuntimeError(f"this host's data position for step {step} ({prefix}) is "
                                "missing: restore it, or start over in a new model_dir")
         self.checkpoint.read(prefix).assert_consumed()
+
+
+def _check_distributed_position(change: LayoutChange) -> None:
+    """With no saved data state the input skips `step` batches of *this* run's global
+    batch: refused if that is another position; another host count reads other shards,
+    which is close to the position (each host skips its share) but not it."""
+    if change.saved.global_batch != change.now.global_batch:
+        raise InputLayoutError(_layout_refusal(change, change.why_not_repositionable() or ""))
+    if change.saved.hosts != change.now.hosts:
+        logging.warning("tputrain: checkpoint %s was written with %s, this run has %s: each "
+                        "host skips its share of the %d steps done in its own shard, so the "
+                        "examples read next are not exactly those an uninterrupted run would "
+                        "read", change.path, change.saved.describe(), change.now.describe(),
+                        change.step)
 
 
 def _layout_refusal(change: LayoutChange, why: str) -> str:

@@ -80,9 +80,8 @@ def exact_gelu(x: tf.Tensor) -> tuple[tf.Tensor, Callable]:
 # Measured on the Transformer (configs/synthetic_transformer.gin) in mixed_bfloat16 on a
 # 2-core AVX512_BF16 CPU, each forward and backward alone (CPU time): the exact GELU
 # 19.4 ms uncompiled, `exact_gelu` 4.1 ms. Layer norm (2.2 ms against 3.3 ms compiled)
-# and the masked Softmax (3.0 against 5.8 ms) are faster uncompiled, so no layer is
-# swapped by default. A plain ReLU or tanh is one kernel either way.
-FUSED_LAYERS: tuple[type, ...] = ()
+# and the masked Softmax (3.0 against 5.8 ms) are faster uncompiled, so they are left
+# alone. A plain ReLU or tanh is one kernel either way.
 FUSED_ACTIVATIONS: dict[Callable, Callable] = {keras.activations.gelu: exact_gelu}
 
 
@@ -94,8 +93,8 @@ def _fused_activation(activation: Any) -> Callable | None:
 
 
 class ElementwiseFusion:
-    """Small XLA programs for a model's GELUs (`FUSED_ACTIVATIONS`; and the layers of
-    `FUSED_LAYERS`, none by default), used while a step traces.
+    """Small XLA programs for a model's GELUs (`FUSED_ACTIVATIONS`), used while a step
+    traces.
 
     The layers are swapped back on exit, so evaluation, export and FLOP counting
     see the model unchanged. Each XLA program (and its gradient) fuses what
@@ -105,9 +104,7 @@ class ElementwiseFusion:
     def __init__(self, model: keras.Model):
         self.swaps: list[tuple[keras.layers.Layer, str, Callable]] = []
         for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
-            if type(layer) in FUSED_LAYERS:  # not subclasses: their call may not compile
-                self.swaps.append((layer, "call", _compiled(layer.call)))
-            elif (fused := _fused_activation(getattr(layer, "activation", None))) is not None:
+            if (fused := _fused_activation(getattr(layer, "activation", None))) is not None:
                 self.swaps.append((layer, "activation", fused))
 
     @contextlib.contextmanager
@@ -141,10 +138,6 @@ def _reason(error: Exception) -> str:
     named = [line for line in lines if re.match(r"^[A-Za-z.]*(Error|Exception): ", line)]
     line = (named or lines or [""])[0]
     return line.removeprefix(f"{type(error).__name__}: ")[:300]
-
-
-def _compiled(fn: Callable) -> Callable:
-    return tf.function(fn, jit_compile=True, autograph=False)
 
 
 class StepBuilder:

@@ -1,7 +1,7 @@
 """Many steps in one `tf.function`: the host loop.
 
 The host pays Python and dispatch overhead once per loop of `num_steps` steps
-(a `tf.range` loop) instead of once per step. The first step is peeled so the
+(a `tf.while_loop`) instead of once per step. The first step is peeled so the
 accumulators get the step's log structure; later steps stop cleanly when the
 data ends (`get_next_as_optional`), so a partial loop is never replayed.
 
@@ -121,12 +121,26 @@ class HostLoop:
             totals = self.first_step(batches)
             steps = tf.constant(1, tf.int32)
             totals, steps = self.steps_on(batches, totals, steps, first=1)
-        for _ in tf.range(num_steps // self.fetch - 1):
-            if self.count_steps and self.stop_requested():  # before taking the next batch
-                break
+        fetches = num_steps // self.fetch - 1
+
+        # A plain while loop, not autograph's `break`s: those nest a conditional per
+        # break in every iteration, each a function call for the executor.
+        def more(i, had_value, totals, steps, input_wait):
+            go = tf.logical_and(i < fetches, had_value)
+            if self.count_steps:  # checked before the next batch is taken
+                go = tf.logical_and(go, tf.logical_not(self.stop_requested()))
+            return go
+
+        def fetch_and_run(i, had_value, totals, steps, input_wait):
+            del had_value
             has_value, value, waited, ready = self.timed_next(iterator)
-            input_wait += waited
-            if not has_value:
-                break
-            totals, steps = self.steps_on(self.batches_of(value, ready), totals, steps, first=0)
+            totals, steps = tf.cond(
+                has_value,
+                lambda: self.steps_on(self.batches_of(value, ready), totals, steps, first=0),
+                lambda: (totals, steps))
+            return i + 1, has_value, totals, steps, input_wait + waited
+
+        _, _, totals, steps, input_wait = tf.while_loop(
+            more, fetch_and_run, (tf.constant(0, tf.int32), tf.constant(True), totals, steps,
+                                  input_wait))
         return totals, steps, input_wait

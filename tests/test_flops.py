@@ -129,3 +129,20 @@ def test_a_peak_cached_by_an_older_tputrain_is_probed_again(tmp_path, monkeypatc
     monkeypatch.setattr(flops, "measure_matmul_peak", lambda dtype: 80e9)
     flops._probed_here.clear()
     assert flops.cpu_peak_flops("float32") == 80e9
+
+
+def test_a_peak_probed_meanwhile_by_another_process_is_not_lowered(tmp_path, monkeypatch):
+    """Two runs started together: the one that measured less finishes last and must
+    not overwrite the other's higher peak (the cache is read again before writing)."""
+    monkeypatch.setenv("TPUTRAIN_CACHE_DIR", str(tmp_path))
+    key = f"{flops._cpu_name()}|{os.cpu_count()} cpus|tf {tf.__version__}|float32"
+
+    def slow_low_probe(dtype):  # meanwhile another process stores a higher peak
+        (tmp_path / "peak_flops.json").write_text(json.dumps({key: 400e9}))
+        return 250e9
+
+    monkeypatch.setattr(flops, "measure_matmul_peak", slow_low_probe)
+    flops._probed_here.clear()
+    assert flops.cpu_peak_flops("float32") == 400e9
+    assert json.loads((tmp_path / "peak_flops.json").read_text()) == {key: 400e9}
+    assert not list(tmp_path.glob("*.tmp"))

@@ -20,10 +20,12 @@ smaller model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import re
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -290,10 +292,21 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def _write_json(path: str, value: dict[str, Any]) -> None:
+    """Atomically, through a temporary file of this writer's own."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(value, f, indent=1, sort_keys=True)
-    os.replace(path + ".tmp", path)
+    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as f:
+            json.dump(value, f, indent=1, sort_keys=True)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise
+
+
+def _probes_path(path: str) -> str:
+    return os.path.splitext(path)[0] + "_probes.json"
 
 
 def cpu_peak_flops(dtype: str = "float32", refresh: bool = False) -> float:
@@ -305,17 +318,20 @@ def cpu_peak_flops(dtype: str = "float32", refresh: bool = False) -> float:
     key = f"{_cpu_name()}|{os.cpu_count()} cpus|tf {tf.__version__}|{dtype}"
     path = _cache_path()
     cache = _read_json(path)
-    counts = _read_json(path.replace(".json", "_probes.json"))
-    probes = int(counts.get(key, 1 if key in cache else 0))
+    probes = int(_read_json(_probes_path(path)).get(key, 1 if key in cache else 0))
     if key in cache and not refresh and (key in _probed_here or probes >= PEAK_PROBES):
         return float(cache[key])
     with tf.device("/cpu:0"):
         measured = measure_matmul_peak(dtype)
     _probed_here.add(key)
+    # Read again: processes that started together probed meanwhile, and the best of
+    # all stands (the count may miss one of them; a peak is never lowered).
+    cache, counts = _read_json(path), _read_json(_probes_path(path))
+    probes = int(counts.get(key, 1 if key in cache else 0))
     peak = measured if refresh or key not in cache else max(measured, float(cache[key]))
     cache[key], counts[key] = peak, 1 if refresh else probes + 1
     _write_json(path, cache)
-    _write_json(path.replace(".json", "_probes.json"), counts)
+    _write_json(_probes_path(path), counts)
     logging.info("tputrain: measured %s matmul peak %.1f GFLOP/s; %.1f GFLOP/s kept, "
                  "probe %d of %d (cached in %s)", dtype, measured / 1e9, peak / 1e9,
                  counts[key], PEAK_PROBES, path)

@@ -15,7 +15,8 @@ import tensorflow as tf
 import tputrain
 from faults import FaultTask
 from tiny import strategy_for, weights
-from tputrain.loop.step import ElementwiseFusion, XlaPlan, exact_gelu
+from tputrain.loop import step as step_module
+from tputrain.loop.step import ElementwiseFusion, XlaPlan, exact_gelu, layer_norm
 from tputrain.precision import to_float32
 from tputrain.tasks import SyntheticLMTask
 
@@ -119,7 +120,7 @@ def test_fused_elementwise_layers_are_as_close_to_float32_as_unfused():
     reference, _ = _gradients("float32", fuse=False)
     plain, swaps = _gradients("mixed_bfloat16", fuse=False)
     fused, _ = _gradients("mixed_bfloat16", fuse=True)
-    assert swaps == 2  # per block, the MLP's GELU
+    assert swaps == 7  # per block, the MLP's GELU and two layer norms; the final norm
 
     def error(values):  # relative error of each gradient, ignoring ~0 ones (key biases)
         return [np.linalg.norm(v - r) / np.linalg.norm(r) for v, r in zip(values, reference)
@@ -266,3 +267,72 @@ def test_fusion_swaps_only_the_gelu_and_accepts_any_activation():
         fused = model(x)
     np.testing.assert_allclose(fused, model(x), rtol=1e-5, atol=1e-6)
     assert model.layers[1].activation is keras.activations.gelu  # swapped back
+
+
+def _layer_norm_and_gradients(layer: keras.layers.LayerNormalization, x: tf.Tensor,
+                              fn=None) -> list[np.ndarray]:
+    upstream = tf.cast(tf.reshape(tf.linspace(-2.0, 3.0, int(tf.size(x))), x.shape), x.dtype)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x) if fn is None else fn(x)
+    grads = tape.gradient(y, [x, layer.gamma, layer.beta], output_gradients=upstream)
+    return [tf.cast(t, tf.float64).numpy() for t in [y, *grads]]
+
+
+@pytest.mark.parametrize("shape", [(4, 6, 32), (5, 16)])
+def test_layer_norm_is_keras_layer_norm_and_its_gradient(shape):
+    """In float32 the same values and gradients (input, scale, offset) as Keras's
+    LayerNormalization with TensorFlow's automatic gradient."""
+    keras.mixed_precision.set_global_policy("float32")
+    layer = keras.layers.LayerNormalization(epsilon=1e-5)
+    layer.build(shape)
+    layer.gamma.assign(tf.random.stateless_normal(shape[-1:], [1, 2]) + 1.0)
+    layer.beta.assign(tf.random.stateless_normal(shape[-1:], [3, 4]))
+    x = tf.random.stateless_normal(shape, [5, 6]) * 3.0 + 1.0
+    expected = _layer_norm_and_gradients(layer, x)
+    ours = _layer_norm_and_gradients(
+        layer, x, lambda v: layer_norm(v, layer.gamma.value, layer.beta.value, 1e-5))
+    for got, want in zip(ours, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_layer_norm_swap_covers_the_last_axis_in_bf16_and_leaves_other_axes_to_keras(
+        monkeypatch):
+    """Swapped in while a bf16 step traces: output in the layer's compute dtype, within
+    a bf16 rounding of Keras's; a norm over another axis runs Keras's own call."""
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return layer_norm(*args)
+    monkeypatch.setattr(step_module, "layer_norm", counted)
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        inputs = keras.Input((6, 32))
+        last = keras.layers.LayerNormalization()
+        first = keras.layers.LayerNormalization(axis=1)
+        model = keras.Model(inputs, first(last(inputs)))
+        fusion = ElementwiseFusion(model)
+        assert [(layer, name) for layer, name, _ in fusion.swaps] == [(last, "call"),
+                                                                    (first, "call")]
+        x = tf.random.stateless_normal([3, 6, 32], [7, 8]) * 2.0
+        plain = _layer_norm_and_gradients(last, tf.cast(x, tf.bfloat16))
+        with fusion.active():
+            swapped = _layer_norm_and_gradients(last, tf.cast(x, tf.bfloat16))
+            assert last(x).dtype == tf.bfloat16
+            np.testing.assert_array_equal(model(x), _then_keras_axis_1(model, x))
+        assert "call" not in vars(last)  # swapped back
+        assert len(calls) == 4  # the last-axis norm's three calls and the model's; not axis 1
+        half_step = np.abs(plain[0]) * 2.0 ** -8 + 1e-6
+        assert np.all(np.abs(swapped[0] - plain[0]) <= 2 * half_step)
+        for got, want in zip(swapped[1:], plain[1:]):
+            assert np.linalg.norm(got - want) < 0.02 * np.linalg.norm(want)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def _then_keras_axis_1(model: keras.Model, x: tf.Tensor) -> np.ndarray:
+    """The model's first norm (swapped while active), then Keras's own `call` of the
+    axis-1 norm: what the model must give if the swap leaves that layer to Keras."""
+    last, first = model.layers[1], model.layers[2]
+    return type(first).call(first, tf.cast(last(x), first.compute_dtype)).numpy()

@@ -10,7 +10,8 @@ replicas before clipping.
 Under a mixed policy on a CPU, `jit_compile="auto"` leaves the matmuls to oneDNN
 (XLA's CPU backend has none for bf16) and compiles only what XLA fuses well and
 oneDNN does not: the optimizer's update, and each exact GELU (`ElementwiseFusion`,
-`exact_gelu`), which TensorFlow otherwise runs as many small kernels.
+`exact_gelu`), which TensorFlow otherwise runs as many small kernels; layer
+normalizations get a closed-form gradient (`layer_norm`) for the same reason.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class XlaPlan(NamedTuple):
     gradients_only: bool
     why: str
     apply_only: bool = False  # the optimizer's update alone
-    fuse_elementwise: bool = False  # ElementwiseFusion: GELUs as small XLA programs
+    fuse_elementwise: bool = False  # ElementwiseFusion: GELUs (XLA) and layer norms
 
 
 _SQRT_HALF = math.sqrt(0.5)
@@ -92,9 +93,55 @@ def _fused_activation(activation: Any) -> Callable | None:
                  if activation is original), None)
 
 
+def layer_norm(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float) -> tf.Tensor:
+    """Keras's layer normalization over the last axis, computed in float32, with its
+    own gradient.
+
+    TensorFlow's automatic gradient of Keras's version runs ~25 small kernels, each a
+    pass over the activations; this backward is the closed form (dx = (g - mean(g)
+    - xhat * mean(g * xhat)) / sigma, g = dy * gamma) from the forward's normalized
+    values. Transformer shapes [16, 128, 256] in bf16, forward and backward, CPU
+    time: 3.8 ms against 4.9 ms.
+    """
+    @tf.custom_gradient
+    def normalize(x, gamma, beta):
+        xf = tf.cast(x, tf.float32)
+        mean, variance = tf.nn.moments(xf, axes=[-1], keepdims=True)
+        inverse = tf.math.rsqrt(variance + epsilon)
+        normalized = (xf - mean) * inverse
+
+        def gradient(dy):
+            dyf = tf.cast(dy, tf.float32)
+            leading = list(range(len(dyf.shape) - 1))
+            scaled = dyf * gamma
+            dx = inverse * (scaled - tf.reduce_mean(scaled, -1, keepdims=True)
+                            - normalized * tf.reduce_mean(scaled * normalized, -1, keepdims=True))
+            return (tf.cast(dx, x.dtype), tf.reduce_sum(dyf * normalized, leading),
+                    tf.reduce_sum(dyf, leading))
+        return normalized * gamma + beta, gradient
+
+    return normalize(x, tf.cast(gamma, tf.float32), tf.cast(beta, tf.float32))
+
+
+def _layer_norm_call(layer: keras.layers.Layer) -> Callable | None:
+    """A `call` for a Keras LayerNormalization that `layer_norm` covers (last axis,
+    scale and center, no RMS scaling); None for other layers."""
+    if (type(layer) is not keras.layers.LayerNormalization or layer.rms_scaling
+            or getattr(layer, "gamma", None) is None or getattr(layer, "beta", None) is None):
+        return None
+
+    def call(inputs, *args, **kwargs):
+        rank = len(inputs.shape)
+        if args or kwargs or sorted(a % rank for a in layer.axis) != [rank - 1]:
+            return type(layer).call(layer, inputs, *args, **kwargs)
+        outputs = layer_norm(inputs, layer.gamma.value, layer.beta.value, layer.epsilon)
+        return tf.cast(outputs, layer.compute_dtype)
+    return call
+
+
 class ElementwiseFusion:
-    """Small XLA programs for a model's GELUs (`FUSED_ACTIVATIONS`), used while a step
-    traces.
+    """Small XLA programs for a model's GELUs (`FUSED_ACTIVATIONS`) and `layer_norm`
+    for its layer normalizations, used while a step traces.
 
     The layers are swapped back on exit, so evaluation, export and FLOP counting
     see the model unchanged. Each XLA program (and its gradient) fuses what
@@ -106,6 +153,8 @@ class ElementwiseFusion:
         for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
             if (fused := _fused_activation(getattr(layer, "activation", None))) is not None:
                 self.swaps.append((layer, "activation", fused))
+            if (call := _layer_norm_call(layer)) is not None:
+                self.swaps.append((layer, "call", call))
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

@@ -131,8 +131,8 @@ def _layer_norm_call(layer: keras.layers.Layer) -> Callable | None:
         return None
 
     def call(inputs, *args, **kwargs):
-        rank = len(inputs.shape)
-        if args or kwargs or sorted(a % rank for a in layer.axis) != [rank - 1]:
+        rank = tf.TensorShape(inputs.shape).rank
+        if args or kwargs or not rank or sorted(a % rank for a in layer.axis) != [rank - 1]:
             return type(layer).call(layer, inputs, *args, **kwargs)
         outputs = layer_norm(inputs, layer.gamma.value, layer.beta.value, layer.epsilon)
         return tf.cast(outputs, layer.compute_dtype)

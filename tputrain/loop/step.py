@@ -158,7 +158,7 @@ class ElementwiseFusion:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """Within: the swapped layers call their XLA programs (instance attributes)."""
+        """Within: the swapped layers call their replacements (instance attributes)."""
         saved = [(layer, name, vars(layer).get(name)) for layer, name, _ in self.swaps]
         try:
             for layer, name, compiled in self.swaps:

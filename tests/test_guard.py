@@ -118,3 +118,130 @@ def test_rollback_with_the_count_inside_the_xla_step(tmp_path):
     assert int(trainer.step.numpy()) == 8
     assert all_finite(trainer)
     assert int(trainer.optimizer.iterations.numpy()) == 2 + 4  # back to ckpt-2, then 5-8
+
+
+# ----------------------------------------------------------------- the scaled check
+
+class OptimizerTask(FaultTask):
+    """FaultTask (no NaN) with one of tputrain's optimizers and its options."""
+
+    def __init__(self, optimizer: str = "adam", **options):
+        super().__init__(dropout=0.0)
+        self.optimizer, self.options = optimizer, options
+
+    def build_optimizer(self):
+        return tputrain.build_optimizer(self.optimizer, learning_rate=0.01, **self.options)
+
+
+class OwnGradientsTask(OptimizerTask):
+    """Overrides compute_gradients without `optimizer.scale_loss`."""
+
+    def compute_gradients(self, batch, model, optimizer, global_batch_size, micro_batches=1):
+        features, labels = batch
+        with tf.GradientTape() as tape:
+            outputs = model(features, training=True)
+            loss = self.total_loss(labels, outputs, model, global_batch_size, micro_batches)
+        return tape.gradient(loss, model.trainable_variables), loss, outputs
+
+
+def train_state(tmp_path, name, task, guard, **kwargs):
+    """(trainer, every model and optimizer variable after 5 steps) on one replica."""
+    options = dict(train_steps=5, steps_per_loop=5, global_batch_size=16,
+                   checkpoint_every=10**9, eval_steps=1, seed=0)
+    options.update(kwargs)
+    trainer = tputrain.Trainer(task, str(tmp_path / name), strategy=strategy_for(1),
+                               guard=guard, **options)
+    trainer.train()
+    variables = list(trainer.model.variables) + list(trainer.optimizer.variables)
+    return trainer, [np.array(v.numpy()) for v in variables]
+
+
+def spy_checks(monkeypatch) -> dict[str, int]:
+    """Counts the traces of each gradient check."""
+    from tputrain import guard as guard_module
+
+    calls = {"scaled": 0, "exact": 0}
+    for name, key in (("_scaled_gradients_finite", "scaled"), ("_gradients_finite", "exact")):
+        original = getattr(guard_module, name)
+
+        def spy(*args, original=original, key=key, **kwargs):
+            calls[key] += 1
+            return original(*args, **kwargs)
+        monkeypatch.setattr(guard_module, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("optimizer, options, kwargs", [
+    ("adam", {}, {}),
+    ("adamw", {"weight_decay": 0.01}, {}),
+    ("sgd", {"momentum": 0.9}, {}),
+    ("lamb", {}, {}),
+    ("lars", {}, {}),
+    ("adam", {"clipnorm": 0.5, "use_ema": True, "ema_overwrite_frequency": None}, {}),
+    ("adam", {}, {"accumulation_steps": 2}),
+    ("adamw", {"weight_decay": 0.01}, {"precision": "mixed_bfloat16"}),  # the update alone in XLA
+])
+def test_the_scaled_check_updates_bit_for_bit_as_without_a_guard(tmp_path, monkeypatch,
+                                                                 optimizer, options, kwargs):
+    """The loss scaled by 2^64 and the gradients unscaled: every variable ends bit for
+    bit as under the exact check, for every optimizer option; and the scaled check ran.
+    (Against no guard at all, an optimizer that takes norms can differ by a rounding
+    under either check: XLA may order a sum differently in another program.)"""
+    calls = spy_checks(monkeypatch)
+    guarded, scaled = train_state(tmp_path, "scaled", OptimizerTask(optimizer, **options),
+                                  NonFiniteGuard(policy="raise"), **kwargs)
+    assert calls["scaled"] >= 1 and calls["exact"] == 0
+    plan = guarded._steps.plan()
+    assert plan.whole_step or plan.apply_only
+    _, exact = train_state(tmp_path, "exact", OptimizerTask(optimizer, **options),
+                           NonFiniteGuard(policy="raise", scaled_check=False), **kwargs)
+    assert calls["exact"] >= 1
+    _, unguarded = train_state(tmp_path, "plain", OptimizerTask(optimizer, **options),
+                               NonFiniteGuard(policy=None), **kwargs)
+    assert int(guarded.optimizer.iterations.numpy()) == 5
+    for value, expected, plain in zip(scaled, exact, unguarded):
+        np.testing.assert_array_equal(value, expected)
+        np.testing.assert_allclose(value, plain, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("task, guard_options", [
+    (OwnGradientsTask(), {}),  # its gradients are not of optimizer.scale_loss
+    (OptimizerTask(), {"scaled_check": False}),
+    (OptimizerTask(global_clipnorm=1.0), {}),  # clipping's norm gives the exact check free
+])
+def test_the_exact_check_where_the_loss_is_not_scaled(tmp_path, monkeypatch, task,
+                                                      guard_options):
+    calls = spy_checks(monkeypatch)
+    guarded, with_guard = train_state(tmp_path, "guarded", task,
+                                      NonFiniteGuard(policy="raise", **guard_options))
+    _, without = train_state(tmp_path, "plain", task, NonFiniteGuard(policy=None))
+    assert guarded._steps.plan().whole_step
+    assert calls["exact"] >= 1 and calls["scaled"] == 0
+    for value, expected in zip(with_guard, without):
+        np.testing.assert_array_equal(value, expected)
+
+
+@pytest.mark.parametrize("poison", [np.nan, 1e30])
+def test_the_scaled_check_skips_a_nan_and_an_overflowing_square(tmp_path, poison):
+    """Features of 1e30: finite gradients whose squares overflow, caught as Inf once
+    scaled. The step changes no variable, and later steps train."""
+    class Poisoned(OptimizerTask):
+        def __init__(self):
+            super().__init__("adam")
+            self.nan_at_batch, self.poison = 2, poison
+
+    trainer = tputrain.Trainer(Poisoned(), str(tmp_path / "t"), strategy=strategy_for(1),
+                               train_steps=4, steps_per_loop=1, global_batch_size=16,
+                               checkpoint_every=10**9, eval_steps=1,
+                               guard=NonFiniteGuard(policy="skip"))
+    variables = list(trainer.model.variables) + list(trainer.optimizer.variables)
+    trainer.train(num_steps=2)
+    assert trainer.guard._scaling(trainer.optimizer)
+    before = [np.array(v.numpy()) for v in variables]
+    trainer.train(num_steps=1)
+    assert int(trainer.guard.nonfinite_steps.numpy()) == 1
+    for variable, value in zip(variables, before):
+        np.testing.assert_array_equal(variable.numpy(), value, err_msg=variable.path)
+    trainer.train(num_steps=1)
+    assert int(trainer.optimizer.iterations.numpy()) == 3
+    assert all(np.all(np.isfinite(v.numpy())) for v in variables)

@@ -23,6 +23,16 @@ XLA program on one replica each of its writes keeps the old value instead, see
 Under mixed_float16 the Keras `LossScaleOptimizer` already skips overflowing
 steps and lowers its scale; the guard then watches only the loss, since
 non-finite scaled gradients are expected there.
+
+The scaled check (`scaled_check`, on by default): where the update is inside an XLA
+program on one replica and the Task's own forward/backward runs, the guard scales the
+loss by 2^64 through `optimizer.scale_loss` (as Keras's loss scaling does) and unscales
+the gradients before the update. A gradient whose square would overflow float32
+(|g| >= 2^64) then overflows itself, so one plain sum of the gradients, a pass XLA's
+CPU backend runs on the gradients as they are, tells every non-finite case apart;
+powers of two scale exactly, so the update is bit for bit the unguarded one. Turn it
+off for a model with a custom gradient that is not linear in its upstream gradient
+(one that clips it, say), which would see the scaled values.
 """
 
 from __future__ import annotations
@@ -50,6 +60,39 @@ def _all_finite(values: list[Any]) -> tf.Tensor:
     return tf.math.is_finite(tf.add_n(sums)) if sums else tf.constant(True)
 
 
+CHECK_SCALE = 2.0 ** 64  # float32's largest finite square is just under (2^64)^2
+
+
+def _float_gradients(gradients: list[Any]) -> list[Any]:
+    """The floating-point gradients as float32 dense values (a sparse one: its values)."""
+    floating = [g for g in gradients if g is not None and tf.as_dtype(g.dtype).is_floating]
+    return [tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32)
+            for g in floating]
+
+
+def _scaled_gradients_finite(gradients: list[Any]) -> tf.Tensor:
+    """The check on gradients of a loss scaled by `CHECK_SCALE`: whether their sum is
+    finite. NaN and Inf propagate through a sum (Inf - Inf is NaN), and an element
+    whose unscaled square overflows is itself Inf here. XLA runs each sum on the
+    gradient as it is (no elementwise pass before it). A step whose gradients sum to
+    2^64 or more is also counted non-finite. The square root of the magnitude keeps
+    XLA from copying the sum into every variable's update (see `_gradients_finite`)."""
+    sums = [tf.reduce_sum(v) for v in _float_gradients(gradients)]
+    if not sums:
+        return tf.constant(True)
+    return tf.math.is_finite(tf.sqrt(tf.abs(tf.add_n(sums))))
+
+
+def _unscaled(gradient: Any) -> Any:
+    """`gradient / CHECK_SCALE`, exact (a power of two); in XLA it fuses into the update."""
+    if gradient is None or not tf.as_dtype(gradient.dtype).is_floating:
+        return gradient
+    factor = tf.constant(1 / CHECK_SCALE, gradient.dtype)
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * factor, gradient.indices, gradient.dense_shape)
+    return gradient * factor
+
+
 def _gradients_finite(gradients: list[Any], in_xla: bool = False,
                       clipping: bool = False) -> tf.Tensor:
     """Whether the gradients' squared global norm is finite.
@@ -72,12 +115,10 @@ def _gradients_finite(gradients: list[Any], in_xla: bool = False,
     The square root keeps XLA from copying the sum (one add per variable) into
     every variable's update. Sparse (embedding) gradients: their values.
     """
-    floating = [g for g in gradients if g is not None and tf.as_dtype(g.dtype).is_floating]
-    values = [tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32)
-              for g in floating]
+    values = _float_gradients(gradients)
     if not values:
         return tf.constant(True)
-    sizes = [g.shape.num_elements() for g in floating]  # None if not static: no bound
+    sizes = [v.shape.num_elements() for v in values]  # None if not static: no bound
     if in_xla and not clipping and None not in sizes:
         largest = tf.reduce_max(tf.stack([tf.reduce_max(tf.where(
             tf.math.is_nan(v), math.inf, tf.abs(v))) for v in values]))
@@ -95,10 +136,13 @@ class NonFiniteGuard:
       max_rollbacks: with "rollback", how many rollbacks before giving up.
       check_gradients: also check gradients (skips the update in-step); False
         checks only the step's logged loss, after the update.
+      scaled_check: where the update is inside an XLA program on one replica, check
+        gradients of a loss scaled by 2^64 with one plain sum (the module docstring);
+        False for a model whose custom gradients are not linear in their input.
     """
 
     def __init__(self, policy: str | None = "raise", max_rollbacks: int = 3,
-                 check_gradients: bool = True):
+                 check_gradients: bool = True, scaled_check: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"NonFiniteGuard.policy must be one of {POLICIES}, got {policy!r}")
         if max_rollbacks < 0:
@@ -106,9 +150,11 @@ class NonFiniteGuard:
         self.policy = policy
         self.max_rollbacks = int(max_rollbacks)
         self.check_gradients = check_gradients
+        self.scaled_check = bool(scaled_check)
         self.rollbacks = 0
         self._built = False
         self._select = False
+        self._scale = False
 
     def build(self) -> None:
         """Creates the guard's variables; call inside `strategy.scope()`."""
@@ -139,6 +185,7 @@ class NonFiniteGuard:
         original_apply = optimizer.apply
         guard = self
         self._apply = original_apply
+        self._wrap_scale_loss(optimizer)
 
         def guarded_apply(self_, grads, trainable_variables=None):
             del self_
@@ -175,7 +222,30 @@ class NonFiniteGuard:
         optimizer.apply = types.MethodType(guarded_apply, optimizer)
         optimizer._tputrain_guarded = True
 
-    def select_updates(self, on: bool) -> None:
+    def _wrap_scale_loss(self, optimizer: keras.optimizers.Optimizer) -> None:
+        """`optimizer.scale_loss` also multiplies by `CHECK_SCALE` while `_scaling`."""
+        original_scale_loss = optimizer.scale_loss
+        guard = self
+
+        def scale_loss(self_, loss):
+            del self_
+            loss = original_scale_loss(loss)
+            if not guard._scaling(optimizer):
+                return loss
+            if loss.dtype == tf.float16:  # 2^64 is not a float16
+                loss = tf.cast(loss, tf.float32)
+            return loss * tf.constant(CHECK_SCALE, loss.dtype)
+
+        optimizer.scale_loss = types.MethodType(scale_loss, optimizer)
+
+    def _scaling(self, optimizer: keras.optimizers.Optimizer) -> bool:
+        """Whether the loss is scaled (and the gradients unscaled in the update). With
+        global-norm clipping the exact check is free (XLA shares clipping's norm); with
+        the optimizer's own `loss_scale_factor`, its threshold would shift."""
+        return (self._scale and not getattr(optimizer, "global_clipnorm", None)
+                and getattr(optimizer, "loss_scale_factor", None) is None)
+
+    def select_updates(self, on: bool, scale_loss: bool = False) -> None:
         """With `on`, a bad step's writes are masked by selects instead of skipped by a
         conditional (`_select_apply`); for an update inside an XLA program on one
         replica (`StepBuilder` sets it from its plan).
@@ -185,8 +255,14 @@ class NonFiniteGuard:
         elementwise update, which stays in place. A conditional cost 8% of an MLP step
         in one program (copies of every variable), and 3-10% as two programs with the
         decision in TensorFlow between them.
+
+        `scale_loss`: the step's gradients are those of `optimizer.scale_loss(loss)`
+        (the Task's own forward/backward), so the scaled check can be used (with
+        `scaled_check`; the module docstring). The scale and the unscale are decided
+        here, once, so they always go together.
         """
         self._select = bool(on)
+        self._scale = self._select and bool(scale_loss) and self.scaled_check
 
     def _select_apply(self, optimizer: keras.optimizers.Optimizer, grads: list[Any],
                       trainable_variables: Any) -> None:
@@ -195,8 +271,12 @@ class NonFiniteGuard:
         Variables it writes some other way (the step counter, an EMA, a custom
         optimizer's direct `variable.assign`) are put back by a select at the end.
         """
-        bad = tf.logical_not(_gradients_finite(
-            grads, in_xla=True, clipping=bool(getattr(optimizer, "global_clipnorm", None))))
+        if self._scaling(optimizer):
+            bad = tf.logical_not(_scaled_gradients_finite(grads))
+            grads = [_unscaled(g) for g in grads]
+        else:
+            bad = tf.logical_not(_gradients_finite(
+                grads, in_xla=True, clipping=bool(getattr(optimizer, "global_clipnorm", None))))
         if trainable_variables is None:
             trainable_variables = getattr(optimizer, "_trainable_variables", [])
         watched = {_key(v): v for v in [*trainable_variables, *optimizer.variables]}

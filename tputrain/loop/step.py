@@ -209,6 +209,9 @@ class StepBuilder:
         self.precision = precision
         self.train_element_spec = train_element_spec
         self._custom_train_step = type(task).train_step is not Task.train_step
+        # The Task's own forward/backward: its gradients are of `optimizer.scale_loss`.
+        self._own_gradients = not self._custom_train_step and (
+            type(task).compute_gradients is Task.compute_gradients)
         self.counted_in_step = False  # set by build()
 
     def xla_plan(self) -> tuple[bool, bool, str]:
@@ -256,7 +259,8 @@ class StepBuilder:
         self.counted_in_step = False
         # An update inside an XLA program (one replica) is guarded by a select, not a
         # conditional: the select fuses into the update (NonFiniteGuard.select_updates).
-        self.guard.select_updates(plan.whole_step or plan.apply_only)
+        self.guard.select_updates(plan.whole_step or plan.apply_only,
+                                  scale_loss=self._own_gradients)
         if self._custom_train_step:
             def step(batch):
                 return self.task.train_step(batch, self.model, self.optimizer,

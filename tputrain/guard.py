@@ -24,15 +24,16 @@ Under mixed_float16 the Keras `LossScaleOptimizer` already skips overflowing
 steps and lowers its scale; the guard then watches only the loss, since
 non-finite scaled gradients are expected there.
 
-The scaled check (`scaled_check`, on by default): where the update is inside an XLA
-program on one replica and the Task's own forward/backward runs, the guard scales the
-loss by 2^64 through `optimizer.scale_loss` (as Keras's loss scaling does) and unscales
-the gradients before the update. A gradient whose square would overflow float32
-(|g| >= 2^64) then overflows itself, so one plain sum of the gradients, a pass XLA's
-CPU backend runs on the gradients as they are, tells every non-finite case apart;
-powers of two scale exactly, so the update is bit for bit the unguarded one. Turn it
-off for a model with a custom gradient that is not linear in its upstream gradient
-(one that clips it, say), which would see the scaled values.
+The scaled check (`scaled_check`, on by default): where the update is inside an
+XLA program on one replica and `Task.compute_gradients` is not overridden, the
+guard scales the loss by 2^64 through `optimizer.scale_loss` (as Keras's loss
+scaling does) and unscales the gradients before the update. A gradient whose
+square would overflow float32 (|g| >= 2^64) then overflows itself, so one plain
+sum of the gradients, a pass XLA's CPU backend runs on the gradients as they are,
+tells every non-finite case apart. Powers of two scale exactly: the update is bit
+for bit the one the exact check gives. Turn it off for a model with a custom
+gradient that is not linear in its upstream gradient (one that clips it, say),
+which would see the scaled values.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ def _gradients_finite(gradients: list[Any], in_xla: bool = False,
       sum: 0.42 ms);
     * in an XLA program whose optimizer clips by global norm (`clipping`), the ops
       of Keras's `clip_by_global_norm`: XLA computes the two as one, so nothing;
+    * in an XLA update with the loss scaled (`NonFiniteGuard.scaled_check`):
+      `_scaled_gradients_finite`, one plain sum a gradient;
     * in other XLA programs, the largest magnitude (NaN counted as inf) against
       sqrt(float32 max / number of weights), which bounds the squared norm: 0.66 ms,
       where XLA's CPU sums of squares took 1.9 ms. Either way the op before the
@@ -137,7 +140,7 @@ class NonFiniteGuard:
       check_gradients: also check gradients (skips the update in-step); False
         checks only the step's logged loss, after the update.
       scaled_check: where the update is inside an XLA program on one replica, check
-        gradients of a loss scaled by 2^64 with one plain sum (the module docstring);
+        gradients of a loss scaled by 2^64 with one plain sum (docs/fault_tolerance.md);
         False for a model whose custom gradients are not linear in their input.
     """
 
@@ -257,7 +260,7 @@ class NonFiniteGuard:
         decision in TensorFlow between them.
 
         `scale_loss`: the step's gradients are those of `optimizer.scale_loss(loss)`
-        (the Task's own forward/backward), so the scaled check can be used (with
+        (`Task.compute_gradients` not overridden), so the scaled check can be used (with
         `scaled_check`; the module docstring). The scale and the unscale are decided
         here, once, so they always go together.
         """

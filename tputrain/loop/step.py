@@ -209,7 +209,7 @@ class StepBuilder:
         self.precision = precision
         self.train_element_spec = train_element_spec
         self._custom_train_step = type(task).train_step is not Task.train_step
-        # The Task's own forward/backward: its gradients are of `optimizer.scale_loss`.
+        # Task.compute_gradients as tputrain defines it: gradients of optimizer.scale_loss.
         self._own_gradients = not self._custom_train_step and (
             type(task).compute_gradients is Task.compute_gradients)
         self.counted_in_step = False  # set by build()

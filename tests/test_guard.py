@@ -222,7 +222,7 @@ def test_the_exact_check_where_the_loss_is_not_scaled(tmp_path, monkeypatch, tas
 
 
 @pytest.mark.parametrize("poison", [np.nan, 1e30])
-def test_the_scaled_check_skips_a_nan_and_an_overflowing_square(tmp_path, poison):
+def test_the_scaled_check_skips_a_nan_and_an_overflowing_square(tmp_path, monkeypatch, poison):
     """Features of 1e30: finite gradients whose squares overflow, caught as Inf once
     scaled. The step changes no variable, and later steps train."""
     class Poisoned(OptimizerTask):
@@ -235,8 +235,9 @@ def test_the_scaled_check_skips_a_nan_and_an_overflowing_square(tmp_path, poison
                                checkpoint_every=10**9, eval_steps=1,
                                guard=NonFiniteGuard(policy="skip"))
     variables = list(trainer.model.variables) + list(trainer.optimizer.variables)
+    calls = spy_checks(monkeypatch)
     trainer.train(num_steps=2)
-    assert trainer.guard._scaling(trainer.optimizer)
+    assert calls["scaled"] >= 1 and calls["exact"] == 0
     before = [np.array(v.numpy()) for v in variables]
     trainer.train(num_steps=1)
     assert int(trainer.guard.nonfinite_steps.numpy()) == 1
@@ -245,3 +246,19 @@ def test_the_scaled_check_skips_a_nan_and_an_overflowing_square(tmp_path, poison
     trainer.train(num_steps=1)
     assert int(trainer.optimizer.iterations.numpy()) == 3
     assert all(np.all(np.isfinite(v.numpy())) for v in variables)
+
+
+def test_scale_loss_outside_the_step_is_kerass_own(tmp_path):
+    """Only the train step's trace scales: a user's action or the FLOP count calling
+    `optimizer.scale_loss` (or `Task.compute_gradients`) later gets true values."""
+    task = OptimizerTask()
+    trainer, _ = train_state(tmp_path, "t", task, NonFiniteGuard(policy="raise"))
+    assert float(trainer.optimizer.scale_loss(tf.constant(3.0))) == 3.0
+    batch = next(iter(task.build_inputs("train", trainer.inputs.input_context())))
+    gradients, _, _ = task.compute_gradients(batch, trainer.model, trainer.optimizer, 16)
+    with tf.GradientTape() as tape:
+        loss = task.total_loss(batch[1], trainer.model(batch[0], training=True),
+                               trainer.model, 16, 1)
+    expected = tape.gradient(loss, trainer.model.trainable_variables)
+    for gradient, reference in zip(gradients, expected):
+        np.testing.assert_allclose(gradient.numpy(), reference.numpy(), rtol=1e-6)

@@ -248,7 +248,7 @@ class NonFiniteGuard:
         return (self._scale and not getattr(optimizer, "global_clipnorm", None)
                 and getattr(optimizer, "loss_scale_factor", None) is None)
 
-    def select_updates(self, on: bool, scale_loss: bool = False) -> None:
+    def select_updates(self, on: bool) -> None:
         """With `on`, a bad step's writes are masked by selects instead of skipped by a
         conditional (`_select_apply`); for an update inside an XLA program on one
         replica (`StepBuilder` sets it from its plan).
@@ -258,14 +258,23 @@ class NonFiniteGuard:
         elementwise update, which stays in place. A conditional cost 8% of an MLP step
         in one program (copies of every variable), and 3-10% as two programs with the
         decision in TensorFlow between them.
-
-        `scale_loss`: the step's gradients are those of `optimizer.scale_loss(loss)`
-        (`Task.compute_gradients` not overridden), so the scaled check can be used (with
-        `scaled_check`; the module docstring). The scale and the unscale are decided
-        here, once, so they always go together.
         """
         self._select = bool(on)
-        self._scale = self._select and bool(scale_loss) and self.scaled_check
+
+    @contextlib.contextmanager
+    def scaling_loss(self, on: bool = True) -> Iterator[None]:
+        """Around a train step's trace: with `on` (its gradients are those of
+        `optimizer.scale_loss(loss)`), `scaled_check` and an update in XLA
+        (`select_updates`), the loss is scaled and the update unscales the gradients
+        (the scaled check, module docstring). The two are decided in one trace, so
+        they always go together; outside it (FLOP counting, a user's own action)
+        `scale_loss` is Keras's own."""
+        saved = self._scale
+        self._scale = bool(on) and self._select and self.scaled_check
+        try:
+            yield
+        finally:
+            self._scale = saved
 
     def _select_apply(self, optimizer: keras.optimizers.Optimizer, grads: list[Any],
                       trainable_variables: Any) -> None:

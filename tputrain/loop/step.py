@@ -259,8 +259,7 @@ class StepBuilder:
         self.counted_in_step = False
         # An update inside an XLA program (one replica) is guarded by a select, not a
         # conditional: the select fuses into the update (NonFiniteGuard.select_updates).
-        self.guard.select_updates(plan.whole_step or plan.apply_only,
-                                  scale_loss=self._own_gradients)
+        self.guard.select_updates(plan.whole_step or plan.apply_only)
         if self._custom_train_step:
             def step(batch):
                 return self.task.train_step(batch, self.model, self.optimizer,
@@ -271,9 +270,10 @@ class StepBuilder:
             fusion = ElementwiseFusion(self.model) if plan.fuse_elementwise else None
 
             def step(batch):
-                with fusion.active() if fusion else contextlib.nullcontext():
-                    gradients, loss = self._accumulate_gradients(batch, compute)
-                apply(gradients)
+                with self.guard.scaling_loss(self._own_gradients):
+                    with fusion.active() if fusion else contextlib.nullcontext():
+                        gradients, loss = self._accumulate_gradients(batch, compute)
+                    apply(gradients)
                 return {"loss": loss}
         if not plan.whole_step:
             return step

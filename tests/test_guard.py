@@ -1,5 +1,6 @@
 """The non-finite guard: a NaN batch never reaches the weights; raise, skip or roll back."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -183,8 +184,9 @@ def spy_checks(monkeypatch) -> dict[str, int]:
 ])
 def test_the_scaled_check_updates_bit_for_bit_as_without_a_guard(tmp_path, monkeypatch,
                                                                  optimizer, options, kwargs):
-    """The loss scaled by 2^64 and the gradients unscaled: every variable ends bit for
-    bit as under the exact check, for every optimizer option; and the scaled check ran.
+    """The loss scaled (a power of two) and the gradients unscaled: every variable ends
+    bit for bit as under the exact check, for these optimizer options; the scaled
+    check ran.
     (Against no guard at all, an optimizer that takes norms can differ by a rounding
     under either check: XLA may order a sum differently in another program.)"""
     calls = spy_checks(monkeypatch)
@@ -262,3 +264,82 @@ def test_scale_loss_outside_the_step_is_kerass_own(tmp_path):
     expected = tape.gradient(loss, trainer.model.trainable_variables)
     for gradient, reference in zip(gradients, expected):
         np.testing.assert_allclose(gradient.numpy(), reference.numpy(), rtol=1e-6)
+
+
+class PairTask(tputrain.Task):
+    """A 2-output linear model on 8 features; the labels weight `o0 - o1` in the loss,
+    so a label of K gives kernel gradients of +K and -K in one row."""
+
+    def __init__(self, labels: np.ndarray, hidden_dtype: str | None = None):
+        rng = np.random.RandomState(0)
+        self.x = rng.randn(len(labels), 8).astype(np.float32)
+        self.x[32:48] = 0.0
+        self.x[32:48, 0] = 1.0
+        self.y, self.hidden_dtype = labels.astype(np.float32), hidden_dtype
+
+    def build_model(self):
+        inputs = x = keras.Input((8,), name="x")
+        if self.hidden_dtype:
+            x = keras.layers.Dense(8, dtype=self.hidden_dtype)(x)
+        outputs = keras.layers.Dense(2, use_bias=False, dtype="float32")(x)
+        return keras.Model({"x": inputs}, outputs)
+
+    def build_inputs(self, split, input_context):
+        batch = input_context.get_per_replica_batch_size(input_context.global_batch_size)
+        data = tf.data.Dataset.from_tensor_slices(({"x": self.x}, self.y))
+        return (data.repeat() if split == "train" else data).batch(batch, drop_remainder=True)
+
+    def compute_loss(self, labels, outputs):
+        outputs = tf.cast(outputs, tf.float32)
+        return labels * (outputs[:, 0] - outputs[:, 1]) + 0.5 * tf.reduce_sum(outputs**2, -1)
+
+    def build_optimizer(self):
+        return tputrain.build_optimizer("sgd", learning_rate=0.01)
+
+
+def test_the_scaled_check_skips_gradients_whose_squared_norm_overflows(tmp_path):
+    """Gradients of +1.5e19 and -1.5e19: each square is finite, their sum is not
+    (Adafactor's row means, LAMB's norms, clipping would be NaN). The scaled sums
+    must not cancel them: the step is skipped as under the exact check."""
+    labels = np.zeros(256)
+    labels[32:48] = 1.5e19  # the third batch of 16
+    for scaled in (True, False):
+        trainer, _ = train_state(tmp_path, f"s{scaled}", PairTask(labels),
+                                 NonFiniteGuard(policy="skip", scaled_check=scaled))
+        assert int(trainer.guard.nonfinite_steps.numpy()) == 1, scaled
+        assert np.all(np.abs(trainer.model.get_weights()[0]) < 10)
+
+
+@pytest.mark.parametrize("hidden_dtype", ["float16", "mixed_float16"])
+def test_a_model_computing_in_float16_keeps_the_exact_check(tmp_path, monkeypatch,
+                                                            hidden_dtype):
+    """A scaled backward pass would overflow float16: the exact check, and no skips."""
+    calls = spy_checks(monkeypatch)
+    labels = np.random.RandomState(1).randn(256)
+    trainer, scaled = train_state(tmp_path, "on", PairTask(labels, hidden_dtype),
+                                  NonFiniteGuard(policy="raise"))
+    assert calls["scaled"] == 0 and calls["exact"] >= 1
+    _, exact = train_state(tmp_path, "off", PairTask(labels, hidden_dtype),
+                           NonFiniteGuard(policy="raise", scaled_check=False))
+    assert int(trainer.optimizer.iterations.numpy()) == 5
+    for value, expected in zip(scaled, exact):
+        np.testing.assert_array_equal(value, expected)
+
+
+def test_compute_gradients_replaced_on_the_instance_keeps_the_exact_check(tmp_path,
+                                                                         monkeypatch):
+    """`task.compute_gradients = fn` (no `scale_loss`) is not Task's own: its true
+    gradients must not be divided by the scale."""
+    calls = spy_checks(monkeypatch)
+
+    def with_own_gradients():
+        task = OptimizerTask("sgd")
+        task.compute_gradients = OwnGradientsTask.compute_gradients.__get__(task)
+        return task
+    trainer, replaced = train_state(tmp_path, "on", with_own_gradients(),
+                                    NonFiniteGuard(policy="raise"))
+    assert calls["scaled"] == 0 and calls["exact"] >= 1
+    _, exact = train_state(tmp_path, "off", with_own_gradients(),
+                           NonFiniteGuard(policy="raise", scaled_check=False))
+    for value, expected in zip(replaced, exact):
+        np.testing.assert_array_equal(value, expected)

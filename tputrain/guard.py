@@ -26,14 +26,15 @@ non-finite scaled gradients are expected there.
 
 The scaled check (`scaled_check`, on by default): where the update is inside an
 XLA program on one replica and `Task.compute_gradients` is not overridden, the
-guard scales the loss by 2^64 through `optimizer.scale_loss` (as Keras's loss
-scaling does) and unscales the gradients before the update. A gradient whose
-square would overflow float32 (|g| >= 2^64) then overflows itself, so one plain
-sum of the gradients, a pass XLA's CPU backend runs on the gradients as they are,
-tells every non-finite case apart. Powers of two scale exactly: the update is bit
-for bit the one the exact check gives. Turn it off for a model with a custom
-gradient that is not linear in its upstream gradient (one that clips it, say),
-which would see the scaled values.
+guard scales the loss by a power of two through `optimizer.scale_loss` (as Keras's
+loss scaling does; 2^75 for 1M weights, `check_scale`) and unscales the gradients
+before the update. A gradient large enough that the squared global norm could
+overflow float32 then overflows itself, so one plain sum of the gradients, a pass
+XLA's CPU backend runs on the gradients as they are, tells every non-finite case
+apart. Powers of two scale exactly: the update is the one the exact check gives.
+Turn it off for a model with a custom gradient that is not linear in its upstream
+gradient (one that clips it, say), which would see the scaled values. Not used for
+float16 weights or layers.
 """
 
 from __future__ import annotations
@@ -61,7 +62,15 @@ def _all_finite(values: list[Any]) -> tf.Tensor:
     return tf.math.is_finite(tf.add_n(sums)) if sums else tf.constant(True)
 
 
-CHECK_SCALE = 2.0 ** 64  # float32's largest finite square is just under (2^64)^2
+def check_scale(weights: int) -> float:
+    """The loss scale of the scaled check for this many weights: 2^(65 + ceil(log2(n)/2)).
+
+    An element overflows once scaled iff |g| >= 2^(63 - ceil(log2(n)/2)), so below
+    that every element's square is finite and so is the squared global norm (at most
+    n * 2^(126 - log2(n)) = 2^126), which Adafactor's and LAMB's norms, and clipping,
+    need: the bound `_gradients_finite` uses too. 2^75 for 1M weights (|g| < 2^53).
+    """
+    return 2.0 ** (65 + math.ceil(math.log2(max(weights, 1)) / 2))
 
 
 def _float_gradients(gradients: list[Any]) -> list[Any]:
@@ -72,23 +81,24 @@ def _float_gradients(gradients: list[Any]) -> list[Any]:
 
 
 def _scaled_gradients_finite(gradients: list[Any]) -> tf.Tensor:
-    """The check on gradients of a loss scaled by `CHECK_SCALE`: whether their sum is
+    """The check on gradients of a loss scaled by `check_scale`: whether their sum is
     finite. NaN and Inf propagate through a sum (Inf - Inf is NaN), and an element
-    whose unscaled square overflows is itself Inf here. XLA runs each sum on the
-    gradient as it is (no elementwise pass before it). A step whose gradients sum to
-    2^64 or more is also counted non-finite. The square root of the magnitude keeps
-    XLA from copying the sum into every variable's update (see `_gradients_finite`)."""
+    large enough to overflow the squared global norm is itself Inf here. XLA runs
+    each sum on the gradient as it is (no elementwise pass before it). A step whose
+    gradients sum past the same bound is also counted non-finite. The square root of
+    the magnitude keeps XLA from copying the sum into every variable's update (see
+    `_gradients_finite`)."""
     sums = [tf.reduce_sum(v) for v in _float_gradients(gradients)]
     if not sums:
         return tf.constant(True)
     return tf.math.is_finite(tf.sqrt(tf.abs(tf.add_n(sums))))
 
 
-def _unscaled(gradient: Any) -> Any:
-    """`gradient / CHECK_SCALE`, exact (a power of two); in XLA it fuses into the update."""
+def _unscaled(gradient: Any, scale: float) -> Any:
+    """`gradient / scale`, exact (a power of two); in XLA it fuses into the update."""
     if gradient is None or not tf.as_dtype(gradient.dtype).is_floating:
         return gradient
-    factor = tf.constant(1 / CHECK_SCALE, gradient.dtype)
+    factor = tf.constant(1 / scale, gradient.dtype)
     if isinstance(gradient, tf.IndexedSlices):
         return tf.IndexedSlices(gradient.values * factor, gradient.indices, gradient.dense_shape)
     return gradient * factor
@@ -140,7 +150,8 @@ class NonFiniteGuard:
       check_gradients: also check gradients (skips the update in-step); False
         checks only the step's logged loss, after the update.
       scaled_check: where the update is inside an XLA program on one replica, check
-        gradients of a loss scaled by 2^64 with one plain sum (docs/fault_tolerance.md);
+        gradients of a loss scaled by a power of two with one plain sum
+        (docs/fault_tolerance.md);
         False for a model whose custom gradients are not linear in their input.
     """
 
@@ -157,7 +168,7 @@ class NonFiniteGuard:
         self.rollbacks = 0
         self._built = False
         self._select = False
-        self._scale = False
+        self._scale = 0.0  # the loss scale while a scaled step traces (scaling_loss)
 
     def build(self) -> None:
         """Creates the guard's variables; call inside `strategy.scope()`."""
@@ -226,7 +237,7 @@ class NonFiniteGuard:
         optimizer._tputrain_guarded = True
 
     def _wrap_scale_loss(self, optimizer: keras.optimizers.Optimizer) -> None:
-        """`optimizer.scale_loss` also multiplies by `CHECK_SCALE` while `_scaling`."""
+        """`optimizer.scale_loss` also multiplies by `_scale` while `_scaling`."""
         original_scale_loss = optimizer.scale_loss
         guard = self
 
@@ -235,9 +246,9 @@ class NonFiniteGuard:
             loss = original_scale_loss(loss)
             if not guard._scaling(optimizer):
                 return loss
-            if loss.dtype == tf.float16:  # 2^64 is not a float16
+            if loss.dtype == tf.float16:  # the scale is not a float16
                 loss = tf.cast(loss, tf.float32)
-            return loss * tf.constant(CHECK_SCALE, loss.dtype)
+            return loss * tf.constant(guard._scale, loss.dtype)
 
         optimizer.scale_loss = types.MethodType(scale_loss, optimizer)
 
@@ -245,7 +256,7 @@ class NonFiniteGuard:
         """Whether the loss is scaled (and the gradients unscaled in the update). With
         global-norm clipping the exact check is free (XLA shares clipping's norm); with
         the optimizer's own `loss_scale_factor`, its threshold would shift."""
-        return (self._scale and not getattr(optimizer, "global_clipnorm", None)
+        return (self._scale > 0 and not getattr(optimizer, "global_clipnorm", None)
                 and getattr(optimizer, "loss_scale_factor", None) is None)
 
     def select_updates(self, on: bool) -> None:
@@ -262,15 +273,19 @@ class NonFiniteGuard:
         self._select = bool(on)
 
     @contextlib.contextmanager
-    def scaling_loss(self, on: bool = True) -> Iterator[None]:
-        """Around a train step's trace: with `on` (its gradients are those of
-        `optimizer.scale_loss(loss)`), `scaled_check` and an update in XLA
-        (`select_updates`), the loss is scaled and the update unscales the gradients
-        (the scaled check, module docstring). The two are decided in one trace, so
-        they always go together; outside it (FLOP counting, a user's own action)
-        `scale_loss` is Keras's own."""
+    def scaling_loss(self, variables: list[Any] | None) -> Iterator[None]:
+        """Around a train step's trace: given the `variables` its gradients are for
+        (gradients of `optimizer.scale_loss(loss)`; None if not), with `scaled_check`
+        and an update in XLA (`select_updates`), the loss is scaled and the update
+        unscales the gradients (the scaled check, module docstring). Both are decided
+        in one trace, so they always go together; outside it (FLOP counting, a user's
+        own action) `scale_loss` is Keras's own. Not for float16 weights or layers,
+        whose range the scaled backward pass would overflow."""
         saved = self._scale
-        self._scale = bool(on) and self._select and self.scaled_check
+        on = (variables is not None and self._select and self.scaled_check
+              and all(v.dtype != tf.float16 for v in variables))
+        weights = sum(int(v.shape.num_elements() or 0) for v in variables or [])
+        self._scale = check_scale(weights) if on else 0.0
         try:
             yield
         finally:
@@ -285,7 +300,7 @@ class NonFiniteGuard:
         """
         if self._scaling(optimizer):
             bad = tf.logical_not(_scaled_gradients_finite(grads))
-            grads = [_unscaled(g) for g in grads]
+            grads = [_unscaled(g, self._scale) for g in grads]
         else:
             bad = tf.logical_not(_gradients_finite(
                 grads, in_xla=True, clipping=bool(getattr(optimizer, "global_clipnorm", None))))

@@ -180,6 +180,17 @@ def _counted(step: Callable, count: Callable[[dict[str, tf.Tensor]], None]) -> C
     return counted
 
 
+def _overrides(task: Task, name: str) -> bool:
+    """Whether `task` replaces `Task.<name>`, in its class or on the instance."""
+    return getattr(type(task), name) is not getattr(Task, name) or name in vars(task)
+
+
+def _computes_in_float16(model: keras.Model) -> bool:
+    layers = model._flatten_layers(include_self=True, recursive=True)  # pylint: disable=protected-access
+    return any(getattr(getattr(layer, "dtype_policy", None), "compute_dtype", None) == "float16"
+               for layer in layers)
+
+
 def _reason(error: Exception) -> str:
     """The line of an error that names it: an error raised while tracing starts with
     "in user code:" and a traceback, and names itself ("RuntimeError: ...") later."""
@@ -210,8 +221,8 @@ class StepBuilder:
         self.train_element_spec = train_element_spec
         self._custom_train_step = type(task).train_step is not Task.train_step
         # Task.compute_gradients as tputrain defines it: gradients of optimizer.scale_loss.
-        self._own_gradients = not self._custom_train_step and (
-            type(task).compute_gradients is Task.compute_gradients)
+        self._own_gradients = not any(_overrides(task, name)
+                                      for name in ("train_step", "compute_gradients"))
         self.counted_in_step = False  # set by build()
 
     def xla_plan(self) -> tuple[bool, bool, str]:
@@ -270,7 +281,7 @@ class StepBuilder:
             fusion = ElementwiseFusion(self.model) if plan.fuse_elementwise else None
 
             def step(batch):
-                with self.guard.scaling_loss(self._own_gradients):
+                with self.guard.scaling_loss(self._scaled_variables()):
                     with fusion.active() if fusion else contextlib.nullcontext():
                         gradients, loss = self._accumulate_gradients(batch, compute)
                     apply(gradients)
@@ -283,6 +294,14 @@ class StepBuilder:
             return self.build(count)  # now without XLA
         self.counted_in_step = count is not None
         return compiled
+
+    def _scaled_variables(self) -> list[Any] | None:
+        """The variables whose gradients are those of `optimizer.scale_loss(loss)`, for
+        the guard's scaled check; None for a Task's own gradients or a model that
+        computes in float16 anywhere (a scaled backward pass would overflow it)."""
+        if not self._own_gradients or _computes_in_float16(self.model):
+            return None
+        return self.model.trainable_variables
 
     def _compute(self, jit_compile: bool) -> Callable:
         """Task.compute_gradients on a (micro-)batch, as its own XLA program if asked."""

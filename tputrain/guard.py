@@ -279,11 +279,10 @@ class NonFiniteGuard:
         and an update in XLA (`select_updates`), the loss is scaled and the update
         unscales the gradients (the scaled check, module docstring). Both are decided
         in one trace, so they always go together; outside it (FLOP counting, a user's
-        own action) `scale_loss` is Keras's own. Not for float16 weights or layers,
-        whose range the scaled backward pass would overflow."""
+        own action) `scale_loss` is Keras's own. The caller passes None for a model
+        computing in float16, whose range a scaled backward pass would overflow."""
         saved = self._scale
-        on = (variables is not None and self._select and self.scaled_check
-              and all(v.dtype != tf.float16 for v in variables))
+        on = variables is not None and self._select and self.scaled_check
         weights = sum(int(v.shape.num_elements() or 0) for v in variables or [])
         self._scale = check_scale(weights) if on else 0.0
         try:

@@ -186,9 +186,11 @@ def _overrides(task: Task, name: str) -> bool:
 
 
 def _computes_in_float16(model: keras.Model) -> bool:
+    """Whether any layer computes, or any weight is stored, in float16."""
     layers = model._flatten_layers(include_self=True, recursive=True)  # pylint: disable=protected-access
-    return any(getattr(getattr(layer, "dtype_policy", None), "compute_dtype", None) == "float16"
-               for layer in layers)
+    return (any(getattr(getattr(layer, "dtype_policy", None), "compute_dtype", None)
+                == "float16" for layer in layers)
+            or any(v.dtype == "float16" for v in model.variables))
 
 
 def _reason(error: Exception) -> str:

@@ -309,6 +309,11 @@ def _probes_path(path: str) -> str:
     return os.path.splitext(path)[0] + "_probes.json"
 
 
+def _probe_count(cache: dict[str, Any], counts: dict[str, Any], key: str) -> int:
+    """Probes behind the cached peak: a cache written before counts were kept is one."""
+    return int(counts.get(key, 1 if key in cache else 0))
+
+
 def cpu_peak_flops(dtype: str = "float32", refresh: bool = False) -> float:
     """The measured matmul peak of this CPU for `dtype`, cached: the best probe of the
     first `PEAK_PROBES` processes (one probe each; `refresh` starts over).
@@ -318,7 +323,7 @@ def cpu_peak_flops(dtype: str = "float32", refresh: bool = False) -> float:
     key = f"{_cpu_name()}|{os.cpu_count()} cpus|tf {tf.__version__}|{dtype}"
     path = _cache_path()
     cache = _read_json(path)
-    probes = int(_read_json(_probes_path(path)).get(key, 1 if key in cache else 0))
+    probes = _probe_count(cache, _read_json(_probes_path(path)), key)
     if key in cache and not refresh and (key in _probed_here or probes >= PEAK_PROBES):
         return float(cache[key])
     with tf.device("/cpu:0"):
@@ -327,7 +332,7 @@ def cpu_peak_flops(dtype: str = "float32", refresh: bool = False) -> float:
     # Read again: processes that started together probed meanwhile, and the best of
     # all stands (the count may miss one of them; a peak is never lowered).
     cache, counts = _read_json(path), _read_json(_probes_path(path))
-    probes = int(counts.get(key, 1 if key in cache else 0))
+    probes = _probe_count(cache, counts, key)
     peak = measured if refresh or key not in cache else max(measured, float(cache[key]))
     cache[key], counts[key] = peak, 1 if refresh else probes + 1
     _write_json(path, cache)

@@ -56,10 +56,14 @@ class NonFiniteError(FloatingPointError):
 
 
 def _all_finite(values: list[Any]) -> tf.Tensor:
-    """Whether every element of these (logged) values is finite: NaN and Inf
-    propagate through a sum, so one sum of sums tells."""
+    """Whether every element of these values is finite: NaN and Inf propagate through
+    a sum, so one sum of sums tells (a sum past float32's range counts as not
+    finite). The square root of the magnitude keeps XLA from copying the sum into
+    every op that reads the verdict (see `_gradients_finite`)."""
     sums = [tf.reduce_sum(tf.cast(v, tf.float32)) for v in values]
-    return tf.math.is_finite(tf.add_n(sums)) if sums else tf.constant(True)
+    if not sums:
+        return tf.constant(True)
+    return tf.math.is_finite(tf.sqrt(tf.abs(tf.add_n(sums))))
 
 
 def check_scale(weights: int) -> float:
@@ -85,13 +89,8 @@ def _scaled_gradients_finite(gradients: list[Any]) -> tf.Tensor:
     finite. NaN and Inf propagate through a sum (Inf - Inf is NaN), and an element
     large enough to overflow the squared global norm is itself Inf here. XLA runs
     each sum on the gradient as it is (no elementwise pass before it). A step whose
-    gradients sum past the same bound is also counted non-finite. The square root of
-    the magnitude keeps XLA from copying the sum into every variable's update (see
-    `_gradients_finite`)."""
-    sums = [tf.reduce_sum(v) for v in _float_gradients(gradients)]
-    if not sums:
-        return tf.constant(True)
-    return tf.math.is_finite(tf.sqrt(tf.abs(tf.add_n(sums))))
+    gradients sum past the same bound is also counted non-finite."""
+    return _all_finite(_float_gradients(gradients))
 
 
 def _unscaled(gradient: Any, scale: float) -> Any:

@@ -290,6 +290,42 @@ def test_resume_on_two_replicas_of_a_one_replica_run_skips_to_its_step(tmp_path,
     assert not (model_dir / "checkpoints" / "damaged").exists()
 
 
+def test_changing_between_direct_and_stacked_fetches_resumes_bitwise(tmp_path, caplog):
+    """One replica fetching one step at a time reads the task's batches as built
+    ("direct"); steps_per_fetch=2 stacks them ("stacked"), another iterator structure.
+    Each resume across the two rebuilds the input and skips to the step, and the run
+    ends bitwise where an uninterrupted one does."""
+    reference = tiny_trainer(tmp_path / "reference", 1, train_steps=12)
+    reference.train()
+    model_dir = tmp_path / "model"
+    first = tiny_trainer(model_dir, 1)
+    assert first.inputs.layout().fetch == "direct"
+    first.train()
+    stacked = tiny_trainer(model_dir, 1, steps_per_fetch=2, train_steps=8)
+    assert stacked.inputs.layout().fetch == "stacked"
+    resumed = tiny_trainer(model_dir, 1, train_steps=12)
+    with caplog.at_level(logging.WARNING):
+        stacked.train()
+        resumed.train()
+    assert resumed.current_step == 12
+    assert all(np.array_equal(a, b) for a, b in zip(weights(reference), weights(resumed)))
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and "skipped" in r.getMessage()]
+    assert len(warnings) == 2, warnings
+    assert "ckpt-4" in warnings[0] and "global batch 16 (batches fetched as built), this run " \
+        "has 1 replica on 1 host, global batch 16 (batches stacked per fetch):" in warnings[0]
+    assert "ckpt-8" in warnings[1] and "global batch 16 (batches stacked per fetch), this run " \
+        "has 1 replica on 1 host, global batch 16 (batches fetched as built):" in warnings[1]
+
+
+def test_input_layout_json_without_fetch_is_a_stacked_one():
+    """Checkpoints written before `InputLayout.fetch` existed stacked every fetch."""
+    old = '{"accumulation": 1, "global_batch": 16, "hosts": 1, "replicas": 1}'
+    assert InputLayout.from_json(old) == InputLayout(1, 1, 16, fetch="stacked")
+    direct = InputLayout(replicas=1, hosts=1, global_batch=16, fetch="direct")
+    assert InputLayout.from_json(direct.to_json()) == direct
+
+
 def test_a_changed_global_batch_is_refused_naming_both_and_the_checkpoint_is_kept(tmp_path):
     """A step of 16 examples is not one of 32: no data position to skip to. The error
     names both layouts and what to do; nothing is moved aside as damaged."""

@@ -13,6 +13,9 @@ it with the run's own before touching the iterator:
   reads the same example stream and a step still means `global_batch` examples,
   so the saved iterator is left out and a fresh one read past the steps done
   (what `input_mode="distributed"` does on every resume);
+* another fetch structure (`fetch`: "stacked" groups, or "direct" batches read as
+  the task built them, for one replica a host and one step a fetch), same hosts and
+  global batch: as for other replicas (the iterator's structure differs);
 * another global batch or host count: no position in the new pipeline matches
   the old one (a step covers other examples, or the hosts' shards differ), so the
   resume is refused, naming both layouts.
@@ -32,12 +35,14 @@ CHECKPOINT_KEY = f"{KEY}/.ATTRIBUTES/VARIABLE_VALUE"
 
 @dataclasses.dataclass(frozen=True)
 class InputLayout:
-    """How one step's global batch is split: over hosts, replicas and micro-batches."""
+    """How one step's global batch is split: over hosts, replicas and micro-batches;
+    and how the train iterator fetches it (`Inputs.fetch_groups`)."""
 
     replicas: int
     hosts: int
     global_batch: int
     accumulation: int = 1
+    fetch: str = "stacked"  # what every checkpoint before this field was written with
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -45,19 +50,24 @@ class InputLayout:
     @classmethod
     def from_json(cls, text: str | bytes) -> InputLayout:
         values = json.loads(text)
-        return cls(**{f.name: int(values[f.name]) for f in dataclasses.fields(cls)
-                      if f.name in values})
+        return cls(**{f.name: str(values[f.name]) if f.name == "fetch" else int(values[f.name])
+                      for f in dataclasses.fields(cls) if f.name in values})
 
     def variable(self) -> tf.Variable:
         """What the checkpoint saves (a string: new fields stay readable)."""
         with tf.init_scope():
             return tf.Variable(self.to_json(), trainable=False, name=KEY)
 
-    def describe(self) -> str:
-        """'2 replicas on 1 host, global batch 64' (and micro-batches when accumulating)."""
+    def describe(self, fetch: bool = False) -> str:
+        """'2 replicas on 1 host, global batch 64' (and micro-batches when accumulating;
+        with `fetch`, how the iterator fetches)."""
         text = (f"{self.replicas} replica{'s' * (self.replicas != 1)} on {self.hosts} "
                 f"host{'s' * (self.hosts != 1)}, global batch {self.global_batch}")
-        return text + (f" in {self.accumulation} micro-batches" if self.accumulation > 1 else "")
+        text += f" in {self.accumulation} micro-batches" if self.accumulation > 1 else ""
+        if not fetch:
+            return text
+        return text + (" (batches fetched as built)" if self.fetch == "direct"
+                       else " (batches stacked per fetch)")
 
 
 class LayoutChange(NamedTuple):
@@ -82,8 +92,9 @@ class LayoutChange(NamedTuple):
         """The warning logged once the data position was recovered by skipping."""
         ended = ("" if skipped_steps == self.step else
                  f"; the input ended after {skipped_steps} of them")
-        return (f"checkpoint {self.path} was written with {self.saved.describe()}, this run "
-                f"has {self.now.describe()}: its data iterator cannot feed these batches, so "
+        fetch = self.saved.fetch != self.now.fetch
+        return (f"checkpoint {self.path} was written with {self.saved.describe(fetch)}, this "
+                f"run has {self.now.describe(fetch)}: its data iterator cannot feed these batches, so "
                 f"the model, optimizer and step {self.step} were restored and the input, read "
                 f"from its start, skipped the {self.step} steps done "
                 f"({self.step * self.now.global_batch} examples; exact for a deterministic "

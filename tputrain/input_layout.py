@@ -94,9 +94,9 @@ class LayoutChange(NamedTuple):
                  f"; the input ended after {skipped_steps} of them")
         fetch = self.saved.fetch != self.now.fetch
         return (f"checkpoint {self.path} was written with {self.saved.describe(fetch)}, this "
-                f"run has {self.now.describe(fetch)}: its data iterator cannot feed these batches, so "
-                f"the model, optimizer and step {self.step} were restored and the input, read "
-                f"from its start, skipped the {self.step} steps done "
+                f"run has {self.now.describe(fetch)}: its data iterator cannot feed these "
+                f"batches, so the model, optimizer and step {self.step} were restored and "
+                f"the input, read from its start, skipped the {self.step} steps done "
                 f"({self.step * self.now.global_batch} examples; exact for a deterministic "
                 f"input pipeline, as input_mode='distributed' resumes{ended})")
 

@@ -50,7 +50,7 @@ class InputLayout:
     @classmethod
     def from_json(cls, text: str | bytes) -> InputLayout:
         values = json.loads(text)
-        return cls(**{f.name: str(values[f.name]) if f.name == "fetch" else int(values[f.name])
+        return cls(**{f.name: (str if f.type == "str" else int)(values[f.name])
                       for f in dataclasses.fields(cls) if f.name in values})
 
     def variable(self) -> tf.Variable:

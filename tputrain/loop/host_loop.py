@@ -109,10 +109,27 @@ class HostLoop:
                 steps += 1
             return totals, steps
         for j in tf.range(first, self.fetch):
-            totals = tf.nest.map_structure(
-                tf.add, totals, self.one_step(self.inputs.distribute_from_group(batches, j)))
-            steps += 1
+            totals, steps = self.unless_tripped(
+                lambda j=j, totals=totals, steps=steps: (tf.nest.map_structure(
+                    tf.add, totals, self.one_step(self.inputs.distribute_from_group(batches, j))),
+                    steps + 1),
+                totals, steps)
         return totals, steps
+
+    def unless_tripped(self, run: Callable, totals: Any, steps: tf.Tensor):
+        """`run()` for a step inside a fetch, unless the guard tripped on an earlier one.
+
+        The loop checks `stop_requested` between fetches only; a guard that stops
+        (raise, rollback) must also stop inside one. The step's batch was taken, so
+        the counter still advances (as for a skipped step) and stays where the data is.
+        """
+        if self.guard is None or self.guard.policy in (None, "skip"):
+            return run()
+
+        def untrained():
+            with tf.control_dependencies([self.step.assign_add(1)]):
+                return tf.nest.map_structure(tf.identity, (totals, steps))
+        return tf.cond(self.guard.should_stop(), untrained, run)
 
     def _loop(self, iterator, num_steps: tf.Tensor):
         has_value, value, input_wait, ready = self.timed_next(iterator)

@@ -29,6 +29,7 @@ LABELS = {
     "keras_fit_xla_no_strategy": "Keras `fit`, XLA, no strategy",
     "orbit": "Orbit",
     "tputrain_bf16": "tputrain, mixed_bfloat16",
+    "tputrain_program_1": "tputrain, one step per XLA launch (steps_per_program=1)",
 }
 
 

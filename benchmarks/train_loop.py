@@ -24,6 +24,8 @@ in a process of its own, as a user's job would run:
   "hand_loop_best" are the best of each peer's configurations;
 * `tputrain_no_xla`, `tputrain_no_guard`, `tputrain_no_xla_no_guard`: the Trainer
   with XLA off and/or the NaN/Inf guard off, to show what each costs or buys;
+* `tputrain_program_1`: the defaults with one step per XLA program launch
+  (`steps_per_program=1`), to show what several steps a launch buy;
 * `orbit`: Orbit's `StandardTrainer` (`tf.while_loop` over the step), if
   importable (`pip install --no-deps tf-models-official tf-keras`; never let pip
   replace TensorFlow).
@@ -194,6 +196,7 @@ class TputrainContender(Contender):
     name = "tputrain"
     jit_compile = "auto"
     guard_policy: str | None = "raise"
+    steps_per_program: int | str = "auto"
 
     def prepare(self) -> None:
         self.model_dir = tempfile.mkdtemp(prefix="tputrain-bench-")
@@ -218,7 +221,8 @@ class TputrainContender(Contender):
             self.task_factory(), self.model_dir, strategy=self.strategy, train_steps=self.k,
             steps_per_loop=self.k, global_batch_size=self.global_batch,
             checkpoint_every=10**9, eval_steps=1, precision=self.precision, seed=0,
-            jit_compile=self.jit_compile, guard=guard, actions=[clock])
+            jit_compile=self.jit_compile, guard=guard, actions=[clock],
+            steps_per_program=self.steps_per_program)
         self.trainer.train()  # traces the loop, runs k steps, saves, evaluates once
         # Later train(num_steps) calls continue from there (their restore of the
         # checkpoint just written is outside the timed window).
@@ -247,6 +251,14 @@ class TputrainNoGuardContender(TputrainContender):
     name = "tputrain_no_guard"
 
     guard_policy = None
+
+
+class TputrainOneStepAProgramContender(TputrainContender):
+    """The defaults but one step per XLA program launch (`steps_per_program=1`, the
+    loop before several steps a launch): what the programs buy."""
+
+    name = "tputrain_program_1"
+    steps_per_program = 1
 
 
 class TputrainNoXLANoGuardContender(TputrainNoGuardContender):
@@ -436,7 +448,8 @@ CONTENDERS: dict[str, type[Contender]] = {kind.name: kind for kind in (
     TputrainContender, HandLoopContender, KerasFitContender, OrbitContender,
     TputrainNoXLAContender, KerasFitXLAContender, TputrainNoGuardContender,
     TputrainNoXLANoGuardContender, TputrainBF16Contender, KerasFitNoStrategyContender,
-    KerasFitXLANoStrategyContender, HandLoopNoStrategyContender)}
+    KerasFitXLANoStrategyContender, HandLoopNoStrategyContender,
+    TputrainOneStepAProgramContender)}
 # Each peer at its best: the best median of its configurations (strategy, XLA).
 BEST_OF = {"keras_fit_best": ("keras_fit", "keras_fit_xla", "keras_fit_no_strategy",
                               "keras_fit_xla_no_strategy"),
@@ -663,7 +676,8 @@ def _ratios(best: dict[str, float], best_cpu: dict[str, float]) -> dict[str, flo
         ratios["tputrain_vs_tputrain_no_xla"] = best["tputrain"] / best["tputrain_no_xla"]
     if "tputrain_bf16" in best and "tputrain" in best:
         ratios["tputrain_bf16_vs_tputrain"] = best["tputrain_bf16"] / best["tputrain"]
-    for on, off in (("tputrain", "tputrain_no_guard"), ("tputrain_no_xla", "tputrain_no_xla_no_guard")):
+    for on, off in (("tputrain", "tputrain_no_guard"), ("tputrain_no_xla", "tputrain_no_xla_no_guard"),
+                    ("tputrain", "tputrain_program_1")):
         if on in best and off in best:
             ratios[f"{on}_vs_{off}"] = best[on] / best[off]
     # Each framework at its best configuration (XLA on or off, with or without a strategy).

@@ -121,22 +121,26 @@ def test_rollback_with_the_count_inside_the_xla_step(tmp_path):
     assert int(trainer.optimizer.iterations.numpy()) == 2 + 4  # back to ckpt-2, then 5-8
 
 
-@pytest.mark.parametrize("replicas, nan_at_batch", [(1, 2), (2, NAN_BATCH)])
-def test_raise_stops_inside_a_fetch_of_several_steps(tmp_path, replicas, nan_at_batch):
-    """steps_per_fetch=4 takes steps 1-4's batches at once; the bad step 3 still ends
-    the run there: step 4 is not trained (its update is not applied), but its batch
-    was taken, so the counter is at 4, where the data is."""
+@pytest.mark.parametrize("replicas, nan_at_batch, several", [
+    (1, 2, {"steps_per_fetch": 4}), (2, NAN_BATCH, {"steps_per_fetch": 4}),
+    (1, 2, {"steps_per_program": 4})])
+def test_raise_stops_inside_a_fetch_of_several_steps(tmp_path, replicas, nan_at_batch, several):
+    """steps_per_fetch=4 takes steps 1-4's batches at once (steps_per_program=4 also
+    runs them in one XLA program); the bad step 3 still ends the run there: step 4 is
+    not trained (its update is not applied), but its batch was taken, so the counter
+    is at 4, where the data is."""
     import gin
 
     gin.bind_parameter("NonFiniteGuard.policy", "raise")
     task = FaultTask(dropout=0.0, nan_at_batch=nan_at_batch)
     trainer = tputrain.Trainer(task, str(tmp_path / f"fetch{replicas}"),
                                strategy=strategy_for(replicas), train_steps=8, steps_per_loop=4,
-                               steps_per_fetch=4, global_batch_size=16, checkpoint_every=4,
-                               eval_steps=1)
+                               global_batch_size=16, checkpoint_every=4, eval_steps=1,
+                               **several)
     with pytest.raises(NonFiniteError, match=r"at step 3\b"):
         trainer.train()
-    assert trainer.steps_per_fetch == 4
+    name, = several
+    assert getattr(trainer, name) == 4
     assert int(trainer.step.numpy()) == 4
     assert int(trainer.optimizer.iterations.numpy()) == 2  # steps 1-2; not 3, not 4
     assert all_finite(trainer)

@@ -42,3 +42,13 @@ def test_check_replicas_names_a_batch_that_works():
     with pytest.raises(ValueError, match="override Task.compute_gradients"):
         TrainerOptions(accumulation_steps=2).check_replicas(1, True, "T")
     TrainerOptions(global_batch_size=16).check_replicas(4, custom_train_step=False, task_name="T")
+
+
+@pytest.mark.parametrize("value, error, message", [
+    (0, ValueError, "steps_per_program must be >= 1"),
+    ("fast", ValueError, "steps_per_program must be an int >= 1 or 'auto'"),
+    (2.5, TypeError, "steps_per_program must be an int"),
+])
+def test_steps_per_program_names_what_it_takes(value, error, message):
+    with pytest.raises(error, match=message):
+        TrainerOptions(steps_per_program=value)

@@ -336,3 +336,84 @@ def _then_keras_axis_1(model: keras.Model, x: tf.Tensor) -> np.ndarray:
     axis-1 norm: what the model must give if the swap leaves that layer to Keras."""
     last, first = model.layers[1], model.layers[2]
     return type(first).call(first, tf.cast(last(x), first.compute_dtype)).numpy()
+
+
+# ------------------------------------------- several steps in one XLA program launch
+
+def program_trainer(tmp_path, name, task=None, **kwargs):
+    """One replica, the whole step in XLA: `steps_per_program` applies."""
+    options = dict(train_steps=12, steps_per_loop=4, global_batch_size=16,
+                   checkpoint_every=10**6, eval_steps=1, jit_compile=True)
+    options.update(kwargs)
+    from tiny import TinyTask
+    return tputrain.Trainer(task or TinyTask(), str(tmp_path / name), strategy=strategy_for(1),
+                            **options)
+
+
+def test_steps_per_program_trains_bitwise_as_one_step_a_launch(tmp_path):
+    """4 steps a launch, and 4 a launch with loops of 8 then 6 (the 6 runs one step a
+    launch): the same weights, optimizer slots and step as one step a launch."""
+    def trained(name, **kwargs):
+        trainer = program_trainer(tmp_path, name, **kwargs)
+        trainer.train()
+        return trainer
+
+    def same(a, b):
+        return (all(np.array_equal(x, y) for x, y in zip(weights(a), weights(b)))
+                and all(np.array_equal(x.numpy(), y.numpy())
+                        for x, y in zip(a.optimizer.variables, b.optimizer.variables)))
+
+    one, four = trained("one", steps_per_program=1), trained("four", steps_per_program=4)
+    assert (one.steps_per_program, four.steps_per_program) == (1, 4)
+    assert int(four.step.numpy()) == 12 and same(one, four)
+    mixed = trained("mixed", steps_per_program=4, steps_per_loop=8, train_steps=14)
+    assert int(mixed.step.numpy()) == 14
+    assert same(trained("one14", steps_per_program=1, train_steps=14), mixed)
+
+
+def test_a_resume_between_programs_is_bitwise(tmp_path):
+    """Stopped at step 4 and resumed to 12 (4 a launch) = 12 uninterrupted steps."""
+    first = program_trainer(tmp_path, "resumed", steps_per_program=4, train_steps=4)
+    first.train()
+    resumed = program_trainer(tmp_path, "resumed", steps_per_program=4)
+    resumed.train()
+    straight = program_trainer(tmp_path, "straight", steps_per_program=1)
+    straight.train()
+    assert all(np.array_equal(a, b) for a, b in zip(weights(resumed), weights(straight)))
+
+
+def test_input_ending_inside_a_program_trains_every_batch(tmp_path):
+    """10 batches, 4 steps a launch: the third launch has 2 real batches; both train,
+    the run stops at step 10 as one step a launch does."""
+    from tiny import TinyTask
+    ends = {}
+    for k in (1, 4):
+        trainer = program_trainer(tmp_path, f"end{k}", task=TinyTask(num_examples=160,
+                                                                      finite_train=True),
+                                  steps_per_program=k, train_steps=20)
+        trainer.train()
+        ends[k] = trainer
+        assert int(trainer.step.numpy()) == 10
+    assert all(np.array_equal(a, b) for a, b in zip(weights(ends[1]), weights(ends[4])))
+
+
+def test_steps_per_program_auto_and_where_it_applies(tmp_path):
+    from tputrain.options import TrainerOptions, program_steps
+    assert program_steps(TrainerOptions(), batch_bytes=1 << 20) == 10  # steps_per_loop 100
+    assert program_steps(TrainerOptions(steps_per_loop=64), batch_bytes=1 << 20) == 16
+    assert program_steps(TrainerOptions(), batch_bytes=16 << 20) == 4  # 4 x 16 MiB
+    assert program_steps(TrainerOptions(), batch_bytes=100 << 20) == 1
+    assert program_steps(TrainerOptions(steps_per_program=7), batch_bytes=1 << 30) == 7
+    # Steps of 0.1 s at peak FLOP/s: 2 a launch (a SIGTERM waits for at most 0.25 s
+    # of ideal compute); 1 s: one.
+    assert program_steps(TrainerOptions(), 1 << 20, ideal_step_seconds=0.1) == 2
+    assert program_steps(TrainerOptions(), 1 << 20, ideal_step_seconds=1.0) == 1
+    assert program_steps(TrainerOptions(), 1 << 20, ideal_step_seconds=0.001) == 10
+    auto = program_trainer(tmp_path, "auto", train_steps=4)
+    auto.train()
+    assert auto.steps_per_program == 4
+    two = tputrain.Trainer(auto.task, str(tmp_path / "two"), strategy=strategy_for(2),
+                           train_steps=4, steps_per_loop=4, global_batch_size=16,
+                           checkpoint_every=10**6, eval_steps=1)
+    two.train()
+    assert two.steps_per_program == 1  # several replicas: the step is not one program

@@ -72,6 +72,16 @@ class TrainerOptions:
         order is unchanged (the same weights as 1). It shrinks (logged) to the largest
         divisor of steps_per_loop, checkpoint_every, eval_every, train_steps and
         profile_steps, so that no fetch is split by a loop boundary.
+      steps_per_program: where the whole step is one XLA program on one replica,
+        read one batch a step (`steps_per_fetch=1`, host input), run this many steps
+        in one XLA program launch: each launch costs host work (a few hundred
+        microseconds on a CPU) that K steps pay once. "auto" (the default): the
+        largest divisor of steps_per_loop up to 16 whose K batches (stacked in the
+        program) take at most 64 MiB and whose K steps take at most 0.25 s at the
+        device's peak FLOP/s (when counted: `report_mfu`); 1 for large batches or
+        long steps. A loop whose length is not a
+        multiple of it runs one step a launch; the weights are the same either way.
+        SIGTERM is then noticed between programs, and a guard trip stops inside one.
     """
 
     train_steps: int = 1000
@@ -89,6 +99,7 @@ class TrainerOptions:
     profile_steps: tuple[int, int] | None = None
     report_mfu: bool = True
     steps_per_fetch: int = 1
+    steps_per_program: int | str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("train_steps", "steps_per_loop", "global_batch_size",
@@ -99,6 +110,12 @@ class TrainerOptions:
         if self.jit_compile not in (True, False, "auto"):
             raise ValueError(f"Trainer.jit_compile must be True, False or 'auto', "
                              f"got {self.jit_compile!r}")
+        if self.steps_per_program != "auto":
+            if isinstance(self.steps_per_program, str):
+                raise ValueError("Trainer.steps_per_program must be an int >= 1 or 'auto', "
+                                 f"got {self.steps_per_program!r}")
+            object.__setattr__(self, "steps_per_program", check_int(
+                "Trainer", "steps_per_program", self.steps_per_program, 1))
         if self.input_mode is not None and self.input_mode not in INPUT_MODES:
             raise ValueError(f"Trainer.input_mode must be one of {INPUT_MODES}, "
                              f"got {self.input_mode!r}")
@@ -131,6 +148,27 @@ class TrainerOptions:
                 f"jit_compile on {replicas} replicas compiles Task.compute_gradients only, but "
                 f"{task_name} overrides Task.train_step: override compute_gradients "
                 "instead, or set Trainer.jit_compile=False")
+
+
+AUTO_PROGRAM_STEPS = 16  # steps_per_program="auto": at most this many steps,
+AUTO_PROGRAM_BYTES = 64 << 20  # at most this many bytes of their batches,
+AUTO_PROGRAM_IDEAL_SECONDS = 0.25  # and at most this long at the device's peak FLOP/s
+
+
+def program_steps(options: TrainerOptions, batch_bytes: int,
+                  ideal_step_seconds: float | None = None) -> int:
+    """`steps_per_program` as a number. "auto" is the largest divisor of
+    steps_per_loop up to `AUTO_PROGRAM_STEPS` (10 for the default 100) whose batches
+    (`batch_bytes` each, stacked in the program) fit in `AUTO_PROGRAM_BYTES` and
+    whose steps take at most `AUTO_PROGRAM_IDEAL_SECONDS` at peak FLOP/s (about a
+    second at 25% MFU: SIGTERM is noticed between programs, and a launch's cost only
+    matters for short steps)."""
+    if options.steps_per_program != "auto":
+        return int(options.steps_per_program)
+    most = min(AUTO_PROGRAM_STEPS, max(1, AUTO_PROGRAM_BYTES // max(batch_bytes, 1)))
+    if ideal_step_seconds:
+        most = min(most, max(1, int(AUTO_PROGRAM_IDEAL_SECONDS / ideal_step_seconds)))
+    return max(k for k in range(1, most + 1) if options.steps_per_loop % k == 0)
 
 
 def _check_profile_steps(profile_steps: Any) -> tuple[int, int] | None:

@@ -66,6 +66,12 @@ class Progress:
         self._flops_per_step = float(flops_per_step)
         self._peak_flops = float(peak_flops)
 
+    @property
+    def ideal_step_seconds(self) -> float | None:
+        """A step's FLOPs over the device's peak (the time at 100% MFU); None unknown."""
+        flops, peak = getattr(self, "_flops_per_step", None), getattr(self, "_peak_flops", None)
+        return flops / peak if flops and peak else None
+
     def _writer(self, split: str) -> tf.summary.SummaryWriter | None:
         if self._summary_dir is None:
             return None

@@ -37,8 +37,8 @@ from tputrain.loop.evaluation import Evaluator
 from tputrain.loop.host_loop import HostLoop, count_step
 from tputrain.loop.hosts import MaxOverHosts, host_topology, is_chief
 from tputrain.loop.inputs import Inputs, default_input_mode
-from tputrain.loop.step import StepBuilder, ensure_built
-from tputrain.options import TrainerOptions
+from tputrain.loop.step import StepBuilder, ensure_built, steps_program
+from tputrain.options import TrainerOptions, program_steps
 from tputrain.precision import resolve_precision, wrap_optimizer_for_policy
 from tputrain.preemption import Preempted, PreemptionWatcher
 from tputrain.progress import Progress, Stopwatch, summary_root
@@ -70,6 +70,8 @@ class Trainer:
       profile_steps: `(start, stop)`: a profiler trace of those steps.
       report_mfu: log model FLOPs utilization each loop.
       steps_per_fetch: host input mode: steps fetched with one `get_next`.
+      steps_per_program: steps per XLA program launch (whole-step XLA, one replica);
+        "auto" (the default) or an int.
       guard: the NaN/Inf guard (`tputrain.NonFiniteGuard(policy=...)`); None builds
         one from gin (policy "raise" by default).
       actions: `tputrain.Action`s called after each loop, evaluation and save and at
@@ -85,6 +87,7 @@ class Trainer:
                  input_mode: str | None = None, jit_compile: bool | str = "auto",
                  accumulation_steps: int = 1, profile_steps: tuple[int, int] | None = None,
                  report_mfu: bool = True, steps_per_fetch: int = 1,
+                 steps_per_program: int | str = "auto",
                  guard: NonFiniteGuard | None = None, actions: Sequence[Action] = (),
                  communication: CommunicationOptions | None = None):
         self.options = TrainerOptions(
@@ -93,7 +96,8 @@ class Trainer:
             checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
             precision=precision, seed=seed, input_mode=input_mode, jit_compile=jit_compile,
             accumulation_steps=accumulation_steps, profile_steps=profile_steps,
-            report_mfu=report_mfu, steps_per_fetch=steps_per_fetch)
+            report_mfu=report_mfu, steps_per_fetch=steps_per_fetch,
+            steps_per_program=steps_per_program)
         for field, value in vars(self.options).items():  # read as trainer.<knob>, too
             setattr(self, field, value)
         if not isinstance(task, Task):
@@ -292,15 +296,34 @@ class Trainer:
             self.jit_compile = self._steps.jit_compile  # "auto" -> False if XLA refused it
             self._train_loop_fn = HostLoop(step_fn, self.inputs, count_steps=True, step=self.step,
                                            guard=self.guard, stop_requested=self._stop_requested,
-                                           counted_in_step=self._steps.counted_in_step).loop
+                                           counted_in_step=self._steps.counted_in_step,
+                                           **self._program(step_fn)).run
         for metric in self.train_metrics:
             metric.reset_state()
-        totals, steps, input_wait = self._train_loop_fn(
-            self._train_iterator, tf.constant(num_steps, tf.int32))
+        totals, steps, input_wait = self._train_loop_fn(self._train_iterator, num_steps)
         steps = int(steps)
         logs = {name: float(value) / steps for name, value in totals.items()}
         logs.update({m.name: float(m.result()) for m in self.train_metrics})
         return logs, steps, float(input_wait)
+
+    def _program(self, step_fn: Any) -> dict[str, Any]:
+        """HostLoop's `program` and `program_steps`: several steps a launch where the
+        whole step is one XLA program on one replica reading one batch a step."""
+        steps = program_steps(self.options, sum(
+            spec.shape.num_elements() * spec.dtype.size
+            for spec in tf.nest.flatten(self.inputs.train_dataset.element_spec)),
+            self.progress.ideal_step_seconds)
+        if not (steps > 1 and self._steps.counted_in_step and self.inputs.direct_fetch
+                and self.input_mode == "host"):
+            self.steps_per_program = 1
+            return {}
+        self.steps_per_program = steps
+        logging.info("tputrain: %d steps per XLA program launch (Trainer.steps_per_program)",
+                     steps)
+        # The guard's trip only: SIGTERM is noticed between programs, so that every
+        # batch a program took is trained on (exact resume).
+        return {"program": steps_program(step_fn, steps, self.step, self.guard.should_stop),
+                "program_steps": steps}
 
     def _stop_requested(self) -> Any:
         """In the compiled loop: stop before the next step (guard trip or SIGTERM)? Several

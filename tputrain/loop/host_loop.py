@@ -53,7 +53,8 @@ class HostLoop:
     def __init__(self, replica_step: Callable, inputs: Inputs, count_steps: bool,
                  step: tf.Variable | None = None, guard: NonFiniteGuard | None = None,
                  stop_requested: Callable[[], Any] = lambda: False,
-                 counted_in_step: bool = False):
+                 counted_in_step: bool = False, program: Callable | None = None,
+                 program_steps: int = 1):
         self.replica_step = replica_step
         self.inputs = inputs
         self.strategy = inputs.strategy
@@ -65,6 +66,16 @@ class HostLoop:
         self.grouped = count_steps and inputs.input_mode == "host"
         self.fetch = inputs.steps_per_fetch if self.grouped else 1
         self.loop = tf.function(self._loop)
+        # `program` (step.steps_program) runs `program_steps` steps a launch; loops whose
+        # length is not a multiple of it take the step one at a time (`loop`).
+        self.program, self.program_steps = program, program_steps
+        self.program_loop = tf.function(self._program_loop)
+
+    def run(self, iterator, num_steps: int) -> tuple[Any, tf.Tensor, tf.Tensor]:
+        """`loop`, or `program_loop` when a program's steps divide `num_steps`."""
+        if self.program is not None and num_steps % self.program_steps == 0:
+            return self.program_loop(iterator, tf.constant(num_steps // self.program_steps))
+        return self.loop(iterator, tf.constant(num_steps, tf.int32))
 
     def one_step(self, batch: Any) -> dict[str, tf.Tensor]:
         per_replica = self.strategy.run(self.replica_step, args=(batch,))
@@ -161,3 +172,55 @@ class HostLoop:
             more, fetch_and_run, (tf.constant(0, tf.int32), tf.constant(True), totals, steps,
                                   input_wait))
         return totals, steps, input_wait
+
+    def _fetch_program(self, iterator) -> tuple[tf.Tensor, tuple, tf.Tensor]:
+        """One program's batches as read one by one: (how many are real, the batches,
+        seconds waited); past the input's end, zeros stand in (never trained on)."""
+        start = tf.timestamp() if not op_determinism() else None
+        optionals = [iterator.get_next_as_optional() for _ in range(self.program_steps)]
+        real = tf.add_n([tf.cast(o.has_value(), tf.int32) for o in optionals])
+        waited = (tf.constant(0.0, tf.float64) if start is None else
+                  _after(real, tf.timestamp) - start)
+
+        def or_zeros(optional):
+            zeros = tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype),
+                                          optional.element_spec)
+            return tf.cond(optional.has_value(), optional.get_value, lambda: zeros)
+        batches = tf.cond(real == self.program_steps,
+                          lambda: tuple(o.get_value() for o in optionals),
+                          lambda: tuple(or_zeros(o) for o in optionals))
+        return real, batches, waited
+
+    def _run_program(self, iterator) -> tuple[Any, tf.Tensor, tf.Tensor, tf.Tensor]:
+        """(summed logs, steps run, batches that were real, seconds waited)."""
+        real, batches, waited = self._fetch_program(iterator)
+        totals, ran = self.strategy.run(self.program, args=(batches, real))
+        totals = {name: self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+                  for name, value in totals.items()}
+        ran = self.strategy.reduce(tf.distribute.ReduceOp.SUM, ran, axis=None)
+        return totals, ran, real, waited
+
+    def _program_loop(self, iterator, programs: tf.Tensor):
+        """`programs` launches of `program` (one replica, whole-step XLA), each on
+        `program_steps` batches read as built; stops early as `_loop` does."""
+        totals, steps, real, input_wait = self._run_program(iterator)
+        with tf.control_dependencies([tf.debugging.Assert(real > 0, [EXHAUSTED])]):
+            steps = tf.identity(steps)
+
+        def more(i, real, totals, steps, input_wait):
+            return tf.logical_and(tf.logical_and(i < programs, real == self.program_steps),
+                                  tf.logical_not(self.stop_requested()))
+
+        def body(i, real, totals, steps, input_wait):
+            more_totals, ran, real, waited = self._run_program(iterator)
+            return (i + 1, real, tf.nest.map_structure(tf.add, totals, more_totals),
+                    steps + ran, input_wait + waited)
+
+        _, _, totals, steps, input_wait = tf.while_loop(
+            more, body, (tf.constant(1, programs.dtype), real, totals, steps, input_wait))
+        return totals, steps, input_wait
+
+
+def _after(value: tf.Tensor, op: Callable[[], tf.Tensor]) -> tf.Tensor:
+    with tf.control_dependencies([value]):
+        return op()

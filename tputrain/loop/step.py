@@ -180,6 +180,45 @@ def _counted(step: Callable, count: Callable[[dict[str, tf.Tensor]], None]) -> C
     return counted
 
 
+def _log_zeros(step: Callable, batch_spec: Any) -> Any:
+    """Zeros shaped like the logs `step` returns, from a trace of it that never runs
+    (sums over a while loop need their structure before the first step)."""
+    logs = tf.function(step).get_concrete_function(batch_spec).structured_outputs
+    return tf.nest.map_structure(lambda t: tf.zeros(t.shape, t.dtype), logs)
+
+
+def steps_program(step: Callable, steps: int, counter: tf.Variable,
+                  stop: Callable[[], tf.Tensor]) -> Callable:
+    """`steps` train steps in one XLA program: `run(batches, n)` -> (summed logs, steps run).
+
+    `step` is the counted whole step (`StepBuilder.build`, one replica); `batches` are
+    `steps` batches, of which the first `n` are real (fewer when the input ended). Each
+    XLA program launch costs a few hundred microseconds of host work (a cache lookup,
+    the variables' buffers, an executor hand-off); K steps pay it once
+    (docs/performance.md). Once `stop()` says so (the guard tripped) no further step
+    trains; the counter still moves past the batches taken, where the data is.
+    """
+    one_step = getattr(step, "python_function", step)
+
+    @tf.function(jit_compile=True)
+    def run(batches: tuple, n: tf.Tensor) -> tuple[Any, tf.Tensor]:
+        group = tf.nest.map_structure(lambda *parts: tf.stack(parts), *batches)
+        spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), group)
+
+        def body(j, totals, stopped):
+            del stopped
+            logs = one_step(tf.nest.map_structure(lambda t: t[j], group))
+            return j + 1, tf.nest.map_structure(tf.add, totals, logs), stop()
+
+        ran, totals, _ = tf.while_loop(
+            lambda j, totals, stopped: tf.logical_and(j < n, tf.logical_not(stopped)), body,
+            (tf.constant(0), _log_zeros(one_step, spec), tf.constant(False)),
+            maximum_iterations=steps)
+        counter.assign_add(tf.cast(n - ran, counter.dtype))
+        return totals, ran
+    return run
+
+
 def _overrides(task: Task, name: str) -> bool:
     """Whether `task` replaces `Task.<name>`, in its class or on the instance."""
     return getattr(type(task), name) is not getattr(Task, name) or name in vars(task)

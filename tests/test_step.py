@@ -417,3 +417,29 @@ def test_steps_per_program_auto_and_where_it_applies(tmp_path):
                            checkpoint_every=10**6, eval_steps=1)
     two.train()
     assert two.steps_per_program == 1  # several replicas: the step is not one program
+
+
+def test_a_program_xla_cannot_lower_falls_back_to_one_step_a_launch(tmp_path, monkeypatch,
+                                                                    caplog):
+    """Should the several-step program not lower (here: a py_function added to it),
+    the run goes on one step a launch, says why, and trains every step."""
+    import tputrain.trainer as trainer_module
+
+    real = trainer_module.steps_program
+
+    def unlowerable(*args, **kwargs):
+        program = real(*args, **kwargs)
+
+        @tf.function(jit_compile=True)
+        def run(batches, n):
+            n = tf.py_function(lambda n: n, [n], tf.int32)
+            return program.python_function(batches, tf.reshape(n, []))
+        return run
+    monkeypatch.setattr(trainer_module, "steps_program", unlowerable)
+    trainer = program_trainer(tmp_path, "py", steps_per_program=4)
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert trainer.steps_per_program == 1
+    assert int(trainer.step.numpy()) == 12
+    assert any("steps per XLA program do not compile" in r.getMessage()
+               and "EagerPyFunc" in r.getMessage() for r in caplog.records)

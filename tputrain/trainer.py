@@ -317,13 +317,20 @@ class Trainer:
                 and self.input_mode == "host"):
             self.steps_per_program = 1
             return {}
+        # The guard's trip only: SIGTERM is noticed between programs, so that every
+        # batch a program took is trained on (exact resume).
+        program = steps_program(step_fn, steps, self.step, self.guard.should_stop)
+        why = self._steps.refusal(program, (self._steps.zero_batch(),) * steps,
+                                  tf.constant(steps))
+        if why is not None:
+            logging.warning("tputrain: %d steps per XLA program do not compile (%s): "
+                            "one step a launch", steps, why)
+            self.steps_per_program = 1
+            return {}
         self.steps_per_program = steps
         logging.info("tputrain: %d steps per XLA program launch (Trainer.steps_per_program)",
                      steps)
-        # The guard's trip only: SIGTERM is noticed between programs, so that every
-        # batch a program took is trained on (exact resume).
-        return {"program": steps_program(step_fn, steps, self.step, self.guard.should_stop),
-                "program_steps": steps}
+        return {"program": program, "program_steps": steps}
 
     def _stop_requested(self) -> Any:
         """In the compiled loop: stop before the next step (guard trip or SIGTERM)? Several

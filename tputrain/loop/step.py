@@ -375,20 +375,30 @@ class StepBuilder:
         A step XLA refuses (an op without an XLA kernel, e.g. a py_function) then
         runs uncompiled, with a log line naming the reason, instead of failing.
         """
-        spec = self.train_element_spec
-        zeros = tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), spec)
+        why = self.refusal(compiled, self.zero_batch())
+        if why is None:
+            return True
+        logging.warning("tputrain: jit_compile='auto': the step does not compile with XLA "
+                        "(%s); it runs without XLA", why)
+        self.jit_compile = False
+        return False
+
+    def zero_batch(self) -> Any:
+        """A train batch of zeros, for lowering the step without running it."""
+        return tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype),
+                                     self.train_element_spec)
+
+    def refusal(self, function: Callable, *args: Any) -> str | None:
+        """Why XLA cannot lower `function(*args)` in a replica context ("Error: line"),
+        or None if it can (lowered to HLO, not compiled or run)."""
         try:
-            self.strategy.run(lambda batch: compiled.experimental_get_compiler_ir(batch)(
-                stage="hlo"), args=(zeros,))
+            self.strategy.run(lambda *a: function.experimental_get_compiler_ir(*a)(
+                stage="hlo"), args=args)
         except (tf.errors.OpError, ValueError, TypeError, RuntimeError) as error:
             # RuntimeError: e.g. a merge_call inside the XLA function (MirroredStrategy
             # on one device, whose optimizer aggregates through one).
-            first_line = _reason(error)
-            logging.warning("tputrain: jit_compile='auto': the step does not compile with XLA "
-                            "(%s: %s); it runs without XLA", type(error).__name__, first_line)
-            self.jit_compile = False
-            return False
-        return True
+            return f"{type(error).__name__}: {_reason(error)}"
+        return None
 
     def _accumulate_gradients(self, batch: Any, compute: Callable) -> tuple[list[Any], tf.Tensor]:
         """Replica context: gradients and loss summed over the step's micro-batches.

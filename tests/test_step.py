@@ -399,8 +399,8 @@ def test_input_ending_inside_a_program_trains_every_batch(tmp_path):
 
 def test_steps_per_program_auto_and_where_it_applies(tmp_path):
     from tputrain.options import TrainerOptions, program_steps
-    assert program_steps(TrainerOptions(), batch_bytes=1 << 20) == 10  # steps_per_loop 100
-    assert program_steps(TrainerOptions(steps_per_loop=64), batch_bytes=1 << 20) == 16
+    assert program_steps(TrainerOptions(), batch_bytes=1 << 20) == 25  # steps_per_loop 100
+    assert program_steps(TrainerOptions(steps_per_loop=64), batch_bytes=1 << 20) == 32
     assert program_steps(TrainerOptions(), batch_bytes=16 << 20) == 4  # 4 x 16 MiB
     assert program_steps(TrainerOptions(), batch_bytes=100 << 20) == 1
     assert program_steps(TrainerOptions(steps_per_program=7), batch_bytes=1 << 30) == 7
@@ -408,7 +408,7 @@ def test_steps_per_program_auto_and_where_it_applies(tmp_path):
     # of ideal compute); 1 s: one.
     assert program_steps(TrainerOptions(), 1 << 20, ideal_step_seconds=0.1) == 2
     assert program_steps(TrainerOptions(), 1 << 20, ideal_step_seconds=1.0) == 1
-    assert program_steps(TrainerOptions(), 1 << 20, ideal_step_seconds=0.001) == 10
+    assert program_steps(TrainerOptions(), 1 << 20, ideal_step_seconds=0.001) == 25
     auto = program_trainer(tmp_path, "auto", train_steps=4)
     auto.train()
     assert auto.steps_per_program == 4

@@ -76,7 +76,7 @@ class TrainerOptions:
         read one batch a step (`steps_per_fetch=1`, host input), run this many steps
         in one XLA program launch: each launch costs host work (a few hundred
         microseconds on a CPU) that K steps pay once. "auto" (the default): the
-        largest divisor of steps_per_loop up to 16 whose K batches (stacked in the
+        largest divisor of steps_per_loop up to 32 whose K batches (stacked in the
         program) take at most 64 MiB and whose K steps take at most 0.25 s at the
         device's peak FLOP/s (when counted: `report_mfu`); 1 for large batches or
         long steps. A loop whose length is not a
@@ -150,7 +150,7 @@ class TrainerOptions:
                 "instead, or set Trainer.jit_compile=False")
 
 
-AUTO_PROGRAM_STEPS = 16  # steps_per_program="auto": at most this many steps,
+AUTO_PROGRAM_STEPS = 32  # steps_per_program="auto": at most this many steps,
 AUTO_PROGRAM_BYTES = 64 << 20  # at most this many bytes of their batches,
 AUTO_PROGRAM_IDEAL_SECONDS = 0.25  # and at most this long at the device's peak FLOP/s
 
@@ -158,7 +158,7 @@ AUTO_PROGRAM_IDEAL_SECONDS = 0.25  # and at most this long at the device's peak 
 def program_steps(options: TrainerOptions, batch_bytes: int,
                   ideal_step_seconds: float | None = None) -> int:
     """`steps_per_program` as a number. "auto" is the largest divisor of
-    steps_per_loop up to `AUTO_PROGRAM_STEPS` (10 for the default 100) whose batches
+    steps_per_loop up to `AUTO_PROGRAM_STEPS` (25 for the default 100) whose batches
     (`batch_bytes` each, stacked in the program) fit in `AUTO_PROGRAM_BYTES` and
     whose steps take at most `AUTO_PROGRAM_IDEAL_SECONDS` at peak FLOP/s (about a
     second at 25% MFU: SIGTERM is noticed between programs, and a launch's cost only

@@ -12,6 +12,11 @@ stateful ops are done); the second runs once the batch is there, and the step's
 ops wait for it, so the executor cannot slip the step's work in between. The
 difference is the time the loop was blocked on input, including the fetch's own
 hand-off cost.
+
+Several steps per XLA program (`program_loop`, `Trainer.steps_per_program`): each
+iteration reads `program_steps` batches and launches one program that runs them
+all, so the launch's host work is paid once for them; `run` picks it for loops
+whose length it divides.
 """
 
 from __future__ import annotations

@@ -135,8 +135,21 @@ def _gradients_finite(gradients: list[Any], in_xla: bool = False,
         largest = tf.reduce_max(tf.stack([tf.reduce_max(tf.where(
             tf.math.is_nan(v), math.inf, tf.abs(v))) for v in values]))
         return largest < math.sqrt(tf.float32.max / max(sum(sizes), 1))
+    return tf.math.is_finite(tf.sqrt(_square_sum(values, in_xla)))
+
+
+def _square_sum(values: list[Any], in_xla: bool = False) -> tf.Tensor:
+    """Half the squared global norm (`l2_loss`, one kernel a value) or, in XLA, all of
+    it: finite exactly when the norm's square is. Sparse gradients: their values."""
+    values = _float_gradients(values)
     square_sum = (lambda v: tf.reduce_sum(tf.square(v))) if in_xla else tf.nn.l2_loss
-    return tf.math.is_finite(tf.sqrt(tf.reduce_sum(tf.stack([square_sum(v) for v in values]))))
+    return tf.reduce_sum(tf.stack([square_sum(v) for v in values]))
+
+
+def _size(gradient: Any) -> int:
+    """Elements of a gradient (a sparse one: its values), 1 if not static."""
+    values = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+    return int(values.shape.num_elements() or 1)
 
 
 @gin.configurable
@@ -168,6 +181,7 @@ class NonFiniteGuard:
         self._built = False
         self._select = False
         self._scale = 0.0  # the loss scale while a scaled step traces (scaling_loss)
+        self._verdict: tf.Tensor | None = None  # while per-device updates trace
 
     def build(self) -> None:
         """Creates the guard's variables; call inside `strategy.scope()`."""
@@ -234,6 +248,7 @@ class NonFiniteGuard:
 
         optimizer.apply = types.MethodType(guarded_apply, optimizer)
         optimizer._tputrain_guarded = True
+        optimizer._tputrain_check_once = self.checking_once
 
     def _wrap_scale_loss(self, optimizer: keras.optimizers.Optimizer) -> None:
         """`optimizer.scale_loss` also multiplies by `_scale` while `_scaling`."""
@@ -289,6 +304,34 @@ class NonFiniteGuard:
         finally:
             self._scale = saved
 
+    @contextlib.contextmanager
+    def checking_once(self, strategy: tf.distribute.Strategy, grads: list[Any]
+                      ) -> Iterator[None]:
+        """Cross-replica context, gradients summed over replicas (the same on every
+        device): the check made once, its passes spread over the local devices, for
+        every device's update (`tputrain.loop.update`) to read instead of its own."""
+        devices = strategy.extended.worker_devices
+        loads = [0] * len(devices)
+        partial: list[list[Any]] = [[] for _ in devices]
+        copies = [strategy.experimental_local_results(g) for g in grads if g is not None]
+        floating = [c for c in copies if tf.as_dtype(c[0].dtype).is_floating]
+        for copy in sorted(floating, key=lambda c: -_size(c[0])):  # the biggest first
+            i = loads.index(min(loads))
+            loads[i] += _size(copy[0])
+            partial[i].append(copy[i])
+        sums = []
+        for device, values in zip(devices, partial):
+            if values:
+                with tf.device(device):
+                    sums.append(_square_sum(values))
+        saved = self._verdict
+        self._verdict = (tf.logical_not(tf.math.is_finite(tf.sqrt(tf.add_n(sums))))
+                         if sums else tf.constant(False))
+        try:
+            yield
+        finally:
+            self._verdict = saved
+
     def _select_apply(self, optimizer: keras.optimizers.Optimizer, grads: list[Any],
                       trainable_variables: Any) -> None:
         """The optimizer's apply with every write masked by the gradients' verdict.
@@ -296,7 +339,9 @@ class NonFiniteGuard:
         Variables it writes some other way (the step counter, an EMA, a custom
         optimizer's direct `variable.assign`) are put back by a select at the end.
         """
-        if self._scaling(optimizer):
+        if self._verdict is not None:  # made once for every device (checking_once)
+            bad = self._verdict
+        elif self._scaling(optimizer):
             bad = tf.logical_not(_scaled_gradients_finite(grads))
             grads = [_unscaled(g, self._scale) for g in grads]
         else:

@@ -38,6 +38,7 @@ from tputrain.loop.host_loop import HostLoop, count_step
 from tputrain.loop.hosts import MaxOverHosts, host_topology, is_chief
 from tputrain.loop.inputs import Inputs, default_input_mode
 from tputrain.loop.step import StepBuilder, ensure_built, steps_program
+from tputrain.loop.update import update_on_each_device
 from tputrain.options import TrainerOptions, program_steps
 from tputrain.precision import resolve_precision, wrap_optimizer_for_policy
 from tputrain.preemption import Preempted, PreemptionWatcher
@@ -163,6 +164,7 @@ class Trainer:
             self.guard = guard if guard is not None else NonFiniteGuard()
             self.guard.build()
             self.guard.wrap_optimizer(self.optimizer)  # NaN/Inf updates are skipped in-step
+            update_on_each_device(self.optimizer)  # N replicas: XLA on each device (the plan)
             # Outermost: clipping and the guard see the sum.
             reduce_gradients_first(self.optimizer, self.communication.allreduce_dtype)
 

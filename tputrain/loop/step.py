@@ -28,6 +28,8 @@ from absl import logging
 
 from tputrain.checkpoint import seed_generator_states
 from tputrain.guard import NonFiniteGuard
+from tputrain.loop.update import refusal as update_refusal
+from tputrain.loop.update import set_update_on_each_device
 from tputrain.strategy import worker_devices
 from tputrain.task import Task
 
@@ -47,6 +49,7 @@ class XlaPlan(NamedTuple):
     why: str
     apply_only: bool = False  # the optimizer's update alone
     fuse_elementwise: bool = False  # ElementwiseFusion: GELUs (XLA) and layer norms
+    apply_per_replica: bool = False  # the update as one XLA program a device (loop/update.py)
 
 
 _SQRT_HALF = math.sqrt(0.5)
@@ -295,12 +298,20 @@ class StepBuilder:
             return XlaPlan(False, False, "on (TPU: always compiled)")
         replicas = self.strategy.num_replicas_in_sync
         if self.jit_compile is True:
-            return XlaPlan(replicas == 1, replicas > 1, "on (the whole step)" if replicas == 1
-                           else "on (forward and backward only)")
+            if replicas == 1:
+                return XlaPlan(True, False, "on (the whole step)")
+            per_device = self._per_device_refusal(compile_any=True) is None
+            return XlaPlan(False, True, "on (forward and backward; the update on each device)"
+                           if per_device else "on (forward and backward only)",
+                           apply_per_replica=per_device)
         if self.jit_compile != "auto":
             return XlaPlan(False, False, "off")
         if replicas > 1:
-            return XlaPlan(False, False, f"auto: off on {replicas} replicas")
+            why = self._per_device_refusal(compile_any=False)
+            if why is None:
+                return XlaPlan(False, False, f"auto: the optimizer update on each of {replicas} "
+                               "replicas' devices", apply_per_replica=True)
+            return XlaPlan(False, False, f"auto: off on {replicas} replicas ({why})")
         on_cpu = not any("GPU" in d.upper() for d in worker_devices(self.strategy))
         if on_cpu and seed_generator_states(self.model):
             # XLA's CPU random-number generation is slow: a small MLP with Dropout took
@@ -317,6 +328,14 @@ class StepBuilder:
             return XlaPlan(False, False, f"auto: off for {self.precision} on CPU")
         return XlaPlan(True, False, "auto: the whole step, if it compiles")
 
+    def _per_device_refusal(self, compile_any: bool) -> str | None:
+        """Why the update is not one XLA program per device on N replicas, or None."""
+        if self._custom_train_step:
+            return "a Task.train_step override"
+        if self.precision not in ("float32", "mixed_bfloat16"):
+            return f"precision {self.precision}"
+        return update_refusal(self.optimizer, compile_any=compile_any)
+
     def build(self, count: Callable[[dict[str, tf.Tensor]], None] | None = None
               ) -> Callable[[Any], dict[str, tf.Tensor]]:
         """The per-replica step (replica context), with accumulation and XLA as configured.
@@ -329,7 +348,8 @@ class StepBuilder:
         self.counted_in_step = False
         # An update inside an XLA program (one replica) is guarded by a select, not a
         # conditional: the select fuses into the update (NonFiniteGuard.select_updates).
-        self.guard.select_updates(plan.whole_step or plan.apply_only)
+        self.guard.select_updates(plan.whole_step or plan.apply_only or plan.apply_per_replica)
+        set_update_on_each_device(self.optimizer, plan.apply_per_replica)
         if self._custom_train_step:
             def step(batch):
                 return self.task.train_step(batch, self.model, self.optimizer,
@@ -360,6 +380,8 @@ class StepBuilder:
         computes in float16 anywhere (a scaled backward pass would overflow it)."""
         if not self._own_gradients or _computes_in_float16(self.model):
             return None
+        if self.strategy.num_replicas_in_sync > 1:
+            return None  # checked once for every device (NonFiniteGuard.checking_once)
         return self.model.trainable_variables
 
     def _compute(self, jit_compile: bool) -> Callable:

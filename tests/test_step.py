@@ -54,7 +54,12 @@ def test_auto_plan_for_mixed_bfloat16_on_cpu_compiles_update_and_elementwise_onl
 @pytest.mark.parametrize("precision, kwargs, expected", [
     ("float32", {}, XlaPlan(True, False, "auto: the whole step, if it compiles")),
     ("mixed_bfloat16", {"jit_compile": False}, XlaPlan(False, False, "off")),
-    ("mixed_bfloat16", {"replicas": 2}, XlaPlan(False, False, "auto: off on 2 replicas")),
+    # N replicas: the optimizer update is one XLA program a device (loop/update.py).
+    ("mixed_bfloat16", {"replicas": 2}, XlaPlan(
+        False, False, "auto: the optimizer update on each of 2 replicas' devices",
+        apply_per_replica=True)),
+    ("mixed_float16", {"replicas": 2}, XlaPlan(
+        False, False, "auto: off on 2 replicas (precision mixed_float16)")),
     ("mixed_float16", {}, XlaPlan(False, False, "auto: off for mixed_float16 on CPU")),
 ])
 def test_other_plans_are_unchanged(tmp_path, precision, kwargs, expected):

@@ -1,0 +1,166 @@
+"""The optimizer update as one XLA program on each replica's device (loop/update.py).
+
+On 2 replicas the per-device update must give the weights the TensorFlow-kernel
+update gives (jit_compile=False), with every Keras optimizer and option, keep the
+two devices' copies bitwise equal, and keep the guard's promise.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import tputrain
+from tiny import TinyTask, strategy_for
+
+OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "sgd_nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "rmsprop_centered": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.05),
+    "adadelta": lambda: keras.optimizers.Adadelta(1.0),
+    "adamax": lambda: keras.optimizers.Adamax(0.01),
+    "nadam": lambda: keras.optimizers.Nadam(0.01),  # its own _backend_update_step
+    "ftrl": lambda: keras.optimizers.Ftrl(0.05, l1_regularization_strength=0.01),
+    "lion": lambda: keras.optimizers.Lion(0.001),
+    "adafactor": lambda: keras.optimizers.Adafactor(0.05),
+    "lamb": lambda: keras.optimizers.Lamb(0.01),
+    "global_clipnorm": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.02),
+    "clipvalue": lambda: keras.optimizers.SGD(0.05, clipvalue=0.002),
+    "ema_overwrite": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_overwrite_frequency=2),
+    "keras_accumulation": lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2),
+    "schedule": lambda: keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(
+        0.01, decay_steps=2, decay_rate=0.5)),
+    "lars": lambda: tputrain.build_optimizer(name="lars", learning_rate=0.1, weight_decay=1e-3),
+}
+
+
+class OptimizerTask(TinyTask):
+    def __init__(self, make_optimizer, **kwargs):
+        super().__init__(**kwargs)
+        self.make_optimizer = make_optimizer
+
+    def build_optimizer(self):
+        return self.make_optimizer()
+
+
+class EmbeddingTask(TinyTask):
+    """Sparse gradients: an embedding lookup of token ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.x = np.random.RandomState(1).randint(0, 50, size=(256, 8)).astype(np.int64)
+        self.y = (self.x[:, 0] > 25).astype(np.int64)
+
+    def build_model(self) -> keras.Model:
+        inputs = keras.Input((8,), dtype="int64", name="x")
+        h = keras.layers.Embedding(50, 16)(inputs)
+        logits = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(h))
+        return keras.Model({"x": inputs}, logits)
+
+    def build_optimizer(self):
+        return keras.optimizers.Adam(0.05)
+
+
+def make(task: tputrain.Task, model_dir, train_steps: int = 6, replicas: int = 2,
+         **kwargs) -> tputrain.Trainer:
+    return tputrain.Trainer(task, str(model_dir), strategy=strategy_for(replicas),
+                            train_steps=train_steps, steps_per_loop=min(3, train_steps),
+                            global_batch_size=16, checkpoint_every=10**6, eval_steps=1,
+                            report_mfu=False, **kwargs)
+
+
+def train(task: tputrain.Task, model_dir, **kwargs) -> tputrain.Trainer:
+    trainer = make(task, model_dir, **kwargs)
+    trainer.train()
+    return trainer
+
+
+def assert_copies_equal(trainer: tputrain.Trainer) -> None:
+    """Every mirrored weight and optimizer variable is bitwise the same on each device."""
+    for variable in [*trainer.model.weights, *trainer.optimizer.variables]:
+        copies = [np.asarray(c) for c in getattr(variable.value, "values", [variable.value])]
+        for copy in copies[1:]:
+            np.testing.assert_array_equal(copy, copies[0], err_msg=variable.path)
+
+
+# Keras's own conditionals around a merge call: the TensorFlow-kernel update on N
+# replicas cannot run them ("merge_call called while defining a new graph"); the
+# reference is then one replica.
+ONE_REPLICA_REFERENCE = {"ema_overwrite", "keras_accumulation"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_each_device_updates_as_tensorflow_kernels_do(tmp_path, name):
+    per_device = train(OptimizerTask(OPTIMIZERS[name]), tmp_path / "xla")
+    if name in ONE_REPLICA_REFERENCE:
+        kernels = train(OptimizerTask(OPTIMIZERS[name]), tmp_path / "one", replicas=1)
+    else:
+        kernels = train(OptimizerTask(OPTIMIZERS[name]), tmp_path / "tf", jit_compile=False)
+        assert not kernels._steps.plan().apply_per_replica
+    assert per_device._steps.plan().apply_per_replica
+    assert int(per_device.optimizer.iterations.numpy()) == int(kernels.optimizer.iterations.numpy())
+    assert_copies_equal(per_device)
+    for got, want in zip(per_device.model.get_weights(), kernels.model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_sparse_gradients_update_on_each_device(tmp_path):
+    per_device = train(EmbeddingTask(), tmp_path / "xla")
+    kernels = train(EmbeddingTask(), tmp_path / "tf", jit_compile=False)
+    assert per_device._steps.plan().apply_per_replica
+    assert_copies_equal(per_device)
+    for got, want in zip(per_device.model.get_weights(), kernels.model.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def nan_at_step_2(value: float) -> OptimizerTask:
+    """Adam on data with `value` in global step 2's batch (examples 16-31, in order)."""
+    task = OptimizerTask(OPTIMIZERS["adam"])
+    task.x = task.x.copy()
+    task.x[27, 0] = value
+    return task
+
+
+def test_the_guard_skips_a_bad_step_on_every_device(tmp_path):
+    """The summed gradients are NaN: every device's update is skipped (its copies keep
+    the old values) and the step is counted once."""
+    trainer = train(nan_at_step_2(np.nan), tmp_path / "skip",
+                    guard=tputrain.NonFiniteGuard(policy="skip"))
+    assert trainer._steps.plan().apply_per_replica
+    assert int(trainer.guard.nonfinite_steps.numpy()) == 1
+    assert int(trainer.optimizer.iterations.numpy()) == 5  # the bad step applied nothing
+    assert_copies_equal(trainer)
+    assert all(np.isfinite(w).all() for w in trainer.model.get_weights())
+
+
+def test_the_guard_raises_with_the_weights_before_the_bad_step(tmp_path):
+    trainer = make(nan_at_step_2(np.inf), tmp_path / "raise")
+    with pytest.raises(tputrain.NonFiniteError, match="step 2"):
+        trainer.train()
+    one_step = train(nan_at_step_2(np.inf), tmp_path / "one", train_steps=1)
+    assert_copies_equal(trainer)
+    for got, want in zip(trainer.model.get_weights(), one_step.model.get_weights()):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_custom_optimizer_class_is_compiled_per_device_only_when_asked(tmp_path):
+    class MySGD(keras.optimizers.SGD):
+        pass
+
+    plan = make(OptimizerTask(lambda: MySGD(0.05)), tmp_path / "auto")._steps.plan()
+    assert not plan.apply_per_replica
+    assert "custom optimizer class (MySGD)" in plan.why and "jit_compile=True" in plan.why
+    on = train(OptimizerTask(lambda: MySGD(0.05)), tmp_path / "on", jit_compile=True)
+    assert on._steps.plan().apply_per_replica
+    assert_copies_equal(on)
+
+
+def test_a_loss_scale_optimizer_keeps_its_own_conditional(tmp_path):
+    trainer = make(TinyTask(), tmp_path / "lso", precision="mixed_float16")
+    assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+    plan = trainer._steps.plan()
+    assert not plan.apply_per_replica and "mixed_float16" in plan.why

@@ -16,6 +16,10 @@ model (an MLP with dropout, 2 replicas over logical CPUs), three Trainers:
   is deterministic, and the shuffle buffer restarts.
 * `exact_resume_no_guard`: as `exact_resume` with `NonFiniteGuard.policy=None`,
   to measure what the in-step NaN/Inf guard costs.
+* `exact_resume_no_xla` and `exact_resume_no_xla_no_guard`: both with
+  `jit_compile=False`: the optimizer update as TensorFlow kernels (the guard a
+  conditional around it) instead of one XLA program on each device
+  (`tputrain/loop/update.py`), the default.
 
 Steady-state steps/s of the compiled loop (`steps` steps per call, after a
 traced warm-up call), in interleaved rounds whose contender order rotates.
@@ -129,6 +133,12 @@ def main() -> None:
                                     input_mode="distributed"),
         "exact_resume_no_guard": make_trainer("noguard", root, task, strategy, args,
                                               input_mode="host", guard_off=True),
+        # The optimizer update as TensorFlow kernels, not one XLA program a device.
+        "exact_resume_no_xla": make_trainer("noxla", root, task, strategy, args,
+                                            input_mode="host", jit_compile=False),
+        "exact_resume_no_xla_no_guard": make_trainer("noxla_noguard", root, task, strategy,
+                                                     args, input_mode="host",
+                                                     jit_compile=False, guard_off=True),
     }
     assert trainers["exact_resume"].guard.policy == "raise"
     assert trainers["exact_resume_no_guard"].guard.policy is None
@@ -172,6 +182,10 @@ def main() -> None:
     def per_round(a: str, b: str) -> float:
         """Median over rounds of a/b measured in the same round (follows load drift)."""
         return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
+
+    def per_round_cpu(a: str, b: str) -> float:
+        """Median over rounds of a's CPU seconds a step over b's, in the same round."""
+        return statistics.median(x / y for x, y in zip(cpu[a], cpu[b]))
     result = {
         "benchmark": "exact resume on vs off (training throughput), guard cost",
         "machine": {"cpu": platform.processor() or platform.machine(),
@@ -194,6 +208,16 @@ def main() -> None:
             / cpu_median["exact_resume"],
             "guard_on_vs_off_cpu": cpu_median["exact_resume_no_guard"]
             / cpu_median["exact_resume"],
+            "guard_on_vs_off_cpu_paired": per_round_cpu("exact_resume_no_guard",
+                                                        "exact_resume"),
+            "guard_on_vs_off_no_xla_cpu": cpu_median["exact_resume_no_xla_no_guard"]
+            / cpu_median["exact_resume_no_xla"],
+            "guard_on_vs_off_no_xla_cpu_paired": per_round_cpu("exact_resume_no_xla_no_guard",
+                                                               "exact_resume_no_xla"),
+            "update_on_each_device_vs_tensorflow_kernels_cpu":
+            cpu_median["exact_resume_no_xla"] / cpu_median["exact_resume"],
+            "update_on_each_device_vs_tensorflow_kernels": per_round("exact_resume",
+                                                                     "exact_resume_no_xla"),
         },
         "goal": {"exact_resume_vs_skip_resume": f">= {GOAL}"},
         "checkpoint_save_seconds_median": {k: statistics.median(v) for k, v in saves.items()},

@@ -6,8 +6,9 @@ they are summed over replicas (so every replica makes the same decision without
 another all-reduce). A step with a non-finite loss or
 gradient does not update the weights or the optimizer's state (the optimizer's
 apply is skipped, as Keras's loss-scale optimizer does for overflow; inside an
-XLA program on one replica each of its writes keeps the old value instead, see
-`select_updates`), and then, by `policy`:
+XLA program, on one replica or on each device of several (`tputrain.loop.update`),
+each of its writes keeps the old value instead, see `select_updates`), and then,
+by `policy`:
 
 * "raise" (default): the loop stops and `NonFiniteError` names the step;
   the weights are those before that step, and no checkpoint is written.
@@ -275,8 +276,9 @@ class NonFiniteGuard:
 
     def select_updates(self, on: bool) -> None:
         """With `on`, a bad step's writes are masked by selects instead of skipped by a
-        conditional (`_select_apply`); for an update inside an XLA program on one
-        replica (`StepBuilder` sets it from its plan).
+        conditional (`_select_apply`); for an update inside an XLA program, on one
+        replica or on each device (`StepBuilder` sets it from its plan). On several
+        devices the check is made once for all of them (`checking_once`).
 
         Each write of the optimizer (`assign`, `assign_add`, `assign_sub`, the weight
         decay) keeps the old value on a bad step; in XLA the select fuses into the

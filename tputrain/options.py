@@ -44,19 +44,22 @@ class TrainerOptions:
         TPUs from one iterator: there "distributed" (the start-up line says so, and
         that a resume re-reads the consumed batches).
       jit_compile: compile the step with XLA. On one replica the whole per-replica
-        step (forward, backward, update) is compiled; on several replicas only
-        `Task.compute_gradients` (forward and backward) is, because XLA cannot
-        compile MirroredStrategy's cross-device variable updates (on CPU it fails
-        with "Trying to access resource ... located in device CPU:1 from device
-        CPU:0"). TPUs compile everything anyway; the flag changes nothing there.
+        step (forward, backward, update) is compiled; on several replicas
+        `Task.compute_gradients` (forward and backward) and, after the all-reduce,
+        the optimizer's update as one program on each device
+        (`tputrain/loop/update.py`): XLA cannot compile MirroredStrategy's
+        cross-device variable updates in one program (on CPU it fails with "Trying
+        to access resource ... located in device CPU:1 from device CPU:0"). TPUs
+        compile everything anyway; the flag changes nothing there.
         "auto" (the default) compiles the whole step on one CPU/GPU replica when
         XLA can lower it (measured faster here in float32: the MLP and the
         Transformer of `benchmarks/train_loop.py`, see docs/performance.md) and
-        falls back, with a warning, when it cannot; it compiles nothing on several
-        replicas (only the forward/backward could be), nor for mixed precision on a
-        CPU (XLA's CPU backend lacks oneDNN's bf16 matmuls: slower there), nor on a
-        CPU for a model with random ops such as Dropout (XLA's CPU RNG made a small
-        MLP's step 19x slower).
+        falls back, with a warning, when it cannot; on several replicas it compiles
+        the update on each device (1.27x less CPU time a 2-replica MLP step) for
+        Keras's and tputrain's optimizers in float32 and mixed_bfloat16; it
+        compiles nothing for mixed_float16 on a CPU (nor bf16 matmuls: XLA's CPU
+        backend lacks oneDNN's), nor, on one CPU replica, a model with random ops
+        such as Dropout (XLA's CPU RNG made a small MLP's step 19x slower).
       accumulation_steps: split each step's `global_batch_size` examples into N
         micro-batches, sum their gradients and apply them once: the same update as
         one N-times-larger batch (batch-norm statistics aside) in 1/N the memory.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tputrain
 from tiny import TinyTask, strategy_for
@@ -27,6 +28,8 @@ OPTIMIZERS = {
     "lion": lambda: keras.optimizers.Lion(0.001),
     "adafactor": lambda: keras.optimizers.Adafactor(0.05),
     "lamb": lambda: keras.optimizers.Lamb(0.01),
+    "muon": lambda: keras.optimizers.Muon(0.01),
+    "schedule_free_adamw": lambda: keras.optimizers.ScheduleFreeAdamW(0.01),
     "global_clipnorm": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.02),
     "clipvalue": lambda: keras.optimizers.SGD(0.05, clipvalue=0.002),
     "ema_overwrite": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_overwrite_frequency=2),
@@ -135,6 +138,36 @@ def test_the_guard_skips_a_bad_step_on_every_device(tmp_path):
     assert int(trainer.optimizer.iterations.numpy()) == 5  # the bad step applied nothing
     assert_copies_equal(trainer)
     assert all(np.isfinite(w).all() for w in trainer.model.get_weights())
+
+
+class OneBadGradientTask(OptimizerTask):
+    """At step 2 (a marker in its batch) only the gradient of variable `index` is NaN:
+    the one check spread over both devices must still see it, wherever it went."""
+
+    def __init__(self, index: int):
+        super().__init__(OPTIMIZERS["adam"])
+        self.index = index
+        self.x = self.x.copy()
+        self.x[27, 7] = 1e3  # in step 2's batch; finite
+
+    def compute_gradients(self, batch, model, optimizer, global_batch_size, micro_batches=1):
+        gradients, loss, outputs = super().compute_gradients(
+            batch, model, optimizer, global_batch_size, micro_batches)
+        marked = tf.reduce_max(tf.abs(batch[0]["x"])) > 100.0
+        g = gradients[self.index]
+        gradients[self.index] = tf.where(marked, tf.fill(tf.shape(g), np.nan), g)
+        return gradients, loss, outputs
+
+
+@pytest.mark.parametrize("index", range(4))  # 2 kernels and 2 biases, both devices' shares
+def test_a_nonfinite_gradient_of_any_one_variable_skips_the_step(tmp_path, index):
+    trainer = train(OneBadGradientTask(index), tmp_path / str(index),
+                    guard=tputrain.NonFiniteGuard(policy="skip"))
+    assert trainer._steps.plan().apply_per_replica
+    assert int(trainer.guard.nonfinite_steps.numpy()) == 1
+    assert int(trainer.optimizer.iterations.numpy()) == 5
+    assert all(np.isfinite(w).all() for w in trainer.model.get_weights())
+    assert_copies_equal(trainer)
 
 
 def test_the_guard_raises_with_the_weights_before_the_bad_step(tmp_path):

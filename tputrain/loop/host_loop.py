@@ -26,7 +26,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from tputrain.guard import NonFiniteGuard
-from tputrain.loop.inputs import Inputs
+from tputrain.loop.inputs import Inputs, zeros_of
 
 EXHAUSTED = "tputrain: input exhausted"
 
@@ -104,8 +104,7 @@ class HostLoop:
             return has_value, value, tf.constant(0.0, tf.float64), has_value
         start = tf.timestamp()
         has_value, value = self._next_value(iterator)
-        with tf.control_dependencies([has_value]):
-            end = tf.timestamp()
+        end = _after(has_value, tf.timestamp)
         return has_value, value, end - start, end
 
     def batches_of(self, value: Any, ready: tf.Tensor) -> Any:
@@ -188,8 +187,7 @@ class HostLoop:
                   _after(real, tf.timestamp) - start)
 
         def or_zeros(optional):
-            zeros = tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype),
-                                          optional.element_spec)
+            zeros = zeros_of(optional.element_spec)
             return tf.cond(optional.has_value(), optional.get_value, lambda: zeros)
         batches = tf.cond(real == self.program_steps,
                           lambda: tuple(o.get_value() for o in optionals),

@@ -52,13 +52,19 @@ def with_weights(dataset: tf.data.Dataset) -> tf.data.Dataset:
     return dataset.map(add_weights)
 
 
+def zeros_of(structure: Any) -> Any:
+    """Zeros shaped like each TensorSpec (or tensor) of a nest: a stand-in batch or
+    log that is traced or passed but never trained on."""
+    return tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), structure)
+
+
 def padded(dataset: tf.data.Dataset) -> tf.data.Dataset:
     """A weighted eval dataset followed by endless all-zero, zero-weight batches
     (to fill the last step's replicas); any other dataset unchanged."""
     if not is_weighted(dataset.element_spec):
         return dataset
-    zeros = tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), dataset.element_spec)
-    return dataset.concatenate(tf.data.Dataset.from_tensors(zeros).repeat())
+    return dataset.concatenate(tf.data.Dataset.from_tensors(
+        zeros_of(dataset.element_spec)).repeat())
 
 
 

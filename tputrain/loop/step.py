@@ -28,6 +28,7 @@ from absl import logging
 
 from tputrain.checkpoint import seed_generator_states
 from tputrain.guard import NonFiniteGuard
+from tputrain.loop.inputs import zeros_of
 from tputrain.loop.update import refusal as update_refusal
 from tputrain.loop.update import set_update_on_each_device
 from tputrain.strategy import worker_devices
@@ -37,8 +38,7 @@ from tputrain.task import Task
 def ensure_built(model: keras.Model, features_spec: Any) -> None:
     """Builds subclassed models (no Input layer) by calling them on zeros."""
     if not (model.built and model.variables):
-        model(tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), features_spec),
-              training=False)
+        model(zeros_of(features_spec), training=False)
 
 
 class XlaPlan(NamedTuple):
@@ -205,7 +205,7 @@ def _log_zeros(step: Callable, batch_spec: Any) -> Any:
     """Zeros shaped like the logs `step` returns, from a trace of it that never runs
     (sums over a while loop need their structure before the first step)."""
     logs = tf.function(step).get_concrete_function(batch_spec).structured_outputs
-    return tf.nest.map_structure(lambda t: tf.zeros(t.shape, t.dtype), logs)
+    return zeros_of(logs)
 
 
 def steps_program(step: Callable, steps: int, counter: tf.Variable,
@@ -425,8 +425,7 @@ class StepBuilder:
 
     def zero_batch(self) -> Any:
         """A train batch of zeros, for lowering the step without running it."""
-        return tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype),
-                                     self.train_element_spec)
+        return zeros_of(self.train_element_spec)
 
     def refusal(self, function: Callable, *args: Any) -> str | None:
         """Why XLA cannot lower `function(*args)` in a replica context ("Error: line"),

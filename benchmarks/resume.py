@@ -111,21 +111,7 @@ def time_loop(trainer, steps: int) -> tuple[float, float]:
     return steps / seconds, cpu / steps
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=25, help="steps per timed loop")
-    parser.add_argument("--batch", type=int, default=256, help="global batch")
-    args = parser.parse_args()
-    if args.quick:
-        args.repeats, args.steps, args.batch = 3, 10, 64
-    features, hidden = (64, 128) if args.quick else (256, 1024)
-    logging.set_verbosity(logging.WARNING)
-    tputrain.split_cpu(2)
-    strategy = tf.distribute.MirroredStrategy(
-        ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
-    task = BenchTask(features, hidden, examples=8192, shuffle_buffer=4096)
+def make_trainers(task: BenchTask, strategy, args) -> dict[str, tputrain.Trainer]:
     root = tempfile.mkdtemp(prefix="tputrain-bench-resume-")
     trainers = {
         "exact_resume": make_trainer("exact", root, task, strategy, args, input_mode="host"),
@@ -142,10 +128,15 @@ def main() -> None:
     }
     assert trainers["exact_resume"].guard.policy == "raise"
     assert trainers["exact_resume_no_guard"].guard.policy is None
+    return trainers
+
+
+def time_rounds(trainers: dict[str, tputrain.Trainer], args
+                ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(steps/s, CPU seconds a step) of every contender in interleaved rounds."""
     for name, trainer in trainers.items():
         log(f"warming up {name}")
         time_loop(trainer, args.steps)  # traces
-
     rates: dict[str, list[float]] = {name: [] for name in trainers}
     cpu: dict[str, list[float]] = {name: [] for name in trainers}
     names = list(trainers)
@@ -157,11 +148,16 @@ def main() -> None:
             cpu[name].append(cpu_per_step)
         log(f"round {round_ + 1}/{args.repeats}: " + ", ".join(
             f"{n} {rates[n][-1]:.1f} steps/s {1e3 * cpu[n][-1]:.1f} cpu-ms/step" for n in names))
+    return rates, cpu
 
+
+def time_saves(trainers: dict[str, tputrain.Trainer], args) -> dict[str, list[float]]:
+    """Seconds of a synchronous save with and without the iterator, and the
+    training thread's part of an async one."""
     saves: dict[str, list[float]] = {"exact_resume": [], "skip_resume": [],
                                      "exact_resume_async_blocking": []}
     async_checkpointer = trainers["exact_resume"].checkpointer
-    for round_ in range(max(3, args.repeats // 2)):
+    for _ in range(max(3, args.repeats // 2)):
         for name in ("exact_resume", "skip_resume"):
             trainer = trainers[name]
             trainer.step.assign_add(1)
@@ -175,17 +171,59 @@ def main() -> None:
         saves["exact_resume_async_blocking"].append(time.perf_counter() - start)
         async_checkpointer.sync()
         async_checkpointer.async_save = False
+    return saves
 
-    median = {name: statistics.median(values) for name, values in rates.items()}
+
+def ratios(rates: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict[str, float]:
+    """Throughput ratios (> 1: the first is faster). "wall": medians of same-round
+    ratios of steps/s; "cpu": inverse ratio of this process's CPU time per step,
+    which other processes' load disturbs less; "paired": medians of same-round ones."""
     cpu_median = {name: statistics.median(values) for name, values in cpu.items()}
 
     def per_round(a: str, b: str) -> float:
         """Median over rounds of a/b measured in the same round (follows load drift)."""
         return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
 
-    def per_round_cpu(a: str, b: str) -> float:
-        """Median over rounds of a's CPU seconds a step over b's, in the same round."""
-        return statistics.median(x / y for x, y in zip(cpu[a], cpu[b]))
+    def cpu_ratio(faster: str, slower: str, paired: bool = False) -> float:
+        """CPU time of `slower` over `faster`'s (> 1: `faster` is cheaper)."""
+        if paired:
+            return statistics.median(x / y for x, y in zip(cpu[slower], cpu[faster]))
+        return cpu_median[slower] / cpu_median[faster]
+    return {
+        "exact_resume_vs_skip_resume": per_round("exact_resume", "skip_resume"),
+        "guard_on_vs_off": per_round("exact_resume", "exact_resume_no_guard"),
+        "exact_resume_vs_skip_resume_cpu": cpu_ratio("exact_resume", "skip_resume"),
+        "guard_on_vs_off_cpu": cpu_ratio("exact_resume", "exact_resume_no_guard"),
+        "guard_on_vs_off_cpu_paired": cpu_ratio("exact_resume", "exact_resume_no_guard", True),
+        "guard_on_vs_off_no_xla_cpu": cpu_ratio("exact_resume_no_xla",
+                                                "exact_resume_no_xla_no_guard"),
+        "guard_on_vs_off_no_xla_cpu_paired": cpu_ratio("exact_resume_no_xla",
+                                                       "exact_resume_no_xla_no_guard", True),
+        "update_on_each_device_vs_tensorflow_kernels_cpu": cpu_ratio("exact_resume",
+                                                                     "exact_resume_no_xla"),
+        "update_on_each_device_vs_tensorflow_kernels": per_round("exact_resume",
+                                                                 "exact_resume_no_xla"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=25, help="steps per timed loop")
+    parser.add_argument("--batch", type=int, default=256, help="global batch")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.steps, args.batch = 3, 10, 64
+    features, hidden = (64, 128) if args.quick else (256, 1024)
+    logging.set_verbosity(logging.WARNING)
+    tputrain.split_cpu(2)
+    strategy = tf.distribute.MirroredStrategy(
+        ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
+    trainers = make_trainers(BenchTask(features, hidden, examples=8192, shuffle_buffer=4096),
+                             strategy, args)
+    rates, cpu = time_rounds(trainers, args)
+    saves = time_saves(trainers, args)
     result = {
         "benchmark": "exact resume on vs off (training throughput), guard cost",
         "machine": {"cpu": platform.processor() or platform.machine(),
@@ -195,30 +233,11 @@ def main() -> None:
         "config": {"replicas": 2, "global_batch": args.batch, "steps_per_loop": args.steps,
                    "repeats": args.repeats, "model": f"MLP {features}-{hidden}-{hidden}-10 "
                    "with dropout", "shuffle_buffer": 4096, "quick": args.quick},
-        "steps_per_second_median": median,
+        "steps_per_second_median": {n: statistics.median(v) for n, v in rates.items()},
         "steps_per_second_all": rates,
-        "cpu_seconds_per_step_median": cpu_median,
-        # Throughput ratios (> 1: the first is faster). "wall": medians of same-round
-        # ratios of steps/s; "cpu": inverse ratio of this process's CPU time per step,
-        # which other processes' load disturbs less.
-        "ratios": {
-            "exact_resume_vs_skip_resume": per_round("exact_resume", "skip_resume"),
-            "guard_on_vs_off": per_round("exact_resume", "exact_resume_no_guard"),
-            "exact_resume_vs_skip_resume_cpu": cpu_median["skip_resume"]
-            / cpu_median["exact_resume"],
-            "guard_on_vs_off_cpu": cpu_median["exact_resume_no_guard"]
-            / cpu_median["exact_resume"],
-            "guard_on_vs_off_cpu_paired": per_round_cpu("exact_resume_no_guard",
-                                                        "exact_resume"),
-            "guard_on_vs_off_no_xla_cpu": cpu_median["exact_resume_no_xla_no_guard"]
-            / cpu_median["exact_resume_no_xla"],
-            "guard_on_vs_off_no_xla_cpu_paired": per_round_cpu("exact_resume_no_xla_no_guard",
-                                                               "exact_resume_no_xla"),
-            "update_on_each_device_vs_tensorflow_kernels_cpu":
-            cpu_median["exact_resume_no_xla"] / cpu_median["exact_resume"],
-            "update_on_each_device_vs_tensorflow_kernels": per_round("exact_resume",
-                                                                     "exact_resume_no_xla"),
-        },
+        "cpu_seconds_per_step_median": {n: statistics.median(v) for n, v in cpu.items()},
+        "cpu_seconds_per_step_all": cpu,
+        "ratios": ratios(rates, cpu),
         "goal": {"exact_resume_vs_skip_resume": f">= {GOAL}"},
         "checkpoint_save_seconds_median": {k: statistics.median(v) for k, v in saves.items()},
     }

@@ -184,11 +184,12 @@ def ratios(rates: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict[s
         """Median over rounds of a/b measured in the same round (follows load drift)."""
         return statistics.median(x / y for x, y in zip(rates[a], rates[b]))
 
-    def cpu_ratio(faster: str, slower: str, paired: bool = False) -> float:
-        """CPU time of `slower` over `faster`'s (> 1: `faster` is cheaper)."""
+    def cpu_ratio(a: str, b: str, paired: bool = False) -> float:
+        """b's CPU time a step over a's (> 1: a is cheaper); `paired`: the median of
+        same-round ratios."""
         if paired:
-            return statistics.median(x / y for x, y in zip(cpu[slower], cpu[faster]))
-        return cpu_median[slower] / cpu_median[faster]
+            return statistics.median(x / y for x, y in zip(cpu[b], cpu[a]))
+        return cpu_median[b] / cpu_median[a]
     return {
         "exact_resume_vs_skip_resume": per_round("exact_resume", "skip_resume"),
         "guard_on_vs_off": per_round("exact_resume", "exact_resume_no_guard"),

@@ -316,10 +316,10 @@ class NonFiniteGuard:
         loads = [0] * len(devices)
         partial: list[list[Any]] = [[] for _ in devices]
         copies = [strategy.experimental_local_results(g) for g in grads if g is not None]
-        floating = [c for c in copies if tf.as_dtype(c[0].dtype).is_floating]
-        for copy in sorted(floating, key=lambda c: -_size(c[0])):  # the biggest first
+        sized = [(_size(c[0]), c) for c in copies if tf.as_dtype(c[0].dtype).is_floating]
+        for size, copy in sorted(sized, key=lambda s: -s[0]):  # the biggest first
             i = loads.index(min(loads))
-            loads[i] += _size(copy[0])
+            loads[i] += size
             partial[i].append(copy[i])
         sums = []
         for device, values in zip(devices, partial):

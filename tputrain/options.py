@@ -55,7 +55,7 @@ class TrainerOptions:
         XLA can lower it (measured faster here in float32: the MLP and the
         Transformer of `benchmarks/train_loop.py`, see docs/performance.md) and
         falls back, with a warning, when it cannot; on several replicas it compiles
-        the update on each device (1.27x less CPU time a 2-replica MLP step) for
+        the update on each device (1.22x less CPU time a 2-replica MLP step) for
         Keras's and tputrain's optimizers in float32 and mixed_bfloat16; it
         compiles nothing for mixed_float16 on a CPU (nor bf16 matmuls: XLA's CPU
         backend lacks oneDNN's), nor, on one CPU replica, a model with random ops

@@ -238,6 +238,20 @@ def test_a_changed_learning_rate_wins_over_the_checkpoint(tmp_path, caplog):
     assert int(rerun.optimizer.iterations.numpy()) == 4
 
 
+
+def test_a_learning_rate_set_between_train_calls_is_kept(tmp_path):
+    """A script that lowers the learning rate on a live Trainer between two train()
+    calls trains on at that rate: the next train()'s restore of its own last
+    checkpoint (which holds the old rate) does not silently put the old one back."""
+    run = tputrain.Trainer(TinyTask(learning_rate=0.05), str(tmp_path / "model"),
+                           strategy=strategy_for(1), train_steps=4, steps_per_loop=2,
+                           global_batch_size=16, checkpoint_every=2, eval_steps=1)
+    run.train(num_steps=2)
+    run.optimizer.learning_rate.assign(0.001)
+    run.train(num_steps=2)
+    assert float(run.optimizer.learning_rate.numpy()) == pytest.approx(0.001)
+    assert run.current_step == 4
+
 def test_large_finite_weights_are_saved(tmp_path):
     """The save check is element by element: weights whose float32 sum overflows are
     finite (the guard's sum-based gradient check would call them non-finite)."""

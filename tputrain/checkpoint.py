@@ -32,7 +32,8 @@ Integrity, in the order things can go wrong:
 * A state with NaN/Inf in any variable is never saved (`NonFiniteStateError`).
 * Hyper-parameters the config owns (`config_owned`: the learning-rate
   variables) are set back to the config's values after every restore, with a
-  log line when they differ: a rerun with a lower learning rate uses it.
+  log line when they differ: a rerun with a lower learning rate uses it, and so
+  does a script's next `train()` after it set one on a live Trainer.
   Everything else (weights, slots, step, data position, RNG) comes from the
   checkpoint.
 * `ckpt-<step>_temp*` folders left by a killed write are removed when the
@@ -231,8 +232,9 @@ class Checkpointer:
       async_save: write checkpoints on a background thread (see the module
         docstring); `sync()` waits for the write in flight.
       config_owned: variables whose value the config decides, not the checkpoint
-        (the optimizer's learning rate): their values now are put back after every
-        restore, logged where the checkpoint held another value.
+        (the optimizer's learning rate): the values they hold when a restore begins
+        (the config's, or what a script set on a live Trainer since) are put back
+        after it, logged where the checkpoint held another value.
       per_host: state that differs between hosts (each host's data iterator). On
         one host it is saved with the rest; on several, each host writes its own to
         `<restore_directory>/hosts/host-<i>-of-<n>/ckpt-<step>` before the chief
@@ -275,7 +277,8 @@ class Checkpointer:
         self._manager: tf.train.CheckpointManager | None = None
         self._saved_step: int | None = None  # the step last saved or restored here
         self.keep = keep
-        self._config_values = [(v, tf.identity(v)) for v in config_owned]
+        self._config_owned = list(config_owned)
+        self._config_values: list[tuple[Any, tf.Tensor]] = []
         self.async_save = async_save
         self._float_vars = _float_variables(trackables.values())
         self._finite_fn = tf.function(lambda: _every_value_finite(self._float_vars))
@@ -338,6 +341,7 @@ class Checkpointer:
         """
         candidates = self._candidates()
         failures = []
+        self._keep_config_values()
         for path in candidates:
             try:
                 change = self._restore(path)
@@ -463,6 +467,12 @@ class Checkpointer:
             tf.io.gfile.rename(source, destination, overwrite=True)
             logging.warning("tputrain: moved damaged %s to %s", source, destination)
 
+    def _keep_config_values(self) -> None:
+        """Before a restore: the config-owned values as they are now, not as they were
+        when the Checkpointer was made (a script may have lowered the learning rate on
+        a live Trainer between two `train()` calls)."""
+        self._config_values = [(v, tf.identity(v)) for v in self._config_owned]
+
     def _apply_config_values(self) -> None:
         """Puts the config's hyper-parameters back over what a checkpoint held."""
         for variable, value in self._config_values:
@@ -482,6 +492,7 @@ class Checkpointer:
         if path is None:
             return None
         exclude = set(exclude)
+        self._keep_config_values()
         partial = tf.train.Checkpoint(
             **{name: obj for name, obj in {"step": self.step, **self._trackables}.items()
                if name not in exclude})

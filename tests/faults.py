@@ -140,6 +140,18 @@ class RecordsTask(TinyTask):
             pad_remainder=self.pad_eval and split == "eval")(input_context)
 
 
+@gin.configurable
+class InputNormRecordsTask(RecordsTask):
+    """RecordsTask with batch norm (momentum 0.5) straight on the inputs: its moving
+    mean is known from the data alone (tests/test_replica_stats.py)."""
+
+    def build_model(self) -> keras.Model:
+        inputs = keras.Input((8,), name="x")
+        h = keras.layers.BatchNormalization(momentum=0.5, name="bn")(inputs)
+        h = keras.layers.Dense(16, activation="relu")(h)
+        return keras.Model({"x": inputs}, keras.layers.Dense(2, dtype="float32")(h))
+
+
 def final_weights(model_dir: str) -> dict[str, np.ndarray]:
     """The model weights of the latest checkpoint in model_dir, by checkpoint key."""
     path = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))

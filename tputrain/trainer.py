@@ -37,6 +37,7 @@ from tputrain.loop.evaluation import Evaluator
 from tputrain.loop.host_loop import HostLoop, count_step
 from tputrain.loop.hosts import MaxOverHosts, host_topology, is_chief
 from tputrain.loop.inputs import Inputs, default_input_mode
+from tputrain.loop.replica_stats import ReplicaStatistics
 from tputrain.loop.step import StepBuilder, ensure_built, steps_program
 from tputrain.loop.update import update_on_each_device
 from tputrain.options import TrainerOptions, program_steps
@@ -174,6 +175,7 @@ class Trainer:
         self._work_dir = (self.model_dir if self.is_chief
                           else tempfile.mkdtemp(prefix="tputrain-worker-"))
         self._train_iterator, self._train_loop_fn, per_host = None, None, {}
+        self._replica_stats: ReplicaStatistics | None = None
         if self.input_mode == "host":  # each host's own data position
             self._train_iterator = iter(self.inputs.fetch_groups(self.inputs.train_dataset))
             per_host["iterator"] = self._train_iterator
@@ -303,6 +305,9 @@ class Trainer:
         for metric in self.train_metrics:
             metric.reset_state()
         totals, steps, input_wait = self._train_loop_fn(self._train_iterator, num_steps)
+        if self._replica_stats is None:  # after the first trace: every variable exists
+            self._replica_stats = ReplicaStatistics(self.strategy, self.model)
+        self._replica_stats.average()  # batch norm's copies made one before a save or eval
         steps = int(steps)
         logs = {name: float(value) / steps for name, value in totals.items()}
         logs.update({m.name: float(m.result()) for m in self.train_metrics})

@@ -4,6 +4,8 @@
   the replicas (host or distributed input mode);
 * `step`: one optimizer step on one replica (accumulation, XLA);
 * `host_loop`: many steps in one `tf.function` (fetch, input timing, stop);
+* `replica_stats`: batch norm's moving statistics, one value on every replica
+  after each loop;
 * `evaluation`: the eval loop, agreed across hosts;
 * `hosts`: what several hosts must agree on (topology, a MAX collective).
 """

@@ -1,0 +1,140 @@
+"""Batch norm's moving statistics on N replicas (loop/replica_stats.py).
+
+Keras 3 keeps a copy of each moving statistic per device with no aggregation, so
+each device's copy followed its own per-replica batches: a checkpoint saved
+replica 0's and every replica evaluated with its own. After each loop every copy
+must hold the statistics of the global batches, what one replica computes.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tputrain
+from test_launch import Launch
+from tiny import TinyTask, strategy_for
+
+MOMENTUM = 0.5
+STEPS, BATCH = 4, 16
+
+
+class InputNormTask(TinyTask):
+    """Batch norm straight on the inputs: its batch means are the data's, whatever
+    the weights, so the moving mean after each step is known from the data alone."""
+
+    def build_model(self) -> keras.Model:
+        inputs = keras.Input((8,), name="x")
+        h = keras.layers.BatchNormalization(momentum=MOMENTUM, name="bn")(inputs)
+        h = keras.layers.Dense(16, activation="relu")(h)
+        return keras.Model({"x": inputs}, keras.layers.Dense(2, dtype="float32")(h))
+
+
+def expected_moving_mean(task: TinyTask) -> np.ndarray:
+    """Keras's update, `moving = moving * momentum + batch_mean * (1 - momentum)`, over
+    the global batches the steps read (consecutive examples), from zeros."""
+    moving = np.zeros(8, np.float64)
+    for step in range(STEPS):
+        batch = task.x[step * BATCH:(step + 1) * BATCH].astype(np.float64)
+        moving = moving * MOMENTUM + batch.mean(0) * (1 - MOMENTUM)
+    return moving
+
+
+def copies(variable) -> list[np.ndarray]:
+    value = variable.value
+    return [c.numpy() for c in getattr(value, "values", [value])]
+
+
+def train(tmp_path, replicas: int, **kwargs) -> tputrain.Trainer:
+    trainer = tputrain.Trainer(InputNormTask(), str(tmp_path / f"r{replicas}"),
+                               strategy=strategy_for(replicas), train_steps=STEPS,
+                               steps_per_loop=2, global_batch_size=BATCH, checkpoint_every=2,
+                               eval_steps=2, seed=0, **kwargs)
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+def test_every_replica_holds_the_global_batches_moving_mean(tmp_path, replicas):
+    trainer = train(tmp_path, replicas)
+    bn = trainer.model.get_layer("bn")
+    expected = expected_moving_mean(trainer.task)
+    for copy in copies(bn.moving_mean):
+        np.testing.assert_allclose(copy, expected, rtol=1e-5, atol=1e-7)
+    variances = copies(bn.moving_variance)
+    for copy in variances[1:]:
+        np.testing.assert_array_equal(copy, variances[0])
+    # What is saved is that value, not one device's share.
+    reader = tf.train.load_checkpoint(trainer.checkpointer.latest)
+    saved = [reader.get_tensor(name) for name, _ in tf.train.list_variables(
+        trainer.checkpointer.latest) if "moving_mean" in name and "OPTIMIZER" not in name]
+    assert saved
+    np.testing.assert_allclose(saved[0], expected, rtol=1e-5, atol=1e-7)
+
+
+def test_two_replicas_evaluate_as_one_from_the_same_checkpoint(tmp_path):
+    """Eval on 2 replicas of the 2-replica run's checkpoint matches eval on 1 replica
+    of it: both normalize with the same statistics."""
+    two = train(tmp_path, 2)
+    one = tputrain.Trainer(InputNormTask(), two.model_dir, strategy=strategy_for(1),
+                           train_steps=STEPS, steps_per_loop=2, global_batch_size=BATCH,
+                           checkpoint_every=2, eval_steps=2, seed=0)
+    one.checkpointer.restore_latest()
+    two_logs, one_logs = two.evaluate_weights(), one.evaluate_weights()
+    assert two_logs["loss"] == pytest.approx(one_logs["loss"], rel=1e-5)
+
+
+def test_copies_already_equal_are_kept_bit_for_bit(tmp_path):
+    """Copies already equal (a synchronized or frozen batch norm) must not move by a
+    rounding step: on 3 replicas a sum of 3 equal values divided by 3 can round."""
+    trainer = tputrain.Trainer(InputNormTask(), str(tmp_path / "r3"), strategy=strategy_for(3),
+                               train_steps=2, steps_per_loop=2, global_batch_size=12,
+                               checkpoint_every=2, eval_steps=1, seed=0)
+    trainer.train()
+    values = np.random.RandomState(0).rand(8).astype(np.float32) + 1
+    rounded = ((values + values + values) / np.float32(3)).astype(np.float32)
+    assert (rounded != values).any()  # what a plain mean would do to them
+    bn = trainer.model.get_layer("bn")
+    bn.moving_mean.assign(values)  # every copy
+    trainer._replica_stats.average()
+    for copy in copies(bn.moving_mean):
+        np.testing.assert_array_equal(copy, values)
+
+
+@pytest.mark.slow
+def test_two_worker_processes_save_the_global_batches_moving_mean(tmp_path):
+    """On 2 worker processes each worker's copy followed its own file; the chief's
+    checkpoint must hold the statistics of both workers' batches."""
+    rng = np.random.RandomState(0)
+    shards = [rng.randn(64, 8).astype(np.float32) + shift for shift in (0.0, 3.0)]
+    for index, x in enumerate(shards):
+        tputrain.data.write_tfrecords({"x": x, "label": (x[:, 0] > 0).astype(np.int64)},
+                                      str(tmp_path / f"train{index}"), num_shards=1)
+    config = tmp_path / "bn.gin"
+    config.write_text(f"""
+Trainer.task = @InputNormRecordsTask()
+InputNormRecordsTask.pattern = '{tmp_path}/train*'
+Trainer.train_steps = {STEPS}
+Trainer.steps_per_loop = 2
+Trainer.checkpoint_every = 2
+Trainer.eval_steps = 1
+Trainer.global_batch_size = {BATCH}
+Trainer.report_mfu = False
+""")
+    model_dir = tmp_path / "model"
+    launch = Launch(["--workers", "2", "--gin_import=faults", f"--gin_file={config}",
+                     f"--model_dir={model_dir}"])
+    assert launch.finish(timeout=300) == 0, launch.text()[-4000:]
+    half = BATCH // 2  # each worker's replica reads its own file's next 8 examples a step
+    moving = np.zeros(8, np.float64)
+    for step in range(STEPS):
+        batch = np.concatenate([x[step * half:(step + 1) * half] for x in shards])
+        moving = moving * MOMENTUM + batch.astype(np.float64).mean(0) * (1 - MOMENTUM)
+    path = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
+    reader = tf.train.load_checkpoint(path)
+    saved = [reader.get_tensor(name) for name, _ in tf.train.list_variables(path)
+             if "moving_mean" in name and "OPTIMIZER" not in name]
+    assert saved
+    np.testing.assert_allclose(saved[0], moving, rtol=1e-5, atol=1e-6)

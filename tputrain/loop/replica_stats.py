@@ -12,7 +12,7 @@ mean, before anything saves or evaluates. The moving averages are linear in
 their variable, so the mean of the copies evolves exactly as if each device had
 kept its own and they were averaged on read: Keras 2's value, now also what every
 replica evaluates with. Copies already equal (a synchronized or frozen layer) are
-kept bit for bit. The cost is one small all-gather a variable a loop, not a step.
+kept bit for bit. The cost is one small all-gather a loop, not a step.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class ReplicaStatistics:
         self._fn = tf.function(self._average) if self.variables else None
 
     def average(self) -> None:
-        """Call on every worker at the same point (it all-reduces); a no-op on one replica."""
+        """Call on every worker at the same point (a collective); a no-op on one replica."""
         if self._fn is not None:
             self._fn()
 
@@ -53,10 +53,18 @@ class ReplicaStatistics:
         self.strategy.run(self._in_replica)
 
     def _in_replica(self) -> None:
+        """One all-gather a dtype (every statistic flattened into one vector): a ResNet's
+        hundred-odd statistics cost one collective, not a hundred."""
         context = tf.distribute.get_replica_context()
+        by_dtype: dict[tf.DType, list[Any]] = {}
         for variable in self.variables:
-            value = tf.convert_to_tensor(variable)  # this replica's copy
-            copies = context.all_gather(value[tf.newaxis], axis=0)  # the same on every replica
+            by_dtype.setdefault(tf.as_dtype(variable.dtype), []).append(variable)
+        for group in by_dtype.values():
+            local = tf.concat([tf.reshape(tf.convert_to_tensor(v), [-1]) for v in group], 0)
+            copies = context.all_gather(local[tf.newaxis], axis=0)  # the same everywhere
             same = tf.equal(tf.reduce_min(copies, 0), tf.reduce_max(copies, 0))
             mean = tf.reduce_sum(copies, 0) / tf.cast(tf.shape(copies)[0], copies.dtype)
-            variable.assign(tf.where(same, value, mean))
+            merged = tf.where(same, local, mean)  # equal copies kept bit for bit
+            sizes = [int(v.shape.num_elements()) for v in group]
+            for variable, part in zip(group, tf.split(merged, sizes)):
+                variable.assign(tf.reshape(part, variable.shape))

@@ -795,7 +795,7 @@ def add_goals(report: dict[str, Any], workloads: dict[str, Any]) -> None:
                 "measured_cpu_time": lm_result[key]["value_cpu_time"]}
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny models, one repeat")
     parser.add_argument("--repeats", type=int, default=None)
@@ -805,7 +805,11 @@ def main() -> None:
                         help="a new process for every contender in every round")
     parser.add_argument("--contenders", default="",
                         help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _arguments()
     logging.set_verbosity(logging.WARNING)
     quick = args.quick
     repeats = args.repeats or (1 if quick else 5)

@@ -63,7 +63,7 @@ class ReplicaStatistics:
             local = tf.concat([tf.reshape(tf.convert_to_tensor(v), [-1]) for v in group], 0)
             copies = context.all_gather(local[tf.newaxis], axis=0)  # the same everywhere
             same = tf.equal(tf.reduce_min(copies, 0), tf.reduce_max(copies, 0))
-            mean = tf.reduce_sum(copies, 0) / tf.cast(tf.shape(copies)[0], copies.dtype)
+            mean = tf.reduce_sum(copies, 0) / context.num_replicas_in_sync
             merged = tf.where(same, local, mean)  # equal copies kept bit for bit
             sizes = [int(v.shape.num_elements()) for v in group]
             for variable, part in zip(group, tf.split(merged, sizes)):

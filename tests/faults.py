@@ -140,16 +140,25 @@ class RecordsTask(TinyTask):
             pad_remainder=self.pad_eval and split == "eval")(input_context)
 
 
+INPUT_NORM_MOMENTUM = 0.5
+
+
+def input_norm_model() -> keras.Model:
+    """TinyTask's classifier with batch norm ("bn") straight on the inputs: its batch
+    means are the data's whatever the weights, so its moving mean is known from the
+    data alone (tests/test_replica_stats.py)."""
+    inputs = keras.Input((8,), name="x")
+    h = keras.layers.BatchNormalization(momentum=INPUT_NORM_MOMENTUM, name="bn")(inputs)
+    h = keras.layers.Dense(16, activation="relu")(h)
+    return keras.Model({"x": inputs}, keras.layers.Dense(2, dtype="float32")(h))
+
+
 @gin.configurable
 class InputNormRecordsTask(RecordsTask):
-    """RecordsTask with batch norm (momentum 0.5) straight on the inputs: its moving
-    mean is known from the data alone (tests/test_replica_stats.py)."""
+    """RecordsTask with `input_norm_model`."""
 
     def build_model(self) -> keras.Model:
-        inputs = keras.Input((8,), name="x")
-        h = keras.layers.BatchNormalization(momentum=0.5, name="bn")(inputs)
-        h = keras.layers.Dense(16, activation="relu")(h)
-        return keras.Model({"x": inputs}, keras.layers.Dense(2, dtype="float32")(h))
+        return input_norm_model()
 
 
 def final_weights(model_dir: str) -> dict[str, np.ndarray]:

@@ -14,32 +14,41 @@ import pytest
 import tensorflow as tf
 
 import tputrain
+from faults import INPUT_NORM_MOMENTUM as MOMENTUM, input_norm_model
 from test_launch import Launch
 from tiny import TinyTask, strategy_for
 
-MOMENTUM = 0.5
 STEPS, BATCH = 4, 16
 
 
 class InputNormTask(TinyTask):
-    """Batch norm straight on the inputs: its batch means are the data's, whatever
-    the weights, so the moving mean after each step is known from the data alone."""
+    """TinyTask with batch norm straight on the inputs (`faults.input_norm_model`)."""
 
     def build_model(self) -> keras.Model:
-        inputs = keras.Input((8,), name="x")
-        h = keras.layers.BatchNormalization(momentum=MOMENTUM, name="bn")(inputs)
-        h = keras.layers.Dense(16, activation="relu")(h)
-        return keras.Model({"x": inputs}, keras.layers.Dense(2, dtype="float32")(h))
+        return input_norm_model()
+
+
+def moving_mean(global_batches: list[np.ndarray]) -> np.ndarray:
+    """Keras's update, `moving = moving * momentum + batch_mean * (1 - momentum)`, over
+    these global batches in turn, from zeros."""
+    moving = np.zeros(8, np.float64)
+    for batch in global_batches:
+        moving = moving * MOMENTUM + batch.astype(np.float64).mean(0) * (1 - MOMENTUM)
+    return moving
 
 
 def expected_moving_mean(task: TinyTask) -> np.ndarray:
-    """Keras's update, `moving = moving * momentum + batch_mean * (1 - momentum)`, over
-    the global batches the steps read (consecutive examples), from zeros."""
-    moving = np.zeros(8, np.float64)
-    for step in range(STEPS):
-        batch = task.x[step * BATCH:(step + 1) * BATCH].astype(np.float64)
-        moving = moving * MOMENTUM + batch.mean(0) * (1 - MOMENTUM)
-    return moving
+    """Over the global batches one process's steps read: consecutive examples."""
+    return moving_mean([task.x[step * BATCH:(step + 1) * BATCH] for step in range(STEPS)])
+
+
+def saved_moving_mean(path: str) -> np.ndarray:
+    """The batch norm's moving mean in the checkpoint at `path`."""
+    reader = tf.train.load_checkpoint(path)
+    saved = [reader.get_tensor(name) for name, _ in tf.train.list_variables(path)
+             if "moving_mean" in name and "OPTIMIZER" not in name]
+    assert len(saved) == 1
+    return saved[0]
 
 
 def copies(variable) -> list[np.ndarray]:
@@ -67,11 +76,8 @@ def test_every_replica_holds_the_global_batches_moving_mean(tmp_path, replicas):
     for copy in variances[1:]:
         np.testing.assert_array_equal(copy, variances[0])
     # What is saved is that value, not one device's share.
-    reader = tf.train.load_checkpoint(trainer.checkpointer.latest)
-    saved = [reader.get_tensor(name) for name, _ in tf.train.list_variables(
-        trainer.checkpointer.latest) if "moving_mean" in name and "OPTIMIZER" not in name]
-    assert saved
-    np.testing.assert_allclose(saved[0], expected, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(saved_moving_mean(trainer.checkpointer.latest), expected,
+                               rtol=1e-5, atol=1e-7)
 
 
 def test_two_replicas_evaluate_as_one_from_the_same_checkpoint(tmp_path):
@@ -128,13 +134,7 @@ Trainer.report_mfu = False
                      f"--model_dir={model_dir}"])
     assert launch.finish(timeout=300) == 0, launch.text()[-4000:]
     half = BATCH // 2  # each worker's replica reads its own file's next 8 examples a step
-    moving = np.zeros(8, np.float64)
-    for step in range(STEPS):
-        batch = np.concatenate([x[step * half:(step + 1) * half] for x in shards])
-        moving = moving * MOMENTUM + batch.astype(np.float64).mean(0) * (1 - MOMENTUM)
+    expected = moving_mean([np.concatenate([x[step * half:(step + 1) * half] for x in shards])
+                            for step in range(STEPS)])
     path = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
-    reader = tf.train.load_checkpoint(path)
-    saved = [reader.get_tensor(name) for name, _ in tf.train.list_variables(path)
-             if "moving_mean" in name and "OPTIMIZER" not in name]
-    assert saved
-    np.testing.assert_allclose(saved[0], moving, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(saved_moving_mean(path), expected, rtol=1e-5, atol=1e-6)

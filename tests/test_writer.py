@@ -175,3 +175,41 @@ def test_cli_writes_shards_and_manifest_from_npz(tmp_path):
     assert manifest["features"]["image"] == {"shape": [4, 4], "dtype": "float32"}
     with pytest.raises(ValueError, match="use a .npz or a .csv file"):
         read_input("x.parquet")
+
+
+# Bytes round-trip exactly: numpy's fixed-width bytes strip trailing NULs.
+
+_AWKWARD_BYTES = [b"abc\x00", b"\x00", b"", b"a\x00b", b"\xff\xfe\x00\x00", b"\x00\x00x\x00"]
+
+
+def _read_back(prefix):
+    manifest = f"{prefix}.manifest.json"
+    (batch,) = TFRecordInput(manifest=manifest, shuffle=False, repeat=False,
+                             global_batch_size=len(_AWKWARD_BYTES))()
+    return batch
+
+
+def test_bytes_round_trip_exactly_from_a_dict_of_arrays(tmp_path):
+    n = len(_AWKWARD_BYTES)
+    pixels = [bytes([7, i, 0, 0][: 4 - i % 2]) for i in range(n)]  # raw images ending in 0
+    write_tfrecords({"blob": np.array(_AWKWARD_BYTES, dtype=object),
+                     "pair": np.array([[b, b"\x00"] for b in _AWKWARD_BYTES], dtype=object),
+                     "pixels": pixels,  # a plain list of bytes
+                     "id": np.arange(n)}, str(tmp_path / "cols"), num_shards=1)
+    batch = _read_back(tmp_path / "cols")
+    assert batch["blob"].numpy().tolist() == _AWKWARD_BYTES
+    assert batch["pair"].numpy().tolist() == [[b, b"\x00"] for b in _AWKWARD_BYTES]
+    assert batch["pixels"].numpy().tolist() == pixels
+
+
+def test_bytes_round_trip_exactly_from_an_iterable_of_dicts(tmp_path):
+    examples = [{"blob": b, "list": [b, b"z\x00"], "id": i}
+                for i, b in enumerate(_AWKWARD_BYTES)]
+    write_tfrecords(examples, str(tmp_path / "rows"), num_shards=1)
+    batch = _read_back(tmp_path / "rows")
+    assert batch["blob"].numpy().tolist() == _AWKWARD_BYTES
+    assert batch["list"].numpy().tolist() == [[b, b"z\x00"] for b in _AWKWARD_BYTES]
+
+    dataset = tf.data.Dataset.from_tensor_slices({"blob": tf.constant(_AWKWARD_BYTES)})
+    write_tfrecords(dataset, str(tmp_path / "ds"), num_shards=1)
+    assert _read_back(tmp_path / "ds")["blob"].numpy().tolist() == _AWKWARD_BYTES

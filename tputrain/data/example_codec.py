@@ -14,7 +14,7 @@ value=2: Feature{bytes_list=1 | float_list=2 | int64_list=3: {value=1
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -70,18 +70,24 @@ def encode_feature(key: str, array: np.ndarray) -> bytes:
         data = varints(array.astype(np.int64))
         values = _length_delimited(_FIELD1_LEN, data) if data else b""
         return _length_delimited(_FEATURE_TAG["int64"], values)
-    flat = array.ravel().tolist()
-    if kind == "U":
-        flat = [s.encode("utf-8") for s in flat]
+    flat = [v.encode("utf-8") if isinstance(v, str) else v for v in array.ravel().tolist()]
     values = b"".join(_length_delimited(_FIELD1_LEN, v) for v in flat)
     return _length_delimited(_FEATURE_TAG["bytes"], values)
 
 
-def encode_example(example: Mapping[str, np.ndarray]) -> bytes:
+def _value_array(value: Any) -> np.ndarray:
+    """`value` as an array; a bytes or str scalar (a row of an object column) stays a
+    Python object, since numpy's fixed-width strings would drop its trailing NULs."""
+    if isinstance(value, (bytes, str)):
+        return np.array(value, dtype=object)
+    return np.asarray(value)
+
+
+def encode_example(example: Mapping[str, Any]) -> bytes:
     """Serialized `tf.train.Example` of a dict of arrays (validated by the writer)."""
     entries = []
     for key, array in example.items():
         entry = (_length_delimited(_FIELD1_LEN, key.encode("utf-8"))
-                 + _length_delimited(b"\x12", encode_feature(key, np.asarray(array))))
+                 + _length_delimited(b"\x12", encode_feature(key, _value_array(array))))
         entries.append(_length_delimited(_FIELD1_LEN, entry))
     return _length_delimited(_FIELD1_LEN, b"".join(entries))

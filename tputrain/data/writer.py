@@ -40,6 +40,10 @@ DEFAULT_TARGET_SHARD_MB = 128.0
 
 def _as_array(key: str, value: Any) -> np.ndarray:
     array = np.asarray(value)
+    if array.dtype.kind in "SU" and not isinstance(value, np.ndarray):
+        # Python bytes/str (and lists of them) become numpy's fixed-width strings,
+        # which drop trailing NULs (b"a\x00" -> b"a"): keep the Python objects.
+        array = np.array(value, dtype=object)
     if array.dtype.kind == "O":
         # Python strings/bytes of different lengths: store them as bytes.
         flat = array.ravel()
@@ -312,7 +316,10 @@ def write_tfrecords(
             Floats are stored as float_list, integers and bools as int64_list,
             bytes and str as bytes_list; arrays are flattened (read them back
             with a `FixedLenFeature` of the original shape, see
-            `feature_spec_for`, or simply through the manifest).
+            `feature_spec_for`, or simply through the manifest). Bytes are
+            written exactly, NULs included, when given as Python objects
+            (lists, object arrays): a numpy `S` array has already dropped
+            each value's trailing NULs.
         output_prefix: shards are named
             `{output_prefix}-{i:05d}-of-{num_shards:05d}.tfrecord`, the manifest
             `{output_prefix}.manifest.json`. Any `tf.io.gfile` path works

@@ -209,3 +209,32 @@ def test_the_cli_exports_while_a_training_process_holds_model_dir(tmp_path):
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert exported.stdout.strip() == str(model_dir / "export" / "4")
     assert tf.saved_model.load(str(model_dir / "export" / "4")).signatures["serving_default"]
+
+
+class PixelsRegressionTask(TinyTask):
+    """A 1-unit regression head on a plain-tensor input (no features dict) named "pixels"."""
+
+    def build_model(self) -> keras.Model:
+        pixels = keras.Input((8,), name="pixels")
+        return keras.Model(pixels, keras.layers.Dense(1)(keras.layers.Dense(4)(pixels)))
+
+    def build_inputs(self, split, input_context):
+        dataset = tf.data.Dataset.from_tensor_slices((self.x, self.x[:, :1] * 2.0)).repeat()
+        return dataset.batch(input_context.global_batch_size, drop_remainder=True)
+
+    def compute_loss(self, labels, outputs):
+        return tf.reduce_mean(tf.square(labels - outputs), axis=-1)
+
+    def build_metrics(self):
+        return []
+
+
+def test_a_plain_tensor_input_is_served_under_its_keras_input_name(tmp_path):
+    export = tputrain.Export()
+    trainer = make(PixelsRegressionTask(), tmp_path / "run", [export], eval_every=None)
+    trainer.train()
+    serve = tf.saved_model.load(export.path).signatures["serving_default"]
+    assert list(serve.structured_input_signature[1]) == ["pixels"]
+    x = trainer.task.x[:5]
+    outputs = serve(pixels=tf.constant(x))["outputs"]
+    np.testing.assert_allclose(outputs, trainer.model(x), rtol=1e-5, atol=1e-6)

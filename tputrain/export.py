@@ -5,7 +5,8 @@ the training strategy (so TPU or mirrored variables never reach the SavedModel),
 reads a checkpoint's weights into it and writes a SavedModel with:
 
 * `serving_default`: the model's own inputs (the features of the train split,
-  batch dimension free) -> its outputs, **always float32** (a mixed_bfloat16
+  batch dimension free; one plain tensor is named by the model's `keras.Input`)
+  -> its outputs, **always float32** (a mixed_bfloat16
   model computes in bfloat16 and is cast at the end): a client never sees
   bfloat16, which most serving stacks cannot encode;
 * `serving_examples`: serialized `tf.Example` strings, parsed with the Task's
@@ -78,7 +79,8 @@ def serving_inputs(trainer: "Trainer", model: keras.Model) -> Any:
     restricted to the named inputs of a functional model (it ignores the rest)."""
     features = trainer.inputs.micro_batch_spec()[0]
     if isinstance(features, tf.TensorSpec):
-        return tf.TensorSpec([None, *features.shape[1:]], features.dtype, name="inputs")
+        return tf.TensorSpec([None, *features.shape[1:]], features.dtype,
+                             name=_single_input_name(model))
     if not (isinstance(features, Mapping)
             and all(isinstance(s, tf.TensorSpec) for s in features.values())):
         raise ValueError("export needs the model's features to be one tensor or a dict of "
@@ -90,6 +92,17 @@ def serving_inputs(trainer: "Trainer", model: keras.Model) -> Any:
         names = set(features)
     return {name: tf.TensorSpec([None, *spec.shape[1:]], spec.dtype, name=name)
             for name, spec in sorted(features.items()) if name in names}
+
+
+def _single_input_name(model: keras.Model) -> str:
+    """The name of a functional model's one `keras.Input` (what a client knows the
+    input by), else "inputs" (a subclassed model declares none)."""
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
+        inputs = None
+    name = getattr(inputs[0], "name", None) if inputs and len(inputs) == 1 else None
+    return name if isinstance(name, str) and name else "inputs"
 
 
 def _float32_outputs(outputs: Any) -> dict[str, tf.Tensor]:

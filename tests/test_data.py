@@ -699,3 +699,46 @@ def test_trainer_preflight_reports_a_spec_mismatch_in_one_line(tmp_path):
     message = str(raised.value).split("\n  In call to configurable")[0]  # gin's addition
     assert "\n" not in message and "data-0000" in message
     assert not (tmp_path / "run").exists()
+
+
+class _MaskingTask(tputrain.Task):
+    """Two inputs (pixels, meta) -> a 1-unit regression; its map drops NaN rows after
+    `batch(drop_remainder=True)`, so the pixels lose their static batch dimension."""
+
+    def __init__(self, plain: bool = False):
+        self.plain = plain
+
+    def build_model(self):
+        pixels, meta = keras.Input((6,), name="pixels"), keras.Input((2,), name="meta")
+        joined = keras.layers.Concatenate()([pixels, meta])
+        return keras.Model({"pixels": pixels, "meta": meta}, keras.layers.Dense(1)(joined))
+
+    def build_inputs(self, split, input_context):
+        batch = input_context.get_per_replica_batch_size(input_context.global_batch_size)
+        pixels = np.random.default_rng(0).normal(size=(32, 6)).astype(np.float32)
+        dataset = tf.data.Dataset.from_tensor_slices(
+            ({"pixels": pixels, "meta": pixels[:, :2]}, pixels[:, :1])).repeat()
+
+        def drop_nan_rows(features, labels):
+            finite = tf.reduce_all(tf.math.is_finite(features["pixels"]), axis=1)
+            pixels = tf.boolean_mask(features["pixels"], finite)
+            return (pixels if self.plain else dict(features, pixels=pixels)), labels
+        return dataset.batch(batch, drop_remainder=True).map(drop_nan_rows)
+
+    def compute_loss(self, labels, outputs):
+        return tf.reduce_mean(tf.square(labels - outputs), axis=-1)
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_a_map_that_loses_the_batch_dimension_is_named_with_the_fix(tmp_path, plain):
+    """The error names the feature (not its tuple index '0') and, since the batch
+    already drops its remainder, says to restore the shape after the map."""
+    with pytest.raises(ValueError) as raised:
+        tputrain.Trainer(_MaskingTask(plain), str(tmp_path / "run"), train_steps=2,
+                         global_batch_size=4, report_mfu=False,
+                         strategy=tf.distribute.OneDeviceStrategy("/cpu:0"))
+    message = str(raised.value)
+    name = "the features" if plain else "feature 'pixels'"
+    assert message.startswith(f"train input: {name} has dynamic shape (None, 6)"), message
+    assert "end that map with tf.ensure_shape(value, [4, 6])" in message, message
+    assert "batch with drop_remainder=True" not in message, message

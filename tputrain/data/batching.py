@@ -79,23 +79,74 @@ def check_pad_remainder(builder: str, pad_remainder: bool, repeat: bool,
                          "and a label_key")
 
 
+_ROLES = ("features", "labels", "sample weights")
+
+
+def _described(path: tuple, roles: bool) -> str:
+    """How an error names an element: `feature 'pixels'`, `the labels`... when the
+    spec is a `(features, labels[, weights])` tuple; else `feature 'a/b'` by path."""
+    if not roles:
+        return f"feature {'/'.join(map(str, path)) or '<root>'!r}"
+    role, rest = _ROLES[path[0]], "/".join(map(str, path[1:]))
+    if not rest:
+        return f"the {role}"
+    return f"{'feature' if role == 'features' else role} {rest!r}"
+
+
+def drops_remainder(dataset: tf.data.Dataset) -> bool | None:
+    """Whether the last batch op under `dataset` drops the remainder; None when no
+    batch op is found. Walks tf.data's private `_input_dataset` chain: an error
+    message's hint, never a decision about the data."""
+    node = dataset
+    while node is not None:
+        flag = getattr(node, "_drop_remainder", None)
+        if flag is not None:
+            value = tf.get_static_value(flag)
+            return None if value is None else bool(value)
+        node = getattr(node, "_input_dataset", None)
+    return None
+
+
+def _lost_batch_fix(shape: tf.TensorShape, per_replica_batch: int,
+                    drops: bool | None) -> str:
+    """The remedy for an unknown batch dimension, given how the dataset batches."""
+    rest = list(shape)[1:] if shape.rank is not None else ["..."]
+    ensure = (f"end that map with tf.ensure_shape(value, [{per_replica_batch}"
+              f"{''.join(f', {d}' for d in rest)}])")
+    if drops:
+        return ("the batch dimension was lost after batch(drop_remainder=True), by a "
+                f"later map (a boolean_mask, py_function or reshape to -1 does that): {ensure}")
+    if drops is False:
+        return "batch with drop_remainder=True"
+    return ("batch with drop_remainder=True; if you already do, a later map lost the batch "
+            f"dimension: {ensure}")
+
+
 def check_static(where: str, element_spec: Any, fix: str = _NOT_STATIC,
-                 per_replica_batch: int | None = None) -> None:
+                 per_replica_batch: int | None = None,
+                 dataset: tf.data.Dataset | None = None) -> None:
     """Fails naming the first feature whose shape is not fully known, or, given
     `per_replica_batch`, whose leading dimension is another batch: XLA compiles one
     shape, so this fails before anything is traced. `where` names the pipeline
-    ("TFRecordInput", "train input"); `fix` is the remedy in its terms."""
+    ("TFRecordInput", "train input"); `fix` is the remedy in its terms; given
+    `per_replica_batch`, an unknown batch dimension gets its own remedy (`dataset`
+    tells whether the batch already drops its remainder)."""
+    roles = isinstance(element_spec, tuple) and len(element_spec) in (2, 3)
     for path, spec in keras.tree.flatten_with_path(element_spec):
-        path = "/".join(map(str, path)) or "<root>"
+        name = _described(path, roles)
         shape = getattr(spec, "shape", None)
         if shape is None:
             continue
         if not shape.is_fully_defined():
-            raise ValueError(f"{where}: feature {path!r} has dynamic shape {shape}: TPUs and "
-                             f"compiled loops need static shapes; {fix}")
+            lost_batch = per_replica_batch is not None and (
+                shape.rank is None or (shape.rank and shape[0] is None))
+            remedy = (_lost_batch_fix(shape, per_replica_batch, dataset is not None
+                                      and drops_remainder(dataset)) if lost_batch else fix)
+            raise ValueError(f"{where}: {name} has dynamic shape {shape}: TPUs and "
+                             f"compiled loops need static shapes; {remedy}")
         if per_replica_batch is not None and shape.rank and shape[0] != per_replica_batch:
             raise ValueError(
-                f"{where}: feature {path!r} has batch dimension {shape[0]} but the per-replica "
+                f"{where}: {name} has batch dimension {shape[0]} but the per-replica "
                 f"batch is {per_replica_batch}: batch with "
                 "input_context.get_per_replica_batch_size(input_context.global_batch_size)")
 

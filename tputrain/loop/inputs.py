@@ -165,8 +165,8 @@ class Inputs:
             raise TypeError(f"Task.build_inputs({split!r}) must return a tf.data.Dataset, "
                             f"got {type(dataset).__name__}")
         check_static(f"{split} input", dataset.element_spec,
-                     "batch with drop_remainder=True and pad variable-length features to a "
-                     "fixed length", per_replica_batch(batch, self.strategy.num_replicas_in_sync))
+                     "pad variable-length features to a fixed length",
+                     per_replica_batch(batch, self.strategy.num_replicas_in_sync), dataset)
         return self.group_micro_batches(dataset, split)
 
     def distributed_iterator(self, split: str, skip_steps: int = 0):

@@ -161,6 +161,74 @@ class InputNormRecordsTask(RecordsTask):
         return input_norm_model()
 
 
+class _Untracked:
+    """Holds a variable out of Keras's and TensorFlow's tracking: not model state, so
+    neither checkpointed nor synchronised across replicas."""
+
+    def __init__(self, variable: tf.Variable):
+        self.variable = variable
+
+
+class MaskProbe(keras.layers.Dropout):
+    """Dropout (seed 1) on inputs that are never 0, keeping each replica's last `steps`
+    masks (1 where a unit was dropped, `size` units a step) in a per-replica variable."""
+
+    def __init__(self, rate: float, steps: int, size: int, **kwargs):
+        super().__init__(rate, seed=1, **kwargs)
+        self.steps, self.size = steps, size
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self._masks = _Untracked(tf.Variable(tf.zeros([self.steps, self.size]), trainable=False,
+                                             aggregation=tf.VariableAggregation.NONE))
+
+    def call(self, inputs, training=False):
+        outputs = super().call(inputs, training=training)
+        if training:
+            dropped = tf.reshape(tf.cast(tf.equal(outputs, 0), tf.float32), [1, self.size])
+            masks = self._masks.variable
+            masks.assign(tf.concat([masks[1:], dropped], 0))
+        return outputs
+
+    def local_masks(self) -> list[np.ndarray]:
+        """This process's replicas' masks, oldest step first."""
+        value = self._masks.variable
+        return [np.asarray(v.numpy()) for v in getattr(value, "values", [value])]
+
+
+def mask_probe_model(steps: int, per_replica_batch: int) -> keras.Model:
+    """TinyTask's classifier behind a `MaskProbe` ("probe") on its inputs."""
+    inputs = keras.Input((8,), name="x")
+    h = MaskProbe(0.5, steps, per_replica_batch * 8, name="probe")(inputs)
+    h = keras.layers.Dense(16, activation="relu")(h)
+    return keras.Model({"x": inputs}, keras.layers.Dense(2, dtype="float32")(h))
+
+
+@gin.configurable
+class MaskProbeRecordsTask(RecordsTask):
+    """RecordsTask with `mask_probe_model`."""
+
+    def __init__(self, pattern: str, steps: int, per_replica_batch: int):
+        super().__init__(pattern)
+        self.steps, self.per_replica_batch = steps, per_replica_batch
+
+    def build_model(self) -> keras.Model:
+        return mask_probe_model(self.steps, self.per_replica_batch)
+
+
+@gin.configurable
+class SaveProbe(tputrain.Action):
+    """At the end of training, each worker saves its replicas' masks of the "probe"
+    layer to `<directory>/worker<host>.npy`."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def on_train_end(self, trainer, step, logs):
+        masks = trainer.model.get_layer("probe").local_masks()
+        np.save(os.path.join(self.directory, f"worker{trainer.host_id}.npy"), np.stack(masks))
+
+
 def final_weights(model_dir: str) -> dict[str, np.ndarray]:
     """The model weights of the latest checkpoint in model_dir, by checkpoint key."""
     path = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))

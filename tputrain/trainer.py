@@ -37,6 +37,7 @@ from tputrain.loop.evaluation import Evaluator
 from tputrain.loop.host_loop import HostLoop, count_step
 from tputrain.loop.hosts import MaxOverHosts, host_topology, is_chief
 from tputrain.loop.inputs import Inputs, default_input_mode
+from tputrain.loop.replica_seeds import fold_replica_into_seeds
 from tputrain.loop.replica_stats import ReplicaStatistics
 from tputrain.loop.step import StepBuilder, ensure_built, steps_program
 from tputrain.loop.update import update_on_each_device
@@ -154,6 +155,7 @@ class Trainer:
             task, self.model = self.task, self.task.build_model()
             ensure_built(self.model, self.inputs.micro_batch_spec()[0])
             override_layer_dtypes(self.model)  # gin: layers the precision audit kept in fp32
+            fold_replica_into_seeds(self.model)  # dropout masks differ per replica
             # Built before the first step: slot variables are mirrored and a restore can
             # fill them. mixed_float16 wraps any optimizer for Keras 3 loss scaling.
             self.optimizer = wrap_optimizer_for_policy(task.build_optimizer())

@@ -140,6 +140,33 @@ class RecordsTask(TinyTask):
             pad_remainder=self.pad_eval and split == "eval")(input_context)
 
 
+def flip_and_noise(features, labels, seed):
+    """Augmentation drawn from `seed` alone: each 8-float example as a 2x4 image,
+    flipped left-right at random, plus uniform noise (tputrain.data.stateless_augment)."""
+    flip_seed, noise_seed = tf.unstack(tf.random.split(seed, 2))
+    images = tf.reshape(features["x"], [-1, 2, 4, 1])
+    images = tf.image.stateless_random_flip_left_right(images, flip_seed)
+    x = tf.reshape(images, [-1, 8])
+    return {"x": x + tf.random.stateless_uniform(tf.shape(x), noise_seed, -0.5, 0.5)}, labels
+
+
+@gin.configurable
+class AugmentTask(FaultTask):
+    """FaultTask whose train batches go through `flip_and_noise` under
+    `tputrain.data.stateless_augment`: augmentation that resumes exactly."""
+
+    def __init__(self, augment_seed: int = 7, **kwargs):
+        super().__init__(**kwargs)
+        self.augment_seed = augment_seed
+
+    def build_inputs(self, split, input_context):
+        dataset = super().build_inputs(split, input_context)
+        if split != "train":
+            return dataset
+        return dataset.apply(tputrain.data.stateless_augment(
+            flip_and_noise, seed=self.augment_seed, input_context=input_context))
+
+
 INPUT_NORM_MOMENTUM = 0.5
 
 

@@ -9,6 +9,7 @@ a gs:// bucket exists and accepts writes.
 from __future__ import annotations
 
 import errno
+import re
 import shutil
 import uuid
 from typing import Any, Iterable
@@ -16,7 +17,8 @@ from typing import Any, Iterable
 import tensorflow as tf
 from absl import logging
 
-from tputrain.data import FeatureSpecError, explain_data_loss, explain_parse_error
+from tputrain.data import (FeatureSpecError, InputStateError, explain_data_loss,
+                           explain_parse_error)
 from tputrain.gcs import check_bucket_writable  # google-cloud-storage itself loads lazily there
 
 _MIB = 1 << 20
@@ -85,12 +87,23 @@ def iterator_state_bytes(dataset: tf.data.Dataset) -> int:
 
     Measured, not guessed: a throwaway iterator takes one element (which fills
     shuffle and prefetch buffers, the bulk of the state) and is written to memory
-    (`ram://`). Costs one element of reading and its state's size in RAM.
+    (`ram://`). Costs one element of reading and its state's size in RAM. State
+    tf.data refuses to save raises `InputStateError`, before the first checkpoint.
     """
     iterator = iter(dataset)
     next(iterator)
     prefix = f"ram://tputrain-size-probe-{uuid.uuid4().hex[:8]}/iterator"
-    tf.train.Checkpoint(iterator=iterator).write(prefix)
+    try:
+        tf.train.Checkpoint(iterator=iterator).write(prefix)
+    except tf.errors.FailedPreconditionError as error:
+        # State tputrain.data.external_state did not find (it saves around what it finds).
+        found = re.search(r"(\w+) is stateful", str(error))
+        op = found.group(1) if found else str(error).strip().splitlines()[0]
+        raise InputStateError(
+            f"the train input pipeline holds state tf.data cannot checkpoint (the op {op}): set "
+            "InputOptions.external_state_policy='ignore' to save the iterator without it "
+            "(a resumed run then restarts that state), or use Trainer.input_mode="
+            "'distributed', which resumes by skipping batches") from None
     files = tf.io.gfile.glob(f"{prefix}*")
     size = sum(tf.io.gfile.stat(f).length for f in files)
     for path in files:

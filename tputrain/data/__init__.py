@@ -1,8 +1,11 @@
-"""Input pipelines: sharded TFRecord and TFDS reading, TFRecord writing, tf.data options."""
+"""Input pipelines: sharded TFRecord and TFDS reading, TFRecord writing, tf.data options,
+augmentation that resumes exactly."""
 
+from tputrain.data.augment import stateless_augment
 from tputrain.data.bad_records import CorruptRecordError, explain_data_loss
 from tputrain.data.batching import pad_to_batch
 from tputrain.data.context import InputContext
+from tputrain.data.external_state import InputStateError
 from tputrain.data.feature_check import FeatureSpecError, explain_parse_error
 from tputrain.data.manifest import Manifest, read_manifest
 from tputrain.data.options import InputOptions
@@ -15,6 +18,7 @@ __all__ = [
     "FeatureSpecError",
     "InputContext",
     "InputOptions",
+    "InputStateError",
     "Manifest",
     "TFDSInput",
     "TFRecordInput",
@@ -24,5 +28,6 @@ __all__ = [
     "feature_spec_for",
     "parse_feature_spec",
     "read_manifest",
+    "stateless_augment",
     "write_tfrecords",
 ]

@@ -50,10 +50,14 @@ class InputOptions:
         service_processing_mode: "parallel_epochs" (each worker produces the
             whole dataset) or "distributed_epoch" (workers split one epoch).
         external_state_policy: what saving the iterator in a checkpoint does when
-            the pipeline has state tf.data cannot save (a `py_function`, a Python
-            generator such as `tfds.testing.mock_data`'s): "fail" (tf.data's
-            default), "warn" or "ignore" (saved without that state, so a resumed
-            run restarts it). None leaves tf.data's default.
+            the pipeline has state tf.data cannot save (stateful random ops such
+            as `tf.image.random_*`, Keras random layers, a `py_function`, a Python
+            generator such as `tfds.testing.mock_data`'s). None: the Trainer saves
+            the iterator without that state and warns once, naming it; "ignore":
+            the same, silently; "warn": tf.data's warning at every save; "fail":
+            the Trainer raises `InputStateError` before training. Without that
+            state a resumed run draws other random numbers (and restarts a
+            generator); `tputrain.data.stateless_augment` resumes exactly.
     """
 
     threadpool_size: int | None = None

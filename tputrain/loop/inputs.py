@@ -15,6 +15,7 @@ import tensorflow as tf
 from tputrain.checks import per_replica_batch
 from tputrain.data import InputContext
 from tputrain.data.batching import check_static
+from tputrain.data.external_state import checkpointable
 from tputrain.input_layout import InputLayout
 from tputrain.task import Task
 
@@ -167,6 +168,8 @@ class Inputs:
         check_static(f"{split} input", dataset.element_spec,
                      "pad variable-length features to a fixed length",
                      per_replica_batch(batch, self.strategy.num_replicas_in_sync), dataset)
+        if split == "train" and self.input_mode == "host":  # its iterator is checkpointed
+            dataset = checkpointable(dataset, split)
         return self.group_micro_batches(dataset, split)
 
     def distributed_iterator(self, split: str, skip_steps: int = 0):

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import gin
@@ -106,12 +107,12 @@ def test_async_save_writes_the_state_at_save_time(tmp_path):
     assert int(reader.step.numpy()) == 6 and kernel_value(reader) == 6.0
 
 
-def trainer(model_dir, **kwargs):
+def trainer(model_dir, strategy_replicas=2, **kwargs):
     options = dict(train_steps=8, steps_per_loop=2, global_batch_size=16, checkpoint_every=2,
                    eval_steps=1)
     options.update(kwargs)
-    return tputrain.Trainer(TinyTask(dropout=0.3), str(model_dir), strategy=strategy_for(2),
-                            **options)
+    return tputrain.Trainer(TinyTask(dropout=0.3), str(model_dir),
+                            strategy=strategy_for(strategy_replicas), **options)
 
 
 def test_async_checkpoints_resume_exactly_and_survive_preemption(tmp_path):
@@ -205,6 +206,38 @@ def test_a_damaged_state_file_with_no_checkpoint_files_starts_over(tmp_path):
     run = trainer(tmp_path / "model", train_steps=2)
     run.train()
     assert _checkpoint_steps(checkpoints) == [2]
+
+
+@pytest.mark.parametrize("how", ["deleted", "copied_without"])
+def test_a_missing_state_file_resumes_from_the_newest_checkpoint_files(tmp_path, how, caplog):
+    """Issue 33.1: intact `ckpt-*` files without a `checkpoint` state file are a resume
+    (it started at step 0, silently, and rotated the good checkpoints away)."""
+    first = tmp_path / "first"
+    trainer(first, train_steps=6, strategy_replicas=1).train()
+    if how == "deleted":
+        model_dir = first
+        (first / "checkpoints" / "checkpoint").unlink()
+    else:  # a model_dir copied without its state file
+        model_dir = tmp_path / "copy"
+        shutil.copytree(first, model_dir, ignore=shutil.ignore_patterns("checkpoint", ".tputrain.lock"))
+    checkpoints = model_dir / "checkpoints"
+    assert not (checkpoints / "checkpoint").exists()
+    assert sorted(p.name for p in checkpoints.glob("ckpt-*.index")) == [
+        "ckpt-2.index", "ckpt-4.index", "ckpt-6.index"]
+
+    with caplog.at_level(logging.INFO):
+        rerun = trainer(model_dir, train_steps=8, strategy_replicas=1)
+        rerun.train()
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("no checkpoint state file" in m for m in messages) == 1, messages
+    assert any("training from step 6 " in m for m in messages), messages
+    assert int(rerun.step.numpy()) == 8
+    assert _checkpoint_steps(checkpoints) == [4, 6, 8]  # rotation goes on from 6
+
+    reference = trainer(tmp_path / "reference", train_steps=8, strategy_replicas=1)
+    reference.train()
+    for a, b in zip(weights(reference), weights(rerun)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_temp_folders_of_killed_writes_are_removed(tmp_path):

@@ -155,3 +155,33 @@ def test_kill_9_of_a_worker_then_rerun_equals_an_uninterrupted_run(tmp_path, inp
     assert expected.keys() == actual.keys()
     for name in expected:
         np.testing.assert_array_equal(actual[name], expected[name], err_msg=name)
+
+
+def test_two_workers_resume_from_checkpoint_files_without_a_state_file(tmp_path):
+    """Issue 33.1 on 2 worker processes: the chief's `checkpoint` state file deleted
+    after step 16; the rerun resumes there on both workers (not from step 0) and ends
+    with an uninterrupted run's weights, bitwise."""
+    config = tmp_path / "mw.gin"
+    config.write_text(KILL_CONFIG.format(input_mode="host"))
+
+    def args(model_dir: Path, steps: int) -> list[str]:
+        return ["--workers", "2", "--peer_exit_timeout", "60", "--gin_import=faults",
+                f"--gin_file={config}", f"--gin_param=Trainer.train_steps={steps}",
+                f"--model_dir={model_dir}", "--deterministic"]
+
+    reference = Launch(args(tmp_path / "reference", 24))
+    assert reference.finish(timeout=900) == 0, reference.log()
+    first = Launch(args(tmp_path / "model", 16))
+    assert first.finish(timeout=900) == 0, first.log()
+    (tmp_path / "model" / "checkpoints" / "checkpoint").unlink()
+
+    rerun = Launch(args(tmp_path / "model", 24))
+    assert rerun.finish(timeout=900) == 0, rerun.log()
+    for worker in (0, 1):
+        assert re.search(rf"\[worker {worker}\] .*restored \S+/ckpt-16 ", rerun.text()), rerun.log()
+    assert re.search(r"\[worker 0\] .*no checkpoint state file", rerun.text()), rerun.log()
+    assert listed_steps(tmp_path / "model") == [16, 20, 24]
+    expected, actual = final_weights(str(tmp_path / "reference")), final_weights(str(tmp_path / "model"))
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        np.testing.assert_array_equal(actual[name], expected[name], err_msg=name)

@@ -21,6 +21,10 @@ Integrity, in the order things can go wrong:
   rotate the good checkpoints away): the `ckpt-<step>.index` files on disk are
   tried newest first instead, and the writer moves the bad state file aside
   (`checkpoint.damaged`) and writes a new one.
+* A missing `checkpoint` state file with `ckpt-<step>` files on disk (deleted, or
+  a model_dir copied without it) is a resume, not a fresh start: the files are
+  tried newest first, one warning says which was restored, and the writer writes
+  a new state file listing them (rotation goes on from there).
 * A checkpoint written by a *different model* is not "corrupt": restoring
   stops with `CheckpointMismatchError`, naming the mismatched variables, instead
   of silently falling back or loading half of it.
@@ -437,8 +441,14 @@ class Checkpointer:
         if state.damage:
             logging.warning("tputrain: the checkpoint state file is damaged (%s); used the "
                             "checkpoint files on disk instead", state.damage)
-        if failed or state.damage:
-            self._quarantine(failed, state_file=state.damage is not None)
+        if state.missing and restored is not None:
+            logging.warning("tputrain: %s has no checkpoint state file (`%s`): resumed from "
+                            "the newest intact checkpoint file %s and wrote a new state file "
+                            "listing %d", self.directory, _STATE_FILE, restored,
+                            len(state.paths) - len(failed))
+        if failed or state.damage or state.missing:
+            if failed or state.damage:
+                self._quarantine(failed, state_file=state.damage is not None)
             kept = [p for p in state.paths if p not in failed and tf.io.gfile.exists(f"{p}.index")]
             if restored is not None:
                 from tensorflow.python.checkpoint import checkpoint_management
@@ -620,22 +630,27 @@ class Checkpointer:
 
 class CheckpointList(NamedTuple):
     """The checkpoints of a directory, oldest first, and why its state file was
-    not used (None when it was read, or when there is none yet)."""
+    not used (None when it was read, or when there is none yet). `missing`: there
+    is no state file but there are checkpoint files (listed from the disk)."""
 
     paths: list[str]
     damage: str | None
+    missing: bool = False
 
 
 def list_checkpoints(directory: str) -> CheckpointList:
-    """Reads the `checkpoint` state file strictly; if it is damaged, the ckpt files.
+    """Reads the `checkpoint` state file strictly; if it is damaged or missing, the
+    ckpt files.
 
     TensorFlow's own reader logs "Checkpoint ignored" for a garbled state file
     and returns None, which makes a run start over at step 0 and rotate the good
-    checkpoints away; a 0-byte or non-UTF-8 file raises with no fix named.
+    checkpoints away; a 0-byte or non-UTF-8 file raises with no fix named. A
+    missing one did the same to a model_dir copied without it.
     """
     path = f"{directory.rstrip('/')}/{_STATE_FILE}"
     if not tf.io.gfile.exists(path):
-        return CheckpointList([], None)
+        on_disk = _checkpoints_on_disk(directory) if tf.io.gfile.isdir(directory) else []
+        return CheckpointList(on_disk, None, missing=bool(on_disk))
     try:
         with tf.io.gfile.GFile(path, "rb") as f:
             state = text_format.Parse(f.read().decode("utf-8"), CheckpointState())

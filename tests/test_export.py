@@ -209,3 +209,23 @@ def test_the_cli_exports_while_a_training_process_holds_model_dir(tmp_path):
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert exported.stdout.strip() == str(model_dir / "export" / "4")
     assert tf.saved_model.load(str(model_dir / "export" / "4")).signatures["serving_default"]
+
+
+def test_a_model_dirs_config_is_read_as_data_and_its_imports_are_not_run(tmp_path):
+    """Issue 33, item 7: `operative_config.gin` of a model_dir (often shared storage) is
+    parsed without its `import` lines, even with model_dir first on sys.path (`python -m`
+    run from inside it); the skipped module is named in one line."""
+    from faults import child_env
+
+    model_dir = tmp_path / "shared"
+    model_dir.mkdir()
+    marker = tmp_path / "planted-ran"
+    (model_dir / "planted.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (model_dir / "operative_config.gin").write_text(
+        "import planted\nTrainer.task = @FaultTask()\nTrainer.global_batch_size = 16\n")
+    result = subprocess.run([sys.executable, "-m", "tputrain.cli", "export", "--model_dir=.",
+                             "--gin_import=faults"], cwd=model_dir, env=child_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert not marker.exists(), "the model_dir's module was imported"
+    assert "not importing planted" in result.stderr and "--gin_import" in result.stderr
+    assert result.returncode == 2 and "no checkpoint in ." in result.stderr, result.stderr[-3000:]

@@ -69,13 +69,15 @@ def error_message(error: BaseException) -> str:
     return text or type(error).__name__
 
 
-def parse_gin_flags() -> None:
+def parse_gin_flags(data_files: Sequence[str] = ()) -> None:
     """Parses the gin flags and applies the device bindings (`split_cpu.num_devices`),
-    before anything starts TensorFlow's runtime; a bad config exits with one line."""
-    if not FLAGS.gin_file and not FLAGS.gin_param:
+    before anything starts TensorFlow's runtime; a bad config exits with one line.
+    `data_files`: a model_dir's config, parsed without running its imports."""
+    if not FLAGS.gin_file and not FLAGS.gin_param and not data_files:
         raise app.UsageError("pass --gin_file=CONFIG (e.g. --gin_file=digits.gin)")
     try:
-        parse_gin(FLAGS.gin_file, FLAGS.gin_param, FLAGS.gin_search_path, FLAGS.gin_import)
+        parse_gin(FLAGS.gin_file, FLAGS.gin_param, FLAGS.gin_search_path, FLAGS.gin_import,
+                  data_files=data_files)
     except ConfigError as error:
         fail(str(error))
     try:
@@ -84,15 +86,16 @@ def parse_gin_flags() -> None:
         fail(error_message(error))
 
 
-def default_operative_config() -> None:
-    """No --gin_file: read the operative config that `tputrain run` wrote to model_dir
-    (for commands that act on a finished or running job: export, eval)."""
+def default_operative_config() -> list[str]:
+    """No --gin_file: the operative config that `tputrain run` wrote to model_dir (for
+    commands that act on a finished or running job: export, eval), to parse as data:
+    its `import` lines are not run (pass `parse_gin_flags` what this returns)."""
     if FLAGS.gin_file or not FLAGS.model_dir:
-        return
+        return []
     operative = os.path.join(FLAGS.model_dir, "operative_config.gin")
     if not os.path.isfile(operative):
         fail(f"{operative} does not exist (yet): pass the run's --gin_file")
-    FLAGS.gin_file = [operative]
+    return [operative]
 
 
 def build_trainer(model_dir: str | None = None,

@@ -52,8 +52,7 @@ def _print(results: dict[int, Metrics]) -> None:
 
 def main(argv: list[str]) -> None:
     reject_arguments(argv)
-    default_operative_config()
-    parse_gin_flags()
+    parse_gin_flags(default_operative_config())
     timeout = FLAGS.timeout_seconds if FLAGS.timeout_seconds > 0 else None
     try:
         trainer = build_trainer(FLAGS.model_dir, ReadOnlyTrainer)

@@ -40,8 +40,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
 
 def main(argv: list[str]) -> None:
     reject_arguments(argv)
-    default_operative_config()
-    parse_gin_flags()
+    parse_gin_flags(default_operative_config())
     try:
         trainer = build_trainer(FLAGS.model_dir, ReadOnlyTrainer)  # runs beside training
         path = export_checkpoint(trainer, step=FLAGS.step, export_dir=FLAGS.export_dir,

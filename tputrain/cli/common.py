@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn, Sequence
+from typing import Callable, NoReturn, Sequence
 
 from absl import app, flags, logging
 
@@ -37,6 +37,11 @@ def define_gin_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                               "e.g. a module defining your Task.", flag_values=flag_values)
     flags.DEFINE_string("model_dir", None, "Overrides Trainer.model_dir.",
                         flag_values=flag_values)
+    # `--model_dir=$DIR` with DIR unset would train in the config's model_dir instead.
+    flags.register_validator("model_dir", lambda value: value is None or bool(value.strip()),
+                             "is empty (an unset shell variable?): pass a directory, or leave "
+                             "the flag out to use the config's Trainer.model_dir",
+                             flag_values=flag_values)
     flags.DEFINE_bool("deterministic", False, "Enable TF op determinism: bitwise reproducible "
                       "runs and resumes, at some speed cost.", flag_values=flag_values)
 
@@ -56,6 +61,20 @@ def reject_arguments(argv: Sequence[str]) -> None:
     """absl passes positional arguments through; none of the commands takes any."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+
+
+def parse_flags(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> list[str]:
+    """absl's flag parsing, but a bad flag value (`--step=abc`, a failed validator) is
+    bad configuration: one line and exit 2, not absl's exit 1."""
+    try:
+        return flag_values(list(argv))
+    except flags.Error as error:
+        fail(f"{str(error).strip().splitlines()[0]} (see --help)")
+
+
+def run_command(main: Callable[[list[str]], None]) -> None:
+    """`app.run(main)` with `parse_flags`: every absl command exits 2 on a bad flag."""
+    app.run(main, flags_parser=parse_flags)
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:

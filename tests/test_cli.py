@@ -108,3 +108,34 @@ def test_the_scan_sees_an_import_of_the_cli():
                      "from tputrain import cli\n"
                      "if __name__ == '__main__':\n    from tputrain.cli import main\n")
     assert _imports_of_cli(tree) == [2, 3]
+
+
+def _parse_error(command: str, *argv: str, capsys) -> str:
+    """What `tputrain COMMAND ARGV` says on a bad flag; it must exit 2 in one line."""
+    from tputrain.cli.common import parse_flags
+
+    registry = flags.FlagValues()  # a fresh one: the commands share flag names
+    main.command_module(command).define_flags(registry)
+    with pytest.raises(SystemExit) as caught:
+        parse_flags([f"tputrain {command}", *argv], registry)
+    error = capsys.readouterr().err
+    assert caught.value.code == 2 and error.count("\n") == 1, error
+    return error
+
+
+def test_a_flag_that_is_not_a_number_exits_2(capsys):
+    """Issue 33.6: `tputrain eval --step=abc` exited 1 (absl's code), not 2 (bad config)."""
+    assert "--step" in _parse_error("eval", "--step=abc", capsys=capsys)
+
+
+def test_a_negative_timeout_is_refused(capsys):
+    """Issue 33.6: --timeout_seconds=-5 was taken as "wait for ever" (that is 0)."""
+    error = _parse_error("eval", "--timeout_seconds=-5", capsys=capsys)
+    assert "--timeout_seconds" in error and "0 waits for ever" in error
+
+
+@pytest.mark.parametrize("command", ["run", "export", "eval"])
+def test_an_empty_model_dir_is_refused(command, capsys):
+    """Issue 33.6: `--model_dir=$UNSET` trained in the config's own model_dir."""
+    error = _parse_error(command, "--model_dir=", "--gin_file=digits.gin", capsys=capsys)
+    assert "--model_dir" in error and "unset shell variable" in error

@@ -128,6 +128,16 @@ def test_a_gin_import_of_a_missing_module_is_one_line(tmp_path):
     assert "bad.gin" in message and "PYTHONPATH" in message
 
 
+def test_a_non_utf8_gin_file_is_named(tmp_path):
+    """Issue 33.6: the decode error did not say which file."""
+    config = tmp_path / "latin1.gin"
+    config.write_bytes("# caf\xe9\nTrainer.train_steps = 5\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as caught:
+        parse_gin([str(config)])
+    message = one_line(caught.value)
+    assert str(config) in message and "save it as UTF-8" in message
+
+
 def test_dynamic_shapes_say_to_batch_with_drop_remainder(tmp_path):
     class Ragged(TinyTask):
         def build_inputs(self, split, input_context):
@@ -300,3 +310,55 @@ def test_checkpoint_with_fewer_layers_is_a_mismatch_not_a_partial_load(tmp_path)
     make_trainer(model_dir, FaultTask(dropout=0.0, ballast_floats=4)).train()
     with pytest.raises(CheckpointMismatchError, match="is in the checkpoint but not in this model"):
         make_trainer(model_dir, FaultTask(dropout=0.0))
+
+
+# ------------------------------------------------- issue 33.6: inputs that crash, hang or guess
+
+
+def test_a_pattern_matching_only_an_empty_shard_fails_before_training(tmp_path):
+    """Pre-flight read no batch and accepted it; training then ended in StopIteration."""
+    (tmp_path / "empty-00000-of-00001.tfrecord").write_bytes(b"")
+    model_dir = tmp_path / "model"
+    with pytest.raises(ValueError) as caught:
+        make_trainer(model_dir, RecordsTask(str(tmp_path / "empty-*.tfrecord")))
+    assert "yields no batch" in one_line(caught.value) and "0-byte" in str(caught.value)
+    assert not model_dir.exists()
+
+
+def test_a_pattern_that_is_a_folder_is_named(tmp_path):
+    """TensorFlow's traceback from reading a folder as a TFRecord file."""
+    write_records(tmp_path / "data")
+    with pytest.raises(IsADirectoryError) as caught:
+        make_trainer(tmp_path / "model", RecordsTask(str(tmp_path / "data")))
+    assert "matches only folders" in one_line(caught.value) and "*.tfrecord" in str(caught.value)
+
+
+def test_a_manifest_that_is_a_folder_is_named(tmp_path):
+    """TensorFlow's traceback from reading a folder as the manifest's JSON."""
+    (tmp_path / "train.manifest.json").mkdir()
+    with pytest.raises(IsADirectoryError) as caught:
+        tputrain.data.TFRecordInput(manifest=str(tmp_path / "train.manifest.json"))
+    assert "is a folder" in one_line(caught.value)
+
+
+def test_a_global_batch_larger_than_the_data_is_refused_by_its_manifest(tmp_path):
+    """A batch of 2e7 digits read the repeated data into one batch (3 GB) and never
+    returned; the manifest knows there are 64 examples."""
+    write_records(tmp_path / "data")
+    model_dir = tmp_path / "model"
+    with pytest.raises(ValueError) as caught:
+        make_trainer(model_dir, RecordsTask(str(tmp_path / "data" / "train-*.tfrecord")),
+                     global_batch_size=20_000_000)
+    message = one_line(caught.value)
+    assert "larger than the 64 examples" in message and "at most 64" in message
+    assert not model_dir.exists()
+
+
+@pytest.mark.parametrize("rate", [-1.0, -1, float("nan")])
+def test_a_negative_learning_rate_is_refused(rate):
+    """-1.0 trained by gradient ascent to exit 0; -1 said only "should be float"."""
+    with pytest.raises(ValueError) as caught:
+        tputrain.build_optimizer(learning_rate=rate)
+    assert f"learning_rate={rate}" in one_line(caught.value)
+    assert "positive float" in str(caught.value)
+    assert tputrain.build_optimizer(learning_rate=1).learning_rate.numpy() == 1.0  # an int

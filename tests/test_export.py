@@ -238,3 +238,23 @@ def test_a_plain_tensor_input_is_served_under_its_keras_input_name(tmp_path):
     x = trainer.task.x[:5]
     outputs = serve(pixels=tf.constant(x))["outputs"]
     np.testing.assert_allclose(outputs, trainer.model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_dirs_config_is_read_as_data_and_its_imports_are_not_run(tmp_path):
+    """Issue 33, item 7: `operative_config.gin` of a model_dir (often shared storage) is
+    parsed without its `import` lines, even with model_dir first on sys.path (`python -m`
+    run from inside it); the skipped module is named in one line."""
+    from faults import child_env
+
+    model_dir = tmp_path / "shared"
+    model_dir.mkdir()
+    marker = tmp_path / "planted-ran"
+    (model_dir / "planted.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (model_dir / "operative_config.gin").write_text(
+        "import planted\nTrainer.task = @FaultTask()\nTrainer.global_batch_size = 16\n")
+    result = subprocess.run([sys.executable, "-m", "tputrain.cli", "export", "--model_dir=.",
+                             "--gin_import=faults"], cwd=model_dir, env=child_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert not marker.exists(), "the model_dir's module was imported"
+    assert "not importing planted" in result.stderr and "--gin_import" in result.stderr
+    assert result.returncode == 2 and "no checkpoint in ." in result.stderr, result.stderr[-3000:]

@@ -304,3 +304,18 @@ def test_rename_and_selected():
     assert selected("backbone_1/kernel", ["backbone"]) and selected("x", None)
     assert selected("backbone_1/kernel", [r".*/kernel"])
     assert not selected("head/bias", [r".*/kernel"])
+
+
+def test_a_missing_source_or_a_shape_mismatch_fails_before_anything_is_written(tmp_path, task_a):
+    """Issue 33.4: both failed at on_train_begin, after the lock, operative config and
+    goodput files were written; now the Trainer's construction raises (CLI: exit 2)."""
+    cases = [(InitCheckpoint(str(tmp_path / "nowhere")), FineTask(), FileNotFoundError,
+              "is neither a tputrain model_dir"),
+             (InitCheckpoint(task_a[0]), FineTask("head_a", classes=3), ValueError,
+              r"head_a/kernel is \[8, 3\] in this model")]
+    for index, (action, task, error, words) in enumerate(cases):
+        model_dir = tmp_path / f"run{index}"
+        with pytest.raises(error, match=words) as caught:
+            make(task, model_dir, [action])
+        assert "\n" not in str(caught.value).split("\n  In call to configurable")[0]
+        assert not model_dir.exists()

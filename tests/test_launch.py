@@ -225,3 +225,14 @@ def test_kill_9_of_the_launcher_stops_its_workers(tmp_path):
         _adopt_orphans(False)
     assert list(codes.values()) == [42, 42], f"worker exit codes {codes} (None: still running)"
     assert listed_steps(model_dir), "the chief checkpointed before exiting"
+
+
+@pytest.mark.parametrize("workers", ["0", "-2", "two"])
+def test_a_bad_worker_count_is_one_line_and_exit_2(workers, capsys):
+    """Issue 33.6: --workers 0 or -2 gave a ValueError traceback from Launcher."""
+    with pytest.raises(SystemExit) as caught:
+        parse_args(["--workers", workers, "--gin_file=a.gin"])
+    error = capsys.readouterr().err
+    assert caught.value.code == 2
+    assert error.count("\n") == 1 and error.startswith("tputrain launch: error: argument "
+                                                      "--workers"), error

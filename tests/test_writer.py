@@ -213,3 +213,36 @@ def test_bytes_round_trip_exactly_from_an_iterable_of_dicts(tmp_path):
     dataset = tf.data.Dataset.from_tensor_slices({"blob": tf.constant(_AWKWARD_BYTES)})
     write_tfrecords(dataset, str(tmp_path / "ds"), num_shards=1)
     assert _read_back(tmp_path / "ds")["blob"].numpy().tolist() == _AWKWARD_BYTES
+
+
+def _cli_error(call) -> str:
+    """The one-line message `tputrain write-tfrecords` prints (it exits 2 on these types)."""
+    with pytest.raises((ValueError, OSError)) as caught:
+        call()
+    assert "\n" not in str(caught.value)
+    return str(caught.value)
+
+
+def test_a_missing_npz_is_named(tmp_path):
+    """Issue 33.6: TensorFlow's NotFoundError traceback (not an OSError: exit 1)."""
+    assert "does not exist" in _cli_error(lambda: read_input(str(tmp_path / "none.npz")))
+
+
+def test_an_empty_npz_is_named(tmp_path):
+    """Issue 33.6: numpy's EOFError traceback."""
+    (tmp_path / "empty.npz").write_bytes(b"")
+    assert "is empty (0 bytes)" in _cli_error(lambda: read_input(str(tmp_path / "empty.npz")))
+
+
+def test_an_output_prefix_under_a_file_is_one_line_and_exit_2(tmp_path):
+    """Issue 33.6: TensorFlow's traceback from the first shard, exit 1."""
+    np.savez(tmp_path / "d.npz", label=np.arange(4))
+    (tmp_path / "file").write_text("x")
+    result = subprocess.run(
+        [sys.executable, "-m", "tputrain.cli", "write-tfrecords", f"--input={tmp_path / 'd.npz'}",
+         f"--output_prefix={tmp_path / 'file' / 'sub' / 'train'}"], capture_output=True,
+        text=True, timeout=120)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert last.startswith("tputrain write-tfrecords: error: --output_prefix=")
+    assert f"{tmp_path / 'file'} is a file" in last

@@ -28,6 +28,11 @@ if TYPE_CHECKING:  # annotations only: the Trainer imports this module
 class Action:
     """Base class: every hook is a no-op. `logs` are plain floats."""
 
+    def preflight(self, trainer: "Trainer") -> None:
+        """On the chief, once the model is built and before anything is written to
+        model_dir: raise ValueError/OSError naming the fix for a configuration that
+        cannot work, so it fails in one line instead of after the lock and logs."""
+
     def on_train_begin(self, trainer: "Trainer", step: int) -> None:
         """Once per `train()`, after the restore, before the first loop."""
 

@@ -12,9 +12,11 @@ import importlib
 import inspect
 import os
 import re
+import sys
 from typing import Sequence
 
 import gin
+from absl import logging
 
 import tputrain.tasks  # noqa: F401  (registers the built-in configurables)
 from tputrain import configs  # the repository's configs/ folder, packaged
@@ -67,14 +69,68 @@ def explain_gin_error(error: Exception) -> str:
     return f"gin could not parse the configuration: {first}{where}"
 
 
+# An `import m`/`from m import n` or `include 'f'` line of a gin file; `from __gin__`
+# (gin's own switch for dynamic registration) imports no code.
+_CODE_LINE = re.compile(r"^\s*(?:import\s+([\w.]+)|from\s+(?!__gin__\b)([\w.]+)\s+import\b"
+                        r"|include\s+(\S+))")
+
+
+def read_as_data(path: str) -> tuple[str, list[str]]:
+    """(text, what was left out): a model_dir's config without its `import` and
+    `include` lines. A model_dir is data, often on shared storage: importing the
+    modules its config names would run whatever file sits on sys.path under that
+    name (model_dir itself, for `python -m` run from inside it)."""
+    text = _read_text(path)
+    kept, skipped = [], []
+    for line in text.splitlines():
+        found = _CODE_LINE.match(line)
+        if found is None:
+            kept.append(line)
+        else:
+            skipped.append(found.group(1) or found.group(2) or f"include {found.group(3)}")
+    return "\n".join(kept) + "\n", skipped
+
+
+def _read_text(path: str) -> str:
+    """A config file's text; an unreadable or non-UTF-8 file is a ConfigError naming it."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as error:
+        raise ConfigError(f"cannot read the gin file {path} ({error.strerror or error}): pass "
+                          "an existing, readable file") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"the gin file {path} is not UTF-8 text (byte {error.start}: "
+                          f"{error.reason}): save it as UTF-8") from None
+
+
+def _parse_data_files(data_files: Sequence[str], imports: Sequence[str]) -> None:
+    """Parses each model_dir config (see `read_as_data`), logging in one line what was
+    skipped that would have run: modules not yet imported nor named by --gin_import."""
+    for path in data_files:
+        text, skipped = read_as_data(path)
+        unrun = [m for m in skipped if m not in sys.modules and m not in imports]
+        if unrun:
+            logging.warning("tputrain: %s: not importing %s (a model_dir's config is data, not "
+                            "code): pass --gin_import=MODULE for a module you trust", path,
+                            ", ".join(unrun))
+        try:
+            gin.parse_config(text)
+        except (ValueError, SyntaxError) as error:
+            raise ConfigError(f"{path}: {explain_gin_error(error)}") from error
+
+
 def parse_gin(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
               search_paths: Sequence[str] = (), imports: Sequence[str] = (),
-              finalize: bool = True) -> None:
+              finalize: bool = True, data_files: Sequence[str] = ()) -> None:
     """Registers tputrain's configurables, imports user modules, parses all bindings.
 
     Built-in configs (`configs/` in the source tree, `tputrain.configs` when
     installed) are always on the search path, so `--gin_file=digits.gin` works
-    from any directory.
+    from any directory. `data_files` (a model_dir's operative config) are parsed
+    first and never import or include anything (`read_as_data`).
     """
     for module in imports:
         try:
@@ -85,8 +141,13 @@ def parse_gin(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
         if path and path not in gin.config._LOCATION_PREFIXES:  # pylint: disable=protected-access
             gin.add_config_file_search_path(path)
     folders = [*search_paths, builtin_config_dir()]
+    files = [_find(f, folders) for f in gin_files]
+    for path in files:  # gin's own message for a non-UTF-8 file does not name it
+        if os.path.isfile(path):
+            _read_text(path)
+    _parse_data_files(data_files, imports)
     try:
-        gin.parse_config_files_and_bindings([_find(f, folders) for f in gin_files],
+        gin.parse_config_files_and_bindings(files,
                                             list(gin_params),
                                             finalize_config=finalize)
     except OSError as error:

@@ -317,6 +317,16 @@ def match_weights(variables: Sequence[Any], source: Source, include: Sequence[st
     return matches, excluded, missing
 
 
+class Plan(NamedTuple):
+    """The checked pairs a load assigns, and what it leaves at initial values."""
+
+    matches: list[Match]
+    excluded: list[str]
+    missing: list[str]
+    slots: list[Match]
+    slots_missing: list[str]
+
+
 def _flat(path: str) -> str:
     """How Keras 3 names a slot's reference: "dense/kernel" -> "dense_kernel"."""
     return path.replace("/", "_")
@@ -450,6 +460,16 @@ class InitCheckpoint(Action):
         self.strict = check_bool("InitCheckpoint", "strict", strict)
         self.report: Report | None = None  # what the last load did
 
+    def preflight(self, trainer: "Trainer") -> None:
+        """Before anything is written to model_dir: a missing path, an unreadable
+        checkpoint or a shape mismatch is bad configuration, and fails the Trainer's
+        construction (the CLI: one line, exit 2), not the first step after the lock."""
+        if list_checkpoints(trainer.checkpointer.restore_directory).paths:
+            return  # a resumed run never reads the source
+        optimizer = trainer.optimizer if self.optimizer else None
+        with self._opened() as source:
+            self._plan(source, trainer.model, optimizer)
+
     def on_train_begin(self, trainer: "Trainer", step: int) -> None:
         """Loads only into a run that restored nothing from its own model_dir."""
         if step != 0 or list_checkpoints(trainer.checkpointer.restore_directory).paths:
@@ -459,22 +479,33 @@ class InitCheckpoint(Action):
         self.report = self.load(trainer.model, trainer.optimizer if self.optimizer else None,
                                 trainer.strategy)
 
+    @contextlib.contextmanager
+    def _opened(self) -> Iterator[Source]:
+        """The source checkpoint, its files open until the block ends."""
+        resolved = resolve_path(self.path)
+        with contextlib.ExitStack() as stack:
+            yield (read_h5(resolved, stack) if resolved.endswith(".h5")
+                   else read_tf_checkpoint(resolved))
+
     def load(self, model: keras.Model, optimizer: Any = None,
              strategy: tf.distribute.Strategy | None = None) -> Report:
         """Loads the checkpoint's weights (and `optimizer`'s slots, when given) into
         `model`, in `strategy`'s scope; logs and returns what it did."""
         if self.optimizer and optimizer is None:
             raise ValueError("InitCheckpoint(optimizer=True) needs the optimizer to load into")
-        resolved = resolve_path(self.path)
-        with contextlib.ExitStack() as stack:
-            source = (read_h5(resolved, stack) if resolved.endswith(".h5")
-                      else read_tf_checkpoint(resolved))
-            report = self._load_from(source, model, optimizer, strategy)
+        with self._opened() as source:
+            plan = self._plan(source, model, optimizer)
+            assign(plan.matches, source.weights, strategy)
+            assign(plan.slots, source.slots, strategy)
+        used = {m.key for m in plan.matches}
+        report = Report(source.path, [(m.name, m.key) for m in plan.matches], plan.excluded,
+                        plan.missing, sorted(set(source.weights) - used), len(plan.slots),
+                        plan.slots_missing)
         _log(report, source)
         return report
 
-    def _load_from(self, source: Source, model: keras.Model, optimizer: Any,
-                   strategy: tf.distribute.Strategy | None) -> Report:
+    def _plan(self, source: Source, model: keras.Model, optimizer: Any) -> Plan:
+        """What a load would assign, checked (names, shapes, slots) without assigning."""
         seeds = {id(s) for s in seed_generator_states(model)}
         variables = [v for v in _unique(model.variables) if id(v) not in seeds]
         places = h5_places(model) if source.kind == "h5" else {}
@@ -497,11 +528,7 @@ class InitCheckpoint(Action):
                                  "with an `optimizer` do); use optimizer=False")
             slots, slots_missing = match_slots(optimizer, variables, matches, source)
             check_shapes(slots, source.slots, source.path)
-        assign(matches, source.weights, strategy)
-        assign(slots, source.slots, strategy)
-        used = {m.key for m in matches}
-        return Report(source.path, [(m.name, m.key) for m in matches], excluded, missing,
-                      sorted(set(source.weights) - used), len(slots), slots_missing)
+        return Plan(matches, excluded, missing, slots, slots_missing)
 
 
 def _unique(variables: Sequence[Any]) -> Iterator[Any]:

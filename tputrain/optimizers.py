@@ -7,7 +7,8 @@ Names: "adam", "adamw", "sgd" (with momentum), "lamb" (Keras 3's LAMB) and
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Any, Sequence
 
 import gin
 import keras
@@ -23,6 +24,21 @@ _OPTIMIZERS = {
     "lars": LARS,
 }
 _WITH_MOMENTUM = ("sgd", "lars")
+
+
+def _check_learning_rate(learning_rate: Any) -> Any:
+    """A number must be finite and not negative (a negative rate climbs the loss: a
+    run that "succeeds" and exports the result); an int is taken as a float
+    (Keras refuses `1` as "should be float"). Schedules and callables pass."""
+    if isinstance(learning_rate, bool):
+        raise TypeError(f"build_optimizer.learning_rate={learning_rate} is a bool: pass a "
+                        "float such as 1e-3, or a schedule")
+    if isinstance(learning_rate, (int, float)):
+        if not math.isfinite(learning_rate) or learning_rate < 0:
+            raise ValueError(f"build_optimizer.learning_rate={learning_rate} would not train "
+                             "(negative or not finite): pass a positive float such as 1e-3")
+        return float(learning_rate)
+    return learning_rate
 
 
 @gin.configurable
@@ -48,7 +64,8 @@ def build_optimizer(name: str = "adam",
     key = name.lower()
     if key not in _OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}: use one of {sorted(_OPTIMIZERS)}")
-    options = dict(kwargs, learning_rate=learning_rate, global_clipnorm=global_clipnorm)
+    options = dict(kwargs, learning_rate=_check_learning_rate(learning_rate),
+                   global_clipnorm=global_clipnorm)
     if weight_decay is not None:
         options["weight_decay"] = weight_decay
     if key in _WITH_MOMENTUM:

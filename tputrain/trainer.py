@@ -208,6 +208,8 @@ class Trainer:
         """Chief, before the first write: is the checkpoint there this model's, and can
         model_dir take checkpoints (writable, room for keep + 1, the iterator included)?"""
         self.checkpointer.check_compatible()
+        for action in self.actions:  # e.g. InitCheckpoint: its source and shapes
+            action.preflight(self)
         size = variable_bytes(self.model.variables) + variable_bytes(self.optimizer.variables)
         if self.input_mode == "host":  # the iterator is checkpointed: shuffle buffers and all
             size += iterator_state_bytes(self.inputs.fetch_groups(self.inputs.train_dataset))

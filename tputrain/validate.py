@@ -57,8 +57,11 @@ def probe_inputs(dataset: tf.data.Dataset, split: str) -> None:
     file, feature and what the record holds) instead of TF's parse error.
     """
     try:
-        for _ in dataset.take(1):
-            pass
+        if not any(True for _ in dataset.take(1)):  # training would end in StopIteration
+            raise InputDataError(
+                f"the {split} data yields no batch: its files are empty (0-byte shards?) or "
+                "hold fewer examples than one batch: check the file pattern or manifest, or "
+                "lower Trainer.global_batch_size")
     except tf.errors.DataLossError as error:
         raise input_data_error(error, split, "in its first batch") from None
     except tf.errors.InvalidArgumentError as error:

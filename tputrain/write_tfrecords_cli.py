@@ -9,6 +9,8 @@ become int64, other numeric columns float32, the rest strings.
 from __future__ import annotations
 
 import csv
+import os
+import zipfile
 
 import numpy as np
 import tensorflow as tf
@@ -46,17 +48,40 @@ def read_csv(path: str) -> dict[str, np.ndarray]:
 
 
 def read_npz(path: str) -> dict[str, np.ndarray]:
-    """Every array of a .npz file (no pickles)."""
-    with tf.io.gfile.GFile(path, "rb") as f:
-        with np.load(f, allow_pickle=False) as data:
-            arrays = {name: data[name] for name in data.files}
+    """Every array of a .npz file (no pickles); a missing, empty or damaged file is
+    a one-line error naming it (numpy's own are EOFError or BadZipFile tracebacks)."""
+    try:
+        with tf.io.gfile.GFile(path, "rb") as f:
+            with np.load(f, allow_pickle=False) as data:
+                arrays = {name: data[name] for name in data.files}
+    except (EOFError, zipfile.BadZipFile, ValueError, OSError, tf.errors.OpError) as error:
+        what = "is empty (0 bytes)" if tf.io.gfile.stat(path).length == 0 else (
+            f"is not a readable .npz file ({type(error).__name__}: {error})")
+        raise ValueError(f"--input={path} {what}: write it with numpy.savez") from None
     if not arrays:
         raise ValueError(f"{path} holds no arrays")
     return arrays
 
 
+def check_output_prefix(prefix: str) -> None:
+    """The shards' folder must be a folder or creatable: a prefix under a file fails
+    here in one line, not as TensorFlow's traceback from the first shard."""
+    if "://" in prefix:  # object stores have no files to be under
+        return
+    folder = os.path.dirname(prefix)
+    while folder and not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)  # the nearest existing ancestor
+    if folder and os.path.exists(folder) and not os.path.isdir(folder):
+        raise NotADirectoryError(f"--output_prefix={prefix}: {folder} is a file, not a "
+                                 "folder: choose a prefix in a folder")
+
+
 def read_input(path: str) -> dict[str, np.ndarray]:
     """The features of a .npz or .csv file, by its extension."""
+    if path.endswith((".npz", ".csv")) and (not tf.io.gfile.exists(path)
+                                            or tf.io.gfile.isdir(path)):
+        raise FileNotFoundError(f"--input={path} does not exist or is a folder: pass a .npz "
+                                "or .csv file")
     if path.endswith(".npz"):
         return read_npz(path)
     if path.endswith(".csv"):

@@ -17,11 +17,11 @@ import sys
 from typing import Any
 
 import tensorflow as tf
-from absl import app, flags
+from absl import flags
 
 from tputrain.audit import audit_precision, defaults_from_gin, task_from_gin
-from tputrain.cli.common import (GIN_FLAGS, define_gin_flags, fail, list_in_help,
-                                 parse_gin_flags, reject_arguments)
+from tputrain.cli.common import (GIN_FLAGS, define_gin_flags, fail, list_in_help, parse_gin_flags,
+                                 reject_arguments, run_command)
 from tputrain.config import ConfigError
 
 FLAGS = flags.FLAGS
@@ -70,4 +70,4 @@ def main(argv: list[str]) -> None:
 def console_main() -> None:
     """`tputrain audit-precision`."""
     define_flags()
-    app.run(main)
+    run_command(main)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn, Sequence
+from typing import Callable, NoReturn, Sequence
 
 from absl import app, flags, logging
 
@@ -37,6 +37,11 @@ def define_gin_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                               "e.g. a module defining your Task.", flag_values=flag_values)
     flags.DEFINE_string("model_dir", None, "Overrides Trainer.model_dir.",
                         flag_values=flag_values)
+    # `--model_dir=$DIR` with DIR unset would train in the config's model_dir instead.
+    flags.register_validator("model_dir", lambda value: value is None or bool(value.strip()),
+                             "is empty (an unset shell variable?): pass a directory, or leave "
+                             "the flag out to use the config's Trainer.model_dir",
+                             flag_values=flag_values)
     flags.DEFINE_bool("deterministic", False, "Enable TF op determinism: bitwise reproducible "
                       "runs and resumes, at some speed cost.", flag_values=flag_values)
 
@@ -58,6 +63,20 @@ def reject_arguments(argv: Sequence[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
 
 
+def parse_flags(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> list[str]:
+    """absl's flag parsing, but a bad flag value (`--step=abc`, a failed validator) is
+    bad configuration: one line and exit 2, not absl's exit 1."""
+    try:
+        return flag_values(list(argv))
+    except flags.Error as error:
+        fail(f"{str(error).strip().splitlines()[0]} (see --help)")
+
+
+def run_command(main: Callable[[list[str]], None]) -> None:
+    """`app.run(main)` with `parse_flags`: every absl command exits 2 on a bad flag."""
+    app.run(main, flags_parser=parse_flags)
+
+
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
     print(f"tputrain: error: {message}", file=sys.stderr)
     sys.exit(code)
@@ -69,13 +88,15 @@ def error_message(error: BaseException) -> str:
     return text or type(error).__name__
 
 
-def parse_gin_flags() -> None:
+def parse_gin_flags(data_files: Sequence[str] = ()) -> None:
     """Parses the gin flags and applies the device bindings (`split_cpu.num_devices`),
-    before anything starts TensorFlow's runtime; a bad config exits with one line."""
-    if not FLAGS.gin_file and not FLAGS.gin_param:
+    before anything starts TensorFlow's runtime; a bad config exits with one line.
+    `data_files`: a model_dir's config, parsed without running its imports."""
+    if not FLAGS.gin_file and not FLAGS.gin_param and not data_files:
         raise app.UsageError("pass --gin_file=CONFIG (e.g. --gin_file=digits.gin)")
     try:
-        parse_gin(FLAGS.gin_file, FLAGS.gin_param, FLAGS.gin_search_path, FLAGS.gin_import)
+        parse_gin(FLAGS.gin_file, FLAGS.gin_param, FLAGS.gin_search_path, FLAGS.gin_import,
+                  data_files=data_files)
     except ConfigError as error:
         fail(str(error))
     try:
@@ -84,15 +105,16 @@ def parse_gin_flags() -> None:
         fail(error_message(error))
 
 
-def default_operative_config() -> None:
-    """No --gin_file: read the operative config that `tputrain run` wrote to model_dir
-    (for commands that act on a finished or running job: export, eval)."""
+def default_operative_config() -> list[str]:
+    """No --gin_file: the operative config that `tputrain run` wrote to model_dir (for
+    commands that act on a finished or running job: export, eval), to parse as data:
+    its `import` lines are not run (pass `parse_gin_flags` what this returns)."""
     if FLAGS.gin_file or not FLAGS.model_dir:
-        return
+        return []
     operative = os.path.join(FLAGS.model_dir, "operative_config.gin")
     if not os.path.isfile(operative):
         fail(f"{operative} does not exist (yet): pass the run's --gin_file")
-    FLAGS.gin_file = [operative]
+    return [operative]
 
 
 def build_trainer(model_dir: str | None = None,

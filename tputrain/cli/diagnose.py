@@ -33,10 +33,10 @@ import sys
 import tempfile
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from tputrain.cli.common import (GIN_FLAGS, build_trainer, define_gin_flags, list_in_help,
-                                 parse_gin_flags, reject_arguments)
+                                 parse_gin_flags, reject_arguments, run_command)
 from tputrain.diagnose import diagnose
 
 FLAGS = flags.FLAGS
@@ -84,4 +84,4 @@ def console_main() -> None:
     """`tputrain diagnose`."""
     define_flags()
     logging.set_verbosity(logging.WARNING)
-    app.run(main)
+    run_command(main)

@@ -19,12 +19,11 @@ from __future__ import annotations
 import json
 
 import tensorflow as tf
-from absl import app, flags, logging
+from absl import flags, logging
 
-from tputrain.cli.common import (EXIT_BAD_INPUT, EXIT_TRAINING_FAILED, GIN_FLAGS,
-                                 build_trainer, default_operative_config, define_gin_flags,
-                                 error_message, fail, list_in_help, parse_gin_flags,
-                                 reject_arguments)
+from tputrain.cli.common import (EXIT_BAD_INPUT, EXIT_TRAINING_FAILED, GIN_FLAGS, build_trainer,
+                                 default_operative_config, define_gin_flags, error_message, fail,
+                                 list_in_help, parse_gin_flags, reject_arguments, run_command)
 from tputrain.sidecar import Metrics, NoNewCheckpointError, ReadOnlyTrainer, evaluate_checkpoints
 
 FLAGS = flags.FLAGS
@@ -41,6 +40,10 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                        "checkpoint.", **fv)
     flags.DEFINE_float("timeout_seconds", 3600.0, "--continuous: give up (exit 1) after this "
                        "long without a new checkpoint; 0 waits for ever.", **fv)
+    flags.register_validator("timeout_seconds", lambda seconds: seconds >= 0,
+                             "must be >= 0 seconds (0 waits for ever)", **fv)
+    flags.register_validator("poll_seconds", lambda seconds: seconds > 0,
+                             "must be > 0 seconds", **fv)
     list_in_help((*GIN_FLAGS, "model_dir", "step", "continuous", "poll_seconds",
                   "timeout_seconds"), flag_values)
 
@@ -52,8 +55,7 @@ def _print(results: dict[int, Metrics]) -> None:
 
 def main(argv: list[str]) -> None:
     reject_arguments(argv)
-    default_operative_config()
-    parse_gin_flags()
+    parse_gin_flags(default_operative_config())
     timeout = FLAGS.timeout_seconds if FLAGS.timeout_seconds > 0 else None
     try:
         trainer = build_trainer(FLAGS.model_dir, ReadOnlyTrainer)
@@ -71,4 +73,4 @@ def main(argv: list[str]) -> None:
 def console_main() -> None:
     """`tputrain eval`."""
     define_flags()
-    app.run(main)
+    run_command(main)

@@ -12,11 +12,11 @@ is no such checkpoint or the config is bad.
 
 from __future__ import annotations
 
-from absl import app, flags, logging
+from absl import flags, logging
 
-from tputrain.cli.common import (EXIT_BAD_INPUT, GIN_FLAGS, build_trainer,
-                                 default_operative_config, define_gin_flags, error_message,
-                                 fail, list_in_help, parse_gin_flags, reject_arguments)
+from tputrain.cli.common import (EXIT_BAD_INPUT, GIN_FLAGS, build_trainer, default_operative_config,
+                                 define_gin_flags, error_message, fail, list_in_help,
+                                 parse_gin_flags, reject_arguments, run_command)
 from tputrain.export import export_checkpoint
 from tputrain.sidecar import ReadOnlyTrainer
 
@@ -40,8 +40,7 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
 
 def main(argv: list[str]) -> None:
     reject_arguments(argv)
-    default_operative_config()
-    parse_gin_flags()
+    parse_gin_flags(default_operative_config())
     try:
         trainer = build_trainer(FLAGS.model_dir, ReadOnlyTrainer)  # runs beside training
         path = export_checkpoint(trainer, step=FLAGS.step, export_dir=FLAGS.export_dir,
@@ -55,4 +54,4 @@ def main(argv: list[str]) -> None:
 def console_main() -> None:
     """`tputrain export`."""
     define_flags()
-    app.run(main)
+    run_command(main)

@@ -17,8 +17,8 @@ import json
 import gin
 from absl import app, flags, logging
 
-from tputrain.cli.common import (GIN_FLAGS, define_gin_flags, fail, list_in_help,
-                                 parse_gin_flags, reject_arguments)
+from tputrain.cli.common import (GIN_FLAGS, define_gin_flags, fail, list_in_help, parse_gin_flags,
+                                 reject_arguments, run_command)
 from tputrain.config import ConfigError, require_bound
 from tputrain.goodput import account, format_account
 
@@ -58,4 +58,4 @@ def console_main() -> None:
     """`tputrain goodput`."""
     define_flags()
     logging.set_verbosity(logging.WARNING)
-    app.run(main)
+    run_command(main)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from tputrain.launch import Launcher
 
@@ -31,15 +31,35 @@ from tputrain.launch import Launcher
 def build_parser() -> argparse.ArgumentParser:
     """argparse, not absl: the launcher's own flags are few, and every other flag
     passes through to the workers unparsed."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tputrain launch",
         description="Run N local tputrain workers as one MultiWorkerMirroredStrategy cluster. "
                     "Other flags (--gin_file, --gin_param, --model_dir...) go to every worker.")
-    parser.add_argument("--workers", type=int, required=True, help="number of worker processes")
+    parser.add_argument("--workers", type=_at_least_one, required=True,
+                        help="number of worker processes")
     parser.add_argument("--peer_exit_timeout", type=float, default=60.0,
                         help="seconds to let the other workers fail on their own after one "
                              "failed, before stopping them")
     return parser
+
+
+def _at_least_one(text: str) -> int:
+    """--workers: a whole number of processes, at least one."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} workers: pass --workers=1 or more")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """One line and exit 2 for a bad flag, as the other commands (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"tputrain launch: error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -14,12 +14,12 @@ import sys
 from typing import Any
 
 import tensorflow as tf
-from absl import app, flags, logging
+from absl import flags, logging
 
 from tputrain.checkpoint import CheckpointMismatchError, NonFiniteStateError
 from tputrain.cli.common import (EXIT_BAD_INPUT, EXIT_TRAINING_FAILED, GIN_FLAGS, build_trainer,
                                  define_gin_flags, error_message, fail, list_in_help,
-                                 parse_gin_flags, reject_arguments)
+                                 parse_gin_flags, reject_arguments, run_command)
 from tputrain.cluster import join_watchdog  # imported before parsing: registers it with gin
 from tputrain.config import write_operative_config
 from tputrain.data import CorruptRecordError, FeatureSpecError
@@ -89,4 +89,4 @@ def main(argv: list[str]) -> None:
 def console_main() -> None:
     """`tputrain [run] --gin_file=...`."""
     define_flags()
-    app.run(main)
+    run_command(main)

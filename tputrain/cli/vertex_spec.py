@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 import sys
 
-from absl import app, flags
+from absl import flags
 
-from tputrain.cli.common import define_gin_flags, list_in_help, reject_arguments
+from tputrain.cli.common import define_gin_flags, list_in_help, reject_arguments, run_command
 from tputrain.vertex import (Hardware, SpecError, build_job, check_bucket, container_args,
                              default_display_name, gpu_hardware, num_replicas, submit,
                              tpu_hardware, validate_config)
@@ -109,4 +109,4 @@ def main(argv: list[str]) -> None:
 def console_main() -> None:
     """`tputrain vertex-spec`."""
     define_flags()
-    app.run(main)
+    run_command(main)

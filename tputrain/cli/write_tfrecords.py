@@ -14,10 +14,10 @@ import sys
 
 from absl import app, flags
 
-from tputrain.cli.common import list_in_help, reject_arguments
+from tputrain.cli.common import list_in_help, reject_arguments, run_command
 from tputrain.data import write_tfrecords
 from tputrain.data.manifest import manifest_path
-from tputrain.write_tfrecords_cli import read_input
+from tputrain.write_tfrecords_cli import check_output_prefix, read_input
 
 FLAGS = flags.FLAGS
 
@@ -45,6 +45,7 @@ def main(argv: list[str]) -> None:
     compression = None if FLAGS.compression == "none" else FLAGS.compression.upper()
     try:
         examples = read_input(FLAGS.input)
+        check_output_prefix(FLAGS.output_prefix)
         paths = write_tfrecords(examples, FLAGS.output_prefix, FLAGS.num_shards, compression,
                                 num_hosts=FLAGS.num_hosts, target_shard_mb=FLAGS.target_shard_mb)
     except (ValueError, TypeError, OSError) as error:
@@ -58,4 +59,4 @@ def main(argv: list[str]) -> None:
 def console_main() -> None:
     """`tputrain write-tfrecords`."""
     define_flags()
-    app.run(main)
+    run_command(main)

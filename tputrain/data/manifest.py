@@ -143,6 +143,9 @@ def read_manifest(path: str) -> Manifest:
     if not tf.io.gfile.exists(path):
         raise FileNotFoundError(f"no manifest at {path!r}: check the path; write_tfrecords writes "
                                 f"'<output_prefix>{MANIFEST_SUFFIX}'")
+    if tf.io.gfile.isdir(path):
+        raise IsADirectoryError(f"the manifest {path!r} is a folder: pass the "
+                                f"'<output_prefix>{MANIFEST_SUFFIX}' file inside it")
     with tf.io.gfile.GFile(path, "r") as f:
         try:
             data = json.load(f)

@@ -131,6 +131,14 @@ def _sources(file_pattern: str | Sequence[str] | None,
     return None, patterns
 
 
+def _is_folder(path: str, matched: int) -> bool:
+    """Whether a glob match is a folder: a local stat, or one remote request when the
+    pattern matched only this path (not one per shard of a large remote glob)."""
+    if "://" not in path or matched == 1:
+        return tf.io.gfile.isdir(path)
+    return False
+
+
 def _glob_shards(pattern: str) -> tuple[list[str], dict[str, str]]:
     """The files `pattern` matches that are read, and those skipped (-> why)."""
     try:
@@ -140,6 +148,12 @@ def _glob_shards(pattern: str) -> tuple[list[str], dict[str, str]]:
     if not matches:
         raise FileNotFoundError(f"no file matches {pattern!r}: check the path, or write the "
                                 "data first (tputrain.data.write_tfrecords)")
+    folders = [path for path in matches if _is_folder(path, len(matches))]
+    if folders and len(folders) == len(matches):
+        raise IsADirectoryError(
+            f"{pattern!r} matches only folders (e.g. {sorted(folders)[0]}), not TFRecord "
+            f"files: glob the shards inside, e.g. '{sorted(folders)[0].rstrip('/')}/*.tfrecord'")
+    matches = [path for path in matches if path not in folders]
     skipped = {path: why for path in matches if (why := writer_side_file(path))}
     kept = [path for path in matches if path not in skipped]
     if not kept:
@@ -324,6 +338,24 @@ class TFRecordInput(BatchedInput):
             check_against_manifest(self.features, manifest)
         return files_list
 
+    def _check_batch_fits(self, files: list[str], global_batch: int) -> None:
+        """A batch larger than the whole data set, when a manifest gives its size:
+        batching a repeated data set would read it over and over into one batch
+        (gigabytes, and the first read never returns), without repeat no batch at all."""
+        manifests = [self.manifest] if self.manifest is not None else manifests_next_to(files)
+        counts: dict[str, int] = {}
+        for manifest in manifests:
+            counts.update(manifest.examples_per_file())
+        if not files or not set(files) <= set(counts):
+            return  # some file's count is unknown
+        examples = sum(counts[path] for path in files)
+        if global_batch > examples:
+            where = manifests[0].location or "its manifest"
+            raise ValueError(
+                f"the global batch of {global_batch} is larger than the {examples} examples "
+                f"the data holds ({where} counts them): lower Trainer.global_batch_size to "
+                f"at most {examples}")
+
     def _read_parallelism(self, files: list[str], cycle_length: int) -> int:
         """Files read by parallel threads: remote reads wait on the network, so let
         tf.data tune up to cycle_length; local reads are CPU work, and more threads
@@ -412,6 +444,8 @@ class TFRecordInput(BatchedInput):
         context = InputContext.from_tf(input_context)
         per_replica_batch = self._per_replica_batch(context)
         file_list = self._list_files()
+        if not self.pad_remainder:  # a padded split takes any batch
+            self._check_batch_fits(file_list, per_replica_batch * context.num_replicas_in_sync)
         register_files(file_list, self.compression_type)
         register_pipeline(file_list, self.features, self.compression_type)
         # A padded (eval) split takes the streamed path, where `pad_to_batch` pads the

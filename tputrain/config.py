@@ -16,6 +16,7 @@ from typing import Sequence
 
 import gin
 
+import tputrain
 import tputrain.tasks  # noqa: F401  (registers the built-in configurables)
 from tputrain import configs  # the repository's configs/ folder, packaged
 
@@ -76,6 +77,7 @@ def parse_gin(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
     installed) are always on the search path, so `--gin_file=digits.gin` works
     from any directory.
     """
+    tputrain.load_api()  # every public configurable (gin's first parse would, too)
     for module in imports:
         try:
             importlib.import_module(module)

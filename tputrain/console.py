@@ -11,10 +11,13 @@ logging itself (a root handler exists).
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.machinery
 import logging as pylogging
 import os
 import sys
 import tempfile
+from types import ModuleType
 from typing import Iterator
 
 from absl import flags
@@ -29,6 +32,13 @@ _CUINIT = "failed call to cuInit"
 
 _handler: pylogging.Handler | None = None
 _quiet = False
+
+
+def _message(record: pylogging.LogRecord) -> str:
+    try:
+        return record.getMessage()
+    except (TypeError, ValueError):  # a malformed call: logging reports it itself
+        return str(record.msg)
 
 
 class _ProgressFilter(pylogging.Filter):
@@ -119,19 +129,67 @@ def native_noise_filtered() -> Iterator[None]:
                 sys.stderr.flush()
 
 
-class _DropSavingChatter(pylogging.Filter):
-    """TF logs 'Sharding callback duration: N microseconds' at INFO after each save."""
+# TensorFlow's Python INFO lines that say nothing to a tputrain user: one per checkpoint
+# save (absl), one per exported SavedModel, one per cross-device reduction on 2+ replicas.
+_LOG_NOISE = ("Sharding callback duration", "Writing fingerprint to", "Reduce to ")
 
+
+class _DropTensorFlowChatter(pylogging.Filter):
     def filter(self, record: pylogging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Sharding callback duration")
+        return not (record.levelno < pylogging.WARNING
+                    and _message(record).startswith(_LOG_NOISE))
 
 
-def quiet_tensorflow_startup() -> None:
-    """Imports TensorFlow and finds its devices with the start-up noise filtered, and
-    drops TF's per-save chatter. Called once when tputrain is imported."""
-    with native_noise_filtered():
-        import tensorflow as tf  # noqa: F401  (the import is what prints)
+def _quiet_tensorflow_logs(tf_logger: pylogging.Logger) -> None:
+    """Drops the chatter above, and TensorFlow's own handler: it prints each of its lines
+    a second time once the root has a handler (absl adds one on its first log call)."""
+    for logger in (pylogging.getLogger("absl"), tf_logger):
+        if not any(isinstance(f, _DropTensorFlowChatter) for f in logger.filters):
+            logger.addFilter(_DropTensorFlowChatter())
+    for handler in list(tf_logger.handlers):
+        if type(handler) is pylogging.StreamHandler:  # pylint: disable=unidiomatic-typecheck
+            tf_logger.removeHandler(handler)
 
-        tf.config.list_physical_devices()
-    pylogging.getLogger("tensorflow").addFilter(_DropSavingChatter())
 
+class _FilteredLoader(importlib.abc.Loader):
+    """TensorFlow's own loader, run with the start-up noise filtered (see below)."""
+
+    def __init__(self, loader: importlib.abc.Loader):
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__loader__ = module.__spec__.loader = self.loader
+        with native_noise_filtered():
+            self.loader.exec_module(module)
+            module.config.list_physical_devices()  # the device search prints, too
+        _quiet_tensorflow_logs(module.get_logger())
+
+
+class _FilteredImport(importlib.abc.MetaPathFinder):
+    """Finds `tensorflow` the usual way, once, and hands it `_FilteredLoader`."""
+
+    def find_spec(self, fullname: str, path, target=None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "tensorflow":
+            return None
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _FilteredImport)]
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _FilteredLoader(spec.loader)
+        return spec
+
+
+def filter_tensorflow_startup() -> None:
+    """Whoever imports TensorFlow first (tputrain, Keras, the user), it imports and finds
+    its devices with the start-up noise filtered. Called when tputrain is imported;
+    when TensorFlow already was, the lines its import printed are out of reach: only
+    its device search (cuInit) and Python log lines are filtered."""
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and hasattr(tf, "get_logger"):
+        with native_noise_filtered():  # the device search prints, if it has not run yet
+            tf.config.list_physical_devices()
+        _quiet_tensorflow_logs(tf.get_logger())
+    elif not any(isinstance(f, _FilteredImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _FilteredImport())

@@ -110,6 +110,14 @@ def _wants_help(args: list[str]) -> bool:
     return any(arg in _COMMAND_HELP for arg in own)
 
 
+def _info_lines_without_prefix() -> None:
+    """The CLI's INFO lines (progress) without absl's 55-character prefix;
+    `--showprefixforinfo` brings it back."""
+    from absl import logging  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    # (importing absl.logging defines the flag)
+    flags.FLAGS.set_default("showprefixforinfo", False)
+
+
 def console_main() -> None:
     """Entry point of the `tputrain` console script (and `python -m tputrain.run`)."""
     if sys.argv[1:] in _HELP:
@@ -124,4 +132,5 @@ def console_main() -> None:
         print(HELP[command], end="")
         sys.exit(0)
     sys.argv[0] = usage_name  # absl's usage line (and --help's flag list) names the command
+    _info_lines_without_prefix()
     command_module(command).console_main()

@@ -2,11 +2,15 @@
 
 tputrain logs through absl. The CLI (absl `app.run`) prints INFO lines; a plain
 Python script would print nothing, because Python's logging drops INFO by
-default. `show_progress()` (called by every `Trainer`) then prints tputrain's
-own lines, without absl's prefixes, and every warning, on stderr. It stays out
-of the way when absl's CLI logging is on or when the program configured Python
-logging itself (a root handler exists).
-"""
+default. `show_progress()` (called by `resolve_strategy`, `set_precision_policy`
+and every `Trainer`, whichever comes first) then prints tputrain's own lines,
+without absl's prefixes, and every warning, on stderr. It stays out of the way
+when absl's CLI logging is on or when the program configured Python logging
+itself (`user_configured_logging`).
+
+TensorFlow's start-up noise is filtered by an import hook that tputrain installs
+when imported (`filter_tensorflow_startup`), so whoever imports TensorFlow first
+afterwards gets the quiet start-up."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from types import ModuleType
 from typing import Iterator
 
 from absl import flags
+from absl import logging as absl_logging
 
 # TensorFlow's start-up lines that say nothing to a tputrain user (each printed once
 # per TF import, some twice). The cuInit error is dropped only when TF also said it
@@ -42,10 +47,13 @@ def _message(record: pylogging.LogRecord) -> str:
 
 
 class _ProgressFilter(pylogging.Filter):
+    """tputrain's own INFO lines (by their text, `logging.info("%s", line)` too)
+    and every warning."""
+
     def filter(self, record: pylogging.LogRecord) -> bool:
         if record.levelno >= pylogging.WARNING:
             return True
-        return record.levelno >= pylogging.INFO and str(record.msg).startswith("tputrain:")
+        return record.levelno >= pylogging.INFO and _message(record).startswith("tputrain:")
 
 
 class _Formatter(pylogging.Formatter):
@@ -56,11 +64,31 @@ class _Formatter(pylogging.Formatter):
         return message
 
 
+def _is_default_stderr_handler(handler: pylogging.Handler) -> bool:
+    """What a bare `logging.basicConfig()` adds, as absl's first log call does by itself."""
+    return (type(handler) is pylogging.StreamHandler and handler.stream is sys.stderr
+            and handler.formatter is not None
+            and handler.formatter._fmt == pylogging.BASIC_FORMAT)  # pylint: disable=protected-access
+
+
+def user_configured_logging() -> bool:
+    """True when the program set up Python logging itself: a root handler other than
+    absl's own and a bare `basicConfig()`'s, or a root level other than WARNING.
+    absl (and TensorFlow through it) adds the latter on its first log call, so it
+    says nothing about what the user wants."""
+    root = pylogging.getLogger()
+    own = [handler for handler in root.handlers if handler is not absl_logging.get_absl_handler()
+           and not _is_default_stderr_handler(handler)]
+    return bool(own) or (bool(root.handlers) and root.level != pylogging.WARNING)
+
+
 def show_progress(enabled: bool = True) -> None:
     """Prints tputrain's progress lines on stderr in a plain Python program.
 
     `show_progress(False)` silences them (warnings still show); Trainers created
-    afterwards do not turn them back on.
+    afterwards do not turn them back on. An absl app (flags parsed) and a program
+    that configured logging itself (`user_configured_logging`) keep their own
+    output.
     """
     global _handler, _quiet
     _quiet = not enabled
@@ -71,13 +99,13 @@ def show_progress(enabled: bool = True) -> None:
             absl_logger.propagate = True
             _handler = None
         return
-    if _handler is not None or flags.FLAGS.is_parsed() or pylogging.getLogger().handlers:
+    if _handler is not None or flags.FLAGS.is_parsed() or user_configured_logging():
         return
     _handler = pylogging.StreamHandler(sys.stderr)
     _handler.addFilter(_ProgressFilter())
     _handler.setFormatter(_Formatter())
     absl_logger.addHandler(_handler)
-    # Ours alone: a root handler that a library adds later would print each line twice.
+    # Ours alone: the root handler absl adds on its first call would print each line twice.
     absl_logger.propagate = False
     if absl_logger.getEffectiveLevel() > pylogging.INFO:
         absl_logger.setLevel(pylogging.INFO)

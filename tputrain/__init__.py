@@ -1,69 +1,103 @@
 """tputrain: a TPU-first training library for TensorFlow 2 / Keras 3.
 
 The public API is re-exported here; everything else is an implementation detail.
+
+Importing tputrain does not import TensorFlow (`tputrain --help` answers without
+it): the first use of a public name loads the whole API (PEP 562 `__getattr__`),
+registering every gin configurable, as the first gin parse or binding does, so
+`import tputrain; gin.parse_config_file(...)` works as before. Whoever imports
+TensorFlow first afterwards, it starts with its start-up noise filtered
+(`tputrain.console.filter_tensorflow_startup`).
 """
 
+from __future__ import annotations
+
+import importlib
 import os
+from typing import Any
 
 # TensorFlow's C++ INFO lines drown the progress lines; users can still override.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
-from tputrain.console import quiet_tensorflow_startup  # noqa: E402
+from tputrain.console import filter_tensorflow_startup  # noqa: E402  (imports no TensorFlow)
 
-quiet_tensorflow_startup()  # before any other import of TensorFlow (docs/architecture.md)
-
-from tputrain import data  # noqa: E402
-from tputrain.actions import Action  # noqa: E402
-from tputrain.console import show_progress  # noqa: E402
-from tputrain.controller import Controller  # noqa: E402
-from tputrain.checkpoint import Checkpointer, CheckpointMismatchError  # noqa: E402
-from tputrain.guard import NonFiniteError, NonFiniteGuard  # noqa: E402
-from tputrain.preemption import PREEMPTED_EXIT_CODE, Preempted  # noqa: E402
-from tputrain.audit import audit_precision  # noqa: E402
-from tputrain.lars import LARS  # noqa: E402
-from tputrain.layer_precision import override_layer_dtypes  # noqa: E402
-from tputrain.optimizers import build_optimizer  # noqa: E402
-from tputrain.schedules import WarmupDecay, scale_learning_rate, warmup_schedule  # noqa: E402
-from tputrain.precision import set_precision_policy  # noqa: E402
-from tputrain.strategy import resolve_strategy, split_cpu  # noqa: E402
-from tputrain.task import Task  # noqa: E402
-from tputrain.trainer import Trainer  # noqa: E402
-from tputrain.best import BestCheckpoint, EarlyStopping  # noqa: E402
-from tputrain.export import Export, export_checkpoint  # noqa: E402
-from tputrain.init_checkpoint import InitCheckpoint  # noqa: E402
-from tputrain.sidecar import NoNewCheckpointError, ReadOnlyTrainer, evaluate_checkpoints  # noqa: E402
+filter_tensorflow_startup()  # before anything imports TensorFlow (docs/architecture.md)
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Action",
-    "BestCheckpoint",
-    "EarlyStopping",
-    "Export",
-    "InitCheckpoint",
-    "NoNewCheckpointError",
-    "ReadOnlyTrainer",
-    "evaluate_checkpoints",
-    "export_checkpoint",
-    "Controller",
-    "show_progress",
-    "Checkpointer",
-    "CheckpointMismatchError",
-    "NonFiniteError",
-    "NonFiniteGuard",
-    "PREEMPTED_EXIT_CODE",
-    "Preempted",
-    "LARS",
-    "WarmupDecay",
-    "audit_precision",
-    "override_layer_dtypes",
-    "scale_learning_rate",
-    "warmup_schedule",
-    "Task",
-    "Trainer",
-    "build_optimizer",
-    "data",
-    "resolve_strategy",
-    "set_precision_policy",
-    "split_cpu",
-]
+# Public name -> the module defining it.
+_EXPORTS = {
+    "data": "tputrain.data",
+    "Action": "tputrain.actions",
+    "show_progress": "tputrain.console",
+    "Controller": "tputrain.controller",
+    "Checkpointer": "tputrain.checkpoint",
+    "CheckpointMismatchError": "tputrain.checkpoint",
+    "NonFiniteError": "tputrain.guard",
+    "NonFiniteGuard": "tputrain.guard",
+    "PREEMPTED_EXIT_CODE": "tputrain.preemption",
+    "Preempted": "tputrain.preemption",
+    "audit_precision": "tputrain.audit",
+    "LARS": "tputrain.lars",
+    "override_layer_dtypes": "tputrain.layer_precision",
+    "build_optimizer": "tputrain.optimizers",
+    "WarmupDecay": "tputrain.schedules",
+    "scale_learning_rate": "tputrain.schedules",
+    "warmup_schedule": "tputrain.schedules",
+    "set_precision_policy": "tputrain.precision",
+    "resolve_strategy": "tputrain.strategy",
+    "split_cpu": "tputrain.strategy",
+    "Task": "tputrain.task",
+    "Trainer": "tputrain.trainer",
+    "BestCheckpoint": "tputrain.best",
+    "EarlyStopping": "tputrain.best",
+    "Export": "tputrain.export",
+    "export_checkpoint": "tputrain.export",
+    "InitCheckpoint": "tputrain.init_checkpoint",
+    "NoNewCheckpointError": "tputrain.sidecar",
+    "ReadOnlyTrainer": "tputrain.sidecar",
+    "evaluate_checkpoints": "tputrain.sidecar",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def load_api() -> None:
+    """Imports every public module, so their gin configurables are registered."""
+    for name, module in _EXPORTS.items():
+        value = importlib.import_module(module)
+        globals()[name] = value if module.endswith(f".{name}") else getattr(value, name)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tputrain' has no attribute {name!r}")
+    load_api()
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+def _register_before_gin() -> None:
+    """Loads the API before gin's first parse or binding (gin resolves names then)."""
+    import gin  # light: no TensorFlow
+
+    def loading(original):
+        def wrapper(*args, **kwargs):
+            load_api()
+            return original(*args, **kwargs)
+        wrapper.__wrapped__ = original
+        wrapper.__doc__ = original.__doc__
+        return wrapper
+
+    for name in ("parse_config", "bind_parameter"):
+        original = getattr(gin.config, name)
+        if getattr(original, "__wrapped__", None) is None:
+            setattr(gin.config, name, loading(original))
+        if getattr(gin, name) is original:
+            setattr(gin, name, getattr(gin.config, name))
+
+
+_register_before_gin()

@@ -2,22 +2,30 @@
 
 tputrain logs through absl. The CLI (absl `app.run`) prints INFO lines; a plain
 Python script would print nothing, because Python's logging drops INFO by
-default. `show_progress()` (called by every `Trainer`) then prints tputrain's
-own lines, without absl's prefixes, and every warning, on stderr. It stays out
-of the way when absl's CLI logging is on or when the program configured Python
-logging itself (a root handler exists).
-"""
+default. `show_progress()` (called by `resolve_strategy`, `set_precision_policy`
+and every `Trainer`, whichever comes first) then prints tputrain's own lines,
+without absl's prefixes, and every warning, on stderr. It stays out of the way
+when absl's CLI logging is on or when the program configured Python logging
+itself (`user_configured_logging`).
+
+TensorFlow's start-up noise is filtered by an import hook that tputrain installs
+when imported (`filter_tensorflow_startup`), so whoever imports TensorFlow first
+afterwards gets the quiet start-up."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.machinery
 import logging as pylogging
 import os
 import sys
 import tempfile
+from types import ModuleType
 from typing import Iterator
 
 from absl import flags
+from absl import logging as absl_logging
 
 # TensorFlow's start-up lines that say nothing to a tputrain user (each printed once
 # per TF import, some twice). The cuInit error is dropped only when TF also said it
@@ -31,11 +39,21 @@ _handler: pylogging.Handler | None = None
 _quiet = False
 
 
+def _message(record: pylogging.LogRecord) -> str:
+    try:
+        return record.getMessage()
+    except (TypeError, ValueError):  # a malformed call: logging reports it itself
+        return str(record.msg)
+
+
 class _ProgressFilter(pylogging.Filter):
+    """tputrain's own INFO lines (by their text, `logging.info("%s", line)` too)
+    and every warning."""
+
     def filter(self, record: pylogging.LogRecord) -> bool:
         if record.levelno >= pylogging.WARNING:
             return True
-        return record.levelno >= pylogging.INFO and str(record.msg).startswith("tputrain:")
+        return record.levelno >= pylogging.INFO and _message(record).startswith("tputrain:")
 
 
 class _Formatter(pylogging.Formatter):
@@ -46,11 +64,31 @@ class _Formatter(pylogging.Formatter):
         return message
 
 
+def _is_default_stderr_handler(handler: pylogging.Handler) -> bool:
+    """What a bare `logging.basicConfig()` adds, as absl's first log call does by itself."""
+    return (type(handler) is pylogging.StreamHandler and handler.stream is sys.stderr
+            and handler.formatter is not None
+            and handler.formatter._fmt == pylogging.BASIC_FORMAT)  # pylint: disable=protected-access
+
+
+def user_configured_logging() -> bool:
+    """True when the program set up Python logging itself: a root handler other than
+    absl's own and a bare `basicConfig()`'s, or a root level other than WARNING.
+    absl (and TensorFlow through it) adds the latter on its first log call, so it
+    says nothing about what the user wants."""
+    root = pylogging.getLogger()
+    own = [handler for handler in root.handlers if handler is not absl_logging.get_absl_handler()
+           and not _is_default_stderr_handler(handler)]
+    return bool(own) or (bool(root.handlers) and root.level != pylogging.WARNING)
+
+
 def show_progress(enabled: bool = True) -> None:
     """Prints tputrain's progress lines on stderr in a plain Python program.
 
     `show_progress(False)` silences them (warnings still show); Trainers created
-    afterwards do not turn them back on.
+    afterwards do not turn them back on. An absl app (flags parsed) and a program
+    that configured logging itself (`user_configured_logging`) keep their own
+    output.
     """
     global _handler, _quiet
     _quiet = not enabled
@@ -61,13 +99,13 @@ def show_progress(enabled: bool = True) -> None:
             absl_logger.propagate = True
             _handler = None
         return
-    if _handler is not None or flags.FLAGS.is_parsed() or pylogging.getLogger().handlers:
+    if _handler is not None or flags.FLAGS.is_parsed() or user_configured_logging():
         return
     _handler = pylogging.StreamHandler(sys.stderr)
     _handler.addFilter(_ProgressFilter())
     _handler.setFormatter(_Formatter())
     absl_logger.addHandler(_handler)
-    # Ours alone: a root handler that a library adds later would print each line twice.
+    # Ours alone: the root handler absl adds on its first call would print each line twice.
     absl_logger.propagate = False
     if absl_logger.getEffectiveLevel() > pylogging.INFO:
         absl_logger.setLevel(pylogging.INFO)
@@ -119,19 +157,67 @@ def native_noise_filtered() -> Iterator[None]:
                 sys.stderr.flush()
 
 
-class _DropSavingChatter(pylogging.Filter):
-    """TF logs 'Sharding callback duration: N microseconds' at INFO after each save."""
+# TensorFlow's Python INFO lines that say nothing to a tputrain user: one per checkpoint
+# save (absl), one per exported SavedModel, one per cross-device reduction on 2+ replicas.
+_LOG_NOISE = ("Sharding callback duration", "Writing fingerprint to", "Reduce to ")
 
+
+class _DropTensorFlowChatter(pylogging.Filter):
     def filter(self, record: pylogging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Sharding callback duration")
+        return not (record.levelno < pylogging.WARNING
+                    and _message(record).startswith(_LOG_NOISE))
 
 
-def quiet_tensorflow_startup() -> None:
-    """Imports TensorFlow and finds its devices with the start-up noise filtered, and
-    drops TF's per-save chatter. Called once when tputrain is imported."""
-    with native_noise_filtered():
-        import tensorflow as tf  # noqa: F401  (the import is what prints)
+def _quiet_tensorflow_logs(tf_logger: pylogging.Logger) -> None:
+    """Drops the chatter above, and TensorFlow's own handler: it prints each of its lines
+    a second time once the root has a handler (absl adds one on its first log call)."""
+    for logger in (pylogging.getLogger("absl"), tf_logger):
+        if not any(isinstance(f, _DropTensorFlowChatter) for f in logger.filters):
+            logger.addFilter(_DropTensorFlowChatter())
+    for handler in list(tf_logger.handlers):
+        if type(handler) is pylogging.StreamHandler:  # pylint: disable=unidiomatic-typecheck
+            tf_logger.removeHandler(handler)
 
-        tf.config.list_physical_devices()
-    pylogging.getLogger("tensorflow").addFilter(_DropSavingChatter())
 
+class _FilteredLoader(importlib.abc.Loader):
+    """TensorFlow's own loader, run with the start-up noise filtered (see below)."""
+
+    def __init__(self, loader: importlib.abc.Loader):
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__loader__ = module.__spec__.loader = self.loader
+        with native_noise_filtered():
+            self.loader.exec_module(module)
+            module.config.list_physical_devices()  # the device search prints, too
+        _quiet_tensorflow_logs(module.get_logger())
+
+
+class _FilteredImport(importlib.abc.MetaPathFinder):
+    """Finds `tensorflow` the usual way, once, and hands it `_FilteredLoader`."""
+
+    def find_spec(self, fullname: str, path, target=None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "tensorflow":
+            return None
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _FilteredImport)]
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _FilteredLoader(spec.loader)
+        return spec
+
+
+def filter_tensorflow_startup() -> None:
+    """Whoever imports TensorFlow first (tputrain, Keras, the user), it imports and finds
+    its devices with the start-up noise filtered. Called when tputrain is imported;
+    when TensorFlow already was, the lines its import printed are out of reach: only
+    its device search (cuInit) and Python log lines are filtered."""
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and hasattr(tf, "get_logger"):
+        with native_noise_filtered():  # the device search prints, if it has not run yet
+            tf.config.list_physical_devices()
+        _quiet_tensorflow_logs(tf.get_logger())
+    elif not any(isinstance(f, _FilteredImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _FilteredImport())

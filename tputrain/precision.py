@@ -24,6 +24,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tputrain.console import default_progress
+
 VALID_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 
 
@@ -52,6 +54,7 @@ def set_precision_policy(
             f"or None for the default (mixed_bfloat16 on TPU, else float32)."
         )
     keras.mixed_precision.set_global_policy(name)
+    default_progress()  # often called before any Trainer
     logging.info("tputrain: precision policy %s.", name)
     return name
 

@@ -60,6 +60,7 @@ class Progress:
         self._steps_per_second: float | None = None
         self._flops_per_step: float | None = None
         self._peak_flops: float | None = None
+        self._first_loop: tuple[int, float] | None = None  # (steps, seconds) until priced
 
     def set_flops(self, flops_per_step: float, peak_flops: float) -> None:
         """Enables MFU each loop (`tputrain.flops.model_flops_utilization`)."""
@@ -107,11 +108,6 @@ class Progress:
         `tputrain diagnose` measures that (docs/input_pipeline.md).
         """
         steps_per_second = steps / max(seconds, 1e-9)
-        # Smooth the ETA; the first loop (tracing) is not representative.
-        if self._steps_per_second is None:
-            self._steps_per_second = steps_per_second
-        else:
-            self._steps_per_second = 0.7 * self._steps_per_second + 0.3 * steps_per_second
         rates = {"steps_per_second": steps_per_second,
                  "examples_per_second": steps_per_second * self.global_batch_size,
                  "input/stall_fraction": min(1.0, input_wait / max(seconds, 1e-9))}
@@ -120,14 +116,33 @@ class Progress:
             rates["mfu"] = model_flops_utilization(self._flops_per_step, steps_per_second,
                                                    self._peak_flops)
             mfu = f" | MFU {100 * rates['mfu']:.1f}%"
-        eta = max(0, self.train_steps - step) / self._steps_per_second
         logging.info("tputrain: step %d/%d | %s | %.0f examples/s | %.2f steps/s%s | "
-                     "input stall %.1f%% | ETA %s",
-                     step, self.train_steps, _format_logs(logs),
+                     "input stall %.1f%%%s", step, self.train_steps, _format_logs(logs),
                      rates["examples_per_second"], steps_per_second, mfu,
-                     100 * rates["input/stall_fraction"], _format_duration(eta))
+                     100 * rates["input/stall_fraction"], self._timing(step, steps, seconds))
         self.write_scalars("train", step, {**logs, **rates})
         return rates
+
+    def _timing(self, step: int, steps: int, seconds: float) -> str:
+        """The line's tail. The first loop's rates hold tracing and compiling: its line
+        says so and gives no ETA; the next one shows that loop's time beyond its steps
+        at the steady rate as `compile` (as `tputrain.goodput` splits it), and the ETA
+        from the loops after the first."""
+        remaining = max(0, self.train_steps - step)
+        if self._steps_per_second is None and getattr(self, "_first_loop", None) is None:
+            self._first_loop = (steps, seconds)
+            eta = "after the next loop" if remaining else "0s"
+            return f" | compiling in this loop | ETA {eta}"
+        steps_per_second = steps / max(seconds, 1e-9)
+        compile_figure = ""
+        if getattr(self, "_first_loop", None) is not None:
+            first_steps, first_seconds = self._first_loop
+            compile_seconds = max(0.0, first_seconds - first_steps / steps_per_second)
+            compile_figure = f" | compile {_format_duration(compile_seconds)}"
+            self._first_loop = None
+        self._steps_per_second = (steps_per_second if self._steps_per_second is None else
+                                  0.7 * self._steps_per_second + 0.3 * steps_per_second)
+        return f"{compile_figure} | ETA {_format_duration(remaining / self._steps_per_second)}"
 
     def eval_done(self, step: int, logs: Mapping[str, float], seconds: float,
                   eval_steps: int | None = None) -> None:

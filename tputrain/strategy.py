@@ -34,6 +34,7 @@ from absl import logging
 
 from tputrain.cluster import read_tf_config
 from tputrain.communication import CommunicationOptions
+from tputrain.console import default_progress
 
 VALID_STRATEGIES = ("tpu", "multi_worker", "mirrored", "one_device", "cpu")
 
@@ -159,6 +160,7 @@ def resolve_strategy(
             ) from e
         decision = _decide(tpu, strategy, tpu_failure=str(e))
         built = _build(decision, communication)
+    default_progress()  # often called before any Trainer: its line must show, too
     logging.info("%s", _describe(decision, built))
     return built
 

@@ -448,11 +448,11 @@ class TFRecordInput(BatchedInput):
             self._check_batch_fits(file_list, per_replica_batch * context.num_replicas_in_sync)
         register_files(file_list, self.compression_type)
         register_pipeline(file_list, self.features, self.compression_type)
-        # A padded (eval) split takes the streamed path, where `pad_to_batch` pads the
-        # last batch; cache="memory" then keeps the serialized records in tf.data's cache.
-        in_memory = self.cache == "memory" and not self.pad_remainder
+        in_memory = self.cache == "memory"
         records = self._records(file_list, context, in_memory)
-        if in_memory:
+        if in_memory and self.pad_remainder:  # a finite (eval) split, its last batch padded
+            dataset = self._padded_batches(self._read_all(records, context), per_replica_batch)
+        elif in_memory:
             dataset = in_memory_batches(
                 self._read_all(records, context), per_replica_batch,
                 shuffle=self.shuffle, seed=self.seed, repeat=self.repeat,
@@ -464,6 +464,17 @@ class TFRecordInput(BatchedInput):
             if self.pad_remainder:
                 dataset = dataset.map(lambda *batch: pad_to_batch(batch, per_replica_batch))
         return self._finish(dataset, context)
+
+    def _padded_batches(self, examples: dict[str, tf.Tensor], batch_size: int) -> tf.data.Dataset:
+        """One pass over parsed examples held in RAM, the last batch padded. Not a
+        tf.data `cache()`: an iterator that stops early (the Trainer's one-batch probe,
+        `eval_steps`) would make TensorFlow discard it, with a warning each time."""
+        dataset = tf.data.Dataset.from_tensor_slices(examples)
+        if self.shuffle:
+            dataset = dataset.shuffle(int(tf.shape(next(iter(examples.values())))[0]),
+                                      seed=self.seed, reshuffle_each_iteration=True)
+        dataset = dataset.batch(batch_size).map(lambda batch: split_label(batch, self.label_key))
+        return dataset.map(lambda *batch: pad_to_batch(batch, batch_size))
 
     def _read_all(self, records: tf.data.Dataset, context: InputContext) -> dict[str, tf.Tensor]:
         """Reads and parses all of this pipeline's records now (cache="memory")."""

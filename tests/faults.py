@@ -167,6 +167,56 @@ class AugmentTask(FaultTask):
             flip_and_noise, seed=self.augment_seed, input_context=input_context))
 
 
+_RECORD_LOCK = threading.Lock()
+
+
+@gin.configurable
+class IndexedTask(TinyTask):
+    """Examples that carry their index: element i of one deterministic order, each
+    host reading every n-th (`Dataset.shard` of examples, before batching). Every
+    index a train step computes its loss on is appended to `record_dir/seen-<pid>.txt`
+    (eval examples are index -1), so a test sees which examples were trained on."""
+
+    def __init__(self, record_dir: str):
+        super().__init__()
+        self.record_dir = record_dir
+        os.makedirs(record_dir, exist_ok=True)
+
+    def build_inputs(self, split, input_context):
+        batch = input_context.get_per_replica_batch_size(input_context.global_batch_size)
+        train = split == "train"
+        dataset = tf.data.Dataset.range(1 << 20 if train else 64)
+        dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+
+        def example(i):
+            x = tf.one_hot(i % 8, 8, dtype=tf.float32)
+            return {"x": x}, {"label": i % 2, "index": i if train else tf.constant(-1, tf.int64)}
+        return dataset.map(example).batch(batch, drop_remainder=True)
+
+    def compute_loss(self, labels, outputs):
+        done = tf.py_function(self._record, [labels["index"]], Tout=tf.bool)
+        with tf.control_dependencies([done]):
+            return keras.losses.sparse_categorical_crossentropy(labels["label"], outputs,
+                                                                from_logits=True)
+
+    def build_metrics(self):
+        return []
+
+    def _record(self, index: tf.Tensor) -> bool:
+        trained = [str(i) for i in index.numpy().tolist() if i >= 0]
+        if trained:
+            with _RECORD_LOCK, open(os.path.join(self.record_dir, f"seen-{os.getpid()}.txt"),
+                                    "a") as f:
+                f.write("\n".join(trained) + "\n")
+        return True
+
+
+def trained_indices(record_dir: str | Path) -> list[int]:
+    """Every index an `IndexedTask` trained on (in any process), sorted."""
+    return sorted(int(line) for path in Path(record_dir).glob("seen-*.txt")
+                  for line in path.read_text().split())
+
+
 INPUT_NORM_MOMENTUM = 0.5
 
 

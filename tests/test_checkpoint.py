@@ -1,5 +1,6 @@
 """Checkpointer: torn writes ignored, corrupt latest falls back, mismatch named, async saves."""
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -16,6 +17,7 @@ from tputrain.checkpoint import (CheckpointMismatchError, Checkpointer, InputLay
                                  seed_generator_states)
 from tputrain.input_layout import InputLayout
 from tputrain.preemption import Preempted
+from faults import IndexedTask, trained_indices
 from tiny import TinyTask, strategy_for, weights
 
 
@@ -371,63 +373,91 @@ def test_input_layout_json_without_fetch_is_a_stacked_one():
     assert InputLayout.from_json(old) == InputLayout(1, 1, 16, fetch="stacked")
     direct = InputLayout(replicas=1, hosts=1, global_batch=16, fetch="direct")
     assert InputLayout.from_json(direct.to_json()) == direct
+    # Nor a start: their examples consumed are step x global batch.
+    assert InputLayout.from_json(old).examples(5) == 80
+    started = InputLayout(1, 1, 16, start_step=3, start_examples=60)
+    assert InputLayout.from_json(started.to_json()) == started and started.examples(5) == 92
 
 
-def test_a_changed_global_batch_is_refused_naming_both_and_the_checkpoint_is_kept(tmp_path):
-    """A step of 16 examples is not one of 32: no data position to skip to. The error
-    names both layouts and what to do; nothing is moved aside as damaged."""
+def indexed_trainer(model_dir, replicas, global_batch_size, train_steps, **kwargs):
+    options = dict(steps_per_loop=2, checkpoint_every=2, eval_steps=1, report_mfu=False,
+                   jit_compile=False, steps_per_program=1)  # py_function records in the step
+    options.update(kwargs)
+    return tputrain.Trainer(IndexedTask(str(Path(model_dir).parent / "seen")), str(model_dir),
+                            strategy=strategy_for(replicas), global_batch_size=global_batch_size,
+                            train_steps=train_steps, **options)
+
+
+@pytest.mark.parametrize("input_mode", ["host", "distributed"])
+def test_changed_replicas_and_global_batch_continue_from_the_examples_consumed(
+        tmp_path, caplog, input_mode):
+    """Issue 33 item 8: 1 -> 2 replicas, then a doubled global batch, then one that does
+    not divide the examples consumed, each resumed (a same-layout resume between)
+    with the step and optimizer continuing and the input read past the examples
+    consumed: from the indices trained on, none twice and none left out but the
+    documented round-up to the next whole batch. Replaces the tests that these
+    global-batch changes were refused."""
     model_dir = tmp_path / "model"
-    tiny_trainer(model_dir, 1).train()
-    written = checkpoint_files(model_dir / "checkpoints")
-    with pytest.raises(InputLayoutError) as caught:
-        tiny_trainer(model_dir, 2, global_batch_size=32, train_steps=8).train()
-    message = str(caught.value)
-    assert all(words in message for words in
-               ("ckpt-4", "1 replica on 1 host, global batch 16",
-                "2 replicas on 1 host, global batch 32", "intact", "InitCheckpoint")), message
-    assert checkpoint_files(model_dir / "checkpoints") == written
-    assert not (model_dir / "checkpoints" / "damaged").exists()
+    segments = [(1, 16, 3), (2, 16, 6), (2, 32, 7), (2, 32, 8), (2, 24, 10)]
+    for replicas, batch, steps in segments:
+        run = indexed_trainer(model_dir, replicas, batch, steps, input_mode=input_mode)
+        with caplog.at_level(logging.WARNING):
+            run.train()
+        assert run.current_step == steps and int(run.optimizer.iterations.numpy()) == steps
+    # 3 x 16 + 3 x 16 + 2 x 32 = 160 examples; 160 is not a multiple of 24: the input
+    # resumes at the 7th batch of 24 (168), and examples 160-167 are never trained on.
+    assert trained_indices(tmp_path / "seen") == list(range(160)) + list(range(168, 216))
+    lines = [r.getMessage() for r in caplog.records if "examples consumed" in r.getMessage()]
+    assert len(lines) == 3, lines
+    assert all(words in lines[0] for words in (
+        "ckpt-3", "1 replica on 1 host, global batch 16", "2 replicas on 1 host, global batch 16",
+        "skipped 3 steps of 16 examples: the 48 examples consumed (exact")), lines[0]
+    assert "ckpt-6" in lines[1] and "skipped 3 steps of 32 examples: the 96 examples " \
+        "consumed (exact" in lines[1] and "a step is now 32 examples (was 16)" in lines[1]
+    assert "ckpt-8" in lines[2] and "skipped 7 steps of 24 examples: the 160 examples " \
+        "consumed and the next 8 (to a whole batch of this run; never trained on)" in lines[2]
+    reader = tf.train.load_checkpoint(str(model_dir / "checkpoints" / "ckpt-10"))
+    recorded = InputLayout.from_json(reader.get_tensor("input_layout/.ATTRIBUTES/VARIABLE_VALUE"))
+    assert (recorded.global_batch, recorded.start_step, recorded.start_examples) == (24, 8, 168)
+    assert recorded.examples(10) == 216
 
 
-def test_distributed_input_a_changed_global_batch_is_refused_another_replica_count_resumes(
-        tmp_path):
-    """input_mode="distributed" recovers the data position by skipping `step` batches
-    of the *current* global batch: with another global batch that is another position,
-    so it is refused as in host mode; another replica count skips to the same one."""
-    model_dir = tmp_path / "model"
-    tiny_trainer(model_dir, 1, input_mode="distributed").train()
-    written = checkpoint_files(model_dir / "checkpoints")
-    with pytest.raises(InputLayoutError, match="global batch 16.*global batch 32"):
-        tiny_trainer(model_dir, 1, input_mode="distributed", global_batch_size=32,
-                     train_steps=8).train()
-    assert checkpoint_files(model_dir / "checkpoints") == written
-    resumed = tiny_trainer(model_dir, 2, input_mode="distributed", train_steps=8)
-    resumed.train()
-    assert resumed.current_step == 8
-
-
-def test_without_data_state_another_host_count_warns_and_restores(tmp_path, caplog):
-    """Checkpointer level, as input_mode="distributed" uses it (no iterator saved): each
-    host then skips its share in its own shard, close to the position but not it."""
+def test_without_data_state_other_hosts_and_batches_restore_at_the_examples_consumed(
+        tmp_path, caplog):
+    """Checkpointer level, as input_mode="distributed" uses it (no iterator saved):
+    another host count restores with one line saying the position is exact only for
+    inputs sharded by example; another global batch (refused before) restores with the
+    input position rounded up to its whole batches, and that start is carried on by
+    the next checkpoint and resume under the same layout."""
     one = InputLayout(replicas=1, hosts=1, global_batch=16)
     save_at(make(tmp_path, data_state=False, input_layout=one), 2, 2.0)
     two_hosts = InputLayout(replicas=2, hosts=2, global_batch=16)
     restored = make(tmp_path, data_state=False, input_layout=two_hosts)
     with caplog.at_level("WARNING"):
         assert restored.restore_latest().endswith("ckpt-2")
-    assert kernel_value(restored) == 2.0
-    warnings = [r.getMessage() for r in caplog.records if "not exactly" in r.getMessage()]
+    assert kernel_value(restored) == 2.0 and restored.recorded_layout.input_steps(2) == 2
+    warnings = [r.getMessage() for r in caplog.records if "examples consumed" in r.getMessage()]
     assert len(warnings) == 1 and "1 replica on 1 host" in warnings[0], warnings
-    other_batch = InputLayout(replicas=1, hosts=1, global_batch=8)
-    with pytest.raises(InputLayoutError, match="a step was 16 examples and is now 8"):
-        make(tmp_path, data_state=False, input_layout=other_batch).restore_latest()
+    assert "the 32 examples consumed (the input was split into 1 host shard(s), now 2: " \
+        "exact only where each host reads every n-th example" in warnings[0], warnings[0]
+
+    other_batch = InputLayout(replicas=1, hosts=1, global_batch=12)
+    resized = make(tmp_path, data_state=False, input_layout=other_batch)
+    assert resized.restore_latest().endswith("ckpt-2") and kernel_value(resized) == 2.0
+    assert resized.recorded_layout == dataclasses.replace(other_batch, start_step=2,
+                                                          start_examples=36)
+    assert resized.recorded_layout.input_steps(2) == 3  # 32 examples: 3 batches of 12
+    save_at(resized, 4, 4.0)
+    again = make(tmp_path, data_state=False, input_layout=other_batch)
+    assert again.restore_latest().endswith("ckpt-4") and kernel_value(again) == 4.0
+    assert again.recorded_layout.input_steps(4) == 5 and again.recorded_layout.examples(4) == 60
 
 
 def test_input_layouts_old_checkpoints_hosts_and_no_reposition(tmp_path):
     """Checkpointer level: a checkpoint without a layout (written before layouts were
-    recorded) restores exactly and the next save records one; another host count, or
-    a replica change without `reposition`, is refused; with it, the iterator is not
-    restored and `reposition` gets the change."""
+    recorded) restores exactly and the next save records one; a replica change
+    without `reposition` is refused; with it (or another host count), the iterator is
+    not restored and `reposition` gets the change."""
     one = InputLayout(replicas=1, hosts=1, global_batch=16)
     old = make(tmp_path / "old")
     next(old._trackables["iterator"])
@@ -443,8 +473,10 @@ def test_input_layouts_old_checkpoints_hosts_and_no_reposition(tmp_path):
     next(writer._trackables["iterator"])
     save_at(writer, 2, 2.0)
     two_hosts = InputLayout(replicas=2, hosts=2, global_batch=16)
-    with pytest.raises(InputLayoutError, match="host shard"):
-        make(tmp_path / "new", input_layout=two_hosts, reposition=print).restore_latest()
+    hosts_changes = []
+    make(tmp_path / "new", input_layout=two_hosts,
+         reposition=hosts_changes.append).restore_latest()  # refused before issue 33
+    assert [(c.step, c.consumed, c.resume_steps) for c in hosts_changes] == [(2, 32, 2)]
     two = InputLayout(replicas=2, hosts=1, global_batch=16)
     with pytest.raises(InputLayoutError, match="cannot move its data position"):
         make(tmp_path / "new", input_layout=two).restore_latest()

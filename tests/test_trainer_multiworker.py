@@ -2,8 +2,9 @@
 
 Per-host arithmetic that one process cannot show: file shards per host, eval
 step counts agreed across hosts with uneven shards (the host with fewer batches
-pads with zero-weight ones), the skip count of a distributed-input resume, and
-kill -9 resumes equal to an uninterrupted run, in both input modes.
+pads with zero-weight ones), the skip count of a distributed-input resume,
+kill -9 resumes equal to an uninterrupted run, in both input modes, and a run
+resumed on fewer workers continuing from the examples consumed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 import tputrain
-from faults import RecordsTask, final_weights
+from faults import RecordsTask, final_weights, trained_indices
 from test_launch import Launch, listed_steps
 
 pytestmark = pytest.mark.slow
@@ -185,3 +186,45 @@ def test_two_workers_resume_from_checkpoint_files_without_a_state_file(tmp_path)
     assert expected.keys() == actual.keys()
     for name in expected:
         np.testing.assert_array_equal(actual[name], expected[name], err_msg=name)
+
+
+INDEXED_CONFIG = """
+Trainer.task = @IndexedTask()
+IndexedTask.record_dir = '{record}'
+Trainer.train_steps = {steps}
+Trainer.steps_per_loop = 2
+Trainer.global_batch_size = 16
+Trainer.checkpoint_every = 2
+Trainer.eval_steps = 1
+Trainer.input_mode = 'host'
+Trainer.report_mfu = False
+Trainer.jit_compile = False  # IndexedTask records in the step (a py_function)
+Trainer.steps_per_program = 1
+"""
+
+
+def test_two_workers_then_one_continue_from_the_examples_consumed(tmp_path):
+    """Issue 33 item 8: 2 workers train 4 steps (each host every 2nd example), then 1
+    worker resumes from their checkpoint (refused before): the step continues and the
+    input, each example of one order sharded by example, resumes at the 64 consumed;
+    from the indices trained on in both runs, none twice and none left out."""
+    model_dir, record = tmp_path / "model", tmp_path / "seen"
+
+    def run(workers: int, steps: int) -> Launch:
+        config = tmp_path / f"steps{steps}.gin"
+        config.write_text(INDEXED_CONFIG.format(record=record, steps=steps))
+        launch = Launch(["--workers", str(workers), "--gin_import=faults",
+                         f"--gin_file={config}", f"--model_dir={model_dir}"])
+        assert launch.finish(timeout=300) == 0, launch.log()
+        return launch
+
+    run(2, 4)
+    assert trained_indices(record) == list(range(64))
+    resumed = run(1, 8)
+    assert listed_steps(model_dir)[-1] == 8
+    assert trained_indices(record) == list(range(128))
+    line = re.search(r"checkpoint \S+/ckpt-4 was written with 2 replicas on 2 hosts, global "
+                     r"batch 16.*, this run has 1 replica on 1 host, global batch 16.*skipped 4 "
+                     r"steps of 16 examples: the 64 examples consumed \(the input was split "
+                     r"into 2 host shard\(s\), now 1: exact only where", resumed.text())
+    assert line, resumed.log()

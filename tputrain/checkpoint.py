@@ -31,8 +31,9 @@ Integrity, in the order things can go wrong:
 * A checkpoint written under another input layout (replicas, hosts, global
   batch: `tputrain.input_layout`) is not "corrupt" either: its data iterator
   cannot feed this run's batches, so it is left out and `reposition` moves the
-  fresh one to the step, or, where no position matches, `InputLayoutError` names
-  both layouts. Checkpoints from before layouts were recorded restore as before.
+  fresh one past the examples consumed (a Checkpointer without `reposition`
+  refuses it with `InputLayoutError`). Checkpoints from before layouts were
+  recorded restore as before.
 * A state with NaN/Inf in any variable is never saved (`NonFiniteStateError`).
 * Hyper-parameters the config owns (`config_owned`: the learning-rate
   variables) are set back to the config's values after every restore, with a
@@ -149,15 +150,18 @@ def _expected_entries(checkpoint: tf.train.Checkpoint) -> dict[str, tuple[Any, s
     return entries
 
 
-def describe_mismatch(checkpoint: tf.train.Checkpoint, path: str) -> str:
-    """'' if `path` holds what `checkpoint` saves, else the differences in words."""
+def describe_mismatch(checkpoint: tf.train.Checkpoint, path: str,
+                      ignore: tuple[str, ...] = ()) -> str:
+    """'' if `path` holds what `checkpoint` saves, else the differences in words
+    (keys starting with `ignore`, data state left out on a layout change, aside)."""
     expected = _expected_entries(checkpoint)
     if expected is None:
         return ""
     # save_counter exists once this object has saved: bookkeeping, not state to match.
-    expected = {k: v for k, v in expected.items() if not k.startswith(_BOOKKEEPING_KEYS)}
+    skip = _BOOKKEEPING_KEYS + ignore
+    expected = {k: v for k, v in expected.items() if not k.startswith(skip)}
     shapes = tf.train.load_checkpoint(path).get_variable_to_shape_map()
-    saved = {k: tuple(v) for k, v in shapes.items() if not k.startswith(_BOOKKEEPING_KEYS)}
+    saved = {k: tuple(v) for k, v in shapes.items() if not k.startswith(skip)}
     problems, matched = [], set()
     for key, (shape, name) in expected.items():
         if shape is None:  # a non-variable saveable: any key under its prefix
@@ -250,7 +254,8 @@ class Checkpointer:
         recognised instead of failing to restore (or restoring batches of the old shape).
       reposition: called with the `LayoutChange` when the checkpoint's layout differs
         from `input_layout`: the `per_host` state is then not restored, and this moves
-        it to the checkpoint's step. None: such a checkpoint is refused.
+        the fresh one past the examples consumed (`LayoutChange.resume_steps`). None:
+        such a checkpoint is refused.
       **trackables: what every host has the same of (model, optimizer, seeds...).
     """
 
@@ -324,7 +329,11 @@ class Checkpointer:
         """
         for path in self._candidates():
             try:
-                problems = describe_mismatch(self.checkpoint, path)
+                reader = tf.train.load_checkpoint(path)
+                saved = saved_layout(reader)
+                ignore = self._data_keys(saved is not None and self.input_layout is not None
+                                         and saved.split() != self.input_layout.split())
+                problems = describe_mismatch(self.checkpoint, path, ignore)
             except (tf.errors.OpError, ValueError, IndexError):
                 continue  # unreadable: restore_latest falls back past it
             if problems:
@@ -381,7 +390,7 @@ class Checkpointer:
         reader = tf.train.load_checkpoint(path)
         saved = saved_layout(reader)
         change = self._layout_change(path, reader, saved)
-        problems = describe_mismatch(self.checkpoint, path)
+        problems = describe_mismatch(self.checkpoint, path, self._data_keys(change is not None))
         if problems:
             raise CheckpointMismatchError(self._mismatch_message(path, problems))
         left_out = set(self._data_names) if change else set()
@@ -404,7 +413,27 @@ class Checkpointer:
         finally:
             if self.input_layout is not None:  # the layout saved next is this run's
                 self._layout[LAYOUT_KEY].assign(self.input_layout.to_json())
+        if change is not None:  # and its data starts where the checkpoint's stopped
+            self._layout[LAYOUT_KEY].assign(change.continued().to_json())
+            if not self._data_names:
+                _check_distributed_position(change)
+                return None
+        elif saved is not None and self.input_layout is not None:
+            self._layout[LAYOUT_KEY].assign(saved.to_json())  # its start carried on
         return change
+
+    def _data_keys(self, left_out: bool) -> tuple[str, ...]:
+        """Checkpoint key prefixes of the data state, when a layout change leaves it out
+        (a host count change also moves it in or out of the main checkpoint)."""
+        return tuple(f"{name}/" for name in sorted(self._data_names)) if left_out else ()
+
+    @property
+    def recorded_layout(self) -> InputLayout | None:
+        """This run's layout and where its data started: what the next save records
+        (after a restore, `input_steps(step)` is the input's position)."""
+        if not self._layout:
+            return None
+        return InputLayout.from_json(self._layout[LAYOUT_KEY].numpy())
 
     def _saveables(self) -> dict[str, Any]:
         """What `self.checkpoint` saves, by name (save_counter aside)."""
@@ -412,20 +441,17 @@ class Checkpointer:
 
     def _layout_change(self, path: str, reader: Any,
                        saved: InputLayout | None) -> LayoutChange | None:
-        """The change of input layout, if the data state must be left out; raises
-        `InputLayoutError` if no data position in this layout matches the saved one."""
-        if saved is None or self.input_layout is None or saved == self.input_layout:
-            return None  # nothing to compare
+        """The change of input layout, if any: the data state (if saved) is then left
+        out, and `reposition` reads the fresh input past the examples consumed; raises
+        `InputLayoutError` if there is data state and no `reposition` to do that."""
+        if (saved is None or self.input_layout is None
+                or saved.split() == self.input_layout.split()):
+            return None  # nothing to compare, or the saved iterator fits
         step = int(reader.get_tensor("step" + _VARIABLE_SUFFIX))
-        change = LayoutChange(path, step, saved, self.input_layout)
-        if not self._data_names:  # input_mode="distributed": the position is the step
-            _check_distributed_position(change)
-            return None
-        why = change.why_not_repositionable()
-        if why is None and self._reposition is None:
-            why = "this run cannot move its data position to the step"
-        if why is not None:
-            raise InputLayoutError(_layout_refusal(change, why))
+        change = LayoutChange(path, step, saved, self.input_layout.split())
+        if self._data_names and self._reposition is None:
+            raise InputLayoutError(_layout_refusal(
+                change, "this run cannot move its data position to the examples consumed"))
         return change
 
     # ------------------------------------------------------ after a restore
@@ -711,26 +737,20 @@ class _HostState:
 
 
 def _check_distributed_position(change: LayoutChange) -> None:
-    """With no saved data state the input skips `step` batches of *this* run's global
-    batch: refused if that is another position; another host count reads other shards,
-    which is close to the position (each host skips its share) but not it."""
-    if change.saved.global_batch != change.now.global_batch:
-        raise InputLayoutError(_layout_refusal(change, change.why_not_repositionable() or ""))
-    if change.saved.hosts != change.now.hosts:
-        logging.warning("tputrain: checkpoint %s was written with %s, this run has %s: each "
-                        "host skips its share of the %d steps done in its own shard, so the "
-                        "examples read next are not exactly those an uninterrupted run would "
-                        "read", change.path, change.saved.describe(), change.now.describe(),
-                        change.step)
+    """With no saved data state (input_mode="distributed") the input is rebuilt on
+    every resume and skips `recorded_layout.input_steps(step)` batches: after a layout
+    change, the examples consumed rounded up to this run's batch. One line says so."""
+    logging.warning("tputrain: %s", change.recovered(
+        rebuilt="the input is rebuilt on every resume (no data iterator is saved)"))
 
 
 def _layout_refusal(change: LayoutChange, why: str) -> str:
     """The cause, both layouts, what is intact and what to do."""
     return (f"checkpoint {change.path} (step {change.step}) was written with "
             f"{change.saved.describe()}, this run has {change.now.describe()}: {why}. The "
-            "checkpoint is intact: resume with the global batch and hosts that wrote it (the "
-            "replica count may change), or start a new model_dir from its weights "
-            "(tputrain.InitCheckpoint)")
+            "checkpoint is intact: resume with the layout that wrote it, or through the "
+            "Trainer (which reads the input past the examples consumed), or start a new "
+            "model_dir from its weights (tputrain.InitCheckpoint)")
 
 
 def _unreadable_message(directory: str, failures: list[tuple[str, BaseException]]) -> str:

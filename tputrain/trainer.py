@@ -198,10 +198,10 @@ class Trainer:
                                  self.train_steps, self.global_batch_size)
 
     def _reposition_input(self, change: LayoutChange) -> None:
-        """The checkpoint's iterator was saved for other batches (another replica count):
-        the fresh one is read past the steps done instead, and the log says so."""
+        """The checkpoint's iterator was saved for other batches (another layout): the
+        fresh one is read past the examples consumed instead, and the log says so."""
         self._check_fetch_alignment(change.step)
-        skipped = self.inputs.advance(self._train_iterator, change.step)
+        skipped = self.inputs.read_past(self._train_iterator, change)
         logging.warning("tputrain: %s", change.recovered(skipped))
 
     def _preflight(self) -> None:
@@ -244,8 +244,9 @@ class Trainer:
                          self.model_dir, step, self.train_steps)
             return self.evaluate_weights()
         self._check_fetch_alignment(step)
-        if self.input_mode == "distributed":
-            self._train_iterator = self.inputs.distributed_iterator("train", skip_steps=step)
+        if self.input_mode == "distributed":  # skips the examples consumed, in batches
+            self._train_iterator = self.inputs.distributed_iterator(
+                "train", skip_steps=self.checkpointer.recorded_layout.input_steps(step))
         logging.info("tputrain: training from step %d to %d", step, until)
         self._preemption.install()
         try:

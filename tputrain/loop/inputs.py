@@ -16,7 +16,7 @@ from tputrain.checks import per_replica_batch
 from tputrain.data import InputContext
 from tputrain.data.batching import check_static
 from tputrain.data.external_state import checkpointable
-from tputrain.input_layout import InputLayout
+from tputrain.input_layout import InputLayout, LayoutChange
 from tputrain.task import Task
 
 INPUT_MODES = ("host", "distributed")
@@ -124,9 +124,9 @@ class Inputs:
         """Reads a `fetch_groups` iterator past `steps` steps' batches (whole fetches),
         in one compiled loop; returns the steps read (fewer if a finite input ended).
 
-        For a resume whose saved iterator does not fit (tputrain.input_layout): the
-        fresh iterator keeps the pipeline's structure, which later checkpoints of it
-        need (a `skip` op would make them unreadable by the next plain pipeline).
+        For a resume whose saved iterator does not fit (`read_past`): the fresh
+        iterator keeps the pipeline's structure, which later checkpoints of it need
+        (a `skip` op would make them unreadable by the next plain pipeline).
         """
         @tf.function
         def read(count: tf.Tensor) -> tf.Tensor:
@@ -138,6 +138,18 @@ class Inputs:
             return done
         fetches = tf.constant(steps // self.steps_per_fetch, tf.int64)
         return int(read(fetches)) * self.steps_per_fetch
+
+    def read_past(self, iterator: Any, change: LayoutChange) -> int:
+        """Reads a fresh train iterator past the examples a checkpoint written under
+        another layout consumed, in whole batches of this run's global batch (each
+        host its own share); returns the steps read (`advance`)."""
+        if change.resume_steps % self.steps_per_fetch:
+            raise ValueError(
+                f"checkpoint {change.path} consumed {change.consumed} examples, "
+                f"{change.resume_steps} batches of this run's {self.global_batch_size}: not a "
+                f"multiple of Trainer.steps_per_fetch={self.steps_per_fetch}, in which the "
+                "input is read: resume once with steps_per_fetch=1")
+        return self.advance(iterator, change.resume_steps)
 
     def input_batch(self, split: str) -> int:
         """The global batch the task's inputs are built with: a micro-batch when training

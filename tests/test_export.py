@@ -3,9 +3,12 @@ outputs whatever the training precision, from the best checkpoint when one is ke
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
 
@@ -17,6 +20,7 @@ import tensorflow as tf
 import tputrain
 from tiny import TinyTask, strategy_for
 from tputrain.export import feature_spec_of
+from tputrain.sidecar import ReadOnlyTrainer, evaluate_checkpoints
 
 
 class SpecTask(TinyTask):
@@ -258,3 +262,141 @@ def test_a_model_dirs_config_is_read_as_data_and_its_imports_are_not_run(tmp_pat
     assert not marker.exists(), "the model_dir's module was imported"
     assert "not importing planted" in result.stderr and "--gin_import" in result.stderr
     assert result.returncode == 2 and "no checkpoint in ." in result.stderr, result.stderr[-3000:]
+
+
+# ------------------------------------------------------------ issue 33.5: failures of export
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A TinyTask run with checkpoints at steps 4 and 8 (tests copy it to change it)."""
+    model_dir = tmp_path_factory.mktemp("trained") / "run"
+    make(TinyTask(), model_dir).train()
+    return model_dir
+
+
+def copy_of(trained, tmp_path) -> ReadOnlyTrainer:
+    """A ReadOnlyTrainer (as `tputrain export` builds) on a copy of the trained run."""
+    model_dir = tmp_path / "run"
+    shutil.copytree(trained, model_dir)
+    return ReadOnlyTrainer(TinyTask(), str(model_dir), strategy=strategy_for(1), train_steps=8,
+                           steps_per_loop=2, global_batch_size=16, eval_steps=2,
+                           checkpoint_every=4, report_mfu=False)
+
+
+def temps(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name) if folder.exists() else []
+
+
+def failing_save(error):
+    """A SavedModel writer that leaves half a folder and raises `error` (a full or
+    read-only disk; as root, chmod cannot make one)."""
+    def save(model, inputs, path, examples=None):
+        os.makedirs(os.path.join(path, "variables"))
+        open(os.path.join(path, "variables", "variables.data-00000-of-00001"), "wb").close()
+        raise error
+    return save
+
+
+@pytest.mark.parametrize("error, words", [
+    (OSError(errno.ENOSPC, "No space left on device"), "free some space"),
+    (tf.errors.PermissionDeniedError(None, None, "Read-only file system"), "pass a writable"),
+])
+def test_a_failed_write_is_one_line_and_leaves_no_temp_folder(trained, tmp_path, monkeypatch,
+                                                              error, words):
+    """A full disk or read-only model_dir gave TF's traceback and a partial *.tmp-* folder."""
+    trainer = copy_of(trained, tmp_path)
+    monkeypatch.setattr(tputrain.export, "save_serving_model", failing_save(error))
+    with pytest.raises(OSError) as caught:
+        tputrain.export_checkpoint(trainer)
+    assert "\n" not in str(caught.value) and words in str(caught.value)
+    assert str(tmp_path / "run" / "export" / "8") in str(caught.value)
+    assert temps(tmp_path / "run" / "export") == []
+
+
+def test_an_export_dir_that_is_a_file_is_named(trained, tmp_path):
+    trainer = copy_of(trained, tmp_path)
+    (tmp_path / "served").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        tputrain.export_checkpoint(trainer, export_dir=str(tmp_path / "served"))
+    assert temps(tmp_path) == []
+
+
+def test_temp_folders_of_killed_exports_are_removed(trained, tmp_path):
+    trainer = copy_of(trained, tmp_path)
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid is gone
+    stale = tmp_path / "run" / "export" / f"8.tmp-{socket.gethostname()}-{dead.pid}-0badf00d"
+    live = tmp_path / "run" / "export" / f"8.tmp-{socket.gethostname()}-{os.getpid()}-0123abcd"
+    for folder in (stale, live):
+        (folder / "variables").mkdir(parents=True)
+    assert tputrain.export_checkpoint(trainer) == str(tmp_path / "run" / "export" / "8")
+    assert temps(tmp_path / "run" / "export") == [live.name]  # a running export's is kept
+
+
+def test_an_existing_version_is_not_overwritten_with_another_step(trained, tmp_path):
+    """--export_dir=MODEL_DIR/export/8 --step=4 rewrote version 8 in place with step 4."""
+    trainer = copy_of(trained, tmp_path)
+    version = tputrain.export_checkpoint(trainer, step=8)
+    before = (tmp_path / "run" / "export" / "8" / "saved_model.pb").read_bytes()
+    with pytest.raises(FileExistsError, match="already exists"):
+        tputrain.export_checkpoint(trainer, step=4, export_dir=version)
+    assert (tmp_path / "run" / "export" / "8" / "saved_model.pb").read_bytes() == before
+    assert tputrain.export_checkpoint(trainer, step=8) == version  # the same step: kept
+
+
+def test_a_concurrent_export_of_the_same_step_is_not_an_error(trained, tmp_path, monkeypatch):
+    """Two `tputrain export --step=8` at once: the second rename failed (AlreadyExistsError
+    traceback) and left a complete export/8.tmp-* behind."""
+    trainer = copy_of(trained, tmp_path)
+    real = tputrain.export.save_serving_model
+    target = tmp_path / "run" / "export" / "8"
+
+    def other_process_renames_first(model, inputs, path, examples=None):
+        names = real(model, inputs, path, examples)
+        shutil.copytree(path, target)  # the other export's rename lands first
+        return names
+
+    monkeypatch.setattr(tputrain.export, "save_serving_model", other_process_renames_first)
+    assert tputrain.export_checkpoint(trainer, step=8) == str(target)
+    assert temps(tmp_path / "run" / "export") == []
+
+
+def truncate(model_dir, step):
+    data = next((model_dir / "checkpoints").glob(f"ckpt-{step}.data-*"))
+    data.write_bytes(data.read_bytes()[:len(data.read_bytes()) // 2])
+
+
+def test_a_truncated_latest_checkpoint_falls_back_to_the_older_one(trained, tmp_path, caplog):
+    """`IndexError: Read less bytes than requested`, no file named and no fallback."""
+    trainer = copy_of(trained, tmp_path)
+    truncate(tmp_path / "run", 8)
+    assert tputrain.export_checkpoint(trainer) == str(tmp_path / "run" / "export" / "4")
+    assert "ckpt-8 is unreadable" in caplog.text and "older" in caplog.text
+    with pytest.raises(ValueError) as caught:
+        tputrain.export_checkpoint(trainer, step=8)
+    assert "ckpt-8" in str(caught.value) and "--step" in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_eval_of_a_truncated_checkpoint_falls_back_or_names_it(trained, tmp_path):
+    trainer = copy_of(trained, tmp_path)
+    truncate(tmp_path / "run", 8)
+    assert list(evaluate_checkpoints(trainer)) == [4]
+    with pytest.raises(ValueError, match="cannot read the checkpoint .*ckpt-8"):
+        evaluate_checkpoints(trainer, step=8)
+
+
+def test_the_side_car_reports_each_checkpoint_as_it_is_evaluated(trained, tmp_path):
+    """`tputrain eval --continuous` printed its lines only when it finished (none when
+    killed): `on_result` (the CLI prints there) is called before the next checkpoint."""
+    trainer = copy_of(trained, tmp_path)
+    seen = []
+
+    def first_only(step, logs):
+        seen.append(step)
+        raise KeyboardInterrupt  # a side-car killed after its first evaluation
+
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_checkpoints(trainer, continuous=True, timeout=60, on_result=first_only)
+    assert seen == [4]

@@ -833,3 +833,30 @@ def _sync_all() -> None:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+# What makes a checkpoint unreadable (not another model's): as `restore_latest` skips.
+UNREADABLE_ERRORS = (tf.errors.OpError, ValueError, IndexError)
+
+
+def read_newest(paths: Sequence[str], read: Callable[[str], Any], directory: str
+                ) -> tuple[str, Any]:
+    """(path, what `read` returned) for the newest of `paths` (oldest first) that
+    `read` can read, for readers that are not the run's `Checkpointer` (export,
+    eval): a truncated or damaged one is skipped for the older one with the same
+    warning `restore_latest` logs; none readable is `_unreadable_message`'s
+    RuntimeError. A `CheckpointMismatchError` (another model) is raised as is."""
+    failures: list[tuple[str, BaseException]] = []
+    for path in reversed(list(paths)):
+        try:
+            value = read(path)
+        except CheckpointMismatchError:
+            raise
+        except UNREADABLE_ERRORS as error:
+            failures.append((path, error))
+            continue
+        for failed, error in failures:
+            logging.warning("tputrain: checkpoint %s is unreadable (%s: %s); read the older %s "
+                            "instead", failed, type(error).__name__, _first_line(error), path)
+        return path, value
+    raise RuntimeError(_unreadable_message(directory, failures))

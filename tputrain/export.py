@@ -28,8 +28,10 @@ has one, else the latest (or `step=N`). `Export()` does it at the end of trainin
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging as pylogging
 import os
+import socket
 import uuid
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
@@ -40,7 +42,7 @@ from absl import logging
 
 from tputrain.actions import Action
 from tputrain.best import BestCheckpoint, best_record
-from tputrain.checkpoint import list_checkpoints
+from tputrain.checkpoint import UNREADABLE_ERRORS, list_checkpoints, read_newest
 from tputrain.checks import check_bool
 from tputrain.data import parse_feature_spec
 from tputrain.layer_precision import override_layer_dtypes
@@ -202,6 +204,29 @@ def checkpoint_to_export(trainer: "Trainer", step: int | None = None,
     return found[0], step, f"step {step}"
 
 
+def read_for_export(trainer: "Trainer", checkpoint: str, fall_back: bool
+                    ) -> tuple[keras.Model, str]:
+    """(model, the checkpoint read): `checkpoint`, or with `fall_back` (the latest
+    was asked for) the newest readable one, as training resumes (`read_newest`). A
+    checkpoint that cannot be read is a ValueError naming its files."""
+    directory = os.path.dirname(checkpoint)
+    if fall_back:
+        older = [p for p in list_checkpoints(directory).paths
+                 if _step_of(p) <= _step_of(checkpoint)] or [checkpoint]
+        try:
+            path, model = read_newest(older, lambda p: restored_model(trainer, p), directory)
+        except RuntimeError as error:
+            raise ValueError(str(error)) from None
+        return model, path
+    try:
+        return restored_model(trainer, checkpoint), checkpoint
+    except UNREADABLE_ERRORS as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise ValueError(f"cannot read the checkpoint {checkpoint} ({type(error).__name__}: "
+                         f"{first}): its files are damaged or truncated; export another step "
+                         "(--step)") from None
+
+
 def export_destination(trainer: "Trainer", step: int, export_dir: str | None = None) -> str:
     """`export_dir`, else $AIP_MODEL_DIR (Vertex AI), else model_dir/export/<step>."""
     return (export_dir or os.environ.get(VERTEX_MODEL_DIR)
@@ -222,8 +247,9 @@ def export_checkpoint(trainer: "Trainer", step: int | None = None, export_dir: s
     """
     trainer.checkpointer.sync()  # an async save of the last step may still be writing
     checkpoint, step, which = checkpoint_to_export(trainer, step, best)
+    model, checkpoint = read_for_export(trainer, checkpoint, which == "latest")
+    step = _step_of(checkpoint)
     path = export_destination(trainer, step, export_dir)
-    model = restored_model(trainer, checkpoint)
     inputs = serving_inputs(trainer, model)
     spec = feature_spec_of(trainer.task) if examples else None
     if spec is not None and not (isinstance(inputs, Mapping) and set(inputs) <= set(spec)):
@@ -232,15 +258,96 @@ def export_checkpoint(trainer: "Trainer", step: int | None = None, export_dir: s
         spec = None
     if spec is not None:  # the inputs only: a request carries no label
         spec = {name: spec[name] for name in inputs}
-    # A new folder appears whole (TF Serving loads any numbered folder it sees).
-    fresh = not tf.io.gfile.exists(path)
-    target = f"{path.rstrip('/')}.tmp-{uuid.uuid4().hex[:8]}" if fresh else path
-    names = save_serving_model(model, inputs, target, spec)
-    if fresh:
-        tf.io.gfile.rename(target, path)
+    names = write_saved_model(model, inputs, spec, path, reusable=export_dir is None
+                              and not os.environ.get(VERTEX_MODEL_DIR))
     logging.info("tputrain: exported step %d (%s) to %s, signatures %s", step, which, path,
-                 ", ".join(names))
+                 ", ".join(names) if names else "(already there)")
     return path
+
+
+def _temp_tag() -> str:
+    """`<host>-<pid>-<hex>`: whose temp folder it is, so a later export can tell a
+    killed export's leftovers (this host, pid gone) from a live one's."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def remove_stale_temps(path: str) -> None:
+    """Removes `path.tmp-*` folders of exports killed on this host (their pid is gone)."""
+    parent, name = os.path.split(path.rstrip("/"))
+    host = socket.gethostname()
+    for temp in tf.io.gfile.glob(os.path.join(parent, f"{name}.tmp-{host}-*")):
+        pid = temp.rsplit(".tmp-", 1)[1][len(host) + 1:].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            logging.warning("tputrain: removing %s, left by an export that was killed", temp)
+            tf.io.gfile.rmtree(temp)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _existing(path: str, reusable: bool) -> bool:
+    """Whether `path` already holds this export (True: nothing to write). Writing into
+    an existing folder would change, in place and half-way, a model a server may be
+    loading: a file, or another SavedModel not known to be this one, is an error."""
+    if not tf.io.gfile.exists(path):
+        return False
+    if not tf.io.gfile.isdir(path):
+        raise NotADirectoryError(f"the export folder {path} is a file: pass --export_dir=A_NEW_"
+                                 "FOLDER, or remove the file")
+    if not tf.io.gfile.listdir(path):
+        tf.io.gfile.rmtree(path)  # empty: replaced by the rename below
+        return False
+    if reusable and tf.io.gfile.exists(os.path.join(path, "saved_model.pb")):
+        return True  # model_dir/export/<step> of this step's checkpoint: same weights
+    raise FileExistsError(f"{path} already exists: exporting over it would change the model a "
+                          "server may be loading, in place; pass a new --export_dir, or "
+                          "remove it first")
+
+
+def write_saved_model(model: keras.Model, inputs: Any, spec: Any, path: str,
+                      reusable: bool) -> list[str]:
+    """Writes the SavedModel to a temp folder renamed to `path` (it appears whole: TF
+    Serving loads any numbered folder it sees); returns the signatures, [] when
+    `path` already held this export (`reusable`: model_dir/export/<step>, also when
+    a concurrent export of the same step renamed first). A failed write removes its
+    temp folder and is one OSError naming the folder and the fix."""
+    remove_stale_temps(path)
+    if _existing(path, reusable):
+        return []
+    temp = f"{path.rstrip('/')}.tmp-{_temp_tag()}"
+    try:
+        names = save_serving_model(model, inputs, temp, spec)
+        tf.io.gfile.rename(temp, path)
+    except (OSError, tf.errors.OpError) as error:
+        if tf.io.gfile.exists(temp):
+            tf.io.gfile.rmtree(temp)
+        if reusable and tf.io.gfile.exists(os.path.join(path, "saved_model.pb")):
+            return []  # another export of this step renamed first
+        raise _write_error(path, error) from None
+    return names
+
+
+def _write_error(path: str, error: BaseException) -> OSError:
+    """One line: why the export could not be written, and what to do."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    lowered, code = text.lower(), getattr(error, "errno", None)
+    if code == errno.ENOSPC or "no space left" in lowered:
+        return OSError(f"no room to export to {path} ({text}): free some space, or pass "
+                       "--export_dir on a larger disk")
+    if (code in (errno.EROFS, errno.EACCES, errno.EPERM) or "read-only" in lowered
+            or "permission" in lowered or isinstance(error, (PermissionError,
+                                                             tf.errors.PermissionDeniedError))):
+        return OSError(f"cannot write the export to {path} ({text}): pass a writable "
+                       "--export_dir, or fix the permissions")
+    return OSError(f"cannot write the export to {path} ({type(error).__name__}: {text}): pass "
+                   "another --export_dir")
 
 
 @gin.configurable

@@ -34,11 +34,13 @@ import json
 import os
 import time
 import uuid
+from typing import Callable
 
 import tensorflow as tf
 from absl import logging
 
-from tputrain.checkpoint import CheckpointMismatchError, describe_mismatch, list_checkpoints
+from tputrain.checkpoint import (UNREADABLE_ERRORS, CheckpointMismatchError, describe_mismatch,
+                                 list_checkpoints, read_newest)
 from tputrain.checks import check_int
 from tputrain.lock import ModelDirInUseError, lock_model_dir, release_model_dir
 from tputrain.trainer import Trainer
@@ -147,7 +149,9 @@ class EvalRecord:
 
 def evaluate_checkpoints(trainer: Trainer, step: int | None = None, continuous: bool = False,
                          poll_seconds: float = 10.0, timeout: float | None = 3600.0,
-                         until_step: int | None = None) -> dict[int, Metrics]:
+                         until_step: int | None = None,
+                         on_result: Callable[[int, Metrics], None] | None = None
+                         ) -> dict[int, Metrics]:
     """Evaluates checkpoints of `trainer.model_dir`; returns {step: metrics}.
 
     Args:
@@ -160,6 +164,8 @@ def evaluate_checkpoints(trainer: Trainer, step: int | None = None, continuous: 
       timeout: continuous: raise `NoNewCheckpointError` after this many seconds
         without a new checkpoint; None waits for ever.
       until_step: continuous: the last step; None: `trainer.train_steps`.
+      on_result: called with (step, metrics) as each checkpoint is evaluated, so a
+        side-car's output appears per checkpoint, not at its end (the CLI prints).
     """
     _check_arguments(step, continuous, poll_seconds, timeout, until_step)
     trainer.checkpointer.sync()  # an async save in flight in this process lands first
@@ -173,9 +179,12 @@ def evaluate_checkpoints(trainer: Trainer, step: int | None = None, continuous: 
         record = EvalRecord(trainer.model_dir)
         if path is None:
             last = trainer.train_steps if until_step is None else until_step
-            return _follow(trainer, record, poll_seconds, timeout, last)
-        read_checkpoint(trainer, path)
-        return {checkpoint_step(path): _evaluate_read(trainer, path, record)}
+            return _follow(trainer, record, poll_seconds, timeout, last, on_result)
+        path = _read_one(trainer, path, fall_back=step is None)
+        logs = _evaluate_read(trainer, path, record)
+        if on_result is not None:
+            on_result(checkpoint_step(path), logs)
+        return {checkpoint_step(path): logs}
     finally:
         release_model_dir(eval_dir)
 
@@ -206,6 +215,30 @@ def _one_checkpoint(trainer: Trainer, step: int | None) -> str:
     return found[0]
 
 
+def _read_one(trainer: Trainer, path: str, fall_back: bool) -> str:
+    """Reads `path`, or with `fall_back` (the latest was asked for) the newest
+    readable checkpoint up to it, as training resumes; returns the one read. An
+    unreadable checkpoint is a ValueError naming it."""
+    directory = checkpoint_dir(trainer)
+    if fall_back:
+        older = [p for p in list_checkpoints(directory).paths
+                 if checkpoint_step(p) <= checkpoint_step(path)] or [path]
+        try:
+            return read_newest(older, lambda p: read_checkpoint(trainer, p), directory)[0]
+        except RuntimeError as error:
+            raise ValueError(str(error)) from None
+    try:
+        read_checkpoint(trainer, path)
+    except UNREADABLE_ERRORS as error:
+        if isinstance(error, CheckpointMismatchError):
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise ValueError(f"cannot read the checkpoint {path} ({type(error).__name__}: "
+                         f"{first}): its files are damaged or truncated; evaluate another "
+                         "step (--step)") from None
+    return path
+
+
 def _evaluate_read(trainer: Trainer, path: str, record: EvalRecord) -> Metrics:
     """Evaluates the weights just read (summaries at their step) and records them."""
     logs = trainer.evaluate_weights()
@@ -232,7 +265,8 @@ def _evaluate_if_readable(trainer: Trainer, path: str, record: EvalRecord) -> Me
 
 
 def _follow(trainer: Trainer, record: EvalRecord, poll_seconds: float,
-            timeout: float | None, until_step: int) -> dict[int, Metrics]:
+            timeout: float | None, until_step: int,
+            on_result: Callable[[int, Metrics], None] | None = None) -> dict[int, Metrics]:
     """Continuous mode: each new listed checkpoint once, in step order, to `until_step`."""
     directory, results = checkpoint_dir(trainer), {}
     logging.info("tputrain: evaluating each new checkpoint in %s until step %d", directory,
@@ -246,6 +280,8 @@ def _follow(trainer: Trainer, record: EvalRecord, poll_seconds: float,
             logs = _evaluate_if_readable(trainer, path, record)
             if logs is not None:
                 results[checkpoint_step(path)] = logs
+                if on_result is not None:
+                    on_result(checkpoint_step(path), logs)
         if pending:
             last_new = time.monotonic()
         elif timeout is not None and time.monotonic() - last_new > timeout:

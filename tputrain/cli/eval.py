@@ -7,7 +7,8 @@ neither locks model_dir nor writes to it except `eval/` (tputrain/sidecar.py),
 and evaluates the latest checkpoint, `--step`'s, or with `--continuous` each new
 one once as it appears, until the one at `Trainer.train_steps`. Eval summaries
 go to `model_dir/eval/` at the checkpoint's step; stdout gets one JSON line per
-evaluated checkpoint: {"step": N, "loss": ..., metrics...}.
+evaluated checkpoint as soon as it is evaluated: {"step": N, "loss": ..., metrics...}.
+Without --step, a truncated latest checkpoint falls back to the newest readable one.
 
 Exits 0 when done; 1 when `--continuous` saw no new checkpoint for
 --timeout_seconds (the training stopped: the lines so far are printed); 2 when
@@ -48,9 +49,9 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                   "timeout_seconds"), flag_values)
 
 
-def _print(results: dict[int, Metrics]) -> None:
-    for step, logs in sorted(results.items()):
-        print(json.dumps({"step": step, **logs}), flush=True)
+def _print(step: int, logs: Metrics) -> None:
+    """One JSON line per checkpoint, as it is evaluated (a side-car's output is live)."""
+    print(json.dumps({"step": step, **logs}), flush=True)
 
 
 def main(argv: list[str]) -> None:
@@ -59,15 +60,14 @@ def main(argv: list[str]) -> None:
     timeout = FLAGS.timeout_seconds if FLAGS.timeout_seconds > 0 else None
     try:
         trainer = build_trainer(FLAGS.model_dir, ReadOnlyTrainer)
-        results = evaluate_checkpoints(trainer, step=FLAGS.step, continuous=FLAGS.continuous,
-                                       poll_seconds=FLAGS.poll_seconds, timeout=timeout)
+        evaluate_checkpoints(trainer, step=FLAGS.step, continuous=FLAGS.continuous,
+                             poll_seconds=FLAGS.poll_seconds, timeout=timeout,
+                             on_result=_print)
     except NoNewCheckpointError as error:  # the training stopped before train_steps
-        _print(error.results)
-        fail(str(error), EXIT_TRAINING_FAILED)
+        fail(str(error), EXIT_TRAINING_FAILED)  # (its lines are printed already)
     except (ValueError, TypeError, OSError, tf.errors.OpError) as error:
         logging.debug("tputrain: eval failed", exc_info=True)
         fail(error_message(error), EXIT_BAD_INPUT)
-    _print(results)
 
 
 def console_main() -> None:

@@ -292,7 +292,8 @@ def cli_reference() -> str:
            "Every `tputrain` command and its flags, generated from each command's absl "
            f"(or argparse: {argparse_commands}) flag definitions in `tputrain/cli/`. "
            "`tputrain` with no command runs `tputrain run`; `python -m tputrain.run` is the "
-           "same. Every command prints its flags with `--help`; the absl ones also accept "
+           "same. Every command prints its flags with `--help` (exit 0, without loading "
+           "TensorFlow); the absl ones also accept "
            "`--helpfull` and `--flagfile`.", "",
            "| command | what it does |", "|---|---|"]
     for info in sections:

@@ -94,11 +94,22 @@ def _scaled_gradients_finite(gradients: list[Any]) -> tf.Tensor:
     return _all_finite(_float_gradients(gradients))
 
 
-def _unscaled(gradient: Any, scale: float) -> Any:
-    """`gradient / scale`, exact (a power of two); in XLA it fuses into the update."""
+def _unscaled(gradient: Any, scale: float, bad: tf.Tensor) -> Any:
+    """`gradient / scale`, exact (a power of two), or 0 on a `bad` step (whose writes
+    are masked anyway); in XLA it fuses into the update.
+
+    The factor is a select on the verdict, not a constant, to work around an XLA
+    rewrite: its algebraic simplifier turns (a * c1) * (b * c2), for constants c1 and
+    c2, into (a * b) * (c1 * c2). For a 0-d or 1-element gradient (where the factor
+    folds into a constant, not a broadcast of one), Adam's square of the unscaled
+    gradient became (g * g) * (c * c): g * g overflows to Inf, c * c = 1 / scale^2
+    is below float32's normal range and XLA's CPU flushes it to zero, and Inf * 0 is
+    a NaN in the weight and its slot (issue 32). A value known only at run time
+    leaves the multiplications as written.
+    """
     if gradient is None or not tf.as_dtype(gradient.dtype).is_floating:
         return gradient
-    factor = tf.constant(1 / scale, gradient.dtype)
+    factor = tf.cast(tf.where(bad, 0.0, 1 / scale), gradient.dtype)
     if isinstance(gradient, tf.IndexedSlices):
         return tf.IndexedSlices(gradient.values * factor, gradient.indices, gradient.dense_shape)
     return gradient * factor
@@ -345,7 +356,7 @@ class NonFiniteGuard:
             bad = self._verdict
         elif self._scaling(optimizer):
             bad = tf.logical_not(_scaled_gradients_finite(grads))
-            grads = [_unscaled(g, self._scale) for g in grads]
+            grads = [_unscaled(g, self._scale, bad) for g in grads]
         else:
             bad = tf.logical_not(_gradients_finite(
                 grads, in_xla=True, clipping=bool(getattr(optimizer, "global_clipnorm", None))))

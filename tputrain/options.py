@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Mapping
 
+import numpy as np
 from absl import logging
 
 from tputrain.checks import check_int, per_replica_batch
@@ -85,6 +86,10 @@ class TrainerOptions:
         long steps. A loop whose length is not a
         multiple of it runs one step a launch; the weights are the same either way.
         SIGTERM is then noticed between programs, and a guard trip stops inside one.
+      class_weight: `{class id: weight}`, as Keras `fit`'s: each train example's
+        loss (and train metrics) weighted by its label's class, 1.0 for classes
+        not listed; labels are class ids, or one-hot (their argmax). For a train
+        split of `(features, labels)`; the eval split is not weighted.
     """
 
     train_steps: int = 1000
@@ -103,6 +108,7 @@ class TrainerOptions:
     report_mfu: bool = True
     steps_per_fetch: int = 1
     steps_per_program: int | str = "auto"
+    class_weight: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("train_steps", "steps_per_loop", "global_batch_size",
@@ -130,6 +136,7 @@ class TrainerOptions:
         object.__setattr__(self, "checkpoint_every",
                            self.checkpoint_every or self.eval_every or 1000)
         object.__setattr__(self, "report_mfu", bool(self.report_mfu))
+        object.__setattr__(self, "class_weight", _check_class_weight(self.class_weight))
         object.__setattr__(self, "profile_steps", _check_profile_steps(self.profile_steps))
         object.__setattr__(self, "steps_per_fetch", _check_steps_per_fetch(
             self.steps_per_fetch, steps_per_loop=self.steps_per_loop,
@@ -172,6 +179,25 @@ def program_steps(options: TrainerOptions, batch_bytes: int,
     if ideal_step_seconds:
         most = min(most, max(1, int(AUTO_PROGRAM_IDEAL_SECONDS / ideal_step_seconds)))
     return max(k for k in range(1, most + 1) if options.steps_per_loop % k == 0)
+
+
+def _check_class_weight(class_weight: Any) -> dict[int, float] | None:
+    """`{class id >= 0: weight >= 0}` as plain ints and floats, or None."""
+    if class_weight is None:
+        return None
+    if not isinstance(class_weight, Mapping) or not class_weight:
+        raise ValueError("Trainer.class_weight must be a non-empty dict {class id: weight}, "
+                         f"got {class_weight!r}")
+    checked = {}
+    for key, value in class_weight.items():
+        if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or key < 0:
+            raise ValueError(f"Trainer.class_weight: class ids are ints >= 0, got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) \
+                or not math.isfinite(value) or value < 0:
+            raise ValueError(f"Trainer.class_weight: the weight of class {key} must be a "
+                             f"finite number >= 0, got {value!r}")
+        checked[int(key)] = float(value)
+    return checked
 
 
 def _check_profile_steps(profile_steps: Any) -> tuple[int, int] | None:

@@ -29,6 +29,25 @@ from tputrain.precision import to_float32
 EVAL_WEIGHT = "_eval_weight"
 EVAL_REGULARIZATION = "_eval_regularization"
 
+
+def unpack_batch(batch: Any) -> tuple[Any, Any, tf.Tensor | None]:
+    """`(features, labels)` or Keras `fit`'s `(features, labels, sample_weight)` ->
+    `(features, labels, sample_weight or None)`."""
+    features, labels, *weights = batch
+    if len(weights) > 1:
+        raise ValueError(f"a batch must be (features, labels) or (features, labels, "
+                         f"sample_weight), got a tuple of {len(batch)}")
+    return features, labels, (weights[0] if weights else None)
+
+
+def per_example_weights(weight: tf.Tensor, per_example: tf.Tensor) -> tf.Tensor:
+    """`weight` as float32 of the per-example loss's rank: a `[batch, 1]` weight is
+    squeezed (as Keras does), so that it never broadcasts to `[batch, batch]`."""
+    weight = tf.cast(weight, tf.float32)
+    if weight.shape.rank == per_example.shape.rank + 1 and weight.shape[-1] == 1:
+        weight = tf.squeeze(weight, -1)
+    return weight
+
 class Task:
     """Base class for a training task; see the module docstring for contexts."""
 
@@ -46,6 +65,8 @@ class Task:
         `(features, labels, weights)` with the last batch padded and weight 0 on
         the padding (`TFRecordInput(pad_remainder=True)` does this) so no
         example is dropped.
+        A train split may yield `(features, labels, sample_weight)` batches, as
+        Keras `fit` takes them: each example's loss and metrics are weighted.
         The train split should repeat forever; the eval split should be finite.
         """
         raise NotImplementedError("Task.build_inputs must return a tf.data.Dataset")
@@ -70,17 +91,24 @@ class Task:
     # Steps. Override these only for unusual training (GANs, several optimizers).
 
     def total_loss(self, labels: Any, outputs: Any, model: keras.Model,
-                   global_batch_size: int, micro_batches: int = 1) -> tf.Tensor:
+                   global_batch_size: int, micro_batches: int = 1,
+                   sample_weight: tf.Tensor | None = None) -> tf.Tensor:
         """Replica context: this replica's share of the global mean loss.
 
-        `compute_average_loss` divides by the global batch and
+        With a `sample_weight` (a `(features, labels, sample_weight)` batch, or
+        `Trainer.class_weight`) it is sum(weight * loss) / global batch, what Keras
+        `fit` computes (reduction "sum_over_batch_size"). `compute_average_loss`
+        divides by the global batch and
         `scale_regularization_loss` divides `model.losses` by the replica count, so
         summing over replicas gives exactly the single-device loss and gradients.
         Under gradient accumulation `micro_batches` > 1 also divides the
         regularization, which the step then sums once per micro-batch.
         """
         per_example = tf.cast(self.compute_loss(labels, outputs), tf.float32)
-        loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
+        if sample_weight is not None:
+            sample_weight = per_example_weights(sample_weight, per_example)
+        loss = tf.nn.compute_average_loss(per_example, sample_weight=sample_weight,
+                                          global_batch_size=global_batch_size)
         if model.losses:
             regularization = tf.add_n([tf.cast(l, tf.float32) for l in model.losses])
             loss += tf.nn.scale_regularization_loss(regularization) / micro_batches
@@ -90,7 +118,8 @@ class Task:
                        outputs: Any, sample_weight: tf.Tensor | None = None) -> None:
         """Replica context: updates every metric with this replica's batch.
 
-        `sample_weight` is set (0 on padding rows) only for padded eval batches.
+        `sample_weight` is the batch's weights when it has them (training sample
+        weights or class weights; 0 on the padding rows of padded eval batches).
         """
         for metric in metrics:
             if sample_weight is None:
@@ -111,10 +140,13 @@ class Task:
         micro-batch under gradient accumulation (passing `micro_batches`, the count,
         on to `total_loss`), and traces it to count FLOPs.
         """
-        features, labels = batch
+        features, labels, weight = unpack_batch(batch)
+        # Passed only when set, so a total_loss override without it still works.
+        extra = {} if weight is None else {"sample_weight": weight}
         with tf.GradientTape() as tape:
             outputs = to_float32(model(features, training=True))
-            loss = self.total_loss(labels, outputs, model, global_batch_size, micro_batches)
+            loss = self.total_loss(labels, outputs, model, global_batch_size, micro_batches,
+                                   **extra)
             scaled_loss = optimizer.scale_loss(loss)
         return tape.gradient(scaled_loss, model.trainable_variables), loss, outputs
 
@@ -140,7 +172,9 @@ class Task:
         gradients, loss, outputs = self.compute_gradients(batch, model, optimizer,
                                                           global_batch_size)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-        self.update_metrics(metrics, batch[1], outputs)
+        _, labels, weight = unpack_batch(batch)
+        self.update_metrics(metrics, labels, outputs,
+                            **({} if weight is None else {"sample_weight": weight}))
         return {"loss": loss}
 
     def eval_step(self, batch: Any, model: keras.Model,
@@ -161,6 +195,7 @@ class Task:
             return {"loss": loss}
         (weight,) = weights
         per_example = tf.cast(self.compute_loss(labels, outputs), tf.float32)
+        weight = per_example_weights(weight, per_example)
         data_loss = tf.nn.compute_average_loss(per_example, sample_weight=weight,
                                                global_batch_size=global_batch_size)
         logs = {"loss": data_loss,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import gin
 import keras
@@ -75,6 +75,8 @@ class Trainer:
       steps_per_fetch: host input mode: steps fetched with one `get_next`.
       steps_per_program: steps per XLA program launch (whole-step XLA, one replica);
         "auto" (the default) or an int.
+      class_weight: `{class id: weight}` for the train loss and metrics, as Keras
+        `fit`'s (unlisted classes weigh 1).
       guard: the NaN/Inf guard (`tputrain.NonFiniteGuard(policy=...)`); None builds
         one from gin (policy "raise" by default).
       actions: `tputrain.Action`s called after each loop, evaluation and save and at
@@ -91,6 +93,7 @@ class Trainer:
                  accumulation_steps: int = 1, profile_steps: tuple[int, int] | None = None,
                  report_mfu: bool = True, steps_per_fetch: int = 1,
                  steps_per_program: int | str = "auto",
+                 class_weight: Mapping[int, float] | None = None,
                  guard: NonFiniteGuard | None = None, actions: Sequence[Action] = (),
                  communication: CommunicationOptions | None = None):
         self.options = TrainerOptions(
@@ -100,7 +103,7 @@ class Trainer:
             precision=precision, seed=seed, input_mode=input_mode, jit_compile=jit_compile,
             accumulation_steps=accumulation_steps, profile_steps=profile_steps,
             report_mfu=report_mfu, steps_per_fetch=steps_per_fetch,
-            steps_per_program=steps_per_program)
+            steps_per_program=steps_per_program, class_weight=class_weight)
         for field, value in vars(self.options).items():  # read as trainer.<knob>, too
             setattr(self, field, value)
         if not isinstance(task, Task):
@@ -116,7 +119,8 @@ class Trainer:
         self.precision = resolve_precision(precision, self.strategy)  # the one source
         keras.utils.set_random_seed(self.seed)
         self.inputs = Inputs(task, self.strategy, self.global_batch_size, self.accumulation_steps,
-                             self.steps_per_fetch, self.input_mode, self.num_hosts, self.host_id)
+                             self.steps_per_fetch, self.input_mode, self.num_hosts, self.host_id,
+                             self.class_weight)
         for split in ("train", "eval"):  # corrupt records and missing files fail here
             self.startup.mark("data", probe_inputs(getattr(self.inputs, f"{split}_dataset"), split))
         self.startup.mark("model", self._build_model(guard))

@@ -8,7 +8,7 @@ prefetch) and resumes by skipping consumed batches.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import tensorflow as tf
 
@@ -53,6 +53,32 @@ def with_weights(dataset: tf.data.Dataset) -> tf.data.Dataset:
     return dataset.map(add_weights)
 
 
+def with_class_weights(dataset: tf.data.Dataset,
+                       class_weight: Mapping[int, float]) -> tf.data.Dataset:
+    """`(features, labels)` batches -> `(features, labels, weight of each label's class)`,
+    Keras `fit`'s `class_weight`: labels are class ids, or one-hot (last axis > 1, its
+    argmax); a class not in `class_weight` (or out of its range) weighs 1."""
+    spec = dataset.element_spec
+    if not (isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], tf.TensorSpec)):
+        raise ValueError("Trainer.class_weight needs train batches of (features, labels) "
+                         "with one labels tensor (it makes the sample weights: a dataset that "
+                         "yields its own sample weights cannot have class weights too), got "
+                         f"{spec}")
+    table = tf.constant([class_weight.get(c, 1.0) for c in range(max(class_weight) + 1)],
+                        tf.float32)
+
+    def add_weights(features, labels):
+        if labels.shape.rank and labels.shape.rank >= 2 and labels.shape[-1] != 1:
+            classes = tf.argmax(labels, axis=-1, output_type=tf.int32)
+        else:
+            classes = tf.cast(tf.round(tf.cast(tf.reshape(labels, [-1]), tf.float32)),
+                              tf.int32)
+        known = (classes >= 0) & (classes < table.shape[0])
+        weights = tf.gather(table, tf.clip_by_value(classes, 0, table.shape[0] - 1))
+        return features, labels, tf.where(known, weights, 1.0)
+    return dataset.map(add_weights)
+
+
 def zeros_of(structure: Any) -> Any:
     """Zeros shaped like each TensorSpec (or tensor) of a nest: a stand-in batch or
     log that is traced or passed but never trained on."""
@@ -75,7 +101,8 @@ class Inputs:
 
     def __init__(self, task: Task, strategy: tf.distribute.Strategy, global_batch_size: int,
                  accumulation_steps: int, steps_per_fetch: int, input_mode: str,
-                 num_hosts: int, host_id: int):
+                 num_hosts: int, host_id: int,
+                 class_weight: Mapping[int, float] | None = None):
         self.task = task
         self.strategy = strategy
         self.global_batch_size = global_batch_size
@@ -85,6 +112,7 @@ class Inputs:
         self.num_hosts = num_hosts
         self.host_id = host_id
         self.local_replicas = strategy.num_replicas_in_sync // num_hosts
+        self.class_weight = class_weight
         # Inputs first: bad data fails before anything is built or written.
         self._train_dataset = self.build_dataset("train")
         self._eval_dataset = self.build_dataset("eval")
@@ -180,16 +208,24 @@ class Inputs:
         check_static(f"{split} input", dataset.element_spec,
                      "pad variable-length features to a fixed length",
                      per_replica_batch(batch, self.strategy.num_replicas_in_sync), dataset)
+        dataset = self.weighted_by_class(dataset, split)
         if split == "train" and self.input_mode == "host":  # its iterator is checkpointed
             dataset = checkpointable(dataset, split)
         return self.group_micro_batches(dataset, split)
+
+    def weighted_by_class(self, dataset: tf.data.Dataset, split: str) -> tf.data.Dataset:
+        """The train split's `(features, labels)` as `(features, labels, class weights)`
+        with `class_weight` (as Keras `fit` does); any other dataset unchanged."""
+        if split != "train" or self.class_weight is None:
+            return dataset
+        return with_class_weights(dataset, self.class_weight)
 
     def distributed_iterator(self, split: str, skip_steps: int = 0):
         """distribute_datasets_from_function; skips `skip_steps` steps of data."""
         def dataset_fn(tf_context):
             dataset = self.task.build_inputs(
                 split, self.input_context(tf_context, self.input_batch(split)))
-            dataset = self.group_micro_batches(dataset, split)
+            dataset = self.group_micro_batches(self.weighted_by_class(dataset, split), split)
             # Each pipeline feeds its replicas one batch each per step (a TPU pod has
             # one client but a pipeline per host: not self.local_replicas).
             replicas = replicas_per_pipeline(tf_context)

@@ -32,7 +32,7 @@ from tputrain.loop.inputs import zeros_of
 from tputrain.loop.update import refusal as update_refusal
 from tputrain.loop.update import set_update_on_each_device
 from tputrain.strategy import worker_devices
-from tputrain.task import Task
+from tputrain.task import Task, unpack_batch
 
 
 def ensure_built(model: keras.Model, features_spec: Any) -> None:
@@ -439,6 +439,15 @@ class StepBuilder:
             return f"{type(error).__name__}: {_reason(error)}"
         return None
 
+    def _update_metrics(self, batch: Any, outputs: Any) -> None:
+        """The train metrics on a (micro-)batch, weighted by its sample weights if any
+        (as Keras `fit` updates them)."""
+        _, labels, weight = unpack_batch(batch)
+        if weight is None:  # a Task's update_metrics without sample_weight still works
+            self.task.update_metrics(self.train_metrics, labels, outputs)
+        else:
+            self.task.update_metrics(self.train_metrics, labels, outputs, sample_weight=weight)
+
     def _accumulate_gradients(self, batch: Any, compute: Callable) -> tuple[list[Any], tf.Tensor]:
         """Replica context: gradients and loss summed over the step's micro-batches.
 
@@ -447,7 +456,7 @@ class StepBuilder:
         """
         if self.accumulation_steps == 1:
             gradients, loss, outputs = compute(batch)
-            self.task.update_metrics(self.train_metrics, batch[1], outputs)
+            self._update_metrics(batch, outputs)
             return list(gradients), loss
         variables = self.model.trainable_variables
         unused = set()  # indices of variables without a gradient: they stay None, not zero
@@ -455,7 +464,7 @@ class StepBuilder:
         def micro_step(i, sums, loss):
             micro = tf.nest.map_structure(lambda t: t[i], batch)
             gradients, micro_loss, outputs = compute(micro)
-            self.task.update_metrics(self.train_metrics, micro[1], outputs)
+            self._update_metrics(micro, outputs)
             new_sums = []
             for index, (total, gradient) in enumerate(zip(sums, gradients)):
                 if gradient is None:

@@ -16,6 +16,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import gin
 import keras
@@ -304,6 +305,87 @@ class SaveProbe(tputrain.Action):
     def on_train_end(self, trainer, step, logs):
         masks = trainer.model.get_layer("probe").local_masks()
         np.save(os.path.join(self.directory, f"worker{trainer.host_id}.npy"), np.stack(masks))
+
+
+# ------------------------------------------------------------ file events
+#
+# With TPUTRAIN_TEST_EVENTS=1 a child numbers and prints every file event of model_dir
+# that tputrain's Python code makes (gfile copy, rename, remove, rmtree; a checkpoint
+# save; a SavedModel write) as "tputrain-test: file event <n> <op> <parent>/<name>".
+# With TPUTRAIN_TEST_PAUSE_AT=<n> it stops *before* event n (after printing
+# "tputrain-test: paused before file event <n>") until a line is written to the FIFO
+# TPUTRAIN_TEST_FIFO (or, without one, until killed): the files on disk are then
+# exactly those of a kill at that instant. TPUTRAIN_TEST_TORN=1 makes a paused copy
+# write the first half of its file first (a copy cut short).
+
+_EVENT_COUNT = [0]
+
+
+def _label(path: str) -> str:
+    parts = re.sub(r"\.tmp-[0-9a-f]{8}", ".tmp", str(path)).rstrip("/").split("/")
+    return "/".join(parts[-2:])
+
+
+def _event(op: str, path: str, torn: Callable[[], None] | None = None) -> None:
+    if ".tputrain-write-test" in str(path):
+        return  # pre-flight's probe files
+    _EVENT_COUNT[0] += 1
+    number = _EVENT_COUNT[0]
+    print(f"tputrain-test: file event {number} {op} {_label(path)}", flush=True)
+    if number != int(os.environ.get("TPUTRAIN_TEST_PAUSE_AT", "0")):
+        return
+    if torn is not None and os.environ.get("TPUTRAIN_TEST_TORN") == "1":
+        torn()
+    print(f"tputrain-test: paused before file event {number}", flush=True)
+    fifo = os.environ.get("TPUTRAIN_TEST_FIFO")
+    if fifo:
+        with open(fifo) as f:
+            f.readline()
+    else:
+        signal.pause()
+
+
+def _install_file_events() -> None:
+    gfile = tf.io.gfile
+    copy, rename, remove, rmtree = gfile.copy, gfile.rename, gfile.remove, gfile.rmtree
+
+    def torn_copy(source: str, target: str) -> None:
+        data = Path(source).read_bytes()
+        Path(target).write_bytes(data[: len(data) // 2])
+
+    def copy_(source, target, overwrite=False):
+        _event("copy", target, lambda: torn_copy(source, target))
+        return copy(source, target, overwrite)
+
+    def rename_(source, target, overwrite=False):
+        _event("rename", target)
+        return rename(source, target, overwrite)
+
+    gfile.copy, gfile.rename = copy_, rename_
+    gfile.remove = lambda path: (_event("remove", path), remove(path))[1]
+    gfile.rmtree = lambda path: (_event("rmtree", path), rmtree(path))[1]
+    manager_save = tf.train.CheckpointManager.save
+
+    def save(self, checkpoint_number=None, **kwargs):
+        _event("save", f"{self.directory}/ckpt-{checkpoint_number}")
+        return manager_save(self, checkpoint_number=checkpoint_number, **kwargs)
+
+    tf.train.CheckpointManager.save = save
+    import tputrain.export as export
+
+    write = export.save_serving_model
+    export.save_serving_model = lambda model, inputs, path, *a, **k: (
+        _event("savedmodel", path), write(model, inputs, path, *a, **k))[1]
+
+
+if os.environ.get("TPUTRAIN_TEST_EVENTS") == "1":
+    _install_file_events()
+
+
+def file_events(text: str) -> list[tuple[int, str]]:
+    """(number, "op parent/name") of every file event a child printed."""
+    return [(int(n), what) for n, what in
+            re.findall(r"tputrain-test: file event (\d+) (.+)", text)]
 
 
 def final_weights(model_dir: str) -> dict[str, np.ndarray]:

@@ -400,3 +400,42 @@ def test_the_side_car_reports_each_checkpoint_as_it_is_evaluated(trained, tmp_pa
     with pytest.raises(KeyboardInterrupt):
         evaluate_checkpoints(trainer, continuous=True, timeout=60, on_result=first_only)
     assert seen == [4]
+
+
+# ------------------------------------------------------------ a kill at the end of a run
+
+@pytest.mark.slow
+def test_a_kill_at_any_file_event_after_the_final_checkpoint_is_completed_by_a_rerun(tmp_path):
+    """Issue 33.2: killed before each file event after the final checkpoint (the final
+    evaluation's records, the export; copies into best/ also cut in half), a rerun
+    completes what is missing and nothing else: it exports (it said 'nothing to train'
+    and never wrote export/<step>/) and ends as the uninterrupted run."""
+    from faults import file_events
+    from test_best import CONFIG, assert_same_outcome, event_child, kill_before_event, run_outcome
+
+    config = tmp_path / "end.gin"
+    config.write_text(CONFIG + "Trainer.train_steps = 12\nEarlyStopping.patience = 100\n")
+    reference = event_child(config, tmp_path / "reference")
+    assert reference.finish(timeout=900) == 0, reference.log()
+    events = file_events(reference.text())
+    final = max(i for i, (_, what) in enumerate(events) if what == "save checkpoints/ckpt-12")
+    # The end-of-run actions' events: the final evaluation's records, then the export
+    # written aside and renamed (goodput's record and the operative config are not theirs).
+    window = [(n, w) for n, w in events[final + 1:]
+              if re.search(r" (best|export)/|early_stopping\.json", w)]
+    shapes = [re.sub(r"\d+", "N", w) for _, w in window]
+    assert shapes[-2:] == ["savedmodel export/N.tmp", "rename export/N"], window
+    assert "rename checkpoints/early_stopping.json" in shapes, window
+    kills = [(n, w, False) for n, w in window] + [(n, w, True) for n, w in window
+                                                   if w.startswith("copy ")]
+    expected = run_outcome(tmp_path / "reference")
+    for number, what, torn in kills:
+        model_dir = tmp_path / f"killed-{number}-{int(torn)}"
+        kill_before_event(config, model_dir, number, torn)
+        rerun = event_child(config, model_dir)
+        assert rerun.finish(timeout=900) == 0, rerun.log()
+        assert "nothing to train" in rerun.text() and "training from step" not in rerun.text()
+        reruns = [w for _, w in file_events(rerun.text())]
+        assert not any(w.startswith("save ") for w in reruns), reruns  # no checkpoint written
+        assert_same_outcome(run_outcome(model_dir), expected,
+                            f"killed before event {number} ({what}, torn={torn})")

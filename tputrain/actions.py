@@ -55,6 +55,17 @@ class Action:
     def on_train_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
         """Once, when `train()` returns normally, with the final evaluation's metrics."""
 
+    def eval_recorded(self, trainer: "Trainer", step: int) -> bool:
+        """Whether this action's record on disk holds the evaluation at `step`. A resume
+        at a step whose evaluation some action did not record (killed in between)
+        evaluates it again and calls only those actions' `on_eval_end`."""
+        return True
+
+    def end_done(self, trainer: "Trainer", step: int) -> bool:
+        """Whether this action's end-of-run output for a run that ended at `step` is on
+        disk. A rerun of a finished run calls `on_train_end` only where it is not."""
+        return True
+
 
 def check_actions(actions: Sequence[Action]) -> list[Action]:
     """The actions as a list; anything that is not an `Action` is named."""

@@ -6,7 +6,8 @@ an uninterrupted one:
 
 * `BestCheckpoint` copies the checkpoint of each improving evaluation into
   `model_dir/best/` (outside the keep-N rotation) and then writes
-  `best/best.json` (step, value) atomically. The Controller evaluates *before*
+  `best/best.json` (step, value, and the last step evaluated) atomically after
+  every evaluation: that rename is the commit. The Controller evaluates *before*
   it saves at a step, so instead of waiting for that save the action asks the
   Checkpointer for it at once (`Checkpointer.save` at a step already saved is a
   no-op; the Controller's save that follows becomes one).
@@ -15,6 +16,14 @@ an uninterrupted one:
   resume it keeps the evaluations up to the restored step (those after it are
   repeated by the resumed run) and recomputes its decision from them, so the
   record can never be ahead of or behind the checkpoint it resumes from.
+* A kill between the checkpoint of an evaluated step and a record of its
+  evaluation: the resumed run evaluates that step again for the action that has
+  no record of it (`Action.eval_recorded`, the Controller), so the best step,
+  the stop step and the export are the uninterrupted run's.
+* Copies into `best/` that best.json does not name (a copy cut short by a kill
+  or a full disk, the previous best left by a kill) are deleted before the
+  pre-flight measures the room (`tidy_best`); a copy that fails deletes its
+  partial files and stops the run with `ModelDirError`, the rerun continues.
 
 Hooks run on every host with the same (agreed) eval metrics; only the chief writes.
 """
@@ -25,7 +34,7 @@ import json
 import math
 import os
 import uuid
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, NoReturn
 
 import gin
 import tensorflow as tf
@@ -33,6 +42,7 @@ from absl import logging
 
 from tputrain.actions import Action
 from tputrain.checks import check_int
+from tputrain.validate import ModelDirError
 
 if TYPE_CHECKING:  # annotations only: the Trainer imports the actions
     from tputrain.trainer import Trainer
@@ -154,11 +164,20 @@ class BestCheckpoint(Action):
             return
         self.step, self.value = int(record["step"]), float(record["value"])
 
+    def eval_recorded(self, trainer: "Trainer", step: int) -> bool:
+        """best.json names a step evaluated at or after `step` (evaluations come in order)."""
+        record = read_json(os.path.join(self.directory_of(trainer), BEST_FILE)) or {}
+        if (record.get("metric"), record.get("mode")) != (self.watch.key, self.watch.mode):
+            return False
+        return int(record.get("evaluated", record.get("step", -1))) >= step
+
     def on_eval_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
         if not self.loaded:  # Trainer.evaluate() outside train()
             self._load(trainer)
         value = self.watch.value(logs)
         if not self.watch.improved(value, self.value):
+            if trainer.is_chief:  # the evaluation is recorded, the best unchanged
+                self._commit(trainer, step, self.step, self.value)
             return
         # Eval runs before the Controller's save at this step: save now (every host
         # takes part; a step already saved is not written twice), then copy it.
@@ -175,18 +194,63 @@ class BestCheckpoint(Action):
         directory = self.directory_of(trainer)
         tf.io.gfile.makedirs(directory)
         name = f"ckpt-{step}"
-        sources = tf.io.gfile.glob(f"{path}.*")
+        # The index last: a copy cut short has no index, so it never looks like a checkpoint.
+        sources = sorted(tf.io.gfile.glob(f"{path}.*"), key=lambda s: s.endswith(".index"))
         if not any(s.endswith(".index") for s in sources):
             raise FileNotFoundError(f"BestCheckpoint: the checkpoint {path} has no files")
-        for source in sources:
-            suffix = source[len(path):]  # ".index", ".data-00000-of-00001"
-            tf.io.gfile.copy(source, os.path.join(directory, name + suffix), overwrite=True)
-        write_json(os.path.join(directory, BEST_FILE),
-                   {"step": step, "value": value, "metric": self.watch.key,
-                    "mode": self.watch.mode, "checkpoint": name})
-        for old in tf.io.gfile.glob(os.path.join(directory, "ckpt-*")):
-            if not os.path.basename(old).startswith(name + "."):
-                tf.io.gfile.remove(old)
+        try:
+            for source in sources:
+                suffix = source[len(path):]  # ".index", ".data-00000-of-00001"
+                tf.io.gfile.copy(source, os.path.join(directory, name + suffix), overwrite=True)
+        except (tf.errors.OpError, OSError) as error:
+            self._copy_failed(directory, name, path, error)
+        self._commit(trainer, step, step, value)
+        tidy_best(directory)  # the previous best's files
+
+    def _commit(self, trainer: "Trainer", evaluated: int, step: int | None,
+                value: float | None) -> None:
+        """Writes best.json: the best so far and the last step evaluated (the commit)."""
+        record: dict[str, Any] = {"metric": self.watch.key, "mode": self.watch.mode,
+                                  "evaluated": evaluated}
+        if step is not None:
+            record.update(step=step, value=value, checkpoint=f"ckpt-{step}")
+        write_json(os.path.join(self.directory_of(trainer), BEST_FILE), record)
+
+    def _copy_failed(self, directory: str, name: str, path: str,
+                     error: BaseException) -> NoReturn:
+        """Deletes the partial copy; raises saying the best so far and the checkpoint are
+        intact (a full disk must not leave a file every rerun trips over)."""
+        for partial in tf.io.gfile.glob(os.path.join(directory, f"{name}.*")):
+            tf.io.gfile.remove(partial)
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        full = "no space left" in text.lower() or isinstance(
+            error, tf.errors.ResourceExhaustedError)
+        raise ModelDirError(
+            f"copying the best checkpoint {path} into {directory} "
+            f"{'ran out of room' if full else 'failed'} ({text}); the partial copy is deleted, "
+            f"best.json and {path} are intact: free some space and rerun, which evaluates that "
+            "step again and keeps it if it is the best") from None
+
+
+def tidy_best(directory: str) -> None:
+    """Deletes files in `directory` that best.json does not name: a copy cut short (a kill,
+    a full disk), the previous best left by a kill after the commit, temp records."""
+    if not tf.io.gfile.isdir(directory):
+        return
+    path = os.path.join(directory, BEST_FILE)
+    record = read_json(path)
+    if record is None and tf.io.gfile.exists(path):
+        return  # an unreadable record (said once): never delete what it may name
+    record = record or {}
+    keep = f"{record['checkpoint']}." if "checkpoint" in record else None
+    # Index files first: a deletion cut short leaves no index without its data.
+    for name in sorted(tf.io.gfile.listdir(directory), key=lambda n: not n.endswith(".index")):
+        stray = (name.startswith("ckpt-") and not (keep and name.startswith(keep))) \
+            or name.startswith(f"{BEST_FILE}.tmp-")
+        if stray:
+            logging.info("tputrain: removing %s from %s (not the kept best checkpoint)",
+                         name, directory)
+            tf.io.gfile.remove(os.path.join(directory, name))
 
 
 def early_stopping_path(model_dir: str) -> str:
@@ -242,6 +306,11 @@ class EarlyStopping(Action):
                 if waited >= self.patience:
                     return step
         return None
+
+    def eval_recorded(self, trainer: "Trainer", step: int) -> bool:
+        if not self.loaded:  # a rerun of a finished run calls no on_train_begin
+            self._load(trainer, step)
+        return step in self.evals
 
     def on_eval_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
         if not self.loaded:  # Trainer.evaluate() outside train()

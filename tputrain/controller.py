@@ -87,6 +87,43 @@ class Controller:
             action.on_save(trainer, trainer.current_step, path)
         return path
 
+    def _unrecorded(self, step: int) -> list[Action]:
+        return [a for a in self.actions if not a.eval_recorded(self.trainer, step)]
+
+    def _evaluate_unrecorded(self, step: int) -> dict[str, float] | None:
+        """A resume at an eval step that some action has not recorded (a kill between the
+        checkpoint and the record): evaluates it again for those actions only, so the
+        best checkpoint and the early-stopping record are the uninterrupted run's."""
+        trainer = self.trainer
+        if not (step and trainer.eval_every and step % trainer.eval_every == 0):
+            return None
+        missing = self._unrecorded(step)
+        if not missing:
+            return None
+        logging.info("tputrain: the evaluation at step %d is not recorded by %s: evaluating "
+                     "it again", step, ", ".join(type(a).__name__ for a in missing))
+        logs = trainer.evaluate_weights()
+        for action in missing:
+            action.on_eval_end(trainer, step, logs)
+        return logs
+
+    def complete(self, step: int) -> dict[str, float]:
+        """A rerun of a run that reached its last step: only what a kill (or a full disk)
+        cut short of its end, i.e. the final evaluation where an action did not record it
+        and end-of-run outputs (the export) that are not on disk; returns the evaluation."""
+        trainer = self.trainer
+        logs = trainer.evaluate_weights()
+        missing = self._unrecorded(step)
+        for action in missing:
+            action.on_eval_end(trainer, step, logs)
+        unfinished = [a for a in self.actions if not a.end_done(trainer, step)]
+        if missing or unfinished:
+            logging.info("tputrain: completing the end of the run at step %d: %s", step,
+                         ", ".join(type(a).__name__ for a in dict.fromkeys(missing + unfinished)))
+        for action in unfinished:
+            action.on_train_end(trainer, step, logs)
+        return logs
+
     def run(self, until: int) -> dict[str, float]:
         """Trains from the current step to `until`; returns the final evaluation."""
         trainer = self.trainer
@@ -103,6 +140,9 @@ class Controller:
         profilers = [a for a in self.actions if isinstance(a, ProfilerAction)]
         for action in self.actions:
             action.on_train_begin(trainer, step)
+        recovered = self._evaluate_unrecorded(step)
+        if recovered is not None:
+            eval_logs, evaluated_at = recovered, step
         try:
             while step < until and not trainer.stop_training:
                 for profiler in profilers:

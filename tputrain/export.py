@@ -227,6 +227,12 @@ def read_for_export(trainer: "Trainer", checkpoint: str, fall_back: bool
                          "(--step)") from None
 
 
+def export_complete(path: str) -> bool:
+    """Whether `path` holds a whole SavedModel: a new folder is renamed into place
+    whole, and the writer writes saved_model.pb after the variables."""
+    return tf.io.gfile.exists(os.path.join(path, "saved_model.pb"))
+
+
 def export_destination(trainer: "Trainer", step: int, export_dir: str | None = None) -> str:
     """`export_dir`, else $AIP_MODEL_DIR (Vertex AI), else model_dir/export/<step>."""
     return (export_dir or os.environ.get(VERTEX_MODEL_DIR)
@@ -394,7 +400,42 @@ class Export(Action):
         if best is None or best.step is None or best.step != self.exported_step:
             self._export(trainer)  # (the best was exported when it was set)
 
+    def _pending(self, trainer: "Trainer") -> str | None:
+        """Where the export of the checkpoint to export goes, if it is not there whole."""
+        try:
+            _, step, _ = checkpoint_to_export(trainer)
+        except ValueError:
+            return None  # no checkpoint: export_checkpoint says so when called
+        path = export_destination(trainer, step, self.export_dir)
+        return None if _exported(trainer, path, step) else path
+
+    def eval_recorded(self, trainer: "Trainer", step: int) -> bool:
+        """every_best: the new best of `step` is exported (a kill can fall before it).
+        Read from the files on every host: all must agree to evaluate again."""
+        best = self._best(trainer) if self.every_best else None
+        record = best_record(trainer.model_dir, best.directory_of(trainer)) if best else None
+        if record is None or int(record["step"]) != step:
+            return True
+        return self._pending(trainer) is None
+
+    def end_done(self, trainer: "Trainer", step: int) -> bool:
+        return not trainer.is_chief or self._pending(trainer) is None
+
     def _export(self, trainer: "Trainer") -> None:
-        if trainer.is_chief:
-            self.path = export_checkpoint(trainer, export_dir=self.export_dir,
-                                          examples=self.examples)
+        """Exports unless that export is on disk whole already (a rerun, an earlier best)."""
+        if not trainer.is_chief:
+            return
+        checkpoint, step, _ = checkpoint_to_export(trainer)
+        path = export_destination(trainer, step, self.export_dir)
+        if _exported(trainer, path, step):
+            logging.info("tputrain: %s is exported already (%s)", checkpoint, path)
+            self.path = path
+            return
+        self.path = export_checkpoint(trainer, export_dir=self.export_dir, examples=self.examples)
+
+
+def _exported(trainer: "Trainer", path: str, step: int) -> bool:
+    """Whether the export of `step` is whole at `path`; a folder not named by the step
+    ($AIP_MODEL_DIR, an `export_dir`) cannot say which step it holds: written again."""
+    return (path == os.path.join(trainer.model_dir, EXPORT_DIR, str(step))
+            and export_complete(path))

@@ -23,6 +23,7 @@ from absl import logging
 from tputrain.actions import (Action, CommunicationAction, MFUAction, NonFinitePolicyAction,
                               PreemptionAction, ProfilerAction, check_actions)
 from tputrain.allreduce import reduce_gradients_first
+from tputrain.best import BestCheckpoint, tidy_best
 from tputrain.checkpoint import Checkpointer, seed_generator_states
 from tputrain.checks import check_int
 from tputrain.communication import CommunicationOptions
@@ -217,7 +218,11 @@ class Trainer:
         size = variable_bytes(self.model.variables) + variable_bytes(self.optimizer.variables)
         if self.input_mode == "host":  # the iterator is checkpointed: shuffle buffers and all
             size += iterator_state_bytes(self.inputs.fetch_groups(self.inputs.train_dataset))
-        check_model_dir(self.model_dir, size, keep=self.checkpointer.keep)
+        kept_best = [a for a in self.actions if isinstance(a, BestCheckpoint)]
+        for action in kept_best:  # a copy a kill or a full disk cut short takes no room
+            tidy_best(action.directory_of(self))
+        check_model_dir(self.model_dir, size, keep=self.checkpointer.keep,
+                        best_copy=bool(kept_best))
         lock_model_dir(self.model_dir)  # one run per model_dir, until this process ends
 
     # ------------------------------------------------------------ public API
@@ -246,7 +251,7 @@ class Trainer:
         if step >= until:
             logging.info("tputrain: %s is at step %d >= train_steps %d; nothing to train",
                          self.model_dir, step, self.train_steps)
-            return self.evaluate_weights()
+            return Controller(self, self._actions()).complete(step)
         self._check_fetch_alignment(step)
         if self.input_mode == "distributed":  # skips the examples consumed, in batches
             self._train_iterator = self.inputs.distributed_iterator(

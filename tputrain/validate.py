@@ -118,13 +118,16 @@ def iterator_state_bytes(dataset: tf.data.Dataset) -> int:
 _WRITTEN_SUBDIRS = ("checkpoints", "train", "eval")
 
 
-def check_model_dir(model_dir: str, checkpoint_bytes: int = 0, keep: int = 2) -> None:
+def check_model_dir(model_dir: str, checkpoint_bytes: int = 0, keep: int = 2,
+                    best_copy: bool = False) -> None:
     """Fails with the fix if model_dir cannot take this run's checkpoints and logs.
 
     Creates model_dir, writes and deletes a probe file there and in each of its
     existing `checkpoints/`, `train/`, `eval/` folders, and for local paths checks
     the free space against `keep + 1` checkpoints (keep-N holds N while the next
-    one is written). gs:// buckets are checked with google-cloud-storage first.
+    one is written), one more with `best_copy` (a BestCheckpoint copies a new best
+    into best/ before it deletes the previous one). gs:// buckets are checked with
+    google-cloud-storage first.
     """
     if model_dir.startswith("gs://"):
         check_bucket_writable(model_dir)
@@ -141,12 +144,14 @@ def check_model_dir(model_dir: str, checkpoint_bytes: int = 0, keep: int = 2) ->
         raise ModelDirError(_explain_write_error(directory, error)) from None
     if "://" not in model_dir and checkpoint_bytes:
         free = shutil.disk_usage(model_dir).free
-        needed = (keep + 1) * checkpoint_bytes
+        copies = keep + 1 + int(best_copy)
+        needed = copies * checkpoint_bytes
         if free < needed:
+            best = " and the copy of a new best" if best_copy else ""
             raise ModelDirError(
                 f"model_dir {model_dir} has {free / _MIB:.1f} MiB free but a checkpoint "
-                f"needs {checkpoint_bytes / _MIB:.1f} MiB (x{keep + 1}: keep_checkpoints={keep} "
-                "plus the one being written): free some space, lower "
+                f"needs {checkpoint_bytes / _MIB:.1f} MiB (x{copies}: keep_checkpoints={keep} "
+                f"plus the one being written{best}): free some space, lower "
                 "Trainer.keep_checkpoints or choose a --model_dir on a larger disk")
         logging.debug("tputrain: model_dir %s has %.0f MiB free", model_dir, free / _MIB)
 

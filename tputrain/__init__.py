@@ -62,18 +62,26 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
+def _resolve(name: str) -> Any:
+    module = importlib.import_module(_EXPORTS[name])
+    value = module if _EXPORTS[name].endswith(f".{name}") else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
 def load_api() -> None:
     """Imports every public module, so their gin configurables are registered."""
-    for name, module in _EXPORTS.items():
-        value = importlib.import_module(module)
-        globals()[name] = value if module.endswith(f".{name}") else getattr(value, name)
+    for name in _EXPORTS:
+        if name not in globals():
+            _resolve(name)
 
 
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'tputrain' has no attribute {name!r}")
+    value = _resolve(name)  # its own module first: a module loading may ask for one name
     load_api()
-    return globals()[name]
+    return value
 
 
 def __dir__() -> list[str]:

@@ -66,9 +66,9 @@ class _Formatter(pylogging.Formatter):
 
 def _is_default_stderr_handler(handler: pylogging.Handler) -> bool:
     """What a bare `logging.basicConfig()` adds, as absl's first log call does by itself."""
-    return (type(handler) is pylogging.StreamHandler and handler.stream is sys.stderr
-            and handler.formatter is not None
-            and handler.formatter._fmt == pylogging.BASIC_FORMAT)  # pylint: disable=protected-access
+    fmt = getattr(handler.formatter, "_fmt", None)  # the format string it was given
+    return (type(handler) is pylogging.StreamHandler  # pylint: disable=unidiomatic-typecheck
+            and handler.stream is sys.stderr and fmt == pylogging.BASIC_FORMAT)
 
 
 def user_configured_logging() -> bool:

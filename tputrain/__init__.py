@@ -18,6 +18,7 @@ from tputrain.console import show_progress  # noqa: E402
 from tputrain.controller import Controller  # noqa: E402
 from tputrain.checkpoint import Checkpointer, CheckpointMismatchError  # noqa: E402
 from tputrain.guard import NonFiniteError, NonFiniteGuard  # noqa: E402
+from tputrain.loop.replica_stats import ReplicaStateError  # noqa: E402
 from tputrain.preemption import PREEMPTED_EXIT_CODE, Preempted  # noqa: E402
 from tputrain.audit import audit_precision  # noqa: E402
 from tputrain.lars import LARS  # noqa: E402
@@ -53,6 +54,7 @@ __all__ = [
     "NonFiniteGuard",
     "PREEMPTED_EXIT_CODE",
     "Preempted",
+    "ReplicaStateError",
     "LARS",
     "WarmupDecay",
     "audit_precision",

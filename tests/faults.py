@@ -388,6 +388,70 @@ def file_events(text: str) -> list[tuple[int, str]]:
             re.findall(r"tputrain-test: file event (\d+) (.+)", text)]
 
 
+RUNNING_MOMENTUM = INPUT_NORM_MOMENTUM  # tests/test_replica_stats.py: moving_mean
+
+
+class RunningStats(keras.layers.Layer):
+    """Identity on its inputs that keeps statistics of them in non-trainable weights
+    updated in the forward pass: the examples seen (`count`, int64), their feature sums
+    (`total`) and an exponential moving mean (`mean`). `declared`: the weights say how
+    replicas combine them ("sum", "sum", "mean"); else Keras's default, "none"."""
+
+    def __init__(self, declared: bool = True, **kwargs):
+        super().__init__(**kwargs)
+        self.declared = declared
+
+    def build(self, input_shape):
+        summed, averaged = ("sum", "mean") if self.declared else ("none", "none")
+        self.count = self.add_weight(shape=(), dtype="int64", initializer="zeros",
+                                     trainable=False, aggregation=summed, name="count")
+        self.total = self.add_weight(shape=(8,), initializer="zeros", trainable=False,
+                                     aggregation=summed, name="total")
+        self.mean = self.add_weight(shape=(8,), initializer="zeros", trainable=False,
+                                    aggregation=averaged, name="mean")
+
+    def call(self, inputs, training=False):
+        if training:
+            self.count.assign_add(tf.cast(tf.shape(inputs)[0], "int64"))
+            self.total.assign(self.total + tf.reduce_sum(inputs, 0))
+            self.mean.assign(self.mean * RUNNING_MOMENTUM
+                             + tf.reduce_mean(inputs, 0) * (1 - RUNNING_MOMENTUM))
+        return inputs
+
+
+def running_stats_model(declared: bool = True) -> keras.Model:
+    """TinyTask's classifier behind a `RunningStats` ("stats") on its inputs."""
+    inputs = keras.Input((8,), name="x")
+    h = RunningStats(declared, name="stats")(inputs)
+    h = keras.layers.Dense(16, activation="relu")(h)
+    return keras.Model({"x": inputs}, keras.layers.Dense(2, dtype="float32")(h))
+
+
+@gin.configurable
+class RunningStatsRecordsTask(RecordsTask):
+    """RecordsTask with `running_stats_model`."""
+
+    def build_model(self) -> keras.Model:
+        return running_stats_model()
+
+
+@gin.configurable
+class SaveRunningStats(tputrain.Action):
+    """At the end of training, each worker saves its copies of the "stats" layer's
+    weights to `<directory>/worker<host>.npz`."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def on_train_end(self, trainer, step, logs):
+        layer = trainer.model.get_layer("stats")
+        copies = {}
+        for name in ("count", "total", "mean"):
+            value = getattr(layer, name).value
+            copies[name] = np.stack([v.numpy() for v in getattr(value, "values", [value])])
+        np.savez(os.path.join(self.directory, f"worker{trainer.host_id}.npz"), **copies)
+
+
 def final_weights(model_dir: str) -> dict[str, np.ndarray]:
     """The model weights of the latest checkpoint in model_dir, by checkpoint key."""
     path = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))

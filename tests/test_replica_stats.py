@@ -14,7 +14,8 @@ import pytest
 import tensorflow as tf
 
 import tputrain
-from faults import INPUT_NORM_MOMENTUM as MOMENTUM, input_norm_model
+from tputrain.export import export_checkpoint
+from faults import INPUT_NORM_MOMENTUM as MOMENTUM, input_norm_model, running_stats_model
 from test_launch import Launch
 from tiny import TinyTask, strategy_for
 
@@ -57,7 +58,11 @@ def copies(variable) -> list[np.ndarray]:
 
 
 def train(tmp_path, replicas: int, **kwargs) -> tputrain.Trainer:
-    trainer = tputrain.Trainer(InputNormTask(), str(tmp_path / f"r{replicas}"),
+    return train_task(tmp_path, InputNormTask(), replicas, **kwargs)
+
+
+def train_task(tmp_path, task: TinyTask, replicas: int, **kwargs) -> tputrain.Trainer:
+    trainer = tputrain.Trainer(task, str(tmp_path / f"r{replicas}"),
                                strategy=strategy_for(replicas), train_steps=STEPS,
                                steps_per_loop=2, global_batch_size=BATCH, checkpoint_every=2,
                                eval_steps=2, seed=0, **kwargs)
@@ -138,3 +143,119 @@ Trainer.report_mfu = False
                             for step in range(STEPS)])
     path = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
     np.testing.assert_allclose(saved_moving_mean(path), expected, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------- other non-trainable state (issue 32, item 4)
+
+
+class RunningStatsTask(TinyTask):
+    """TinyTask behind a `faults.RunningStats` layer on its inputs."""
+
+    def __init__(self, declared: bool = True):
+        super().__init__()
+        self.declared = declared
+
+    def build_model(self) -> keras.Model:
+        return running_stats_model(self.declared)
+
+
+def assert_global_running_stats(count, total, mean, x: np.ndarray) -> None:
+    """The statistics of every example of the STEPS global batches `x` (in order)."""
+    assert count == STEPS * BATCH
+    np.testing.assert_allclose(total, x[:STEPS * BATCH].sum(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(mean, moving_mean([x[s * BATCH:(s + 1) * BATCH]
+                                                  for s in range(STEPS)]), rtol=1e-5, atol=1e-6)
+
+
+def saved_stats(path: str) -> dict[str, np.ndarray]:
+    """The "stats" layer's weights in a checkpoint or SavedModel variables file."""
+    reader = tf.train.load_checkpoint(path)
+    found = {}
+    for name, _ in tf.train.list_variables(path):
+        for weight in ("count", "total", "mean"):
+            if "OPTIMIZER" not in name and name.endswith(f"/{weight}/.ATTRIBUTES/VARIABLE_VALUE"):
+                found[weight] = reader.get_tensor(name)
+    assert sorted(found) == ["count", "mean", "total"], tf.train.list_variables(path)
+    return found
+
+
+def test_declared_running_statistics_are_one_across_replicas(tmp_path):
+    """aggregation="sum" counts every replica's examples once; "mean" averages: every
+    copy, the checkpoint and the export hold the statistics of the global batches."""
+    trainer = train_task(tmp_path, RunningStatsTask(), replicas=2)
+    layer = trainer.model.get_layer("stats")
+    for name in ("count", "total", "mean"):
+        values = copies(getattr(layer, name))
+        for copy in values[1:]:
+            np.testing.assert_array_equal(copy, values[0], err_msg=name)
+    x = trainer.task.x
+    assert_global_running_stats(copies(layer.count)[0], copies(layer.total)[0],
+                                copies(layer.mean)[0], x)
+    assert_global_running_stats(**saved_stats(trainer.checkpointer.latest), x=x)
+    exported = export_checkpoint(trainer, examples=False)
+    assert_global_running_stats(**saved_stats(f"{exported}/variables/variables"), x=x)
+
+
+def test_undeclared_state_that_diverges_is_refused(tmp_path):
+    """Weights updated in the forward pass with aggregation "none" (Keras's default)
+    would be saved as replica 0's copy (a count of half the examples, equal on both
+    replicas): one line names them and the fix, before anything is saved."""
+    with pytest.raises(ValueError,
+                       match=r"stats/count.*aggregation=\"sum\".*aggregation=\"mean\""):
+        train_task(tmp_path, RunningStatsTask(declared=False), replicas=2)
+    assert not (tmp_path / "r2" / "checkpoints").exists()
+
+
+def test_a_keras_model_train_step_override_is_refused(tmp_path):
+    """The Trainer never calls `keras.Model.train_step`: a model that overrides it would
+    train without it, silently."""
+    class OwnStep(keras.Model):
+        def train_step(self, data):  # never called by the Trainer
+            raise AssertionError("unreachable")
+
+    class OwnStepTask(TinyTask):
+        def build_model(self) -> keras.Model:
+            inputs = keras.Input((8,), name="x")
+            return OwnStep({"x": inputs}, keras.layers.Dense(2)(inputs))
+
+    with pytest.raises(TypeError, match=r"OwnStep\.train_step.*Task\.train_step"):
+        tputrain.Trainer(OwnStepTask(), str(tmp_path), strategy=strategy_for(1), train_steps=2,
+                         global_batch_size=BATCH, eval_steps=1)
+
+
+@pytest.mark.slow
+def test_two_worker_processes_keep_one_copy_of_declared_running_statistics(tmp_path):
+    """One replica on each of 2 worker processes reading its own file: both workers'
+    copies and the chief's checkpoint hold the statistics of both workers' examples."""
+    rng = np.random.RandomState(0)
+    shards = [rng.randn(64, 8).astype(np.float32) + shift for shift in (0.0, 3.0)]
+    for index, x in enumerate(shards):
+        tputrain.data.write_tfrecords({"x": x, "label": (x[:, 0] > 0).astype(np.int64)},
+                                      str(tmp_path / f"train{index}"), num_shards=1)
+    config = tmp_path / "stats.gin"
+    config.write_text(f"""
+Trainer.task = @RunningStatsRecordsTask()
+RunningStatsRecordsTask.pattern = '{tmp_path}/train*'
+Trainer.actions = [@SaveRunningStats()]
+SaveRunningStats.directory = '{tmp_path}'
+Trainer.train_steps = {STEPS}
+Trainer.steps_per_loop = 2
+Trainer.checkpoint_every = 2
+Trainer.eval_steps = 1
+Trainer.global_batch_size = {BATCH}
+Trainer.report_mfu = False
+""")
+    model_dir = tmp_path / "model"
+    launch = Launch(["--workers", "2", "--gin_import=faults", f"--gin_file={config}",
+                     f"--model_dir={model_dir}"])
+    assert launch.finish(timeout=300) == 0, launch.text()[-4000:]
+    half = BATCH // 2  # each worker's replica reads its own file's next 8 examples a step
+    x = np.concatenate([np.concatenate([s[step * half:(step + 1) * half] for s in shards])
+                        for step in range(STEPS)])
+    workers = [np.load(tmp_path / f"worker{w}.npz") for w in (0, 1)]
+    for name in ("count", "total", "mean"):
+        np.testing.assert_array_equal(workers[0][name], workers[1][name], err_msg=name)
+    assert_global_running_stats(workers[0]["count"][0], workers[0]["total"][0],
+                                workers[0]["mean"][0], x)
+    path = tf.train.latest_checkpoint(str(model_dir / "checkpoints"))
+    assert_global_running_stats(**saved_stats(path), x=x)

@@ -35,6 +35,7 @@ _EXPORTS = {
     "CheckpointMismatchError": "tputrain.checkpoint",
     "NonFiniteError": "tputrain.guard",
     "NonFiniteGuard": "tputrain.guard",
+    "ReplicaStateError": "tputrain.loop.replica_stats",
     "PREEMPTED_EXIT_CODE": "tputrain.preemption",
     "Preempted": "tputrain.preemption",
     "audit_precision": "tputrain.audit",

@@ -39,8 +39,8 @@ from tputrain.loop.host_loop import HostLoop, count_step
 from tputrain.loop.hosts import MaxOverHosts, host_topology, is_chief
 from tputrain.loop.inputs import Inputs, default_input_mode
 from tputrain.loop.replica_seeds import fold_replica_into_seeds
-from tputrain.loop.replica_stats import ReplicaStatistics
-from tputrain.loop.step import StepBuilder, ensure_built, steps_program
+from tputrain.loop.replica_stats import ReplicaStatistics, sum_once
+from tputrain.loop.step import StepBuilder, check_model_train_step, ensure_built, steps_program
 from tputrain.loop.update import update_on_each_device
 from tputrain.options import TrainerOptions, program_steps
 from tputrain.precision import resolve_precision, wrap_optimizer_for_policy
@@ -161,6 +161,8 @@ class Trainer:
             ensure_built(self.model, self.inputs.micro_batch_spec()[0])
             override_layer_dtypes(self.model)  # gin: layers the precision audit kept in fp32
             fold_replica_into_seeds(self.model)  # dropout masks differ per replica
+            sum_once(self.model)  # aggregation="sum" weights add each replica's share once
+            check_model_train_step(self.model, task)
             # Built before the first step: slot variables are mirrored and a restore can
             # fill them. mixed_float16 wraps any optimizer for Keras 3 loss scaling.
             self.optimizer = wrap_optimizer_for_policy(task.build_optimizer())
@@ -318,10 +320,11 @@ class Trainer:
                                            **self._program(step_fn)).run
         for metric in self.train_metrics:
             metric.reset_state()
-        totals, steps, input_wait = self._train_loop_fn(self._train_iterator, num_steps)
-        if self._replica_stats is None:  # after the first trace: every variable exists
+        if self._replica_stats is None:  # the model is built (ensure_built)
             self._replica_stats = ReplicaStatistics(self.strategy, self.model)
-        self._replica_stats.average()  # batch norm's copies made one before a save or eval
+        self._replica_stats.begin()
+        totals, steps, input_wait = self._train_loop_fn(self._train_iterator, num_steps)
+        self._replica_stats.average()  # copies made one (or refused) before a save or eval
         steps = int(steps)
         logs = {name: float(value) / steps for name, value in totals.items()}
         logs.update({m.name: float(m.result()) for m in self.train_metrics})

@@ -245,6 +245,18 @@ def _overrides(task: Task, name: str) -> bool:
     return getattr(type(task), name) is not getattr(Task, name) or name in vars(task)
 
 
+def check_model_train_step(model: keras.Model, task: Task) -> None:
+    """Refuses a model that overrides `keras.Model.train_step`: the Trainer's step is the
+    Task's and never calls it, so the model would silently train without it."""
+    if getattr(type(model), "train_step", keras.Model.train_step) is keras.Model.train_step:
+        return
+    name, task_name = type(model).__name__, type(task).__name__
+    raise TypeError(
+        f"tputrain: {name}.train_step overrides keras.Model.train_step, which the Trainer "
+        f"never calls (its step is the Task's): move it to {task_name}.train_step(batch, "
+        "model, optimizer, metrics, global_batch_size) (docs/tasks.md)")
+
+
 def _computes_in_float16(model: keras.Model) -> bool:
     """Whether any layer computes, or any weight is stored, in float16."""
     layers = model._flatten_layers(include_self=True, recursive=True)  # pylint: disable=protected-access

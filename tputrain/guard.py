@@ -95,23 +95,27 @@ def _scaled_gradients_finite(gradients: list[Any]) -> tf.Tensor:
 
 
 def _unscaled(gradient: Any, scale: float, bad: tf.Tensor) -> Any:
-    """`gradient / scale`, exact (a power of two), or 0 on a `bad` step (whose writes
-    are masked anyway); in XLA it fuses into the update.
+    """`gradient / scale`, exact (a power of two); in XLA it fuses into the update.
 
-    The factor is a select on the verdict, not a constant, to work around an XLA
-    rewrite: its algebraic simplifier turns (a * c1) * (b * c2), for constants c1 and
-    c2, into (a * b) * (c1 * c2). For a 0-d or 1-element gradient (where the factor
-    folds into a constant, not a broadcast of one), Adam's square of the unscaled
-    gradient became (g * g) * (c * c): g * g overflows to Inf, c * c = 1 / scale^2
-    is below float32's normal range and XLA's CPU flushes it to zero, and Inf * 0 is
-    a NaN in the weight and its slot (issue 32). A value known only at run time
-    leaves the multiplications as written.
+    A 0-d or 1-element gradient is unscaled by a factor known only at run time (a
+    select on the step's verdict: 0 on a `bad` step, whose writes are masked anyway),
+    to work around an XLA rewrite: its algebraic simplifier turns (a * c1) * (b * c2),
+    for scalar constants c1 and c2, into (a * b) * (c1 * c2). Adam's square of such a
+    gradient became (g * g) * (c * c): g * g overflows to Inf, c * c = 1 / scale^2 is
+    below float32's normal range and XLA's CPU flushes it to zero, and Inf * 0 put a
+    NaN in the weight and its slot. Larger gradients keep the constant (a broadcast,
+    which the rule does not match), so their programs stay those of the exact check.
     """
     if gradient is None or not tf.as_dtype(gradient.dtype).is_floating:
         return gradient
-    factor = tf.cast(tf.where(bad, 0.0, 1 / scale), gradient.dtype)
+    values = gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+    elements = values.shape.num_elements()
+    if elements is not None and elements > 1:
+        factor = tf.constant(1 / scale, gradient.dtype)
+    else:
+        factor = tf.cast(tf.where(bad, 0.0, 1 / scale), gradient.dtype)
     if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(gradient.values * factor, gradient.indices, gradient.dense_shape)
+        return tf.IndexedSlices(values * factor, gradient.indices, gradient.dense_shape)
     return gradient * factor
 
 

@@ -322,7 +322,7 @@ _EVENT_COUNT = [0]
 
 
 def _label(path: str) -> str:
-    parts = re.sub(r"\.tmp-[0-9a-f]{8}", ".tmp", str(path)).rstrip("/").split("/")
+    parts = re.sub(r"\.tmp-[^/]+", ".tmp", str(path)).rstrip("/").split("/")
     return "/".join(parts[-2:])
 
 

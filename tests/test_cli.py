@@ -52,7 +52,7 @@ def test_help_does_not_import_tensorflow():
 def test_a_commands_help_exits_0_without_tensorflow_and_lists_its_flags():
     out = _help_probe("eval", "--help")
     assert "EXIT 0" in out and "TENSORFLOW False" in out, out
-    assert "usage: tputrain eval [flags]" in out
+    assert "USAGE: tputrain eval [flags]" in out
     for flag in ("--gin_file", "--model_dir", "--[no]continuous", "--timeout_seconds"):
         assert f"\n  {flag}: " in out, out
 

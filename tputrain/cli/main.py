@@ -87,7 +87,7 @@ def render_help(command: str) -> str:
     usage = ("tputrain [run] --gin_file=CONFIG [flags]" if command == DEFAULT_COMMAND
              else f"tputrain {command} [flags]")
     summary = (inspect.getdoc(module) or "").split("\n\n")[0]
-    lines = [f"usage: {usage}", "", summary, "", "flags:"]
+    lines = [f"USAGE: {usage}", "", summary, "", "flags:"]
     for name in registry:  # definition order
         if registry[name].name == name:  # not a short alias
             lines += _flag_lines(registry[name])

@@ -158,6 +158,26 @@ def test_indivisible_global_batch_says_which_multiple(tmp_path):
     assert not model_dir.exists()
 
 
+class RepeatedEval(TinyTask):
+    """Both splits repeat forever, as a user's first `build_inputs` often does."""
+
+    def build_inputs(self, split, input_context):
+        return super().build_inputs(split, input_context).repeat()
+
+
+def test_an_eval_split_that_repeats_forever_needs_eval_steps(tmp_path):
+    # Before: training ran, saved its final checkpoint, then counted the endless
+    # eval split for ever (a hang at 100% CPU that ignored SIGTERM).
+    model_dir = tmp_path / "model"
+    with pytest.raises(ValueError) as caught:
+        make_trainer(model_dir, RepeatedEval(), eval_steps=None)
+    message = one_line(caught.value)
+    assert "eval split repeats forever" in message and "eval_steps" in message
+    assert not model_dir.exists()
+    logs = make_trainer(model_dir, RepeatedEval(), eval_steps=3).train()
+    assert 0.0 <= logs["accuracy"] <= 1.0
+
+
 # ------------------------------------------------------------- model_dir
 
 _MODEL_DIR_SCRIPT = """

@@ -48,7 +48,7 @@ from tputrain.preemption import Preempted, PreemptionWatcher
 from tputrain.progress import Progress, Stopwatch, summary_root
 from tputrain.strategy import resolve_strategy
 from tputrain.task import Task
-from tputrain.validate import check_model_dir, iterator_state_bytes, probe_inputs, variable_bytes
+from tputrain.validate import check_eval_split, check_model_dir, iterator_state_bytes, probe_inputs, variable_bytes
 
 
 @gin.configurable
@@ -124,6 +124,7 @@ class Trainer:
                              self.class_weight)
         for split in ("train", "eval"):  # corrupt records and missing files fail here
             self.startup.mark("data", probe_inputs(getattr(self.inputs, f"{split}_dataset"), split))
+        check_eval_split(self.inputs.eval_dataset, self.eval_steps)
         self.startup.mark("model", self._build_model(guard))
         self._build_checkpointer()
         self._steps = StepBuilder(task, self.model, self.optimizer, self.train_metrics,

@@ -68,6 +68,15 @@ def probe_inputs(dataset: tf.data.Dataset, split: str) -> None:
         raise _feature_spec_error(error, split) from None
 
 
+def check_eval_split(dataset: tf.data.Dataset, eval_steps: int | None) -> None:
+    """Without `eval_steps` the eval split is counted to its end: refuse one that
+    has no end before training starts (counting it would never return)."""
+    if eval_steps is None and int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
+        raise ValueError(
+            "the eval split repeats forever (build_inputs('eval', ...) returns a repeated "
+            "dataset): set eval_steps=N (batches per evaluation) or do not repeat the eval split")
+
+
 def _feature_spec_error(error: tf.errors.InvalidArgumentError, split: str) -> Exception:
     """The parse error explained by `tputrain.data`, with the split named, or `error`."""
     explained = explain_parse_error(error)

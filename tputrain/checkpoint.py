@@ -353,33 +353,22 @@ class Checkpointer:
         one whose data position this input layout cannot take `InputLayoutError`.
         """
         candidates = self._candidates()
-        failures = []
         self._keep_config_values()
-        for path in candidates:
-            try:
-                change = self._restore(path)
-            except CheckpointMismatchError:
-                raise
-            except (tf.errors.OpError, ValueError, IndexError) as error:
-                failures.append((path, error))
-                continue
-            for failed, error in failures:
-                logging.warning("tputrain: checkpoint %s is unreadable (%s: %s); restored "
-                                "the older %s instead", failed, type(error).__name__,
-                                _first_line(error), path)
-            if change is None:
-                self._hosts.restore(int(self.step.numpy()))
-            else:
-                self._reposition(change)  # the fresh data state, moved to the step
-            self._saved_step = int(self.step.numpy())  # this step is on disk already
-            logging.info("tputrain: restored %s (step %d)", path, int(self.step.numpy()))
-            self._after_restore(path, [failed for failed, _ in failures])
-            return path
-        if not candidates:
-            self._after_restore(None, [])
-        if failures:
-            raise RuntimeError(_unreadable_message(self.restore_directory, failures))
-        return None
+        path, change, failures = first_readable(candidates, self._restore, "restored")
+        if path is None:
+            if not candidates:
+                self._after_restore(None, [])
+            if failures:
+                raise RuntimeError(_unreadable_message(self.restore_directory, failures))
+            return None
+        if change is None:
+            self._hosts.restore(int(self.step.numpy()))
+        else:
+            self._reposition(change)  # the fresh data state, moved to the step
+        self._saved_step = int(self.step.numpy())  # this step is on disk already
+        logging.info("tputrain: restored %s (step %d)", path, int(self.step.numpy()))
+        self._after_restore(path, [failed for failed, _ in failures])
+        return path
 
     def _restore(self, path: str) -> LayoutChange | None:
         """Restores `path`, leaving out the data state when its layout differs (returned).
@@ -839,15 +828,14 @@ def _first_line(error: BaseException) -> str:
 UNREADABLE_ERRORS = (tf.errors.OpError, ValueError, IndexError)
 
 
-def read_newest(paths: Sequence[str], read: Callable[[str], Any], directory: str
-                ) -> tuple[str, Any]:
-    """(path, what `read` returned) for the newest of `paths` (oldest first) that
-    `read` can read, for readers that are not the run's `Checkpointer` (export,
-    eval): a truncated or damaged one is skipped for the older one with the same
-    warning `restore_latest` logs; none readable is `_unreadable_message`'s
-    RuntimeError. A `CheckpointMismatchError` (another model) is raised as is."""
+def first_readable(candidates: Sequence[str], read: Callable[[str], Any], verb: str
+                   ) -> tuple[str | None, Any, list[tuple[str, BaseException]]]:
+    """(path, `read(path)`, failures) for the first of `candidates` (newest first)
+    that `read` can read, warning once for each newer one it skipped; (None, None,
+    failures) if none. A `CheckpointMismatchError` (another model) is raised as is:
+    an older checkpoint of the wrong model is no fallback."""
     failures: list[tuple[str, BaseException]] = []
-    for path in reversed(list(paths)):
+    for path in candidates:
         try:
             value = read(path)
         except CheckpointMismatchError:
@@ -856,7 +844,20 @@ def read_newest(paths: Sequence[str], read: Callable[[str], Any], directory: str
             failures.append((path, error))
             continue
         for failed, error in failures:
-            logging.warning("tputrain: checkpoint %s is unreadable (%s: %s); read the older %s "
-                            "instead", failed, type(error).__name__, _first_line(error), path)
-        return path, value
-    raise RuntimeError(_unreadable_message(directory, failures))
+            logging.warning("tputrain: checkpoint %s is unreadable (%s: %s); %s the older %s "
+                            "instead", failed, type(error).__name__, _first_line(error), verb, path)
+        return path, value, failures
+    return None, None, failures
+
+
+def read_newest(paths: Sequence[str], read: Callable[[str], Any], directory: str
+                ) -> tuple[str, Any]:
+    """(path, what `read` returned) for the newest of `paths` (oldest first) that
+    `read` can read, for readers that are not the run's `Checkpointer` (export,
+    eval): a truncated or damaged one is skipped for the older one, with the
+    warning `restore_latest` logs; none readable is `_unreadable_message`'s
+    RuntimeError."""
+    path, value, failures = first_readable(list(reversed(list(paths))), read, "read")
+    if path is None:
+        raise RuntimeError(_unreadable_message(directory, failures))
+    return path, value

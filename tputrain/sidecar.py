@@ -15,7 +15,8 @@ nothing that the trainer writes. Hence:
 * Only checkpoints that the `checkpoint` state file lists are read: TensorFlow
   lists one after its files are complete, so a write in progress is never read.
 * It writes TensorBoard scalars to `model_dir/eval/` at the checkpoint's step
-  (as the Trainer's own evaluations do) and `eval/evaluated_checkpoints.json`,
+  (as the Trainer's own evaluations do; an earlier step than the run's latest
+  hides no later point: `tputrain.eval_events`) and `eval/evaluated_checkpoints.json`,
   the steps evaluated (with their metrics) and skipped, rewritten atomically
   after each, so a restarted side-car does not evaluate a step again. A lock on
   `eval/` (not on model_dir) keeps a second side-car out.
@@ -186,6 +187,7 @@ def evaluate_checkpoints(trainer: Trainer, step: int | None = None, continuous: 
             on_result(checkpoint_step(path), logs)
         return {checkpoint_step(path): logs}
     finally:
+        trainer.progress.close()  # restates the later eval points a lower step hid
         release_model_dir(eval_dir)
 
 

@@ -27,6 +27,7 @@ from tputrain.best import BestCheckpoint, tidy_best
 from tputrain.checkpoint import Checkpointer, seed_generator_states
 from tputrain.checks import check_int
 from tputrain.communication import CommunicationOptions
+from tputrain.config_summary import ConfigSummaryAction
 from tputrain.console import default_progress
 from tputrain.controller import Controller
 from tputrain.goodput import GoodputAction, StartupClock
@@ -280,7 +281,8 @@ class Trainer:
 
     def _actions(self) -> list[Action]:
         """The built-in actions (goodput first: tputrain/goodput.py), then the user's."""
-        built_in: list[Action] = [GoodputAction(), CommunicationAction(self.communication)]
+        built_in: list[Action] = [GoodputAction(), ConfigSummaryAction(),
+                                  CommunicationAction(self.communication)]
         built_in += [MFUAction()] if self.report_mfu else []
         if self.profile_steps and self.is_chief:
             logdir = os.path.join(summary_root(self.model_dir), "train")  # beside the events

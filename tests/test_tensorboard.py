@@ -1,0 +1,132 @@
+"""What a real TensorBoard server (its default, fast-loading view) shows of a run: every
+eval step after a rerun and an `eval --step` of an earlier checkpoint, the operative
+config as text, and the run's hparams with its eval metrics (tputrain.eval_events,
+tputrain.config_summary)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+
+import gin
+import pytest
+
+import tputrain
+from tiny import TinyTask, strategy_for
+from tputrain.sidecar import ReadOnlyTrainer, evaluate_checkpoints
+
+TINY_GIN = """
+Trainer.task = @FaultTask()
+FaultTask.dropout = 0.0
+Trainer.train_steps = 8
+Trainer.steps_per_loop = 2
+Trainer.global_batch_size = 16
+Trainer.eval_every = 2
+Trainer.eval_steps = 2
+Trainer.checkpoint_every = 2
+Trainer.keep_checkpoints = 10
+Trainer.report_mfu = False
+"""
+EVAL_STEPS = [2, 4, 6, 8]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    from faults import child_env
+
+    done = subprocess.run([sys.executable, "-m", "tputrain.cli", *args], env=child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def _train_in_python(model_dir) -> None:
+    """A run from Python without gin, then an evaluation of an earlier checkpoint."""
+    gin.clear_config()
+    options = dict(train_steps=8, steps_per_loop=2, global_batch_size=16, eval_every=2,
+                   eval_steps=2, checkpoint_every=2, keep_checkpoints=10, report_mfu=False)
+    tputrain.Trainer(TinyTask(), str(model_dir), strategy=strategy_for(1), **options).train()
+    reader = ReadOnlyTrainer(TinyTask(), str(model_dir), strategy=strategy_for(1), **options)
+    assert list(evaluate_checkpoints(reader, step=2)) == [2]
+
+
+class TensorBoard:
+    """`tensorboard --logdir=DIR` on 127.0.0.1 (a free port), with its defaults."""
+
+    def __init__(self, logdir):
+        from faults import Process, child_env
+
+        self.process = Process([sys.executable, "-m", "tensorboard.main", f"--logdir={logdir}",
+                                "--host=127.0.0.1", "--port=0"], child_env())
+        self.url = self.process.wait_for(r"TensorBoard \S+ at (http://\S+?)/? ").group(1)
+
+    def get(self, path: str, **query: str):
+        url = f"{self.url}{path}?{urllib.parse.urlencode(query)}"
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return json.loads(response.read())
+
+    def post(self, path: str, body: dict):
+        request = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read())
+
+    def loaded(self, run: str, tag: str, tries: int = 300):
+        """The run's points of `tag` once the server has read them: it reads all of a
+        run's event files before it shows any of its points."""
+        for _ in range(tries):
+            if run in self.get("/data/runs"):
+                points = self.get("/data/plugin/scalars/scalars", run=run, tag=tag)
+                if points:
+                    return points
+            time.sleep(0.1)  # poll interval of a bounded retry
+        raise AssertionError(f"TensorBoard showed no {run}/{tag} after {tries} polls:\n"
+                             f"{self.process.log()}")
+
+    def close(self) -> None:
+        self.process.kill()
+
+
+@pytest.mark.slow  # three CLI processes and a TensorBoard server
+def test_tensorboard_shows_every_eval_step_and_the_configuration(tmp_path):
+    logdir = tmp_path / "sweep"
+    config = tmp_path / "tiny.gin"
+    config.write_text(TINY_GIN)
+    common = ["--gin_import=faults", f"--gin_file={config}", f"--model_dir={logdir / 'cli'}"]
+    _cli("run", *common)
+    _cli("run", *common)  # a rerun of the finished run: evaluates step 8 again
+    printed = json.loads(_cli("eval", *common, "--step=4").stdout.strip().splitlines()[-1])
+    assert printed["step"] == 4
+    _train_in_python(logdir / "py")
+
+    board = TensorBoard(logdir)
+    try:
+        for run in ("cli", "py"):
+            points = board.loaded(f"{run}/eval", "accuracy")
+            assert [step for _, step, _ in points] == EVAL_STEPS, (run, points)
+            assert [step for _, step, _ in board.loaded(f"{run}/eval", "loss")] == EVAL_STEPS
+            text = board.get("/data/plugin/text/text", run=run, tag="operative_config")
+            assert "Trainer.train_steps = 8" in text[-1]["text"], text
+        assert "FaultTask.dropout = 0.0" in board.get(
+            "/data/plugin/text/text", run="cli", tag="operative_config")[-1]["text"]
+        experiment = board.post("/data/plugin/hparams/experiment", {"experimentName": ""})
+        assert {"group": "eval", "tag": "accuracy"} in [m["name"]
+                                                        for m in experiment["metricInfos"]]
+        groups = board.post("/data/plugin/hparams/session_groups", {
+            "experimentName": "", "startIndex": 0, "sliceSize": 100, "colParams": [],
+            "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
+                                "STATUS_RUNNING"]})["sessionGroups"]
+        sessions = {session["name"].rsplit("/", 1)[-1]: group
+                    for group in groups for session in group["sessions"]}
+        assert sorted(sessions) == ["cli", "py"], groups
+        accuracy = {run: board.loaded(f"{run}/eval", "accuracy")[-1] for run in sessions}
+        for run, group in sessions.items():
+            assert group["hparams"]["Trainer.train_steps"] == 8
+            assert group["hparams"]["Trainer.eval_every"] == 2
+            value = {m["name"]["tag"]: m for m in group["metricValues"]}["accuracy"]
+            assert (value["trainingStep"], value["value"]) == tuple(accuracy[run][1:]), run
+    finally:
+        board.close()

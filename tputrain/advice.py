@@ -15,6 +15,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from tputrain.data.pipeline_facts import PipelineFacts, pipeline_facts
+from tputrain.precision import _is_tpu_strategy  # pylint: disable=protected-access
 
 if TYPE_CHECKING:  # annotations only
     from tputrain.trainer import Trainer
@@ -48,8 +49,6 @@ class Advice:
 
 def run_setup(trainer: "Trainer") -> RunSetup:
     """The setup of a built Trainer, its train dataset's stages read (not run)."""
-    from tputrain.precision import _is_tpu_strategy  # pylint: disable=protected-access
-
     return RunSetup(pipeline=pipeline_facts(trainer.train_dataset),
                     input_mode=trainer.input_mode,
                     steps_per_fetch=int(getattr(trainer, "steps_per_fetch", 1)),

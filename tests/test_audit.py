@@ -86,3 +86,20 @@ def test_cli_flags_the_layer_and_gin_override_passes(tmp_path):
         tmp_path, "--gin_param=override_layer_dtypes.keep_float32_layers = ['offset_cancel']")
     assert result.returncode == 0, result.stderr[-2000:]
     assert report["flagged_layers"] == [] and report["metrics_ok"]
+
+
+def test_untrained_weights_are_named_untrained():
+    """No checkpoint: the audit says it ran on initial weights, whose metrics (chance
+    accuracy in both precisions) tell little, and how to audit a trained run."""
+    report = tputrain.audit_precision(SensitiveTask(), policy="mixed_bfloat16", num_batches=1)
+    assert report.checkpoint is None and report.to_dict()["checkpoint"] is None
+    text = report.format()
+    assert "initial (untrained) weights" in text.splitlines()[1]
+    assert "--model_dir" in text
+
+
+def test_cli_model_dir_without_a_checkpoint_audits_initial_weights(tmp_path):
+    result, report = run_cli(tmp_path, f"--model_dir={tmp_path / 'never_trained'}")
+    assert result.returncode in (0, 1), result.stderr[-2000:]
+    assert f"no checkpoint in {tmp_path / 'never_trained'}/checkpoints" in result.stdout
+    assert "initial (untrained) weights" in result.stdout and report["checkpoint"] is None

@@ -344,3 +344,90 @@ def test_cli_names_a_wide_model_on_two_workers_communication_bound(tmp_path):
         assert (report["host"], report["num_hosts"], report["replicas"]) == (host, 2, 2)
         assert report["bottleneck"] == "communication", json.dumps(report, indent=1)
         assert any("bytes_per_pack" in line for line in report["advice"])
+
+
+# The advice is checked against what the run already does (issue 34: diagnose advised
+# digits.gin, whose batches come from RAM 100 steps a fetch, to cache and to fetch more).
+
+
+def _digits_input(tmp_path, **options):
+    from tputrain.data import InputContext, TFRecordInput
+    from tputrain.tasks.digits import FEATURES, prepare_digits
+
+    patterns = prepare_digits(str(tmp_path / "digits"))
+    context = InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1,
+                           global_batch_size=16)
+    return TFRecordInput(patterns["train"], FEATURES, label_key="label", **options)(context)
+
+
+def test_pipeline_facts_read_what_the_pipeline_does(tmp_path):
+    from tputrain.data.pipeline_facts import pipeline_facts
+
+    in_ram = pipeline_facts(_digits_input(tmp_path, cache="memory"))
+    assert in_ram.cached and in_ram.in_memory and not in_ram.reads_files
+    assert in_ram.maps_after_cache == 0 and not in_ram.service
+    streamed = pipeline_facts(_digits_input(
+        tmp_path, options=InputOptions(threadpool_size=2, prefetch=8)))
+    assert streamed.reads_files and not streamed.cached and not streamed.in_memory
+    assert (streamed.prefetch, streamed.threadpool_size) == (8, 2)
+    assert streamed.sequential_maps == 0 and streamed.maps_after_cache == 1  # the parse
+    cached = pipeline_facts(tf.data.Dataset.range(8).map(lambda x: x + 1).cache()
+                            .map(lambda x: 2 * x).batch(2))
+    assert cached.cached and not cached.in_memory and not cached.reads_files
+    assert (cached.maps_after_cache, cached.sequential_maps, cached.prefetch) == (1, 2, None)
+
+
+def _advised(bottleneck, input_only, compute_only, **setup):
+    from tputrain.advice import RunSetup, step_advice
+
+    result = step_advice(bottleneck, input_only, compute_only, 0.2, RunSetup(**setup))
+    return " ".join(result.advice), " ".join(result.in_place)
+
+
+def test_advice_leaves_out_the_knobs_the_run_already_turns():
+    from tputrain.data.pipeline_facts import PipelineFacts
+
+    in_ram = PipelineFacts(cached=True, in_memory=True)
+    # Competing for cores, as digits.gin: batches from RAM, 100 steps a fetch.
+    advice, in_place = _advised("input", 900.0, 100.0, pipeline=in_ram, steps_per_fetch=100)
+    assert "threadpool_size" in advice
+    for knob in ("cache=", "steps_per_fetch", "service_address", "write_tfrecords", "TPU"):
+        assert knob not in advice, knob
+    assert "served from RAM" in in_place and "Trainer.steps_per_fetch=100" in in_place
+    # Slower than the step, from RAM: nothing to parse, read, cache or offload.
+    advice, in_place = _advised("input", 50.0, 100.0, pipeline=in_ram, steps_per_fetch=4)
+    for knob in ("num_parallel_calls", "cycle_length", "cache=", "write_tfrecords",
+                 "service_address", "steps_per_fetch"):
+        assert knob not in advice, knob
+    assert "InputOptions.prefetch=8" in advice
+    # Streaming files with a deep prefetch and a small private pool.
+    streamed = PipelineFacts(reads_files=True, maps_after_cache=1, prefetch=8,
+                             threadpool_size=1)
+    advice, in_place = _advised("input", 50.0, 100.0, pipeline=streamed)
+    for knob in ("cycle_length", "cache='memory'", "write_tfrecords", "service_address",
+                 "Trainer.steps_per_fetch"):
+        assert knob in advice, knob
+    assert "num_parallel_calls" not in advice and "InputOptions.prefetch=8" in in_place
+    advice, in_place = _advised("input", 900.0, 100.0, pipeline=streamed)
+    assert "threadpool_size" not in advice and "InputOptions.threadpool_size=1" in in_place
+    # Compute-bound in mixed precision already: the other knobs, with today's values.
+    advice, in_place = _advised("compute", 900.0, 100.0, precision="mixed_bfloat16",
+                                global_batch_size=64, steps_per_loop=100)
+    assert "mixed_bfloat16" not in advice and "mixed_bfloat16" in in_place
+    assert "global_batch_size (now 64)" in advice and "steps_per_loop (now 100)" in advice
+
+
+def test_digits_setup_gets_no_advice_it_already_follows(tmp_path):
+    """digits.gin's Trainer, built (not measured): what diagnose reads of it."""
+    from tputrain.advice import run_setup, step_advice
+    from tputrain.tasks.digits import DigitsTask
+
+    trainer = tputrain.Trainer(DigitsTask(cache_dir=str(tmp_path / "digits")),
+                               str(tmp_path / "run"), strategy=strategy_for(1), train_steps=200,
+                               steps_per_loop=100, steps_per_fetch=100, global_batch_size=64,
+                               report_mfu=False)
+    setup = run_setup(trainer)
+    assert setup.pipeline.in_memory and setup.steps_per_fetch == 100 and not setup.tpu
+    for input_only in (900.0, 50.0):
+        text = " ".join(step_advice("input", input_only, 100.0, 0.15, setup).advice)
+        assert "cache=" not in text and "steps_per_fetch" not in text, text

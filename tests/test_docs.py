@@ -183,3 +183,188 @@ def test_troubleshooting_quotes_real_error_messages():
         if not any(pattern.search(message) for message in messages):
             unknown.append(quote)
     assert not unknown, f"not raised anywhere in tputrain (update the page): {unknown}"
+
+
+# Commands, flags and private names the guides show exist (issue 34: `tputrain train`,
+# `Trainer._make_loop`). The guides are README.md and docs/*.md; the generated
+# references come from the code itself.
+
+GUIDES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+_INLINE = re.compile(r"`([^`\n]+)`")
+_SEGMENT_END = {"&&", "||", ";", "|", ")"}
+_MODULES = {"tputrain.run": "run", "tputrain.cli": None, "tputrain": None,
+            "tputrain.diagnose": "diagnose"}
+
+
+def _code_lines(text: str) -> list[str]:
+    """The lines of fenced blocks but Python ones (continuations joined) and the
+    inline code spans."""
+    lines, fenced, fence, python = [], [], None, False
+    for line in text.splitlines():
+        match = _FENCE.match(line.strip())
+        if fence is None and match:
+            fence, python = match.group(1), (match.group(2) or "").lower() == "python"
+        elif fence is not None and line.strip() == fence:
+            fence = None
+        elif fence is not None:
+            if not python:
+                fenced.append(line)
+        else:
+            lines += _INLINE.findall(line)
+    return lines + re.sub(r"\\\n\s*", " ", "\n".join(fenced)).splitlines()
+
+
+def _tokens(line: str) -> list[str]:
+    import shlex
+
+    try:
+        return shlex.split(line, comments=True, posix=True)
+    except ValueError:  # an unbalanced quote in prose
+        return line.split()
+
+
+def _placeholder(token: str) -> bool:
+    return token.startswith(("<", "[", "$", "...")) or token.strip("-_").isupper()
+
+
+def shown_commands(text: str) -> list[tuple[str, list[str]]]:
+    """Every `tputrain [COMMAND] args` (or `python -m tputrain.run ...`) in `text`'s
+    code: (command, the arguments up to the end of its shell segment)."""
+    found = []
+    for line in _code_lines(text):
+        tokens = _tokens(line)
+        for i, token in enumerate(tokens):
+            if token == "tputrain" or token.endswith("/tputrain"):
+                if any(t == "pip" or t.endswith("/pip") for t in tokens[:i]) or (
+                        i and tokens[i - 1] in ("from", "import")):
+                    continue  # `pip install tputrain`, `from tputrain import ...`
+                command, rest = None, tokens[i + 1:]
+            elif token in _MODULES and i and tokens[i - 1] == "-m":
+                command, rest = _MODULES[token], tokens[i + 1:]
+            else:
+                continue
+            end = next((j for j, t in enumerate(rest) if t in _SEGMENT_END), len(rest))
+            rest = rest[:end]
+            if command is None and rest and not rest[0].startswith("-"):
+                command, rest = rest[0], rest[1:]
+            found.append((command or "run", rest))
+    return found
+
+
+def _known_flags(command: str) -> set[str]:
+    """The flags `tputrain <command>` accepts, read from its definitions (as the CLI
+    reference is); absl commands also take absl's own (--help, --flagfile, logging)."""
+    import absl.logging  # noqa: F401 (defines the logging flags)
+    from absl import flags
+
+    from test_docgen import load_docgen
+
+    info = load_docgen().command_flags(command)
+    names = {row["name"] for row in info["flags"]} | {"help", "h"}
+    if info["parser"] == "absl":
+        names |= {f"no{row['name']}" for row in info["flags"] if row["type"] == "bool"}
+        names |= {"helpfull", "helpshort", "helpxml", "flagfile", "undefok"}
+        for flag in flags.FLAGS.get_flags_for_module("absl.logging"):
+            names |= {flag.name, flag.short_name} - {None}
+    return names
+
+
+def _unknown_flags(command: str, args: list[str], known: dict[str, set[str]]) -> list[str]:
+    """The `--flags` in `args` that `command` does not define (launch: its own, then
+    those of the command it runs)."""
+    if command not in known:
+        known[command] = _known_flags(command)
+    unknown, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if command == "launch" and not arg.startswith("-") and not _placeholder(arg):
+            if arg in known_commands():  # the command the workers run
+                return unknown + _unknown_flags(arg, args[i + 1:], known)
+        if arg.startswith("--") and not _placeholder(arg.split("=")[0]):
+            name = arg[2:].split("=")[0]
+            if name not in known[command]:
+                if command != "launch":
+                    unknown.append(f"--{name}")
+                elif name not in known.setdefault("run", _known_flags("run")):
+                    unknown.append(f"--{name}")
+            elif command == "launch" and "=" not in arg:
+                i += 1  # `--workers 2`: its value
+        i += 1
+    return unknown
+
+
+def known_commands() -> set[str]:
+    from tputrain.cli.main import SUMMARIES
+
+    return set(SUMMARIES) | {"help"}
+
+
+def test_shown_commands_are_found_in_code():
+    text = textwrap.dedent("""\
+        Run `tputrain diagnose --gin_file=F` or `pip install tputrain`; `tputrain.lock`.
+        ```bash
+        python3 -m venv .venv && .venv/bin/tputrain --gin_file=digits.gin \\
+            --model_dir=/tmp/x | tee log
+        tputrain launch --workers 2 eval --continuous
+        python -m tputrain.run --gin_file=my.gin
+        ```
+        ```text
+        tputrain: step 100/1200 | loss 0.8
+        ```
+        """)
+    assert shown_commands(text) == [
+        ("diagnose", ["--gin_file=F"]),
+        ("run", ["--gin_file=digits.gin", "--model_dir=/tmp/x"]),
+        ("launch", ["--workers", "2", "eval", "--continuous"]),
+        ("run", ["--gin_file=my.gin"])]
+
+
+def test_unknown_flags_are_those_the_command_does_not_define():
+    known = {}
+    assert _unknown_flags("diagnose", ["--gin_file=F", "--secnds=1", "--json"], known) == [
+        "--secnds"]
+    assert _unknown_flags("run", ["--nodeterministic", "--helpfull", "--v=1"], known) == []
+    assert _unknown_flags("launch", ["--workers", "2", "diagnose", "--json", "--bogus"],
+                          known) == ["--bogus"]
+    assert _unknown_flags("launch", ["--workers=2", "--gin_file=F", "--steps=3"], known) == [
+        "--steps"]  # no command: the workers run `tputrain run`
+
+
+def test_every_command_and_flag_the_guides_show_exists():
+    """Each `tputrain COMMAND --flag` in README.md and docs/*.md code is a command of
+    `tputrain --help` that defines that flag."""
+    commands, known, wrong = known_commands(), {}, []
+    for path in GUIDES:
+        for command, args in shown_commands(path.read_text()):
+            where = f"{path.relative_to(ROOT)}: tputrain {command} {' '.join(args)}"
+            if _placeholder(command):
+                continue
+            if command not in commands:
+                wrong.append(f"{where}: no such command")
+            elif command != "help":
+                unknown = _unknown_flags(command, args, known)
+                if unknown:
+                    wrong.append(f"{where}: {command} has no {', '.join(unknown)}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_guide_names_a_trainer_private_that_does_not_exist():
+    import tputrain
+
+    source = (ROOT / "tputrain" / "trainer.py").read_text()
+    texts = [p.read_text() for p in GUIDES]
+    texts += [p.read_text() for p in sorted((ROOT / "tputrain").rglob("*.py"))]
+    named = set(re.findall(r"\bTrainer\.(_[A-Za-z]\w*)", "\n".join(texts)))
+    missing = sorted(name for name in named if not hasattr(tputrain.Trainer, name)
+                     and f"self.{name} " not in source and f"self.{name}," not in source)
+    assert not missing, f"named in the docs but not in the Trainer: {missing}"
+
+
+def test_readme_names_only_configurables_of_the_reference():
+    readme = (ROOT / "README.md").read_text()
+    (line,) = [block.split("\n\n")[0] for block in readme.split("\n- ")
+               if block.startswith("Configurables:")]
+    reference = (DOCS / "reference" / "gin.md").read_text()
+    names = re.findall(r"`([A-Za-z_]\w*)`", line)
+    assert names and all(f"## `{name}`" in reference for name in names), names
+    assert "set_precision_policy" not in names  # deprecated: Trainer.precision

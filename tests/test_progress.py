@@ -124,9 +124,10 @@ def test_scalars_of_any_number_type_and_none_at_all(tmp_path):
 
 
 def test_the_first_loop_says_it_compiles_and_the_next_prices_the_compilation(caplog):
-    """The first loop holds tracing and compiling: an ETA from its rate would mislead,
-    so its line says so and gives none; the next line shows the rest of that loop's
-    time beyond its steps at the steady rate as `compile`, and an ETA from then on."""
+    """The first loop holds tracing and compiling (and the input's start-up): an ETA
+    from its rate would mislead, so its line says so before its rates and gives no
+    ETA; the next line shows the rest of that loop's time beyond its steps at the
+    steady rate as `compile`, and an ETA from then on."""
     import logging
 
     p = Progress(None, train_steps=30, global_batch_size=8)
@@ -135,8 +136,9 @@ def test_the_first_loop_says_it_compiles_and_the_next_prices_the_compilation(cap
                                         input_wait=5.0)
         p.train_loop_done(step=20, steps=10, seconds=1.0, logs={"loss": 0.5}, input_wait=0.01)
     first, second = [r.getMessage() for r in caplog.records]
-    assert first == ("tputrain: step 10/30 | loss 1 | 4 examples/s | 0.50 steps/s | "
-                     "input stall 25.0% | compiling in this loop | ETA after the next loop")
+    assert first == ("tputrain: step 10/30 | loss 1 | compiling in this loop, so its rates "
+                     "include start-up: 4 examples/s | 0.50 steps/s | input stall 25.0% | "
+                     "ETA after the next loop")
     assert second == ("tputrain: step 20/30 | loss 0.5 | 80 examples/s | 10.00 steps/s | "
                       "input stall 1.0% | compile 19s | ETA 1s")
     assert first_rates["input/stall_fraction"] == pytest.approx(0.25)  # TensorBoard's

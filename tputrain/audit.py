@@ -38,6 +38,12 @@ from tputrain.precision import set_precision_policy, to_float32
 from tputrain.task import Task
 
 
+# The audit of a model never trained: its metrics are chance in both precisions.
+UNTRAINED = ("weights: the initial (untrained) weights, no checkpoint given: their metrics say "
+             "little about a trained model's drift; audit a trained run with "
+             "`tputrain audit-precision --model_dir=DIR` (or --checkpoint=PREFIX)")
+
+
 @dataclasses.dataclass
 class LayerError:
     """One layer's drift: relative L2 error of its output against float32."""
@@ -61,6 +67,7 @@ class AuditReport:
     metrics_float32: dict[str, float]
     metrics_policy: dict[str, float]
     examples: int
+    checkpoint: str | None = None  # the weights audited; None: the initial ones
 
     @property
     def metric_deltas(self) -> dict[str, float]:
@@ -87,13 +94,14 @@ class AuditReport:
                     metric_tolerance=self.metric_tolerance, examples=self.examples,
                     flagged_layers=self.flagged_layers, metrics_ok=self.metrics_ok,
                     metrics_float32=self.metrics_float32, metrics_policy=self.metrics_policy,
-                    metric_deltas=self.metric_deltas,
+                    metric_deltas=self.metric_deltas, checkpoint=self.checkpoint,
                     layers=[dataclasses.asdict(layer) for layer in self.layers])
 
     def format(self) -> str:
         """A table for the terminal: one row per layer, then the metrics."""
         rows = [f"precision audit: {self.policy} vs float32 on {self.examples} examples "
                 f"(flag: local error > {self.tolerance:g})",
+                f"weights: {self.checkpoint}" if self.checkpoint else UNTRAINED,
                 f"{'layer':<28} {'class':<22} {'dtype':<9} {'cumulative':>11} {'local':>11}"]
         for layer in self.layers:
             local = "-" if layer.local_error is None else f"{layer.local_error:.3e}"
@@ -258,12 +266,15 @@ def audit_precision(task: Task, policy: str = "mixed_bfloat16", global_batch_siz
     if not (model.built and model.variables):
         model(batches[0][0], training=False)
     override_layer_dtypes(model)  # as training would run it (gin keep_float32_layers)
-    if checkpoint:
-        logging.info("tputrain: audit weights from %s", _restore(model, checkpoint))
+    restored = _restore(model, checkpoint) if checkpoint else None
+    if restored:
+        logging.info("tputrain: audit weights from %s", restored)
+    else:
+        logging.warning("tputrain: %s", UNTRAINED)
     layers, metrics_float32, metrics_policy = _measure(task, model, batches, tolerance)
     return AuditReport(policy=policy, tolerance=tolerance, metric_tolerance=metric_tolerance,
                        layers=layers, metrics_float32=metrics_float32,
-                       metrics_policy=metrics_policy,
+                       metrics_policy=metrics_policy, checkpoint=restored,
                        examples=sum(int(tf.nest.flatten(b[1])[0].shape[0]) for b in batches))
 
 

@@ -7,7 +7,8 @@ in a compiled loop (communication). Together they split the end-to-end step
 into input, compute and communication shares. Communication is the bottleneck
 when it is the largest share and at least 30%; else input, when the stall
 misses its 5% goal; else compute. `Diagnosis.advice` names the knobs that fit
-the measured case.
+the measured case and that the run does not already turn (`tputrain.advice`);
+`Diagnosis.in_place` lists those it does.
 `tputrain diagnose` (tputrain/cli/diagnose.py) runs it on a gin config, also on
 several workers (`tputrain launch --workers N diagnose ...`): the hosts agree
 on every collective they run.
@@ -22,10 +23,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import tensorflow as tf
 
+from tputrain.advice import STALL_GOAL, RunSetup, run_setup, step_advice
 from tputrain.communication import CommunicationOptions, gradient_bytes, measure_allreduce
 from tputrain.trainer import Trainer
 
-STALL_GOAL = 0.05  # the seeds' rule: input wait under 5% of the step
 # Communication is the bottleneck when it is the largest share of the step and at
 # least this large: below, shrinking it buys less than the other two could.
 COMMUNICATION_SHARE = 0.30
@@ -40,7 +41,8 @@ class Diagnosis:
     communication (summing to 1); `allreduce_seconds` one all-reduce of the
     gradients in a compiled loop (`tputrain.communication.measure_allreduce`, the
     measurement behind every run's `comm/allreduce_fraction`). `loop_steps` is
-    the length of the measured loops; `seconds` the time per phase.
+    the length of the measured loops; `seconds` the time per phase; `in_place`
+    the knobs the run already turns (named instead of advised).
     """
 
     input_only_steps_per_second: float
@@ -59,6 +61,7 @@ class Diagnosis:
     loop_steps: int
     global_batch_size: int
     seconds: dict[str, float]
+    in_place: list[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -85,6 +88,7 @@ class Diagnosis:
             f"bottleneck: {self.bottleneck} ({self.reason})",
         ]
         lines += [f"advice: {line}" for line in self.advice]
+        lines += [f"already: {line}" for line in self.in_place]
         return "\n".join(lines)
 
 
@@ -107,46 +111,12 @@ def name_bottleneck(split: dict[str, float]) -> str:
 
 
 def _advice(bottleneck: str, input_only: float, compute_only: float, stall: float,
-            input_mode: str) -> tuple[str, list[str]]:
-    """The reason and the knobs to turn for an input- or compute-bound step."""
-    if bottleneck == "compute":
-        return (f"input wait {100 * stall:.1f}% < {100 * STALL_GOAL:.0f}% of the step: the "
-                "input pipeline keeps up"), [
-            "speed up the step itself: Trainer.precision='mixed_bfloat16', a larger "
-            "Trainer.global_batch_size, more Trainer.steps_per_loop"]
-    if input_only < 1.1 * compute_only:
-        reason = (f"the input pipeline alone delivers {input_only:.1f} steps/s but the step "
-                  f"could run {compute_only:.1f} steps/s")
-        advice = [
-            "parse in parallel and vectorized: batch before parsing (TFRecordInput does), give "
-            "per-example maps num_parallel_calls=tf.data.AUTOTUNE, or rewrite them per batch",
-            "precompute expensive preprocessing once and store the result "
-            "(tputrain.data.write_tfrecords, `tputrain write-tfrecords`)",
-            "read more files at once: at least 16 shards per host (write_tfrecords(num_hosts=...,"
-            " target_shard_mb=...)) and TFRecordInput.cycle_length",
-            "cache what fits: TFRecordInput.cache='memory' (parsed, in RAM) or "
-            "TFRecordInput.cache='/local/disk/prefix' for remote data",
-            "deeper prefetch for bursty input: InputOptions.prefetch=8 "
-            "(TFRecordInput.options=@InputOptions())",
-            "offload preprocessing to other machines with the tf.data service: "
-            "InputOptions.service_address='grpc://dispatcher:5050'",
-        ]
-    else:
-        reason = (f"the input pipeline alone keeps up ({input_only:.1f} >= {compute_only:.1f} "
-                  "steps/s) but slows the step when both run: they compete for the host's cores")
-        advice = [
-            "cache the parsed data in RAM if it fits: TFRecordInput.cache='memory' (one gather "
-            "per batch instead of per-example work)",
-            "give tf.data fewer threads: InputOptions.threadpool_size=1 or 2 "
-            "(TFRecordInput.options=@InputOptions())",
-            "move preprocessing off this host: precompute it (write_tfrecords) or use the "
-            "tf.data service (InputOptions.service_address)",
-        ]
-    if input_mode == "host":
-        advice.append("fetch several steps' batches at once: Trainer.steps_per_fetch (a divisor "
-                      "of steps_per_loop); on TPU pods use Trainer.input_mode='distributed' "
-                      "(device prefetch)")
-    return reason, advice
+            input_mode: str, setup: RunSetup | None = None) -> tuple[str, list[str]]:
+    """The reason and the knobs for an input- or compute-bound step (`setup`: what the
+    run already does; None knows nothing of it, so every knob is named)."""
+    result = step_advice(bottleneck, input_only, compute_only, stall,
+                         setup or RunSetup(input_mode=input_mode))
+    return result.reason, result.advice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,18 +322,18 @@ def _allreduce_seconds(loops: _Loops, seconds: float) -> float:
 
 
 def _explain(trainer: Trainer, bottleneck: str, split: dict[str, float], input_only: float,
-             compute_only: float, allreduce: float) -> tuple[str, list[str]]:
-    """The reason and the advice for the named bottleneck."""
+             compute_only: float, allreduce: float) -> tuple[str, list[str], list[str]]:
+    """The reason, the advice for the named bottleneck, and the knobs already turned."""
     strategy = trainer.strategy
     if bottleneck != "communication":
-        reason, advice = _advice(bottleneck, input_only, compute_only, split["input"],
-                                 trainer.input_mode)
+        result = step_advice(bottleneck, input_only, compute_only, split["input"],
+                             run_setup(trainer))
         if strategy.num_replicas_in_sync > 1:
-            reason += (f"; the all-reduce is {100 * split['communication']:.0f}% of the step "
-                       f"(communication is the bottleneck from {100 * COMMUNICATION_SHARE:.0f}%"
-                       " if no other share is larger)")
-        return reason, advice
-    return communication_advice(CommunicationCase(
+            result.reason += (f"; the all-reduce is {100 * split['communication']:.0f}% of the "
+                              f"step (communication is the bottleneck from "
+                              f"{100 * COMMUNICATION_SHARE:.0f}% if no other share is larger)")
+        return result.reason, result.advice, result.in_place
+    reason, advice = communication_advice(CommunicationCase(
         split=split, allreduce_seconds=allreduce, step_seconds=1.0 / compute_only,
         gradient_bytes=gradient_bytes(trainer.model.trainable_variables,
                                       trainer.communication.allreduce_dtype,
@@ -373,6 +343,7 @@ def _explain(trainer: Trainer, bottleneck: str, split: dict[str, float], input_o
         multi_worker=trainer.num_hosts > 1 or isinstance(
             strategy, tf.distribute.MultiWorkerMirroredStrategy),
         gpus=bool(tf.config.list_logical_devices("GPU"))))
+    return reason, advice, []
 
 
 def diagnose(trainer: Trainer, seconds: float = 3.0, steps: int | None = None) -> Diagnosis:
@@ -399,7 +370,8 @@ def diagnose(trainer: Trainer, seconds: float = 3.0, steps: int | None = None) -
     stall = min(1.0, max(0.0, 1.0 - statistics.median(pairs.ratios)))
     split = step_split(stall, compute_only, allreduce)
     bottleneck = name_bottleneck(split)
-    reason, advice = _explain(trainer, bottleneck, split, input_only, compute_only, allreduce)
+    reason, advice, in_place = _explain(trainer, bottleneck, split, input_only, compute_only,
+                                        allreduce)
     replicas, dtype = trainer.strategy.num_replicas_in_sync, trainer.communication.allreduce_dtype
     return Diagnosis(
         input_only_steps_per_second=input_only, compute_only_steps_per_second=compute_only,
@@ -408,7 +380,8 @@ def diagnose(trainer: Trainer, seconds: float = 3.0, steps: int | None = None) -
         step_split=split, allreduce_seconds=allreduce,
         gradient_bytes=gradient_bytes(trainer.model.trainable_variables, dtype, replicas),
         allreduce_dtype=dtype, replicas=replicas, bottleneck=bottleneck, reason=reason,
-        advice=advice, loop_steps=loops.num_steps, global_batch_size=trainer.global_batch_size,
+        advice=advice, in_place=in_place, loop_steps=loops.num_steps,
+        global_batch_size=trainer.global_batch_size,
         seconds={k: round(v, 3) for k, v in timings.items()})
 
 

@@ -17,6 +17,9 @@ from tputrain.flops import model_flops_utilization
 
 
 VERTEX_TENSORBOARD_DIR = "AIP_TENSORBOARD_LOG_DIR"  # set by Vertex AI (docs/vertex.md)
+# Before the first loop's rates: its wall time also holds tracing, XLA compilation and
+# the input pipeline's first batch, so they are no steady rate (goodput splits them).
+FIRST_LOOP = "compiling in this loop, so its rates include start-up: "
 
 
 def summary_root(model_dir: str) -> str:
@@ -49,7 +52,8 @@ class Progress:
     """Logs each loop (step, loss, metrics, examples/s, ETA) and writes summaries.
 
     Throughput is wall time per loop on the host, so it includes input waits and
-    any host work between loops; the first loop also includes tracing.
+    any host work between loops; the first loop also includes tracing, compiling
+    and the input's start-up, and its line says so before its rates.
     `summary_dir=None` logs without writing (non-chief workers).
     """
 
@@ -114,8 +118,9 @@ class Progress:
 
         `input_wait` is the time the compiled loop spent blocked on the next batch
         (between timestamps around each `get_next`, the fetch's own cost included;
-        see `Trainer._make_loop`); `input/stall_fraction` is its share of the
-        loop's wall time, which in the first loop also holds tracing. It does not
+        see `tputrain.loop.host_loop`); `input/stall_fraction` is its share of the
+        loop's wall time, which in the first loop also holds tracing and compiling,
+        and its wait the pipeline's first batch (the line marks both). It does not
         count a pipeline that slows the step by competing for host cores:
         `tputrain diagnose` measures that (docs/input_pipeline.md).
         """
@@ -128,23 +133,24 @@ class Progress:
             rates["mfu"] = model_flops_utilization(self._flops_per_step, steps_per_second,
                                                    self._peak_flops)
             mfu = f" | MFU {100 * rates['mfu']:.1f}%"
-        logging.info("tputrain: step %d/%d | %s | %.0f examples/s | %.2f steps/s%s | "
+        first = self._steps_per_second is None and getattr(self, "_first_loop", None) is None
+        logging.info("tputrain: step %d/%d | %s | %s%.0f examples/s | %.2f steps/s%s | "
                      "input stall %.1f%%%s", step, self.train_steps, _format_logs(logs),
-                     rates["examples_per_second"], steps_per_second, mfu,
-                     100 * rates["input/stall_fraction"], self._timing(step, steps, seconds))
+                     FIRST_LOOP if first else "", rates["examples_per_second"],
+                     steps_per_second, mfu, 100 * rates["input/stall_fraction"],
+                     self._timing(step, steps, seconds))
         self.write_scalars("train", step, {**logs, **rates})
         return rates
 
     def _timing(self, step: int, steps: int, seconds: float) -> str:
-        """The line's tail. The first loop's rates hold tracing and compiling: its line
-        says so and gives no ETA; the next one shows that loop's time beyond its steps
-        at the steady rate as `compile` (as `tputrain.goodput` splits it), and the ETA
-        from the loops after the first."""
+        """The line's tail. The first loop gives no ETA (its line says it compiles,
+        `FIRST_LOOP`); the next one shows that loop's time beyond its steps at the
+        steady rate as `compile` (as `tputrain.goodput` splits it), and the ETA from
+        the loops after the first."""
         remaining = max(0, self.train_steps - step)
         if self._steps_per_second is None and getattr(self, "_first_loop", None) is None:
             self._first_loop = (steps, seconds)
-            eta = "after the next loop" if remaining else "0s"
-            return f" | compiling in this loop | ETA {eta}"
+            return f" | ETA {'after the next loop' if remaining else '0s'}"
         steps_per_second = steps / max(seconds, 1e-9)
         compile_figure = ""
         if getattr(self, "_first_loop", None) is not None:

@@ -7,7 +7,9 @@ time at the target policy. It prints one row per layer (its cumulative error
 and the local error it adds itself, flagged above `tolerance`) and the eval
 metrics both ways. Keep a flagged layer in float32 with
 `override_layer_dtypes.keep_float32_layers = ['name']` and rerun. The exit
-status is 1 when a metric moves by more than `metric_tolerance`.
+status is 1 when a metric moves by more than `metric_tolerance`. Without
+`--model_dir` or `--checkpoint` (or with a model_dir that has no checkpoint yet)
+it audits the initial, untrained weights, and its report says so.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def _arguments() -> dict[str, Any]:
     checkpoint = FLAGS.checkpoint
     if not checkpoint and FLAGS.model_dir:
         checkpoint = f"{FLAGS.model_dir.rstrip('/')}/checkpoints"
+        if not tf.train.latest_checkpoint(checkpoint):  # not trained yet: say so, audit anyway
+            print(f"tputrain: no checkpoint in {checkpoint}: auditing the initial weights")
+            checkpoint = None
     if checkpoint:
         kwargs["checkpoint"] = checkpoint
     return kwargs

@@ -20,6 +20,7 @@ from absl import logging
 from tputrain.checks import check_bool, check_int
 from tputrain.data.context import InputContext
 from tputrain.data.options import InputOptions
+from tputrain.data.pipeline_facts import mark_in_memory
 
 _CHUNK_BYTES = 16 * 2**20  # in-memory batches are gathered this much at a time
 _NOT_STATIC = "pad or resize every example to one shape before batching"
@@ -203,9 +204,9 @@ def in_memory_batches(examples: Mapping[str, tf.Tensor], batch_size: int, *, shu
 
     epochs = tf.data.Dataset.range(2**62 if repeat else 1)
     index_batches = epochs.scan(tf.zeros([0], tf.int32), one_epoch)
-    return index_batches.flat_map(
+    return mark_in_memory(index_batches.flat_map(
         lambda matrix: tf.data.Dataset.from_tensor_slices(matrix).batch(batches_per_chunk)
-        .flat_map(gathered))
+        .flat_map(gathered)))
 
 
 def check_cache(builder: str, cache: Any) -> bool | str:

@@ -154,3 +154,54 @@ def test_stop_training_from_a_callback_ends_the_run(tmp_path):
                  callbacks=[StopAtSecondEpoch()], report_mfu=False, jit_compile=False)
     assert tf.train.latest_checkpoint(str(run / "checkpoints")).endswith(
         f"ckpt-{2 * EPOCH_STEPS}")
+
+
+def test_a_learning_rate_set_by_a_callback_is_restored_on_resume(tmp_path):
+    """The rate ReduceLROnPlateau set is saved with the checkpoint and restored by the
+    next `fit` on the same model_dir (not reset to the compiled one)."""
+    class Rate(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.rate = float(self.model.optimizer.learning_rate.numpy())
+
+    always = keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=0,
+                                               min_delta=100.0)  # after epochs 1, 2...
+    run, rates = str(tmp_path / "run"), []
+    # The checkpoint at step 18 is saved before the final evaluation (it holds LR / 2,
+    # set after epoch 1; the one set after the last epoch comes after the last save).
+    for steps in (3 * EPOCH_STEPS, 4 * EPOCH_STEPS):
+        rate = Rate()
+        tputrain.fit(compiled_model(), train_dataset(), EVAL, model_dir=run, steps=steps,
+                     eval_every=EPOCH_STEPS, checkpoint_every=EPOCH_STEPS,
+                     strategy=strategy_for(1), callbacks=[always, rate], report_mfu=False,
+                     jit_compile=False)
+        rates.append(rate.rate)
+    assert rates == pytest.approx([LR, LR / 2])
+
+
+@pytest.mark.slow
+def test_sigkill_midway_resumes_bitwise(tmp_path):
+    """`tputrain.fit` killed with -9 after step 10's loop, run again: the final checkpoint is
+    bitwise an uninterrupted run's (2 replicas, dropout, shuffled arrays)."""
+    import signal
+    import sys
+
+    from faults import Process, child_env, final_weights
+
+    def child(model_dir, pause_at=None):
+        call = f"faults.keras_fit_run({str(model_dir)!r}, {pause_at!r})"
+        return Process([sys.executable, "-c", f"import faults; {call}"], child_env(cpus=2))
+
+    reference = child(tmp_path / "reference")
+    interrupted = child(tmp_path / "interrupted", pause_at=10)
+    interrupted.wait_for(r"tputrain-test: paused at step 10")
+    assert interrupted.kill() == -signal.SIGKILL
+    assert reference.finish() == 0, reference.log()
+    resumed = child(tmp_path / "interrupted")
+    assert resumed.finish() == 0, resumed.log()
+    # Killed before step 10's save: steps 9 and 10 are trained again, from ckpt-8.
+    assert "training from step 8 to 24" in resumed.text(), resumed.log()
+    expected = final_weights(str(tmp_path / "reference"))
+    actual = final_weights(str(tmp_path / "interrupted"))
+    assert expected.keys() == actual.keys() and any(k.startswith("seeds/") for k in expected)
+    for key in expected:
+        np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)

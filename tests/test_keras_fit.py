@@ -100,7 +100,8 @@ def test_numpy_arrays_and_an_unbatched_dataset_train_alike(tmp_path):
 
 def test_a_model_that_is_not_compiled_is_refused(tmp_path):
     with pytest.raises(ValueError, match="compile"):
-        tputrain.fit(compiled_model(compile=False), train_dataset(), EVAL, model_dir=str(tmp_path / "run"), steps=2)
+        tputrain.fit(compiled_model(compile=False), train_dataset(), EVAL,
+                     model_dir=str(tmp_path / "run"), steps=2)
 
 
 def read_csv(path) -> tuple[list[str], list[dict[str, float]]]:

@@ -4,14 +4,13 @@ A multi-step loop has no per-batch host call, so the hooks map as follows (an
 *epoch* is the span between two evaluations, `eval_every` steps; the whole run
 when `eval_every` is None):
 
-| Keras hook | called |
-|---|---|
-| `on_train_begin` | once per `train()`, after the restore |
-| `on_epoch_begin(epoch)` | at the start and after each evaluation (`epoch = step // eval_every`) |
-| `on_train_batch_end(batch, logs)` | after each compiled loop: `batch` is its last step, `logs` the loop's means |
-| `on_test_begin`, `on_test_end(logs)` | both after each evaluation (no hook runs before one), with its metrics |
-| `on_epoch_end(epoch, logs)` | after each evaluation: the last loop's train metrics and `val_`-prefixed eval metrics, as `fit` gives them |
-| `on_train_end(logs)` | when `train()` ends, with the final evaluation |
+- `on_train_begin`: once per `train()`, after the restore;
+- `on_epoch_begin(step // eval_every)`: at the start and after each evaluation;
+- `on_train_batch_end(last step, loop logs)`: after each compiled loop;
+- `on_test_begin`, `on_test_end(eval logs)`: both after each evaluation;
+- `on_epoch_end(epoch, logs)`: after each evaluation, the last loop's train
+  metrics and the eval metrics as `val_*`, as `fit` gives them;
+- `on_train_end(final eval logs)`: when `train()` ends.
 
 Per-batch hooks (`on_train_batch_begin`, `on_test_batch_*`, `on_predict_*`) are
 never called. Setting `model.stop_training` stops the run at the next loop end

@@ -225,7 +225,8 @@ def _check_compiled(model: keras.Model) -> keras.Model:
     if not getattr(model, "compiled", False) or model.loss is None:
         raise ValueError(f"{type(model).__name__} is not compiled with a loss: call "
                          "model.compile(optimizer=..., loss=..., metrics=...) first")
-    if isinstance(model.loss, (dict, list, tuple)) or len(getattr(model, "outputs", None) or [0]) > 1:
+    outputs = getattr(model, "outputs", None) or [model]
+    if isinstance(model.loss, (dict, list, tuple)) or len(outputs) > 1:
         raise ValueError("KerasTask takes a model with one output and one loss; for several "
                          "outputs write a tputrain.Task (docs/tasks.md)")
     return model

@@ -206,3 +206,13 @@ def test_sigkill_midway_resumes_bitwise(tmp_path):
     assert expected.keys() == actual.keys() and any(k.startswith("seeds/") for k in expected)
     for key in expected:
         np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
+
+
+def test_a_model_building_function_is_called_in_the_scope(tmp_path):
+    """A function that builds and compiles the model (the way for subclassed models)
+    trains as the compiled model does."""
+    logs = tputrain.fit(compiled_model, train_dataset(), EVAL, model_dir=str(tmp_path / "run"),
+                        steps=EPOCH_STEPS, strategy=strategy_for(2), report_mfu=False,
+                        jit_compile=False)
+    _, history = keras_fit(epochs=1)
+    assert abs(logs["loss"] - history["val_loss"][-1]) < 1e-5

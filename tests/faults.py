@@ -530,3 +530,34 @@ class Process:
 
     def log(self) -> str:
         return "".join(self.lines[-40:])
+
+
+# ------------------------------------------------------------ tputrain.fit in a child
+
+KERAS_FIT_STEPS = 24
+
+
+def keras_fit_run(model_dir: str, pause_at: int | None = None) -> None:
+    """`tputrain.fit` of a compiled two-input Keras model with dropout on shuffled
+    arrays with sample weights, on 2 replicas (a child with TPUTRAIN_TEST_CPUS=2),
+    op determinism on; `pause_at`: waits for a signal after that step's loop."""
+    from tiny import strategy_for
+
+    tf.config.experimental.enable_op_determinism()
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(1)
+    x = {"signal": rng.normal(size=(40, 5)).astype(np.float32),
+         "bias": rng.normal(size=(40, 1)).astype(np.float32)}
+    y = (x["signal"][:, 0] > x["bias"][:, 0]).astype(np.int64)
+    weights = rng.uniform(0.0, 2.0, size=40).astype(np.float32)
+    signal, bias = keras.Input((5,), name="signal"), keras.Input((1,), name="bias")
+    hidden = keras.layers.Dense(8, activation="relu")(keras.layers.Concatenate()([signal, bias]))
+    hidden = keras.layers.Dropout(0.3, seed=1)(hidden)
+    model = keras.Model({"signal": signal, "bias": bias}, keras.layers.Dense(2)(hidden))
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    tputrain.fit(model, (x, y, weights), (x, y), model_dir=model_dir, steps=KERAS_FIT_STEPS,
+                 batch_size=8, eval_every=8, steps_per_loop=2, checkpoint_every=2,
+                 strategy=strategy_for(2), report_mfu=False,
+                 actions=[PauseAtStep(pause_at)] if pause_at else [])

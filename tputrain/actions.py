@@ -26,7 +26,14 @@ if TYPE_CHECKING:  # annotations only: the Trainer imports this module
 
 
 class Action:
-    """Base class: every hook is a no-op. `logs` are plain floats."""
+    """Base class: every hook is a no-op. `logs` are plain floats.
+
+    `owns_learning_rate`: True when the action sets the optimizer's learning rate
+    (e.g. Keras's ReduceLROnPlateau through `KerasCallbacks`): a resume then takes it
+    from the checkpoint instead of putting the config's value back.
+    """
+
+    owns_learning_rate = False
 
     def preflight(self, trainer: "Trainer") -> None:
         """On the chief, once the model is built and before anything is written to

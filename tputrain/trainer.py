@@ -194,8 +194,10 @@ class Trainer:
             os.path.join(self._work_dir, "checkpoints"), self.step, every=self.checkpoint_every,
             keep=self.keep_checkpoints,
             restore_directory=os.path.join(self.model_dir, "checkpoints"),  # the chief's
-            # A float learning rate is a variable: the config's value wins over the checkpoint's.
-            config_owned=[v for v in self.optimizer.variables if v.name == "learning_rate"],
+            # A float learning rate is a variable: the config's value wins over the
+            # checkpoint's, unless an action sets it (Action.owns_learning_rate).
+            config_owned=[] if any(a.owns_learning_rate for a in self.actions) else
+            [v for v in self.optimizer.variables if v.name == "learning_rate"],
             per_host=per_host, host=(self.host_id, self.num_hosts),
             barrier=lambda: self._max_over_hosts(0), input_layout=self.inputs.layout(),
             reposition=self._reposition_input, model=self.model, optimizer=self.optimizer,

@@ -1,0 +1,218 @@
+"""Bring a Keras model as it is: `tputrain.fit(model, train, eval, ...)` on a compiled
+model (two inputs, sample weights) reaches `model.fit`'s eval metrics on 1 and 2
+replicas, and Keras callbacks (CSVLogger, ReduceLROnPlateau) act as under `fit`."""
+
+from __future__ import annotations
+
+import csv
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tputrain
+from tiny import strategy_for
+
+BATCH, EPOCH_STEPS, LR = 8, 6, 0.2
+
+
+def data(examples: int, seed: int, weighted: bool) -> tuple:
+    """Two inputs, 3 classes, uneven sample weights (some 0)."""
+    rng = np.random.default_rng(seed)
+    x = {"signal": rng.normal(size=(examples, 5)).astype(np.float32),
+         "bias": rng.normal(size=(examples, 1)).astype(np.float32)}
+    y = (np.argmax(x["signal"][:, :3], -1) + (x["bias"][:, 0] > 1)) % 3
+    weights = rng.uniform(0.0, 3.0, size=examples).astype(np.float32)
+    weights[::5] = 0.0
+    return (x, y.astype(np.int64), weights) if weighted else (x, y.astype(np.int64))
+
+
+def compiled_model(seed: int = 0, compile: bool = True) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    signal, bias = keras.Input((5,), name="signal"), keras.Input((1,), name="bias")
+    hidden = keras.layers.Dense(8, activation="tanh",
+                                kernel_regularizer=keras.regularizers.L2(1e-3))(
+        keras.layers.Concatenate()([signal, bias]))
+    model = keras.Model({"signal": signal, "bias": bias},
+                        keras.layers.Dense(3, activation="softmax")(hidden))
+    if not compile:
+        return model
+    model.compile(optimizer=keras.optimizers.SGD(LR, momentum=0.5),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                  jit_compile=False)
+    return model
+
+
+def train_dataset() -> tf.data.Dataset:
+    """One epoch of weighted batches, as `fit` takes them."""
+    return tf.data.Dataset.from_tensor_slices(data(BATCH * EPOCH_STEPS, 1, True)).batch(BATCH)
+
+
+EVAL = data(20, 2, False)  # 20 examples: a padded last batch on 2 replicas
+
+
+def keras_fit(epochs: int, callbacks=()) -> tuple[keras.Model, dict[str, list[float]]]:
+    model = compiled_model()
+    history = model.fit(train_dataset(), epochs=epochs, steps_per_epoch=EPOCH_STEPS,
+                        validation_data=EVAL, shuffle=False, verbose=0,
+                        callbacks=list(callbacks))
+    return model, history.history
+
+
+def close(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_fit_reaches_keras_fit_eval_metrics(tmp_path, replicas):
+    model = compiled_model()
+    initial = model.get_weights()
+    logs = tputrain.fit(model, train_dataset(), EVAL, model_dir=str(tmp_path / "run"),
+                        steps=2 * EPOCH_STEPS, eval_every=EPOCH_STEPS,
+                        strategy=strategy_for(replicas), report_mfu=False, jit_compile=False)
+    expected_model, history = keras_fit(epochs=2)
+    print(f"replicas={replicas}  tputrain.fit: loss {logs['loss']:.7f} accuracy "
+          f"{logs['accuracy']:.7f} | model.fit: val_loss {history['val_loss'][-1]:.7f} "
+          f"val_accuracy {history['val_accuracy'][-1]:.7f}")
+    assert abs(logs["loss"] - history["val_loss"][-1]) < 1e-5
+    assert abs(logs["accuracy"] - history["val_accuracy"][-1]) < 1e-6
+    assert close(model.get_weights(), initial) > 1e-2  # the user's model is trained, as by fit
+    assert close(model.get_weights(), expected_model.get_weights()) < 1e-5
+
+
+def test_numpy_arrays_and_an_unbatched_dataset_train_alike(tmp_path):
+    """Arrays (with `batch_size`, unshuffled) and a dataset of single examples with
+    `batch_size` are the same global batches as the batched dataset."""
+    arrays = data(BATCH * EPOCH_STEPS, 1, True)
+    results = []
+    for name, train in (("arrays", arrays),
+                        ("examples", tf.data.Dataset.from_tensor_slices(arrays))):
+        model = compiled_model()
+        tputrain.fit(model, train, EVAL, model_dir=str(tmp_path / name), steps=EPOCH_STEPS,
+                     batch_size=BATCH, shuffle=False, strategy=strategy_for(1),
+                     report_mfu=False, jit_compile=False)
+        results.append(model.get_weights())
+    expected, _ = keras_fit(epochs=1)
+    for weights in results:
+        assert close(weights, expected.get_weights()) < 1e-5
+
+
+def test_a_model_that_is_not_compiled_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="compile"):
+        tputrain.fit(compiled_model(compile=False), train_dataset(), EVAL,
+                     model_dir=str(tmp_path / "run"), steps=2)
+
+
+def read_csv(path) -> tuple[list[str], list[dict[str, float]]]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, [{k: float(v) for k, v in row.items()} for row in reader]
+
+
+def plateau() -> keras.callbacks.ReduceLROnPlateau:
+    """Reduces whenever val_loss improved by less than 0.03 on the best."""
+    return keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=0,
+                                             min_delta=0.03, verbose=0)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_csv_logger_and_reduce_lr_on_plateau_act_as_under_fit(tmp_path, replicas):
+    epochs = 5
+    expected_model, history = keras_fit(
+        epochs, [plateau(), keras.callbacks.CSVLogger(str(tmp_path / "fit.csv"))])
+    model = compiled_model()
+    tputrain.fit(model, train_dataset(), EVAL, model_dir=str(tmp_path / "run"),
+                 steps=epochs * EPOCH_STEPS, eval_every=EPOCH_STEPS,
+                 steps_per_loop=EPOCH_STEPS, strategy=strategy_for(replicas),
+                 callbacks=[plateau(),  # first: it adds the rate to the logs CSVLogger writes
+                            keras.callbacks.CSVLogger(str(tmp_path / "tputrain.csv"))],
+                 report_mfu=False, jit_compile=False)
+    columns, rows = read_csv(tmp_path / "tputrain.csv")
+    expected_columns, expected_rows = read_csv(tmp_path / "fit.csv")
+    assert columns == expected_columns
+    rates = [row["learning_rate"] for row in rows]
+    print("learning rate per epoch: tputrain", rates, "fit",
+          [row["learning_rate"] for row in expected_rows])
+    assert len(set(rates)) > 1, "the plateau reduced the learning rate"
+    assert len(rows) == len(expected_rows) == epochs
+    for row, expected in zip(rows, expected_rows):
+        for column in columns:
+            assert row[column] == pytest.approx(expected[column], abs=1e-5), column
+    assert close(model.get_weights(), expected_model.get_weights()) < 1e-5
+
+
+def test_stop_training_from_a_callback_ends_the_run(tmp_path):
+    class StopAtSecondEpoch(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                self.model.stop_training = True
+
+    model = compiled_model()
+    run = tmp_path / "run"
+    tputrain.fit(model, train_dataset(), EVAL, model_dir=str(run), steps=5 * EPOCH_STEPS,
+                 eval_every=EPOCH_STEPS, strategy=strategy_for(1),
+                 callbacks=[StopAtSecondEpoch()], report_mfu=False, jit_compile=False)
+    assert tf.train.latest_checkpoint(str(run / "checkpoints")).endswith(
+        f"ckpt-{2 * EPOCH_STEPS}")
+
+
+def test_a_learning_rate_set_by_a_callback_is_restored_on_resume(tmp_path):
+    """The rate ReduceLROnPlateau set is saved with the checkpoint and restored by the
+    next `fit` on the same model_dir (not reset to the compiled one)."""
+    class Rate(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.rate = float(self.model.optimizer.learning_rate.numpy())
+
+    always = keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=0,
+                                               min_delta=100.0)  # after epochs 1, 2...
+    run, rates = str(tmp_path / "run"), []
+    # The checkpoint at step 18 is saved before the final evaluation (it holds LR / 2,
+    # set after epoch 1; the one set after the last epoch comes after the last save).
+    for steps in (3 * EPOCH_STEPS, 4 * EPOCH_STEPS):
+        rate = Rate()
+        tputrain.fit(compiled_model(), train_dataset(), EVAL, model_dir=run, steps=steps,
+                     eval_every=EPOCH_STEPS, checkpoint_every=EPOCH_STEPS,
+                     strategy=strategy_for(1), callbacks=[always, rate], report_mfu=False,
+                     jit_compile=False)
+        rates.append(rate.rate)
+    assert rates == pytest.approx([LR, LR / 2])
+
+
+@pytest.mark.slow
+def test_sigkill_midway_resumes_bitwise(tmp_path):
+    """`tputrain.fit` killed with -9 after step 10's loop, run again: the final checkpoint is
+    bitwise an uninterrupted run's (2 replicas, dropout, shuffled arrays)."""
+    import signal
+    import sys
+
+    from faults import Process, child_env, final_weights
+
+    def child(model_dir, pause_at=None):
+        call = f"faults.keras_fit_run({str(model_dir)!r}, {pause_at!r})"
+        return Process([sys.executable, "-c", f"import faults; {call}"], child_env(cpus=2))
+
+    reference = child(tmp_path / "reference")
+    interrupted = child(tmp_path / "interrupted", pause_at=10)
+    interrupted.wait_for(r"tputrain-test: paused at step 10")
+    assert interrupted.kill() == -signal.SIGKILL
+    assert reference.finish() == 0, reference.log()
+    resumed = child(tmp_path / "interrupted")
+    assert resumed.finish() == 0, resumed.log()
+    # Killed before step 10's save: steps 9 and 10 are trained again, from ckpt-8.
+    assert "training from step 8 to 24" in resumed.text(), resumed.log()
+    expected = final_weights(str(tmp_path / "reference"))
+    actual = final_weights(str(tmp_path / "interrupted"))
+    assert expected.keys() == actual.keys() and any(k.startswith("seeds/") for k in expected)
+    for key in expected:
+        np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
+
+
+def test_a_model_building_function_is_called_in_the_scope(tmp_path):
+    """A function that builds and compiles the model (the way for subclassed models)
+    trains as the compiled model does."""
+    logs = tputrain.fit(compiled_model, train_dataset(), EVAL, model_dir=str(tmp_path / "run"),
+                        steps=EPOCH_STEPS, strategy=strategy_for(2), report_mfu=False,
+                        jit_compile=False)
+    _, history = keras_fit(epochs=1)
+    assert abs(logs["loss"] - history["val_loss"][-1]) < 1e-5

@@ -1,0 +1,50 @@
+"""`tputrain.fit`: a compiled Keras model trained by the Trainer in one call.
+
+The few-lines path: `tputrain.fit(model, train_data, eval_data, model_dir=...,
+steps=...)` builds a `KerasTask` and a `Trainer` (strategy, compiled host loops,
+exact-resume checkpoints, guard, progress) and runs Keras callbacks through
+`KerasCallbacks`. Rerunning the same call resumes from model_dir's latest checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import keras
+
+from tputrain.actions import Action
+from tputrain.keras_callbacks import KerasCallbacks
+from tputrain.keras_task import KerasTask
+from tputrain.trainer import Trainer
+
+
+def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_data: Any = None,
+        *, model_dir: str, steps: int, batch_size: int | None = None,
+        eval_every: int | None = None, callbacks: Sequence[keras.callbacks.Callback] = (),
+        shuffle: bool = True, actions: Sequence[Action] = (),
+        **trainer_options: Any) -> dict[str, float]:
+    """Trains a compiled Keras model for `steps` optimizer steps; returns the final
+    evaluation's metrics ({"loss": ..., metric names: ...}).
+
+    Args:
+      model: a compiled `keras.Model`, or a function building and compiling one
+        (`KerasTask`). A model passed in gets the trained weights back, as `fit` does.
+      train_data, eval_data, batch_size, shuffle: as `KerasTask` takes them; the global
+        batch is `batch_size` or the dataset's own batch size.
+      model_dir: checkpoints, logs and TensorBoard events; a rerun resumes from it.
+      steps: total optimizer steps (`Trainer.train_steps`).
+      eval_every: evaluate every N steps (a Keras "epoch" for the callbacks).
+      callbacks: `keras.callbacks.Callback`s, run by `KerasCallbacks`.
+      actions: tputrain actions (e.g. `tputrain.Export()`), after the callbacks.
+      **trainer_options: any other `Trainer` argument (strategy, steps_per_loop, ...).
+    """
+    task = KerasTask(model, train_data, eval_data, batch_size=batch_size, shuffle=shuffle,
+                     seed=trainer_options.get("seed", 0))
+    adapters = [KerasCallbacks(callbacks)] if callbacks else []
+    trainer = Trainer(task, model_dir, train_steps=steps, eval_every=eval_every,
+                      global_batch_size=task.global_batch_size,
+                      actions=[*adapters, *actions], **trainer_options)
+    logs = trainer.train()
+    if isinstance(model, keras.Model):
+        model.set_weights(trainer.model.get_weights())
+    return logs

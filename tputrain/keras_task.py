@@ -1,0 +1,232 @@
+"""A Task made of a compiled `keras.Model` and its data, as `model.fit` takes them.
+
+The model is rebuilt inside the strategy scope (variables must be created there
+to be mirrored): a compiled model is cloned with `keras.models.clone_model` and
+its weights copied; a model-building function is called there instead (the way
+for subclassed models). Its compile config gives the rest: the loss (made per
+example), metrics and weighted metrics (fresh copies per build) and the optimizer
+(a fresh copy of its config). See docs/tasks.md, "Bring a Keras model".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import keras
+import tensorflow as tf
+
+from tputrain.data import InputContext
+from tputrain.data.batching import pad_to_batch
+from tputrain.task import Task
+
+DEFAULT_BATCH_SIZE = 32  # as `model.fit` for arrays
+
+
+def _examples(data: Any, batch_size: int | None, split: str) -> tuple[tf.data.Dataset, int]:
+    """`(dataset of single examples, global batch)` of `fit`-style data: a dataset of
+    batches (`batch_size` None: the global batch is its first batch's size), a dataset
+    of single examples with `batch_size`, or a tuple `(x, y[, sample_weight])` of arrays."""
+    if isinstance(data, tf.data.Dataset):
+        if batch_size is not None:
+            return data, int(batch_size)
+        return data.unbatch(), _first_batch_size(data, split)
+    if not (isinstance(data, (tuple, list)) and len(data) in (2, 3)):
+        raise TypeError(f"the {split} data must be a tf.data.Dataset or a tuple (x, y) or "
+                        f"(x, y, sample_weight) of arrays, got {type(data).__name__}")
+    arrays = tuple(tuple(part) if isinstance(part, list) else part for part in data)
+    return tf.data.Dataset.from_tensor_slices(arrays), int(batch_size or DEFAULT_BATCH_SIZE)
+
+
+def _first_batch_size(dataset: tf.data.Dataset, split: str) -> int:
+    """The batch size of a batched dataset: static if known, else its first batch's."""
+    spec = tf.nest.flatten(dataset.element_spec)[0]
+    if spec.shape.rank and spec.shape[0] is not None:
+        return int(spec.shape[0])
+    for element in dataset.take(1):
+        return int(tf.shape(tf.nest.flatten(element)[0])[0])
+    raise ValueError(f"the {split} dataset is empty")
+
+
+def _padded(batch: tuple, rows: int) -> tuple:
+    """An eval batch of up to `rows` examples, padded to `rows` with weight-0 examples
+    (a user's sample weights are kept on the real ones)."""
+    if len(batch) == 2:
+        return pad_to_batch(batch, rows)
+    features, labels, weights = batch
+    features, labels, mask = pad_to_batch((features, labels), rows)
+    weights = tf.cast(weights, tf.float32)
+    weights = tf.pad(weights, [[0, rows - tf.shape(weights)[0]]]
+                     + [[0, 0]] * (weights.shape.rank - 1))
+    return features, labels, tf.reshape(mask, [rows] + [1] * (weights.shape.rank - 1)) * weights
+
+
+def _same_rank(labels: tf.Tensor, outputs: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """Keras's rule for a function loss: a trailing axis of 1 is squeezed from the
+    tensor of higher rank when the ranks differ by one."""
+    true_rank, pred_rank = labels.shape.rank, outputs.shape.rank
+    if true_rank == pred_rank + 1 and labels.shape[-1] == 1:
+        labels = tf.squeeze(labels, -1)
+    elif pred_rank == true_rank + 1 and outputs.shape[-1] == 1:
+        outputs = tf.squeeze(outputs, -1)
+    return labels, outputs
+
+
+def _accuracy(name: str, label_spec: tf.TensorSpec, output_last_dim: int | None
+              ) -> keras.metrics.Metric:
+    """"accuracy" resolved as Keras's compile does, from the label and output shapes."""
+    label_rank = label_spec.shape.rank + 1  # with the batch axis
+    label_last = label_spec.shape[-1] if label_spec.shape.rank else 1
+    if output_last_dim == 1:
+        return keras.metrics.BinaryAccuracy(name=name)
+    if label_rank < 2 or label_last == 1:
+        return keras.metrics.SparseCategoricalAccuracy(name=name)
+    return keras.metrics.CategoricalAccuracy(name=name)
+
+
+class KerasTask(Task):
+    """A `Task` from a compiled Keras model and `fit`-style data.
+
+    Args:
+      model: a compiled `keras.Model` (functional or Sequential; cloned into the
+        strategy scope with its weights), or a function of no arguments that builds
+        and compiles one (called inside the scope: subclassed models need this).
+      train_data: a `tf.data.Dataset` of `(x, y)` or `(x, y, sample_weight)` batches,
+        as `fit` takes it (read in order, repeated); or a tuple of arrays.
+      eval_data: the same for evaluation (every example, the last batch padded), or
+        None: the train data's first `global_batch_size` examples, to have a split.
+      batch_size: None for a batched dataset (its batch size is the global batch);
+        the global batch for arrays (default 32) or a dataset of single examples.
+      shuffle: arrays only: reshuffle the train examples every pass (seeded), as fit.
+      seed: the shuffle's seed.
+    """
+
+    def __init__(self, model: keras.Model | Callable[[], keras.Model], train_data: Any,
+                 eval_data: Any = None, batch_size: int | None = None, shuffle: bool = True,
+                 seed: int = 0):
+        self._source = model if isinstance(model, keras.Model) else None
+        self._factory = None if self._source is not None else model
+        if self._source is not None:
+            _check_compiled(self._source)
+        elif not callable(model):
+            raise TypeError(f"KerasTask.model must be a keras.Model or a function returning "
+                            f"one, got {type(model).__name__}")
+        self._train, self.global_batch_size = _examples(train_data, batch_size, "train")
+        self._shuffle = bool(shuffle) and not isinstance(train_data, tf.data.Dataset)
+        self._seed = seed
+        self._eval = (self._train.take(self.global_batch_size) if eval_data is None
+                      else _examples(eval_data, batch_size, "eval")[0])
+        self._compiled: keras.Model | None = self._source
+        self._evaluating = False
+
+    # ------------------------------------------------------------ Task
+
+    def build_model(self) -> keras.Model:
+        if self._factory is not None:
+            model = self._factory()
+            if not isinstance(model, keras.Model):
+                raise TypeError(f"KerasTask's model function returned "
+                                f"{type(model).__name__}, not a keras.Model")
+            self._compiled = _check_compiled(model)
+            return model
+        try:
+            model = keras.models.clone_model(self._source)
+        except Exception as error:  # pylint: disable=broad-except  (named, then re-raised)
+            raise TypeError(f"KerasTask could not clone {type(self._source).__name__} "
+                            f"({error}): pass a function that builds and compiles it "
+                            "instead") from error
+        model.set_weights(self._source.get_weights())
+        return model
+
+    def build_inputs(self, split: str, input_context: InputContext) -> tf.data.Dataset:
+        """Single examples, sharded by host, in per-replica batches: consecutive
+        replicas take consecutive slices of the user's global batch."""
+        rows = input_context.get_per_replica_batch_size(input_context.global_batch_size)
+        examples = self._train if split == "train" else self._eval
+        if input_context.num_input_pipelines > 1:
+            examples = examples.shard(input_context.num_input_pipelines,
+                                      input_context.input_pipeline_id)
+        if split == "train":
+            if self._shuffle:
+                examples = examples.shuffle(10_000, seed=self._seed,
+                                            reshuffle_each_iteration=True)
+            return examples.repeat().batch(rows, drop_remainder=True)
+        return examples.batch(rows).map(lambda *batch: _padded(batch, rows))
+
+    def compute_loss(self, labels: Any, outputs: Any) -> tf.Tensor:
+        """The compiled loss of each example (axes past the batch averaged, as Keras's
+        "sum_over_batch_size" reduction averages them)."""
+        loss = self._compiled.loss
+        labels = tf.cast(labels, outputs.dtype)
+        if isinstance(loss, keras.losses.Loss):
+            per_element = loss.call(labels, outputs)  # no reduction
+        else:
+            per_element = keras.losses.get(loss)(*_same_rank(labels, outputs))
+        rank = per_element.shape.rank
+        return tf.reduce_mean(per_element, axis=list(range(1, rank))) if rank > 1 else per_element
+
+    def build_metrics(self) -> Sequence[keras.metrics.Metric]:
+        """Fresh copies of the compiled `metrics` and `weighted_metrics`; only the
+        weighted ones get training sample weights, as under `fit`."""
+        config = self._compiled.get_compile_config()
+        plain = [self._metric(m) for m in config.get("metrics") or []]
+        weighted = [self._metric(m) for m in config.get("weighted_metrics") or []]
+        names = {m.name for m in plain}
+        for metric in weighted:
+            metric._tputrain_weighted = True  # pylint: disable=protected-access
+            if metric.name in names:
+                metric.name = f"weighted_{metric.name}"
+        return plain + weighted
+
+    def build_optimizer(self) -> keras.optimizers.Optimizer:
+        optimizer = self._compiled.optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # the Trainer wraps
+        return type(optimizer).from_config(optimizer.get_config())
+
+    def update_metrics(self, metrics: Sequence[keras.metrics.Metric], labels: Any,
+                       outputs: Any, sample_weight: tf.Tensor | None = None) -> None:
+        """Training: sample weights go to the weighted metrics only (Keras's rule). Eval:
+        to every metric, since they also mark the padding of the last batch."""
+        for metric in metrics:
+            weighted = self._evaluating or getattr(metric, "_tputrain_weighted", False)
+            if weighted and sample_weight is not None:
+                metric.update_state(labels, outputs, sample_weight=sample_weight)
+            else:
+                metric.update_state(labels, outputs)
+
+    def eval_step(self, batch: Any, model: keras.Model, metrics: Sequence[keras.metrics.Metric],
+                  global_batch_size: int) -> dict[str, tf.Tensor]:
+        self._evaluating = True  # read by update_metrics while this traces
+        try:
+            return super().eval_step(batch, model, metrics, global_batch_size)
+        finally:
+            self._evaluating = False
+
+    # ------------------------------------------------------------ helpers
+
+    def _metric(self, identifier: Any) -> keras.metrics.Metric:
+        if isinstance(identifier, str) and identifier.lower() in ("accuracy", "acc"):
+            label_spec = self._train.element_spec[1]
+            return _accuracy(identifier, label_spec, _output_last_dim(self._compiled))
+        metric = keras.metrics.get(identifier)
+        if not isinstance(metric, keras.metrics.Metric):  # a function
+            metric = keras.metrics.MeanMetricWrapper(metric, name=str(identifier))
+        return metric
+
+
+def _output_last_dim(model: keras.Model) -> int | None:
+    try:
+        return model.outputs[0].shape[-1]
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return None
+
+
+def _check_compiled(model: keras.Model) -> keras.Model:
+    """A compiled, single-output model with one loss; else a ValueError naming the fix."""
+    if not getattr(model, "compiled", False) or model.loss is None:
+        raise ValueError(f"{type(model).__name__} is not compiled with a loss: call "
+                         "model.compile(optimizer=..., loss=..., metrics=...) first")
+    outputs = getattr(model, "outputs", None) or [model]
+    if isinstance(model.loss, (dict, list, tuple)) or len(outputs) > 1:
+        raise ValueError("KerasTask takes a model with one output and one loss; for several "
+                         "outputs write a tputrain.Task (docs/tasks.md)")
+    return model

@@ -10,23 +10,26 @@ between compiled loops: keep them short, or do the work every Nth call.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import tensorflow as tf
 from absl import logging
 
 from tputrain.communication import (CommunicationOptions, collective_share, gradient_bytes,
                                     measure_allreduce)
+from tputrain.context import ActionContext
 from tputrain.flops import count_flops, peak_flops, specs_of
 from tputrain.guard import NonFiniteError
 from tputrain.task import Task
 
-if TYPE_CHECKING:  # annotations only: the Trainer imports this module
-    from tputrain.trainer import Trainer
-
 
 class Action:
     """Base class: every hook is a no-op. `logs` are plain floats.
+
+    Each hook gets the run's `ActionContext` first (tputrain/context.py): the step,
+    strategy, model, optimizer, checkpointer, progress and plan, `agree` across
+    hosts and `stop(reason)`. Reading other Trainer attributes through it still
+    works, with a DeprecationWarning.
 
     `owns_learning_rate`: True when the action sets the optimizer's learning rate
     (e.g. Keras's ReduceLROnPlateau through `KerasCallbacks`): a resume then takes it
@@ -35,40 +38,40 @@ class Action:
 
     owns_learning_rate = False
 
-    def preflight(self, trainer: "Trainer") -> None:
+    def preflight(self, context: ActionContext) -> None:
         """On the chief, once the model is built and before anything is written to
         model_dir: raise ValueError/OSError naming the fix for a configuration that
         cannot work, so it fails in one line instead of after the lock and logs."""
 
-    def on_train_begin(self, trainer: "Trainer", step: int) -> None:
+    def on_train_begin(self, context: ActionContext, step: int) -> None:
         """Once per `train()`, after the restore, before the first loop."""
 
-    def loop_metrics(self, trainer: "Trainer", step: int, steps: int,
+    def loop_metrics(self, context: ActionContext, step: int, steps: int,
                      seconds: float) -> Mapping[str, float]:
         """Before the progress line of each loop (`steps` steps in `seconds`): scalars
         to add to the loop's logs, its progress line and TensorBoard (e.g. comm/*)."""
         return {}
 
-    def on_loop_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+    def on_loop_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         """After each compiled loop of training steps; `logs` are the loop's means,
         learning rate and throughput (steps_per_second, examples_per_second, ...)."""
 
-    def on_eval_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+    def on_eval_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         """After each evaluation, with its metrics."""
 
-    def on_save(self, trainer: "Trainer", step: int, path: str | None) -> None:
+    def on_save(self, context: ActionContext, step: int, path: str | None) -> None:
         """After a checkpoint save was requested (`path` None when nothing was written)."""
 
-    def on_train_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+    def on_train_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         """Once, when `train()` returns normally, with the final evaluation's metrics."""
 
-    def eval_recorded(self, trainer: "Trainer", step: int) -> bool:
+    def eval_recorded(self, context: ActionContext, step: int) -> bool:
         """Whether this action's record on disk holds the evaluation at `step`. A resume
         at a step whose evaluation some action did not record (killed in between)
         evaluates it again and calls only those actions' `on_eval_end`."""
         return True
 
-    def end_done(self, trainer: "Trainer", step: int) -> bool:
+    def end_done(self, context: ActionContext, step: int) -> bool:
         """Whether this action's end-of-run output for a run that ended at `step` is on
         disk. A rerun of a finished run calls `on_train_end` only where it is not."""
         return True
@@ -101,10 +104,10 @@ class ProfilerAction(Action):
             logging.info("tputrain: profile of steps %d-%d written to %s", self.start, self.stop,
                          os.path.join(self.logdir, "plugins", "profile"))
 
-    def on_loop_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+    def on_loop_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         was_running = self.running
         self.update(step)
-        if was_running and not self.running and trainer.strategy.num_replicas_in_sync > 1:
+        if was_running and not self.running and context.strategy.num_replicas_in_sync > 1:
             self.cross_check(logs.get("comm/allreduce_fraction"))
 
     def cross_check(self, estimate: float | None) -> float | None:
@@ -127,8 +130,8 @@ class NonFinitePolicyAction(Action):
     """Applies `NonFiniteGuard.policy` after a loop in which the guard tripped:
     raise, or roll the weights back to the last checkpoint."""
 
-    def on_loop_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
-        guard = trainer.guard
+    def on_loop_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
+        guard = context.guard
         tripped = guard.take_trip()
         if not tripped:
             return
@@ -137,7 +140,7 @@ class NonFinitePolicyAction(Action):
         guard.rollbacks += 1
         if guard.rollbacks > guard.max_rollbacks:
             raise NonFiniteError(guard.message(tripped, gave_up=True))
-        path = trainer.checkpointer.restore_weights(
+        path = context.checkpointer.restore_weights(
             exclude=("iterator", "step", "nonfinite_steps"))
         if path is None:
             raise NonFiniteError(guard.message(tripped, no_checkpoint=True))
@@ -150,45 +153,45 @@ class PreemptionAction(Action):
     """After a loop in which any host got SIGTERM: stop there. The Controller then saves
     (every action's `on_save` sees it) and raises `Preempted` (exit code 42)."""
 
-    def on_loop_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
-        if trainer.preempted():
-            trainer.stop_training, trainer.stop_reason = True, "preempted"
+    def on_loop_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
+        if context.preempted():
+            context.stop("preempted")
 
 
 class MFUAction(Action):
     """Counts training FLOPs per step and finds the device peak once, at the start;
     the progress line then shows MFU each loop (`Trainer.report_mfu`)."""
 
-    def on_train_begin(self, trainer: "Trainer", step: int) -> None:
-        if trainer.flops_per_step is not None:
+    def on_train_begin(self, context: ActionContext, step: int) -> None:
+        if context.flops_per_step is not None:
             return
         try:
-            trainer.flops_per_step = count_flops_per_step(trainer)
-            peak = peak_flops(trainer.precision, trainer.strategy)
+            context.flops_per_step = count_flops_per_step(context)
+            peak = peak_flops(context.plan.precision, context.strategy)
         except Exception as error:  # pylint: disable=broad-except  (a diagnostic, not training)
             logging.warning("tputrain: MFU is not reported: %s: %s", type(error).__name__, error)
-            trainer.report_mfu = False
+            context.report_mfu = False
             return
-        trainer.progress.set_flops(trainer.flops_per_step, peak.flops_per_second)
+        context.progress.set_flops(context.flops_per_step, peak.flops_per_second)
         logging.info("tputrain: %.4g FLOPs per step; peak %.4g FLOP/s (%s)",
-                     trainer.flops_per_step, peak.flops_per_second, peak.source)
+                     context.flops_per_step, peak.flops_per_second, peak.source)
 
 
-def count_flops_per_step(trainer: "Trainer") -> float:
+def count_flops_per_step(context: ActionContext) -> float:
     """Training FLOPs of one step over all replicas (see `tputrain.flops`)."""
-    task = trainer.task
+    task = context.task
     analytic = task.flops_per_example()
     if analytic is not None:
-        return float(analytic) * trainer.global_batch_size
+        return float(analytic) * context.plan.batch.global_batch_size
     if type(task).train_step is not Task.train_step:
         raise ValueError(f"{type(task).__name__} overrides Task.train_step: return an "
                          "analytic count from Task.flops_per_example()")
     per_micro_batch = count_flops(
-        lambda batch: task.compute_gradients(batch, trainer.model, trainer.optimizer,
-                                             trainer.global_batch_size),
-        specs_of(trainer.inputs.micro_batch_spec()))
-    return float(per_micro_batch * trainer.accumulation_steps
-                 * trainer.strategy.num_replicas_in_sync)
+        lambda batch: task.compute_gradients(batch, context.model, context.optimizer,
+                                             context.plan.batch.global_batch_size),
+        specs_of(context.inputs.micro_batch_spec()))
+    return float(per_micro_batch * context.plan.batch.accumulation_steps
+                 * context.strategy.num_replicas_in_sync)
 
 
 class CommunicationAction(Action):
@@ -201,16 +204,16 @@ class CommunicationAction(Action):
         self.bytes = 0
         self.seconds_per_allreduce = 0.0
 
-    def on_train_begin(self, trainer: "Trainer", step: int) -> None:
-        replicas = trainer.strategy.num_replicas_in_sync
-        variables = trainer.model.trainable_variables
+    def on_train_begin(self, context: ActionContext, step: int) -> None:
+        replicas = context.strategy.num_replicas_in_sync
+        variables = context.model.trainable_variables
         self.bytes = gradient_bytes(variables, self.options.allreduce_dtype, replicas)
         if replicas > 1:  # a collective: every host measures, with agreed loop lengths
             self.seconds_per_allreduce = measure_allreduce(
-                trainer.strategy, variables, self.options.allreduce_dtype, self.seconds,
-                agree=trainer._max_over_hosts)  # pylint: disable=protected-access
+                context.strategy, variables, self.options.allreduce_dtype, self.seconds,
+                agree=context.agree)
 
-    def loop_metrics(self, trainer: "Trainer", step: int, steps: int,
+    def loop_metrics(self, context: ActionContext, step: int, steps: int,
                      seconds: float) -> Mapping[str, float]:
         fraction = min(1.0, steps * self.seconds_per_allreduce / max(seconds, 1e-9))
         return {"comm/gradient_bytes": float(self.bytes), "comm/allreduce_fraction": fraction}

@@ -34,7 +34,7 @@ import json
 import math
 import os
 import uuid
-from typing import TYPE_CHECKING, Any, Mapping, NoReturn
+from typing import Any, Mapping, NoReturn
 
 import gin
 import tensorflow as tf
@@ -42,10 +42,9 @@ from absl import logging
 
 from tputrain.actions import Action
 from tputrain.checks import check_int
+from tputrain.context import ActionContext
 from tputrain.validate import ModelDirError
 
-if TYPE_CHECKING:  # annotations only: the Trainer imports the actions
-    from tputrain.trainer import Trainer
 
 BEST_DIR = "best"
 BEST_FILE = "best.json"
@@ -144,54 +143,54 @@ class BestCheckpoint(Action):
         self.value: float | None = None
         self.loaded = False
 
-    def directory_of(self, trainer: "Trainer") -> str:
-        return self.directory or os.path.join(trainer.model_dir, BEST_DIR)
+    def directory_of(self, context: ActionContext) -> str:
+        return self.directory or os.path.join(context.model_dir, BEST_DIR)
 
-    def on_train_begin(self, trainer: "Trainer", step: int) -> None:
-        self._load(trainer)
+    def on_train_begin(self, context: ActionContext, step: int) -> None:
+        self._load(context)
 
-    def _load(self, trainer: "Trainer") -> None:
+    def _load(self, context: ActionContext) -> None:
         """Reads back the best so far (a resumed run keeps comparing against it)."""
-        record = best_record(trainer.model_dir, self.directory_of(trainer))
+        record = best_record(context.model_dir, self.directory_of(context))
         self.step = self.value = None
         self.loaded = True
         if record is None:
             return
         if (record.get("metric"), record.get("mode")) != (self.watch.key, self.watch.mode):
             logging.warning("tputrain: %s kept the best %s (%s); now %s (%s): starting over",
-                            self.directory_of(trainer), record.get("metric"),
+                            self.directory_of(context), record.get("metric"),
                             record.get("mode"), self.watch.key, self.watch.mode)
             return
         self.step, self.value = int(record["step"]), float(record["value"])
 
-    def eval_recorded(self, trainer: "Trainer", step: int) -> bool:
+    def eval_recorded(self, context: ActionContext, step: int) -> bool:
         """best.json names a step evaluated at or after `step` (evaluations come in order)."""
-        record = read_json(os.path.join(self.directory_of(trainer), BEST_FILE)) or {}
+        record = read_json(os.path.join(self.directory_of(context), BEST_FILE)) or {}
         if (record.get("metric"), record.get("mode")) != (self.watch.key, self.watch.mode):
             return False
         return int(record.get("evaluated", record.get("step", -1))) >= step
 
-    def on_eval_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+    def on_eval_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         if not self.loaded:  # Trainer.evaluate() outside train()
-            self._load(trainer)
+            self._load(context)
         value = self.watch.value(logs)
         if not self.watch.improved(value, self.value):
-            if trainer.is_chief:  # the evaluation is recorded, the best unchanged
-                self._commit(trainer, step, self.step, self.value)
+            if context.is_chief:  # the evaluation is recorded, the best unchanged
+                self._commit(context, step, self.step, self.value)
             return
         # Eval runs before the Controller's save at this step: save now (every host
         # takes part; a step already saved is not written twice), then copy it.
-        path = trainer.checkpointer.save()
-        trainer.checkpointer.sync()  # an async write must be on disk before the copy
-        if trainer.is_chief:
-            self._keep(trainer, step, value, path)
+        path = context.checkpointer.save()
+        context.checkpointer.sync()  # an async write must be on disk before the copy
+        if context.is_chief:
+            self._keep(context, step, value, path)
         logging.info("tputrain: best %s %.4g at step %d (was %s)", self.watch.key, value, step,
                      "none" if self.value is None else f"{self.value:.4g} at step {self.step}")
         self.step, self.value = step, value
 
-    def _keep(self, trainer: "Trainer", step: int, value: float, path: str) -> None:
+    def _keep(self, context: ActionContext, step: int, value: float, path: str) -> None:
         """Copies the checkpoint files, then commits best.json, then drops the old copy."""
-        directory = self.directory_of(trainer)
+        directory = self.directory_of(context)
         tf.io.gfile.makedirs(directory)
         name = f"ckpt-{step}"
         # The index last: a copy cut short has no index, so it never looks like a checkpoint.
@@ -204,17 +203,17 @@ class BestCheckpoint(Action):
                 tf.io.gfile.copy(source, os.path.join(directory, name + suffix), overwrite=True)
         except (tf.errors.OpError, OSError) as error:
             self._copy_failed(directory, name, path, error)
-        self._commit(trainer, step, step, value)
+        self._commit(context, step, step, value)
         tidy_best(directory)  # the previous best's files
 
-    def _commit(self, trainer: "Trainer", evaluated: int, step: int | None,
+    def _commit(self, context: ActionContext, evaluated: int, step: int | None,
                 value: float | None) -> None:
         """Writes best.json: the best so far and the last step evaluated (the commit)."""
         record: dict[str, Any] = {"metric": self.watch.key, "mode": self.watch.mode,
                                   "evaluated": evaluated}
         if step is not None:
             record.update(step=step, value=value, checkpoint=f"ckpt-{step}")
-        write_json(os.path.join(self.directory_of(trainer), BEST_FILE), record)
+        write_json(os.path.join(self.directory_of(context), BEST_FILE), record)
 
     def _copy_failed(self, directory: str, name: str, path: str,
                      error: BaseException) -> NoReturn:
@@ -278,17 +277,17 @@ class EarlyStopping(Action):
         self.stopped_at: int | None = None
         self.loaded = False
 
-    def on_train_begin(self, trainer: "Trainer", step: int) -> None:
-        self._load(trainer, step)
+    def on_train_begin(self, context: ActionContext, step: int) -> None:
+        self._load(context, step)
         if self.stopped_at is not None:
             logging.info("tputrain: early stopping: this run stopped at step %d (%s did not "
                          "improve for %d evaluations); not training further", self.stopped_at,
                          self.watch.key, self.patience)
-            trainer.stop_training = True
+            context.stop()
 
-    def _load(self, trainer: "Trainer", step: int) -> None:
+    def _load(self, context: ActionContext, step: int) -> None:
         """Reads back the evaluations up to the restored `step` and decides again."""
-        record = read_json(early_stopping_path(trainer.model_dir)) or {}
+        record = read_json(early_stopping_path(context.model_dir)) or {}
         self.evals, self.loaded = {}, True
         if (record.get("metric"), record.get("mode")) == (self.watch.key, self.watch.mode):
             self.evals = {int(s): float(v) for s, v in record.get("evals", {}).items()
@@ -307,17 +306,17 @@ class EarlyStopping(Action):
                     return step
         return None
 
-    def eval_recorded(self, trainer: "Trainer", step: int) -> bool:
+    def eval_recorded(self, context: ActionContext, step: int) -> bool:
         if not self.loaded:  # a rerun of a finished run calls no on_train_begin
-            self._load(trainer, step)
+            self._load(context, step)
         return step in self.evals
 
-    def on_eval_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+    def on_eval_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         if not self.loaded:  # Trainer.evaluate() outside train()
-            self._load(trainer, step)
+            self._load(context, step)
         self.evals[step] = self.watch.value(logs)
-        if trainer.is_chief:
-            write_json(early_stopping_path(trainer.model_dir),
+        if context.is_chief:
+            write_json(early_stopping_path(context.model_dir),
                        {"metric": self.watch.key, "mode": self.watch.mode,
                         "evals": {str(s): v for s, v in sorted(self.evals.items())}})
         stopped_at = self.decide()
@@ -326,4 +325,4 @@ class EarlyStopping(Action):
             logging.warning("tputrain: early stopping at step %d: %s has not improved for %d "
                             "evaluations", step, self.watch.key, self.patience)
         if stopped_at is not None:
-            trainer.stop_training = True
+            context.stop()

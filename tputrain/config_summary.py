@@ -19,16 +19,15 @@ Both are written at step 0, so a rerun's replace the earlier ones.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Union
+from typing import Mapping, Union
 
 import gin
 import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp
 
 from tputrain.actions import Action
+from tputrain.context import ActionContext
 
-if TYPE_CHECKING:
-    from tputrain.trainer import Trainer
 
 HParamValue = Union[bool, int, float, str]
 TEXT_TAG = "operative_config"
@@ -59,28 +58,28 @@ def gin_bindings() -> dict[str, HParamValue]:
     return bindings
 
 
-def trainer_options(trainer: "Trainer") -> dict[str, HParamValue]:
+def trainer_options(context: ActionContext) -> dict[str, HParamValue]:
     """The Trainer's scalar options, named as gin binds them."""
-    return {f"Trainer.{field}": scalar for field, value in sorted(vars(trainer.options).items())
+    return {f"Trainer.{field}": scalar for field, value in sorted(vars(context.options).items())
             if (scalar := _scalar(value)) is not None}
 
 
-def run_hparams(trainer: "Trainer") -> dict[str, HParamValue]:
+def run_hparams(context: ActionContext) -> dict[str, HParamValue]:
     """The gin bindings and the Trainer's options (the options win: they are in force)."""
-    return {**gin_bindings(), **trainer_options(trainer)}
+    return {**gin_bindings(), **trainer_options(context)}
 
 
-def config_text(trainer: "Trainer") -> str:
+def config_text(context: ActionContext) -> str:
     """gin's operative config; without gin bindings, the Trainer's options."""
     if gin.config_str().strip():
         return gin.operative_config_str()
     return "\n".join(f"Trainer.{field} = {value!r}"
-                     for field, value in sorted(vars(trainer.options).items())) + "\n"
+                     for field, value in sorted(vars(context.options).items())) + "\n"
 
 
-def eval_tags(trainer: "Trainer") -> list[str]:
+def eval_tags(context: ActionContext) -> list[str]:
     """The eval run's scalar tags: the loss and the Task's metrics."""
-    return ["loss", *(metric.name for metric in trainer.eval_metrics)]
+    return ["loss", *(metric.name for metric in context.eval_metrics)]
 
 
 def write_config_summary(directory: str, text: str, hparams: Mapping[str, HParamValue],
@@ -101,7 +100,7 @@ class ConfigSummaryAction(Action):
     """Built in: the chief writes the run's configuration for TensorBoard at the start
     of each `train()` (the module docstring)."""
 
-    def on_train_begin(self, trainer: "Trainer", step: int) -> None:
-        if trainer.is_chief and trainer.progress.summary_dir is not None:
-            write_config_summary(trainer.progress.summary_dir, config_text(trainer),
-                                 run_hparams(trainer), eval_tags(trainer))
+    def on_train_begin(self, context: ActionContext, step: int) -> None:
+        if context.is_chief and context.progress.summary_dir is not None:
+            write_config_summary(context.progress.summary_dir, config_text(context),
+                                 run_hparams(context), eval_tags(context))

@@ -8,31 +8,52 @@ trainer.py to change *how* a step runs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
-import keras
 import tensorflow as tf
 from absl import logging
 
 from tputrain.actions import Action, ProfilerAction
+from tputrain.context import ActionContext, ActionList, learning_rate
 from tputrain.data import explain_parse_error
 from tputrain.loop.host_loop import EXHAUSTED
 from tputrain.preemption import Preempted
 from tputrain.progress import Stopwatch
 from tputrain.validate import input_data_error
 
-if TYPE_CHECKING:  # annotations only: the Trainer imports this module
-    from tputrain.trainer import Trainer
 
+class Run(Protocol):
+    """What the Controller drives (the Trainer is one): the cadence knobs, one compiled
+    loop, one evaluation, and the context its actions see."""
+
+    train_steps: int
+    steps_per_loop: int
+    checkpoint_every: int
+    eval_every: int | None
+    profile_steps: tuple[int, int] | None
+    context: ActionContext
+
+    def run_loop(self, num_steps: int) -> tuple[dict[str, float], int, float]: ...
+
+    def evaluate_weights(self) -> dict[str, float]: ...
 
 
 class Controller:
     """Runs `trainer` to a target step: loops, then actions, eval and saves when due."""
 
-    def __init__(self, trainer: "Trainer", actions: Sequence[Action]):
+    def __init__(self, trainer: Run, actions: Sequence[Action]):
         self.trainer = trainer
         self.actions = list(actions)
         self.until = trainer.train_steps
+
+    @property
+    def hooks(self) -> ActionList:
+        """Every action's hooks, called in order with the run's context."""
+        return ActionList(self.trainer.context, self.actions)
+
+    @property
+    def context(self) -> ActionContext:
+        return self.trainer.context
 
     def next_boundary(self, step: int) -> int:
         """Steps until the next loop end: steps_per_loop, eval, checkpoint or the end."""
@@ -62,33 +83,27 @@ class Controller:
 
     def _after_loop(self, step: int, logs: dict[str, float], steps: int, seconds: float,
                     input_wait: float) -> None:
-        trainer = self.trainer
-        logs["learning_rate"] = float(keras.ops.convert_to_numpy(trainer.optimizer.learning_rate))
-        nonfinite = int(trainer.guard.nonfinite_steps.numpy())
+        context, hooks = self.context, self.hooks
+        logs["learning_rate"] = learning_rate(context.optimizer)
+        nonfinite = int(context.guard.nonfinite_steps.numpy())
         if nonfinite:  # shown once any step was non-finite
             logs["nonfinite_steps"] = float(nonfinite)
-        for action in self.actions:
-            logs.update(action.loop_metrics(trainer, step, steps, seconds))
-        logs.update(trainer.progress.train_loop_done(step, steps, seconds, logs, input_wait))
-        for action in self.actions:
-            action.on_loop_end(trainer, step, logs)
+        logs.update(hooks.collect(step, steps, seconds))
+        logs.update(context.progress.train_loop_done(step, steps, seconds, logs, input_wait))
+        hooks.call("on_loop_end", step, logs)
 
     def evaluate(self) -> dict[str, float]:
-        trainer = self.trainer
-        logs = trainer.evaluate_weights()
-        for action in self.actions:
-            action.on_eval_end(trainer, trainer.current_step, logs)
+        logs = self.trainer.evaluate_weights()
+        self.hooks.call("on_eval_end", self.context.step, logs)
         return logs
 
     def save(self) -> str | None:
-        trainer = self.trainer
-        path = trainer.checkpointer.save()
-        for action in self.actions:
-            action.on_save(trainer, trainer.current_step, path)
+        path = self.context.checkpointer.save()
+        self.hooks.call("on_save", self.context.step, path)
         return path
 
     def _unrecorded(self, step: int) -> list[Action]:
-        return [a for a in self.actions if not a.eval_recorded(self.trainer, step)]
+        return self.hooks.where_not("eval_recorded", step)
 
     def _evaluate_unrecorded(self, step: int) -> dict[str, float] | None:
         """A resume at an eval step that some action has not recorded (a kill between the
@@ -103,71 +118,67 @@ class Controller:
         logging.info("tputrain: the evaluation at step %d is not recorded by %s: evaluating "
                      "it again", step, ", ".join(type(a).__name__ for a in missing))
         logs = trainer.evaluate_weights()
-        for action in missing:
-            action.on_eval_end(trainer, step, logs)
+        self.hooks.call("on_eval_end", step, logs, only=missing)
         return logs
 
     def complete(self, step: int) -> dict[str, float]:
         """A rerun of a run that reached its last step: only what a kill (or a full disk)
         cut short of its end, i.e. the final evaluation where an action did not record it
         and end-of-run outputs (the export) that are not on disk; returns the evaluation."""
-        trainer = self.trainer
-        logs = trainer.evaluate_weights()
+        hooks = self.hooks
+        logs = self.trainer.evaluate_weights()
         missing = self._unrecorded(step)
-        for action in missing:
-            action.on_eval_end(trainer, step, logs)
-        unfinished = [a for a in self.actions if not a.end_done(trainer, step)]
+        hooks.call("on_eval_end", step, logs, only=missing)
+        unfinished = hooks.where_not("end_done", step)
         if missing or unfinished:
             logging.info("tputrain: completing the end of the run at step %d: %s", step,
                          ", ".join(type(a).__name__ for a in dict.fromkeys(missing + unfinished)))
-        for action in unfinished:
-            action.on_train_end(trainer, step, logs)
+        hooks.call("on_train_end", step, logs, only=unfinished)
         return logs
 
     def run(self, until: int) -> dict[str, float]:
         """Trains from the current step to `until`; returns the final evaluation."""
-        trainer = self.trainer
-        step = trainer.current_step
+        context, hooks = self.context, self.hooks
+        step = context.step
         self.until = until
         # The progress line counts to the job's end: train_steps, or further when
         # train(num_steps) goes past it.
-        trainer.progress.train_steps = max(until, trainer.train_steps)
+        context.progress.train_steps = max(until, self.trainer.train_steps)
         eval_logs: dict[str, float] = {}
         evaluated_at = None
-        # An action sets this to end training early, e.g. tputrain.EarlyStopping; the
-        # built-in PreemptionAction also sets stop_reason = "preempted".
-        trainer.stop_training, trainer.stop_reason = False, None
+        # An action calls context.stop(reason) to end training early, e.g.
+        # tputrain.EarlyStopping; the built-in PreemptionAction stops with "preempted".
+        context.reset_stop()
         profilers = [a for a in self.actions if isinstance(a, ProfilerAction)]
-        for action in self.actions:
-            action.on_train_begin(trainer, step)
+        hooks.call("on_train_begin", step)
         recovered = self._evaluate_unrecorded(step)
         if recovered is not None:
             eval_logs, evaluated_at = recovered, step
         try:
-            while step < until and not trainer.stop_training:
+            while step < until and not context.stop_training:
                 for profiler in profilers:
                     profiler.update(step)
                 result = self._loop(step)
                 if result is None:
                     break
-                step = trainer.current_step
+                step = context.step
                 self._after_loop(step, *result)
-                if trainer.stop_reason == "preempted":
+                if context.stop_reason == "preempted":
                     break  # save now: a preempted machine has seconds, not an eval
-                if trainer.eval_every and step % trainer.eval_every == 0 and step < until:
+                eval_every = self.trainer.eval_every
+                if eval_every and step % eval_every == 0 and step < until:
                     eval_logs, evaluated_at = self.evaluate(), step
-                if trainer.checkpointer.due(step):
+                if context.checkpointer.due(step):
                     self.save()
             path = self.save()  # every action sees it (goodput counts it)
-            if trainer.stop_reason == "preempted":
+            if context.stop_reason == "preempted":
                 raise _preempted(step, path)
-            if not (trainer.stop_training and evaluated_at == step):  # stopped after an eval
+            if not (context.stop_training and evaluated_at == step):  # stopped after an eval
                 eval_logs = self.evaluate()
         finally:
             for profiler in profilers:
                 profiler.close()
-        for action in self.actions:
-            action.on_train_end(trainer, step, eval_logs)
+        hooks.call("on_train_end", step, eval_logs)
         return eval_logs
 
 

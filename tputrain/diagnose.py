@@ -219,11 +219,11 @@ class _Loops:
         self.trainer = trainer
         # Several hosts run every collective loop together: they agree on each count
         # (the largest any host asks for) and on whether to run another round.
-        self.agree: Callable[[int], int] = trainer._max_over_hosts  # pylint: disable=protected-access
+        self.agree: Callable[[int], int] = trainer.agree
         if trainer.input_mode == "distributed":
             trainer.set_train_iterator(trainer.inputs.distributed_iterator("train"))
         # The Trainer's own iterator, not a second one (see `_input_only_rates`).
-        self.real_iterator = trainer._train_iterator  # pylint: disable=protected-access
+        self.real_iterator = trainer.train_iterator
         self.unit = int(getattr(trainer, "steps_per_fetch", 1))  # loops are multiples of this
         self.num_steps = self.unit
 

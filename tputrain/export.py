@@ -44,6 +44,7 @@ from tputrain.actions import Action
 from tputrain.best import BestCheckpoint, best_record
 from tputrain.checkpoint import UNREADABLE_ERRORS, list_checkpoints, read_newest
 from tputrain.checks import check_bool
+from tputrain.context import ActionContext
 from tputrain.data import parse_feature_spec
 from tputrain.layer_precision import override_layer_dtypes
 from tputrain.loop.step import ensure_built
@@ -380,62 +381,62 @@ class Export(Action):
         self.path: str | None = None  # where the last export went
         self.exported_step: int | None = None
 
-    def on_train_begin(self, trainer: "Trainer", step: int) -> None:
-        if self.every_best and self._best(trainer) is None:
+    def on_train_begin(self, context: ActionContext, step: int) -> None:
+        if self.every_best and self._best(context) is None:
             raise ValueError("Export(every_best=True) needs a BestCheckpoint action listed "
                              "before it in Trainer.actions")
 
-    def _best(self, trainer: "Trainer") -> BestCheckpoint | None:
-        actions = trainer.actions[:trainer.actions.index(self)] if self in trainer.actions else []
+    def _best(self, context: ActionContext) -> BestCheckpoint | None:
+        actions = context.actions[:context.actions.index(self)] if self in context.actions else []
         return next((a for a in actions if isinstance(a, BestCheckpoint)), None)
 
-    def on_eval_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
-        best = self._best(trainer) if self.every_best else None
+    def on_eval_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
+        best = self._best(context) if self.every_best else None
         if best is not None and best.step == step and self.exported_step != step:
-            self._export(trainer)
+            self._export(context)
             self.exported_step = step
 
-    def on_train_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
-        best = self._best(trainer)
+    def on_train_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
+        best = self._best(context)
         if best is None or best.step is None or best.step != self.exported_step:
-            self._export(trainer)  # (the best was exported when it was set)
+            self._export(context)  # (the best was exported when it was set)
 
-    def _pending(self, trainer: "Trainer") -> str | None:
+    def _pending(self, context: ActionContext) -> str | None:
         """Where the export of the checkpoint to export goes, if it is not there whole."""
         try:
-            _, step, _ = checkpoint_to_export(trainer)
+            _, step, _ = checkpoint_to_export(context)
         except ValueError:
             return None  # no checkpoint: export_checkpoint says so when called
-        path = export_destination(trainer, step, self.export_dir)
-        return None if _exported(trainer, path, step) else path
+        path = export_destination(context, step, self.export_dir)
+        return None if _exported(context, path, step) else path
 
-    def eval_recorded(self, trainer: "Trainer", step: int) -> bool:
+    def eval_recorded(self, context: ActionContext, step: int) -> bool:
         """every_best: the new best of `step` is exported (a kill can fall before it).
         Read from the files on every host: all must agree to evaluate again."""
-        best = self._best(trainer) if self.every_best else None
-        record = best_record(trainer.model_dir, best.directory_of(trainer)) if best else None
+        best = self._best(context) if self.every_best else None
+        record = best_record(context.model_dir, best.directory_of(context)) if best else None
         if record is None or int(record["step"]) != step:
             return True
-        return self._pending(trainer) is None
+        return self._pending(context) is None
 
-    def end_done(self, trainer: "Trainer", step: int) -> bool:
-        return not trainer.is_chief or self._pending(trainer) is None
+    def end_done(self, context: ActionContext, step: int) -> bool:
+        return not context.is_chief or self._pending(context) is None
 
-    def _export(self, trainer: "Trainer") -> None:
+    def _export(self, context: ActionContext) -> None:
         """Exports unless that export is on disk whole already (a rerun, an earlier best)."""
-        if not trainer.is_chief:
+        if not context.is_chief:
             return
-        checkpoint, step, _ = checkpoint_to_export(trainer)
-        path = export_destination(trainer, step, self.export_dir)
-        if _exported(trainer, path, step):
+        checkpoint, step, _ = checkpoint_to_export(context)
+        path = export_destination(context, step, self.export_dir)
+        if _exported(context, path, step):
             logging.info("tputrain: %s is exported already (%s)", checkpoint, path)
             self.path = path
             return
-        self.path = export_checkpoint(trainer, export_dir=self.export_dir, examples=self.examples)
+        self.path = export_checkpoint(context, export_dir=self.export_dir, examples=self.examples)
 
 
-def _exported(trainer: "Trainer", path: str, step: int) -> bool:
+def _exported(context: ActionContext, path: str, step: int) -> bool:
     """Whether the export of `step` is whole at `path`; a folder not named by the step
     ($AIP_MODEL_DIR, an `export_dir`) cannot say which step it holds: written again."""
-    return (path == os.path.join(trainer.model_dir, EXPORT_DIR, str(step))
+    return (path == os.path.join(context.model_dir, EXPORT_DIR, str(step))
             and export_complete(path))

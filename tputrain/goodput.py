@@ -40,20 +40,19 @@ import os
 import re
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import tensorflow as tf
 from absl import logging
 
 from tputrain.actions import Action
+from tputrain.context import ActionContext
 
 try:
     import psutil
 except ImportError:  # optional: /proc is read first anyway
     psutil = None
 
-if TYPE_CHECKING:  # annotations only: the Trainer imports this module
-    from tputrain.trainer import Trainer
 
 IMPORTED_AT = time.time()  # the process start when neither /proc nor psutil can say
 RECORD_DIR = "goodput"
@@ -409,50 +408,50 @@ class GoodputAction(Action):
         self.record: RunRecord | None = None
         self._scalars_at = -float("inf")
 
-    def on_train_begin(self, trainer: "Trainer", step: int) -> None:
-        clock = getattr(trainer, "startup", None)
+    def on_train_begin(self, context: ActionContext, step: int) -> None:
+        clock = getattr(context, "startup", None)
         if clock is None:  # a Trainer that did not make one: start-up unknown
-            clock = trainer.startup = StartupClock()
+            clock = context.startup = StartupClock()
         if clock.run is None:
             clock.mark("restore")  # the rest of Trainer(), then train()'s restore
-            clock.run = _new_record(trainer, clock, step)
+            clock.run = _new_record(context, clock, step)
         else:  # another train() of the same Trainer: one record per process
             clock.run.resume(step)
         self.record = clock.run
         self.record.save(force=True)
 
-    def loop_metrics(self, trainer: "Trainer", step: int, steps: int,
+    def loop_metrics(self, context: ActionContext, step: int, steps: int,
                      seconds: float) -> Mapping[str, float]:
         self.record.loop_started(steps, seconds)
         return {}
 
-    def on_loop_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+    def on_loop_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         self.record.loop_done(step, logs)
         self.record.save()
         if time.perf_counter() - self._scalars_at >= SCALAR_SECONDS:
-            self._write_scalars(trainer, step)
+            self._write_scalars(context, step)
 
-    def on_eval_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+    def on_eval_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         self.record.add("eval", self.record.since_cursor())
         self.record.save()
 
-    def on_save(self, trainer: "Trainer", step: int, path: str | None) -> None:
+    def on_save(self, context: ActionContext, step: int, path: str | None) -> None:
         self.record.add("checkpoint", self.record.since_cursor())
         if path is not None:
             self.record.data["last_checkpoint_step"] = step
         self.record.save(force=True)
 
-    def on_train_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+    def on_train_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         self.record.since_cursor()  # the tail since the final hook: other
         self.record.data["finished"] = True
         self.record.save(force=True)
-        self._write_scalars(trainer, step)
-        if trainer.is_chief:
+        self._write_scalars(context, step)
+        if context.is_chief:
             logging.info("tputrain: %s", summary_line(self.job()))
 
-    def _write_scalars(self, trainer: "Trainer", step: int) -> None:
-        if trainer.is_chief:  # the job's shares so far, in train/
-            trainer.progress.write_scalars("train", step, scalars(self.job()))
+    def _write_scalars(self, context: ActionContext, step: int) -> None:
+        if context.is_chief:  # the job's shares so far, in train/
+            context.progress.write_scalars("train", step, scalars(self.job()))
         self._scalars_at = time.perf_counter()
 
     def job(self) -> dict[str, Any]:
@@ -460,12 +459,12 @@ class GoodputAction(Action):
         return account_of([*self.record.earlier, self.record.data])
 
 
-def _new_record(trainer: "Trainer", clock: StartupClock, step: int) -> RunRecord:
+def _new_record(context: ActionContext, clock: StartupClock, step: int) -> RunRecord:
     """This process's record, numbered after model_dir's earlier runs (the chief's)."""
-    earlier = read_records(trainer.model_dir) if trainer.is_chief else []
+    earlier = read_records(context.model_dir) if context.is_chief else []
     run = earlier[-1]["run"] + 1 if earlier else 1
-    path = (os.path.join(trainer.model_dir, RECORD_DIR, f"run-{run}.json")
-            if trainer.is_chief else None)
+    path = (os.path.join(context.model_dir, RECORD_DIR, f"run-{run}.json")
+            if context.is_chief else None)
     rates = [r["seconds_per_step"] for r in earlier if r.get("seconds_per_step")]
     global _latest
     record = RunRecord(path, clock, step, run, rates[-1] if rates else None)

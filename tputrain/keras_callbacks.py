@@ -22,14 +22,13 @@ wait count, CSVLogger's file) is not checkpointed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import keras
 
 from tputrain.actions import Action
+from tputrain.context import ActionContext
 
-if TYPE_CHECKING:  # annotations only: the Trainer imports this module's users
-    from tputrain.trainer import Trainer
 
 _LOOP_ONLY = ("learning_rate",)  # fit's epoch logs hold only what the metrics say
 
@@ -70,40 +69,40 @@ class KerasCallbacks(Action):
         self._train_logs: dict[str, float] = {}
         self._metric_names: set[str] = set()
 
-    def on_train_begin(self, trainer: "Trainer", step: int) -> None:
-        self._model = _CallbackModel(trainer.model, trainer.optimizer)
-        every = trainer.eval_every or trainer.train_steps
+    def on_train_begin(self, context: ActionContext, step: int) -> None:
+        self._model = _CallbackModel(context.model, context.optimizer)
+        every = context.plan.eval_every or context.plan.train_steps
         self._list = keras.callbacks.CallbackList(
             self.callbacks, model=self._model, verbose=0, steps=every,
-            epochs=-(-trainer.train_steps // every))
-        self._metric_names = {"loss", *(m.name for m in trainer.train_metrics)}
+            epochs=-(-context.plan.train_steps // every))
+        self._metric_names = {"loss", *(m.name for m in context.train_metrics)}
         self._list.on_train_begin()
         self._list.on_epoch_begin(step // every)
-        self._stop_if_asked(trainer)
+        self._stop_if_asked(context)
 
-    def on_loop_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+    def on_loop_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         self._train_logs = {k: v for k, v in logs.items()
                             if k in self._metric_names and k not in _LOOP_ONLY}
         self._list.on_train_batch_end(step - 1, dict(logs))
-        self._stop_if_asked(trainer)
+        self._stop_if_asked(context)
 
-    def on_eval_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+    def on_eval_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         if self._list is None:  # Trainer.evaluate(), outside train()
             return
-        every = trainer.eval_every or trainer.train_steps
+        every = context.plan.eval_every or context.plan.train_steps
         self._list.on_test_begin()  # no hook runs before an evaluation: both after it
         self._list.on_test_end(dict(logs))
         epoch_logs = dict(self._train_logs)
         epoch_logs.update({f"val_{k}": v for k, v in logs.items()})
         self._list.on_epoch_end(max(step - 1, 0) // every, epoch_logs)
-        if step < trainer.train_steps and not self._model.stop_training:
+        if step < context.plan.train_steps and not self._model.stop_training:
             self._list.on_epoch_begin(step // every)
-        self._stop_if_asked(trainer)
+        self._stop_if_asked(context)
 
-    def on_train_end(self, trainer: "Trainer", step: int, logs: Mapping[str, float]) -> None:
+    def on_train_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         if self._list is not None:
             self._list.on_train_end(dict(logs))
 
-    def _stop_if_asked(self, trainer: "Trainer") -> None:
+    def _stop_if_asked(self, context: ActionContext) -> None:
         if self._model.stop_training:
-            trainer.stop_training = True
+            context.stop()

@@ -28,6 +28,7 @@ from tputrain.checkpoint import Checkpointer, seed_generator_states
 from tputrain.checks import check_int
 from tputrain.communication import CommunicationOptions
 from tputrain.config_summary import ConfigSummaryAction
+from tputrain.context import ActionContext, ActionList
 from tputrain.console import default_progress
 from tputrain.controller import Controller
 from tputrain.goodput import GoodputAction, StartupClock
@@ -37,19 +38,31 @@ from tputrain.layer_precision import override_layer_dtypes
 from tputrain.lock import lock_model_dir
 from tputrain.loop.evaluation import Evaluator
 from tputrain.loop.host_loop import HostLoop, count_step
-from tputrain.loop.hosts import MaxOverHosts, host_topology, is_chief
-from tputrain.loop.inputs import Inputs, default_input_mode
+from tputrain.loop.hosts import MaxOverHosts
+from tputrain.loop.inputs import Inputs
 from tputrain.loop.replica_seeds import fold_replica_into_seeds
 from tputrain.loop.replica_stats import ReplicaStatistics, sum_once
 from tputrain.loop.step import StepBuilder, check_model_train_step, ensure_built, steps_program
 from tputrain.loop.update import update_on_each_device
 from tputrain.options import TrainerOptions, program_steps
+from tputrain.plan import resolve_plan
 from tputrain.precision import resolve_precision, wrap_optimizer_for_policy
 from tputrain.preemption import Preempted, PreemptionWatcher
 from tputrain.progress import Progress, Stopwatch, summary_root
 from tputrain.strategy import resolve_strategy
 from tputrain.task import Task
 from tputrain.validate import check_eval_split, check_model_dir, iterator_state_bytes, probe_inputs, variable_bytes
+
+
+def _planned(name: str) -> property:
+    """`trainer.<knob>`: the value the run uses, read from its plan (not a copy)."""
+    return property(lambda self: getattr(self.plan, name), doc=f"plan.{name} (read-only)")
+
+
+def _from_context(name: str) -> property:
+    """Run state the actions share: read and written through the context."""
+    return property(lambda self: getattr(self.context, name),
+                    lambda self, value: setattr(self.context, name, value))
 
 
 @gin.configurable
@@ -106,23 +119,22 @@ class Trainer:
             accumulation_steps=accumulation_steps, profile_steps=profile_steps,
             report_mfu=report_mfu, steps_per_fetch=steps_per_fetch,
             steps_per_program=steps_per_program, class_weight=class_weight)
-        for field, value in vars(self.options).items():  # read as trainer.<knob>, too
-            setattr(self, field, value)
         if not isinstance(task, Task):
             raise TypeError(f"Trainer.task must be a tputrain.Task, got {type(task).__name__}")
         if not model_dir:
             raise ValueError("Trainer.model_dir is empty: pass --model_dir or bind Trainer.model_dir")
         self.actions, self.startup = check_actions(actions), StartupClock()  # goodput.py
+        self._closed, self.context = False, None
         default_progress()  # a plain Python script shows progress, as the CLI does
-        self.task, self.model_dir, self.flops_per_step = task, model_dir, None
+        self.task, self.model_dir = task, model_dir
         self.communication = communication or CommunicationOptions()
         self.strategy = strategy or resolve_strategy(communication=self.communication)
-        mode_reason = self.startup.mark("strategy", self._check_strategy())
-        self.precision = resolve_precision(precision, self.strategy)  # the one source
+        self.plan = self.startup.mark("strategy", resolve_plan(
+            self.options, self.strategy, lambda: resolve_precision(precision, self.strategy),
+            type(task).train_step is not Task.train_step, type(task).__name__))
+        self._max_over_hosts = MaxOverHosts(self.strategy, self.num_hosts)
         keras.utils.set_random_seed(self.seed)
-        self.inputs = Inputs(task, self.strategy, self.global_batch_size, self.accumulation_steps,
-                             self.steps_per_fetch, self.input_mode, self.num_hosts, self.host_id,
-                             self.class_weight)
+        self.inputs = Inputs(task, self.strategy, self.plan)
         for split in ("train", "eval"):  # corrupt records and missing files fail here
             self.startup.mark("data", probe_inputs(getattr(self.inputs, f"{split}_dataset"), split))
         check_eval_split(self.inputs.eval_dataset, self.eval_steps)
@@ -134,27 +146,25 @@ class Trainer:
                                   self.inputs.train_dataset.element_spec)
         self._evaluator = Evaluator(task, self.model, self.eval_metrics, self.inputs,
                                     self.eval_steps, self._max_over_hosts)
-        logging.info("tputrain: %s, %d replica(s) on %d host(s), global batch %d, precision %s, "
-                     "input mode %s (%s), XLA %s", type(self.strategy).__name__,
-                     self.strategy.num_replicas_in_sync, self.num_hosts, self.global_batch_size,
-                     self.precision, self.input_mode, mode_reason, self._steps.xla_plan()[2])
+        self._launch(self.plan.jit_compile, self.plan.steps_per_program)
+        logging.info("tputrain: %s, %s, XLA %s", type(self.strategy).__name__,
+                     self.plan.summary(), self.plan.xla)
 
-    def _check_strategy(self) -> str:
-        """Checks the batch against the replicas; picks the input mode (returns why)."""
-        replicas = self.strategy.num_replicas_in_sync
-        self.options.check_replicas(replicas, type(self.task).train_step is not Task.train_step,
-                                    type(self.task).__name__)
-        self.num_hosts, self.host_id = host_topology(self.strategy)
-        self.local_replicas = replicas // self.num_hosts
-        self.is_chief = is_chief(self.strategy)
-        self._max_over_hosts = MaxOverHosts(self.strategy, self.num_hosts)
-        self.input_mode, reason = ((self.input_mode, "as configured") if self.input_mode
-                                   else default_input_mode(self.strategy))
-        if self.steps_per_fetch > 1 and self.input_mode != "host":
-            raise ValueError(f"Trainer.steps_per_fetch={self.steps_per_fetch} needs "
-                             "input_mode='host'; distributed input prefetches to the devices "
-                             "already: set steps_per_fetch=1")
-        return reason
+    def _launch(self, jit_compile: bool | str, steps_per_program: int | str) -> None:
+        """The plan with what building the step decided (the context sees it too)."""
+        self.plan = self.plan.launched(jit_compile, self._steps.xla_plan()[2], steps_per_program)
+        self.context.plan = self.plan
+
+    def _context(self) -> ActionContext:
+        """What the actions see of this run (tputrain/context.py)."""
+        return ActionContext(
+            step_variable=self.step, agree=self._max_over_hosts, preempted=self.preempted,
+            owner=self, strategy=self.strategy, model=self.model, optimizer=self.optimizer,
+            checkpointer=self.checkpointer, progress=self.progress, plan=self.plan,
+            task=self.task, guard=self.guard, inputs=self.inputs, model_dir=self.model_dir,
+            train_metrics=self.train_metrics, eval_metrics=self.eval_metrics,
+            actions=self.actions, startup=self.startup, options=self.options,
+            report_mfu=self.options.report_mfu)
 
     def _build_model(self, guard: NonFiniteGuard | None) -> None:
         """Model, optimizer, metrics, step counter and guard, in strategy scope (mirrored)."""
@@ -203,10 +213,11 @@ class Trainer:
             reposition=self._reposition_input, model=self.model, optimizer=self.optimizer,
             seeds=seed_generator_states(self.model), nonfinite_steps=self.guard.nonfinite_steps)
         self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
-        if self.is_chief:  # inputs are checked; nothing has been written yet
-            self._preflight()
         self.progress = Progress(summary_root(self._work_dir) if self.is_chief else None,
                                  self.train_steps, self.global_batch_size)
+        self.context = self._context()
+        if self.is_chief:  # inputs are checked; nothing has been written yet
+            self._preflight()
 
     def _reposition_input(self, change: LayoutChange) -> None:
         """The checkpoint's iterator was saved for other batches (another layout): the
@@ -220,7 +231,7 @@ class Trainer:
         model_dir take checkpoints (writable, room for keep + 1, the iterator included)?"""
         self.checkpointer.check_compatible()
         for action in self.actions:  # e.g. InitCheckpoint: its source and shapes
-            action.preflight(self)
+            action.preflight(self.context)
         size = variable_bytes(self.model.variables) + variable_bytes(self.optimizer.variables)
         if self.input_mode == "host":  # the iterator is checkpointed: shuffle buffers and all
             size += iterator_state_bytes(self.inputs.fetch_groups(self.inputs.train_dataset))
@@ -238,6 +249,59 @@ class Trainer:
         return int(self.step.numpy())
 
     @property
+    def train_iterator(self) -> Any:
+        """The iterator the next loop reads (None before train() in distributed mode)."""
+        return self._train_iterator
+
+    def agree(self, value: int) -> int:
+        """The largest `value` over all hosts (a collective: every host calls it)."""
+        return self._max_over_hosts(value)
+
+    # The knobs, as the run uses them (the plan; `options` are the user's).
+    train_steps, steps_per_loop, global_batch_size, eval_every, eval_steps, checkpoint_every, \
+        keep_checkpoints, seed, accumulation_steps, profile_steps, steps_per_fetch, \
+        class_weight, input_mode, precision, jit_compile, steps_per_program = (
+            _planned(name) for name in (
+                "train_steps", "steps_per_loop", "global_batch_size", "eval_every",
+                "eval_steps", "checkpoint_every", "keep_checkpoints", "seed",
+                "accumulation_steps", "profile_steps", "steps_per_fetch", "class_weight",
+                "input_mode", "precision", "jit_compile", "steps_per_program"))
+    num_hosts, host_id, local_replicas = (
+        property(lambda self, n=name: getattr(self.plan.batch, n))
+        for name in ("num_hosts", "host_id", "local_replicas"))
+    is_chief = property(lambda self: self.plan.is_chief)
+    stop_training, stop_reason, flops_per_step, report_mfu = (
+        _from_context(name) for name in ("stop_training", "stop_reason", "flops_per_step",
+                                         "report_mfu"))
+
+    def close(self) -> None:
+        """Releases this Trainer's input iterators now (freeing a tf.data iterator can
+        block: a sweep or notebook that builds several Trainers pays it here, not at a
+        random later point). A second call does nothing; train() after it raises."""
+        if self._closed:
+            return
+        self.checkpointer.sync()  # an async write of the iterator completes first
+        # The checkpointer's tf.train.Checkpoint holds the host iterator: all go now.
+        self._closed, self._train_iterator, self._train_loop_fn = True, None, None
+        self.checkpointer = self.context.checkpointer = None
+        self._evaluator.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"Trainer.{what}: this Trainer is closed (Trainer.close or the "
+                               "end of its `with` block): build a new Trainer")
+
+    @property
     def train_dataset(self) -> tf.data.Dataset:  # this host's, as build_inputs returned it
         return self.inputs.train_dataset
 
@@ -249,6 +313,7 @@ class Trainer:
         """Trains `num_steps` more steps (None: up to `train_steps`), resuming from the
         latest checkpoint in model_dir; evaluates and saves on the configured cadence
         and at the end, and returns the last evaluation's metrics."""
+        self._check_open("train")
         self.checkpointer.restore_latest()
         step = self.current_step
         if num_steps is not None:
@@ -294,12 +359,12 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Restores the latest checkpoint of model_dir, then evaluates it; says so when
         there is none and the weights are the initial ones."""
+        self._check_open("evaluate")
         if self.checkpointer.restore_latest() is None:
             logging.warning("tputrain: no checkpoint in %s: evaluating the initial (untrained) "
                             "weights", self.model_dir)
         logs = self.evaluate_weights()
-        for action in self.actions:
-            action.on_eval_end(self, self.current_step, logs)
+        ActionList(self.context, self.actions).call("on_eval_end", self.current_step, logs)
         return logs
 
     def evaluate_weights(self) -> dict[str, float]:
@@ -318,11 +383,13 @@ class Trainer:
             mirrored = isinstance(self.step, tf.distribute.DistributedValues)
             step_fn = self._steps.build(count=None if mirrored else (
                 lambda logs: count_step(self.step, self.guard, logs)))
-            self.jit_compile = self._steps.jit_compile  # "auto" -> False if XLA refused it
+            program = self._program(step_fn)
+            # "auto" -> False if XLA refused it
+            self._launch(self._steps.jit_compile, program.get("program_steps", 1))
             self._train_loop_fn = HostLoop(step_fn, self.inputs, count_steps=True, step=self.step,
                                            guard=self.guard, stop_requested=self._stop_requested,
                                            counted_in_step=self._steps.counted_in_step,
-                                           **self._program(step_fn)).run
+                                           **program).run
         for metric in self.train_metrics:
             metric.reset_state()
         if self._replica_stats is None:  # the model is built (ensure_built)
@@ -344,7 +411,6 @@ class Trainer:
             self.progress.ideal_step_seconds)
         if not (steps > 1 and self._steps.counted_in_step and self.inputs.direct_fetch
                 and self.input_mode == "host"):
-            self.steps_per_program = 1
             return {}
         # The guard's trip only: SIGTERM is noticed between programs, so that every
         # batch a program took is trained on (exact resume).
@@ -354,9 +420,7 @@ class Trainer:
         if why is not None:
             logging.warning("tputrain: %d steps per XLA program do not compile (%s): "
                             "one step a launch", steps, why)
-            self.steps_per_program = 1
             return {}
-        self.steps_per_program = steps
         logging.info("tputrain: %d steps per XLA program launch (Trainer.steps_per_program)",
                      steps)
         return {"program": program, "program_steps": steps}

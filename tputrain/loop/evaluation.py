@@ -82,6 +82,10 @@ class Evaluator:
                 "more eval data, or pad the eval split (TFRecordInput.pad_remainder)")
         return steps
 
+    def close(self) -> None:
+        """Frees the eval iterator (and the loop that reads it) now."""
+        self._loop, self._iterator = None, None
+
     def evaluate(self) -> tuple[dict[str, float], int]:
         if self._loop is None:
             self._build()

@@ -12,7 +12,6 @@ from typing import Any, Mapping
 
 import tensorflow as tf
 
-from tputrain.checks import per_replica_batch
 from tputrain.data import InputContext
 from tputrain.data.batching import check_static
 from tputrain.data.external_state import checkpointable
@@ -99,20 +98,16 @@ def padded(dataset: tf.data.Dataset) -> tf.data.Dataset:
 class Inputs:
     """Builds this host's datasets and iterators, and distributes their batches."""
 
-    def __init__(self, task: Task, strategy: tf.distribute.Strategy, global_batch_size: int,
-                 accumulation_steps: int, steps_per_fetch: int, input_mode: str,
-                 num_hosts: int, host_id: int,
-                 class_weight: Mapping[int, float] | None = None):
-        self.task = task
-        self.strategy = strategy
-        self.global_batch_size = global_batch_size
-        self.accumulation_steps = accumulation_steps
-        self.steps_per_fetch = steps_per_fetch
-        self.input_mode = input_mode
-        self.num_hosts = num_hosts
-        self.host_id = host_id
-        self.local_replicas = strategy.num_replicas_in_sync // num_hosts
-        self.class_weight = class_weight
+    def __init__(self, task: Task, strategy: tf.distribute.Strategy, plan: Any):
+        """`plan`: the run's `tputrain.plan.RunPlan` (batch split, hosts, input mode)."""
+        self.task, self.strategy, self.plan = task, strategy, plan
+        batch = plan.batch
+        self.global_batch_size, self.accumulation_steps = (batch.global_batch_size,
+                                                           batch.accumulation_steps)
+        self.num_hosts, self.host_id, self.local_replicas = (batch.num_hosts, batch.host_id,
+                                                             batch.local_replicas)
+        self.steps_per_fetch, self.input_mode = plan.steps_per_fetch, plan.input_mode
+        self.class_weight = plan.options.class_weight
         # Inputs first: bad data fails before anything is built or written.
         self._train_dataset = self.build_dataset("train")
         self._eval_dataset = self.build_dataset("eval")
@@ -207,7 +202,8 @@ class Inputs:
                             f"got {type(dataset).__name__}")
         check_static(f"{split} input", dataset.element_spec,
                      "pad variable-length features to a fixed length",
-                     per_replica_batch(batch, self.strategy.num_replicas_in_sync), dataset)
+                     self.plan.batch.micro_batch if split == "train"
+                     else self.plan.batch.per_replica, dataset)
         dataset = self.weighted_by_class(dataset, split)
         if split == "train" and self.input_mode == "host":  # its iterator is checkpointed
             dataset = checkpointable(dataset, split)

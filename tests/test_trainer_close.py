@@ -1,0 +1,55 @@
+"""Trainer.close() and `with Trainer(...)`: each Trainer's iterators end at a known point."""
+
+import gc
+import weakref
+
+import pytest
+
+import tputrain
+from tiny import TinyTask, strategy_for
+
+
+def make(tmp_path, **kwargs):
+    options = dict(train_steps=4, steps_per_loop=2, global_batch_size=16, checkpoint_every=4,
+                   report_mfu=False)
+    options.update(kwargs)
+    return tputrain.Trainer(TinyTask(), str(tmp_path / "run"), strategy=strategy_for(1),
+                            **options)
+
+
+def test_close_releases_the_train_iterator_and_is_idempotent(tmp_path):
+    trainer = make(tmp_path)
+    trainer.train(num_steps=2)
+    assert trainer.train_iterator is not None
+    iterator = weakref.ref(trainer.train_iterator)
+    trainer.close()
+    assert trainer.train_iterator is None and trainer.closed
+    gc.collect()
+    assert iterator() is None  # nothing of the Trainer holds it: the resource is freed
+    trainer.close()  # a second close does nothing
+    assert trainer.closed
+
+
+def test_train_and_evaluate_after_close_are_clear_errors(tmp_path):
+    trainer = make(tmp_path)
+    trainer.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        trainer.train()
+    with pytest.raises(RuntimeError, match="closed"):
+        trainer.evaluate()
+
+
+def test_with_trainer_closes_it_on_exit(tmp_path):
+    with make(tmp_path) as trainer:
+        logs = trainer.train()
+        assert not trainer.closed
+    assert "loss" in logs
+    assert trainer.closed and trainer.train_iterator is None
+
+
+def test_with_trainer_closes_it_when_the_body_raises(tmp_path):
+    with pytest.raises(KeyError):
+        with make(tmp_path, input_mode="distributed") as trainer:
+            trainer.train(num_steps=2)
+            raise KeyError("user code failed")
+    assert trainer.closed and trainer.train_iterator is None

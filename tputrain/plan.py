@@ -1,0 +1,107 @@
+"""The run plan: the Trainer's options resolved once against the strategy.
+
+`TrainerOptions` are what the user asked for; `RunPlan` is what the run does:
+the input mode (and why), the precision, the batch split (`BatchPlan`), the
+hosts, steps per fetch, and once the step is built, XLA and steps per program.
+`Inputs`, `HostLoop`, progress and the actions read it; nothing copies it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import tensorflow as tf
+
+from tputrain.loop.hosts import host_topology, is_chief
+from tputrain.loop.inputs import default_input_mode
+from tputrain.options import TrainerOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """How one step's examples split: over hosts, replicas and micro-batches."""
+
+    global_batch_size: int
+    replicas: int
+    accumulation_steps: int
+    num_hosts: int
+    host_id: int
+
+    @property
+    def per_replica(self) -> int:
+        """Examples per replica per step (all its micro-batches)."""
+        return self.global_batch_size // self.replicas
+
+    @property
+    def micro_batch(self) -> int:
+        """Examples per replica per micro-batch."""
+        return self.per_replica // self.accumulation_steps
+
+    @property
+    def local_replicas(self) -> int:
+        return self.replicas // self.num_hosts
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """The options resolved for this strategy (frozen; `launched` fills in XLA).
+
+    Option fields not listed here (train_steps, eval_every, ...) read through to
+    `options`, so `plan.<knob>` is the value the run uses.
+    """
+
+    options: TrainerOptions
+    batch: BatchPlan
+    is_chief: bool
+    input_mode: str
+    input_mode_reason: str
+    precision: str
+    jit_compile: bool | str = "auto"  # "auto" until the step is built
+    xla: str = "not built yet"
+    steps_per_program: int | str = "auto"  # a number once the host loop is built
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.options, name)
+
+    @property
+    def steps_per_fetch(self) -> int:
+        return self.options.steps_per_fetch
+
+    def launched(self, jit_compile: bool | str, xla: str, steps_per_program: int) -> "RunPlan":
+        """This plan with what building the step decided."""
+        return dataclasses.replace(self, jit_compile=jit_compile, xla=xla,
+                                   steps_per_program=steps_per_program)
+
+    def summary(self) -> str:
+        """What the run will do, in one line (logged at start-up)."""
+        batch = self.batch
+        return (f"{batch.replicas} replica(s) on {batch.num_hosts} host(s), global batch "
+                f"{batch.global_batch_size} ({batch.per_replica} a replica"
+                + (f", micro-batches of {batch.micro_batch}" if batch.accumulation_steps > 1
+                   else "")
+                + f"), precision {self.precision}, input mode {self.input_mode} "
+                f"({self.input_mode_reason}), steps per fetch {self.steps_per_fetch}")
+
+
+def resolve_plan(options: TrainerOptions, strategy: tf.distribute.Strategy,
+                 precision: Callable[[], str],
+                 custom_train_step: bool, task_name: str) -> RunPlan:
+    """Checks the options against `strategy` and resolves them (the one place the
+    batch split and the input mode are decided); `precision` is resolved (it sets
+    the Keras policy) once the checks passed."""
+    replicas = strategy.num_replicas_in_sync
+    options.check_replicas(replicas, custom_train_step, task_name)
+    num_hosts, host_id = host_topology(strategy)
+    batch = BatchPlan(options.global_batch_size, replicas, options.accumulation_steps,
+                      num_hosts, host_id)
+    mode, reason = ((options.input_mode, "as configured") if options.input_mode
+                    else default_input_mode(strategy))
+    if options.steps_per_fetch > 1 and mode != "host":
+        raise ValueError(f"Trainer.steps_per_fetch={options.steps_per_fetch} needs "
+                         "input_mode='host'; distributed input prefetches to the devices "
+                         "already: set steps_per_fetch=1")
+    return RunPlan(options, batch, is_chief(strategy), mode, reason, precision(),
+                   options.jit_compile, steps_per_program=options.steps_per_program)

@@ -53,3 +53,13 @@ def test_with_trainer_closes_it_when_the_body_raises(tmp_path):
             trainer.train(num_steps=2)
             raise KeyError("user code failed")
     assert trainer.closed and trainer.train_iterator is None
+
+
+def test_options_are_the_users_and_the_plan_the_resolved_ones(tmp_path):
+    trainer = make(tmp_path)
+    assert trainer.options.input_mode is None and trainer.input_mode == "host"
+    assert trainer.plan.input_mode == "host" and trainer.plan.batch.per_replica == 16
+    trainer.train_steps = 8  # a notebook raising the target: options re-validated
+    assert trainer.options.train_steps == trainer.plan.train_steps == 8
+    with pytest.raises(AttributeError, match="resolved"):
+        trainer.input_mode = "distributed"

@@ -29,6 +29,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "data": "tputrain.data",
     "Action": "tputrain.actions",
+    "ActionContext": "tputrain.context",
+    "RunPlan": "tputrain.plan",
     "show_progress": "tputrain.console",
     "Controller": "tputrain.controller",
     "Checkpointer": "tputrain.checkpoint",

@@ -18,6 +18,11 @@ from tputrain.loop.inputs import default_input_mode
 from tputrain.options import TrainerOptions
 
 
+# Plan fields the strategy or the step's build decide (not settable as options).
+RESOLVED = ("input_mode", "precision", "jit_compile", "steps_per_program", "steps_per_fetch",
+            "global_batch_size", "accumulation_steps")
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
     """How one step's examples split: over hosts, replicas and micro-batches."""
@@ -69,6 +74,10 @@ class RunPlan:
     @property
     def steps_per_fetch(self) -> int:
         return self.options.steps_per_fetch
+
+    def options_note(self, name: str) -> str:
+        """`name` as asked and as planned, for an error message."""
+        return f"asked {getattr(self.options, name)!r}, planned {getattr(self, name)!r}"
 
     def launched(self, jit_compile: bool | str, xla: str, steps_per_program: int) -> "RunPlan":
         """This plan with what building the step decided."""

@@ -10,6 +10,7 @@ checkpoints `checkpoint.py`, knobs `options.py` (docs/architecture.md).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -45,7 +46,7 @@ from tputrain.loop.replica_stats import ReplicaStatistics, sum_once
 from tputrain.loop.step import StepBuilder, check_model_train_step, ensure_built, steps_program
 from tputrain.loop.update import update_on_each_device
 from tputrain.options import TrainerOptions, program_steps
-from tputrain.plan import resolve_plan
+from tputrain.plan import RESOLVED, resolve_plan
 from tputrain.precision import resolve_precision, wrap_optimizer_for_policy
 from tputrain.preemption import Preempted, PreemptionWatcher
 from tputrain.progress import Progress, Stopwatch, summary_root
@@ -55,8 +56,17 @@ from tputrain.validate import check_eval_split, check_model_dir, iterator_state_
 
 
 def _planned(name: str) -> property:
-    """`trainer.<knob>`: the value the run uses, read from its plan (not a copy)."""
-    return property(lambda self: getattr(self.plan, name), doc=f"plan.{name} (read-only)")
+    """`trainer.<knob>`: the value the run uses, read from its plan (not a copy).
+    Setting one the strategy does not decide (e.g. `train_steps` in a notebook before
+    another train()) re-validates the options and the plan follows."""
+    def set_option(self: "Trainer", value: Any) -> None:
+        if name in RESOLVED:
+            raise AttributeError(f"Trainer.{name} is resolved at construction "
+                                 f"({self.plan.options_note(name)}): build a new Trainer")
+        self.options = dataclasses.replace(self.options, **{name: value})
+        self.plan = dataclasses.replace(self.plan, options=self.options)
+        self.context.plan, self.context.options = self.plan, self.options
+    return property(lambda self: getattr(self.plan, name), set_option, doc=f"plan.{name}")
 
 
 def _from_context(name: str) -> property:

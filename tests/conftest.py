@@ -140,7 +140,7 @@ def one_replica(tmp_path_factory):
     """Every optimizer option trained on 1 replica: the reference of both
     test_replica_equivalence.py and test_replica_equivalence_multiworker.py (one
     SAME_WORKER group, so one worker computes it once)."""
-    from test_replica_equivalence import train_one_replica
+    from equivalence import train_one_replica
 
     return train_one_replica(tmp_path_factory.mktemp("one_replica"))
 

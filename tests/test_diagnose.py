@@ -22,8 +22,9 @@ import pytest
 import tensorflow as tf
 
 import tputrain
+from events import scalar_points
 from faults import child_env
-from test_launch import in_netns
+from processes import in_netns
 from tiny import TinyTask, devices, strategy_for, weights
 from tputrain.communication import CommunicationOptions
 from tputrain.data import InputOptions
@@ -127,13 +128,7 @@ def _trainer(tmp_path, task, replicas=1, name="run", strategy=None, **kwargs):
 
 
 def _scalars(directory, tag):
-    values = []
-    for path in sorted(tf.io.gfile.glob(os.path.join(directory, "train", "events.*"))):
-        for event in tf.compat.v1.train.summary_iterator(path):
-            for value in event.summary.value:
-                if value.tag == tag:
-                    values.append((event.step, float(tf.make_ndarray(value.tensor))))
-    return values
+    return scalar_points(os.path.join(directory, "train")).get(tag, [])
 
 
 # The stall fraction in every training loop.

@@ -169,7 +169,7 @@ def test_troubleshooting_quotes_real_error_messages():
 
     Quotes write run-time values as `{...}`, as the error reference does.
     """
-    from test_docgen import load_docgen
+    from docgen_loader import load_docgen
 
     collect_errors = load_docgen().collect_errors
     text = (DOCS / "troubleshooting.md").read_text()
@@ -257,7 +257,7 @@ def _known_flags(command: str) -> set[str]:
     import absl.logging  # noqa: F401 (defines the logging flags)
     from absl import flags
 
-    from test_docgen import load_docgen
+    from docgen_loader import load_docgen
 
     info = load_docgen().command_flags(command)
     names = {row["name"] for row in info["flags"]} | {"help", "h"}

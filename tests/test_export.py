@@ -411,7 +411,7 @@ def test_a_kill_at_any_file_event_after_the_final_checkpoint_is_completed_by_a_r
     completes what is missing and nothing else: it exports (it said 'nothing to train'
     and never wrote export/<step>/) and ends as the uninterrupted run."""
     from faults import file_events
-    from test_best import CONFIG, assert_same_outcome, event_child, kill_before_event, run_outcome
+    from file_events import CONFIG, assert_same_outcome, event_child, kill_before_event, run_outcome
 
     config = tmp_path / "end.gin"
     config.write_text(CONFIG + "Trainer.train_steps = 12\nEarlyStopping.patience = 100\n")

@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tputrain
+from events import scalar_points
 from tiny import TinyTask, strategy_for, weights
 
 
@@ -146,10 +147,7 @@ def test_distributed_input_mode_matches_host_mode(tmp_path):
 def test_summaries_written(tmp_path):
     trainer = make_trainer(tmp_path, 1, "tb", train_steps=4, steps_per_loop=2)
     trainer.train()
-    tags = set()
-    for path in tf.io.gfile.glob(str(tmp_path / "tb" / "train" / "events.*")):
-        for event in tf.compat.v1.train.summary_iterator(path):
-            tags.update(v.tag for v in event.summary.value)
+    tags = set(scalar_points(tmp_path / "tb" / "train"))
     assert {"loss", "accuracy", "learning_rate", "examples_per_second"} <= tags
 
 
@@ -272,11 +270,8 @@ def test_mfu_and_throughput_in_logs_and_tensorboard(tmp_path, caplog):
     # weight gradients, and the input gradient of the second layer only.
     assert trainer.flops_per_step == 2 * 16 * (8 * 16 + 16 * 2) * 2 + 2 * 16 * 16 * 2
     assert any("MFU" in r.getMessage() and "examples/s" in r.getMessage() for r in caplog.records)
-    scalars = {}
-    for path in tf.io.gfile.glob(str(tmp_path / "mfu" / "train" / "events.*")):
-        for event in tf.compat.v1.train.summary_iterator(path):
-            for value in event.summary.value:
-                scalars.setdefault(value.tag, {})[event.step] = tf.make_ndarray(value.tensor)
+    scalars = {tag: dict(points)
+               for tag, points in scalar_points(tmp_path / "mfu" / "train").items()}
     assert {"mfu", "examples_per_second", "steps_per_second"} <= set(scalars)
     assert scalars["mfu"][4] == pytest.approx(
         trainer.flops_per_step * scalars["steps_per_second"][4] / 1e9, rel=1e-5)

@@ -21,8 +21,9 @@ import pytest
 import tensorflow as tf
 
 import tputrain
+from events import last_scalars
 from faults import RecordsTask, final_weights, trained_indices
-from test_launch import Launch, listed_steps
+from processes import Launch, listed_steps
 
 pytestmark = pytest.mark.slow
 
@@ -45,12 +46,7 @@ def _write(directory: Path, name: str, counts: list[int], seed: int) -> list[str
 
 def _eval_scalars(model_dir: Path) -> dict[str, float]:
     """The last eval point the chief wrote to TensorBoard (float32, not log text)."""
-    values = {}
-    for path in sorted((model_dir / "eval").glob("events.*")):
-        for event in tf.compat.v1.train.summary_iterator(str(path)):
-            for value in event.summary.value:
-                values[value.tag] = float(tf.make_ndarray(value.tensor))
-    return values
+    return last_scalars(model_dir / "eval")
 
 
 def _direct_eval(model_dir: Path, files: list[str]) -> dict[str, float]:

@@ -59,7 +59,7 @@ def train_one_replica(root) -> dict[str, list[np.ndarray]]:
 
     Computed once per session by conftest's `one_replica` fixture:
     test_replica_equivalence.py and test_replica_equivalence_multiworker.py (one
-    worker: conftest.SAME_WORKER) compare against it.
+    worker: one `same_worker` group) compare against it.
     """
     names = list(OPTIONS) + sorted(set(UNCLIPPED.values()))
     return {name: train(name, str(root / name), strategy_for(1)) for name in names}

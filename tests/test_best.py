@@ -243,6 +243,7 @@ def best_window(events: list[tuple[int, str]]) -> list[tuple[int, str]]:
     return window
 
 
+@pytest.mark.same_worker("best_reference")
 @pytest.mark.slow
 @pytest.mark.parametrize("offset, torn", [(i, False) for i in range(len(BEST_WINDOW))]
                          + [(1, True)])
@@ -301,6 +302,7 @@ shutil.copytree(model_dir, out)
 """
 
 
+@pytest.mark.same_worker("best_reference")
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for private mounts")
 def test_a_best_copy_that_runs_out_of_room_is_cleaned_and_the_rerun_continues(

@@ -14,6 +14,8 @@ from tputrain.gcs import BucketError, check_bucket_writable, split_gs_path
 from faults import RecordsTask, write_records
 from tiny import strategy_for, weights
 
+pytestmark = pytest.mark.same_worker("test_gcs.py")
+
 pytest.importorskip("gcp_storage_emulator")
 
 

@@ -41,6 +41,7 @@ FaultTask.dropout = 0.3
 """
 
 
+@pytest.mark.start_early(9)
 @pytest.mark.slow
 def test_two_workers_train_chief_checkpoints_fail_together_resume_and_preempt(tmp_path):
     config = tmp_path / "mw.gin"

@@ -14,6 +14,8 @@ import pytest
 from equivalence import OPTIONS, UNCLIPPED, train
 from tiny import strategy_for
 
+pytestmark = pytest.mark.same_worker("replica_equivalence")
+
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_replicas_equal_one_replica_with_every_option(one_replica, tmp_path, replicas):
     strategy = strategy_for(replicas)

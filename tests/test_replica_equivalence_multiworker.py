@@ -21,7 +21,8 @@ from processes import in_netns
 from equivalence import OPTIONS
 from tputrain.launch import tf_configs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.start_early(0),
+              pytest.mark.same_worker("replica_equivalence")]
 
 WORKER = textwrap.dedent("""
     import json, sys

@@ -36,3 +36,37 @@ def test_no_test_module_imports_another():
                                    if name.startswith("test_"))
                  for path in sorted(TESTS.glob("*.py"))}
     assert {name: found for name, found in offenders.items() if found} == {}
+
+
+def shared_fixture_users() -> dict[str, set[str]]:
+    """fixture name -> `file.py::test` of every test taking a module- or session-scoped
+    fixture (defined in its module or in conftest.py)."""
+    def scoped(tree) -> set[str]:
+        return {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+                for decorator in node.decorator_list if isinstance(decorator, ast.Call)
+                for keyword in decorator.keywords if keyword.arg == "scope"
+                and getattr(keyword.value, "value", None) in ("module", "session")}
+
+    session = scoped(ast.parse((TESTS / "conftest.py").read_text()))
+    users: dict[str, set[str]] = {}
+    for path in sorted(TESTS.glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        fixtures = session | scoped(tree)
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                for argument in node.args.args:
+                    if argument.arg in fixtures:
+                        users.setdefault(argument.arg, set()).add(f"{path.name}::{node.name}")
+    return users
+
+
+def test_every_user_of_a_shared_fixture_is_in_one_same_worker_group():
+    """Otherwise each xdist worker computes the fixture again (minutes for some)."""
+    from conftest import _group_of, same_worker_groups
+
+    groups = same_worker_groups()
+    users = shared_fixture_users()
+    assert {"one_replica", "readme_digits", "best_reference"} <= set(users)
+    for fixture, tests in users.items():
+        assigned = {_group_of(f"tests/{test}[param]", groups) for test in tests}
+        assert len(assigned) == 1 and not assigned.pop().startswith("tests/"), (fixture, tests)

@@ -20,12 +20,13 @@ def make_trainer(tmp_path, replicas=1, name="run", **kwargs):
 @pytest.fixture(scope="module")
 def single_device(tmp_path_factory):
     """make_trainer's default run on 1 device, trained once for both replica counts
-    below (conftest.SAME_WORKER keeps them on one worker): (weights, final eval logs)."""
+    below (one `same_worker` group keeps them on one worker): (weights, final eval logs)."""
     single = make_trainer(tmp_path_factory.mktemp("single_device"), 1, "one")
     single_logs = single.train()
     return weights(single), single_logs
 
 
+@pytest.mark.same_worker("single_device")
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_replicas_match_single_device(tmp_path, single_device, replicas):
     """Same global batch, regularisation included: loss and weights agree to 1e-5."""
@@ -50,6 +51,7 @@ def test_steps_per_loop_matches_single_steps(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.start_early(4)
 def test_resume_continues_and_matches_uninterrupted(tmp_path):
     """Stopping at step 4 and continuing to 8 equals training to 8 directly (dropout on)."""
     task = lambda: TinyTask(dropout=0.3)  # noqa: E731
@@ -102,6 +104,7 @@ class OddEvalTask(TinyTask):
         return dataset.batch(batch).map(lambda *b: tputrain.data.pad_to_batch(b, batch))
 
 
+@pytest.mark.start_early(2)
 @pytest.mark.parametrize("replicas,input_mode", [(1, "host"), (4, "host"), (2, "distributed")])
 def test_padded_eval_counts_every_example_once(tmp_path, replicas, input_mode):
     """100 examples in per-replica batches of 16/replicas: the padding counts for nothing."""

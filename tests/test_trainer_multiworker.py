@@ -68,6 +68,7 @@ def _direct_eval(model_dir: Path, files: list[str]) -> dict[str, float]:
     return {"loss": loss, "accuracy": accuracy, "examples": len(y)}
 
 
+@pytest.mark.start_early(3)
 @pytest.mark.parametrize("workers, input_mode, pad_eval", [
     (2, "host", False), (3, "host", True), (2, "distributed", True), (3, "distributed", False)])
 def test_uneven_eval_shards_agree_on_steps_and_the_mean(tmp_path, workers, input_mode, pad_eval):
@@ -119,6 +120,7 @@ FaultTask.dropout = 0.3
 """
 
 
+@pytest.mark.start_early(1)
 @pytest.mark.parametrize("input_mode", ["host", "distributed"])
 def test_kill_9_of_a_worker_then_rerun_equals_an_uninterrupted_run(tmp_path, input_mode):
     """Issue 11 acceptance 2: 2 worker processes, a random worker SIGKILLed after a

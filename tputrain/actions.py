@@ -164,7 +164,7 @@ class MFUAction(Action):
             return
         try:
             trainer.flops_per_step = count_flops_per_step(trainer)
-            peak = peak_flops(trainer.precision, trainer.strategy)
+            peak = peak_flops(trainer.precision, trainer.strategy, **vars(trainer.options.profiling))
         except Exception as error:  # pylint: disable=broad-except  (a diagnostic, not training)
             logging.warning("tputrain: MFU is not reported: %s: %s", type(error).__name__, error)
             trainer.report_mfu = False

@@ -60,18 +60,9 @@ def set_precision_policy(
 
 
 def resolve_precision(name: str | None, strategy: tf.distribute.Strategy) -> str:
-    """The one place a run's precision is decided, and set: `Trainer.precision` if
-    given; else a gin binding of `set_precision_policy.name` (deprecated: it used to
-    win silently in some paths and lose in others); else the hardware default."""
-    if name is None:
-        try:
-            name = gin.query_parameter("set_precision_policy.name")
-        except ValueError:  # not bound
-            name = None
-        else:
-            logging.warning("tputrain: set_precision_policy.name = %r is deprecated: bind "
-                            "Trainer.precision = %r instead (the one source of the precision)",
-                            name, name)
+    """The one place a run's precision is set: `PrecisionOptions.policy` (a gin
+    `set_precision_policy.name` is its deprecated alias, `tputrain.configurables`),
+    else the hardware default."""
     return set_precision_policy(name, strategy=strategy)
 
 

@@ -15,7 +15,6 @@ import shutil
 import tempfile
 from typing import Any, Mapping, Sequence
 
-import gin
 import keras
 import tensorflow as tf
 from absl import logging
@@ -43,7 +42,8 @@ from tputrain.loop.replica_seeds import fold_replica_into_seeds
 from tputrain.loop.replica_stats import ReplicaStatistics, sum_once
 from tputrain.loop.step import StepBuilder, check_model_train_step, ensure_built, steps_program
 from tputrain.loop.update import update_on_each_device
-from tputrain.options import TrainerOptions, program_steps
+from tputrain.options import (CheckpointOptions, PrecisionOptions, ProfilingOptions, TrainerOptions,
+                              program_steps)
 from tputrain.precision import resolve_precision, wrap_optimizer_for_policy
 from tputrain.preemption import Preempted, PreemptionWatcher
 from tputrain.progress import Progress, Stopwatch, summary_root
@@ -52,7 +52,6 @@ from tputrain.task import Task
 from tputrain.validate import check_eval_split, check_model_dir, iterator_state_bytes, probe_inputs, variable_bytes
 
 
-@gin.configurable
 class Trainer:
     """Trains a `Task` under a distribution strategy, with exact-resume checkpoints.
 
@@ -67,7 +66,8 @@ class Trainer:
       eval_steps: eval batches per evaluation; None: the whole eval split.
       checkpoint_every: save every N steps (and at the end).
       keep_checkpoints: how many checkpoints to keep.
-      precision: "float32", "mixed_bfloat16" or "mixed_float16"; None: gin's.
+      precision: a policy name ("float32", "mixed_bfloat16", "mixed_float16") or
+        `tputrain.PrecisionOptions` (with float32 layers); None: the device's.
       seed: seeds weight initialisation and Keras random ops.
       input_mode: "host" (exact resume), "distributed", or None (chosen).
       jit_compile: XLA: True, False or "auto" (the default).
@@ -84,20 +84,24 @@ class Trainer:
       actions: `tputrain.Action`s called after each loop, evaluation and save and at
         the end (tputrain.actions).
       communication: all-reduce dtype and collective options (CommunicationOptions).
+      checkpoint: async writes and the finite check (`tputrain.CheckpointOptions`).
+      profiling: the peak MFU is measured against (`tputrain.ProfilingOptions`).
     """
 
     def __init__(self, task: Task, model_dir: str, strategy: tf.distribute.Strategy | None = None,
                  train_steps: int = 1000, steps_per_loop: int = 100,
                  global_batch_size: int = 64, eval_every: int | None = None,
                  eval_steps: int | None = None, checkpoint_every: int | None = None,
-                 keep_checkpoints: int = 3, precision: str | None = None, seed: int = 0,
+                 keep_checkpoints: int = 3, precision: str | PrecisionOptions | None = None, seed: int = 0,
                  input_mode: str | None = None, jit_compile: bool | str = "auto",
                  accumulation_steps: int = 1, profile_steps: tuple[int, int] | None = None,
                  report_mfu: bool = True, steps_per_fetch: int = 1,
                  steps_per_program: int | str = "auto",
                  class_weight: Mapping[int, float] | None = None,
                  guard: NonFiniteGuard | None = None, actions: Sequence[Action] = (),
-                 communication: CommunicationOptions | None = None):
+                 communication: CommunicationOptions | None = None,
+                 checkpoint: CheckpointOptions | None = None,
+                 profiling: ProfilingOptions | None = None):
         self.options = TrainerOptions(
             train_steps=train_steps, steps_per_loop=steps_per_loop,
             global_batch_size=global_batch_size, eval_every=eval_every, eval_steps=eval_steps,
@@ -105,7 +109,8 @@ class Trainer:
             precision=precision, seed=seed, input_mode=input_mode, jit_compile=jit_compile,
             accumulation_steps=accumulation_steps, profile_steps=profile_steps,
             report_mfu=report_mfu, steps_per_fetch=steps_per_fetch,
-            steps_per_program=steps_per_program, class_weight=class_weight)
+            steps_per_program=steps_per_program, class_weight=class_weight,
+            checkpoint=checkpoint, profiling=profiling)
         for field, value in vars(self.options).items():  # read as trainer.<knob>, too
             setattr(self, field, value)
         if not isinstance(task, Task):
@@ -118,7 +123,7 @@ class Trainer:
         self.communication = communication or CommunicationOptions()
         self.strategy = strategy or resolve_strategy(communication=self.communication)
         mode_reason = self.startup.mark("strategy", self._check_strategy())
-        self.precision = resolve_precision(precision, self.strategy)  # the one source
+        self.precision = resolve_precision(self.options.precision.policy, self.strategy)  # the one source
         keras.utils.set_random_seed(self.seed)
         self.inputs = Inputs(task, self.strategy, self.global_batch_size, self.accumulation_steps,
                              self.steps_per_fetch, self.input_mode, self.num_hosts, self.host_id,
@@ -161,7 +166,7 @@ class Trainer:
         with self.strategy.scope():
             task, self.model = self.task, self.task.build_model()
             ensure_built(self.model, self.inputs.micro_batch_spec()[0])
-            override_layer_dtypes(self.model)  # gin: layers the precision audit kept in fp32
+            override_layer_dtypes(self.model, self.options.precision.keep_float32_layers)
             fold_replica_into_seeds(self.model)  # dropout masks differ per replica
             sum_once(self.model)  # aggregation="sum" weights add each replica's share once
             check_model_train_step(self.model, task)
@@ -201,7 +206,8 @@ class Trainer:
             per_host=per_host, host=(self.host_id, self.num_hosts),
             barrier=lambda: self._max_over_hosts(0), input_layout=self.inputs.layout(),
             reposition=self._reposition_input, model=self.model, optimizer=self.optimizer,
-            seeds=seed_generator_states(self.model), nonfinite_steps=self.guard.nonfinite_steps)
+            seeds=seed_generator_states(self.model), nonfinite_steps=self.guard.nonfinite_steps,
+            async_save=self.checkpoint.async_save, check_finite=self.checkpoint.check_finite)
         self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
         if self.is_chief:  # inputs are checked; nothing has been written yet
             self._preflight()

@@ -104,8 +104,11 @@ def resume_headlines(report: dict[str, Any]) -> list[str]:
 
 def headlines(report: dict[str, Any]) -> list[str]:
     """The few ratios a reader compares across runs, by what the result holds."""
-    if "goals" in report:
+    goals = report.get("goals", {})
+    if any(isinstance(goal, dict) for goal in goals.values()):  # train_loop: measured ratios
         return train_loop_headlines(report)
+    if goals:  # input_pipeline: each goal's statement, met or not
+        return [f"{goal}: {'met' if met else 'not met'}" for goal, met in report["goals"].items()]
     if "late_vs_early" in report:
         return [f"late vs early resume, {mode} {value:.2f}"
                 for mode, value in report["late_vs_early"].items()]
@@ -117,7 +120,7 @@ def headlines(report: dict[str, Any]) -> list[str]:
 
 def load_average(report: dict[str, Any]) -> str:
     """The 1-minute load average before / after the run, where it was recorded."""
-    machine = report.get("machine") or report.get("environment") or {}
+    machine = report.get("machine") or report.get("environment") or report
     values = [machine.get(f"load_average_{when}") for when in ("before", "after")]
     values = [v[0] if isinstance(v, list) else v for v in values]
     return " / ".join(f"{v:.1f}" for v in values if v is not None) or "-"
@@ -144,8 +147,8 @@ def contender_rows(workload: dict[str, Any]) -> list[str]:
 
 
 def goal_rows(report: dict[str, Any]) -> list[str]:
-    lines = ["| ratio | measured (wall) | CPU time | CPU time, paired | goal | "
-             "met (wall / CPU / paired) |", "|---|---|---|---|---|---|"]
+    lines = [("| ratio | measured (wall) | CPU time | CPU time, paired | goal | "
+              "met (wall / CPU / paired) |"), "|---|---|---|---|---|---|"]
     for key, goal in report["goals"].items():
         cells, met = [], ["yes" if goal["met"] else "no"]
         for field in ("measured_cpu_time", "measured_cpu_time_paired"):
@@ -160,9 +163,9 @@ def goal_rows(report: dict[str, Any]) -> list[str]:
 def detail(path: pathlib.Path, report: dict[str, Any]) -> str:
     """One training-loop result in full: every contender's rates and every goal."""
     machine = report["machine"]
-    lines = [f"`{path.name}`: `{report['command']}`; TensorFlow {machine['tensorflow']}, Keras "
-             f"{machine['keras']}, {machine['cores']} cores, load average "
-             f"{load_average(report)} (before / after).", "",
+    lines = [(f"`{path.name}`: `{report['command']}`; TensorFlow {machine['tensorflow']}, "
+              f"Keras {machine['keras']}, {machine['cores']} cores, load average "
+              f"{load_average(report)} (before / after)."), "",
              "| workload | contender | best steps/call | steps/s (median) | steps per CPU-s |",
              "|---|---|---|---|---|"]
     for name, workload in report["workloads"].items():

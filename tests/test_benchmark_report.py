@@ -53,6 +53,8 @@ def test_a_row_gives_the_headline_ratios_against_their_goals_and_the_load(tmp_pa
                   "mlp.tputrain_vs_tputrain_no_guard": guard}}))
     (tmp_path / "2030-01-01-resume_time.json").write_text(json.dumps({
         "late_vs_early": {"host": 1.03, "distributed": 1.47}}))
+    (tmp_path / "2030-01-03-input_pipeline.json").write_text(json.dumps({
+        "load_average_before": [0.5, 1, 1], "goals": {"tfrecord_input_vs_naive >= 3": True}}))
     rows = [line for line in load("report").table(tmp_path).splitlines()
             if line.startswith("| 2030")]
     assert rows[0].startswith("| 2030-01-01 | resume_time | - |") and "1.47" in rows[0]
@@ -60,6 +62,8 @@ def test_a_row_gives_the_headline_ratios_against_their_goals_and_the_load(tmp_pa
     # judged on CPU time: 1.012 meets 1.0 although the wall-clock ratio did not
     assert "1.012 (goal 1.0: met)" in rows[1] and "0.970 (goal 0.99: not met)" in rows[1]
     assert rows[1].endswith("| 1.5 / 2.2 |")
+    assert rows[2] == ("| 2030-01-03 | input_pipeline | - | tfrecord_input_vs_naive >= 3: met "
+                       "| 0.5 |")
 
 
 def test_a_script_writes_its_result_to_a_dated_file_without_overwriting(tmp_path):

@@ -317,8 +317,8 @@ def cpu_peak_flops(dtype: str = "float32", refresh: bool = False) -> float:
     """The measured matmul peak of this CPU for `dtype`, cached: the best probe of the
     first `PEAK_PROBES` processes (one probe each; `refresh` starts over).
 
-    A probe taken while other work runs reads low (bf16: 248 against 409 GFLOP/s on
-    the 2-core VM), and MFU computed against it reads high until a later probe."""
+    A probe taken while other work runs reads low (the matmul shares the cores), and
+    MFU computed against it would read high for good: the best of several probes stands."""
     key = f"{_cpu_name()}|{os.cpu_count()} cpus|tf {tf.__version__}|{dtype}"
     path = _cache_path()
     cache = _read_json(path)

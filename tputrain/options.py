@@ -122,11 +122,13 @@ class TrainerOptions:
         XLA can lower it (measured faster here in float32: the MLP and the
         Transformer of `benchmarks/train_loop.py`, see docs/performance.md) and
         falls back, with a warning, when it cannot; on several replicas it compiles
-        the update on each device (1.22x less CPU time a 2-replica MLP step) for
+        the update on each device (less CPU time a step than TensorFlow's
+        per-variable kernels: the `resume` rows of docs/performance.md) for
         Keras's and tputrain's optimizers in float32 and mixed_bfloat16; it
         compiles nothing for mixed_float16 on a CPU (nor bf16 matmuls: XLA's CPU
         backend lacks oneDNN's), nor, on one CPU replica, a model with random ops
-        such as Dropout (XLA's CPU RNG made a small MLP's step 19x slower).
+        such as Dropout (XLA's CPU random-number generation is far slower than
+        TensorFlow's kernels).
       accumulation_steps: split each step's `global_batch_size` examples into N
         micro-batches, sum their gradients and apply them once: the same update as
         one N-times-larger batch (batch-norm statistics aside) in 1/N the memory.
@@ -144,8 +146,9 @@ class TrainerOptions:
         profile_steps, so that no fetch is split by a loop boundary.
       steps_per_program: where the whole step is one XLA program on one replica,
         read one batch a step (`steps_per_fetch=1`, host input), run this many steps
-        in one XLA program launch: each launch costs host work (a few hundred
-        microseconds on a CPU) that K steps pay once. "auto" (the default): the
+        in one XLA program launch: each launch costs host work (the compilation
+        cache lookup, the variables' buffers, the executor's hand-off) that K steps
+        pay once. "auto" (the default): the
         largest divisor of steps_per_loop up to 32 whose K batches (stacked in the
         program) take at most 64 MiB and whose K steps take at most 0.25 s at the
         device's peak FLOP/s (when counted: `report_mfu`); 1 for large batches or

@@ -233,7 +233,9 @@ def test_communication_advice_fits_the_case():
 
 
 def test_diagnose_finds_a_slow_input_pipeline(tmp_path):
-    trainer = _trainer(tmp_path, SleepyTask(sleep=0.01), 2, train_steps=100, steps_per_loop=4)
+    # 50 ms of sleep per batch: far longer than a busy host's scheduling delays, so the
+    # input is the bottleneck however loaded the machine (10 ms read 0.48 at load 8).
+    trainer = _trainer(tmp_path, SleepyTask(sleep=0.05), 2, train_steps=100, steps_per_loop=4)
     result = diagnose(trainer, seconds=0.3)
     assert result.bottleneck == "input" and result.stall_fraction > 0.5
     assert result.input_only_steps_per_second < result.compute_only_steps_per_second
@@ -284,7 +286,7 @@ def test_cli_names_the_input_bottleneck_of_slow_input_gin():
     slow_input.gin's `import examples.slow_input` finds its task."""
     result = subprocess.run(
         [sys.executable, "-m", "tputrain.diagnose", "--gin_file=slow_input.gin", "--json",
-         "--seconds=0.3", "--gin_param=SlowInputTask.work=1000",
+         "--seconds=0.3", "--gin_param=SlowInputTask.work=4000",  # input-bound at any load
          "--gin_param=Trainer.steps_per_loop=5", "--gin_param=Trainer.eval_every=None"],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]

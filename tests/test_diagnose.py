@@ -233,10 +233,10 @@ def test_communication_advice_fits_the_case():
 
 
 def test_diagnose_finds_a_slow_input_pipeline(tmp_path):
-    # 50 ms of sleep per batch: far longer than a busy host's scheduling delays, so the
-    # input is the bottleneck however loaded the machine (10 ms read 0.48 at load 8).
-    trainer = _trainer(tmp_path, SleepyTask(sleep=0.05), 2, train_steps=100, steps_per_loop=4)
-    result = diagnose(trainer, seconds=0.3)
+    # 100 ms of sleep per batch, as the compute-bound case below: far longer than a busy
+    # host's step (10 ms read a stall of 0.08 at load 7: the tiny step took 23 ms).
+    trainer = _trainer(tmp_path, SleepyTask(sleep=0.1), 2, train_steps=100, steps_per_loop=4)
+    result = diagnose(trainer, seconds=0.4)
     assert result.bottleneck == "input" and result.stall_fraction > 0.5
     assert result.input_only_steps_per_second < result.compute_only_steps_per_second
     assert result.end_to_end_steps_per_second < 0.5 * result.compute_only_steps_per_second

@@ -60,7 +60,7 @@ def pytest_configure(config):
 
 
 def _marks_in(node) -> list:
-    """The `pytest.mark.<name>(...)` calls in a decorator list or a `pytestmark` value."""
+    """The `pytest.mark.same_worker(...)` calls in a decorator or a `pytestmark` value."""
     import ast
 
     values = node.elts if isinstance(node, (ast.List, ast.Tuple)) else [node]

@@ -48,6 +48,18 @@ def per_example_weights(weight: tf.Tensor, per_example: tf.Tensor) -> tf.Tensor:
         weight = tf.squeeze(weight, -1)
     return weight
 
+
+def overrides_train_step(task: "Task") -> bool:
+    """Whether `task` replaces `Task.train_step`, in its class or on the instance: the
+    one definition the step, the options' checks and the actions use."""
+    return overrides(task, "train_step")
+
+
+def overrides(task: "Task", name: str) -> bool:
+    """Whether `task` replaces `Task.<name>`, in its class or on the instance."""
+    return getattr(type(task), name) is not getattr(Task, name) or name in vars(task)
+
+
 class Task:
     """Base class for a training task; see the module docstring for contexts."""
 

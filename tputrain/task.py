@@ -177,7 +177,10 @@ class Task:
 
         Returns per-replica values that the Trainer *sums* across replicas (the
         loss is already divided by the global batch, so the sum is the mean).
-        `apply_gradients` unscales loss-scaled gradients and skips overflow steps.
+        `optimizer` is the Trainer's update pipeline around the Task's optimizer
+        (`tputrain.loop.pipeline`): its `apply_gradients` sums the gradients over
+        replicas, skips a non-finite update, unscales loss-scaled gradients and
+        skips overflow steps; its other attributes are the optimizer's.
         Overriding this disables gradient accumulation and multi-replica XLA; to
         keep them, override `compute_gradients` instead.
         """

@@ -245,8 +245,10 @@ class NonFiniteGuard:
     def _scaling(self, optimizer: keras.optimizers.Optimizer) -> bool:
         """Whether the loss is scaled (and the gradients unscaled in the update). With
         global-norm clipping the exact check is free (XLA shares clipping's norm); with
-        the optimizer's own `loss_scale_factor`, its threshold would shift."""
-        return (self._scale > 0 and not getattr(optimizer, "global_clipnorm", None)
+        the optimizer's own `loss_scale_factor`, its threshold would shift. Never for
+        an optimizer the guard does not check (`guards`): nothing would unscale."""
+        return (self._scale > 0 and self.guards(optimizer)
+                and not getattr(optimizer, "global_clipnorm", None)
                 and getattr(optimizer, "loss_scale_factor", None) is None)
 
     def select_updates(self, on: bool) -> None:

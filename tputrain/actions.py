@@ -19,7 +19,7 @@ from tputrain.communication import (CommunicationOptions, collective_share, grad
                                     measure_allreduce)
 from tputrain.flops import count_flops, peak_flops, specs_of
 from tputrain.guard import NonFiniteError
-from tputrain.task import Task
+from tputrain.task import overrides_train_step
 
 if TYPE_CHECKING:  # annotations only: the Trainer imports this module
     from tputrain.trainer import Trainer
@@ -180,7 +180,7 @@ def count_flops_per_step(trainer: "Trainer") -> float:
     analytic = task.flops_per_example()
     if analytic is not None:
         return float(analytic) * trainer.global_batch_size
-    if type(task).train_step is not Task.train_step:
+    if overrides_train_step(task):
         raise ValueError(f"{type(task).__name__} overrides Task.train_step: return an "
                          "analytic count from Task.flops_per_example()")
     per_micro_batch = count_flops(

@@ -21,7 +21,6 @@ from absl import logging
 
 from tputrain.actions import (Action, CommunicationAction, MFUAction, NonFinitePolicyAction,
                               PreemptionAction, ProfilerAction, check_actions)
-from tputrain.allreduce import reduce_gradients_first
 from tputrain.best import BestCheckpoint, tidy_best
 from tputrain.checkpoint import Checkpointer, seed_generator_states
 from tputrain.checks import check_int
@@ -41,14 +40,13 @@ from tputrain.loop.inputs import Inputs, default_input_mode
 from tputrain.loop.replica_seeds import fold_replica_into_seeds
 from tputrain.loop.replica_stats import ReplicaStatistics, sum_once
 from tputrain.loop.step import StepBuilder, check_model_train_step, ensure_built, steps_program
-from tputrain.loop.update import update_on_each_device
 from tputrain.options import (CheckpointOptions, PrecisionOptions, ProfilingOptions, TrainerOptions,
                               program_steps)
 from tputrain.precision import resolve_precision, wrap_optimizer_for_policy
 from tputrain.preemption import Preempted, PreemptionWatcher
 from tputrain.progress import Progress, Stopwatch, summary_root
 from tputrain.strategy import resolve_strategy
-from tputrain.task import Task
+from tputrain.task import Task, overrides_train_step
 from tputrain.validate import check_eval_split, check_model_dir, iterator_state_bytes, probe_inputs, variable_bytes
 
 
@@ -136,7 +134,8 @@ class Trainer:
         self._steps = StepBuilder(task, self.model, self.optimizer, self.train_metrics,
                                   self.guard, self.strategy, self.global_batch_size,
                                   self.accumulation_steps, self.jit_compile, self.precision,
-                                  self.inputs.train_dataset.element_spec)
+                                  self.inputs.train_dataset.element_spec,
+                                  self.communication.allreduce_dtype)
         self._evaluator = Evaluator(task, self.model, self.eval_metrics, self.inputs,
                                     self.eval_steps, self._max_over_hosts)
         logging.info("tputrain: %s, %d replica(s) on %d host(s), global batch %d, precision %s, "
@@ -147,7 +146,7 @@ class Trainer:
     def _check_strategy(self) -> str:
         """Checks the batch against the replicas; picks the input mode (returns why)."""
         replicas = self.strategy.num_replicas_in_sync
-        self.options.check_replicas(replicas, type(self.task).train_step is not Task.train_step,
+        self.options.check_replicas(replicas, overrides_train_step(self.task),
                                     type(self.task).__name__)
         self.num_hosts, self.host_id = host_topology(self.strategy)
         self.local_replicas = replicas // self.num_hosts
@@ -180,10 +179,6 @@ class Trainer:
                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
             self.guard = guard if guard is not None else NonFiniteGuard()
             self.guard.build()
-            self.guard.wrap_optimizer(self.optimizer)  # NaN/Inf updates are skipped in-step
-            update_on_each_device(self.optimizer)  # N replicas: XLA on each device (the plan)
-            # Outermost: clipping and the guard see the sum.
-            reduce_gradients_first(self.optimizer, self.communication.allreduce_dtype)
 
     def _build_checkpointer(self) -> None:
         """Checkpoints (the chief's; other workers write a temp dir), pre-flight, progress."""

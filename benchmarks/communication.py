@@ -1,9 +1,10 @@
 """Communication: what a bfloat16 all-reduce and gradient packing buy, measured.
 
-    python benchmarks/communication.py > communication.json   # ~6 minutes on 2 cores
-    python benchmarks/communication.py --quick                # smoke run, small model
+    python benchmarks/communication.py            # ~6 minutes on 2 cores
+    python benchmarks/communication.py --quick    # smoke run, small model (JSON to stdout)
 
-Prints one JSON document to stdout (progress goes to stderr). Three setups,
+Writes one JSON document to benchmarks/results/<today>-communication[-<tag>].json
+(`--out PATH`, `--out -` for stdout; progress goes to stderr). Three setups,
 each in its own processes, train the same MLP (1024-2048-2048-10, 25 MB of
 float32 gradients, SGD with momentum, random in-memory data) with the same
 per-replica batch:
@@ -45,6 +46,8 @@ import tempfile
 import time
 from typing import Any
 
+import result_file  # benchmarks/, this script's folder
+
 KIB, MIB = 1 << 10, 1 << 20
 PACKS = (0, 64 * KIB, 4 * MIB)
 DTYPES = ("float32", "bfloat16")
@@ -64,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--setups", default="mirrored,workers_2,workers_4")
     # Internal: one process of a setup.
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker_out", default=None, help=argparse.SUPPRESS)
+    result_file.add_arguments(parser, "communication")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (2 if args.quick else 5)
     args.steps = args.steps or (2 if args.quick else 5)
@@ -209,7 +213,7 @@ def measure_process(setup: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def worker_main(args: argparse.Namespace) -> None:
-    """One process of a setup: measures, writes its JSON to `--out`."""
+    """One process of a setup: measures, writes its JSON to `--worker_out`."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from absl import logging
 
@@ -221,7 +225,7 @@ def worker_main(args: argparse.Namespace) -> None:
     if args.worker == "mirrored":
         split_cpu(4)
     results = measure_process(args.worker, args)
-    with open(args.out, "w") as out:
+    with open(args.worker_out, "w") as out:
         json.dump(results, out)
 
 
@@ -243,7 +247,7 @@ def run_setup(setup: str, args: argparse.Namespace, argv: list[str]) -> list[dic
             env["TF_CONFIG"] = config
         out, err = os.path.join(work, f"{index}.json"), open(os.path.join(work, f"{index}.log"), "w")
         command = [sys.executable, os.path.abspath(__file__), *argv,
-                   "--worker", "mirrored" if count == 1 else "workers", "--out", out]
+                   "--worker", "mirrored" if count == 1 else "workers", "--worker_out", out]
         processes.append((subprocess.Popen(command, env=env, stdout=err, stderr=err), out, err))
     results = []
     for process, out, err in processes:
@@ -336,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         log(f"{setup}: done at {time.perf_counter() - started:.0f} s")
     report["environment"]["load_average_after"] = os.getloadavg()[0]
     report["environment"]["seconds"] = round(time.perf_counter() - started, 1)
-    print(json.dumps(report, indent=1))
+    result_file.write(report, args.out, "communication", args.tag, args.quick)
 
 
 if __name__ == "__main__":

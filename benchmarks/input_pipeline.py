@@ -2,9 +2,10 @@
 and the input stall that training and `tputrain diagnose` report for the configs.
 
     python benchmarks/input_pipeline.py            # ~5-10 minutes on 2 busy cores
-    python benchmarks/input_pipeline.py --quick    # smoke run
+    python benchmarks/input_pipeline.py --quick    # smoke run (JSON to stdout)
 
-Prints one JSON document to stdout (progress goes to stderr).
+Writes one JSON document to benchmarks/results/<today>-input_pipeline[-<tag>].json
+(`--out PATH`, `--out -` for stdout; progress goes to stderr).
 
 1. Reading (one process, side by side): 16 shards of parse-heavy examples (512
    floats, 64 int64 tokens, a label and a raw 32x32x3 image as one bytes value,
@@ -52,6 +53,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tputrain.data import InputContext, TFRecordInput, write_tfrecords  # noqa: E402
+import result_file  # noqa: E402  (benchmarks/, this script's folder)
 
 NUM_SHARDS = 16
 BATCH = 256
@@ -239,6 +241,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small data, short runs")
     parser.add_argument("--examples", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
+    result_file.add_arguments(parser, "input_pipeline")
     options = parser.parse_args()
     examples = options.examples or (4096 if options.quick else 32768)
     repeats = options.repeats or (3 if options.quick else 7)
@@ -274,11 +277,11 @@ def main() -> None:
             diagnosis[c]["wall_seconds"] < 60 for c in ("digits.gin", "slow_input.gin")),
     }
     report["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
-    print(json.dumps(report, indent=1))
+    result_file.write(report, options.out, "input_pipeline", options.tag, options.quick)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: freeing the long-lived autotuned iterators above can
-    # block for tens of seconds (FINDINGS), and everything is printed already.
+    # block for tens of seconds (FINDINGS), and everything is written already.
     os._exit(0)
 
 

@@ -1,21 +1,28 @@
-"""Regenerates the training-loop sections of docs/performance.md from the benchmark JSON.
+"""Regenerates docs/performance.md's benchmark table from benchmarks/results/.
 
-    python benchmarks/train_loop.py --repeats 5 > docs/benchmarks/train_loop.json
-    python benchmarks/train_loop.py --fresh --repeats 5 ... > docs/benchmarks/train_loop_fresh.json
-    python benchmarks/report.py    # rewrites each section between its markers
+    python benchmarks/train_loop.py --repeats 5   # writes benchmarks/results/<today>-train_loop.json
+    python benchmarks/report.py                   # rewrites the page between its markers
+    python benchmarks/report.py --check           # exit 1 if the page is stale
 
-Each JSON in SECTIONS that exists is rendered between its own pair of markers.
+One row a result file (`<date>-<benchmark>[-<tag>].json`) by date: its headline
+ratios against their goals and the machine's load average where the run
+recorded it; then the last training-loop result in that order, in full. Rows are never
+edited by hand: tests/test_benchmark_report.py checks that the page is what this
+script generates.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
+import re
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SECTIONS = {"train_loop": "docs/benchmarks/train_loop.json",
-            "train_loop_fresh": "docs/benchmarks/train_loop_fresh.json",
-            "train_loop_no_strategy": "docs/benchmarks/train_loop_no_strategy.json"}
+RESULTS = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "docs" / "performance.md"
+NAME = re.compile(r"^(\d{4}-\d{2}-\d{2})-([a-z_]+)(?:-([A-Za-z0-9_]+))?\.json$")
 LABELS = {
     "tputrain": "tputrain, defaults (jit_compile auto, guard on)",
     "tputrain_no_xla": "tputrain, jit_compile=False",
@@ -31,9 +38,105 @@ LABELS = {
     "tputrain_bf16": "tputrain, mixed_bfloat16",
     "tputrain_program_1": "tputrain, one step per XLA launch (steps_per_program=1)",
 }
+# The training loop's headline goals: (goal names, the first present wins), label.
+HEADLINE_GOALS = [
+    (("mlp.tputrain_best_vs_keras_fit_best",), "MLP vs `fit` at its best"),
+    (("transformer.tputrain_best_vs_keras_fit_best",), "Transformer vs `fit` at its best"),
+    (("mlp.tputrain_vs_tputrain_no_guard",), "MLP guard on vs off"),
+    (("transformer.tputrain_vs_tputrain_no_guard",), "Transformer guard on vs off"),
+    (("mlp.tputrain_vs_hand_loop_best", "mlp.tputrain_vs_hand_loop"), "MLP vs hand loop"),
+    (("transformer.tputrain_vs_hand_loop_best", "transformer.tputrain_vs_hand_loop"),
+     "Transformer vs hand loop"),
+    (("transformer.bf16_vs_float32",), "bf16 vs float32"),
+]
+RESUME_RATIOS = {"exact_resume_vs_skip_resume_cpu": "exact resume on vs off",
+                 "guard_on_vs_off_cpu": "guard on vs off",
+                 "update_on_each_device_vs_tensorflow_kernels_cpu":
+                     "update on each device vs TF kernels"}
+COMMUNICATION_RATIOS = {"mirrored.2_replicas_bf16_vs_fp32": "2 split-CPU replicas",
+                        "mirrored.4_replicas_bf16_vs_fp32": "4 split-CPU replicas",
+                        "workers_2.pack_0_bf16_vs_fp32": "2 workers",
+                        "workers_4.pack_0_bf16_vs_fp32": "4 workers"}
 
 
-def contender_rows(workload: dict) -> list[str]:
+def parse_name(path: pathlib.Path) -> tuple[str, str, str]:
+    """(date, benchmark, tag) of a result file; tag "" when it has none."""
+    match = NAME.match(path.name)
+    if not match:
+        raise ValueError(f"{path.name}: a result file is named <YYYY-MM-DD>-<benchmark>[-<tag>].json")
+    return match.group(1), match.group(2), match.group(3) or ""
+
+
+def result_files(folder: pathlib.Path) -> list[tuple[pathlib.Path, dict[str, Any]]]:
+    """Every result, by the name's date, then the time the run recorded
+    (older files have none), then the name."""
+    results = [(path, json.loads(path.read_text())) for path in folder.glob("*.json")]
+    return sorted(results, key=lambda item: (parse_name(item[0])[0],
+                                             str(item[1].get("date", "")), item[0].name))
+
+
+def judged(value: float, goal: float) -> str:
+    return f"{value:.3f} (goal {goal}: {'met' if value >= goal else 'not met'})"
+
+
+def train_loop_headlines(report: dict[str, Any]) -> list[str]:
+    """CPU-time ratios (the goals are judged on them: other jobs disturb them less)."""
+    cells = []
+    for names, label in HEADLINE_GOALS:
+        goal = next((report["goals"][n] for n in names if n in report["goals"]), None)
+        if goal:
+            value = goal.get("measured_cpu_time") or goal["measured"]
+            cells.append(f"{label} {judged(value, goal['goal'])}")
+    return cells
+
+
+def resume_headlines(report: dict[str, Any]) -> list[str]:
+    ratios, goals = report["ratios"], report.get("goal", {})
+    cells = []
+    for name, wanted in goals.items():
+        if name in ratios:
+            bound = float(str(wanted).lstrip(">= "))
+            cells.append(f"{name.replace('_', ' ')} (wall) {judged(ratios[name], bound)}")
+    cells += [f"{label} (CPU) {ratios[name]:.3f}" for name, label in RESUME_RATIOS.items()
+              if name in ratios]
+    return cells
+
+
+def headlines(report: dict[str, Any]) -> list[str]:
+    """The few ratios a reader compares across runs, by what the result holds."""
+    goals = report.get("goals", {})
+    if any(isinstance(goal, dict) for goal in goals.values()):  # train_loop: measured ratios
+        return train_loop_headlines(report)
+    if goals:  # input_pipeline: each goal's statement, met or not
+        return [f"{goal}: {'met' if met else 'not met'}" for goal, met in report["goals"].items()]
+    if "late_vs_early" in report:
+        return [f"late vs early resume, {mode} {value:.2f}"
+                for mode, value in report["late_vs_early"].items()]
+    if "goal" in report:
+        return resume_headlines(report)
+    return [f"bf16 vs fp32 all-reduce, {label}: {report['ratios'][name]['steps_per_cpu_second']:.2f}"
+            for name, label in COMMUNICATION_RATIOS.items() if name in report.get("ratios", {})]
+
+
+def load_average(report: dict[str, Any]) -> str:
+    """The 1-minute load average before / after the run, where it was recorded."""
+    machine = report.get("machine") or report.get("environment") or report
+    values = [machine.get(f"load_average_{when}") for when in ("before", "after")]
+    values = [v[0] if isinstance(v, list) else v for v in values]
+    return " / ".join(f"{v:.1f}" for v in values if v is not None) or "-"
+
+
+def table(folder: pathlib.Path = RESULTS) -> str:
+    lines = ["| date | benchmark | tag | headline ratios (> 1: the first is faster) | load average |",
+             "|---|---|---|---|---|"]
+    for path, report in result_files(folder):
+        date, benchmark, tag = parse_name(path)
+        lines.append(f"| {date} | {benchmark} | {tag or '-'} | {'<br>'.join(headlines(report))} "
+                     f"| {load_average(report)} |")
+    return "\n".join(lines)
+
+
+def contender_rows(workload: dict[str, Any]) -> list[str]:
     rows = []
     for name, label in LABELS.items():
         result = workload.get(name, {})
@@ -43,22 +146,9 @@ def contender_rows(workload: dict) -> list[str]:
     return rows
 
 
-def section(report: dict) -> str:
-    machine = report["machine"]
-    lines = [f"`{report['command']}`: TensorFlow {machine['tensorflow']}, Keras "
-             f"{machine['keras']}, {machine['cores']} cores, load average "
-             f"{machine['load_average_before'][0]:.1f} before and "
-             f"{machine['load_average_after'][0]:.1f} after the run.", "",
-             "| workload | contender | best steps/call | steps/s (median) | steps per CPU-s |",
-             "|---|---|---|---|---|"]
-    for name, workload in report["workloads"].items():
-        rows = contender_rows(workload)
-        rows[0] = rows[0].replace("| |", f"| {workload.get('model', name)} |", 1)
-        lines += rows
-    lines += ["", "CPU time, paired: the median over rounds of the two contenders' ratio "
-              "within each round (steadier on a shared machine than the ratio of medians).",
-              "", "| ratio | measured (wall) | CPU time | CPU time, paired | goal | "
-              "met (wall / CPU / paired) |", "|---|---|---|---|---|---|"]
+def goal_rows(report: dict[str, Any]) -> list[str]:
+    lines = [("| ratio | measured (wall) | CPU time | CPU time, paired | goal | "
+              "met (wall / CPU / paired) |"), "|---|---|---|---|---|---|"]
     for key, goal in report["goals"].items():
         cells, met = [], ["yes" if goal["met"] else "no"]
         for field in ("measured_cpu_time", "measured_cpu_time_paired"):
@@ -67,25 +157,52 @@ def section(report: dict) -> str:
             met.append("-" if not value else ("yes" if value >= goal["goal"] else "no"))
         lines.append(f"| {key} | {goal['measured']:.3f} | {' | '.join(cells)} | {goal['goal']} | "
                      f"{' / '.join(met)} |")
-    return "\n".join(lines)
+    return lines
 
 
-def rewrite(text: str, marker: str, report: dict) -> str:
+def detail(path: pathlib.Path, report: dict[str, Any]) -> str:
+    """One training-loop result in full: every contender's rates and every goal."""
+    machine = report["machine"]
+    lines = [(f"`{path.name}`: `{report['command']}`; TensorFlow {machine['tensorflow']}, "
+              f"Keras {machine['keras']}, {machine['cores']} cores, load average "
+              f"{load_average(report)} (before / after)."), "",
+             "| workload | contender | best steps/call | steps/s (median) | steps per CPU-s |",
+             "|---|---|---|---|---|"]
+    for name, workload in report["workloads"].items():
+        rows = contender_rows(workload)
+        if rows:
+            rows[0] = rows[0].replace("| |", f"| {workload.get('model', name)} |", 1)
+        lines += rows
+    return "\n".join(lines + [""] + goal_rows(report))
+
+
+def replace_between(text: str, marker: str, body: str) -> str:
     begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
     start, stop = text.index(begin) + len(begin), text.index(end)
-    return text[:start] + "\n" + section(report) + "\n" + text[stop:]
+    return text[:start] + "\n" + body + "\n" + text[stop:]
 
 
-def main() -> None:
-    page = ROOT / "docs/performance.md"
-    text = page.read_text()
-    for marker, path in SECTIONS.items():
-        source = ROOT / path
-        if source.exists():
-            text = rewrite(text, marker, json.loads(source.read_text()))
-            print(f"rewrote the {marker} section of {page} from {source}")
-    page.write_text(text)
+def render(text: str, folder: pathlib.Path = RESULTS) -> str:
+    """`text` (the page) with the table and the latest training-loop detail regenerated."""
+    text = replace_between(text, "results", table(folder))
+    loops = [(path, report) for path, report in result_files(folder)
+             if parse_name(path)[1].startswith("train_loop")]
+    return replace_between(text, "train_loop_latest", detail(*loops[-1])) if loops else text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
+    args = parser.parse_args(argv)
+    text = PAGE.read_text()
+    new = render(text)
+    if args.check:
+        print("up to date" if new == text else f"{PAGE} is stale: run python benchmarks/report.py")
+        return int(new != text)
+    PAGE.write_text(new)
+    print(f"rewrote {PAGE} from {RESULTS}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

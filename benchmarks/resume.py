@@ -1,9 +1,10 @@
 """What exact resume costs: training throughput with it on vs off, and the guard's cost.
 
     python benchmarks/resume.py            # ~3-5 minutes on 2 cores
-    python benchmarks/resume.py --quick    # smoke run
+    python benchmarks/resume.py --quick    # smoke run (JSON to stdout)
 
-Prints one JSON document to stdout (progress on stderr). One process, one
+Writes one JSON document to benchmarks/results/<today>-resume[-<tag>].json
+(`--out PATH`, `--out -` for stdout; progress on stderr). One process, one
 model (an MLP with dropout, 2 replicas over logical CPUs), three Trainers:
 
 * `exact_resume`: `input_mode="host"`: a plain per-host iterator that the
@@ -34,7 +35,6 @@ so compare ratios measured side by side, not absolute numbers across runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -49,6 +49,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import logging  # noqa: E402
 
+import result_file  # noqa: E402  (benchmarks/, this script's folder)
 import tputrain  # noqa: E402
 
 GOAL = 0.98
@@ -213,6 +214,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--steps", type=int, default=25, help="steps per timed loop")
     parser.add_argument("--batch", type=int, default=256, help="global batch")
+    result_file.add_arguments(parser, "resume")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.steps, args.batch = 3, 10, 64
@@ -243,7 +245,7 @@ def main() -> None:
         "checkpoint_save_seconds_median": {k: statistics.median(v) for k, v in saves.items()},
     }
     result["goal_met"] = result["ratios"]["exact_resume_vs_skip_resume"] >= GOAL
-    print(json.dumps(result, indent=2))
+    result_file.write(result, args.out, "resume", args.tag, args.quick)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """How long a resume takes at an early step and at a 50x later step, per input mode.
 
     python benchmarks/resume_time.py            # ~3-4 minutes on 2 cores
-    python benchmarks/resume_time.py --quick    # smoke run
+    python benchmarks/resume_time.py --quick    # smoke run (JSON to stdout)
 
-Prints one JSON document to stdout (progress on stderr). A run of a small MLP
+Writes one JSON document to benchmarks/results/<today>-resume_time[-<tag>].json
+(`--out PATH`, `--out -` for stdout; progress on stderr). A run of a small MLP
 on 2 replicas (logical CPUs) reading sharded TFRecords (parsed, shuffled) is
 trained to `early` and to `late = 50 x early` steps once per input mode. Each
 trial copies that model_dir and times a fresh `Trainer(...)` plus `train()` of
@@ -19,7 +20,6 @@ the four cases are interleaved; medians are reported.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import logging  # noqa: E402
 
+import result_file  # noqa: E402  (benchmarks/, this script's folder)
 import tputrain  # noqa: E402
 
 FEATURES = 128
@@ -79,6 +80,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
     parser.add_argument("--early", type=int, default=40, help="the early step")
     parser.add_argument("--repeats", type=int, default=5)
+    result_file.add_arguments(parser, "resume_time")
     args = parser.parse_args()
     if args.quick:
         args.early, args.repeats = 4, 2
@@ -131,8 +133,7 @@ def main() -> None:
         "late_vs_early": {mode: median[f"{mode}@{late}"] / median[f"{mode}@{args.early}"]
                           for mode in ("host", "distributed")},
     }
-    json.dump(result, sys.stdout, indent=2)
-    print()
+    result_file.write(result, args.out, "resume_time", args.tag, args.quick)
     shutil.rmtree(root, ignore_errors=True)
 
 

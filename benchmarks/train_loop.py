@@ -1,12 +1,14 @@
 """Training-loop throughput: tputrain's Trainer against the loops people would write instead.
 
     python benchmarks/train_loop.py            # full run, ~35 minutes on 2 cores
-    python benchmarks/train_loop.py --quick    # smoke run on tiny models
+    python benchmarks/train_loop.py --quick    # smoke run on tiny models (JSON to stdout)
+    python benchmarks/train_loop.py --fresh --tag fresh   # a new process each round
 
     python benchmarks/train_loop.py --workloads transformer \
         --contenders tputrain,keras_fit_xla --repeats 5   # a subset
 
-Prints one JSON document to stdout (progress goes to stderr). Every contender
+Writes one JSON document to benchmarks/results/<today>-train_loop[-<tag>].json
+(`--out PATH`, `--out -` for stdout; progress goes to stderr). Every contender
 trains the same model (same initial weights, optimizer, precision, input
 pipeline, metric) under the same strategy (the `_no_strategy` peers under none), each
 in a process of its own, as a user's job would run:
@@ -49,7 +51,6 @@ Compare the ratios measured side by side, not absolute numbers across runs.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import statistics
@@ -65,6 +66,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import logging  # noqa: E402
 
+import result_file  # noqa: E402  (benchmarks/, this script's folder)
 import tputrain  # noqa: E402
 from tputrain.data import InputContext  # noqa: E402
 from tputrain.flops import _cpu_name  # noqa: E402
@@ -805,6 +807,7 @@ def _arguments() -> argparse.Namespace:
                         help="a new process for every contender in every round")
     parser.add_argument("--contenders", default="",
                         help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all)")
+    result_file.add_arguments(parser, "train_loop")
     return parser.parse_args()
 
 
@@ -858,8 +861,7 @@ def main() -> None:
     add_goals(report, workloads)
     report["machine"]["load_average_after"] = os.getloadavg()
     report["seconds"] = time.time() - started
-    json.dump(report, sys.stdout, indent=1, default=float)
-    print()
+    result_file.write(report, args.out, "train_loop", args.tag, quick)
 
 
 if __name__ == "__main__":

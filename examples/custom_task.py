@@ -7,12 +7,12 @@ mixed_bfloat16:
     python examples/custom_task.py --model_dir=/tmp/tputrain-runs/custom --train_steps=300
 """
 
+import tputrain  # first: TensorFlow's start-up noise is filtered when tputrain imports it
+
 import numpy as np
 import keras
 import tensorflow as tf
 from absl import app, flags
-
-import tputrain
 
 flags.DEFINE_string("model_dir", "/tmp/tputrain-runs/custom", "Where checkpoints and logs go.")
 flags.DEFINE_integer("train_steps", 300, "Optimizer steps.")

@@ -38,54 +38,74 @@ tf.config.set_logical_device_configuration(
 # ------------------------------------------------------------ scheduling under -n N
 #
 # `pytest -n 3` (CI, on 2 cores: a third worker fills the time the others wait on
-# child processes, 16 min against 18.6 with -n 2) balances tests over 3 workers.
-# Two things decide its wall time:
-# - Tests that share a module- or session-scoped fixture must run on one worker, or
-#   each worker computes the fixture (minutes for the replica-equivalence ones).
-#   SAME_WORKER lists them: a group is one unit of work for xdist.
-# - The longest units must start first, or a worker can be left running one at the
-#   end while the other idles. START_FIRST orders the collection (and so xdist's
-#   queue), longest first; then the other `slow` tests, then the rest.
+# child processes) balances tests over 3 workers. Two markers decide its wall time:
+# - `@pytest.mark.same_worker("group")` (on a test, or a module's `pytestmark`):
+#   tests that share a module- or session-scoped fixture run on one worker, or each
+#   worker computes the fixture (minutes for the replica-equivalence ones). A group
+#   is one unit of work for xdist.
+# - `@pytest.mark.start_early(order)`: the longest units start first (lowest order
+#   first), or a worker can be left running one at the end while the others idle;
+#   then the other `slow` tests, then the rest.
+# xdist's scheduler runs in the controlling process, which collects no tests, so it
+# reads the `same_worker` marks from the test files' source (`same_worker_groups`).
 # (Not pytest.mark.xdist_group: `--dist loadgroup` of pytest-xdist 3.8 renames node
 # ids through `item._nodeid`, which pytest 9 no longer has, so it groups nothing.)
 
-SAME_WORKER = {  # node id prefix (after tests/) -> group
-    "test_replica_equivalence.py::": "replica_equivalence",  # conftest's one_replica,
-    "test_replica_equivalence_multiworker.py::": "replica_equivalence",  # two_workers
-    "test_run.py::test_digits_trains_reruns_and_continues": "readme_digits",
-    "test_export.py::test_readme_command_exports_a_model": "readme_digits",
-    "test_trainer.py::test_replicas_match_single_device": "single_device",
-    "test_gcs.py::": "test_gcs.py",  # module-scoped fixtures
-    "test_init_checkpoint.py::": "test_init_checkpoint.py",
-    "test_tfds.py::": "test_tfds.py",
-}
+_TESTS = os.path.dirname(os.path.abspath(__file__))
 
-START_FIRST = (  # minutes each on a loaded 2-core machine; longest first
-    "test_replica_equivalence_multiworker.py::",  # with test_replica_equivalence.py
-    "test_trainer_multiworker.py::test_kill_9_of_a_worker",
-    "test_trainer.py::test_padded_eval_counts_every_example_once",
-    "test_trainer_multiworker.py::test_uneven_eval_shards",
-    "test_trainer.py::test_resume_continues_and_matches_uninterrupted",
-    "test_run.py::test_digits_trains_reruns_and_continues",  # with test_export.py's
-    "test_vertex.py::test_spec_parses_as_the_vertex_ai_api_message",
-    "test_run.py::test_sigkill_midway_resumes",
-    "test_docs.py::test_every_runnable_snippet_runs",
-    "test_launch.py::test_two_workers_train_chief_checkpoints",
-    "test_tfds.py::",
-    "test_export.py::test_mixed_bfloat16_run_serves_float32",
-)
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "same_worker(group): run on the worker of its group")
+    config.addinivalue_line("markers", "start_early(order): start before the rest, lowest first")
+
+
+def _marks_in(node) -> list:
+    """The `pytest.mark.same_worker(...)` calls in a decorator or a `pytestmark` value."""
+    import ast
+
+    values = node.elts if isinstance(node, (ast.List, ast.Tuple)) else [node]
+    return [value for value in values if isinstance(value, ast.Call)
+            and isinstance(value.func, ast.Attribute) and value.func.attr == "same_worker"]
+
+
+def same_worker_groups(directory: str = _TESTS) -> dict[str, str]:
+    """node id prefix (`file.py::` or `file.py::test`) -> group, from the source."""
+    import ast
+
+    groups = {}
+    for name in sorted(os.listdir(directory)):
+        if not (name.startswith("test_") and name.endswith(".py")):
+            continue
+        with open(os.path.join(directory, name)) as source:
+            tree = ast.parse(source.read())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(
+                    getattr(target, "id", None) == "pytestmark" for target in node.targets):
+                for mark in _marks_in(node.value):
+                    groups[f"{name}::"] = mark.args[0].value
+            elif isinstance(node, ast.FunctionDef):
+                for decorator in node.decorator_list:
+                    for mark in _marks_in(decorator):
+                        groups[f"{name}::{node.name}"] = mark.args[0].value
+    return groups
+
+
+def _group_of(nodeid: str, groups: dict[str, str]) -> str:
+    name = _name(nodeid)
+    module, _, test = name.partition("::")
+    test = test.split("[", 1)[0]
+    return groups.get(f"{module}::{test}") or groups.get(f"{module}::") or nodeid
 
 
 def _name(nodeid: str) -> str:
     return nodeid.rsplit("/", 1)[-1]
 
 
-def _start_rank(item) -> int:
-    name = _name(item.nodeid)
-    for rank, prefix in enumerate(START_FIRST):
-        if name.startswith(prefix):
-            return rank
-    return len(START_FIRST) + (0 if item.get_closest_marker("slow") else 1)
+def _start_rank(item) -> tuple[int, int]:
+    early = item.get_closest_marker("start_early")
+    if early is not None:
+        return 0, early.args[0]
+    return (1 if item.get_closest_marker("slow") else 2), 0
 
 
 def pytest_unconfigure(config):
@@ -98,21 +118,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """Under `-n N` (xdist's default `--dist load`): each SAME_WORKER group is one unit,
+    """Under `-n N` (xdist's default `--dist load`): each `same_worker` group is one unit,
     every other test its own, queued in collection order. An explicit --dist wins."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    groups = same_worker_groups()
+
     class SameWorkerScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            name = _name(nodeid)
-            for prefix, group in SAME_WORKER.items():
-                if name.startswith(prefix):
-                    return group
-            return nodeid
+            return _group_of(nodeid, groups)
 
-    config.option.loadscopereorder = False  # keep START_FIRST's order, not group sizes
+    config.option.loadscopereorder = False  # keep start_early's order, not group sizes
     return SameWorkerScheduling(config, log)
 
 
@@ -139,8 +157,8 @@ def _clear_gin():
 def one_replica(tmp_path_factory):
     """Every optimizer option trained on 1 replica: the reference of both
     test_replica_equivalence.py and test_replica_equivalence_multiworker.py (one
-    SAME_WORKER group, so one worker computes it once)."""
-    from test_replica_equivalence import train_one_replica
+    `same_worker` group, so one worker computes it once)."""
+    from equivalence import train_one_replica
 
     return train_one_replica(tmp_path_factory.mktemp("one_replica"))
 
@@ -148,7 +166,7 @@ def one_replica(tmp_path_factory):
 @pytest.fixture(scope="session")
 def readme_digits(tmp_path_factory):
     """README command 1, `tputrain --gin_file=digits.gin --model_dir=...` (1200 steps of
-    digits), run once for test_run.py and test_export.py (one SAME_WORKER group): (the
+    digits), run once for test_run.py and test_export.py (one `same_worker` group): (the
     directory holding model/ and the data cache cache/, the finished process)."""
     root = tmp_path_factory.mktemp("readme_digits")
     env = dict(os.environ, TPUTRAIN_CACHE_DIR=str(root / "cache"), TF_CPP_MIN_LOG_LEVEL="2")

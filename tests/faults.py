@@ -561,3 +561,10 @@ def keras_fit_run(model_dir: str, pause_at: int | None = None) -> None:
                  batch_size=8, eval_every=8, steps_per_loop=2, checkpoint_every=2,
                  strategy=strategy_for(2), report_mfu=False,
                  actions=[PauseAtStep(pause_at)] if pause_at else [])
+
+
+def write_records(directory: Path) -> list[str]:
+    x = np.random.RandomState(0).randn(64, 8).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    return tputrain.data.write_tfrecords({"x": x, "label": y}, str(directory / "train"),
+                                         num_shards=2)

@@ -6,7 +6,8 @@ import tensorflow as tf
 
 import tputrain
 from tputrain.communication import CommunicationOptions, gradient_bytes
-from tiny import TinyTask, strategy_for
+from events import train_scalars
+from tiny import TinyTask, model_bytes, strategy_for
 
 
 class Recorder(tputrain.Action):
@@ -75,21 +76,6 @@ def test_gradient_bytes_counts_floating_variables_in_the_wire_dtype():
     assert gradient_bytes(variables, "float32", 1) == 0
 
 
-def train_scalars(model_dir, split: str = "train") -> dict[str, list[float]]:
-    """Every value of each tag the chief wrote to TensorBoard's train/ (or eval/) run."""
-    values: dict[str, list[float]] = {}
-    for path in sorted((model_dir / split).glob("events.*")):
-        for event in tf.compat.v1.train.summary_iterator(str(path)):
-            for value in event.summary.value:
-                values.setdefault(value.tag, []).append(float(tf.make_ndarray(value.tensor)))
-    return values
-
-
-def model_bytes(task, bytes_per_value: int = 4) -> int:
-    return sum(int(np.prod(w.shape)) for w in task.build_model().trainable_weights) \
-        * bytes_per_value
-
-
 @pytest.mark.slow
 def test_two_worker_launch_logs_half_the_model_bytes_with_bf16_all_reduce(tmp_path):
     """`tputrain launch --workers 2` on digits with a bf16 all-reduce: comm/gradient_bytes
@@ -101,7 +87,7 @@ def test_two_worker_launch_logs_half_the_model_bytes_with_bf16_all_reduce(tmp_pa
     import sys
 
     from faults import child_env
-    from test_launch import in_netns
+    from processes import in_netns
     from tputrain.tasks.digits import DigitsTask
 
     model_dir = tmp_path / "bf16"

@@ -22,8 +22,9 @@ import pytest
 import tensorflow as tf
 
 import tputrain
+from events import scalar_points
 from faults import child_env
-from test_launch import in_netns
+from processes import in_netns
 from tiny import TinyTask, devices, strategy_for, weights
 from tputrain.communication import CommunicationOptions
 from tputrain.data import InputOptions
@@ -127,13 +128,7 @@ def _trainer(tmp_path, task, replicas=1, name="run", strategy=None, **kwargs):
 
 
 def _scalars(directory, tag):
-    values = []
-    for path in sorted(tf.io.gfile.glob(os.path.join(directory, "train", "events.*"))):
-        for event in tf.compat.v1.train.summary_iterator(path):
-            for value in event.summary.value:
-                if value.tag == tag:
-                    values.append((event.step, float(tf.make_ndarray(value.tensor))))
-    return values
+    return scalar_points(os.path.join(directory, "train")).get(tag, [])
 
 
 # The stall fraction in every training loop.
@@ -238,8 +233,10 @@ def test_communication_advice_fits_the_case():
 
 
 def test_diagnose_finds_a_slow_input_pipeline(tmp_path):
-    trainer = _trainer(tmp_path, SleepyTask(sleep=0.01), 2, train_steps=100, steps_per_loop=4)
-    result = diagnose(trainer, seconds=0.3)
+    # 100 ms of sleep per batch, as the compute-bound case below: far longer than a busy
+    # host's step (10 ms read a stall of 0.08 at load 7: the tiny step took 23 ms).
+    trainer = _trainer(tmp_path, SleepyTask(sleep=0.1), 2, train_steps=100, steps_per_loop=4)
+    result = diagnose(trainer, seconds=0.4)
     assert result.bottleneck == "input" and result.stall_fraction > 0.5
     assert result.input_only_steps_per_second < result.compute_only_steps_per_second
     assert result.end_to_end_steps_per_second < 0.5 * result.compute_only_steps_per_second
@@ -289,7 +286,7 @@ def test_cli_names_the_input_bottleneck_of_slow_input_gin():
     slow_input.gin's `import examples.slow_input` finds its task."""
     result = subprocess.run(
         [sys.executable, "-m", "tputrain.diagnose", "--gin_file=slow_input.gin", "--json",
-         "--seconds=0.3", "--gin_param=SlowInputTask.work=1000",
+         "--seconds=0.3", "--gin_param=SlowInputTask.work=4000",  # input-bound at any load
          "--gin_param=Trainer.steps_per_loop=5", "--gin_param=Trainer.eval_every=None"],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -1,25 +1,10 @@
 """tools/docgen.py: docstring parsing, the error catalogue and the generated pages."""
 
-import importlib.util
-import sys
 import textwrap
-from pathlib import Path
 
 import gin
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_docgen():
-    """tools/docgen.py, a script outside the package, imported by its path."""
-    module = sys.modules.get("docgen")
-    if module is None:
-        spec = importlib.util.spec_from_file_location("docgen", ROOT / "tools" / "docgen.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["docgen"] = module
-        spec.loader.exec_module(module)
-    return module
-
+from docgen_loader import load_docgen
 
 docgen = load_docgen()
 

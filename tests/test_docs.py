@@ -103,6 +103,7 @@ _RUNNER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.start_early(8)
 def test_every_runnable_snippet_runs(tmp_path):
     snippets = all_snippets()
     assert {s["lang"] for s in snippets} == {"python", "bash"}, "expected both kinds of snippets"
@@ -169,7 +170,7 @@ def test_troubleshooting_quotes_real_error_messages():
 
     Quotes write run-time values as `{...}`, as the error reference does.
     """
-    from test_docgen import load_docgen
+    from docgen_loader import load_docgen
 
     collect_errors = load_docgen().collect_errors
     text = (DOCS / "troubleshooting.md").read_text()
@@ -257,7 +258,7 @@ def _known_flags(command: str) -> set[str]:
     import absl.logging  # noqa: F401 (defines the logging flags)
     from absl import flags
 
-    from test_docgen import load_docgen
+    from docgen_loader import load_docgen
 
     info = load_docgen().command_flags(command)
     names = {row["name"] for row in info["flags"]} | {"help", "h"}

@@ -12,12 +12,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-import numpy as np
 import pytest
-import tensorflow as tf
 
 import tputrain
-from faults import FaultTask, RecordsTask
+from faults import FaultTask, RecordsTask, write_records
 from tputrain.checkpoint import CheckpointMismatchError
 from tputrain.config import ConfigError, parse_gin, require_bound
 from tiny import TinyTask, strategy_for
@@ -62,13 +60,6 @@ def test_missing_required_binding_says_what_to_add():
 
 
 # ---------------------------------------------------------------- inputs
-
-
-def write_records(directory: Path) -> list[str]:
-    x = np.random.RandomState(0).randn(64, 8).astype(np.float32)
-    y = (x[:, 0] > 0).astype(np.int64)
-    return tputrain.data.write_tfrecords({"x": x, "label": y}, str(directory / "train"),
-                                         num_shards=2)
 
 
 def test_no_files_match_names_the_pattern(tmp_path):

@@ -162,6 +162,7 @@ def trained_accuracy(log: str) -> float:
     return float(re.findall(r"done at step \d+: .*accuracy ([0-9.]+)", log)[-1])
 
 
+@pytest.mark.same_worker("readme_digits")
 @pytest.mark.slow
 def test_readme_command_exports_a_model_that_serves_the_trained_accuracy(readme_digits):
     # `readme_digits` (conftest): README command 1 run once, also checked by test_run.py.
@@ -175,6 +176,7 @@ def test_readme_command_exports_a_model_that_serves_the_trained_accuracy(readme_
     assert abs(served["accuracy"] - trained_accuracy(train.stderr)) <= 0.005
 
 
+@pytest.mark.start_early(11)
 @pytest.mark.slow
 def test_mixed_bfloat16_run_serves_float32_and_the_cli_exports_any_step(tmp_path):
     model_dir = tmp_path / "bf16"
@@ -298,6 +300,7 @@ def failing_save(error):
     return save
 
 
+@pytest.mark.same_worker("export_trained")
 @pytest.mark.parametrize("error, words", [
     (OSError(errno.ENOSPC, "No space left on device"), "free some space"),
     (tf.errors.PermissionDeniedError(None, None, "Read-only file system"), "pass a writable"),
@@ -314,6 +317,7 @@ def test_a_failed_write_is_one_line_and_leaves_no_temp_folder(trained, tmp_path,
     assert temps(tmp_path / "run" / "export") == []
 
 
+@pytest.mark.same_worker("export_trained")
 def test_an_export_dir_that_is_a_file_is_named(trained, tmp_path):
     trainer = copy_of(trained, tmp_path)
     (tmp_path / "served").write_text("x")
@@ -322,6 +326,7 @@ def test_an_export_dir_that_is_a_file_is_named(trained, tmp_path):
     assert temps(tmp_path) == []
 
 
+@pytest.mark.same_worker("export_trained")
 def test_temp_folders_of_killed_exports_are_removed(trained, tmp_path):
     trainer = copy_of(trained, tmp_path)
     dead = subprocess.Popen(["true"])
@@ -334,6 +339,7 @@ def test_temp_folders_of_killed_exports_are_removed(trained, tmp_path):
     assert temps(tmp_path / "run" / "export") == [live.name]  # a running export's is kept
 
 
+@pytest.mark.same_worker("export_trained")
 def test_an_existing_version_is_not_overwritten_with_another_step(trained, tmp_path):
     """--export_dir=MODEL_DIR/export/8 --step=4 rewrote version 8 in place with step 4."""
     trainer = copy_of(trained, tmp_path)
@@ -345,6 +351,7 @@ def test_an_existing_version_is_not_overwritten_with_another_step(trained, tmp_p
     assert tputrain.export_checkpoint(trainer, step=8) == version  # the same step: kept
 
 
+@pytest.mark.same_worker("export_trained")
 def test_a_concurrent_export_of_the_same_step_is_not_an_error(trained, tmp_path, monkeypatch):
     """Two `tputrain export --step=8` at once: the second rename failed (AlreadyExistsError
     traceback) and left a complete export/8.tmp-* behind."""
@@ -367,6 +374,7 @@ def truncate(model_dir, step):
     data.write_bytes(data.read_bytes()[:len(data.read_bytes()) // 2])
 
 
+@pytest.mark.same_worker("export_trained")
 def test_a_truncated_latest_checkpoint_falls_back_to_the_older_one(trained, tmp_path, caplog):
     """`IndexError: Read less bytes than requested`, no file named and no fallback."""
     trainer = copy_of(trained, tmp_path)
@@ -379,6 +387,7 @@ def test_a_truncated_latest_checkpoint_falls_back_to_the_older_one(trained, tmp_
     assert "\n" not in str(caught.value)
 
 
+@pytest.mark.same_worker("export_trained")
 def test_eval_of_a_truncated_checkpoint_falls_back_or_names_it(trained, tmp_path):
     trainer = copy_of(trained, tmp_path)
     truncate(tmp_path / "run", 8)
@@ -387,6 +396,7 @@ def test_eval_of_a_truncated_checkpoint_falls_back_or_names_it(trained, tmp_path
         evaluate_checkpoints(trainer, step=8)
 
 
+@pytest.mark.same_worker("export_trained")
 def test_the_side_car_reports_each_checkpoint_as_it_is_evaluated(trained, tmp_path):
     """`tputrain eval --continuous` printed its lines only when it finished (none when
     killed): `on_result` (the CLI prints there) is called before the next checkpoint."""
@@ -411,7 +421,7 @@ def test_a_kill_at_any_file_event_after_the_final_checkpoint_is_completed_by_a_r
     completes what is missing and nothing else: it exports (it said 'nothing to train'
     and never wrote export/<step>/) and ends as the uninterrupted run."""
     from faults import file_events
-    from test_best import CONFIG, assert_same_outcome, event_child, kill_before_event, run_outcome
+    from file_events import CONFIG, assert_same_outcome, event_child, kill_before_event, run_outcome
 
     config = tmp_path / "end.gin"
     config.write_text(CONFIG + "Trainer.train_steps = 12\nEarlyStopping.patience = 100\n")

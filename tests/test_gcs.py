@@ -11,8 +11,10 @@ import tensorflow as tf
 import tputrain
 from gcs_emulator import BUCKET, LocalGCS
 from tputrain.gcs import BucketError, check_bucket_writable, split_gs_path
-from test_errors import RecordsTask, write_records
+from faults import RecordsTask, write_records
 from tiny import strategy_for, weights
+
+pytestmark = pytest.mark.same_worker("test_gcs.py")
 
 pytest.importorskip("gcp_storage_emulator")
 

@@ -11,9 +11,9 @@ import sys
 import time
 
 import pytest
-import tensorflow as tf
 
 import tputrain
+from events import scalar_points
 from faults import Process, child_env
 from tiny import TinyTask, strategy_for
 from tputrain import goodput
@@ -157,11 +157,7 @@ def make(tmp_path, **kwargs):
 
 
 def scalar_tags(logdir) -> set[str]:
-    tags = set()
-    for path in tf.io.gfile.glob(str(logdir / "events.out.tfevents.*")):
-        for event in tf.compat.v1.train.summary_iterator(path):
-            tags.update(value.tag for value in event.summary.value)
-    return tags
+    return set(scalar_points(logdir))
 
 
 def test_a_trainer_keeps_a_record_per_process_and_tensorboard_scalars(tmp_path):

@@ -16,6 +16,8 @@ import tputrain
 from tiny import TinyTask, strategy_for
 from tputrain.init_checkpoint import InitCheckpoint, rename, selected
 
+pytestmark = pytest.mark.same_worker("test_init_checkpoint.py")
+
 
 class FineTask(TinyTask):
     """TinyTask with a named two-layer backbone and a head of `classes` outputs."""

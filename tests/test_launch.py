@@ -13,19 +13,19 @@ import json
 import os
 import re
 import select
-import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import tensorflow as tf
 
-from faults import FaultTask, Process, child_env
-from test_communication import model_bytes, train_scalars
+from faults import FaultTask, child_env
+from events import train_scalars
+from processes import Launch, in_netns, listed_steps
+from tiny import model_bytes
 from tputrain.cli.launch import parse_args
 from tputrain.launch import Launcher, tf_configs
 
@@ -41,37 +41,7 @@ FaultTask.dropout = 0.3
 """
 
 
-def _netns_works() -> bool:
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return False
-    probe = subprocess.run(["unshare", "-rn", "sh", "-c", "ip link set lo up"],
-                           capture_output=True)
-    return probe.returncode == 0
-
-
-NETNS = _netns_works()
-
-
-def in_netns(command: list[str]) -> list[str]:
-    """`command` in a private network namespace with only loopback (if available)."""
-    if not NETNS:
-        return command
-    return ["unshare", "-rn", "sh", "-c", "ip link set lo up && exec " + shlex.join(command)]
-
-
-class Launch(Process):
-    """A `tputrain launch` process in the private network namespace."""
-
-    def __init__(self, args: list[str]):
-        super().__init__(in_netns([sys.executable, "-m", "tputrain.run", "launch", *args]),
-                         child_env())
-
-
-def listed_steps(model_dir: Path) -> list[int]:
-    state = tf.train.get_checkpoint_state(str(model_dir / "checkpoints"))
-    return sorted(int(p.rsplit("-", 1)[1]) for p in state.all_model_checkpoint_paths) if state else []
-
-
+@pytest.mark.start_early(9)
 @pytest.mark.slow
 def test_two_workers_train_chief_checkpoints_fail_together_resume_and_preempt(tmp_path):
     config = tmp_path / "mw.gin"

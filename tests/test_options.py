@@ -52,3 +52,45 @@ def test_check_replicas_names_a_batch_that_works():
 def test_steps_per_program_names_what_it_takes(value, error, message):
     with pytest.raises(error, match=message):
         TrainerOptions(steps_per_program=value)
+
+
+def test_every_options_class_is_public_and_trainer_knobs_need_no_gin():
+    import dataclasses
+
+    import tputrain
+
+    options = tputrain.TrainerOptions(
+        precision=tputrain.PrecisionOptions("mixed_bfloat16", ["logits"]),
+        checkpoint=tputrain.CheckpointOptions(async_save=True, check_finite=False),
+        profiling=tputrain.ProfilingOptions(peak_flops_per_device=1e9))
+    assert options.precision.keep_float32_layers == ("logits",)
+    assert options.checkpoint.async_save and not options.checkpoint.check_finite
+    assert options.profiling.peak_flops_per_device == 1e9
+    assert tputrain.TrainerOptions(precision="float32").precision == tputrain.PrecisionOptions("float32")
+    assert dataclasses.is_dataclass(tputrain.CommunicationOptions)
+    with pytest.raises(TypeError, match="CheckpointOptions"):
+        tputrain.TrainerOptions(checkpoint={"async_save": True})
+
+
+def test_old_gin_names_fill_the_options_with_a_warning_naming_the_replacement(caplog):
+    import gin
+
+    import tputrain
+
+    gin.clear_config()
+    try:
+        gin.parse_config("Checkpointer.async_save = True\n"
+                         "peak_flops.device_kind = 'A100'\n"
+                         "CheckpointOptions.check_finite = False")
+        with caplog.at_level("WARNING"):
+            options = tputrain.TrainerOptions()
+        assert options.checkpoint == tputrain.CheckpointOptions(async_save=True, check_finite=False)
+        assert options.profiling.device_kind == "A100"
+        messages = " ".join(r.getMessage() for r in caplog.records)
+        assert "Checkpointer.async_save = True is deprecated" in messages
+        assert "CheckpointOptions.async_save = True" in messages
+        assert "ProfilingOptions.device_kind" in messages
+        # What the caller passes wins over both.
+        assert not tputrain.CheckpointOptions(async_save=False).async_save
+    finally:
+        gin.clear_config()

@@ -12,23 +12,23 @@ import shlex
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from faults import child_env
-from test_launch import in_netns
-from test_replica_equivalence import OPTIONS
+from processes import in_netns
+from equivalence import OPTIONS
 from tputrain.launch import tf_configs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.start_early(0),
+              pytest.mark.same_worker("replica_equivalence")]
 
 WORKER = textwrap.dedent("""
     import json, sys
     import numpy as np
     import tputrain
-    from test_replica_equivalence import OPTIONS, train
+    from equivalence import OPTIONS, train
 
     strategy = tputrain.resolve_strategy()
     out, results = sys.argv[1], {}

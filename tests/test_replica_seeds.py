@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import tputrain
 from faults import mask_probe_model
-from test_launch import Launch
+from processes import Launch
 from tiny import TinyTask, strategy_for, weights
 
 STEPS, BATCH = 4, 16

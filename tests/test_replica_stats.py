@@ -16,7 +16,7 @@ import tensorflow as tf
 import tputrain
 from tputrain.export import export_checkpoint
 from faults import INPUT_NORM_MOMENTUM as MOMENTUM, input_norm_model, running_stats_model
-from test_launch import Launch
+from processes import Launch
 from tiny import TinyTask, strategy_for
 
 STEPS, BATCH = 4, 16

@@ -46,6 +46,8 @@ def final_accuracy(log: str) -> float:
     return float(re.findall(r"done at step \d+: .*accuracy ([0-9.]+)", log)[-1])
 
 
+@pytest.mark.same_worker("readme_digits")
+@pytest.mark.start_early(5)
 def test_digits_trains_reruns_and_continues(tmp_path, readme_digits):
     # `readme_digits` (conftest): README command 1 run once, also served by test_export.py.
     root, first = readme_digits
@@ -74,6 +76,7 @@ def test_digits_trains_reruns_and_continues(tmp_path, readme_digits):
     assert "step 100/" not in more.stderr
 
 
+@pytest.mark.start_early(7)
 def test_sigkill_midway_resumes_from_latest_checkpoint(tmp_path):
     command = [sys.executable, "-m", "tputrain.run", "--gin_file=digits.gin",
                f"--model_dir={tmp_path / 'model'}", "--gin_param=Trainer.steps_per_loop=20",

@@ -10,6 +10,8 @@ import tputrain  # noqa: E402
 from tputrain.config import parse_gin  # noqa: E402
 from tputrain.data import InputContext, TFDSInput  # noqa: E402
 
+pytestmark = [pytest.mark.start_early(10), pytest.mark.same_worker("test_tfds.py")]
+
 
 class TputrainTinyTfds(tfds.core.GeneratorBasedBuilder):
     """40 examples: x = [i, i], label = i, and variable-length `tokens` (i % 3 + 1 of them)."""

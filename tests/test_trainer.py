@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tputrain
+from events import scalar_points
 from tiny import TinyTask, strategy_for, weights
 
 
@@ -19,12 +20,13 @@ def make_trainer(tmp_path, replicas=1, name="run", **kwargs):
 @pytest.fixture(scope="module")
 def single_device(tmp_path_factory):
     """make_trainer's default run on 1 device, trained once for both replica counts
-    below (conftest.SAME_WORKER keeps them on one worker): (weights, final eval logs)."""
+    below (one `same_worker` group keeps them on one worker): (weights, final eval logs)."""
     single = make_trainer(tmp_path_factory.mktemp("single_device"), 1, "one")
     single_logs = single.train()
     return weights(single), single_logs
 
 
+@pytest.mark.same_worker("single_device")
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_replicas_match_single_device(tmp_path, single_device, replicas):
     """Same global batch, regularisation included: loss and weights agree to 1e-5."""
@@ -49,6 +51,7 @@ def test_steps_per_loop_matches_single_steps(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.start_early(4)
 def test_resume_continues_and_matches_uninterrupted(tmp_path):
     """Stopping at step 4 and continuing to 8 equals training to 8 directly (dropout on)."""
     task = lambda: TinyTask(dropout=0.3)  # noqa: E731
@@ -101,6 +104,7 @@ class OddEvalTask(TinyTask):
         return dataset.batch(batch).map(lambda *b: tputrain.data.pad_to_batch(b, batch))
 
 
+@pytest.mark.start_early(2)
 @pytest.mark.parametrize("replicas,input_mode", [(1, "host"), (4, "host"), (2, "distributed")])
 def test_padded_eval_counts_every_example_once(tmp_path, replicas, input_mode):
     """100 examples in per-replica batches of 16/replicas: the padding counts for nothing."""
@@ -146,10 +150,7 @@ def test_distributed_input_mode_matches_host_mode(tmp_path):
 def test_summaries_written(tmp_path):
     trainer = make_trainer(tmp_path, 1, "tb", train_steps=4, steps_per_loop=2)
     trainer.train()
-    tags = set()
-    for path in tf.io.gfile.glob(str(tmp_path / "tb" / "train" / "events.*")):
-        for event in tf.compat.v1.train.summary_iterator(path):
-            tags.update(v.tag for v in event.summary.value)
+    tags = set(scalar_points(tmp_path / "tb" / "train"))
     assert {"loss", "accuracy", "learning_rate", "examples_per_second"} <= tags
 
 
@@ -272,11 +273,8 @@ def test_mfu_and_throughput_in_logs_and_tensorboard(tmp_path, caplog):
     # weight gradients, and the input gradient of the second layer only.
     assert trainer.flops_per_step == 2 * 16 * (8 * 16 + 16 * 2) * 2 + 2 * 16 * 16 * 2
     assert any("MFU" in r.getMessage() and "examples/s" in r.getMessage() for r in caplog.records)
-    scalars = {}
-    for path in tf.io.gfile.glob(str(tmp_path / "mfu" / "train" / "events.*")):
-        for event in tf.compat.v1.train.summary_iterator(path):
-            for value in event.summary.value:
-                scalars.setdefault(value.tag, {})[event.step] = tf.make_ndarray(value.tensor)
+    scalars = {tag: dict(points)
+               for tag, points in scalar_points(tmp_path / "mfu" / "train").items()}
     assert {"mfu", "examples_per_second", "steps_per_second"} <= set(scalars)
     assert scalars["mfu"][4] == pytest.approx(
         trainer.flops_per_step * scalars["steps_per_second"][4] / 1e9, rel=1e-5)

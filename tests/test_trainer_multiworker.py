@@ -21,8 +21,9 @@ import pytest
 import tensorflow as tf
 
 import tputrain
+from events import last_scalars
 from faults import RecordsTask, final_weights, trained_indices
-from test_launch import Launch, listed_steps
+from processes import Launch, listed_steps
 
 pytestmark = pytest.mark.slow
 
@@ -45,12 +46,7 @@ def _write(directory: Path, name: str, counts: list[int], seed: int) -> list[str
 
 def _eval_scalars(model_dir: Path) -> dict[str, float]:
     """The last eval point the chief wrote to TensorBoard (float32, not log text)."""
-    values = {}
-    for path in sorted((model_dir / "eval").glob("events.*")):
-        for event in tf.compat.v1.train.summary_iterator(str(path)):
-            for value in event.summary.value:
-                values[value.tag] = float(tf.make_ndarray(value.tensor))
-    return values
+    return last_scalars(model_dir / "eval")
 
 
 def _direct_eval(model_dir: Path, files: list[str]) -> dict[str, float]:
@@ -72,6 +68,7 @@ def _direct_eval(model_dir: Path, files: list[str]) -> dict[str, float]:
     return {"loss": loss, "accuracy": accuracy, "examples": len(y)}
 
 
+@pytest.mark.start_early(3)
 @pytest.mark.parametrize("workers, input_mode, pad_eval", [
     (2, "host", False), (3, "host", True), (2, "distributed", True), (3, "distributed", False)])
 def test_uneven_eval_shards_agree_on_steps_and_the_mean(tmp_path, workers, input_mode, pad_eval):
@@ -123,6 +120,7 @@ FaultTask.dropout = 0.3
 """
 
 
+@pytest.mark.start_early(1)
 @pytest.mark.parametrize("input_mode", ["host", "distributed"])
 def test_kill_9_of_a_worker_then_rerun_equals_an_uninterrupted_run(tmp_path, input_mode):
     """Issue 11 acceptance 2: 2 worker processes, a random worker SIGKILLed after a

@@ -134,6 +134,7 @@ def test_submit_without_aiplatform_names_the_install(monkeypatch):
         vertex.submit({}, project="p", region="us-central1")
 
 
+@pytest.mark.start_early(6)
 def test_spec_parses_as_the_vertex_ai_api_message():
     """Where google-cloud-aiplatform is installed: the JSON is a valid v1 CustomJob."""
     aiplatform_v1 = pytest.importorskip("google.cloud.aiplatform_v1")

@@ -63,5 +63,11 @@ class TinyTask(tputrain.Task):
         return keras.optimizers.SGD(self.learning_rate, momentum=0.9)
 
 
+def model_bytes(task, bytes_per_value: int = 4) -> int:
+    """Bytes of the task's model's trainable weights."""
+    return sum(int(np.prod(w.shape)) for w in task.build_model().trainable_weights) \
+        * bytes_per_value
+
+
 def weights(trainer: tputrain.Trainer) -> list[np.ndarray]:
     return [np.asarray(w) for w in trainer.model.get_weights()]

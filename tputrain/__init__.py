@@ -4,7 +4,8 @@ The public API is re-exported here; everything else is an implementation detail.
 
 Importing tputrain does not import TensorFlow (`tputrain --help` answers without
 it): the first use of a public name loads the whole API (PEP 562 `__getattr__`),
-registering every gin configurable, as the first gin parse or binding does, so
+registering every gin configurable (`tputrain.configurables`), as the first gin
+parse or binding does, so
 `import tputrain; gin.parse_config_file(...)` works as before. Whoever imports
 TensorFlow first afterwards, it starts with its start-up noise filtered
 (`tputrain.console.filter_tensorflow_startup`).
@@ -55,6 +56,11 @@ _EXPORTS = {
     "KerasCallbacks": "tputrain.keras_callbacks",
     "fit": "tputrain.keras_fit",
     "Trainer": "tputrain.trainer",
+    "TrainerOptions": "tputrain.options",
+    "CheckpointOptions": "tputrain.options",
+    "PrecisionOptions": "tputrain.options",
+    "ProfilingOptions": "tputrain.options",
+    "CommunicationOptions": "tputrain.communication",
     "BestCheckpoint": "tputrain.best",
     "EarlyStopping": "tputrain.best",
     "Export": "tputrain.export",
@@ -76,10 +82,12 @@ def _resolve(name: str) -> Any:
 
 
 def load_api() -> None:
-    """Imports every public module, so their gin configurables are registered."""
+    """Imports every public module and registers gin's configurables
+    (`tputrain.configurables`)."""
     for name in _EXPORTS:
         if name not in globals():
             _resolve(name)
+    importlib.import_module("tputrain.configurables")
 
 
 def __getattr__(name: str) -> Any:

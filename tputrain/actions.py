@@ -20,7 +20,7 @@ from tputrain.communication import (CommunicationOptions, collective_share, grad
 from tputrain.context import ActionContext
 from tputrain.flops import count_flops, peak_flops, specs_of
 from tputrain.guard import NonFiniteError
-from tputrain.task import Task
+from tputrain.task import overrides_train_step
 
 
 class Action:
@@ -167,7 +167,8 @@ class MFUAction(Action):
             return
         try:
             context.flops_per_step = count_flops_per_step(context)
-            peak = peak_flops(context.plan.precision, context.strategy)
+            peak = peak_flops(context.plan.precision, context.strategy,
+                              **vars(context.options.profiling))
         except Exception as error:  # pylint: disable=broad-except  (a diagnostic, not training)
             logging.warning("tputrain: MFU is not reported: %s: %s", type(error).__name__, error)
             context.report_mfu = False
@@ -183,7 +184,7 @@ def count_flops_per_step(context: ActionContext) -> float:
     analytic = task.flops_per_example()
     if analytic is not None:
         return float(analytic) * context.plan.batch.global_batch_size
-    if type(task).train_step is not Task.train_step:
+    if overrides_train_step(task):
         raise ValueError(f"{type(task).__name__} overrides Task.train_step: return an "
                          "analytic count from Task.flops_per_example()")
     per_micro_batch = count_flops(

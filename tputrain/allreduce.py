@@ -3,17 +3,16 @@
 Keras 3 optimizers clip (`clipnorm`, `clipvalue`, `global_clipnorm`) and decay
 inside `apply`, *before* their own cross-replica sum, so on N replicas each
 replica clipped its partial gradient: a different update from one replica's.
-`reduce_gradients_first` moves the sum in front: the optimizer's `apply`
-receives gradients already summed over replicas (one batched all-reduce per
-step, also under gradient accumulation and for a `Task.train_step` override
-that calls `apply_gradients`), and its own later sum is turned off. Everything
+The update pipeline (`tputrain.loop.pipeline`) moves the sum in front: the
+optimizer's `apply` receives gradients already summed over replicas (one batched
+all-reduce per step, also under gradient accumulation and for a `Task.train_step`
+override that calls `apply_gradients`), and its own later sum is turned off. Everything
 the optimizer does then sees the global gradient: clipping, weight decay,
 LARS/LAMB trust ratios, loss-scale unscaling and the NaN/Inf guard's check.
 """
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import keras
@@ -45,36 +44,10 @@ def all_reduce_sum(context: tf.distribute.ReplicaContext, gradients: list[Any],
     return out
 
 
-def _no_second_sum(optimizer: keras.optimizers.Optimizer) -> None:
+def no_second_sum(optimizer: keras.optimizers.Optimizer) -> None:
     """Turns off the Keras TF backend's own cross-replica sum in `apply`."""
     if not hasattr(optimizer, "_all_reduce_sum_gradients"):
         raise TypeError(
             f"{type(optimizer).__name__} has no _all_reduce_sum_gradients: tputrain needs a "
             "Keras 3 optimizer on the TensorFlow backend to sum gradients before clipping")
     optimizer._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
-
-
-def reduce_gradients_first(optimizer: keras.optimizers.Optimizer,
-                           dtype: str = "float32") -> None:
-    """Makes `optimizer.apply` sum gradients over replicas (crossing in `dtype`, see
-    `CommunicationOptions.allreduce_dtype`) before anything else.
-
-    Idempotent. Wrap any other `apply` wrapper (the guard) first: this one must
-    be the outermost so that wrapper sees summed gradients.
-    """
-    if getattr(optimizer, "_tputrain_reduced", False):
-        return
-    inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
-    _no_second_sum(inner if inner is not None else optimizer)
-    original_apply = optimizer.apply
-
-    def apply(self_, grads, trainable_variables=None):
-        del self_
-        grads = list(grads)
-        context = tf.distribute.get_replica_context()
-        if context is not None and context.num_replicas_in_sync > 1:
-            grads = all_reduce_sum(context, grads, dtype)
-        return original_apply(grads, trainable_variables)
-
-    optimizer.apply = types.MethodType(apply, optimizer)
-    optimizer._tputrain_reduced = True

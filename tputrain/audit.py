@@ -16,7 +16,7 @@ eval batches:
 Layers whose local error exceeds `tolerance` are flagged; the eval-metric delta
 (target minus float32) is what decides whether the drift matters
 (`AuditReport.metrics_ok`). Keep a flagged layer in float32 with
-`override_layer_dtypes.keep_float32_layers = ['name']` and rerun.
+`PrecisionOptions.keep_float32_layers = ['name']` and rerun.
 `tputrain audit-precision` (tputrain/cli/audit_precision.py) runs it on a gin config.
 """
 
@@ -31,9 +31,9 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tputrain.config import ConfigError, require_bound
 from tputrain.data import InputContext
 from tputrain.layer_precision import override_layer_dtypes, sublayers
+from tputrain.options import PrecisionOptions
 from tputrain.precision import set_precision_policy, to_float32
 from tputrain.task import Task
 
@@ -116,7 +116,7 @@ class AuditReport:
         if self.flagged_layers:
             names = ", ".join(repr(n) for n in self.flagged_layers)
             rows.append(f"to keep the flagged layers in float32, bind: "
-                        f"override_layer_dtypes.keep_float32_layers = [{names}]")
+                        f"PrecisionOptions.keep_float32_layers = [{names}]")
         return "\n".join(rows)
 
 
@@ -265,7 +265,8 @@ def audit_precision(task: Task, policy: str = "mixed_bfloat16", global_batch_siz
                          "smaller audit_precision.global_batch_size")
     if not (model.built and model.variables):
         model(batches[0][0], training=False)
-    override_layer_dtypes(model)  # as training would run it (gin keep_float32_layers)
+    # As training would run it: PrecisionOptions() holds the configured float32 layers.
+    override_layer_dtypes(model, PrecisionOptions().keep_float32_layers)
     restored = _restore(model, checkpoint) if checkpoint else None
     if restored:
         logging.info("tputrain: audit weights from %s", restored)
@@ -276,35 +277,3 @@ def audit_precision(task: Task, policy: str = "mixed_bfloat16", global_batch_siz
                        layers=layers, metrics_float32=metrics_float32,
                        metrics_policy=metrics_policy, checkpoint=restored,
                        examples=sum(int(tf.nest.flatten(b[1])[0].shape[0]) for b in batches))
-
-
-def task_from_gin() -> Task:
-    """`audit_precision.task` if bound, else the training config's `Trainer.task`:
-    the audit runs on a training config unchanged."""
-    for binding in ("audit_precision.task", "Trainer.task"):
-        try:
-            reference = gin.query_parameter(binding)
-        except ValueError:
-            continue
-        task = (reference.scoped_configurable_fn()
-                if hasattr(reference, "scoped_configurable_fn") else reference)
-        if not isinstance(task, Task):
-            raise ConfigError(f"{binding} must be a tputrain.Task, got {type(task).__name__}")
-        return task
-    require_bound("Trainer.task")  # raises with the fix
-    raise AssertionError("unreachable")
-
-
-def defaults_from_gin() -> dict[str, Any]:
-    """`audit_precision` arguments the training config implies and the audit's own
-    bindings leave open: the audit reads batches of `Trainer.global_batch_size`."""
-    kwargs: dict[str, Any] = {}
-    for binding in ("global_batch_size",):
-        try:
-            gin.query_parameter(f"audit_precision.{binding}")
-        except ValueError:
-            try:
-                kwargs[binding] = gin.query_parameter(f"Trainer.{binding}")
-            except ValueError:
-                pass
-    return kwargs

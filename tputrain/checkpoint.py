@@ -68,7 +68,6 @@ import time
 import weakref
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
-import gin
 import keras
 import numpy as np
 import tensorflow as tf
@@ -223,8 +222,6 @@ def _every_value_finite(variables: list[Any]) -> tf.Tensor:
                           for v in variables])
 
 
-@gin.configurable(denylist=["directory", "step", "every", "keep", "restore_directory",
-                            "config_owned", "input_layout", "reposition"])
 class Checkpointer:
     """Saves every `every` steps into `directory`, keeps `keep`, restores the latest.
 

@@ -25,7 +25,6 @@ import subprocess
 import sys
 from typing import Any, Callable, Iterator
 
-import gin
 
 JOIN_TIMEOUT_EXIT_CODE = 3
 # The task types that train (and so count towards the cluster's size); an
@@ -171,7 +170,6 @@ def _exit_on_sigquit() -> Callable[[], None]:
     return lambda: libc.signal(signal.SIGQUIT, previous)
 
 
-@gin.configurable
 @contextlib.contextmanager
 def join_watchdog(timeout: float = 300.0) -> Iterator[None]:
     """Ends the process with `JOIN_TIMEOUT_EXIT_CODE` and a message naming the missing

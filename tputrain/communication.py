@@ -26,7 +26,6 @@ import statistics
 import time
 from typing import Any, Callable, Sequence
 
-import gin
 import tensorflow as tf
 
 from tputrain.allreduce import all_reduce_sum
@@ -39,7 +38,6 @@ MIRRORED_CROSS_DEVICE_OPS = {
     "reduce_to_one_device": tf.distribute.ReductionToOneDevice}
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class CommunicationOptions:
     """How gradients cross replicas and hosts; each knob says what it trades.

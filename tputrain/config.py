@@ -19,7 +19,8 @@ import gin
 from absl import logging
 
 import tputrain
-import tputrain.tasks  # noqa: F401  (registers the built-in configurables)
+import tputrain.configurables  # noqa: F401  (registers the configurables)
+import tputrain.tasks  # noqa: F401  (registers the built-in Tasks)
 from tputrain import configs  # the repository's configs/ folder, packaged
 
 

@@ -125,7 +125,7 @@ def restored_model(trainer: "Trainer", checkpoint: str) -> keras.Model:
     precision, holding the weights of `checkpoint` (the optimizer is not read)."""
     model = trainer.task.build_model()
     ensure_built(model, trainer.inputs.micro_batch_spec()[0])
-    override_layer_dtypes(model)  # the precision audit's float32 layers, as in training
+    override_layer_dtypes(model, trainer.options.precision.keep_float32_layers)  # as trained
     tf.train.Checkpoint(model=model).read(checkpoint).expect_partial() \
         .assert_existing_objects_matched()
     return model

@@ -30,7 +30,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import gin
 import numpy as np
 import tensorflow as tf
 from absl import logging
@@ -318,8 +317,8 @@ def cpu_peak_flops(dtype: str = "float32", refresh: bool = False) -> float:
     """The measured matmul peak of this CPU for `dtype`, cached: the best probe of the
     first `PEAK_PROBES` processes (one probe each; `refresh` starts over).
 
-    A probe taken while other work runs reads low (bf16: 248 against 409 GFLOP/s on
-    the 2-core VM), and MFU computed against it reads high until a later probe."""
+    A probe taken while other work runs reads low (the matmul shares the cores), and
+    MFU computed against it would read high for good: the best of several probes stands."""
     key = f"{_cpu_name()}|{os.cpu_count()} cpus|tf {tf.__version__}|{dtype}"
     path = _cache_path()
     cache = _read_json(path)
@@ -343,7 +342,6 @@ def cpu_peak_flops(dtype: str = "float32", refresh: bool = False) -> float:
     return peak
 
 
-@gin.configurable
 def peak_flops(precision: str, strategy: tf.distribute.Strategy | None = None,
                device_kind: str | None = None,
                peak_flops_per_device: float | None = None) -> Peak:
@@ -363,16 +361,16 @@ def peak_flops(precision: str, strategy: tf.distribute.Strategy | None = None,
     kind = _precision_kind(precision)
     replicas = strategy.num_replicas_in_sync
     if peak_flops_per_device is not None:
-        return Peak(float(peak_flops_per_device) * replicas, "Trainer gin binding")
+        return Peak(float(peak_flops_per_device) * replicas, "ProfilingOptions.peak_flops_per_device")
     accelerator = ("device", device_kind) if device_kind else _accelerator_kind(strategy)
     if accelerator is None:
         return Peak(cpu_peak_flops(kind), f"measured CPU {kind} matmul peak")
     row = lookup_device(accelerator[1])
     if row is None:
         raise ValueError(
-            f"no peak FLOP/s known for {accelerator[1]!r}: bind "
-            "peak_flops.peak_flops_per_device (dense 16-bit or float32 FLOP/s per device) "
-            "or peak_flops.device_kind (one of: " + ", ".join(PEAK_FLOPS) + ")")
+            f"no peak FLOP/s known for {accelerator[1]!r}: set "
+            "ProfilingOptions.peak_flops_per_device (dense 16-bit or float32 FLOP/s per "
+            "device) or ProfilingOptions.device_kind (one of: " + ", ".join(PEAK_FLOPS) + ")")
     per_device = row[0] if kind != "float32" else row[1]
     return Peak(per_device * replicas, f"{accelerator[1]} table x {replicas}")
 

@@ -42,8 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import types
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import gin
 import keras
@@ -207,91 +206,54 @@ class NonFiniteGuard:
 
         self.nonfinite_steps = counter("nonfinite_steps")  # cumulative, checkpointed
         self.tripped_at = counter("nonfinite_tripped_at")  # first bad step this loop, or 0
-        self._gradients_bad = counter("nonfinite_gradients")  # set by the guarded apply
+        self._gradients_bad = counter("nonfinite_gradients")  # set by the update pipeline (record)
         self._built = True
 
     # ------------------------------------------------------- inside the step
 
-    def wrap_optimizer(self, optimizer: keras.optimizers.Optimizer) -> None:
-        """Makes `optimizer.apply` skip non-finite updates (all replicas agree).
+    def guards(self, optimizer: keras.optimizers.Optimizer) -> bool:
+        """Whether this optimizer's updates are checked in-step (`tputrain.loop.pipeline`).
 
-        Replica context: the gradients arrive summed over replicas
-        (`tputrain.allreduce.reduce_gradients_first` wraps this wrapper), so each
-        replica's check agrees; the (cross-replica) `tf.cond` either runs the
-        optimizer's own apply on every replica or skips it.
+        Not with no policy or `check_gradients=False`, nor for a loss-scale optimizer,
+        which skips overflowing steps itself (see the module docstring).
         """
-        if (self.policy is None or not self.check_gradients
-                or getattr(optimizer, "_tputrain_guarded", False)):
-            return
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            return  # it skips overflowing steps itself (see the module docstring)
-        original_apply = optimizer.apply
-        guard = self
-        self._apply = original_apply
-        self._wrap_scale_loss(optimizer)
+        return (self.policy is not None and self.check_gradients
+                and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer))
 
-        def guarded_apply(self_, grads, trainable_variables=None):
-            del self_
-            grads = list(grads)
-            if guard._select:
-                guard._select_apply(optimizer, grads, trainable_variables)
-                return
-            context = tf.distribute.get_replica_context()
-            if context is None:  # cross-replica context: nothing to agree on
-                bad = tf.logical_not(_gradients_finite(grads))
-                guard._gradients_bad.assign(tf.cast(bad, tf.int64))
-                tf.cond(bad, lambda: tf.constant(False),
-                        lambda: _as_op(guard._apply(grads, trainable_variables)))
-                return
-            # The gradients are already summed over replicas (tputrain.allreduce), so
-            # every replica reaches the same verdict: no all-reduce of it is needed.
-            local_bad = tf.logical_not(_gradients_finite(grads))
+    @property
+    def selecting(self) -> bool:
+        """Whether a bad step's writes are masked by selects (`select_updates`)."""
+        return self._select
 
-            def cross_replica(distribution, local_bad, grads):
-                bad = distribution.experimental_local_results(local_bad)[0]
+    def gradients_bad(self, grads: list[Any]) -> tf.Tensor:
+        """The exact check outside XLA: whether the gradients' squared norm is not finite."""
+        return tf.logical_not(_gradients_finite(grads))
 
-                def apply_on_every_replica():
-                    distribution.extended.call_for_each_replica(
-                        guard._apply, args=(grads, trainable_variables))
-                    return tf.constant(True)
+    def record(self, bad: tf.Tensor) -> None:
+        """Notes this step's gradient verdict for `observe`."""
+        self._gradients_bad.assign(tf.cast(bad, tf.int64))
 
-                # A cond in cross-replica context: a replica-context cond cannot
-                # hold the optimizer's merge_call (Keras's LossScaleOptimizer does the same).
-                tf.cond(bad, lambda: tf.constant(False), apply_on_every_replica)
-                guard._gradients_bad.assign(tf.cast(bad, tf.int64))
-
-            context.merge_call(cross_replica, args=(local_bad, grads))
-
-        optimizer.apply = types.MethodType(guarded_apply, optimizer)
-        optimizer._tputrain_guarded = True
-        optimizer._tputrain_check_once = self.checking_once
-
-    def _wrap_scale_loss(self, optimizer: keras.optimizers.Optimizer) -> None:
-        """`optimizer.scale_loss` also multiplies by `_scale` while `_scaling`."""
-        original_scale_loss = optimizer.scale_loss
-        guard = self
-
-        def scale_loss(self_, loss):
-            del self_
-            loss = original_scale_loss(loss)
-            if not guard._scaling(optimizer):
-                return loss
-            if loss.dtype == tf.float16:  # the scale is not a float16
-                loss = tf.cast(loss, tf.float32)
-            return loss * tf.constant(guard._scale, loss.dtype)
-
-        optimizer.scale_loss = types.MethodType(scale_loss, optimizer)
+    def scaled_loss(self, optimizer: keras.optimizers.Optimizer, loss: tf.Tensor) -> tf.Tensor:
+        """`loss` (already the optimizer's `scale_loss`) times the scaled check's power of
+        two while a scaled step traces (`scaling_loss`); unchanged otherwise."""
+        if not self._scaling(optimizer):
+            return loss
+        if loss.dtype == tf.float16:  # the scale is not a float16
+            loss = tf.cast(loss, tf.float32)
+        return loss * tf.constant(self._scale, loss.dtype)
 
     def _scaling(self, optimizer: keras.optimizers.Optimizer) -> bool:
         """Whether the loss is scaled (and the gradients unscaled in the update). With
         global-norm clipping the exact check is free (XLA shares clipping's norm); with
-        the optimizer's own `loss_scale_factor`, its threshold would shift."""
-        return (self._scale > 0 and not getattr(optimizer, "global_clipnorm", None)
+        the optimizer's own `loss_scale_factor`, its threshold would shift. Never for
+        an optimizer the guard does not check (`guards`): nothing would unscale."""
+        return (self._scale > 0 and self.guards(optimizer)
+                and not getattr(optimizer, "global_clipnorm", None)
                 and getattr(optimizer, "loss_scale_factor", None) is None)
 
     def select_updates(self, on: bool) -> None:
         """With `on`, a bad step's writes are masked by selects instead of skipped by a
-        conditional (`_select_apply`); for an update inside an XLA program, on one
+        conditional (`select_apply`); for an update inside an XLA program, on one
         replica or on each device (`StepBuilder` sets it from its plan). On several
         devices the check is made once for all of them (`checking_once`).
 
@@ -349,9 +311,10 @@ class NonFiniteGuard:
         finally:
             self._verdict = saved
 
-    def _select_apply(self, optimizer: keras.optimizers.Optimizer, grads: list[Any],
-                      trainable_variables: Any) -> None:
-        """The optimizer's apply with every write masked by the gradients' verdict.
+    def select_apply(self, optimizer: keras.optimizers.Optimizer, apply: Callable,
+                     grads: list[Any], trainable_variables: Any) -> None:
+        """`apply(grads, trainable_variables)`, the optimizer's own, with every write
+        masked by the gradients' verdict.
 
         Variables it writes some other way (the step counter, an EMA, a custom
         optimizer's direct `variable.assign`) are put back by a select at the end.
@@ -370,7 +333,7 @@ class NonFiniteGuard:
         old = {key: tf.convert_to_tensor(v) for key, v in watched.items()}
         masked: set[int] = set()
         with _masked_writes(optimizer, bad, masked), tf.control_dependencies(list(old.values())):
-            self._apply(grads, trainable_variables)
+            apply(grads, trainable_variables)
         for key, variable in watched.items():  # ordered after the update's writes
             if key not in masked:
                 variable.assign(tf.where(bad, old[key], tf.convert_to_tensor(variable)))
@@ -473,8 +436,3 @@ def _masked_writes(optimizer: keras.optimizers.Optimizer, bad: tf.Tensor,
                 setattr(optimizer, name, saved[name])
             else:
                 delattr(optimizer, name)
-
-
-def _as_op(result: Any) -> tf.Tensor:
-    del result
-    return tf.constant(True)

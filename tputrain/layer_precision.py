@@ -5,8 +5,9 @@ mantissa: large offsets that later cancel, long sums, exponentials of large
 values. `tputrain audit-precision` finds them; this module keeps them in float32
 while the rest of the model computes in bf16/fp16:
 
-    override_layer_dtypes.keep_float32_layers = ['offset_cancel', 'block_3/*']
+    PrecisionOptions.keep_float32_layers = ['offset_cancel', 'block_3/*']
 
+(`tputrain.PrecisionOptions`; in Python, `Trainer(precision=PrecisionOptions(...))`).
 The Trainer (and the audit) apply it right after `Task.build_model()`. Keras 3
 reads a layer's dtype policy on every call and casts floating inputs to it, so
 changing the policy of a built layer changes how it computes; its variables are
@@ -18,7 +19,6 @@ from __future__ import annotations
 import fnmatch
 from typing import Iterable, Sequence
 
-import gin
 import keras
 
 
@@ -54,7 +54,6 @@ def find_layers(model: keras.Model, patterns: Iterable[str]) -> list[keras.layer
     return found
 
 
-@gin.configurable
 def override_layer_dtypes(model: keras.Model,
                           keep_float32_layers: Sequence[str] = ()) -> keras.Model:
     """Keeps the layers named in `keep_float32_layers` (and their sublayers) in float32.

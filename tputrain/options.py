@@ -1,8 +1,10 @@
-"""The Trainer's knobs, validated once: `TrainerOptions`.
+"""The Trainer's knobs, validated once: `TrainerOptions` and its parts.
 
 `Trainer(...)` takes these as keyword arguments (and gin binds them as
-`Trainer.<name>`); `Trainer.options` holds the validated, frozen result, so what
-a run will do is visible in one place.
+`Trainer.<name>`, the parts as `CheckpointOptions.<name>`...); `Trainer.options`
+holds the validated, frozen result, so what a run will do is visible in one
+place. Every knob is reachable from Python; gin only fills these classes
+(`tputrain.configurables`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,69 @@ INPUT_MODES = ("host", "distributed")
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """How checkpoints are written (their cadence and count: `TrainerOptions`).
+
+    Attributes:
+      async_save: write checkpoints on a background thread: training goes on while
+        the snapshot is written (`tputrain.checkpoint`).
+      check_finite: refuse to save a state with NaN/Inf in a float variable.
+    """
+
+    async_save: bool = False
+    check_finite: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("async_save", "check_finite"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CheckpointOptions.{name} must be True or False, "
+                                 f"got {getattr(self, name)!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionOptions:
+    """Which dtype the model computes in, and which layers stay float32.
+
+    Attributes:
+      policy: "float32", "mixed_bfloat16" or "mixed_float16"; None: the hardware
+        default (bf16 on TPU, else float32).
+      keep_float32_layers: names or globs of layers kept in float32 under a mixed
+        policy (what `tputrain audit-precision` flags).
+    """
+
+    policy: str | None = None
+    keep_float32_layers: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        layers = self.keep_float32_layers
+        if isinstance(layers, str) or not all(isinstance(l, str) for l in layers):
+            raise ValueError("PrecisionOptions.keep_float32_layers must be a list of layer "
+                             f"names, got {layers!r}")
+        object.__setattr__(self, "keep_float32_layers", tuple(layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfilingOptions:
+    """What model FLOPs utilization is measured against (`Trainer.report_mfu`).
+
+    Attributes:
+      device_kind: overrides detection, e.g. "TPU v5e" or "A100".
+      peak_flops_per_device: peak FLOP/s of one device, for hardware not in
+        `tputrain.flops.PEAK_FLOPS` (no CPU probe then either).
+    """
+
+    device_kind: str | None = None
+    peak_flops_per_device: float | None = None
+
+    def __post_init__(self) -> None:
+        peak = self.peak_flops_per_device
+        if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float))
+                                 or not peak > 0):
+            raise ValueError("ProfilingOptions.peak_flops_per_device must be a number > 0, "
+                             f"got {peak!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainerOptions:
     """How a Trainer runs: cadence, batch, precision, input and compilation.
 
@@ -33,8 +98,9 @@ class TrainerOptions:
       checkpoint_every: save every N steps (and at the end); None: as eval_every,
         or 1000.
       keep_checkpoints: how many checkpoints to keep.
-      precision: "float32", "mixed_bfloat16" or "mixed_float16"; None keeps the
-        gin binding of `set_precision_policy` (bf16 on TPU, else float32).
+      precision: `PrecisionOptions`; a policy name ("float32", "mixed_bfloat16",
+        "mixed_float16") stands for `PrecisionOptions(policy=name)`; None for
+        `PrecisionOptions()` (bf16 on TPU, else float32).
       seed: seeds weight initialisation and Keras random ops.
       input_mode: "host" keeps a plain per-host iterator that is checkpointed
         (exact data resume) and splits each step's batches across local replicas;
@@ -56,11 +122,13 @@ class TrainerOptions:
         XLA can lower it (measured faster here in float32: the MLP and the
         Transformer of `benchmarks/train_loop.py`, see docs/performance.md) and
         falls back, with a warning, when it cannot; on several replicas it compiles
-        the update on each device (1.22x less CPU time a 2-replica MLP step) for
+        the update on each device (less CPU time a step than TensorFlow's
+        per-variable kernels: the `resume` rows of docs/performance.md) for
         Keras's and tputrain's optimizers in float32 and mixed_bfloat16; it
         compiles nothing for mixed_float16 on a CPU (nor bf16 matmuls: XLA's CPU
         backend lacks oneDNN's), nor, on one CPU replica, a model with random ops
-        such as Dropout (XLA's CPU RNG made a small MLP's step 19x slower).
+        such as Dropout (XLA's CPU random-number generation is far slower than
+        TensorFlow's kernels).
       accumulation_steps: split each step's `global_batch_size` examples into N
         micro-batches, sum their gradients and apply them once: the same update as
         one N-times-larger batch (batch-norm statistics aside) in 1/N the memory.
@@ -78,8 +146,9 @@ class TrainerOptions:
         profile_steps, so that no fetch is split by a loop boundary.
       steps_per_program: where the whole step is one XLA program on one replica,
         read one batch a step (`steps_per_fetch=1`, host input), run this many steps
-        in one XLA program launch: each launch costs host work (a few hundred
-        microseconds on a CPU) that K steps pay once. "auto" (the default): the
+        in one XLA program launch: each launch costs host work (the compilation
+        cache lookup, the variables' buffers, the executor's hand-off) that K steps
+        pay once. "auto" (the default): the
         largest divisor of steps_per_loop up to 32 whose K batches (stacked in the
         program) take at most 64 MiB and whose K steps take at most 0.25 s at the
         device's peak FLOP/s (when counted: `report_mfu`); 1 for large batches or
@@ -90,6 +159,10 @@ class TrainerOptions:
         loss (and train metrics) weighted by its label's class, 1.0 for classes
         not listed; labels are class ids, or one-hot (their argmax). For a train
         split of `(features, labels)`; the eval split is not weighted.
+      checkpoint: `CheckpointOptions` (async writes, the finite check); None:
+        `CheckpointOptions()`.
+      profiling: `ProfilingOptions` (the peak MFU is measured against); None:
+        `ProfilingOptions()`.
     """
 
     train_steps: int = 1000
@@ -99,7 +172,7 @@ class TrainerOptions:
     eval_steps: int | None = None
     checkpoint_every: int | None = None
     keep_checkpoints: int = 3
-    precision: str | None = None
+    precision: str | PrecisionOptions | None = None
     seed: int = 0
     input_mode: str | None = None
     jit_compile: bool | str = "auto"
@@ -109,8 +182,11 @@ class TrainerOptions:
     steps_per_fetch: int = 1
     steps_per_program: int | str = "auto"
     class_weight: Mapping[int, float] | None = None
+    checkpoint: CheckpointOptions | None = None
+    profiling: ProfilingOptions | None = None
 
     def __post_init__(self) -> None:
+        _fill_parts(self)
         for name in ("train_steps", "steps_per_loop", "global_batch_size",
                      "accumulation_steps", "keep_checkpoints", "seed"):
             check_int("Trainer", name, getattr(self, name), 0 if name == "seed" else 1)
@@ -158,6 +234,20 @@ class TrainerOptions:
                 f"jit_compile on {replicas} replicas compiles Task.compute_gradients only, but "
                 f"{task_name} overrides Task.train_step: override compute_gradients "
                 "instead, or set Trainer.jit_compile=False")
+
+
+def _fill_parts(options: TrainerOptions) -> None:
+    """Each part as its options class (built with its defaults when not given)."""
+    precision = options.precision
+    if precision is None or isinstance(precision, str):
+        precision = PrecisionOptions() if precision is None else PrecisionOptions(policy=precision)
+    for name, cls, value in (("precision", PrecisionOptions, precision),
+                             ("checkpoint", CheckpointOptions, options.checkpoint or CheckpointOptions()),
+                             ("profiling", ProfilingOptions, options.profiling or ProfilingOptions())):
+        if not isinstance(value, cls):
+            raise TypeError(f"Trainer.{name} must be a tputrain.{cls.__name__}, "
+                            f"got {type(value).__name__}")
+        object.__setattr__(options, name, value)
 
 
 AUTO_PROGRAM_STEPS = 32  # steps_per_program="auto": at most this many steps,

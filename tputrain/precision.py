@@ -2,10 +2,10 @@
 
 Under a mixed policy ("mixed_bfloat16", "mixed_float16") Keras keeps every variable
 (and optimizer slot) in float32, so small updates are not rounded away, while layers
-compute in the low-precision dtype, which is where the speed comes from (bf16 matmuls
-are ~1.8x faster on TPUs and on CPUs with AVX512_BF16). Logits and losses should be
-float32: softmax/cross-entropy and loss sums lose too much in 16 bits, and adding a
-bf16 loss to a float32 regularization loss fails. `to_float32` does that cast.
+compute in the low-precision dtype, which is where the speed comes from (half the
+bytes a value, and bf16 matmul units on TPUs and on CPUs with AVX512_BF16). Logits
+and losses should be float32: softmax/cross-entropy and loss sums lose too much in
+16 bits, and adding a bf16 loss to a float32 regularization loss fails. `to_float32` does that cast.
 
 float16 (GPUs) also needs loss scaling, or small gradients underflow to zero:
 `wrap_optimizer_for_policy` adds it. bfloat16 has float32's exponent range and needs
@@ -60,18 +60,9 @@ def set_precision_policy(
 
 
 def resolve_precision(name: str | None, strategy: tf.distribute.Strategy) -> str:
-    """The one place a run's precision is decided, and set: `Trainer.precision` if
-    given; else a gin binding of `set_precision_policy.name` (deprecated: it used to
-    win silently in some paths and lose in others); else the hardware default."""
-    if name is None:
-        try:
-            name = gin.query_parameter("set_precision_policy.name")
-        except ValueError:  # not bound
-            name = None
-        else:
-            logging.warning("tputrain: set_precision_policy.name = %r is deprecated: bind "
-                            "Trainer.precision = %r instead (the one source of the precision)",
-                            name, name)
+    """The one place a run's precision is set: `PrecisionOptions.policy` (a gin
+    `set_precision_policy.name` is its deprecated alias, `tputrain.configurables`),
+    else the hardware default."""
     return set_precision_policy(name, strategy=strategy)
 
 

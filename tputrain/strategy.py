@@ -105,27 +105,11 @@ def split_cpu(num_devices: int) -> None:
 
 
 def configure_devices() -> None:
-    """Applies the device bindings of a parsed gin config: `split_cpu.num_devices`.
+    """Applies a parsed gin config's `split_cpu.num_devices`; moved with the rest of
+    gin to `tputrain.configurables.configure_devices` (this name keeps working)."""
+    from tputrain.configurables import configure_devices as apply  # imports the Trainer
 
-    Gin only records a binding; nothing calls `split_cpu` by itself, so a bound
-    `split_cpu.num_devices` was silently ignored. Call this after parsing gin and
-    before any TensorFlow op runs (the CLI does); it does nothing when unbound.
-    """
-    try:
-        num_devices = gin.query_parameter("split_cpu.num_devices")
-    except ValueError:
-        return  # Not bound.
-    try:
-        split_cpu()  # gin supplies num_devices (and records it in the operative config).
-    except RuntimeError as e:
-        have = len(tf.config.list_logical_devices("CPU"))
-        raise RuntimeError(
-            f"split_cpu.num_devices = {num_devices} but TensorFlow is already initialised "
-            f"with {have} logical CPU device(s): something ran a TensorFlow op before "
-            f"the config was applied (a --gin_import module or a gin `import` running "
-            f"TensorFlow ops at import?); move those ops into functions, or call "
-            f"split_cpu before any TensorFlow op runs."
-        ) from e
+    apply()
 
 
 @gin.configurable
@@ -143,7 +127,7 @@ def resolve_strategy(
         force that choice, which raises (naming the fix) if it is impossible here.
       communication: MultiWorkerMirroredStrategy's collective options (implementation,
         bytes_per_pack, timeout) and MirroredStrategy's cross-device ops on GPUs;
-        None: `CommunicationOptions()` from gin.
+        None: `CommunicationOptions()` (gin's bindings, when configured).
 
     Call it once at program start, before other TF ops. Never hangs on an
     unreachable TPU: see the module docstring.

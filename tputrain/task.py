@@ -48,6 +48,18 @@ def per_example_weights(weight: tf.Tensor, per_example: tf.Tensor) -> tf.Tensor:
         weight = tf.squeeze(weight, -1)
     return weight
 
+
+def overrides_train_step(task: "Task") -> bool:
+    """Whether `task` replaces `Task.train_step`, in its class or on the instance: the
+    one definition the step, the options' checks and the actions use."""
+    return overrides(task, "train_step")
+
+
+def overrides(task: "Task", name: str) -> bool:
+    """Whether `task` replaces `Task.<name>`, in its class or on the instance."""
+    return getattr(type(task), name) is not getattr(Task, name) or name in vars(task)
+
+
 class Task:
     """Base class for a training task; see the module docstring for contexts."""
 
@@ -165,7 +177,10 @@ class Task:
 
         Returns per-replica values that the Trainer *sums* across replicas (the
         loss is already divided by the global batch, so the sum is the mean).
-        `apply_gradients` unscales loss-scaled gradients and skips overflow steps.
+        `optimizer` is the Trainer's update pipeline around the Task's optimizer
+        (`tputrain.loop.pipeline`): its `apply_gradients` sums the gradients over
+        replicas, skips a non-finite update, unscales loss-scaled gradients and
+        skips overflow steps; its other attributes are the optimizer's.
         Overriding this disables gradient accumulation and multi-replica XLA; to
         keep them, override `compute_gradients` instead.
         """

@@ -16,14 +16,12 @@ import shutil
 import tempfile
 from typing import Any, Mapping, Sequence
 
-import gin
 import keras
 import tensorflow as tf
 from absl import logging
 
 from tputrain.actions import (Action, CommunicationAction, MFUAction, NonFinitePolicyAction,
                               PreemptionAction, ProfilerAction, check_actions)
-from tputrain.allreduce import reduce_gradients_first
 from tputrain.best import BestCheckpoint, tidy_best
 from tputrain.checkpoint import Checkpointer, seed_generator_states
 from tputrain.checks import check_int
@@ -44,14 +42,14 @@ from tputrain.loop.inputs import Inputs
 from tputrain.loop.replica_seeds import fold_replica_into_seeds
 from tputrain.loop.replica_stats import ReplicaStatistics, sum_once
 from tputrain.loop.step import StepBuilder, check_model_train_step, ensure_built, steps_program
-from tputrain.loop.update import update_on_each_device
-from tputrain.options import TrainerOptions, program_steps
+from tputrain.options import (CheckpointOptions, PrecisionOptions, ProfilingOptions, TrainerOptions,
+                              program_steps)
 from tputrain.plan import RESOLVED, resolve_plan
 from tputrain.precision import resolve_precision, wrap_optimizer_for_policy
 from tputrain.preemption import Preempted, PreemptionWatcher
 from tputrain.progress import Progress, Stopwatch, summary_root
 from tputrain.strategy import resolve_strategy
-from tputrain.task import Task
+from tputrain.task import Task, overrides_train_step
 from tputrain.validate import check_eval_split, check_model_dir, iterator_state_bytes, probe_inputs, variable_bytes
 
 
@@ -75,7 +73,6 @@ def _from_context(name: str) -> property:
                     lambda self, value: setattr(self.context, name, value))
 
 
-@gin.configurable
 class Trainer:
     """Trains a `Task` under a distribution strategy, with exact-resume checkpoints.
 
@@ -90,7 +87,8 @@ class Trainer:
       eval_steps: eval batches per evaluation; None: the whole eval split.
       checkpoint_every: save every N steps (and at the end).
       keep_checkpoints: how many checkpoints to keep.
-      precision: "float32", "mixed_bfloat16" or "mixed_float16"; None: gin's.
+      precision: a policy name ("float32", "mixed_bfloat16", "mixed_float16") or
+        `tputrain.PrecisionOptions` (with float32 layers); None: the device's.
       seed: seeds weight initialisation and Keras random ops.
       input_mode: "host" (exact resume), "distributed", or None (chosen).
       jit_compile: XLA: True, False or "auto" (the default).
@@ -107,20 +105,24 @@ class Trainer:
       actions: `tputrain.Action`s called after each loop, evaluation and save and at
         the end (tputrain.actions).
       communication: all-reduce dtype and collective options (CommunicationOptions).
+      checkpoint: async writes and the finite check (`tputrain.CheckpointOptions`).
+      profiling: the peak MFU is measured against (`tputrain.ProfilingOptions`).
     """
 
     def __init__(self, task: Task, model_dir: str, strategy: tf.distribute.Strategy | None = None,
                  train_steps: int = 1000, steps_per_loop: int = 100,
                  global_batch_size: int = 64, eval_every: int | None = None,
                  eval_steps: int | None = None, checkpoint_every: int | None = None,
-                 keep_checkpoints: int = 3, precision: str | None = None, seed: int = 0,
+                 keep_checkpoints: int = 3, precision: str | PrecisionOptions | None = None, seed: int = 0,
                  input_mode: str | None = None, jit_compile: bool | str = "auto",
                  accumulation_steps: int = 1, profile_steps: tuple[int, int] | None = None,
                  report_mfu: bool = True, steps_per_fetch: int = 1,
                  steps_per_program: int | str = "auto",
                  class_weight: Mapping[int, float] | None = None,
                  guard: NonFiniteGuard | None = None, actions: Sequence[Action] = (),
-                 communication: CommunicationOptions | None = None):
+                 communication: CommunicationOptions | None = None,
+                 checkpoint: CheckpointOptions | None = None,
+                 profiling: ProfilingOptions | None = None):
         self.options = TrainerOptions(
             train_steps=train_steps, steps_per_loop=steps_per_loop,
             global_batch_size=global_batch_size, eval_every=eval_every, eval_steps=eval_steps,
@@ -128,7 +130,8 @@ class Trainer:
             precision=precision, seed=seed, input_mode=input_mode, jit_compile=jit_compile,
             accumulation_steps=accumulation_steps, profile_steps=profile_steps,
             report_mfu=report_mfu, steps_per_fetch=steps_per_fetch,
-            steps_per_program=steps_per_program, class_weight=class_weight)
+            steps_per_program=steps_per_program, class_weight=class_weight,
+            checkpoint=checkpoint, profiling=profiling)
         if not isinstance(task, Task):
             raise TypeError(f"Trainer.task must be a tputrain.Task, got {type(task).__name__}")
         if not model_dir:
@@ -140,8 +143,8 @@ class Trainer:
         self.communication = communication or CommunicationOptions()
         self.strategy = strategy or resolve_strategy(communication=self.communication)
         self.plan = self.startup.mark("strategy", resolve_plan(
-            self.options, self.strategy, lambda: resolve_precision(precision, self.strategy),
-            type(task).train_step is not Task.train_step, type(task).__name__))
+            self.options, self.strategy, lambda: resolve_precision(self.options.precision.policy, self.strategy),
+            overrides_train_step(task), type(task).__name__))
         self._max_over_hosts = MaxOverHosts(self.strategy, self.num_hosts)
         keras.utils.set_random_seed(self.seed)
         self.inputs = Inputs(task, self.strategy, self.plan)
@@ -153,7 +156,8 @@ class Trainer:
         self._steps = StepBuilder(task, self.model, self.optimizer, self.train_metrics,
                                   self.guard, self.strategy, self.global_batch_size,
                                   self.accumulation_steps, self.jit_compile, self.precision,
-                                  self.inputs.train_dataset.element_spec)
+                                  self.inputs.train_dataset.element_spec,
+                                  self.communication.allreduce_dtype)
         self._evaluator = Evaluator(task, self.model, self.eval_metrics, self.inputs,
                                     self.eval_steps, self._max_over_hosts)
         self._launch(self.plan.jit_compile, self.plan.steps_per_program)
@@ -181,7 +185,7 @@ class Trainer:
         with self.strategy.scope():
             task, self.model = self.task, self.task.build_model()
             ensure_built(self.model, self.inputs.micro_batch_spec()[0])
-            override_layer_dtypes(self.model)  # gin: layers the precision audit kept in fp32
+            override_layer_dtypes(self.model, self.options.precision.keep_float32_layers)
             fold_replica_into_seeds(self.model)  # dropout masks differ per replica
             sum_once(self.model)  # aggregation="sum" weights add each replica's share once
             check_model_train_step(self.model, task)
@@ -195,10 +199,6 @@ class Trainer:
                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
             self.guard = guard if guard is not None else NonFiniteGuard()
             self.guard.build()
-            self.guard.wrap_optimizer(self.optimizer)  # NaN/Inf updates are skipped in-step
-            update_on_each_device(self.optimizer)  # N replicas: XLA on each device (the plan)
-            # Outermost: clipping and the guard see the sum.
-            reduce_gradients_first(self.optimizer, self.communication.allreduce_dtype)
 
     def _build_checkpointer(self) -> None:
         """Checkpoints (the chief's; other workers write a temp dir), pre-flight, progress."""
@@ -221,7 +221,8 @@ class Trainer:
             per_host=per_host, host=(self.host_id, self.num_hosts),
             barrier=lambda: self._max_over_hosts(0), input_layout=self.inputs.layout(),
             reposition=self._reposition_input, model=self.model, optimizer=self.optimizer,
-            seeds=seed_generator_states(self.model), nonfinite_steps=self.guard.nonfinite_steps)
+            seeds=seed_generator_states(self.model), nonfinite_steps=self.guard.nonfinite_steps,
+            async_save=self.checkpoint.async_save, check_finite=self.checkpoint.check_finite)
         self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
         self.progress = Progress(summary_root(self._work_dir) if self.is_chief else None,
                                  self.train_steps, self.global_batch_size)
@@ -270,12 +271,14 @@ class Trainer:
     # The knobs, as the run uses them (the plan; `options` are the user's).
     train_steps, steps_per_loop, global_batch_size, eval_every, eval_steps, checkpoint_every, \
         keep_checkpoints, seed, accumulation_steps, profile_steps, steps_per_fetch, \
-        class_weight, input_mode, precision, jit_compile, steps_per_program = (
+        class_weight, input_mode, precision, jit_compile, steps_per_program, checkpoint, \
+        profiling = (
             _planned(name) for name in (
                 "train_steps", "steps_per_loop", "global_batch_size", "eval_every",
                 "eval_steps", "checkpoint_every", "keep_checkpoints", "seed",
                 "accumulation_steps", "profile_steps", "steps_per_fetch", "class_weight",
-                "input_mode", "precision", "jit_compile", "steps_per_program"))
+                "input_mode", "precision", "jit_compile", "steps_per_program", "checkpoint",
+                "profiling"))
     num_hosts, host_id, local_replicas = (
         property(lambda self, n=name: getattr(self.plan.batch, n))
         for name in ("num_hosts", "host_id", "local_replicas"))

@@ -6,7 +6,7 @@ the same weights in float32, under the target policy, and with one layer at a
 time at the target policy. It prints one row per layer (its cumulative error
 and the local error it adds itself, flagged above `tolerance`) and the eval
 metrics both ways. Keep a flagged layer in float32 with
-`override_layer_dtypes.keep_float32_layers = ['name']` and rerun. The exit
+`PrecisionOptions.keep_float32_layers = ['name']` and rerun. The exit
 status is 1 when a metric moves by more than `metric_tolerance`. Without
 `--model_dir` or `--checkpoint` (or with a model_dir that has no checkpoint yet)
 it audits the initial, untrained weights, and its report says so.
@@ -18,15 +18,49 @@ import json
 import sys
 from typing import Any
 
+import gin
 import tensorflow as tf
 from absl import flags
 
-from tputrain.audit import audit_precision, defaults_from_gin, task_from_gin
+from tputrain.audit import audit_precision
 from tputrain.cli.common import (GIN_FLAGS, define_gin_flags, fail, list_in_help, parse_gin_flags,
                                  reject_arguments, run_command)
-from tputrain.config import ConfigError
+from tputrain.config import ConfigError, require_bound
+from tputrain.task import Task
 
 FLAGS = flags.FLAGS
+
+
+def task_from_gin() -> Task:
+    """`audit_precision.task` if bound, else the training config's `Trainer.task`:
+    the audit runs on a training config unchanged."""
+    for binding in ("audit_precision.task", "Trainer.task"):
+        try:
+            reference = gin.query_parameter(binding)
+        except ValueError:
+            continue
+        task = (reference.scoped_configurable_fn()
+                if hasattr(reference, "scoped_configurable_fn") else reference)
+        if not isinstance(task, Task):
+            raise ConfigError(f"{binding} must be a tputrain.Task, got {type(task).__name__}")
+        return task
+    require_bound("Trainer.task")  # raises with the fix
+    raise AssertionError("unreachable")
+
+
+def defaults_from_gin() -> dict[str, Any]:
+    """`audit_precision` arguments the training config implies and the audit's own
+    bindings leave open: the audit reads batches of `Trainer.global_batch_size`."""
+    kwargs: dict[str, Any] = {}
+    for binding in ("global_batch_size",):
+        try:
+            gin.query_parameter(f"audit_precision.{binding}")
+        except ValueError:
+            try:
+                kwargs[binding] = gin.query_parameter(f"Trainer.{binding}")
+            except ValueError:
+                pass
+    return kwargs
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:

@@ -9,7 +9,7 @@ from typing import Callable, NoReturn, Sequence
 from absl import app, flags, logging
 
 from tputrain.config import ConfigError, parse_gin, require_bound
-from tputrain.strategy import configure_devices
+from tputrain.configurables import configure_devices
 from tputrain.trainer import Trainer
 
 FLAGS = flags.FLAGS

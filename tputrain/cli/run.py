@@ -20,7 +20,7 @@ from tputrain.checkpoint import CheckpointMismatchError, NonFiniteStateError
 from tputrain.cli.common import (EXIT_BAD_INPUT, EXIT_TRAINING_FAILED, GIN_FLAGS, build_trainer,
                                  define_gin_flags, error_message, fail, list_in_help,
                                  parse_gin_flags, reject_arguments, run_command)
-from tputrain.cluster import join_watchdog  # imported before parsing: registers it with gin
+from tputrain.configurables import join_watchdog  # the gin-configurable one
 from tputrain.config import write_operative_config
 from tputrain.data import CorruptRecordError, FeatureSpecError
 from tputrain.guard import NonFiniteError

@@ -20,6 +20,8 @@ from absl import logging
 from tensorflow.core.framework import node_def_pb2, types_pb2
 from tensorflow.python.framework import op_def_registry
 
+from tputrain.data.stages import dataset_stages
+
 _POLICY = tf.data.experimental.ExternalStatePolicy
 # Stateful ops tf.data saves anyway (Assert), or whose bodies hold any state and are
 # walked instead (control flow, calls).
@@ -90,18 +92,8 @@ def _candidate(op_type: str) -> bool:
 
 def _function_nodes(dataset: tf.data.Dataset) -> Iterator[node_def_pb2.NodeDef]:
     """Every node of every function of `dataset` and its inputs, nested ones included."""
-    stack, seen = [dataset], set()
-    while stack:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        for wrapper in current._functions():  # pylint: disable=protected-access
-            graph = wrapper.function.graph.as_graph_def()
-            yield from graph.node
-            for function in graph.library.function:
-                yield from function.node_def
-        stack.extend(current._inputs())  # pylint: disable=protected-access
+    for _, nodes in dataset_stages(dataset):
+        yield from nodes
 
 
 def _saveable(dataset: tf.data.Dataset) -> bool:

@@ -33,7 +33,7 @@ _LIST_OF = {tf.float32: "float_list", tf.int64: "int64_list", tf.string: "bytes_
 _KEY = re.compile(r"Key: (.+?), Index: \d+\.\s+(.*?)(?:\n|\s\[|$)")
 _MISSING = re.compile(r"Feature: (.+?) \(data type: \w+\) is required but could not be found")
 _NOT_EXAMPLE = "Could not parse example input"
-_RECORD_BUDGET = 20_000  # records decoded in Python to locate a mismatch (~0.3 s)
+_RECORD_BUDGET = 20_000  # records decoded in Python to locate a mismatch: a bounded pause
 _MAX_MANIFESTS = 8  # distinct shard prefixes looked up next to the files
 _MAX_PIPELINES = 32
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 import re
 import weakref
-from typing import Iterator
 
 import tensorflow as tf
+
+from tputrain.data.stages import dataset_stages
 
 # Datasets `in_memory_batches` returned: batches gathered from parsed examples in RAM.
 _IN_MEMORY: "weakref.WeakSet[tf.data.Dataset]" = weakref.WeakSet()
@@ -46,23 +47,6 @@ class PipelineFacts:
     threadpool_size: int | None = None
 
 
-def _stages(dataset: tf.data.Dataset) -> Iterator[tuple[tf.data.Dataset, list[str]]]:
-    """Each stage from the output up, with the dataset ops inside its functions."""
-    stack, seen = [dataset], set()
-    while stack:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        ops = []
-        for wrapper in current._functions():  # pylint: disable=protected-access
-            graph = wrapper.function.graph.as_graph_def()
-            ops += [node.op for node in graph.node]
-            ops += [node.op for function in graph.library.function for node in function.node_def]
-        yield current, ops
-        stack.extend(current._inputs())  # pylint: disable=protected-access
-
-
 def _buffer(stage: tf.data.Dataset) -> int | None:
     size = getattr(stage, "_buffer_size", None)
     try:
@@ -76,7 +60,8 @@ def pipeline_facts(dataset: tf.data.Dataset) -> PipelineFacts:
     """Reads `dataset`'s stages (no element is produced)."""
     facts: dict = {"threadpool_size": dataset.options().threading.private_threadpool_size}
     maps, cached, prefetch_seen = 0, False, False
-    for stage, ops in _stages(dataset):
+    for stage, nodes in dataset_stages(dataset):
+        ops = [node.op for node in nodes]
         name = type(stage).__name__
         if stage in _IN_MEMORY or "Cache" in name:
             facts["in_memory"] = facts.get("in_memory", False) or stage in _IN_MEMORY

@@ -183,8 +183,9 @@ class TFRecordInput(BatchedInput):
     shuffle file order -> interleave reads -> [file cache] -> shuffle records ->
     repeat -> batch -> parse -> [tf.data service] -> prefetch. Note the order
     batch-then-parse: one vectorized `tf.io.parse_example` per batch (mapped
-    with `num_parallel_calls=AUTOTUNE`) was ~5x faster than per-example
-    parsing on a 2-core host, where parsing is the bottleneck. With
+    with `num_parallel_calls=AUTOTUNE`) pays the per-op cost once a batch
+    instead of once an example, which matters on a small host, where parsing is
+    the bottleneck (figures: docs/input_pipeline.md). With
     `cache="memory"` the records are read and parsed once, when the dataset is
     built, and batches are gathered from RAM (see `in_memory_batches`).
 
@@ -359,7 +360,7 @@ class TFRecordInput(BatchedInput):
     def _read_parallelism(self, files: list[str], cycle_length: int) -> int:
         """Files read by parallel threads: remote reads wait on the network, so let
         tf.data tune up to cycle_length; local reads are CPU work, and more threads
-        than cores only add hand-offs (measured: +30% examples/s on 2 cores)."""
+        than cores only add hand-offs between them."""
         if self.read_parallelism is not None:
             return min(self.read_parallelism, cycle_length)
         if any("://" in path for path in files):

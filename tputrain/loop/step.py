@@ -29,10 +29,10 @@ from absl import logging
 from tputrain.checkpoint import seed_generator_states
 from tputrain.guard import NonFiniteGuard
 from tputrain.loop.inputs import zeros_of
+from tputrain.loop.pipeline import UpdatePipeline
 from tputrain.loop.update import refusal as update_refusal
-from tputrain.loop.update import set_update_on_each_device
 from tputrain.strategy import worker_devices
-from tputrain.task import Task, unpack_batch
+from tputrain.task import Task, overrides, overrides_train_step, unpack_batch
 
 
 def ensure_built(model: keras.Model, features_spec: Any) -> None:
@@ -240,11 +240,6 @@ def steps_program(step: Callable, steps: int, counter: tf.Variable,
     return run
 
 
-def _overrides(task: Task, name: str) -> bool:
-    """Whether `task` replaces `Task.<name>`, in its class or on the instance."""
-    return getattr(type(task), name) is not getattr(Task, name) or name in vars(task)
-
-
 def check_model_train_step(model: keras.Model, task: Task) -> None:
     """Refuses a model that overrides `keras.Model.train_step`: the Trainer's step is the
     Task's and never calls it, so the model would silently train without it."""
@@ -281,10 +276,12 @@ class StepBuilder:
                  train_metrics: Sequence[keras.metrics.Metric], guard: NonFiniteGuard,
                  strategy: tf.distribute.Strategy, global_batch_size: int,
                  accumulation_steps: int, jit_compile: bool | str, precision: str,
-                 train_element_spec: Any):
+                 train_element_spec: Any, allreduce_dtype: str = "float32"):
         self.task = task
         self.model = model
-        self.optimizer = optimizer
+        self.optimizer = optimizer  # the Task's own, never patched
+        # What the step and the Task's own steps update through (reduce, check, apply).
+        self.update = UpdatePipeline(optimizer, guard, allreduce_dtype)
         self.train_metrics = list(train_metrics)
         self.guard = guard
         self.strategy = strategy
@@ -293,10 +290,10 @@ class StepBuilder:
         self.jit_compile = jit_compile  # "auto" becomes False if the step does not compile
         self.precision = precision
         self.train_element_spec = train_element_spec
-        self._custom_train_step = type(task).train_step is not Task.train_step
+        self._custom_train_step = overrides_train_step(task)
         # Task.compute_gradients as tputrain defines it: gradients of optimizer.scale_loss.
-        self._own_gradients = not any(_overrides(task, name)
-                                      for name in ("train_step", "compute_gradients"))
+        self._own_gradients = not (self._custom_train_step
+                                   or overrides(task, "compute_gradients"))
         self.counted_in_step = False  # set by build()
 
     def xla_plan(self) -> tuple[bool, bool, str]:
@@ -360,11 +357,11 @@ class StepBuilder:
         self.counted_in_step = False
         # An update inside an XLA program (one replica) is guarded by a select, not a
         # conditional: the select fuses into the update (NonFiniteGuard.select_updates).
-        self.guard.select_updates(plan.whole_step or plan.apply_only or plan.apply_per_replica)
-        set_update_on_each_device(self.optimizer, plan.apply_per_replica)
+        self.update.set_plan(select=plan.whole_step or plan.apply_only or plan.apply_per_replica,
+                             each_device=plan.apply_per_replica)
         if self._custom_train_step:
             def step(batch):
-                return self.task.train_step(batch, self.model, self.optimizer,
+                return self.task.train_step(batch, self.model, self.update,
                                             self.train_metrics, self.global_batch_size)
         else:
             compute = self._compute(jit_compile=plan.gradients_only)
@@ -403,22 +400,22 @@ class StepBuilder:
         extra = {"micro_batches": self.accumulation_steps} if self.accumulation_steps > 1 else {}
 
         def compute(batch):
-            return self.task.compute_gradients(batch, self.model, self.optimizer,
+            return self.task.compute_gradients(batch, self.model, self.update,
                                                self.global_batch_size, **extra)
         return tf.function(compute, jit_compile=True) if jit_compile else compute
 
     def _apply(self, jit_compile: bool) -> Callable[[list[Any]], None]:
-        """The optimizer's update; with `jit_compile`, the update alone is an XLA program
-        (with the guard's check and select in it; on one replica the all-reduce wrapper
-        around it does nothing)."""
+        """The update pipeline; with `jit_compile`, the update alone is an XLA program
+        (with the guard's check and select in it; on one replica the pipeline's
+        all-reduce does nothing)."""
         variables = self.model.trainable_variables
         if jit_compile:
-            compiled = tf.function(lambda grads: self.optimizer.apply(grads, variables),
+            compiled = tf.function(lambda grads: self.update.apply(grads, variables),
                                    jit_compile=True)
             return lambda gradients: compiled(list(gradients))
 
         def apply(gradients):
-            self.optimizer.apply_gradients(zip(gradients, variables))
+            self.update.apply_gradients(zip(gradients, variables))
         return apply
 
     def _compiles(self, compiled: Callable) -> bool:

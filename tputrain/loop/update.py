@@ -8,9 +8,10 @@ and the NaN/Inf guard needed a conditional around the whole update.
 
 Once the gradients are summed (`tputrain.allreduce`), every replica holds the
 same gradients, so each device can update its own copies without talking to the
-others. `update_on_each_device` makes the optimizer's `apply` do that: one XLA
-program per local device, traced in that replica's update context, so every read
-and write of a mirrored variable is its copy on that device. The Keras TF
+others. `apply_on_each_device` does that for the update pipeline
+(`tputrain.loop.pipeline`): one XLA program per local device, traced in that
+replica's update context, so every read and write of a mirrored variable is its
+copy on that device. The Keras TF
 backend's own per-variable `extended.update` calls and merge calls are made
 local while the program traces. The guard's selects fuse into the program
 (`NonFiniteGuard.select_updates`), as on one replica; its check is made once for
@@ -24,8 +25,7 @@ vs off 0.979-0.988 (0.958-0.971 around the kernels, in earlier runs).
 from __future__ import annotations
 
 import contextlib
-import types
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import keras
 import tensorflow as tf
@@ -34,43 +34,12 @@ from tensorflow.python.distribute import distribute_lib
 _OWN_MODULES = ("keras.", "tputrain.")
 
 
-def update_on_each_device(optimizer: keras.optimizers.Optimizer) -> None:
-    """Wraps `optimizer.apply`: in replica context on several replicas, with the
-    wrapper switched on (`set_update_on_each_device`), the update runs as one XLA
-    program on each local device. Wrap the guard first and the all-reduce after
-    (`reduce_gradients_first`): this wrapper must see summed gradients. Idempotent."""
-    if hasattr(optimizer, "_tputrain_each_device"):
-        return
-    inner_apply = optimizer.apply
-
-    def apply(self_, grads, trainable_variables=None):
-        del self_
-        context = tf.distribute.get_replica_context()
-        if (not optimizer._tputrain_each_device or context is None
-                or context.num_replicas_in_sync == 1):
-            return inner_apply(grads, trainable_variables)
-        context.merge_call(_apply_on_each_device,
-                           args=(optimizer, inner_apply, list(grads), trainable_variables))
-        return None
-
-    optimizer.apply = types.MethodType(apply, optimizer)
-    optimizer._tputrain_each_device = False
-
-
-def set_update_on_each_device(optimizer: keras.optimizers.Optimizer, on: bool) -> None:
-    """Switches the per-device update on or off (`StepBuilder.build`, from its plan)."""
-    if hasattr(optimizer, "_tputrain_each_device"):
-        optimizer._tputrain_each_device = bool(on)
-
-
 def refusal(optimizer: keras.optimizers.Optimizer, compile_any: bool = False) -> str | None:
     """Why this optimizer's update is not compiled per device, or None if it is.
 
     `compile_any` (jit_compile=True) takes any optimizer class; "auto" only Keras's
     and tputrain's, whose updates are known to compile.
     """
-    if not hasattr(optimizer, "_tputrain_each_device"):
-        return "the optimizer is not wrapped for it"
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return "a loss-scale optimizer (mixed_float16)"
     if type(optimizer).apply is not keras.optimizers.Optimizer.apply:
@@ -81,17 +50,17 @@ def refusal(optimizer: keras.optimizers.Optimizer, compile_any: bool = False) ->
     return None
 
 
-def _apply_on_each_device(strategy: tf.distribute.Strategy,
-                          optimizer: keras.optimizers.Optimizer, inner_apply: Any,
-                          grads: list[Any], trainable_variables: Any) -> None:
-    """Cross-replica context: the update of replica i as an XLA program on device i.
+def apply_on_each_device(strategy: tf.distribute.Strategy, apply: Callable,
+                         grads: list[Any], trainable_variables: Any,
+                         check_once: Callable | None = None) -> None:
+    """Cross-replica context, gradients summed over replicas: `apply` (the pipeline's
+    checked apply) as an XLA program on each local device, replica i's on device i.
 
-    A check of the gradients that every device's update reads (the guard's,
-    `NonFiniteGuard.checking_once`) is made once, before them, not once a device.
+    `check_once(strategy, grads)`, a context (the guard's `checking_once`), makes the
+    check of the gradients that every device's update reads once, before them.
     """
-    check_once = getattr(optimizer, "_tputrain_check_once", None)
     with check_once(strategy, grads) if check_once else contextlib.nullcontext():
-        _each_device(strategy, inner_apply, grads, trainable_variables)
+        _each_device(strategy, apply, grads, trainable_variables)
 
 
 def _each_device(strategy: tf.distribute.Strategy, inner_apply: Any, grads: list[Any],

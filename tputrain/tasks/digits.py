@@ -61,7 +61,7 @@ class DigitsTask(Task):
         self.seed = seed
         # The whole split is ~0.4 MB: parsed once and served from RAM, each batch
         # costs one gather instead of per-example shuffle/batch/parse work that
-        # would compete with the ~1 ms step for the host's cores.
+        # would compete with this small model's short step for the host's cores.
         self.cache = cache
 
     def build_model(self) -> keras.Model:

@@ -1,0 +1,77 @@
+"""benchmarks/report.py: the benchmark table in docs/performance.md is generated from
+benchmarks/results/ (one dated file a run), so the page cannot drift from the results."""
+
+import datetime
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+NAME = re.compile(r"^\d{4}-\d{2}-\d{2}-[a-z_]+(-[A-Za-z0-9_]+)?\.json$")
+
+
+def load(name: str):
+    """A script of benchmarks/ (outside the package), imported by its path."""
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+def test_the_page_holds_the_table_report_generates_from_the_results():
+    page = (ROOT / "docs" / "performance.md").read_text()
+    assert load("report").render(page, RESULTS) == page, (
+        "docs/performance.md is stale: run `python benchmarks/report.py`")
+
+
+def test_every_result_file_is_dated_and_has_its_row():
+    table = load("report").table(RESULTS)
+    files = sorted(RESULTS.glob("*.json"))
+    assert files
+    for path in files:
+        assert NAME.match(path.name), path.name
+        date, benchmark, tag = load("report").parse_name(path)
+        assert f"| {date} | {benchmark} | {tag or '-'} |" in table
+
+
+def test_no_benchmark_json_is_kept_outside_the_results_folder():
+    assert not list((ROOT / "docs").rglob("*.json"))
+
+
+def test_a_row_gives_the_headline_ratios_against_their_goals_and_the_load(tmp_path):
+    goal = {"measured": 0.95, "measured_cpu_time": 1.012, "goal": 1.0, "met": False}
+    guard = {"measured": 0.99, "measured_cpu_time": 0.97, "goal": 0.99, "met": True}
+    (tmp_path / "2030-01-02-train_loop-abc1234.json").write_text(json.dumps({
+        "machine": {"load_average_before": [1.5, 1, 1], "load_average_after": [2.25, 1, 1]},
+        "goals": {"mlp.tputrain_best_vs_keras_fit_best": goal,
+                  "mlp.tputrain_vs_tputrain_no_guard": guard}}))
+    (tmp_path / "2030-01-01-resume_time.json").write_text(json.dumps({
+        "late_vs_early": {"host": 1.03, "distributed": 1.47}}))
+    (tmp_path / "2030-01-03-input_pipeline.json").write_text(json.dumps({
+        "load_average_before": [0.5, 1, 1], "goals": {"tfrecord_input_vs_naive >= 3": True}}))
+    rows = [line for line in load("report").table(tmp_path).splitlines()
+            if line.startswith("| 2030")]
+    assert rows[0].startswith("| 2030-01-01 | resume_time | - |") and "1.47" in rows[0]
+    assert rows[1].startswith("| 2030-01-02 | train_loop | abc1234 |")
+    # judged on CPU time: 1.012 meets 1.0 although the wall-clock ratio did not
+    assert "1.012 (goal 1.0: met)" in rows[1] and "0.970 (goal 0.99: not met)" in rows[1]
+    assert rows[1].endswith("| 1.5 / 2.2 |")
+    assert rows[2] == ("| 2030-01-03 | input_pipeline | - | tfrecord_input_vs_naive >= 3: met "
+                       "| 0.5 |")
+
+
+def test_a_script_writes_its_result_to_a_dated_file_without_overwriting(tmp_path):
+    results = load("result_file")
+    today = datetime.date.today().isoformat()
+    first = results.write({"ratios": {}}, None, "resume", folder=tmp_path)
+    second = results.write({"ratios": {}}, None, "resume", tag="quiet", folder=tmp_path)
+    third = results.write({"ratios": {}}, None, "resume", folder=tmp_path)
+    assert [first.name, second.name, third.name] == [
+        f"{today}-resume.json", f"{today}-resume-quiet.json", f"{today}-resume-run2.json"]
+    assert json.loads(first.read_text())["date"].startswith(today)

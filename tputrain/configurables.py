@@ -1,0 +1,122 @@
+"""What gin can configure, registered in one place; the library itself is gin-free.
+
+Library code takes its knobs as arguments and options classes (`TrainerOptions`
+and its parts); this module makes those classes, the `Trainer` and the CLI's
+builders gin configurables under their public names, so a gin file says
+`CheckpointOptions.async_save = True` or `Trainer.precision = 'mixed_bfloat16'`.
+`tputrain.load_api()` (run by the first use of a public name, gin's first parse
+and `tputrain.config.parse_gin`) imports it.
+
+Old gin names keep working as deprecated aliases of the options fields that
+replaced them (`LEGACY`): an alias fills a field neither the caller nor the new
+binding set, and a warning names the replacement.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping
+
+import gin
+import tensorflow as tf
+from absl import logging
+
+from tputrain import cluster, strategy
+from tputrain.checkpoint import Checkpointer
+from tputrain.communication import CommunicationOptions
+from tputrain.flops import peak_flops
+from tputrain.layer_precision import override_layer_dtypes
+from tputrain.options import CheckpointOptions, PrecisionOptions, ProfilingOptions
+from tputrain.trainer import Trainer
+
+# Options class -> {field: the old binding it replaces}.
+LEGACY: dict[type, dict[str, str]] = {
+    CheckpointOptions: {"async_save": "Checkpointer.async_save",
+                        "check_finite": "Checkpointer.check_finite"},
+    PrecisionOptions: {"policy": "set_precision_policy.name",
+                       "keep_float32_layers": "override_layer_dtypes.keep_float32_layers"},
+    ProfilingOptions: {"device_kind": "peak_flops.device_kind",
+                       "peak_flops_per_device": "peak_flops.peak_flops_per_device"},
+}
+# What a deprecated binding's warning tells to bind instead, where not the field.
+_INSTEAD = {"set_precision_policy.name": "Trainer.precision (or PrecisionOptions.policy)"}
+
+
+def _bound(binding: str) -> tuple[bool, Any]:
+    try:
+        return True, gin.query_parameter(binding)
+    except ValueError:  # not bound (or its configurable not registered)
+        return False, None
+
+
+def _with_aliases(cls: type, aliases: Mapping[str, str]) -> None:
+    """Makes `cls.__init__` fill each field left unset from its deprecated binding."""
+    init = cls.__init__
+    fields = list(cls.__dataclass_fields__)
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        given = set(fields[:len(args)]) | set(kwargs)
+        for field, old in aliases.items():
+            found, value = _bound(old) if field not in given else (False, None)
+            if found:
+                instead = _INSTEAD.get(old, f"{cls.__name__}.{field}")
+                logging.warning("tputrain: %s = %r is deprecated: bind %s instead",
+                                old, value, instead.replace(" (", f" = {value!r} (", 1)
+                                if "(" in instead else f"{instead} = {value!r}")
+                kwargs[field] = value
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+
+
+def _register_options() -> None:
+    """The options classes, in place: `CheckpointOptions()` anywhere takes gin's
+    bindings (then the deprecated aliases, then the defaults)."""
+    for cls in (CheckpointOptions, PrecisionOptions, ProfilingOptions, CommunicationOptions):
+        registered = gin.config._INVERSE_REGISTRY.get(cls)  # pylint: disable=protected-access
+        if registered is not None:
+            continue  # imported twice (importlib.reload)
+        if cls in LEGACY:
+            _with_aliases(cls, LEGACY[cls])
+        gin.configurable(cls)
+
+
+def _register_aliases() -> None:
+    """The old names, so that gin files binding them still parse (their values are
+    read by `_with_aliases`; nothing calls these registrations)."""
+    for target, allowlist in ((Checkpointer, ["async_save", "check_finite"]),
+                              (override_layer_dtypes, ["keep_float32_layers"]),
+                              (peak_flops, ["device_kind", "peak_flops_per_device"])):
+        if gin.config._INVERSE_REGISTRY.get(target) is None:  # pylint: disable=protected-access
+            gin.external_configurable(target, allowlist=allowlist)
+
+
+_register_options()
+_register_aliases()
+gin.configurable(Trainer)
+# The CLI's builders (the CLI calls these registered versions).
+join_watchdog: Callable[..., Any] = gin.external_configurable(cluster.join_watchdog)
+
+
+def configure_devices() -> None:
+    """Applies the device bindings of a parsed gin config: `split_cpu.num_devices`.
+
+    Gin only records a binding; nothing calls `split_cpu` by itself, so a bound
+    `split_cpu.num_devices` was silently ignored. Call this after parsing gin and
+    before any TensorFlow op runs (the CLI does); it does nothing when unbound.
+    """
+    found, num_devices = _bound("split_cpu.num_devices")
+    if not found:
+        return
+    try:
+        strategy.split_cpu()  # gin supplies num_devices (and records it in the operative config).
+    except RuntimeError as e:
+        have = len(tf.config.list_logical_devices("CPU"))
+        raise RuntimeError(
+            f"split_cpu.num_devices = {num_devices} but TensorFlow is already initialised "
+            f"with {have} logical CPU device(s): something ran a TensorFlow op before "
+            f"the config was applied (a --gin_import module or a gin `import` running "
+            f"TensorFlow ops at import?); move those ops into functions, or call "
+            f"split_cpu before any TensorFlow op runs."
+        ) from e

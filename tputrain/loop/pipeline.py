@@ -1,0 +1,139 @@
+"""One update pipeline: reduce -> finite check -> apply, around the user's optimizer.
+
+The Trainer never patches the optimizer a Task builds: no method of it is replaced
+and no flag is set on it (checkpoints, `trainer.optimizer` and a user's own code see
+it as built). Instead the step calls `UpdatePipeline.apply`, and a Task's
+`compute_gradients` and `train_step` receive the pipeline as their `optimizer`: its
+`apply`, `apply_gradients` and `scale_loss` run the pipeline, and every other
+attribute is the optimizer's own (a wrapper, as Keras's loss-scale optimizer is).
+
+In the order the code reads:
+1. reduce: in replica context on N replicas, the gradients are summed once
+   (`tputrain.allreduce`), so clipping, weight decay and the check see the sum;
+2. check: the NaN/Inf guard's verdict (`tputrain.guard`): a conditional around the
+   update, or, in an XLA program, a select on each of its writes;
+3. apply: the optimizer's own `apply`, on each device as one XLA program when the
+   plan says so (`tputrain.loop.update`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import keras
+import tensorflow as tf
+
+from tputrain.allreduce import all_reduce_sum, no_second_sum
+from tputrain.guard import NonFiniteGuard
+from tputrain.loop.update import apply_on_each_device
+
+_OWN = ("wrapped", "_guard", "_dtype", "_each_device")
+
+
+class UpdatePipeline:
+    """The optimizer's update as tputrain runs it; otherwise the optimizer itself.
+
+    Args:
+      optimizer: the Task's optimizer (a `LossScaleOptimizer` under mixed_float16).
+      guard: the NaN/Inf guard whose check and policy the update follows.
+      allreduce_dtype: the dtype gradients cross replicas in
+        (`CommunicationOptions.allreduce_dtype`).
+    """
+
+    def __init__(self, optimizer: keras.optimizers.Optimizer, guard: NonFiniteGuard,
+                 allreduce_dtype: str = "float32"):
+        inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
+        no_second_sum(inner if inner is not None else optimizer)
+        object.__setattr__(self, "wrapped", optimizer)
+        object.__setattr__(self, "_guard", guard)
+        object.__setattr__(self, "_dtype", allreduce_dtype)
+        object.__setattr__(self, "_each_device", False)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _OWN:  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self.wrapped, name)  # only for names the pipeline lacks
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OWN:
+            object.__setattr__(self, name, value)
+        else:  # e.g. a Task setting `optimizer.learning_rate`
+            setattr(self.wrapped, name, value)
+
+    def set_plan(self, select: bool, each_device: bool) -> None:
+        """From the XLA plan (`StepBuilder.build`): a bad step's writes are masked by
+        selects (`select`, an update inside XLA) and the update runs as one XLA
+        program on each device (`each_device`, N replicas)."""
+        self._guard.select_updates(select)
+        self._each_device = bool(each_device)
+
+    def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
+        """The optimizer's `scale_loss`, then the guard's check scale while a scaled
+        step traces (`NonFiniteGuard.scaling_loss`)."""
+        return self._guard.scaled_loss(self.wrapped, self.wrapped.scale_loss(loss))
+
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> tf.Variable:
+        """Keras's `apply_gradients`, through the pipeline; returns the step counter."""
+        grads, trainable_variables = zip(*grads_and_vars)
+        self.apply(list(grads), list(trainable_variables))
+        return self.wrapped.iterations
+
+    def apply(self, grads: Iterable[Any], trainable_variables: Any = None) -> None:
+        """Reduce, check, apply (module docstring)."""
+        grads = list(grads)
+        context = tf.distribute.get_replica_context()
+        replicated = context is not None and context.num_replicas_in_sync > 1
+        if replicated:
+            grads = all_reduce_sum(context, grads, self._dtype)
+        if replicated and self._each_device:
+            context.merge_call(self._apply_on_each_device, args=(grads, trainable_variables))
+            return
+        self._checked_apply(grads, trainable_variables)
+
+    def _apply_on_each_device(self, strategy: tf.distribute.Strategy, grads: list[Any],
+                              trainable_variables: Any) -> None:
+        """Cross-replica context: the check once for every device, then each device's
+        update (`tputrain.loop.update`)."""
+        guarded = self._guard.guards(self.wrapped)
+        apply_on_each_device(strategy, self._checked_apply, grads, trainable_variables,
+                             self._guard.checking_once if guarded else None)
+
+    def _checked_apply(self, grads: list[Any], trainable_variables: Any) -> None:
+        """The guard's check around the optimizer's own apply (gradients summed)."""
+        optimizer, guard = self.wrapped, self._guard
+        if not guard.guards(optimizer):
+            optimizer.apply(grads, trainable_variables)
+            return
+        if guard.selecting:
+            guard.select_apply(optimizer, optimizer.apply, grads, trainable_variables)
+            return
+        context = tf.distribute.get_replica_context()
+        if context is None:  # cross-replica context: nothing to agree on
+            bad = guard.gradients_bad(grads)
+            guard.record(bad)
+            tf.cond(bad, lambda: tf.constant(False),
+                    lambda: _done(optimizer.apply(grads, trainable_variables)))
+            return
+        # The gradients are summed over replicas: every replica reaches the same verdict.
+        context.merge_call(self._conditional_apply,
+                           args=(guard.gradients_bad(grads), grads, trainable_variables))
+
+    def _conditional_apply(self, strategy: tf.distribute.Strategy, local_bad: Any,
+                           grads: list[Any], trainable_variables: Any) -> None:
+        """Cross-replica context: the update on every replica, or none. A replica-context
+        cond cannot hold the optimizer's merge_call (Keras's loss-scale optimizer also
+        decides in cross-replica context)."""
+        bad = strategy.experimental_local_results(local_bad)[0]
+
+        def apply_on_every_replica():
+            strategy.extended.call_for_each_replica(
+                self.wrapped.apply, args=(grads, trainable_variables))
+            return tf.constant(True)
+
+        tf.cond(bad, lambda: tf.constant(False), apply_on_every_replica)
+        self._guard.record(bad)
+
+
+def _done(result: Any) -> tf.Tensor:
+    del result
+    return tf.constant(True)

@@ -41,16 +41,16 @@ _EXPORTS = {
     "ReplicaStateError": "tputrain.loop.replica_stats",
     "PREEMPTED_EXIT_CODE": "tputrain.preemption",
     "Preempted": "tputrain.preemption",
-    "audit_precision": "tputrain.audit",
+    "audit_precision": "tputrain.configurables",  # gin-configured
     "LARS": "tputrain.lars",
     "override_layer_dtypes": "tputrain.layer_precision",
-    "build_optimizer": "tputrain.optimizers",
+    "build_optimizer": "tputrain.configurables",  # gin-configured
     "WarmupDecay": "tputrain.schedules",
     "scale_learning_rate": "tputrain.schedules",
-    "warmup_schedule": "tputrain.schedules",
-    "set_precision_policy": "tputrain.precision",
-    "resolve_strategy": "tputrain.strategy",
-    "split_cpu": "tputrain.strategy",
+    "warmup_schedule": "tputrain.configurables",  # gin-configured
+    "set_precision_policy": "tputrain.configurables",  # gin-configured
+    "resolve_strategy": "tputrain.configurables",  # gin-configured
+    "split_cpu": "tputrain.configurables",  # gin-configured
     "Task": "tputrain.task",
     "KerasTask": "tputrain.keras_task",
     "KerasCallbacks": "tputrain.keras_callbacks",

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-import gin
 import keras
 import numpy as np
 import tensorflow as tf
@@ -233,7 +232,6 @@ def _measure(task: Task, model: keras.Model, batches: Sequence[Any],
     return results, metrics_float32, metrics_policy
 
 
-@gin.configurable
 def audit_precision(task: Task, policy: str = "mixed_bfloat16", global_batch_size: int = 64,
                     num_batches: int = 4, tolerance: float = 0.05,
                     metric_tolerance: float = 0.01, checkpoint: str | None = None,

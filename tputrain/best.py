@@ -36,7 +36,6 @@ import os
 import uuid
 from typing import Any, Mapping, NoReturn
 
-import gin
 import tensorflow as tf
 from absl import logging
 
@@ -124,7 +123,6 @@ def best_record(model_dir: str, directory: str | None = None) -> dict[str, Any] 
     return record
 
 
-@gin.configurable
 class BestCheckpoint(Action):
     """Keeps the checkpoint with the best eval `metric` in model_dir/best/, apart from
     the keep-N rotation; `tputrain.Export` and `tputrain export` export it when set.
@@ -256,7 +254,6 @@ def early_stopping_path(model_dir: str) -> str:
     return os.path.join(model_dir, "checkpoints", EARLY_STOPPING_FILE)
 
 
-@gin.configurable
 class EarlyStopping(Action):
     """Stops training once the eval `metric` has not improved (by more than
     `min_delta`) for `patience` evaluations in a row. The run then saves, evaluates

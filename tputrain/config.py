@@ -13,7 +13,7 @@ import inspect
 import os
 import re
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 import gin
 from absl import logging
@@ -194,6 +194,19 @@ def require_bound(*bindings: str) -> None:
         except ValueError:
             raise ConfigError(f"{binding} is not bound: add `{binding} = ...` to your gin file "
                               f"or pass --gin_param='{binding}=...'") from None
+
+
+def bound_or(binding: str, default: Any) -> Any:
+    """The value gin binds to `binding`, or `default` when it is not bound."""
+    try:
+        return gin.query_parameter(binding)
+    except ValueError:  # not bound (or its configurable not registered)
+        return default
+
+
+def clear_config() -> None:
+    """Forgets every binding (after a config was parsed only to be read)."""
+    gin.clear_config()
 
 
 def write_operative_config(model_dir: str) -> str:

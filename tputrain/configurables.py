@@ -21,12 +21,22 @@ import gin
 import tensorflow as tf
 from absl import logging
 
-from tputrain import cluster, strategy
+from tputrain import audit, cluster, optimizers, precision, schedules, strategy
+from tputrain.best import BestCheckpoint, EarlyStopping
 from tputrain.checkpoint import Checkpointer
 from tputrain.communication import CommunicationOptions
+from tputrain.data.options import InputOptions
+from tputrain.data.tfds import TFDSInput
+from tputrain.data.tfrecord import TFRecordInput
+from tputrain.export import Export
 from tputrain.flops import peak_flops
+from tputrain.guard import NonFiniteGuard
+from tputrain.init_checkpoint import InitCheckpoint
 from tputrain.layer_precision import override_layer_dtypes
 from tputrain.options import CheckpointOptions, PrecisionOptions, ProfilingOptions
+from tputrain.tasks.classifier import MLPClassifierTask
+from tputrain.tasks.digits import DigitsTask
+from tputrain.tasks.transformer import SyntheticLMTask
 from tputrain.trainer import Trainer
 
 # Options class -> {field: the old binding it replaces}.
@@ -92,11 +102,36 @@ def _register_aliases() -> None:
             gin.external_configurable(target, allowlist=allowlist)
 
 
+# Classes gin configures in place: `TFRecordInput()` anywhere takes gin's bindings.
+CLASSES = (Trainer, NonFiniteGuard, BestCheckpoint, EarlyStopping, Export, InitCheckpoint,
+           InputOptions, TFDSInput, TFRecordInput, MLPClassifierTask, DigitsTask, SyntheticLMTask)
+
+
+def _register_classes() -> None:
+    for cls in CLASSES:
+        if gin.config._INVERSE_REGISTRY.get(cls) is None:  # pylint: disable=protected-access
+            gin.configurable(cls)
+
+
+def _function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` as gin configures it (a function cannot be configured in place: callers
+    that should see gin's bindings call this version: `tputrain.<name>` is it)."""
+    return gin.external_configurable(fn, module=fn.__module__)
+
+
 _register_options()
 _register_aliases()
-gin.configurable(Trainer)
-# The CLI's builders (the CLI calls these registered versions).
-join_watchdog: Callable[..., Any] = gin.external_configurable(cluster.join_watchdog)
+_register_classes()
+# The public builders, configured: `tputrain.build_optimizer` etc. name these, so
+# `Task.build_optimizer` and `Trainer(strategy=None)` see `build_optimizer.*` and
+# `resolve_strategy.*` bindings.
+build_optimizer = _function(optimizers.build_optimizer)
+resolve_strategy = _function(strategy.resolve_strategy)
+split_cpu = _function(strategy.split_cpu)
+warmup_schedule = _function(schedules.warmup_schedule)
+audit_precision = _function(audit.audit_precision)
+set_precision_policy = _function(precision.set_precision_policy)  # deprecated name
+join_watchdog: Callable[..., Any] = _function(cluster.join_watchdog)  # the CLI's
 
 
 def configure_devices() -> None:
@@ -110,7 +145,7 @@ def configure_devices() -> None:
     if not found:
         return
     try:
-        strategy.split_cpu()  # gin supplies num_devices (and records it in the operative config).
+        split_cpu()  # gin supplies num_devices (and records it in the operative config).
     except RuntimeError as e:
         have = len(tf.config.list_logical_devices("CPU"))
         raise RuntimeError(

@@ -35,7 +35,6 @@ import socket
 import uuid
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
-import gin
 import keras
 import tensorflow as tf
 from absl import logging
@@ -357,7 +356,6 @@ def _write_error(path: str, error: BaseException) -> OSError:
                    "another --export_dir")
 
 
-@gin.configurable
 class Export(Action):
     """At the end of training, exports a SavedModel (`export_checkpoint`): the best
     checkpoint if a `BestCheckpoint` action is set, else the last one. Chief only.

@@ -44,7 +44,6 @@ import contextlib
 import math
 from typing import Any, Callable, Iterator, Mapping
 
-import gin
 import keras
 import tensorflow as tf
 
@@ -167,7 +166,6 @@ def _size(gradient: Any) -> int:
     return int(values.shape.num_elements() or 1)
 
 
-@gin.configurable
 class NonFiniteGuard:
     """Detects non-finite losses/gradients in the compiled step and applies `policy`.
 

@@ -28,7 +28,6 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
-import gin
 import keras
 import numpy as np
 import tensorflow as tf
@@ -427,7 +426,6 @@ def _check_mapping(mapping: Any) -> dict[str, str]:
     return dict(mapping)
 
 
-@gin.configurable
 class InitCheckpoint(Action):
     """Fine-tuning: a new run (nothing in model_dir yet) starts from another
     checkpoint's weights; a resumed run continues from its own checkpoints.

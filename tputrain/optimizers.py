@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-import gin
 import keras
 
 from tputrain.lars import LARS
@@ -41,7 +40,6 @@ def _check_learning_rate(learning_rate: Any) -> Any:
     return learning_rate
 
 
-@gin.configurable
 def build_optimizer(name: str = "adam",
                     learning_rate: float | keras.optimizers.schedules.LearningRateSchedule = 1e-3,
                     weight_decay: float | None = None,

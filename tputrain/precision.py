@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import gin
 import keras
 import numpy as np
 import tensorflow as tf
@@ -29,7 +28,6 @@ from tputrain.console import default_progress
 VALID_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 
 
-@gin.configurable
 def set_precision_policy(
     name: str | None = None, strategy: tf.distribute.Strategy | None = None
 ) -> str:

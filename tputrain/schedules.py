@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 
-import gin
 import keras
 
 DECAYS = ("cosine", "linear", "constant")
@@ -83,8 +82,7 @@ class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
                     end_learning_rate=self.end_learning_rate)
 
 
-@gin.configurable
-def warmup_schedule(learning_rate: float = gin.REQUIRED, total_steps: int = gin.REQUIRED,
+def warmup_schedule(learning_rate: float, total_steps: int,
                     warmup_steps: int = 0, decay: str = "cosine",
                     end_learning_rate: float = 0.0,
                     global_batch_size: int | None = None,

@@ -28,7 +28,6 @@ import os
 import socket
 from typing import Iterator, NamedTuple
 
-import gin
 import tensorflow as tf
 from absl import logging
 
@@ -71,7 +70,6 @@ def worker_devices(strategy: tf.distribute.Strategy) -> tuple[str, ...]:
         return tuple(d.name for d in tf.config.list_logical_devices())
 
 
-@gin.configurable
 def split_cpu(num_devices: int) -> None:
     """Splits the first physical CPU into `num_devices` logical devices.
 
@@ -112,7 +110,6 @@ def configure_devices() -> None:
     apply()
 
 
-@gin.configurable
 def resolve_strategy(
     tpu: str | None = None, strategy: str | None = None,
     communication: CommunicationOptions | None = None,

@@ -21,7 +21,6 @@ import keras
 import tensorflow as tf
 
 from tputrain.data import InputContext
-from tputrain.optimizers import build_optimizer
 from tputrain.precision import to_float32
 
 # Keys an eval step returns for padded batches (see `Task.eval_step`): summed like
@@ -97,8 +96,10 @@ class Task:
         return []
 
     def build_optimizer(self) -> keras.optimizers.Optimizer:
-        """Returns the optimizer; by default `tputrain.build_optimizer()` from gin."""
-        return build_optimizer()
+        """Returns the optimizer; by default `tputrain.build_optimizer()` (which takes
+        gin's `build_optimizer.*` bindings when a config binds them)."""
+        import tputrain  # the public, gin-configured builder (tputrain.configurables)
+        return tputrain.build_optimizer()
 
     # Steps. Override these only for unusual training (GANs, several optimizers).
 

@@ -20,6 +20,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+import tputrain
 from tputrain.actions import (Action, CommunicationAction, MFUAction, NonFinitePolicyAction,
                               PreemptionAction, ProfilerAction, check_actions)
 from tputrain.best import BestCheckpoint, tidy_best
@@ -48,7 +49,6 @@ from tputrain.plan import RESOLVED, resolve_plan
 from tputrain.precision import resolve_precision, wrap_optimizer_for_policy
 from tputrain.preemption import Preempted, PreemptionWatcher
 from tputrain.progress import Progress, Stopwatch, summary_root
-from tputrain.strategy import resolve_strategy
 from tputrain.task import Task, overrides_train_step
 from tputrain.validate import check_eval_split, check_model_dir, iterator_state_bytes, probe_inputs, variable_bytes
 
@@ -141,7 +141,8 @@ class Trainer:
         default_progress()  # a plain Python script shows progress, as the CLI does
         self.task, self.model_dir = task, model_dir
         self.communication = communication or CommunicationOptions()
-        self.strategy = strategy or resolve_strategy(communication=self.communication)
+        # The public, gin-configured resolver (`resolve_strategy.*` bindings apply).
+        self.strategy = strategy or tputrain.resolve_strategy(communication=self.communication)
         self.plan = self.startup.mark("strategy", resolve_plan(
             self.options, self.strategy, lambda: resolve_precision(self.options.precision.policy, self.strategy),
             overrides_train_step(task), type(task).__name__))

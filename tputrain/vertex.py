@@ -16,9 +16,8 @@ import os
 import re
 from typing import Any, Sequence
 
-import gin
 
-from tputrain.config import ConfigError, parse_gin, require_bound
+from tputrain.config import ConfigError, bound_or, clear_config, parse_gin, require_bound
 
 _CONTAINER_COMMAND = ["python", "-m", "tputrain.run"]
 # Vertex AI machine specs for TPU slices, named as Cloud TPU names them
@@ -198,13 +197,13 @@ def validate_config(gin_files: Sequence[str], gin_params: Sequence[str],
     try:
         parse_gin(gin_files, gin_params, gin_search_paths, gin_imports, finalize=False)
         require_bound("Trainer.task")
-        global_batch = _bound_or("Trainer.global_batch_size", 64)
-        forced = _bound_or("resolve_strategy.strategy", None)
-        precision = _bound_or("Trainer.precision", None)
+        global_batch = bound_or("Trainer.global_batch_size", 64)
+        forced = bound_or("resolve_strategy.strategy", None)
+        precision = bound_or("Trainer.precision", None)
     except ConfigError as error:
         raise SpecError(f"the gin config does not parse: {error}") from error
     finally:
-        gin.clear_config()
+        clear_config()
     if global_batch % replicas:
         multiple = replicas * max(1, round(global_batch / replicas))
         raise SpecError(f"Trainer.global_batch_size={global_batch} is not divisible by the "
@@ -225,13 +224,6 @@ def validate_config(gin_files: Sequence[str], gin_params: Sequence[str],
         warnings.append("Trainer.precision='mixed_float16' on a TPU: TPUs compute in bfloat16; "
                         "use 'mixed_bfloat16' (or leave it unset)")
     return warnings
-
-
-def _bound_or(binding: str, default: Any) -> Any:
-    try:
-        return gin.query_parameter(binding)
-    except ValueError:
-        return default
 
 
 def submit(job: dict[str, Any], project: str, region: str) -> str:

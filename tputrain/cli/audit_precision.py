@@ -22,7 +22,7 @@ import gin
 import tensorflow as tf
 from absl import flags
 
-from tputrain.audit import audit_precision
+from tputrain.configurables import audit_precision  # the gin-configured one
 from tputrain.cli.common import (GIN_FLAGS, define_gin_flags, fail, list_in_help, parse_gin_flags,
                                  reject_arguments, run_command)
 from tputrain.config import ConfigError, require_bound

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import gin
 import tensorflow as tf
 
 from tputrain.checks import check_bool, check_int
@@ -20,7 +19,6 @@ _PROCESSING_MODES = ("parallel_epochs", "distributed_epoch")
 _EXTERNAL_STATE = {"fail": "FAIL", "warn": "WARN", "ignore": "IGNORE"}
 
 
-@gin.configurable
 @dataclasses.dataclass(frozen=True)
 class InputOptions:
     """tf.data options for one input pipeline (per host).

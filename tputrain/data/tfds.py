@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-import gin
 import tensorflow as tf
 from absl import logging
 
@@ -26,7 +25,6 @@ _STATIC_FIX = ("resize or pad each example with TFDSInput.preprocess_example, or
                "fixed-shape features with TFDSInput.features")
 
 
-@gin.configurable
 class TFDSInput(BatchedInput):
     """Builds one host's dataset of per-replica batches from a TFDS split.
 

@@ -11,7 +11,6 @@ import math
 import os
 from typing import Any, Callable, Mapping, Sequence
 
-import gin
 import numpy as np
 import tensorflow as tf
 from absl import logging
@@ -169,7 +168,6 @@ def _glob_shards(pattern: str) -> tuple[list[str], dict[str, str]]:
     return kept, skipped
 
 
-@gin.configurable
 class TFRecordInput(BatchedInput):
     """Builds one host's dataset of per-replica batches from sharded TFRecord files.
 

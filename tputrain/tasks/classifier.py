@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-import gin
 import keras
 import tensorflow as tf
 
@@ -20,7 +19,6 @@ from tputrain.task import Task
 InputBuilder = Callable[[InputContext], tf.data.Dataset]
 
 
-@gin.configurable
 class MLPClassifierTask(Task):
     """Flattens `image_key`, scales it by `scale`, then Dense layers to `num_classes` logits.
 

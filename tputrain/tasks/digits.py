@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-import gin
 import keras
 import numpy as np
 import tensorflow as tf
@@ -47,7 +46,6 @@ def prepare_digits(cache_dir: str, train_shards: int = 8, eval_shards: int = 2) 
     return patterns
 
 
-@gin.configurable
 class DigitsTask(Task):
     """An MLP classifier on scikit-learn's 8x8 digits (1477 train / 320 eval)."""
 

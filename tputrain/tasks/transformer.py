@@ -8,7 +8,6 @@ are static: [per_replica_batch, sequence_length].
 
 from __future__ import annotations
 
-import gin
 import keras
 import tensorflow as tf
 
@@ -40,7 +39,6 @@ def _block(x: keras.KerasTensor, width: int, heads: int, mlp_ratio: int) -> kera
     return x + keras.layers.Dense(width)(h)
 
 
-@gin.configurable
 class SyntheticLMTask(Task):
     """Causal LM: embedding, `num_layers` pre-norm blocks, float32 logits."""
 

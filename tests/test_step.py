@@ -428,9 +428,9 @@ def test_a_program_xla_cannot_lower_falls_back_to_one_step_a_launch(tmp_path, mo
                                                                     caplog):
     """Should the several-step program not lower (here: a py_function added to it),
     the run goes on one step a launch, says why, and trains every step."""
-    import tputrain.trainer as trainer_module
+    import tputrain.loop.host_loop as host_loop
 
-    real = trainer_module.steps_program
+    real = host_loop.steps_program
 
     def unlowerable(*args, **kwargs):
         program = real(*args, **kwargs)
@@ -440,7 +440,7 @@ def test_a_program_xla_cannot_lower_falls_back_to_one_step_a_launch(tmp_path, mo
             n = tf.py_function(lambda n: n, [n], tf.int32)
             return program.python_function(batches, tf.reshape(n, []))
         return run
-    monkeypatch.setattr(trainer_module, "steps_program", unlowerable)
+    monkeypatch.setattr(host_loop, "steps_program", unlowerable)
     trainer = program_trainer(tmp_path, "py", steps_per_program=4)
     with caplog.at_level("WARNING"):
         trainer.train()

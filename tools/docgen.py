@@ -54,7 +54,8 @@ _SKIP_MODULES = ("tputrain.configs",)
 _SECTION = re.compile(r"^(Args|Arguments|Returns|Raises|Yields|Attributes|Example|Examples):\s*$")
 
 
-def split_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
+def split_docstring(doc: str | None, sections: tuple[str, ...] = ("Args", "Arguments")
+                    ) -> tuple[str, dict[str, str]]:
     """Splits a Google-style docstring into (text without Args, {parameter: description}).
 
     Continuation lines are joined with spaces; other sections (Returns, Raises)
@@ -66,7 +67,7 @@ def split_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
     i = 0
     while i < len(lines):
         match = _SECTION.match(lines[i].strip())
-        if not match or match.group(1) not in ("Args", "Arguments") or lines[i].startswith(" "):
+        if not match or match.group(1) not in sections or lines[i].startswith(" "):
             text.append(lines[i])
             i += 1
             continue
@@ -135,6 +136,8 @@ def _describe_configurable(selector: str, configurable: Any, builtin: bool) -> s
         init_text, params = split_docstring(inspect.getdoc(wrapped.__init__))
         if init_text and not text:
             text = init_text
+    if wrapped is tputrain.Trainer:  # its knobs are TrainerOptions' fields, documented there
+        params = {**split_docstring(tputrain.TrainerOptions.__doc__, ("Attributes",))[1], **params}
     denied = set(configurable.denylist or ())
     allowed = set(configurable.allowlist) if configurable.allowlist else None
     out = [f"## `{configurable.name}`", ""]

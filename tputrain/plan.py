@@ -75,6 +75,14 @@ class RunPlan:
     def steps_per_fetch(self) -> int:
         return self.options.steps_per_fetch
 
+    def check_resume_step(self, step: int, model_dir: str) -> None:
+        """Host input is read in whole fetches: a resume must start on a fetch boundary."""
+        if step % self.steps_per_fetch:
+            raise ValueError(
+                f"the checkpoint in {model_dir} is at step {step}, not a multiple of "
+                f"Trainer.steps_per_fetch={self.steps_per_fetch}: resume with a "
+                "steps_per_fetch that divides it (e.g. 1)")
+
     def options_note(self, name: str) -> str:
         """`name` as asked and as planned, for an error message."""
         return f"asked {getattr(self.options, name)!r}, planned {getattr(self, name)!r}"

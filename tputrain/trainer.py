@@ -23,7 +23,6 @@ from absl import logging
 import tputrain
 from tputrain.actions import (Action, CommunicationAction, MFUAction, NonFinitePolicyAction,
                               PreemptionAction, ProfilerAction, check_actions)
-from tputrain.best import BestCheckpoint, tidy_best
 from tputrain.checkpoint import Checkpointer, seed_generator_states
 from tputrain.checks import check_int
 from tputrain.communication import CommunicationOptions
@@ -34,23 +33,21 @@ from tputrain.controller import Controller
 from tputrain.goodput import GoodputAction, StartupClock
 from tputrain.guard import NonFiniteError, NonFiniteGuard
 from tputrain.input_layout import LayoutChange
-from tputrain.layer_precision import override_layer_dtypes
-from tputrain.lock import lock_model_dir
 from tputrain.loop.evaluation import Evaluator
-from tputrain.loop.host_loop import HostLoop, count_step
+from tputrain.loop.host_loop import HostLoop, count_step, plan_program
 from tputrain.loop.hosts import MaxOverHosts
 from tputrain.loop.inputs import Inputs
-from tputrain.loop.replica_seeds import fold_replica_into_seeds
-from tputrain.loop.replica_stats import ReplicaStatistics, sum_once
-from tputrain.loop.step import StepBuilder, check_model_train_step, ensure_built, steps_program
-from tputrain.options import (CheckpointOptions, PrecisionOptions, ProfilingOptions, TrainerOptions,
-                              program_steps)
+from tputrain.loop.replica_stats import ReplicaStatistics
+from tputrain.loop.step import StepBuilder
+from tputrain.model_state import build_model_state
+from tputrain.options import CheckpointOptions, PrecisionOptions, ProfilingOptions, TrainerOptions
 from tputrain.plan import RESOLVED, resolve_plan
-from tputrain.precision import resolve_precision, wrap_optimizer_for_policy
+from tputrain.precision import resolve_precision
 from tputrain.preemption import Preempted, PreemptionWatcher
+from tputrain.preflight import preflight
 from tputrain.progress import Progress, Stopwatch, summary_root
 from tputrain.task import Task, overrides_train_step
-from tputrain.validate import check_eval_split, check_model_dir, iterator_state_bytes, probe_inputs, variable_bytes
+from tputrain.validate import check_eval_split, probe_inputs
 
 
 def _planned(name: str) -> property:
@@ -80,33 +77,11 @@ class Trainer:
       task: the user's model, data and loss.
       model_dir: checkpoints, TensorBoard events and the operative gin config.
       strategy: a `tf.distribute.Strategy`; None resolves one (`resolve_strategy`).
-      train_steps: total optimizer steps (see `TrainerOptions` for every knob).
-      steps_per_loop: steps per compiled host call.
-      global_batch_size: examples per step over all replicas.
-      eval_every: evaluate every N steps (and at the end); None: only at the end.
-      eval_steps: eval batches per evaluation; None: the whole eval split.
-      checkpoint_every: save every N steps (and at the end).
-      keep_checkpoints: how many checkpoints to keep.
-      precision: a policy name ("float32", "mixed_bfloat16", "mixed_float16") or
-        `tputrain.PrecisionOptions` (with float32 layers); None: the device's.
-      seed: seeds weight initialisation and Keras random ops.
-      input_mode: "host" (exact resume), "distributed", or None (chosen).
-      jit_compile: XLA: True, False or "auto" (the default).
-      accumulation_steps: micro-batches per step (gradient accumulation).
-      profile_steps: `(start, stop)`: a profiler trace of those steps.
-      report_mfu: log model FLOPs utilization each loop.
-      steps_per_fetch: host input mode: steps fetched with one `get_next`.
-      steps_per_program: steps per XLA program launch (whole-step XLA, one replica);
-        "auto" (the default) or an int.
-      class_weight: `{class id: weight}` for the train loss and metrics, as Keras
-        `fit`'s (unlisted classes weigh 1).
-      guard: the NaN/Inf guard (`tputrain.NonFiniteGuard(policy=...)`); None builds
-        one from gin (policy "raise" by default).
-      actions: `tputrain.Action`s called after each loop, evaluation and save and at
-        the end (tputrain.actions).
-      communication: all-reduce dtype and collective options (CommunicationOptions).
-      checkpoint: async writes and the finite check (`tputrain.CheckpointOptions`).
-      profiling: the peak MFU is measured against (`tputrain.ProfilingOptions`).
+      guard: the NaN/Inf guard (`tputrain.NonFiniteGuard`); None: policy "raise".
+      actions: `tputrain.Action`s, called at each loop, evaluation, save and the end.
+      communication: all-reduce dtype and collective options (`CommunicationOptions`).
+      The other keywords (train_steps, global_batch_size, precision, checkpoint...)
+      are the fields of `tputrain.TrainerOptions`, documented there.
     """
 
     def __init__(self, task: Task, model_dir: str, strategy: tf.distribute.Strategy | None = None,
@@ -152,7 +127,10 @@ class Trainer:
         for split in ("train", "eval"):  # corrupt records and missing files fail here
             self.startup.mark("data", probe_inputs(getattr(self.inputs, f"{split}_dataset"), split))
         check_eval_split(self.inputs.eval_dataset, self.eval_steps)
-        self.startup.mark("model", self._build_model(guard))
+        self.model, self.optimizer, self.train_metrics, self.eval_metrics, self.step, \
+            self.guard = self.startup.mark("model", build_model_state(
+                task, self.strategy, self.inputs.micro_batch_spec()[0],
+                self.options.precision.keep_float32_layers, guard))
         self._build_checkpointer()
         self._steps = StepBuilder(task, self.model, self.optimizer, self.train_metrics,
                                   self.guard, self.strategy, self.global_batch_size,
@@ -180,26 +158,6 @@ class Trainer:
             train_metrics=self.train_metrics, eval_metrics=self.eval_metrics,
             actions=self.actions, startup=self.startup, options=self.options,
             report_mfu=self.options.report_mfu)
-
-    def _build_model(self, guard: NonFiniteGuard | None) -> None:
-        """Model, optimizer, metrics, step counter and guard, in strategy scope (mirrored)."""
-        with self.strategy.scope():
-            task, self.model = self.task, self.task.build_model()
-            ensure_built(self.model, self.inputs.micro_batch_spec()[0])
-            override_layer_dtypes(self.model, self.options.precision.keep_float32_layers)
-            fold_replica_into_seeds(self.model)  # dropout masks differ per replica
-            sum_once(self.model)  # aggregation="sum" weights add each replica's share once
-            check_model_train_step(self.model, task)
-            # Built before the first step: slot variables are mirrored and a restore can
-            # fill them. mixed_float16 wraps any optimizer for Keras 3 loss scaling.
-            self.optimizer = wrap_optimizer_for_policy(task.build_optimizer())
-            self.optimizer.build(self.model.trainable_variables)
-            self.train_metrics = list(task.build_metrics())
-            self.eval_metrics = list(task.build_metrics())
-            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step",
-                                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-            self.guard = guard if guard is not None else NonFiniteGuard()
-            self.guard.build()
 
     def _build_checkpointer(self) -> None:
         """Checkpoints (the chief's; other workers write a temp dir), pre-flight, progress."""
@@ -229,30 +187,14 @@ class Trainer:
                                  self.train_steps, self.global_batch_size)
         self.context = self._context()
         if self.is_chief:  # inputs are checked; nothing has been written yet
-            self._preflight()
+            preflight(self.context)
 
     def _reposition_input(self, change: LayoutChange) -> None:
         """The checkpoint's iterator was saved for other batches (another layout): the
         fresh one is read past the examples consumed instead, and the log says so."""
-        self._check_fetch_alignment(change.step)
+        self.plan.check_resume_step(change.step, self.model_dir)
         skipped = self.inputs.read_past(self._train_iterator, change)
         logging.warning("tputrain: %s", change.recovered(skipped))
-
-    def _preflight(self) -> None:
-        """Chief, before the first write: is the checkpoint there this model's, and can
-        model_dir take checkpoints (writable, room for keep + 1, the iterator included)?"""
-        self.checkpointer.check_compatible()
-        for action in self.actions:  # e.g. InitCheckpoint: its source and shapes
-            action.preflight(self.context)
-        size = variable_bytes(self.model.variables) + variable_bytes(self.optimizer.variables)
-        if self.input_mode == "host":  # the iterator is checkpointed: shuffle buffers and all
-            size += iterator_state_bytes(self.inputs.fetch_groups(self.inputs.train_dataset))
-        kept_best = [a for a in self.actions if isinstance(a, BestCheckpoint)]
-        for action in kept_best:  # a copy a kill or a full disk cut short takes no room
-            tidy_best(action.directory_of(self))
-        check_model_dir(self.model_dir, size, keep=self.checkpointer.keep,
-                        best_copy=bool(kept_best))
-        lock_model_dir(self.model_dir)  # one run per model_dir, until this process ends
 
     # ------------------------------------------------------------ public API
 
@@ -337,7 +279,7 @@ class Trainer:
             logging.info("tputrain: %s is at step %d >= train_steps %d; nothing to train",
                          self.model_dir, step, self.train_steps)
             return Controller(self, self._actions()).complete(step)
-        self._check_fetch_alignment(step)
+        self.plan.check_resume_step(step, self.model_dir)
         if self.input_mode == "distributed":  # skips the examples consumed, in batches
             self._train_iterator = self.inputs.distributed_iterator(
                 "train", skip_steps=self.checkpointer.recorded_layout.input_steps(step))
@@ -351,14 +293,6 @@ class Trainer:
             self.progress.close()
             if not self.is_chief:
                 shutil.rmtree(self._work_dir, ignore_errors=True)
-
-    def _check_fetch_alignment(self, step: int) -> None:
-        """Host input is read in whole fetches: a resume must start on a fetch boundary."""
-        if step % self.steps_per_fetch:
-            raise ValueError(
-                f"the checkpoint in {self.model_dir} is at step {step}, not a multiple of "
-                f"Trainer.steps_per_fetch={self.steps_per_fetch}: resume with a "
-                "steps_per_fetch that divides it (e.g. 1)")
 
     def _actions(self) -> list[Action]:
         """The built-in actions (goodput first: tputrain/goodput.py), then the user's."""
@@ -397,7 +331,8 @@ class Trainer:
             mirrored = isinstance(self.step, tf.distribute.DistributedValues)
             step_fn = self._steps.build(count=None if mirrored else (
                 lambda logs: count_step(self.step, self.guard, logs)))
-            program = self._program(step_fn)
+            program = plan_program(step_fn, self._steps, self.inputs, self.plan, self.step,
+                                   self.guard, self.progress.ideal_step_seconds)
             # "auto" -> False if XLA refused it
             self._launch(self._steps.jit_compile, program.get("program_steps", 1))
             self._train_loop_fn = HostLoop(step_fn, self.inputs, count_steps=True, step=self.step,
@@ -415,29 +350,6 @@ class Trainer:
         logs = {name: float(value) / steps for name, value in totals.items()}
         logs.update({m.name: float(m.result()) for m in self.train_metrics})
         return logs, steps, float(input_wait)
-
-    def _program(self, step_fn: Any) -> dict[str, Any]:
-        """HostLoop's `program` and `program_steps`: several steps a launch where the
-        whole step is one XLA program on one replica reading one batch a step."""
-        steps = program_steps(self.options, sum(
-            spec.shape.num_elements() * spec.dtype.size
-            for spec in tf.nest.flatten(self.inputs.train_dataset.element_spec)),
-            self.progress.ideal_step_seconds)
-        if not (steps > 1 and self._steps.counted_in_step and self.inputs.direct_fetch
-                and self.input_mode == "host"):
-            return {}
-        # The guard's trip only: SIGTERM is noticed between programs, so that every
-        # batch a program took is trained on (exact resume).
-        program = steps_program(step_fn, steps, self.step, self.guard.should_stop)
-        why = self._steps.refusal(program, (self._steps.zero_batch(),) * steps,
-                                  tf.constant(steps))
-        if why is not None:
-            logging.warning("tputrain: %d steps per XLA program do not compile (%s): "
-                            "one step a launch", steps, why)
-            return {}
-        logging.info("tputrain: %d steps per XLA program launch (Trainer.steps_per_program)",
-                     steps)
-        return {"program": program, "program_steps": steps}
 
     def _stop_requested(self) -> Any:
         """In the compiled loop: stop before the next step (guard trip or SIGTERM)? Several

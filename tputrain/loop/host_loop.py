@@ -24,9 +24,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import tensorflow as tf
+from absl import logging
 
 from tputrain.guard import NonFiniteGuard
 from tputrain.loop.inputs import Inputs, zeros_of
+from tputrain.loop.step import StepBuilder, steps_program
+from tputrain.options import program_steps
 
 EXHAUSTED = "tputrain: input exhausted"
 
@@ -227,3 +230,27 @@ class HostLoop:
 def _after(value: tf.Tensor, op: Callable[[], tf.Tensor]) -> tf.Tensor:
     with tf.control_dependencies([value]):
         return op()
+
+
+def plan_program(step_fn: Callable, builder: StepBuilder, inputs: Inputs, plan: Any,
+                 step: tf.Variable, guard: NonFiniteGuard,
+                 ideal_step_seconds: float | None) -> dict[str, Any]:
+    """HostLoop's `program` and `program_steps`: several steps a launch where the
+    whole step is one XLA program on one replica reading one batch a step; {} (one
+    step a launch) otherwise, or when that program does not compile."""
+    steps = program_steps(plan.options, sum(
+        spec.shape.num_elements() * spec.dtype.size
+        for spec in tf.nest.flatten(inputs.train_dataset.element_spec)), ideal_step_seconds)
+    if not (steps > 1 and builder.counted_in_step and inputs.direct_fetch
+            and plan.input_mode == "host"):
+        return {}
+    # The guard's trip only: SIGTERM is noticed between programs, so that every
+    # batch a program took is trained on (exact resume).
+    program = steps_program(step_fn, steps, step, guard.should_stop)
+    why = builder.refusal(program, (builder.zero_batch(),) * steps, tf.constant(steps))
+    if why is not None:
+        logging.warning("tputrain: %d steps per XLA program do not compile (%s): "
+                        "one step a launch", steps, why)
+        return {}
+    logging.info("tputrain: %d steps per XLA program launch (Trainer.steps_per_program)", steps)
+    return {"program": program, "program_steps": steps}

@@ -1,0 +1,32 @@
+"""What the chief checks before a run's first write to model_dir.
+
+A run that cannot finish should fail before it writes anything: the checkpoint
+already there must be this model's, each action's own sources must be there
+(`Action.preflight`), and model_dir must be writable with room for the kept
+checkpoints (the iterator state included) and a best copy. Then the directory is
+locked: one run per model_dir.
+"""
+
+from __future__ import annotations
+
+from tputrain.best import BestCheckpoint, tidy_best
+from tputrain.context import ActionContext
+from tputrain.lock import lock_model_dir
+from tputrain.validate import check_model_dir, iterator_state_bytes, variable_bytes
+
+
+def preflight(context: ActionContext) -> None:
+    """Runs the checks above on the chief (inputs were checked before), then locks."""
+    context.checkpointer.check_compatible()
+    for action in context.actions:  # e.g. InitCheckpoint: its source and shapes
+        action.preflight(context)
+    size = variable_bytes(context.model.variables) + variable_bytes(context.optimizer.variables)
+    if context.plan.input_mode == "host":  # the iterator is checkpointed: shuffle buffers and all
+        inputs = context.inputs
+        size += iterator_state_bytes(inputs.fetch_groups(inputs.train_dataset))
+    kept_best = [a for a in context.actions if isinstance(a, BestCheckpoint)]
+    for action in kept_best:  # a copy a kill or a full disk cut short takes no room
+        tidy_best(action.directory_of(context))
+    check_model_dir(context.model_dir, size, keep=context.checkpointer.keep,
+                    best_copy=bool(kept_best))
+    lock_model_dir(context.model_dir)  # one run per model_dir, until this process ends

@@ -96,10 +96,12 @@ def test_wrap_optimizer_only_for_float16():
 
 
 def test_policy_is_gin_configurable():
+    """The public (deprecated) name takes gin's binding (tputrain.configurables)."""
+    import tputrain
     gin.clear_config()
     try:
         gin.parse_config("set_precision_policy.name = 'mixed_bfloat16'")
-        assert precision.set_precision_policy() == "mixed_bfloat16"
+        assert tputrain.set_precision_policy() == "mixed_bfloat16"
     finally:
         gin.clear_config()
 

@@ -13,7 +13,7 @@ per-replica batch:
   MirroredStrategy over 2 and over 4 of them (the all-reduce is memory traffic);
 * `workers_2`, `workers_4`: 2 and 4 worker processes on 127.0.0.1, one
   MultiWorkerMirroredStrategy cluster (the all-reduce goes over gRPC on loopback;
-  TF_CONFIGs from `tputrain.launch.tf_configs`).
+  TF_CONFIGs from `tputrain.distribution.launch.tf_configs`).
 
 Within a setup every contender is built in the same processes: the all-reduce in
 float32 or bfloat16 (`CommunicationOptions.allreduce_dtype`), and on workers
@@ -24,7 +24,7 @@ Each is traced and warmed up, then measured in rounds of one compiled loop
 reported, and ratios are medians of per-round ratios. Beside wall-clock steps/s,
 steps per CPU-second (summed over the setup's processes) are less disturbed by
 other jobs on a shared machine. The all-reduce alone is timed in a compiled
-loop (`tputrain.communication.measure_allreduce`, what every run's
+loop (`tputrain.distribution.communication.measure_allreduce`, what every run's
 `comm/allreduce_fraction` and `tputrain diagnose` use); divided by the step
 time it gives its fraction of the step.
 
@@ -140,7 +140,7 @@ def build_contenders(setup: str, args: argparse.Namespace) -> dict[str, Any]:
     import tensorflow as tf
 
     import tputrain
-    from tputrain.communication import CommunicationOptions
+    from tputrain.distribution.communication import CommunicationOptions
 
     if setup == "mirrored":
         cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
@@ -176,7 +176,7 @@ def num_packs(trainer: Any) -> int:
 def allreduce_alone(trainer: Any, repeats: int) -> dict[str, float]:
     """The all-reduce of the trainer's gradients alone, in a compiled loop (as the
     measurement behind `comm/allreduce_fraction` times it, with more time)."""
-    from tputrain.communication import gradient_bytes, measure_allreduce
+    from tputrain.distribution.communication import gradient_bytes, measure_allreduce
     from tputrain.loop.hosts import MaxOverHosts
 
     strategy, dtype = trainer.strategy, trainer.communication.allreduce_dtype
@@ -218,7 +218,7 @@ def worker_main(args: argparse.Namespace) -> None:
     from absl import logging
 
     import tputrain
-    from tputrain.strategy import split_cpu
+    from tputrain.distribution.strategy import split_cpu
 
     logging.set_verbosity(logging.WARNING)
     tputrain.show_progress(False)
@@ -234,7 +234,7 @@ def worker_main(args: argparse.Namespace) -> None:
 
 def run_setup(setup: str, args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
     """Starts the setup's processes (TF_CONFIG each for workers), returns their results."""
-    from tputrain.launch import tf_configs  # no TensorFlow in the parent
+    from tputrain.distribution.launch import tf_configs  # no TensorFlow in the parent
 
     count = int(setup.split("_")[1]) if setup.startswith("workers_") else 1
     configs = tf_configs(count) if count > 1 else [None]

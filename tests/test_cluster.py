@@ -1,11 +1,11 @@
-"""Tests for tputrain/cluster.py: the one TF_CONFIG reader and the join watchdog's use of it."""
+"""Tests for tputrain/distribution/cluster.py: the one TF_CONFIG reader and the join watchdog's use of it."""
 
 import json
 
 import pytest
 
-from tputrain import strategy as strategy_lib
-from tputrain.cluster import ClusterSpec, TFConfigError, join_watchdog, read_tf_config
+from tputrain.distribution import strategy as strategy_lib
+from tputrain.distribution.cluster import ClusterSpec, TFConfigError, join_watchdog, read_tf_config
 
 TWO_WORKERS = {"cluster": {"chief": ["c:1"], "worker": ["w:1", "w:2"]},
                "task": {"type": "worker", "index": 1}}

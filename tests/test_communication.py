@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 import tputrain
-from tputrain.communication import CommunicationOptions, gradient_bytes
+from tputrain.distribution.communication import CommunicationOptions, gradient_bytes
 from events import train_scalars
 from tiny import TinyTask, model_bytes, strategy_for
 
@@ -139,7 +139,7 @@ def _trace(directory, events):
 
 
 def test_collective_share_is_the_union_of_collective_events_over_the_trace(tmp_path):
-    from tputrain.communication import collective_share
+    from tputrain.distribution.communication import collective_share
 
     _trace(tmp_path / "a", [
         ("python", "_loop", 0, 100),                          # the span: 0-100

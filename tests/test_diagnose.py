@@ -26,7 +26,7 @@ from events import scalar_points
 from faults import child_env
 from processes import in_netns
 from tiny import TinyTask, devices, strategy_for, weights
-from tputrain.communication import CommunicationOptions
+from tputrain.distribution.communication import CommunicationOptions
 from tputrain.data import InputOptions
 from tputrain.diagnose import (CommunicationCase, Diagnosis, _advice, communication_advice,
                                diagnose)

@@ -27,7 +27,7 @@ from events import train_scalars
 from processes import Launch, in_netns, listed_steps
 from tiny import model_bytes
 from tputrain.cli.launch import parse_args
-from tputrain.launch import Launcher, tf_configs
+from tputrain.distribution.launch import Launcher, tf_configs
 
 CONFIG = """
 Trainer.task = @FaultTask()

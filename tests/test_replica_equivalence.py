@@ -3,7 +3,7 @@
 The same global batch on 1, 2 and 4 MirroredStrategy replicas must give the same
 weights. Clipping is the case that broke: Keras 3 clips inside `apply`, before its
 cross-replica sum, so each replica clipped its own partial gradient. The Trainer
-now all-reduces first (`tputrain.allreduce`), and clipping sees the sum.
+now all-reduces first (`tputrain.distribution.allreduce`), and clipping sees the sum.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import pytest
 from faults import child_env
 from processes import in_netns
 from equivalence import OPTIONS
-from tputrain.launch import tf_configs
+from tputrain.distribution.launch import tf_configs
 
 pytestmark = [pytest.mark.slow, pytest.mark.start_early(0),
               pytest.mark.same_worker("replica_equivalence")]

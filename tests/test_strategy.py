@@ -1,4 +1,4 @@
-"""Tests for tputrain/strategy.py: fallback order, forced choices, never hanging."""
+"""Tests for tputrain/distribution/strategy.py: fallback order, forced choices, never hanging."""
 
 import json
 import logging
@@ -12,7 +12,7 @@ import gin
 import pytest
 import tensorflow as tf
 
-from tputrain import strategy as strategy_lib
+from tputrain.distribution import strategy as strategy_lib
 
 # At import (collection) time, before any test initialises TensorFlow: a no-op when
 # conftest.py already split the CPU into 4, and what makes this file pass standalone.
@@ -330,7 +330,7 @@ def test_cli_gin_split_cpu_after_tensorflow_started_fails_naming_the_fix(tmp_pat
 
 def test_a_named_tpu_without_the_cloud_api_client_names_the_extra(monkeypatch):
     """Finding a TPU by name needs google-api-python-client (`tputrain[tpu]`)."""
-    from tputrain import strategy as strategy_module
+    from tputrain.distribution import strategy as strategy_module
 
     real_find_spec = strategy_module.importlib.util.find_spec
     monkeypatch.setattr(strategy_module.importlib.util, "find_spec",

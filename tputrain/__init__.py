@@ -60,7 +60,7 @@ _EXPORTS = {
     "CheckpointOptions": "tputrain.options",
     "PrecisionOptions": "tputrain.options",
     "ProfilingOptions": "tputrain.options",
-    "CommunicationOptions": "tputrain.communication",
+    "CommunicationOptions": "tputrain.distribution.communication",
     "BestCheckpoint": "tputrain.best",
     "EarlyStopping": "tputrain.best",
     "Export": "tputrain.export",

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 import tensorflow as tf
 from absl import logging
 
-from tputrain.communication import (CommunicationOptions, collective_share, gradient_bytes,
+from tputrain.distribution.communication import (CommunicationOptions, collective_share, gradient_bytes,
                                     measure_allreduce)
 from tputrain.context import ActionContext
 from tputrain.flops import count_flops, peak_flops, specs_of
@@ -197,7 +197,7 @@ def count_flops_per_step(context: ActionContext) -> float:
 
 class CommunicationAction(Action):
     """Times one all-reduce of the gradients at the start of train() (several replicas
-    only); adds comm/* to each loop (tputrain/communication.py says how and how well)."""
+    only); adds comm/* to each loop (tputrain/distribution/communication.py says how and how well)."""
 
     def __init__(self, options: CommunicationOptions, seconds: float = 0.25):
         self.options = options

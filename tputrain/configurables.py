@@ -21,10 +21,11 @@ import gin
 import tensorflow as tf
 from absl import logging
 
-from tputrain import audit, cluster, optimizers, precision, schedules, strategy
+from tputrain import audit, optimizers, precision, schedules
+from tputrain.distribution import cluster, strategy
 from tputrain.best import BestCheckpoint, EarlyStopping
 from tputrain.checkpoint import Checkpointer
-from tputrain.communication import CommunicationOptions
+from tputrain.distribution.communication import CommunicationOptions
 from tputrain.data.options import InputOptions
 from tputrain.data.tfds import TFDSInput
 from tputrain.data.tfrecord import TFRecordInput

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 import tensorflow as tf
 
 from tputrain.advice import STALL_GOAL, RunSetup, run_setup, step_advice
-from tputrain.communication import CommunicationOptions, gradient_bytes, measure_allreduce
+from tputrain.distribution.communication import CommunicationOptions, gradient_bytes, measure_allreduce
 from tputrain.trainer import Trainer
 
 # Communication is the bottleneck when it is the largest share of the step and at
@@ -39,7 +39,7 @@ class Diagnosis:
 
     `step_split` is the end-to-end step as shares of input, compute and
     communication (summing to 1); `allreduce_seconds` one all-reduce of the
-    gradients in a compiled loop (`tputrain.communication.measure_allreduce`, the
+    gradients in a compiled loop (`tputrain.distribution.communication.measure_allreduce`, the
     measurement behind every run's `comm/allreduce_fraction`). `loop_steps` is
     the length of the measured loops; `seconds` the time per phase; `in_place`
     the knobs the run already turns (named instead of advised).

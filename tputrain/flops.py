@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tputrain.strategy import worker_devices
+from tputrain.distribution.strategy import worker_devices
 
 # Dense peak FLOP/s per TensorFlow device: (16-bit, float32). On TPUs float32
 # matmuls run as bf16 passes by default, and on Ampere+ GPUs as TF32 (TensorFlow

@@ -52,7 +52,7 @@ def build_optimizer(name: str = "adam",
     Call inside `strategy.scope()` (the Trainer does) so slot variables are
     mirrored. `global_clipnorm` clips the gradients of all variables together by
     their global norm before the update (the gradients summed over replicas: the
-    Trainer all-reduces before `apply`, see `tputrain.allreduce`). `weight_decay` is Keras' decoupled decay
+    Trainer all-reduces before `apply`, see `tputrain.distribution.allreduce`). `weight_decay` is Keras' decoupled decay
     (`w -= lr * wd * w`) for adam/adamw/sgd/lamb, and the paper's L2 term inside
     the trust ratio for lars. `exclude_from_weight_decay` lists substrings of
     variable names that get no decay, e.g. `['bias', 'gamma', 'beta']` (LARS

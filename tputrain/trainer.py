@@ -25,7 +25,7 @@ from tputrain.actions import (Action, CommunicationAction, MFUAction, NonFiniteP
                               PreemptionAction, ProfilerAction, check_actions)
 from tputrain.checkpoint import Checkpointer, seed_generator_states
 from tputrain.checks import check_int
-from tputrain.communication import CommunicationOptions
+from tputrain.distribution.communication import CommunicationOptions
 from tputrain.config_summary import ConfigSummaryAction
 from tputrain.context import ActionContext, ActionList
 from tputrain.console import default_progress

@@ -25,7 +25,7 @@ import signal
 import sys
 from typing import NoReturn, Sequence
 
-from tputrain.launch import Launcher
+from tputrain.distribution.launch import Launcher
 
 
 def build_parser() -> argparse.ArgumentParser:

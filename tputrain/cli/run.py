@@ -24,7 +24,7 @@ from tputrain.configurables import join_watchdog  # the gin-configurable one
 from tputrain.config import write_operative_config
 from tputrain.data import CorruptRecordError, FeatureSpecError
 from tputrain.guard import NonFiniteError
-from tputrain.launch import watch_launcher
+from tputrain.distribution.launch import watch_launcher
 from tputrain.preemption import PREEMPTED_EXIT_CODE
 from tputrain.trainer import Trainer
 from tputrain.validate import InputDataError, ModelDirError

@@ -9,7 +9,7 @@ attribute is the optimizer's own (a wrapper, as Keras's loss-scale optimizer is)
 
 In the order the code reads:
 1. reduce: in replica context on N replicas, the gradients are summed once
-   (`tputrain.allreduce`), so clipping, weight decay and the check see the sum;
+   (`tputrain.distribution.allreduce`), so clipping, weight decay and the check see the sum;
 2. check: the NaN/Inf guard's verdict (`tputrain.guard`): a conditional around the
    update, or, in an XLA program, a select on each of its writes;
 3. apply: the optimizer's own `apply`, on each device as one XLA program when the
@@ -23,7 +23,7 @@ from typing import Any, Iterable
 import keras
 import tensorflow as tf
 
-from tputrain.allreduce import all_reduce_sum, no_second_sum
+from tputrain.distribution.allreduce import all_reduce_sum, no_second_sum
 from tputrain.guard import NonFiniteGuard
 from tputrain.loop.update import apply_on_each_device
 

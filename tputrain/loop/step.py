@@ -4,7 +4,7 @@ Without an overridden `Task.train_step` the step is composed from
 `Task.compute_gradients` (once per micro-batch), the summed gradients'
 `apply_gradients` and `Task.update_metrics`: the same maths as
 `Task.train_step`, but the forward/backward can be compiled on its own. The
-gradients reach the optimizer unsummed; `tputrain.allreduce` sums them over
+gradients reach the optimizer unsummed; `tputrain.distribution.allreduce` sums them over
 replicas before clipping.
 
 Under a mixed policy on a CPU, `jit_compile="auto"` leaves the matmuls to oneDNN
@@ -31,7 +31,7 @@ from tputrain.guard import NonFiniteGuard
 from tputrain.loop.inputs import zeros_of
 from tputrain.loop.pipeline import UpdatePipeline
 from tputrain.loop.update import refusal as update_refusal
-from tputrain.strategy import worker_devices
+from tputrain.distribution.strategy import worker_devices
 from tputrain.task import Task, overrides, overrides_train_step, unpack_batch
 
 

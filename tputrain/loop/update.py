@@ -6,7 +6,7 @@ update ran as TensorFlow kernels, one pass over memory each: Adam's ten or so
 elementwise kernels a variable took about a third of a 2-replica MLP step on CPU,
 and the NaN/Inf guard needed a conditional around the whole update.
 
-Once the gradients are summed (`tputrain.allreduce`), every replica holds the
+Once the gradients are summed (`tputrain.distribution.allreduce`), every replica holds the
 same gradients, so each device can update its own copies without talking to the
 others. `apply_on_each_device` does that for the update pipeline
 (`tputrain.loop.pipeline`): one XLA program per local device, traced in that

@@ -31,7 +31,7 @@ from tputrain.context import ActionContext, ActionList
 from tputrain.console import default_progress
 from tputrain.controller import Controller
 from tputrain.goodput import GoodputAction, StartupClock
-from tputrain.guard import NonFiniteError, NonFiniteGuard
+from tputrain.guard import NonFiniteGuard
 from tputrain.input_layout import LayoutChange
 from tputrain.loop.evaluation import Evaluator
 from tputrain.loop.host_loop import HostLoop, count_step, plan_program
@@ -43,7 +43,7 @@ from tputrain.model_state import build_model_state
 from tputrain.options import CheckpointOptions, PrecisionOptions, ProfilingOptions, TrainerOptions
 from tputrain.plan import RESOLVED, resolve_plan
 from tputrain.precision import resolve_precision
-from tputrain.preemption import Preempted, PreemptionWatcher
+from tputrain.preemption import PreemptionWatcher
 from tputrain.preflight import preflight
 from tputrain.progress import Progress, Stopwatch, summary_root
 from tputrain.task import Task, overrides_train_step

@@ -1,0 +1,21 @@
+"""Actions: user code the Trainer calls at fixed points of a run.
+
+Subclass `Action` and override what you need (as with Keras callbacks, Orbit
+actions or Lightning callbacks), then pass instances to `Trainer(actions=[...])`.
+The built-in profiler and non-finite policy are actions too, so a user action
+sees the same points they do. Hooks run on every host, in the host process,
+between compiled loops: keep them short, or do the work every Nth call.
+
+One module an action (like Orbit's `orbit/actions/`); every name is importable
+from `tputrain.actions` as before.
+"""
+
+from tputrain.actions.base import Action, check_actions
+from tputrain.actions.communication import CommunicationAction
+from tputrain.actions.mfu import MFUAction, count_flops_per_step
+from tputrain.actions.nonfinite import NonFinitePolicyAction
+from tputrain.actions.preemption import PreemptionAction
+from tputrain.actions.profiler import ProfilerAction
+
+__all__ = ["Action", "CommunicationAction", "MFUAction", "NonFinitePolicyAction",
+           "PreemptionAction", "ProfilerAction", "check_actions", "count_flops_per_step"]

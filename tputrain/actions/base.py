@@ -1,0 +1,70 @@
+"""The `Action` base class: user code the Trainer calls at fixed points of a run."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from tputrain.context import ActionContext
+
+
+class Action:
+    """Base class: every hook is a no-op. `logs` are plain floats.
+
+    Each hook gets the run's `ActionContext` first (tputrain/context.py): the step,
+    strategy, model, optimizer, checkpointer, progress and plan, `agree` across
+    hosts and `stop(reason)`. Reading other Trainer attributes through it still
+    works, with a DeprecationWarning.
+
+    `owns_learning_rate`: True when the action sets the optimizer's learning rate
+    (e.g. Keras's ReduceLROnPlateau through `KerasCallbacks`): a resume then takes it
+    from the checkpoint instead of putting the config's value back.
+    """
+
+    owns_learning_rate = False
+
+    def preflight(self, context: ActionContext) -> None:
+        """On the chief, once the model is built and before anything is written to
+        model_dir: raise ValueError/OSError naming the fix for a configuration that
+        cannot work, so it fails in one line instead of after the lock and logs."""
+
+    def on_train_begin(self, context: ActionContext, step: int) -> None:
+        """Once per `train()`, after the restore, before the first loop."""
+
+    def loop_metrics(self, context: ActionContext, step: int, steps: int,
+                     seconds: float) -> Mapping[str, float]:
+        """Before the progress line of each loop (`steps` steps in `seconds`): scalars
+        to add to the loop's logs, its progress line and TensorBoard (e.g. comm/*)."""
+        return {}
+
+    def on_loop_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
+        """After each compiled loop of training steps; `logs` are the loop's means,
+        learning rate and throughput (steps_per_second, examples_per_second, ...)."""
+
+    def on_eval_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
+        """After each evaluation, with its metrics."""
+
+    def on_save(self, context: ActionContext, step: int, path: str | None) -> None:
+        """After a checkpoint save was requested (`path` None when nothing was written)."""
+
+    def on_train_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
+        """Once, when `train()` returns normally, with the final evaluation's metrics."""
+
+    def eval_recorded(self, context: ActionContext, step: int) -> bool:
+        """Whether this action's record on disk holds the evaluation at `step`. A resume
+        at a step whose evaluation some action did not record (killed in between)
+        evaluates it again and calls only those actions' `on_eval_end`."""
+        return True
+
+    def end_done(self, context: ActionContext, step: int) -> bool:
+        """Whether this action's end-of-run output for a run that ended at `step` is on
+        disk. A rerun of a finished run calls `on_train_end` only where it is not."""
+        return True
+
+
+def check_actions(actions: Sequence[Action]) -> list[Action]:
+    """The actions as a list; anything that is not an `Action` is named."""
+    actions = list(actions)
+    if not all(isinstance(a, Action) for a in actions):
+        raise TypeError("Trainer.actions must be tputrain.Action instances, got "
+                        f"{[type(a).__name__ for a in actions]}")
+    return actions

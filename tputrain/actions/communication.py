@@ -1,0 +1,35 @@
+"""`CommunicationAction`: gradient bytes and the all-reduce's share of a step (comm/*)."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from tputrain.actions.base import Action
+from tputrain.context import ActionContext
+from tputrain.distribution.communication import (CommunicationOptions, gradient_bytes,
+                                                 measure_allreduce)
+
+
+class CommunicationAction(Action):
+    """Times one all-reduce of the gradients at the start of train() (several replicas
+    only); adds comm/* to each loop (tputrain/distribution/communication.py says how and how well)."""
+
+    def __init__(self, options: CommunicationOptions, seconds: float = 0.25):
+        self.options = options
+        self.seconds = seconds  # measurement budget: about 1.5x this at start-up
+        self.bytes = 0
+        self.seconds_per_allreduce = 0.0
+
+    def on_train_begin(self, context: ActionContext, step: int) -> None:
+        replicas = context.strategy.num_replicas_in_sync
+        variables = context.model.trainable_variables
+        self.bytes = gradient_bytes(variables, self.options.allreduce_dtype, replicas)
+        if replicas > 1:  # a collective: every host measures, with agreed loop lengths
+            self.seconds_per_allreduce = measure_allreduce(
+                context.strategy, variables, self.options.allreduce_dtype, self.seconds,
+                agree=context.agree)
+
+    def loop_metrics(self, context: ActionContext, step: int, steps: int,
+                     seconds: float) -> Mapping[str, float]:
+        fraction = min(1.0, steps * self.seconds_per_allreduce / max(seconds, 1e-9))
+        return {"comm/gradient_bytes": float(self.bytes), "comm/allreduce_fraction": fraction}

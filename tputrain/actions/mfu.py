@@ -1,0 +1,47 @@
+"""`MFUAction`: training FLOPs a step and the device peak, for the MFU in the progress line."""
+
+from __future__ import annotations
+
+from absl import logging
+
+from tputrain.actions.base import Action
+from tputrain.context import ActionContext
+from tputrain.flops import count_flops, peak_flops, specs_of
+from tputrain.task import overrides_train_step
+
+
+class MFUAction(Action):
+    """Counts training FLOPs per step and finds the device peak once, at the start;
+    the progress line then shows MFU each loop (`Trainer.report_mfu`)."""
+
+    def on_train_begin(self, context: ActionContext, step: int) -> None:
+        if context.flops_per_step is not None:
+            return
+        try:
+            context.flops_per_step = count_flops_per_step(context)
+            peak = peak_flops(context.plan.precision, context.strategy,
+                              **vars(context.options.profiling))
+        except Exception as error:  # pylint: disable=broad-except  (a diagnostic, not training)
+            logging.warning("tputrain: MFU is not reported: %s: %s", type(error).__name__, error)
+            context.report_mfu = False
+            return
+        context.progress.set_flops(context.flops_per_step, peak.flops_per_second)
+        logging.info("tputrain: %.4g FLOPs per step; peak %.4g FLOP/s (%s)",
+                     context.flops_per_step, peak.flops_per_second, peak.source)
+
+
+def count_flops_per_step(context: ActionContext) -> float:
+    """Training FLOPs of one step over all replicas (see `tputrain.flops`)."""
+    task = context.task
+    analytic = task.flops_per_example()
+    if analytic is not None:
+        return float(analytic) * context.plan.batch.global_batch_size
+    if overrides_train_step(task):
+        raise ValueError(f"{type(task).__name__} overrides Task.train_step: return an "
+                         "analytic count from Task.flops_per_example()")
+    per_micro_batch = count_flops(
+        lambda batch: task.compute_gradients(batch, context.model, context.optimizer,
+                                             context.plan.batch.global_batch_size),
+        specs_of(context.inputs.micro_batch_spec()))
+    return float(per_micro_batch * context.plan.batch.accumulation_steps
+                 * context.strategy.num_replicas_in_sync)

@@ -1,0 +1,34 @@
+"""`NonFinitePolicyAction`: the guard's policy (raise, skip, rollback) between loops."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from absl import logging
+
+from tputrain.actions.base import Action
+from tputrain.context import ActionContext
+from tputrain.guard import NonFiniteError
+
+
+class NonFinitePolicyAction(Action):
+    """Applies `NonFiniteGuard.policy` after a loop in which the guard tripped:
+    raise, or roll the weights back to the last checkpoint."""
+
+    def on_loop_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
+        guard = context.guard
+        tripped = guard.take_trip()
+        if not tripped:
+            return
+        if guard.policy == "raise":
+            raise NonFiniteError(guard.message(tripped))
+        guard.rollbacks += 1
+        if guard.rollbacks > guard.max_rollbacks:
+            raise NonFiniteError(guard.message(tripped, gave_up=True))
+        path = context.checkpointer.restore_weights(
+            exclude=("iterator", "step", "nonfinite_steps"))
+        if path is None:
+            raise NonFiniteError(guard.message(tripped, no_checkpoint=True))
+        logging.warning("tputrain: non-finite step %d: rolled the weights back to %s "
+                        "(rollback %d of %d); the data continues from step %d", tripped,
+                        path, guard.rollbacks, guard.max_rollbacks, step)

@@ -17,8 +17,8 @@ import pytest
 import tensorflow as tf
 
 import tputrain
-from file_events import (CONFIG, assert_same_outcome, event_child, kill_before_event,
-                         model_variables, run_outcome)
+from file_events import (CONFIG, assert_same_outcome, event_child, kill_states, model_variables,
+                         run_outcome)
 from tiny import TinyTask, strategy_for
 from tputrain.best import Watch, early_stopping_path
 
@@ -218,15 +218,17 @@ BEST_WINDOW = [r"save checkpoints/ckpt-(\d+)", r"copy best/ckpt-{S}\.data-00000-
 
 @pytest.fixture(scope="module")
 def best_reference(tmp_path_factory):
-    """The uninterrupted run and its file events."""
+    """The uninterrupted run, its file events, and the folder of its model_dir as a
+    kill before each event leaves it (`<n>-0`; a copy cut in half: `<n>-1`): one run
+    paused at every event (file_events.kill_states), not a run killed per event."""
     from faults import file_events
 
     directory = tmp_path_factory.mktemp("best_reference")
     config = directory / "stop.gin"
     config.write_text(CONFIG)
-    process = event_child(config, directory / "model")
-    assert process.finish(timeout=900) == 0, process.log()
-    return config, directory / "model", file_events(process.text()), process.text()
+    code, text = kill_states(config, directory / "model", directory / "killed")
+    assert code == 0, text[-3000:]
+    return config, directory / "model", file_events(text), text, directory / "killed"
 
 
 def best_window(events: list[tuple[int, str]]) -> list[tuple[int, str]]:
@@ -253,10 +255,10 @@ def test_a_kill_at_any_file_event_of_a_new_best_ends_as_the_uninterrupted_run(
     copy into best/ cut in half), the rerun ends with the uninterrupted run's best step,
     early-stopping record, stop step, export and weights (it resumed at the best's
     step without its evaluation recorded, stopped later and exported another step)."""
-    config, reference, events, reference_text = best_reference
+    config, reference, events, reference_text, killed = best_reference
     number, what = best_window(events)[offset]
     model_dir = tmp_path / "model"
-    kill_before_event(config, model_dir, number, torn)
+    shutil.copytree(killed / f"{number}-{int(torn)}", model_dir, symlinks=True)
     rerun = event_child(config, model_dir)
     assert rerun.finish(timeout=900) == 0, rerun.log()
     stop = re.search(r"early stopping at step (\d+)", reference_text).group(1)
@@ -316,7 +318,7 @@ def test_a_best_copy_that_runs_out_of_room_is_cleaned_and_the_rerun_continues(
     probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"unshare -rm is not permitted here: {probe.stderr.decode().strip()}")
-    config, reference, events, _ = best_reference
+    config, reference, events, _, _ = best_reference
     copies = [n for n, what in events if what.startswith("copy best/")]
     disk, fifo = tmp_path / "disk", tmp_path / "fifo"
     disk.mkdir()

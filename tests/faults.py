@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -114,15 +115,19 @@ class StallingTask(FaultTask):
 class PauseAtStep(tputrain.Action):
     """After the first loop ending at or past `step`, prints a marker and waits for a
     signal: a test can kill a run at a known step, after the built-in actions (the
-    goodput record) have seen that loop and before a save or evaluation due there."""
+    goodput record) have seen that loop and before a save or evaluation due there.
+    With TPUTRAIN_TEST_FIFO it waits for a line there instead, then trains on: a test
+    can copy model_dir as a kill there leaves it (`copy_at_pause`)."""
 
     def __init__(self, step: int):
         self.step = step
+        self.paused = False
 
     def on_loop_end(self, trainer, step, logs):
-        if step >= self.step:
+        if step >= self.step and not self.paused:
+            self.paused = True
             print(f"tputrain-test: paused at step {step}", flush=True)
-            signal.pause()
+            _wait_for_fifo()
 
 
 @gin.configurable
@@ -568,6 +573,22 @@ class Process:
 
     def log(self) -> str:
         return "".join(self.lines[-40:])
+
+
+def pausable_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a child whose pauses (PauseAtStep, file events) wait for a line on its
+    stdin: a `Process(..., stdin=True)` that `copy_at_pause` can let go on."""
+    return dict(env, TPUTRAIN_TEST_FIFO="/dev/stdin")
+
+
+def copy_at_pause(process: Process, model_dir: Path, target: Path,
+                  pattern: str = r"tputrain-test: paused at step (\d+)") -> re.Match:
+    """Waits for `process` to pause, copies its `model_dir` to `target` (the files a
+    kill there leaves: its flock dies with it) and lets it run on."""
+    match = process.wait_for(pattern)
+    shutil.copytree(model_dir, target, symlinks=True)
+    process.send("go")
+    return match
 
 
 # ------------------------------------------------------------ tputrain.fit in a child

@@ -157,14 +157,17 @@ def test_early_stopping_resumes_from_the_evals_up_to_the_restored_step(tmp_path)
 ACTIONS = "Trainer.actions = [@BestCheckpoint(), @EarlyStopping()"
 
 
-def child(config, model_dir, pause_at: int | None = None):
-    from faults import Process, child_env
+def child(config, model_dir, pause_at: int | None = None, pausable: bool = False):
+    """A CLI run; `pause_at`: it pauses after that step's loop (`pausable`: until told
+    on its stdin, `copy_at_pause`; else until killed)."""
+    from faults import Process, child_env, pausable_env
 
     actions = ACTIONS + (", @PauseAtStep()]" if pause_at else "]")
     extra = [f"--gin_param=PauseAtStep.step={pause_at}"] if pause_at else []
+    env = pausable_env(child_env(cpus=2)) if pausable else child_env(cpus=2)
     return Process([sys.executable, "-m", "tputrain.run", "--gin_import=faults",
                     f"--gin_file={config}", f"--gin_param={actions}", *extra,
-                    f"--model_dir={model_dir}", "--deterministic"], child_env(cpus=2))
+                    f"--model_dir={model_dir}", "--deterministic"], env, stdin=pausable)
 
 
 def kill_at(config, model_dir, step: int) -> None:
@@ -177,9 +180,13 @@ def kill_at(config, model_dir, step: int) -> None:
 def test_sigkill_and_resume_keep_the_same_best_and_stop_step(tmp_path):
     config = tmp_path / "stop.gin"
     config.write_text(CONFIG)
-    reference = child(config, tmp_path / "reference")  # uninterrupted, alongside
+    from faults import copy_at_pause
+
+    # The uninterrupted run pauses after step 22 (the best so far kept at step 20, before
+    # the next): "run" is its model_dir as a SIGKILL there leaves it.
+    reference = child(config, tmp_path / "reference", pause_at=22, pausable=True)
     run = tmp_path / "run"
-    kill_at(config, run, 22)  # after the best so far was kept (step 20), before the next
+    copy_at_pause(reference, tmp_path / "reference", run, r"tputrain-test: paused at step")
     kill_at(config, run, 32)  # two non-improving evals counted (24, 28), the last save at 30
     resumed = child(config, run)
     assert resumed.finish() == 0, resumed.log()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -114,15 +115,19 @@ class StallingTask(FaultTask):
 class PauseAtStep(tputrain.Action):
     """After the first loop ending at or past `step`, prints a marker and waits for a
     signal: a test can kill a run at a known step, after the built-in actions (the
-    goodput record) have seen that loop and before a save or evaluation due there."""
+    goodput record) have seen that loop and before a save or evaluation due there.
+    With TPUTRAIN_TEST_FIFO it waits for a line there instead, then trains on: a test
+    can copy model_dir as a kill there leaves it (`copy_at_pause`)."""
 
     def __init__(self, step: int):
         self.step = step
+        self.paused = False
 
     def on_loop_end(self, trainer, step, logs):
-        if step >= self.step:
+        if step >= self.step and not self.paused:
+            self.paused = True
             print(f"tputrain-test: paused at step {step}", flush=True)
-            signal.pause()
+            _wait_for_fifo()
 
 
 @gin.configurable
@@ -317,6 +322,11 @@ class SaveProbe(tputrain.Action):
 # TPUTRAIN_TEST_FIFO (or, without one, until killed): the files on disk are then
 # exactly those of a kill at that instant. TPUTRAIN_TEST_TORN=1 makes a paused copy
 # write the first half of its file first (a copy cut short).
+# With TPUTRAIN_TEST_PAUSE_AT=every (and a FIFO) it stops before *every* event, so one
+# run gives the files of a kill at each (tests/file_events.py snapshots them). The line
+# read from the FIFO says what next: "go" runs the event; "torn" (a copy) writes the
+# first half of its file, prints "tputrain-test: torn before file event <n>" and waits
+# for another line, then removes the half file and runs the event.
 
 _EVENT_COUNT = [0]
 
@@ -326,23 +336,37 @@ def _label(path: str) -> str:
     return "/".join(parts[-2:])
 
 
+def _wait_for_fifo() -> str:
+    """The next line a test writes to TPUTRAIN_TEST_FIFO; without one, waits to be killed."""
+    fifo = os.environ.get("TPUTRAIN_TEST_FIFO")
+    if not fifo:
+        signal.pause()
+        return "go"
+    with open(fifo) as f:
+        return f.readline().strip()
+
+
 def _event(op: str, path: str, torn: Callable[[], None] | None = None) -> None:
     if ".tputrain-write-test" in str(path):
         return  # pre-flight's probe files
     _EVENT_COUNT[0] += 1
     number = _EVENT_COUNT[0]
     print(f"tputrain-test: file event {number} {op} {_label(path)}", flush=True)
-    if number != int(os.environ.get("TPUTRAIN_TEST_PAUSE_AT", "0")):
+    pause_at = os.environ.get("TPUTRAIN_TEST_PAUSE_AT", "0")
+    if pause_at == "every":
+        print(f"tputrain-test: paused before file event {number}", flush=True)
+        if _wait_for_fifo() == "torn" and torn is not None:
+            torn()
+            print(f"tputrain-test: torn before file event {number}", flush=True)
+            _wait_for_fifo()
+            os.remove(path)
+        return
+    if number != int(pause_at):
         return
     if torn is not None and os.environ.get("TPUTRAIN_TEST_TORN") == "1":
         torn()
     print(f"tputrain-test: paused before file event {number}", flush=True)
-    fifo = os.environ.get("TPUTRAIN_TEST_FIFO")
-    if fifo:
-        with open(fifo) as f:
-            f.readline()
-    else:
-        signal.pause()
+    _wait_for_fifo()
 
 
 def _install_file_events() -> None:
@@ -478,12 +502,18 @@ def child_env(cpus: int | None = None) -> dict[str, str]:
     return env
 
 
-class Process:
-    """A subprocess whose output lines (stdout and stderr merged) can be awaited."""
+class ProcessEnded(AssertionError):
+    """The process ended before the awaited line."""
 
-    def __init__(self, command: list[str], env: dict[str, str]):
+
+class Process:
+    """A subprocess whose output lines (stdout and stderr merged) can be awaited;
+    `stdin=True`: lines can be sent to it (`send`)."""
+
+    def __init__(self, command: list[str], env: dict[str, str], stdin: bool = False):
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, bufsize=1)
+                                        stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                        stdin=subprocess.PIPE if stdin else None)
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -503,17 +533,30 @@ class Process:
                 continue
             if line is None:
                 self._queue.put(None)
-                raise AssertionError(f"process ended (code {self.process.wait()}) before "
-                                     f"{pattern!r}:\n{self.log()}")
+                raise ProcessEnded(f"process ended (code {self.process.wait()}) before "
+                                   f"{pattern!r}:\n{self.log()}")
             self.lines.append(line)
             match = re.search(pattern, line)
             if match:
                 return match
         raise AssertionError(f"no {pattern!r} within {timeout} s:\n{self.log()}")
 
+    def next_match(self, pattern: str, timeout: float = 180) -> re.Match | None:
+        """`wait_for`, or None once the process has ended without such a line."""
+        try:
+            return self.wait_for(pattern, timeout)
+        except ProcessEnded:
+            return None
+
+    def send(self, line: str) -> None:
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
     def finish(self, timeout: float = 180) -> int:
         """Waits for the exit; returns the code after collecting all output."""
         code = self.process.wait(timeout=timeout)
+        if self.process.stdin:
+            self.process.stdin.close()
         while True:
             line = self._queue.get(timeout=30)
             if line is None:
@@ -530,6 +573,22 @@ class Process:
 
     def log(self) -> str:
         return "".join(self.lines[-40:])
+
+
+def pausable_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a child whose pauses (PauseAtStep, file events) wait for a line on its
+    stdin: a `Process(..., stdin=True)` that `copy_at_pause` can let go on."""
+    return dict(env, TPUTRAIN_TEST_FIFO="/dev/stdin")
+
+
+def copy_at_pause(process: Process, model_dir: Path, target: Path,
+                  pattern: str = r"tputrain-test: paused at step (\d+)") -> re.Match:
+    """Waits for `process` to pause, copies its `model_dir` to `target` (the files a
+    kill there leaves: its flock dies with it) and lets it run on."""
+    match = process.wait_for(pattern)
+    shutil.copytree(model_dir, target, symlinks=True)
+    process.send("go")
+    return match
 
 
 # ------------------------------------------------------------ tputrain.fit in a child

@@ -17,8 +17,8 @@ import pytest
 import tensorflow as tf
 
 import tputrain
-from file_events import (CONFIG, assert_same_outcome, event_child, kill_before_event,
-                         model_variables, run_outcome)
+from file_events import (CONFIG, assert_same_outcome, event_child, kill_states, model_variables,
+                         run_outcome)
 from tiny import TinyTask, strategy_for
 from tputrain.best import Watch, early_stopping_path
 
@@ -157,14 +157,17 @@ def test_early_stopping_resumes_from_the_evals_up_to_the_restored_step(tmp_path)
 ACTIONS = "Trainer.actions = [@BestCheckpoint(), @EarlyStopping()"
 
 
-def child(config, model_dir, pause_at: int | None = None):
-    from faults import Process, child_env
+def child(config, model_dir, pause_at: int | None = None, pausable: bool = False):
+    """A CLI run; `pause_at`: it pauses after that step's loop (`pausable`: until told
+    on its stdin, `copy_at_pause`; else until killed)."""
+    from faults import Process, child_env, pausable_env
 
     actions = ACTIONS + (", @PauseAtStep()]" if pause_at else "]")
     extra = [f"--gin_param=PauseAtStep.step={pause_at}"] if pause_at else []
+    env = pausable_env(child_env(cpus=2)) if pausable else child_env(cpus=2)
     return Process([sys.executable, "-m", "tputrain.run", "--gin_import=faults",
                     f"--gin_file={config}", f"--gin_param={actions}", *extra,
-                    f"--model_dir={model_dir}", "--deterministic"], child_env(cpus=2))
+                    f"--model_dir={model_dir}", "--deterministic"], env, stdin=pausable)
 
 
 def kill_at(config, model_dir, step: int) -> None:
@@ -177,9 +180,13 @@ def kill_at(config, model_dir, step: int) -> None:
 def test_sigkill_and_resume_keep_the_same_best_and_stop_step(tmp_path):
     config = tmp_path / "stop.gin"
     config.write_text(CONFIG)
-    reference = child(config, tmp_path / "reference")  # uninterrupted, alongside
+    from faults import copy_at_pause
+
+    # The uninterrupted run pauses after step 22 (the best so far kept at step 20, before
+    # the next): "run" is its model_dir as a SIGKILL there leaves it.
+    reference = child(config, tmp_path / "reference", pause_at=22, pausable=True)
     run = tmp_path / "run"
-    kill_at(config, run, 22)  # after the best so far was kept (step 20), before the next
+    copy_at_pause(reference, tmp_path / "reference", run, r"tputrain-test: paused at step")
     kill_at(config, run, 32)  # two non-improving evals counted (24, 28), the last save at 30
     resumed = child(config, run)
     assert resumed.finish() == 0, resumed.log()
@@ -218,15 +225,17 @@ BEST_WINDOW = [r"save checkpoints/ckpt-(\d+)", r"copy best/ckpt-{S}\.data-00000-
 
 @pytest.fixture(scope="module")
 def best_reference(tmp_path_factory):
-    """The uninterrupted run and its file events."""
+    """The uninterrupted run, its file events, and the folder of its model_dir as a
+    kill before each event leaves it (`<n>-0`; a copy cut in half: `<n>-1`): one run
+    paused at every event (file_events.kill_states), not a run killed per event."""
     from faults import file_events
 
     directory = tmp_path_factory.mktemp("best_reference")
     config = directory / "stop.gin"
     config.write_text(CONFIG)
-    process = event_child(config, directory / "model")
-    assert process.finish(timeout=900) == 0, process.log()
-    return config, directory / "model", file_events(process.text()), process.text()
+    code, text = kill_states(config, directory / "model", directory / "killed")
+    assert code == 0, text[-3000:]
+    return config, directory / "model", file_events(text), text, directory / "killed"
 
 
 def best_window(events: list[tuple[int, str]]) -> list[tuple[int, str]]:
@@ -253,10 +262,10 @@ def test_a_kill_at_any_file_event_of_a_new_best_ends_as_the_uninterrupted_run(
     copy into best/ cut in half), the rerun ends with the uninterrupted run's best step,
     early-stopping record, stop step, export and weights (it resumed at the best's
     step without its evaluation recorded, stopped later and exported another step)."""
-    config, reference, events, reference_text = best_reference
+    config, reference, events, reference_text, killed = best_reference
     number, what = best_window(events)[offset]
     model_dir = tmp_path / "model"
-    kill_before_event(config, model_dir, number, torn)
+    shutil.copytree(killed / f"{number}-{int(torn)}", model_dir, symlinks=True)
     rerun = event_child(config, model_dir)
     assert rerun.finish(timeout=900) == 0, rerun.log()
     stop = re.search(r"early stopping at step (\d+)", reference_text).group(1)
@@ -316,7 +325,7 @@ def test_a_best_copy_that_runs_out_of_room_is_cleaned_and_the_rerun_continues(
     probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"unshare -rm is not permitted here: {probe.stderr.decode().strip()}")
-    config, reference, events, _ = best_reference
+    config, reference, events, _, _ = best_reference
     copies = [n for n, what in events if what.startswith("copy best/")]
     disk, fifo = tmp_path / "disk", tmp_path / "fifo"
     disk.mkdir()

@@ -421,13 +421,14 @@ def test_a_kill_at_any_file_event_after_the_final_checkpoint_is_completed_by_a_r
     completes what is missing and nothing else: it exports (it said 'nothing to train'
     and never wrote export/<step>/) and ends as the uninterrupted run."""
     from faults import file_events
-    from file_events import CONFIG, assert_same_outcome, event_child, kill_before_event, run_outcome
+    from file_events import CONFIG, assert_same_outcome, event_child, kill_states, run_outcome
 
     config = tmp_path / "end.gin"
     config.write_text(CONFIG + "Trainer.train_steps = 12\nEarlyStopping.patience = 100\n")
-    reference = event_child(config, tmp_path / "reference")
-    assert reference.finish(timeout=900) == 0, reference.log()
-    events = file_events(reference.text())
+    # One run paused at every file event, its model_dir copied as a kill there leaves it.
+    code, text = kill_states(config, tmp_path / "reference", tmp_path / "killed")
+    assert code == 0, text[-3000:]
+    events = file_events(text)
     final = max(i for i, (_, what) in enumerate(events) if what == "save checkpoints/ckpt-12")
     # The end-of-run actions' events: the final evaluation's records, then the export
     # written aside and renamed (goodput's record and the operative config are not theirs).
@@ -440,8 +441,7 @@ def test_a_kill_at_any_file_event_after_the_final_checkpoint_is_completed_by_a_r
                                                    if w.startswith("copy ")]
     expected = run_outcome(tmp_path / "reference")
     for number, what, torn in kills:
-        model_dir = tmp_path / f"killed-{number}-{int(torn)}"
-        kill_before_event(config, model_dir, number, torn)
+        model_dir = tmp_path / "killed" / f"{number}-{int(torn)}"
         rerun = event_child(config, model_dir)
         assert rerun.finish(timeout=900) == 0, rerun.log()
         assert "nothing to train" in rerun.text() and "training from step" not in rerun.text()

@@ -183,19 +183,21 @@ def test_a_learning_rate_set_by_a_callback_is_restored_on_resume(tmp_path):
 def test_sigkill_midway_resumes_bitwise(tmp_path):
     """`tputrain.fit` killed with -9 after step 10's loop, run again: the final checkpoint is
     bitwise an uninterrupted run's (2 replicas, dropout, shuffled arrays)."""
-    import signal
     import sys
 
-    from faults import Process, child_env, final_weights
+    from faults import Process, child_env, copy_at_pause, final_weights, pausable_env
 
     def child(model_dir, pause_at=None):
         call = f"faults.keras_fit_run({str(model_dir)!r}, {pause_at!r})"
-        return Process([sys.executable, "-c", f"import faults; {call}"], child_env(cpus=2))
+        env = pausable_env(child_env(cpus=2)) if pause_at else child_env(cpus=2)
+        return Process([sys.executable, "-c", f"import faults; {call}"], env,
+                       stdin=bool(pause_at))
 
-    reference = child(tmp_path / "reference")
-    interrupted = child(tmp_path / "interrupted", pause_at=10)
-    interrupted.wait_for(r"tputrain-test: paused at step 10")
-    assert interrupted.kill() == -signal.SIGKILL
+    # The uninterrupted run pauses after step 10's loop: "interrupted" is its model_dir
+    # as a SIGKILL there leaves it (one process less than a second run killed there).
+    reference = child(tmp_path / "reference", pause_at=10)
+    copy_at_pause(reference, tmp_path / "reference", tmp_path / "interrupted",
+                  r"tputrain-test: paused at step 10")
     assert reference.finish() == 0, reference.log()
     resumed = child(tmp_path / "interrupted")
     assert resumed.finish() == 0, resumed.log()

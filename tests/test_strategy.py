@@ -146,16 +146,29 @@ def test_local_tpu_devices_that_fail_to_initialise_fall_back(monkeypatch, log_li
     assert "install tensorflow-tpu" in log_lines()[0]
 
 
+_FAILING_LOCAL_TPU = """
+from tputrain import strategy as strategy_lib
+strategy_lib._local_tpu_devices = lambda: ["/dev/accel0"]
+strategy_lib._tpu_kernels_registered = lambda: True
+strategy_lib._logical_cpu_count = lambda: 1  # as unsplit_cpu
+print("replicas", strategy_lib.resolve_strategy().num_replicas_in_sync)
+"""
+
+
 @requires_no_gpu
-def test_local_tpu_initialisation_failure_falls_back(monkeypatch, log_lines, unsplit_cpu):
+def test_local_tpu_initialisation_failure_falls_back():
     # A TPU-capable build whose chips fail to initialise: TF's own error is reported.
-    monkeypatch.setattr(strategy_lib, "_local_tpu_devices", lambda: ["/dev/accel0"])
-    monkeypatch.setattr(strategy_lib, "_tpu_kernels_registered", lambda: True)
+    # In a fresh process: TF's initialize_tpu_system clears every eager cache and
+    # garbage-collects before it fails, which in a worker that has run many tests took
+    # minutes (and emptied the caches of the tests after it).
+    from faults import child_env
 
-    strategy = strategy_lib.resolve_strategy()
-
-    assert strategy.num_replicas_in_sync == 1
-    assert "Skipped: tpu (tpu='local': NotFoundError" in log_lines()[0]
+    result = subprocess.run([sys.executable, "-c", _FAILING_LOCAL_TPU], env=child_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["replicas", "1"]
+    lines = [line for line in result.stderr.splitlines() if "tputrain: using" in line]
+    assert "Skipped: tpu (tpu='local': NotFoundError" in lines[0], result.stderr[-3000:]
 
 
 def test_forced_local_tpu_that_fails_raises():

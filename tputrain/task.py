@@ -91,6 +91,19 @@ class Task:
         """
         raise NotImplementedError("Task.compute_loss must return a per-example loss")
 
+    def loss_denominator(self, batch: Any) -> tf.Tensor | None:
+        """What a summed loss is divided by, counted on this replica's batch; None
+        (the default): examples, i.e. the global batch size.
+
+        For a per-token loss over padded or packed rows, return this batch's real
+        tokens, e.g. `tf.reduce_sum(loss_weights)` (an integer count): the Trainer
+        sums it over replicas and micro-batches and passes the total to
+        `compute_gradients` as `global_batch_size`, so the loss is the mean over the
+        global batch's real tokens on 1 or N replicas, and the progress line shows
+        real tokens/s and the padding share.
+        """
+        return None
+
     def build_metrics(self) -> Sequence[keras.metrics.Metric]:
         """Returns metrics updated with `(labels, outputs)` each step (strategy scope)."""
         return []

@@ -36,6 +36,7 @@ from tputrain.layer_precision import override_layer_dtypes
 from tputrain.options import CheckpointOptions, PrecisionOptions, ProfilingOptions
 from tputrain.tasks.classifier import MLPClassifierTask
 from tputrain.tasks.digits import DigitsTask
+from tputrain.tasks.text_lm import TextLMTask
 from tputrain.tasks.transformer import SyntheticLMTask
 from tputrain.trainer import Trainer
 
@@ -104,7 +105,8 @@ def _register_aliases() -> None:
 
 # Classes gin configures in place: `TFRecordInput()` anywhere takes gin's bindings.
 CLASSES = (Trainer, NonFiniteGuard, BestCheckpoint, EarlyStopping, Export, InitCheckpoint,
-           InputOptions, TFDSInput, TFRecordInput, MLPClassifierTask, DigitsTask, SyntheticLMTask)
+           InputOptions, TFDSInput, TFRecordInput, MLPClassifierTask, DigitsTask, SyntheticLMTask,
+           TextLMTask)
 
 
 def _register_classes() -> None:

@@ -9,6 +9,7 @@ from tputrain.data.context import InputContext
 from tputrain.data.external_state import InputStateError
 from tputrain.data.feature_check import FeatureSpecError, explain_parse_error
 from tputrain.data.manifest import Manifest, read_manifest
+from tputrain.data.mixture import MixtureInput, mix_datasets, source_counts
 from tputrain.data.options import InputOptions
 from tputrain.data.packing import PackSequences, pack_sequences
 from tputrain.data.padding import PadSequences, pad_sequences
@@ -23,6 +24,7 @@ __all__ = [
     "InputOptions",
     "InputStateError",
     "Manifest",
+    "MixtureInput",
     "PackSequences",
     "PadSequences",
     "TFDSInput",
@@ -30,12 +32,14 @@ __all__ = [
     "explain_data_loss",
     "bucket_by_length",
     "explain_parse_error",
+    "mix_datasets",
     "pack_sequences",
     "pad_sequences",
     "pad_to_batch",
     "feature_spec_for",
     "parse_feature_spec",
     "read_manifest",
+    "source_counts",
     "stateless_augment",
     "write_tfrecords",
 ]

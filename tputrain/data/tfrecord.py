@@ -537,14 +537,30 @@ class TFRecordInput(BatchedInput):
 
     def _static_examples(self, records: tf.data.Dataset, batch_size: int,
                          context: InputContext) -> tf.data.Dataset:
-        """cache -> shuffle -> repeat -> parse a chunk at a time -> single examples ->
-        to_static -> batch. Ragged chunks unbatch to rank-1 tensors of any length."""
-        examples = self._shuffled(records, context).batch(_PARSE_CHUNK)
-        examples = examples.map(lambda chunk: tf.io.parse_example(chunk, self.features),
-                                num_parallel_calls=tf.data.AUTOTUNE,
-                                deterministic=self.deterministic).unbatch()
+        """Single parsed examples -> to_static -> batch -> split the label."""
+        examples = self._parsed_examples(records, context)
         batches = self.to_static(examples).batch(batch_size, drop_remainder=True)
         return batches.map(lambda batch: split_label(batch, self.label_key))
+
+    def _parsed_examples(self, records: tf.data.Dataset,
+                         context: InputContext) -> tf.data.Dataset:
+        """cache -> shuffle -> repeat -> parse a chunk at a time -> single examples.
+        Ragged chunks unbatch to rank-1 tensors of any length."""
+        examples = self._shuffled(records, context).batch(_PARSE_CHUNK)
+        return examples.map(lambda chunk: tf.io.parse_example(chunk, self.features),
+                            num_parallel_calls=tf.data.AUTOTUNE,
+                            deterministic=self.deterministic).unbatch()
+
+    def examples(self, input_context: tf.distribute.InputContext | None = None
+                 ) -> tf.data.Dataset:
+        """This pipeline's single parsed examples, unbatched: its share of the files,
+        shuffled and repeated as configured, before `to_static` and batching (what
+        `MixtureInput` draws from). Variable-length features are rank-1 tensors."""
+        context = InputContext.from_tf(input_context)
+        file_list = self._list_files()
+        register_files(file_list, self.compression_type)
+        register_pipeline(file_list, self.features, self.compression_type)
+        return self._parsed_examples(self._records(file_list, context, False), context)
 
     def _padded_batches(self, examples: dict[str, tf.Tensor], batch_size: int) -> tf.data.Dataset:
         """One pass over parsed examples held in RAM, the last batch padded. Not a

@@ -14,6 +14,7 @@ from tputrain.data.options import InputOptions
 from tputrain.data.packing import PackSequences, pack_sequences
 from tputrain.data.padding import PadSequences, pad_sequences
 from tputrain.data.tfds import TFDSInput
+from tputrain.data.text_corpus import TextCorpus, stdlib_files, write_text_corpus
 from tputrain.data.tfrecord import TFRecordInput, parse_feature_spec
 from tputrain.data.writer import feature_spec_for, write_tfrecords
 
@@ -29,6 +30,7 @@ __all__ = [
     "PadSequences",
     "TFDSInput",
     "TFRecordInput",
+    "TextCorpus",
     "explain_data_loss",
     "bucket_by_length",
     "explain_parse_error",
@@ -41,5 +43,7 @@ __all__ = [
     "read_manifest",
     "source_counts",
     "stateless_augment",
+    "stdlib_files",
+    "write_text_corpus",
     "write_tfrecords",
 ]

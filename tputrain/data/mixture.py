@@ -63,8 +63,13 @@ def _tagged(datasets: Sequence[tf.data.Dataset], source_key: str) -> list[tf.dat
                 f"{ {k: v.name for k, v in features.items()} } but source 0 has "
                 f"{ {k: v.name for k, v in first.items()} }: every source needs the same "
                 "features (names and dtypes)")
-    return [dataset.map(lambda example, i=index: {**example, source_key: tf.constant(
-        i, tf.int64)}) for index, dataset in enumerate(datasets)]
+    return [dataset.map(_with_source(source_key, index)) for index, dataset in enumerate(datasets)]
+
+
+def _with_source(source_key: str, index: int) -> Callable[[dict], dict]:
+    def tag(example: dict) -> dict:
+        return {**example, source_key: tf.constant(index, tf.int64)}
+    return tag
 
 
 def mix_datasets(datasets: Sequence[tf.data.Dataset], weights: Sequence[float],

@@ -841,3 +841,12 @@ def test_a_variable_length_dtype_mismatch_names_the_record(tmp_path):
     error = explain_parse_error(caught.value)
     assert isinstance(error, FeatureSpecError)
     assert "record 0 of" in str(error) and "int64 [None]" in str(error)
+
+
+def test_a_batch_of_packed_rows_may_exceed_the_examples_it_packs(tmp_path):
+    """Three long examples make many packed rows: the batch-fits check counts examples."""
+    manifest = _write_tokens(tmp_path, [np.arange(1, 41)] * 3, num_shards=1)
+    inputs = TFRecordInput(manifest=manifest, global_batch_size=8, shuffle=False, repeat=False,
+                           to_static=tputrain.data.PackSequences(8))
+    batches = list(inputs())
+    assert len(batches) == 1 and batches[0]["tokens"].shape == (8, 8)

@@ -4,6 +4,7 @@ augmentation that resumes exactly."""
 from tputrain.data.augment import stateless_augment
 from tputrain.data.bad_records import CorruptRecordError, explain_data_loss
 from tputrain.data.batching import pad_to_batch
+from tputrain.data.bigram import bigram_bits_per_byte
 from tputrain.data.bucketing import bucket_by_length
 from tputrain.data.context import InputContext
 from tputrain.data.external_state import InputStateError
@@ -32,6 +33,7 @@ __all__ = [
     "TFRecordInput",
     "TextCorpus",
     "explain_data_loss",
+    "bigram_bits_per_byte",
     "bucket_by_length",
     "explain_parse_error",
     "mix_datasets",

@@ -313,8 +313,9 @@ class TFRecordInput(BatchedInput):
             examples (after shuffle and repeat) to a dataset of statically
             shaped examples, batched after it: `PackSequences(length)` (several
             examples per row, the least padding), `PadSequences(length)`, or
-            your own. Records are still parsed a chunk at a time. Without
-            variable-length features it may reshape fixed ones the same way.
+            your own. Records are still parsed a chunk at a time (cache="memory"
+            keeps the serialized records in RAM). Without variable-length
+            features it may reshape fixed ones the same way.
     """
 
     static_fix = _FIXED_LEN
@@ -512,7 +513,8 @@ class TFRecordInput(BatchedInput):
         context = InputContext.from_tf(input_context)
         per_replica_batch = self._per_replica_batch(context)
         file_list = self._list_files()
-        if not self.pad_remainder:  # a padded split takes any batch
+        # A padded split takes any batch; to_static makes rows, not examples (packing more).
+        if not self.pad_remainder and self.to_static is None:
             self._check_batch_fits(file_list, per_replica_batch * context.num_replicas_in_sync)
         register_files(file_list, self.compression_type)
         register_pipeline(file_list, self.features, self.compression_type)

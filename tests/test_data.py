@@ -850,3 +850,12 @@ def test_a_batch_of_packed_rows_may_exceed_the_examples_it_packs(tmp_path):
                            to_static=tputrain.data.PackSequences(8))
     batches = list(inputs())
     assert len(batches) == 1 and batches[0]["tokens"].shape == (8, 8)
+
+
+def test_a_to_static_that_leaves_lengths_dynamic_is_refused_by_name(tmp_path):
+    manifest = _write_tokens(tmp_path, [np.arange(n) for n in (1, 2, 3)], num_shards=1)
+    inputs = TFRecordInput(manifest=manifest, global_batch_size=1, to_static=lambda ds: ds)
+    with pytest.raises(ValueError) as caught:
+        inputs()
+    first = str(caught.value).splitlines()[0]
+    assert re.search(r"feature 'tokens' has dynamic shape.*static shapes.*PackSequences", first)

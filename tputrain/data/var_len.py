@@ -5,8 +5,8 @@ A variable-length feature holds one rank-1 array per example, of any length
 list in the `tf.train.Example` (an empty row as a feature with no values, so it
 parses as empty whatever the dtype) and read back with a `RaggedFeature`
 (`tputrain.data.manifest.var_len_feature`). TPUs still need static shapes:
-the reader makes them static by packing, bucketing or padding
-(`tputrain.data.packing`, `tputrain.data.sequence_shapes`).
+the reader makes them static by packing, padding or bucketing
+(`tputrain.data.packing`, `.padding`, `.bucketing`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ from typing import Iterable, Mapping
 import tensorflow as tf
 from absl import logging
 
-from tputrain.data.manifest import Manifest, is_var_len, manifest_for_shard, read_manifest
+from tputrain.data.manifest import (FeatureSpec, Manifest, is_var_len, manifest_for_shard,
+                                    read_manifest)
 
 _FIX = ("fix the feature spec to match the data (or read with TFRecordInput(manifest=...), which "
         "takes the spec from the manifest), or rewrite the data (tputrain.data.write_tfrecords)")
@@ -38,7 +39,7 @@ _MAX_MANIFESTS = 8  # distinct shard prefixes looked up next to the files
 _MAX_PIPELINES = 32
 
 # Pipelines built in this process, newest last: files -> (spec, compression).
-_PIPELINES: dict[tuple[str, ...], tuple[dict[str, tf.io.FixedLenFeature], str]] = {}
+_PIPELINES: dict[tuple[str, ...], tuple[dict[str, FeatureSpec], str]] = {}
 
 
 class FeatureSpecError(ValueError):
@@ -49,7 +50,7 @@ class FeatureSpecError(ValueError):
     """
 
 
-def describe_spec(spec: tf.io.FixedLenFeature | tf.io.RaggedFeature) -> str:
+def describe_spec(spec: FeatureSpec) -> str:
     """E.g. "float32 [3] (3 values)": what parse_example needs."""
     if is_var_len(spec):
         return f"{tf.as_dtype(spec.dtype).name} [None] (variable-length: any number of values)"
@@ -58,8 +59,7 @@ def describe_spec(spec: tf.io.FixedLenFeature | tf.io.RaggedFeature) -> str:
             f"({size} value{'' if size == 1 else 's'})")
 
 
-def _same_values(wanted: tf.io.FixedLenFeature | tf.io.RaggedFeature,
-                 actual: tf.io.FixedLenFeature | tf.io.RaggedFeature) -> bool:
+def _same_values(wanted: FeatureSpec, actual: FeatureSpec) -> bool:
     """parse_example reads any shape with the same number of values (a reshape), and a
     variable-length spec reads any number; a fixed spec cannot read variable-length data."""
     if tf.as_dtype(wanted.dtype) != tf.as_dtype(actual.dtype):
@@ -69,7 +69,7 @@ def _same_values(wanted: tf.io.FixedLenFeature | tf.io.RaggedFeature,
     return math.prod(wanted.shape) == math.prod(actual.shape)
 
 
-def check_against_manifest(features: Mapping[str, tf.io.FixedLenFeature],
+def check_against_manifest(features: Mapping[str, FeatureSpec],
                            manifest: Manifest) -> None:
     """Raises `FeatureSpecError` listing every feature the manifest's data cannot fill."""
     where = manifest.location or "the manifest"
@@ -114,7 +114,7 @@ def manifests_next_to(files: Iterable[str], found: Iterable[str] = ()) -> list[M
     return manifests
 
 
-def register_pipeline(files: Iterable[str], features: Mapping[str, tf.io.FixedLenFeature],
+def register_pipeline(files: Iterable[str], features: Mapping[str, FeatureSpec],
                       compression_type: str | None) -> None:
     """Remembers what a pipeline parses, so a later parse error can be located."""
     key = tuple(files)
@@ -132,7 +132,7 @@ def _holds(feature: tf.train.Feature) -> str:
     return f"{kind} of {count} value{'' if count == 1 else 's'}"
 
 
-def record_mismatch(record: bytes, features: Mapping[str, tf.io.FixedLenFeature]
+def record_mismatch(record: bytes, features: Mapping[str, FeatureSpec]
                     ) -> tuple[str | None, str] | None:
     """(feature, what the record holds) for the first feature it cannot fill, or None.
 
@@ -160,7 +160,7 @@ def record_mismatch(record: bytes, features: Mapping[str, tf.io.FixedLenFeature]
     return None
 
 
-def locate_mismatch(files: Iterable[str], features: Mapping[str, tf.io.FixedLenFeature],
+def locate_mismatch(files: Iterable[str], features: Mapping[str, FeatureSpec],
                     compression_type: str | None = None, budget: int = _RECORD_BUDGET
                     ) -> tuple[str, int, str | None, str] | None:
     """(file, record index, feature, what it holds) of the first mismatching record.
@@ -184,7 +184,7 @@ def locate_mismatch(files: Iterable[str], features: Mapping[str, tf.io.FixedLenF
 
 
 def _message(path: str, index: int, name: str | None, holds: str,
-             features: Mapping[str, tf.io.FixedLenFeature]) -> str:
+             features: Mapping[str, FeatureSpec]) -> str:
     where = f"record {index} of {path}"
     if name is None:
         return (f"{where} is {holds}: TFRecordInput parses tf.train.Example records; "

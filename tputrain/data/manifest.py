@@ -28,6 +28,8 @@ _VERSIONS = (_VERSION, _VAR_LEN_VERSION)
 # Files write_tfrecords makes besides the shards: temp shards and spools of a write in
 # progress or killed (hidden, "<name>.tmp-<hex>" / "<prefix>.spool-<hex>"), and manifest
 # temp files (older versions wrote "<manifest>.tmp").
+# A parsed feature: fixed-length, or variable-length (a rank-1 RaggedFeature).
+FeatureSpec = tf.io.FixedLenFeature | tf.io.RaggedFeature
 _TEMP_FILE = re.compile(r"^\..+\.(tmp|spool)-[0-9a-f]{32}$")
 _SHARD_FILE = re.compile(r"^(.+)-\d{5}-of-\d{5}\.tfrecord$")
 
@@ -69,7 +71,7 @@ class Manifest:
     """What a set of shards holds. `location` is the manifest's own path, if read."""
 
     num_examples: int
-    features: dict[str, tf.io.FixedLenFeature | tf.io.RaggedFeature]
+    features: dict[str, FeatureSpec]
     shards: tuple[Shard, ...]
     compression_type: str | None = None
     location: str | None = None
@@ -107,7 +109,7 @@ def var_len_feature(dtype: Any) -> tf.io.RaggedFeature:
     return tf.io.RaggedFeature(tf.as_dtype(dtype), row_splits_dtype=tf.int64)
 
 
-def _feature_from_json(entry: Mapping[str, Any]) -> tf.io.FixedLenFeature | tf.io.RaggedFeature:
+def _feature_from_json(entry: Mapping[str, Any]) -> FeatureSpec:
     shape = list(entry["shape"])
     if shape == [None]:
         return var_len_feature(entry["dtype"])

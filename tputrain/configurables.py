@@ -25,7 +25,10 @@ from tputrain import audit, cluster, optimizers, precision, schedules, strategy
 from tputrain.best import BestCheckpoint, EarlyStopping
 from tputrain.checkpoint import Checkpointer
 from tputrain.communication import CommunicationOptions
+from tputrain.data.mixture import MixtureInput
 from tputrain.data.options import InputOptions
+from tputrain.data.packing import PackSequences
+from tputrain.data.padding import PadSequences
 from tputrain.data.tfds import TFDSInput
 from tputrain.data.tfrecord import TFRecordInput
 from tputrain.export import Export
@@ -105,8 +108,8 @@ def _register_aliases() -> None:
 
 # Classes gin configures in place: `TFRecordInput()` anywhere takes gin's bindings.
 CLASSES = (Trainer, NonFiniteGuard, BestCheckpoint, EarlyStopping, Export, InitCheckpoint,
-           InputOptions, TFDSInput, TFRecordInput, MLPClassifierTask, DigitsTask, SyntheticLMTask,
-           TextLMTask)
+           InputOptions, TFDSInput, TFRecordInput, MixtureInput, PackSequences, PadSequences,
+           MLPClassifierTask, DigitsTask, SyntheticLMTask, TextLMTask)
 
 
 def _register_classes() -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-import gin
 import tensorflow as tf
 
 from tputrain.data.batching import BatchedInput, split_label
@@ -119,7 +118,6 @@ def source_counts(batch: Mapping[str, tf.Tensor], num_sources: int,
     return {"examples": examples, "tokens": tokens}
 
 
-@gin.configurable
 class MixtureInput(BatchedInput):
     """One host's batches from a weighted mixture of TFRecord sources.
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
-import gin
 import tensorflow as tf
 
 SEGMENT_IDS = "segment_ids"
@@ -188,7 +187,6 @@ def pack_sequences(dataset: tf.data.Dataset, length: int,
     return rows.filter(emitted).map(finish)
 
 
-@gin.configurable
 class PackSequences:
     """`pack_sequences` as a `TFRecordInput(to_static=...)` transform (gin-bindable).
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-import gin
 import tensorflow as tf
 
 from tputrain.data.packing import (LOSS_WEIGHTS, POSITIONS, SEGMENT_IDS, check_length,
@@ -53,7 +52,6 @@ def pad_sequences(dataset: tf.data.Dataset, length: int,
     return dataset.map(pad)
 
 
-@gin.configurable
 class PadSequences:
     """`pad_sequences` as a `TFRecordInput(to_static=...)` transform (gin-bindable).
 

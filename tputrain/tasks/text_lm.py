@@ -81,23 +81,26 @@ class TextLMTask(Task):
 
     `build_inputs` reads the standard library's source as bytes
     (`tputrain.data.text_corpus`), packed to `sequence_length`; override it for
-    your own packed data (the same features).
+    your own packed data (the same features). `sequence_length` is the row length
+    (and the longest position the model learns).
     """
 
     def __init__(self, vocab_size: int = 258, sequence_length: int = 128, width: int = 128,
                  num_layers: int = 2, num_heads: int = 4, mlp_ratio: int = 4,
                  corpus_dir: str | None = None, max_files: int | None = 200,
-                 shuffle_buffer: int = 256, seed: int = 0):
+                 shuffle_buffer: int = 256, seed: int = 0, static_length: bool = True):
         if width % num_heads:
             raise ValueError(f"TextLMTask: width {width} is not divisible by num_heads "
                              f"{num_heads}")
         self.vocab_size, self.sequence_length = vocab_size, sequence_length
         self.width, self.num_layers, self.num_heads = width, num_layers, num_heads
-        self.mlp_ratio, self.seed = mlp_ratio, seed
+        self.mlp_ratio, self.seed, self.static_length = mlp_ratio, seed, static_length
         self.corpus_dir, self.max_files, self.shuffle_buffer = corpus_dir, max_files, shuffle_buffer
 
     def build_model(self) -> keras.Model:
-        shape = (self.sequence_length,)
+        # static_length=False: any row length up to sequence_length (bucketed batches,
+        # one compiled program a length); the Trainer feeds one static shape.
+        shape = (self.sequence_length if self.static_length else None,)
         tokens = keras.Input(shape, dtype="int32", name=TOKENS)
         segments = keras.Input(shape, dtype="int32", name=SEGMENT_IDS)
         positions = keras.Input(shape, dtype="int32", name=POSITIONS)

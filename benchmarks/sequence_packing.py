@@ -17,7 +17,9 @@ train step (XLA, per-token loss over real tokens, Adam):
 * `pad`: every document padded to the row length (`pad_sequences`);
 * `bucket`: documents grouped by length into buckets (`bucket_by_length`), each
   batch padded to its bucket's length: one compiled program a bucket length;
-* `pack`: several documents a row (`pack_sequences`, segment ids and positions).
+* `pack`: several documents a row (`pack_sequences`, segment ids and positions),
+  next-fit (one open row, the documents' order kept);
+* `pack_first_fit`: the same with 8 rows open at once (`bins=8`, first-fit).
 Rounds rotate the contenders; each runs a fixed number of batches after a
 warm-up that compiles every shape it will see. Reported per contender: the
 median real tokens/s (wall and CPU), the real-token share of the positions
@@ -76,7 +78,8 @@ def batches(kind: str, docs: list[np.ndarray], length: int, rows: int) -> list[A
         buckets = sorted({n for n in (64, 128, 256) if n < length} | {length})
         data = bucket_by_length(data, buckets, rows, keys=keys)
     else:
-        data = pack_sequences(data, length, keys=keys).batch(rows, drop_remainder=True)
+        bins = 8 if kind == "pack_first_fit" else 1
+        data = pack_sequences(data, length, keys=keys, bins=bins).batch(rows, drop_remainder=True)
     return list(data)
 
 
@@ -124,7 +127,7 @@ def main() -> None:
     length, rows = (128, 4) if options.quick else (512, 8)
     files, count = (10, 3) if options.quick else (60, 12)
     docs = documents(files, length)
-    kinds = ("pad", "bucket", "pack")
+    kinds = ("pad", "bucket", "pack", "pack_first_fit")
     data = {kind: batches(kind, docs, length, rows) for kind in kinds}
     task = TextLMTask(sequence_length=length, width=64, num_layers=2, num_heads=4,
                       static_length=False)
@@ -134,7 +137,7 @@ def main() -> None:
             _run(steps[kind], shape)
     results: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
     for number in range(options.rounds):
-        order = kinds[number % 3:] + kinds[:number % 3]
+        order = kinds[number % len(kinds):] + kinds[:number % len(kinds)]
         for kind in order:
             results[kind].append(measure(steps[kind], data[kind], count, number * count))
             print(f"round {number} {kind}: {results[kind][-1]}", file=sys.stderr)
@@ -156,9 +159,10 @@ def _report(results, docs, length, rows, files) -> dict[str, Any]:
             "real_tokens_per_second": medians[kind]["real_tokens_per_second"]
             / medians["pad"]["real_tokens_per_second"],
             "real_tokens_per_cpu_second": medians[kind]["real_tokens_per_cpu_second"]
-            / medians["pad"]["real_tokens_per_cpu_second"]} for kind in ("bucket", "pack")},
+            / medians["pad"]["real_tokens_per_cpu_second"]} for kind in ("bucket", "pack", "pack_first_fit")},
         "goals": {"packing's real-token share >= 95%":
-                  medians["pack"]["real_token_share"] >= 0.95},
+                  max(medians["pack"]["real_token_share"],
+                      medians["pack_first_fit"]["real_token_share"]) >= 0.95},
         "load_average": list(__import__("os").getloadavg()),
     }
 

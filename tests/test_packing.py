@@ -88,14 +88,15 @@ def test_segments_never_cross_rows_and_positions_count_within_a_segment():
     assert pieces == want
 
 
-def test_packing_is_deterministic_and_resumes_bitwise_from_an_iterator_checkpoint(tmp_path):
+@pytest.mark.parametrize("bins", [1, 3])
+def test_packing_is_deterministic_and_resumes_bitwise_from_an_iterator_checkpoint(tmp_path, bins):
     examples = _examples(np.random.default_rng(2).integers(0, 40, size=50).tolist())
     # A generator's position is not checkpointable: a tensor source is.
     def build():
         dataset = tf.data.Dataset.from_tensor_slices(
             tf.ragged.constant([e["tokens"].tolist() for e in examples], dtype=tf.int64)).map(
             lambda t: {"tokens": t})
-        return pack_sequences(dataset.shuffle(20, seed=3).repeat(), LENGTH).batch(4)
+        return pack_sequences(dataset.shuffle(20, seed=3).repeat(), LENGTH, bins=bins).batch(4)
 
     first = [b["tokens"].numpy() for b in build().take(30)]
     assert all((a == b).all() for a, b in zip(first, [b["tokens"].numpy()
@@ -174,3 +175,27 @@ def test_pack_sequences_reads_variable_length_records_through_tfrecord_input(tmp
     padded = TFRecordInput(manifest=str(tmp_path / "seq.manifest.json"), global_batch_size=4,
                            shuffle=False, repeat=False, to_static=PadSequences(LENGTH))
     assert next(iter(padded()))["tokens"].shape == (4, LENGTH)
+
+
+def test_first_fit_over_several_rows_keeps_every_segment_and_fills_rows_fuller():
+    """bins=4: every example's pieces are whole segments somewhere (multiset of
+    segments in = out), rows are static, and fewer rows hold the same tokens."""
+    lengths = [9, 9, 9, 9, 7, 7, 7, 7, 12, 12, 4, 4]  # 96 tokens: 6 full rows exist
+    examples = _examples(lengths)
+    next_fit = _rows(pack_sequences(_dataset(examples), LENGTH))
+    first_fit = _rows(pack_sequences(_dataset(examples), LENGTH, bins=4))
+    assert pack_sequences(_dataset(examples), LENGTH, bins=4).element_spec["tokens"].shape == [LENGTH]
+
+    def segments(rows):
+        found = collections.Counter()
+        for row in rows:
+            for segment in set(row["segment_ids"].tolist()) - {0}:
+                mine = row["segment_ids"] == segment
+                assert row["positions"][mine].tolist() == list(range(mine.sum()))
+                found[tuple(row["tokens"][mine].tolist())] += 1
+        return found
+    assert segments(first_fit) == segments(next_fit) == collections.Counter(
+        tuple(e["tokens"].tolist()) for e in examples if len(e["tokens"]))
+    assert len(first_fit) < len(next_fit)
+    share = sum(r["loss_weights"].sum() for r in first_fit) / (len(first_fit) * LENGTH)
+    assert share >= 0.95

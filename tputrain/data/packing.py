@@ -117,38 +117,47 @@ def _empty_row(spec: Mapping[str, tf.TensorSpec], length: int) -> dict[str, tf.T
     return row
 
 
-def _packer(spec: Mapping[str, tf.TensorSpec], length: int, sequences: list[str]):
-    """The scan step: emit the row when the piece does not fit, then place the piece."""
+def _packer(spec: Mapping[str, tf.TensorSpec], length: int, sequences: list[str], bins: int):
+    """The scan step over `bins` open rows: a piece goes to the first row it fits
+    (first-fit); when it fits none, the fullest row is emitted and the piece starts
+    it again. One row (`bins=1`) is next-fit: rows keep the examples' order."""
     index = tf.range(length, dtype=tf.int32)
 
     def step(state, piece):
-        row, fill, segments = state
+        rows, fills, segments = state
         size = tf.cast(piece[_LENGTH], tf.int32)
-        full = fill + size > length
-        emitted = (full & (fill > 0), row)
-        empty = _empty_row(spec, length)
-        row = {name: tf.where(full, empty[name], value) for name, value in row.items()}
-        fill, segments = tf.where(full, 0, fill), tf.where(full, 0, segments)
-        place = size <= length  # the end marker is never placed
-        mine = (index >= fill) & (index < fill + size) & place
-        for name in row:
+        fits = fills + size <= length
+        full = tf.logical_not(tf.reduce_any(fits))
+        k = tf.where(full, tf.argmax(fills, output_type=tf.int32),
+                     tf.argmax(tf.cast(fits, tf.int32), output_type=tf.int32))
+        chosen = tf.equal(tf.range(bins), k)
+        emitted = (full & (tf.gather(fills, k) > 0),
+                   {name: tf.gather(value, k) for name, value in rows.items()})
+        empty, reset = _empty_row(spec, length), chosen & full
+        rows = {name: tf.where(reset[:, None], empty[name][None], value)
+                for name, value in rows.items()}
+        fills, segments = tf.where(reset, 0, fills), tf.where(reset, 0, segments)
+        fill, segment = tf.gather(fills, k), tf.gather(segments, k)
+        place = size <= length  # an end marker is never placed
+        mine = chosen[:, None] & ((index >= fill) & (index < fill + size) & place)[None, :]
+        for name in rows:
             if name in sequences:
                 value = tf.roll(piece[name], shift=fill, axis=0)
             elif name == SEGMENT_IDS:
-                value = tf.fill([length], segments + 1)
+                value = tf.fill([length], segment + 1)
             elif name == POSITIONS:
                 value = index - fill
             else:
                 value = tf.fill([length], piece[name])
-            row[name] = tf.where(mine, value, row[name])
-        grown = tf.cast(place, tf.int32)
-        return (row, fill + size * grown, segments + grown), emitted
+            rows[name] = tf.where(mine, value[None], rows[name])
+        grown = tf.where(chosen & place, 1, 0)
+        return (rows, fills + size * grown, segments + grown), emitted
 
     return step
 
 
 def pack_sequences(dataset: tf.data.Dataset, length: int,
-                   keys: Iterable[str] | None = None) -> tf.data.Dataset:
+                   keys: Iterable[str] | None = None, bins: int = 1) -> tf.data.Dataset:
     """Packs a dataset of single examples into rows of `length` positions (see the module).
 
     Args:
@@ -157,6 +166,9 @@ def pack_sequences(dataset: tf.data.Dataset, length: int,
             (carried per token). Apply it before `batch`.
         length: positions a row.
         keys: the features to pack; None packs every rank-1 feature.
+        bins: rows kept open at once. 1 (next-fit) keeps the examples' order;
+            more (first-fit over that many rows) fills rows fuller when
+            examples are a sizeable share of a row, in a deterministic order.
 
     Returns rows of `{feature: [length], "segment_ids", "positions",
     "loss_weights": [length]}`, all statically shaped. A finite input ends with
@@ -167,12 +179,15 @@ def pack_sequences(dataset: tf.data.Dataset, length: int,
     sequences, scalars = sequence_features(dataset.element_spec, keys, where)
     pieces = _pieces(dataset, length, sequences, scalars, where)
     spec = pieces.element_spec
-    if dataset.cardinality() != tf.data.INFINITE_CARDINALITY:
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise ValueError(f"{where}: bins must be a positive int (rows open at once), got {bins!r}")
+    if dataset.cardinality() != tf.data.INFINITE_CARDINALITY:  # end markers flush each row
         end = {name: tf.zeros(s.shape, s.dtype) for name, s in spec.items()}
         end[_LENGTH] = tf.constant(length + 1, spec[_LENGTH].dtype)
-        pieces = pieces.concatenate(tf.data.Dataset.from_tensors(end))
-    state = (_empty_row(spec, length), tf.constant(0), tf.constant(0))
-    rows = pieces.scan(state, _packer(spec, length, sequences))
+        pieces = pieces.concatenate(tf.data.Dataset.from_tensors(end).repeat(bins))
+    rows = {name: tf.stack([value] * bins) for name, value in _empty_row(spec, length).items()}
+    state = (rows, tf.zeros([bins], tf.int32), tf.zeros([bins], tf.int32))
+    rows = pieces.scan(state, _packer(spec, length, sequences, bins))
 
     def emitted(emit, row):
         del row
@@ -193,14 +208,16 @@ class PackSequences:
     Args:
         length: positions a packed row.
         keys: features to pack; None packs every rank-1 feature.
+        bins: rows open at once (`pack_sequences`): 1 keeps the order, more fill fuller.
     """
 
-    def __init__(self, length: int, keys: Sequence[str] | None = None):
+    def __init__(self, length: int, keys: Sequence[str] | None = None, bins: int = 1):
         self.length = check_length("PackSequences", length)
         self.keys = None if keys is None else tuple([keys] if isinstance(keys, str) else keys)
+        self.bins = bins
 
     def __call__(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
-        return pack_sequences(dataset, self.length, self.keys)
+        return pack_sequences(dataset, self.length, self.keys, self.bins)
 
     def __repr__(self) -> str:
-        return f"PackSequences({self.length}, keys={self.keys})"
+        return f"PackSequences({self.length}, keys={self.keys}, bins={self.bins})"

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import re
 
 import gin
 import keras
@@ -742,3 +743,119 @@ def test_a_map_that_loses_the_batch_dimension_is_named_with_the_fix(tmp_path, pl
     assert message.startswith(f"train input: {name} has dynamic shape (None, 6)"), message
     assert "end that map with tf.ensure_shape(value, [4, 6])" in message, message
     assert "batch with drop_remainder=True" not in message, message
+
+
+# Variable-length features: read per example, made static by a `to_static` transform.
+
+
+def _write_tokens(directory, rows, **kwargs):
+    """Writes token rows of different lengths (and their index as `id`); returns the manifest."""
+    write_tfrecords({"tokens": rows, "id": np.arange(len(rows))}, str(directory / "seq"),
+                    **kwargs)
+    return str(directory / "seq.manifest.json")
+
+
+def _pad_to(length):
+    """A user's own to_static: pad every row to `length` and keep its true length."""
+    def pad(example):
+        tokens = example["tokens"]
+        padded = tf.ensure_shape(tf.pad(tokens, [[0, length - tf.size(tokens)]]), [length])
+        return {**example, "tokens": padded, "length": tf.size(tokens)}
+
+    return lambda dataset: dataset.map(pad)
+
+
+def test_variable_length_records_read_bitwise_through_to_static(tmp_path):
+    rng = np.random.default_rng(5)
+    rows = [rng.integers(0, 259, size=n) for n in [0, 3, 40, 0, 1, 17, 99, 2]]
+    manifest = _write_tokens(tmp_path, rows, num_shards=2)
+    inputs = TFRecordInput(manifest=manifest, global_batch_size=4, shuffle=False, repeat=False,
+                           to_static=_pad_to(100))
+    batches = list(inputs())
+    assert all(b["tokens"].shape == (4, 100) for b in batches)
+    got = {int(i): t[:n].tolist() for b in batches
+           for i, t, n in zip(b["id"].numpy(), b["tokens"].numpy(), b["length"].numpy())}
+    assert got == {i: r.tolist() for i, r in enumerate(rows)}
+
+
+def test_variable_length_features_need_to_static_and_say_so(tmp_path):
+    manifest = _write_tokens(tmp_path, [np.arange(n) for n in (1, 2, 3)], num_shards=1)
+    with pytest.raises(ValueError) as e:
+        TFRecordInput(manifest=manifest, global_batch_size=2)
+    # One line (gin adds its own context line below it).
+    assert re.search(r"feature 'tokens' is variable-length.*to_static=.*PackSequences",
+                     str(e.value).splitlines()[0])
+    with pytest.raises(ValueError, match="pad_remainder"):
+        TFRecordInput(manifest=manifest, label_key="id", repeat=False, pad_remainder=True,
+                      to_static=_pad_to(4))
+    with pytest.raises(TypeError, match="to_static must be callable"):
+        TFRecordInput(manifest=manifest, to_static=4)
+
+
+def test_variable_length_spec_is_checked_against_the_manifest(tmp_path):
+    from tputrain.data import FeatureSpecError
+    manifest = _write_tokens(tmp_path, [np.arange(n) for n in (1, 2, 3)], num_shards=1)
+    with pytest.raises(FeatureSpecError) as e:
+        TFRecordInput(manifest=manifest, features={"tokens": ([5], "int64")})
+    assert re.search(r"'tokens'.*int64 \[5\].*variable-length.*to_static",
+                     str(e.value).splitlines()[0])
+    with pytest.raises(FeatureSpecError, match=r"'tokens'.*float32 \[None\].*int64 \[None\]"):
+        TFRecordInput(manifest=manifest, features={"tokens": ([None], "float32")},
+                      to_static=_pad_to(4))
+    # Fixed-length data reads as variable-length too (any number of values).
+    write_tfrecords({"tokens": np.zeros((4, 3), np.int64)}, str(tmp_path / "fixed"), 1)
+    TFRecordInput(manifest=str(tmp_path / "fixed.manifest.json"),
+                  features={"tokens": tf.io.VarLenFeature(tf.int64)}, to_static=_pad_to(4))
+
+
+@pytest.mark.parametrize("feature", [
+    tf.io.VarLenFeature(tf.int64),
+    tf.io.RaggedFeature(tf.int64),
+    tf.io.FixedLenFeature([None], tf.int64),
+    ([None], "int64"),
+])
+def test_variable_length_spec_forms_are_one_ragged_feature(feature):
+    assert parse_feature_spec({"tokens": feature}, var_len=True) == {
+        "tokens": tf.io.RaggedFeature(tf.int64, row_splits_dtype=tf.int64)}
+
+
+@pytest.mark.parametrize("feature", [
+    ([None, 3], "float32"),
+    tf.io.RaggedFeature(tf.int64, partitions=[tf.io.RaggedFeature.UniformRowLength(2)]),
+    tf.io.FixedLenSequenceFeature([], tf.int64, allow_missing=True),
+])
+def test_variable_length_specs_of_more_than_one_dimension_are_refused(feature):
+    with pytest.raises(ValueError, match="'tokens'.*one dimension"):
+        parse_feature_spec({"tokens": feature}, var_len=True)
+
+
+def test_a_variable_length_dtype_mismatch_names_the_record(tmp_path):
+    from tputrain.data import FeatureSpecError, explain_parse_error
+    write_tfrecords({"tokens": [np.float32([1.5]), np.float32([])]}, str(tmp_path / "f"),
+                    num_shards=1, manifest=False)
+    inputs = TFRecordInput(str(tmp_path / "f-*"), {"tokens": ([None], "int64")},
+                           global_batch_size=2, shuffle=False, to_static=_pad_to(4))
+    dataset = inputs()
+    with pytest.raises(tf.errors.InvalidArgumentError) as caught:
+        next(iter(dataset))
+    error = explain_parse_error(caught.value)
+    assert isinstance(error, FeatureSpecError)
+    assert "record 0 of" in str(error) and "int64 [None]" in str(error)
+
+
+def test_a_batch_of_packed_rows_may_exceed_the_examples_it_packs(tmp_path):
+    """Three long examples make many packed rows: the batch-fits check counts examples."""
+    manifest = _write_tokens(tmp_path, [np.arange(1, 41)] * 3, num_shards=1)
+    inputs = TFRecordInput(manifest=manifest, global_batch_size=8, shuffle=False, repeat=False,
+                           to_static=tputrain.data.PackSequences(8))
+    batches = list(inputs())
+    assert len(batches) == 1 and batches[0]["tokens"].shape == (8, 8)
+
+
+def test_a_to_static_that_leaves_lengths_dynamic_is_refused_by_name(tmp_path):
+    manifest = _write_tokens(tmp_path, [np.arange(n) for n in (1, 2, 3)], num_shards=1)
+    inputs = TFRecordInput(manifest=manifest, global_batch_size=1, to_static=lambda ds: ds)
+    with pytest.raises(ValueError) as caught:
+        inputs()
+    first = str(caught.value).splitlines()[0]
+    assert re.search(r"feature 'tokens' has dynamic shape.*static shapes.*PackSequences", first)

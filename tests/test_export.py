@@ -125,6 +125,21 @@ def test_feature_specs_of_the_built_in_tasks():
     assert feature_spec_of(TinyTask()) is None
 
 
+def test_variable_length_inputs_give_no_examples_signature_rather_than_an_error(tmp_path):
+    """A serving_examples signature would need the inputs' packing; export goes on without."""
+    tputrain.data.write_tfrecords({"tokens": [[1], [2, 3]], "label": [0, 1]},
+                                  str(tmp_path / "seq"), num_shards=1)
+    inputs = tputrain.data.TFRecordInput(manifest=str(tmp_path / "seq.manifest.json"),
+                                         to_static=tputrain.data.PadSequences(4))
+
+    class SequenceTask(TinyTask):
+        def __init__(self):
+            super().__init__()
+            self.inputs = {"train": inputs}
+
+    assert feature_spec_of(SequenceTask()) is None
+
+
 # ------------------------------------------------------------ end to end (README)
 
 LOAD = """

@@ -142,3 +142,20 @@ def test_the_first_loop_says_it_compiles_and_the_next_prices_the_compilation(cap
     assert second == ("tputrain: step 20/30 | loss 0.5 | 80 examples/s | 10.00 steps/s | "
                       "input stall 1.0% | compile 19s | ETA 1s")
     assert first_rates["input/stall_fraction"] == pytest.approx(0.25)  # TensorBoard's
+
+
+def test_sequence_runs_show_real_tokens_per_second_and_padding_and_mfu_counts_real_tokens(
+        caplog):
+    """A step logging `real_tokens` and `padding` (Task.loss_denominator): the line
+    and TensorBoard show real tokens/s and the padding share, and MFU counts only the
+    real tokens' FLOPs."""
+    p = Progress(None, train_steps=100, global_batch_size=8)
+    p.set_flops(flops_per_step=2e9, peak_flops=40e9)
+    with caplog.at_level("INFO"):
+        rates = p.train_loop_done(step=10, steps=10, seconds=1.0,
+                                  logs={"loss": 1.0, "real_tokens": 300.0, "padding": 0.25})
+    assert rates["real_tokens_per_second"] == pytest.approx(3000.0)
+    assert rates["mfu"] == pytest.approx(0.5 * 0.75)
+    line = caplog.records[-1].getMessage()
+    assert "3000 real tokens/s" in line and "padding 25.0%" in line
+    assert "real_tokens 300" not in line  # shown as a rate, not a raw log

@@ -147,7 +147,7 @@ def test_local_tpu_devices_that_fail_to_initialise_fall_back(monkeypatch, log_li
 
 
 _FAILING_LOCAL_TPU = """
-from tputrain import strategy as strategy_lib
+from tputrain.distribution import strategy as strategy_lib
 strategy_lib._local_tpu_devices = lambda: ["/dev/accel0"]
 strategy_lib._tpu_kernels_registered = lambda: True
 strategy_lib._logical_cpu_count = lambda: 1  # as unsplit_cpu

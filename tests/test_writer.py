@@ -246,3 +246,73 @@ def test_an_output_prefix_under_a_file_is_one_line_and_exit_2(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert last.startswith("tputrain write-tfrecords: error: --output_prefix=")
     assert f"{tmp_path / 'file'} is a file" in last
+
+
+# Variable-length features.
+
+
+def _varlen_rows():
+    """Token rows of many lengths, empty ones and ones longer than a packing length included."""
+    rng = np.random.default_rng(3)
+    lengths = [0, 1, 5, 0, 300, 17, 2, 0, 64, 1000]
+    return [rng.integers(0, 259, size=n).astype(np.int64) for n in lengths]
+
+
+def _read_varlen(manifest_path, key):
+    """Every record's `key`, parsed with the manifest's spec, in file order."""
+    manifest = read_manifest(manifest_path)
+    records = tf.data.TFRecordDataset(manifest.files())
+    return [tf.io.parse_single_example(r, manifest.features)[key].numpy() for r in records]
+
+
+def test_variable_length_columns_round_trip_bitwise(tmp_path):
+    rows = _varlen_rows()
+    floats = [np.random.default_rng(4).normal(size=n).astype(np.float32) for n in (3, 0, 2) * 3]
+    floats.append(np.float32([1.5]))
+    write_tfrecords({"tokens": rows, "w": floats, "id": np.arange(len(rows))},
+                    str(tmp_path / "v"), num_shards=1)
+    manifest = read_manifest(str(tmp_path / "v.manifest.json"))
+    assert manifest.features["tokens"] == tf.io.RaggedFeature(tf.int64, row_splits_dtype=tf.int64)
+    assert manifest.features["w"] == tf.io.RaggedFeature(tf.float32, row_splits_dtype=tf.int64)
+    assert manifest.features["id"] == tf.io.FixedLenFeature([], tf.int64)
+    saved = json.load(open(tmp_path / "v.manifest.json"))
+    assert saved["features"]["tokens"] == {"shape": [None], "dtype": "int64"}
+    got = _read_varlen(str(tmp_path / "v.manifest.json"), "tokens")
+    assert [g.dtype for g in got] == [np.int64] * len(rows)
+    assert [g.tolist() for g in got] == [r.tolist() for r in rows]
+    got_w = _read_varlen(str(tmp_path / "v.manifest.json"), "w")
+    assert all(g.tobytes() == f.tobytes() for g, f in zip(got_w, floats))
+
+
+def test_variable_length_streams_and_ragged_tensors_round_trip(tmp_path):
+    rows = _varlen_rows()
+    # A stream needs var_len for the feature; empty Python lists take the feature's dtype.
+    stream = [{"tokens": r.tolist(), "id": i} for i, r in enumerate(rows)]
+    write_tfrecords(stream, str(tmp_path / "s"), num_shards=2, var_len=["tokens"])
+    got = sorted(map(tuple, (g.tolist() for g in _read_varlen(str(tmp_path / "s.manifest.json"),
+                                                             "tokens"))))
+    assert got == sorted(tuple(r.tolist()) for r in rows)
+
+    ragged = tf.ragged.constant([r.tolist() for r in rows], dtype=tf.int64)
+    write_tfrecords({"tokens": ragged}, str(tmp_path / "r"), num_shards=1)
+    assert [g.tolist() for g in _read_varlen(str(tmp_path / "r.manifest.json"), "tokens")] == [
+        r.tolist() for r in rows]
+
+    dataset = tf.data.Dataset.from_tensor_slices({"tokens": ragged})  # spec [None]: var-len
+    write_tfrecords(dataset, str(tmp_path / "d"), num_shards=1)
+    assert [g.tolist() for g in _read_varlen(str(tmp_path / "d.manifest.json"), "tokens")] == [
+        r.tolist() for r in rows]
+
+
+def test_variable_length_errors_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"'t' has shape \(3,\) in example 1.*var_len=\['t'\]"):
+        write_tfrecords([{"t": [1, 2]}, {"t": [1, 2, 3]}], str(tmp_path / "a"), num_shards=1)
+    with pytest.raises(ValueError, match="'t' is float in example 1 but int64"):
+        write_tfrecords([{"t": [1, 2]}, {"t": [1.5]}], str(tmp_path / "b"), num_shards=1,
+                        var_len=["t"])
+    with pytest.raises(ValueError, match="'t'.*one dimension"):
+        write_tfrecords({"t": [np.zeros((2, 2)), np.zeros((3, 2))]}, str(tmp_path / "c"),
+                        num_shards=1)
+    with pytest.raises(ValueError, match="var_len names 'u', which is not a feature"):
+        write_tfrecords({"t": [[1], [2, 3]]}, str(tmp_path / "d"), num_shards=1, var_len=["u"])
+    assert os.listdir(tmp_path) == []

@@ -22,13 +22,16 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain import audit, optimizers, precision, schedules
-from tputrain.distribution import cluster, strategy
 from tputrain.best import BestCheckpoint, EarlyStopping
 from tputrain.checkpoint import Checkpointer
-from tputrain.distribution.communication import CommunicationOptions
+from tputrain.data.mixture import MixtureInput
 from tputrain.data.options import InputOptions
+from tputrain.data.packing import PackSequences
+from tputrain.data.padding import PadSequences
 from tputrain.data.tfds import TFDSInput
 from tputrain.data.tfrecord import TFRecordInput
+from tputrain.distribution import cluster, strategy
+from tputrain.distribution.communication import CommunicationOptions
 from tputrain.export import Export
 from tputrain.flops import peak_flops
 from tputrain.guard import NonFiniteGuard
@@ -37,6 +40,7 @@ from tputrain.layer_precision import override_layer_dtypes
 from tputrain.options import CheckpointOptions, PrecisionOptions, ProfilingOptions
 from tputrain.tasks.classifier import MLPClassifierTask
 from tputrain.tasks.digits import DigitsTask
+from tputrain.tasks.text_lm import TextLMTask
 from tputrain.tasks.transformer import SyntheticLMTask
 from tputrain.trainer import Trainer
 
@@ -105,7 +109,8 @@ def _register_aliases() -> None:
 
 # Classes gin configures in place: `TFRecordInput()` anywhere takes gin's bindings.
 CLASSES = (Trainer, NonFiniteGuard, BestCheckpoint, EarlyStopping, Export, InitCheckpoint,
-           InputOptions, TFDSInput, TFRecordInput, MLPClassifierTask, DigitsTask, SyntheticLMTask)
+           InputOptions, TFDSInput, TFRecordInput, MixtureInput, PackSequences, PadSequences,
+           MLPClassifierTask, DigitsTask, SyntheticLMTask, TextLMTask)
 
 
 def _register_classes() -> None:

@@ -45,6 +45,7 @@ from tputrain.checkpoint import UNREADABLE_ERRORS, list_checkpoints, read_newest
 from tputrain.checks import check_bool
 from tputrain.context import ActionContext
 from tputrain.data import parse_feature_spec
+from tputrain.data.manifest import is_var_len
 from tputrain.layer_precision import override_layer_dtypes
 from tputrain.loop.step import ensure_built
 from tputrain.tasks.digits import FEATURES as DIGITS_FEATURES, DigitsTask
@@ -63,7 +64,9 @@ def feature_spec_of(task: "Task") -> dict[str, tf.io.FixedLenFeature] | None:
     Looked up, in order: a `feature_spec` attribute or method of the Task (add one
     to your Task to get the signature), the built-in DigitsTask's, and the
     `features` of input builders in `task.inputs` (MLPClassifierTask over
-    `TFRecordInput`s). None: the Task has none; only `serving_default` is written.
+    `TFRecordInput`s). None: the Task has none, or it has variable-length features
+    (serving them would need the inputs' packing or padding); only
+    `serving_default` is written.
     """
     spec = getattr(task, "feature_spec", None)
     spec = spec() if callable(spec) else spec
@@ -73,7 +76,14 @@ def feature_spec_of(task: "Task") -> dict[str, tf.io.FixedLenFeature] | None:
         found = [b.features for b in task.inputs.values() if isinstance(
             getattr(b, "features", None), Mapping)]
         spec = found[0] if found else None
-    return parse_feature_spec(spec) if spec else None
+    if not spec:
+        return None
+    parsed = parse_feature_spec(spec, var_len=True)
+    if any(is_var_len(feature) for feature in parsed.values()):
+        logging.info("export: no serving_examples signature: the features %s are variable-length",
+                     sorted(name for name, f in parsed.items() if is_var_len(f)))
+        return None
+    return parsed
 
 
 def serving_inputs(trainer: "Trainer", model: keras.Model) -> Any:

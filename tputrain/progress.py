@@ -48,6 +48,22 @@ def _format_logs(logs: Mapping[str, float]) -> str:
     return " | ".join(f"{name} {value:.4g}" for name, value in logs.items())
 
 
+# Step logs of a run that counts tokens (`Task.loss_denominator`): shown as rates.
+TOKEN_LOGS = ("real_tokens", "padding")
+
+
+def _token_rates(logs: Mapping[str, float], steps_per_second: float,
+                 rates: dict[str, float]) -> str:
+    """Adds `real_tokens_per_second` to `rates`; returns the line's words for it."""
+    if "real_tokens" not in logs:
+        return ""
+    rates["real_tokens_per_second"] = float(logs["real_tokens"]) * steps_per_second
+    words = f" | {rates['real_tokens_per_second']:.0f} real tokens/s"
+    if "padding" in logs:
+        words += f" | padding {100 * float(logs['padding']):.1f}%"
+    return words
+
+
 class Progress:
     """Logs each loop (step, loss, metrics, examples/s, ETA) and writes summaries.
 
@@ -128,15 +144,19 @@ class Progress:
         rates = {"steps_per_second": steps_per_second,
                  "examples_per_second": steps_per_second * self.global_batch_size,
                  "input/stall_fraction": min(1.0, input_wait / max(seconds, 1e-9))}
+        tokens, shown = _token_rates(logs, steps_per_second, rates), dict(logs)
+        for name in TOKEN_LOGS:
+            shown.pop(name, None)
         mfu = ""
         if self._flops_per_step and self._peak_flops:
             rates["mfu"] = model_flops_utilization(self._flops_per_step, steps_per_second,
                                                    self._peak_flops)
+            rates["mfu"] *= 1.0 - float(logs.get("padding", 0.0))  # real tokens' FLOPs only
             mfu = f" | MFU {100 * rates['mfu']:.1f}%"
         first = self._steps_per_second is None and getattr(self, "_first_loop", None) is None
-        logging.info("tputrain: step %d/%d | %s | %s%.0f examples/s | %.2f steps/s%s | "
-                     "input stall %.1f%%%s", step, self.train_steps, _format_logs(logs),
-                     FIRST_LOOP if first else "", rates["examples_per_second"],
+        logging.info("tputrain: step %d/%d | %s | %s%.0f examples/s%s | %.2f steps/s%s | "
+                     "input stall %.1f%%%s", step, self.train_steps, _format_logs(shown),
+                     FIRST_LOOP if first else "", rates["examples_per_second"], tokens,
                      steps_per_second, mfu, 100 * rates["input/stall_fraction"],
                      self._timing(step, steps, seconds))
         self.write_scalars("train", step, {**logs, **rates})

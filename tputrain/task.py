@@ -48,6 +48,20 @@ def per_example_weights(weight: tf.Tensor, per_example: tf.Tensor) -> tf.Tensor:
     return weight
 
 
+def average_loss(per_example: tf.Tensor, sample_weight: tf.Tensor | None,
+                 global_batch_size: int | tf.Tensor) -> tf.Tensor:
+    """sum(weight * loss) / global_batch_size: `tf.nn.compute_average_loss`'s sum; a
+    counted denominator (`Task.loss_denominator`, a tensor) divides the same sum
+    without its checks, which XLA would drop with a warning each compile."""
+    if not isinstance(global_batch_size, tf.Tensor):
+        return tf.nn.compute_average_loss(per_example, sample_weight=sample_weight,
+                                          global_batch_size=global_batch_size)
+    if sample_weight is not None:
+        per_example = per_example * tf.cast(sample_weight, per_example.dtype)
+    return tf.math.divide_no_nan(tf.reduce_sum(per_example),
+                                 tf.cast(global_batch_size, per_example.dtype))
+
+
 def overrides_train_step(task: "Task") -> bool:
     """Whether `task` replaces `Task.train_step`, in its class or on the instance: the
     one definition the step, the options' checks and the actions use."""
@@ -91,6 +105,19 @@ class Task:
         """
         raise NotImplementedError("Task.compute_loss must return a per-example loss")
 
+    def loss_denominator(self, batch: Any) -> tf.Tensor | None:
+        """What a summed loss is divided by, counted on this replica's batch; None
+        (the default): examples, i.e. the global batch size.
+
+        For a per-token loss over padded or packed rows, return this batch's real
+        tokens, e.g. `tf.reduce_sum(loss_weights)` (an integer count): the Trainer
+        sums it over replicas and micro-batches and passes the total to
+        `compute_gradients` as `global_batch_size`, so the loss is the mean over the
+        global batch's real tokens on 1 or N replicas, and the progress line shows
+        real tokens/s and the padding share.
+        """
+        return None
+
     def build_metrics(self) -> Sequence[keras.metrics.Metric]:
         """Returns metrics updated with `(labels, outputs)` each step (strategy scope)."""
         return []
@@ -120,8 +147,7 @@ class Task:
         per_example = tf.cast(self.compute_loss(labels, outputs), tf.float32)
         if sample_weight is not None:
             sample_weight = per_example_weights(sample_weight, per_example)
-        loss = tf.nn.compute_average_loss(per_example, sample_weight=sample_weight,
-                                          global_batch_size=global_batch_size)
+        loss = average_loss(per_example, sample_weight, global_batch_size)
         if model.losses:
             regularization = tf.add_n([tf.cast(l, tf.float32) for l in model.losses])
             loss += tf.nn.scale_regularization_loss(regularization) / micro_batches

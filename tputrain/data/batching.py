@@ -270,6 +270,11 @@ class BatchedInput:
         and a partial batch would leave some replicas empty (NaN losses);
         pad_remainder keeps the last partial batch for `pad_to_batch` instead.
         """
+        examples = self._shuffled(examples, context)
+        return examples.batch(batch_size, drop_remainder=not self.pad_remainder)
+
+    def _shuffled(self, examples: tf.data.Dataset, context: InputContext) -> tf.data.Dataset:
+        """cache -> shuffle -> repeat, as configured."""
         if self.cache == "memory":
             examples = examples.cache()
         elif self.cache:  # one cache file per pipeline: tf.data allows one reader per file
@@ -280,7 +285,7 @@ class BatchedInput:
                                         reshuffle_each_iteration=True)
         if self.repeat:
             examples = examples.repeat()
-        return examples.batch(batch_size, drop_remainder=not self.pad_remainder)
+        return examples
 
     def _finish(self, dataset: tf.data.Dataset, context: InputContext) -> tf.data.Dataset:
         """InputOptions, determinism, no second sharding by tf.distribute (each pipeline

@@ -84,10 +84,15 @@ def _value_array(value: Any) -> np.ndarray:
 
 
 def encode_example(example: Mapping[str, Any]) -> bytes:
-    """Serialized `tf.train.Example` of a dict of arrays (validated by the writer)."""
+    """Serialized `tf.train.Example` of a dict of arrays (validated by the writer).
+
+    A None value is a Feature with no values and no type: an empty row of a
+    variable-length feature, which parses as empty whatever the spec's dtype.
+    """
     entries = []
     for key, array in example.items():
+        feature = b"" if array is None else encode_feature(key, _value_array(array))
         entry = (_length_delimited(_FIELD1_LEN, key.encode("utf-8"))
-                 + _length_delimited(b"\x12", encode_feature(key, _value_array(array))))
+                 + _length_delimited(b"\x12", feature))
         entries.append(_length_delimited(_FIELD1_LEN, entry))
     return _length_delimited(_FIELD1_LEN, b"".join(entries))

@@ -21,7 +21,8 @@ from typing import Iterable, Mapping
 import tensorflow as tf
 from absl import logging
 
-from tputrain.data.manifest import Manifest, manifest_for_shard, read_manifest
+from tputrain.data.manifest import (FeatureSpec, Manifest, is_var_len, manifest_for_shard,
+                                    read_manifest)
 
 _FIX = ("fix the feature spec to match the data (or read with TFRecordInput(manifest=...), which "
         "takes the spec from the manifest), or rewrite the data (tputrain.data.write_tfrecords)")
@@ -38,7 +39,7 @@ _MAX_MANIFESTS = 8  # distinct shard prefixes looked up next to the files
 _MAX_PIPELINES = 32
 
 # Pipelines built in this process, newest last: files -> (spec, compression).
-_PIPELINES: dict[tuple[str, ...], tuple[dict[str, tf.io.FixedLenFeature], str]] = {}
+_PIPELINES: dict[tuple[str, ...], tuple[dict[str, FeatureSpec], str]] = {}
 
 
 class FeatureSpecError(ValueError):
@@ -49,20 +50,26 @@ class FeatureSpecError(ValueError):
     """
 
 
-def describe_spec(spec: tf.io.FixedLenFeature) -> str:
+def describe_spec(spec: FeatureSpec) -> str:
     """E.g. "float32 [3] (3 values)": what parse_example needs."""
+    if is_var_len(spec):
+        return f"{tf.as_dtype(spec.dtype).name} [None] (variable-length: any number of values)"
     size = math.prod(spec.shape)
     return (f"{tf.as_dtype(spec.dtype).name} {list(spec.shape)} "
             f"({size} value{'' if size == 1 else 's'})")
 
 
-def _same_values(wanted: tf.io.FixedLenFeature, actual: tf.io.FixedLenFeature) -> bool:
-    """parse_example reads any shape with the same number of values (a reshape)."""
-    return (tf.as_dtype(wanted.dtype) == tf.as_dtype(actual.dtype)
-            and math.prod(wanted.shape) == math.prod(actual.shape))
+def _same_values(wanted: FeatureSpec, actual: FeatureSpec) -> bool:
+    """parse_example reads any shape with the same number of values (a reshape), and a
+    variable-length spec reads any number; a fixed spec cannot read variable-length data."""
+    if tf.as_dtype(wanted.dtype) != tf.as_dtype(actual.dtype):
+        return False
+    if is_var_len(wanted) or is_var_len(actual):
+        return is_var_len(wanted)
+    return math.prod(wanted.shape) == math.prod(actual.shape)
 
 
-def check_against_manifest(features: Mapping[str, tf.io.FixedLenFeature],
+def check_against_manifest(features: Mapping[str, FeatureSpec],
                            manifest: Manifest) -> None:
     """Raises `FeatureSpecError` listing every feature the manifest's data cannot fill."""
     where = manifest.location or "the manifest"
@@ -70,12 +77,15 @@ def check_against_manifest(features: Mapping[str, tf.io.FixedLenFeature],
     for name, wanted in features.items():
         actual = manifest.features.get(name)
         if actual is None:
-            if wanted.default_value is None:
+            if getattr(wanted, "default_value", None) is None:
                 problems.append(f"feature {name!r} ({describe_spec(wanted)}) is not in the data "
                                 f"(it has {sorted(manifest.features)})")
         elif not _same_values(wanted, actual):
+            fix = (": read it as variable-length, ([None], dtype), and make it static with "
+                   "TFRecordInput(to_static=...)"
+                   if is_var_len(actual) and not is_var_len(wanted) else "")
             problems.append(f"feature {name!r}: the spec asks for {describe_spec(wanted)} but the "
-                            f"data holds {describe_spec(actual)}")
+                            f"data holds {describe_spec(actual)}{fix}")
     if problems:
         raise FeatureSpecError(f"{'; '.join(problems)} (per {where}): {_FIX}")
 
@@ -104,7 +114,7 @@ def manifests_next_to(files: Iterable[str], found: Iterable[str] = ()) -> list[M
     return manifests
 
 
-def register_pipeline(files: Iterable[str], features: Mapping[str, tf.io.FixedLenFeature],
+def register_pipeline(files: Iterable[str], features: Mapping[str, FeatureSpec],
                       compression_type: str | None) -> None:
     """Remembers what a pipeline parses, so a later parse error can be located."""
     key = tuple(files)
@@ -122,7 +132,7 @@ def _holds(feature: tf.train.Feature) -> str:
     return f"{kind} of {count} value{'' if count == 1 else 's'}"
 
 
-def record_mismatch(record: bytes, features: Mapping[str, tf.io.FixedLenFeature]
+def record_mismatch(record: bytes, features: Mapping[str, FeatureSpec]
                     ) -> tuple[str | None, str] | None:
     """(feature, what the record holds) for the first feature it cannot fill, or None.
 
@@ -135,18 +145,22 @@ def record_mismatch(record: bytes, features: Mapping[str, tf.io.FixedLenFeature]
     present = example.features.feature
     for name, spec in features.items():
         if name not in present:
-            if spec.default_value is None:
+            if getattr(spec, "default_value", None) is None:
                 return name, f"the feature is missing (the record has {sorted(present)})"
             continue
         feature = present[name]
         kind = feature.WhichOneof("kind")
+        if is_var_len(spec):  # any number of values; an empty feature has no kind
+            if kind not in (None, _LIST_OF[tf.as_dtype(spec.dtype)]):
+                return name, _holds(feature)
+            continue
         count = len(getattr(feature, kind).value) if kind else 0
         if kind != _LIST_OF[tf.as_dtype(spec.dtype)] or count != math.prod(spec.shape):
             return name, _holds(feature)
     return None
 
 
-def locate_mismatch(files: Iterable[str], features: Mapping[str, tf.io.FixedLenFeature],
+def locate_mismatch(files: Iterable[str], features: Mapping[str, FeatureSpec],
                     compression_type: str | None = None, budget: int = _RECORD_BUDGET
                     ) -> tuple[str, int, str | None, str] | None:
     """(file, record index, feature, what it holds) of the first mismatching record.
@@ -170,7 +184,7 @@ def locate_mismatch(files: Iterable[str], features: Mapping[str, tf.io.FixedLenF
 
 
 def _message(path: str, index: int, name: str | None, holds: str,
-             features: Mapping[str, tf.io.FixedLenFeature]) -> str:
+             features: Mapping[str, FeatureSpec]) -> str:
     where = f"record {index} of {path}"
     if name is None:
         return (f"{where} is {holds}: TFRecordInput parses tf.train.Example records; "

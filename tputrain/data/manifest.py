@@ -2,8 +2,8 @@
 
 `write_tfrecords` writes one next to the shards (`{prefix}.manifest.json`) so
 that readers need no hand-written feature spec: it records the number of
-examples, the feature spec (shape and dtype of every feature), the compression
-and every shard with its example count. Shard paths are stored relative to
+examples, the feature spec (shape and dtype of every feature; a variable-length
+one has shape `[null]`), the compression and every shard with its example count. Shard paths are stored relative to
 the manifest, so a directory can be copied (e.g. to gs://) as a whole.
 """
 
@@ -21,9 +21,15 @@ import tensorflow as tf
 MANIFEST_SUFFIX = ".manifest.json"
 _FORMAT = "tputrain.tfrecord_manifest"
 _VERSION = 1
+# Version 2 adds variable-length features (shape [null]); written only when there is one,
+# so readers of version 1 keep reading what they always could, and refuse the rest by name.
+_VAR_LEN_VERSION = 2
+_VERSIONS = (_VERSION, _VAR_LEN_VERSION)
 # Files write_tfrecords makes besides the shards: temp shards and spools of a write in
 # progress or killed (hidden, "<name>.tmp-<hex>" / "<prefix>.spool-<hex>"), and manifest
 # temp files (older versions wrote "<manifest>.tmp").
+# A parsed feature: fixed-length, or variable-length (a rank-1 RaggedFeature).
+FeatureSpec = tf.io.FixedLenFeature | tf.io.RaggedFeature
 _TEMP_FILE = re.compile(r"^\..+\.(tmp|spool)-[0-9a-f]{32}$")
 _SHARD_FILE = re.compile(r"^(.+)-\d{5}-of-\d{5}\.tfrecord$")
 
@@ -65,7 +71,7 @@ class Manifest:
     """What a set of shards holds. `location` is the manifest's own path, if read."""
 
     num_examples: int
-    features: dict[str, tf.io.FixedLenFeature]
+    features: dict[str, FeatureSpec]
     shards: tuple[Shard, ...]
     compression_type: str | None = None
     location: str | None = None
@@ -80,15 +86,34 @@ class Manifest:
         return dict(zip(self.files(), (shard.num_examples for shard in self.shards)))
 
     def to_json(self) -> dict[str, Any]:
+        var_len = any(is_var_len(spec) for spec in self.features.values())
         return {
             "format": _FORMAT,
-            "version": _VERSION,
+            "version": _VAR_LEN_VERSION if var_len else _VERSION,
             "num_examples": self.num_examples,
             "compression_type": self.compression_type,
-            "features": {name: {"shape": list(spec.shape), "dtype": tf.as_dtype(spec.dtype).name}
+            "features": {name: {"shape": [None] if is_var_len(spec) else list(spec.shape),
+                                "dtype": tf.as_dtype(spec.dtype).name}
                          for name, spec in self.features.items()},
             "shards": [dataclasses.asdict(shard) for shard in self.shards],
         }
+
+
+def is_var_len(spec: Any) -> bool:
+    """Whether a parsed feature spec is variable-length (a rank-1 `RaggedFeature`)."""
+    return isinstance(spec, tf.io.RaggedFeature)
+
+
+def var_len_feature(dtype: Any) -> tf.io.RaggedFeature:
+    """The spec of a variable-length feature: one rank-1 row of values per example."""
+    return tf.io.RaggedFeature(tf.as_dtype(dtype), row_splits_dtype=tf.int64)
+
+
+def _feature_from_json(entry: Mapping[str, Any]) -> FeatureSpec:
+    shape = list(entry["shape"])
+    if shape == [None]:
+        return var_len_feature(entry["dtype"])
+    return tf.io.FixedLenFeature(shape, tf.as_dtype(entry["dtype"]))
 
 
 def manifest_path(output_prefix: str) -> str:
@@ -121,11 +146,11 @@ def parse_manifest(data: Mapping[str, Any], location: str | None = None) -> Mani
     where = location or "manifest"
     if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
         _fail(where, f"'format' is not {_FORMAT!r}")
-    if data.get("version") != _VERSION:
-        _fail(where, f"unsupported version {data.get('version')!r} (this tputrain reads {_VERSION})")
+    if data.get("version") not in _VERSIONS:
+        _fail(where, f"unsupported version {data.get('version')!r} (this tputrain reads "
+              f"versions {_VERSION} and {_VAR_LEN_VERSION})")
     try:
-        features = {name: tf.io.FixedLenFeature(list(f["shape"]), tf.as_dtype(f["dtype"]))
-                    for name, f in data["features"].items()}
+        features = {name: _feature_from_json(f) for name, f in data["features"].items()}
         shards = tuple(Shard(str(s["path"]), int(s["num_examples"]), int(s["num_bytes"]))
                        for s in data["shards"])
         num_examples = int(data["num_examples"])

@@ -21,8 +21,8 @@ from tputrain.data.batching import BatchedInput, in_memory_batches, pad_to_batch
 from tputrain.data.context import InputContext
 from tputrain.data.feature_check import (check_against_manifest, explain_parse_error,
                                          manifests_next_to, register_pipeline)
-from tputrain.data.manifest import (MANIFEST_SUFFIX, Manifest, read_manifest,
-                                     writer_side_file)
+from tputrain.data.manifest import (MANIFEST_SUFFIX, Manifest, is_var_len, read_manifest,
+                                     var_len_feature, writer_side_file)
 from tputrain.data.options import InputOptions
 
 # The only dtypes tf.io.parse_example can produce.
@@ -31,7 +31,12 @@ _COMPRESSION_TYPES = (None, "", "ZLIB", "GZIP")
 # Files read in parallel when cycle_length is None. A fixed number, not AUTOTUNE
 # (= the machine's core count), so the record order does not depend on the machine.
 _DEFAULT_MAX_CYCLE_LENGTH = 16
-_FIXED_LEN = "use tf.io.FixedLenFeature with a fixed shape (pad in the writer)"
+_PARSE_CHUNK = 256  # records parsed at once before a to_static transform
+_FIXED_LEN = ("use tf.io.FixedLenFeature with a fixed shape (pad in the writer), or read it "
+              "as variable-length and make it static: TFRecordInput(to_static=...) with "
+              "tputrain.data.PackSequences or PadSequences")
+_ONE_DIM = ("a variable-length feature has one dimension per example: store the other "
+            "dimensions as fixed-length features")
 
 
 def _static_shape(name: str, shape: Any) -> list[int]:
@@ -73,7 +78,34 @@ def _default_value(name: str, default: Any, shape: list[int]) -> Any:
     return value.reshape(shape)
 
 
-def parse_feature_spec(features: Mapping[str, Any]) -> dict[str, tf.io.FixedLenFeature]:
+def _var_len_spec(name: str, value: Any) -> tf.io.RaggedFeature | None:
+    """A variable-length form (VarLenFeature, plain RaggedFeature, shape [None]) as
+    one `RaggedFeature`; None for a fixed-length form. Other dynamic forms are refused."""
+    if isinstance(value, (tf.io.VarLenFeature, tf.io.RaggedFeature)):
+        if isinstance(value, tf.io.RaggedFeature) and (value.partitions or value.value_key
+                                                      not in (None, name)):
+            raise ValueError(f"feature {name!r}: a RaggedFeature with partitions or another "
+                             f"value_key is not supported: {_ONE_DIM}")
+        return var_len_feature(_parse_dtype(name, value.dtype))
+    if isinstance(value, (tf.io.SparseFeature, tf.io.FixedLenSequenceFeature)):
+        raise ValueError(f"feature {name!r} is a {type(value).__name__}: use ([None], dtype) "
+                         f"or tf.io.VarLenFeature instead; {_ONE_DIM}")
+    shape = (value.shape if isinstance(value, tf.io.FixedLenFeature)
+             else value[0] if isinstance(value, (tuple, list)) and len(value) in (2, 3) else ())
+    try:
+        dims = tf.TensorShape(shape).as_list()
+    except (TypeError, ValueError):
+        return None
+    if None not in dims:
+        return None
+    if dims != [None]:
+        raise ValueError(f"feature {name!r} has shape {dims}: {_ONE_DIM}")
+    return var_len_feature(_parse_dtype(name, value.dtype if isinstance(
+        value, tf.io.FixedLenFeature) else value[1]))
+
+
+def parse_feature_spec(features: Mapping[str, Any], *, var_len: bool = False
+                       ) -> dict[str, tf.io.FixedLenFeature | tf.io.RaggedFeature]:
     """Returns a `{name: tf.io.FixedLenFeature}` spec from a full or short-form one.
 
     Each value is a `tf.io.FixedLenFeature` or a short form `(shape, dtype)` /
@@ -82,7 +114,10 @@ def parse_feature_spec(features: Mapping[str, Any]) -> dict[str, tf.io.FixedLenF
     fills the whole shape. dtype must be float32, int64 or string (what
     `tf.io.parse_example` produces). Variable-length features (VarLenFeature,
     RaggedFeature, SparseFeature, FixedLenSequenceFeature, a None dimension)
-    are refused: TPUs need static shapes.
+    are refused: TPUs need static shapes. With `var_len=True`, rank-1
+    variable-length forms (`tf.io.VarLenFeature`, a plain `tf.io.RaggedFeature`,
+    shape `[None]`) are accepted and returned as one `RaggedFeature` each, for
+    a reader that makes them static itself (packing, bucketing, padding).
     """
     if not isinstance(features, Mapping) or not features:
         raise ValueError(f"features must be a non-empty mapping of name -> FixedLenFeature "
@@ -91,6 +126,9 @@ def parse_feature_spec(features: Mapping[str, Any]) -> dict[str, tf.io.FixedLenF
     for name, value in features.items():
         if not isinstance(name, str):
             raise TypeError(f"feature names must be str, got {name!r}")
+        if var_len and (ragged := _var_len_spec(name, value)) is not None:
+            spec[name] = ragged
+            continue
         # The tf.io feature types are namedtuples: test for them before plain tuples.
         if isinstance(value, (tf.io.VarLenFeature, tf.io.RaggedFeature, tf.io.SparseFeature,
                               tf.io.FixedLenSequenceFeature)):
@@ -108,6 +146,25 @@ def parse_feature_spec(features: Mapping[str, Any]) -> dict[str, tf.io.FixedLenF
         spec[name] = tf.io.FixedLenFeature(
             shape, _parse_dtype(name, dtype), _default_value(name, default, shape))
     return spec
+
+
+def _check_to_static(spec: Mapping[str, Any], to_static: Any, pad_remainder: bool,
+                     where: str | None) -> Callable[[tf.data.Dataset], tf.data.Dataset] | None:
+    """Variable-length features need a to_static; a to_static reads example by example."""
+    if to_static is not None and not callable(to_static):
+        raise TypeError(f"TFRecordInput: to_static must be callable (dataset -> dataset), e.g. "
+                        f"PackSequences(length), got {to_static!r}")
+    if to_static is not None and pad_remainder:
+        raise ValueError("TFRecordInput: pad_remainder pads whole batches of fixed-length "
+                         "examples; with to_static, pad in it (PadSequences) and set "
+                         "pad_remainder=False")
+    var_len = sorted(name for name, feature in spec.items() if is_var_len(feature))
+    if var_len and to_static is None:
+        source = f" in {where}" if where else ""
+        raise ValueError(f"TFRecordInput: feature {var_len[0]!r} is variable-length ([None]"
+                         f"{source}): TPUs need static shapes: pass to_static="
+                         "tputrain.data.PackSequences(length) (or PadSequences(length))")
+    return to_static
 
 
 def _sources(file_pattern: str | Sequence[str] | None,
@@ -249,6 +306,14 @@ class TFRecordInput(BatchedInput):
             `(features, label, weights)` with weight 0 on the padding, so every
             example is evaluated once with static shapes (the Trainer's eval
             weights losses and metrics by it).
+        to_static: for variable-length features (shape `[None]` in the spec or
+            the manifest): a function from the dataset of single parsed
+            examples (after shuffle and repeat) to a dataset of statically
+            shaped examples, batched after it: `PackSequences(length)` (several
+            examples per row, the least padding), `PadSequences(length)`, or
+            your own. Records are still parsed a chunk at a time (cache="memory"
+            keeps the serialized records in RAM). Without variable-length
+            features it may reshape fixed ones the same way.
     """
 
     static_fix = _FIXED_LEN
@@ -274,6 +339,7 @@ class TFRecordInput(BatchedInput):
         read_parallelism: int | None = None,
         options: InputOptions | None = None,
         pad_remainder: bool = False,
+        to_static: Callable[[tf.data.Dataset], tf.data.Dataset] | None = None,
     ):
         self.manifest, patterns = _sources(file_pattern, manifest)
         if self.manifest is not None:
@@ -283,9 +349,11 @@ class TFRecordInput(BatchedInput):
         elif features is None:
             raise ValueError("TFRecordInput: features is not set: give the feature spec, or "
                              "read a manifest (TFRecordInput(manifest=...)) that has it")
-        spec = parse_feature_spec(features)
+        spec = parse_feature_spec(features, var_len=True)
         if self.manifest is not None:
             check_against_manifest(spec, self.manifest)
+        self.to_static = _check_to_static(spec, to_static, pad_remainder,
+                                          self.manifest.location if self.manifest else None)
         if label_key is not None:
             if label_key not in spec:
                 raise ValueError(f"TFRecordInput: label_key {label_key!r} is not a feature: "
@@ -443,13 +511,16 @@ class TFRecordInput(BatchedInput):
         context = InputContext.from_tf(input_context)
         per_replica_batch = self._per_replica_batch(context)
         file_list = self._list_files()
-        if not self.pad_remainder:  # a padded split takes any batch
+        # A padded split takes any batch; to_static makes rows, not examples (packing more).
+        if not self.pad_remainder and self.to_static is None:
             self._check_batch_fits(file_list, per_replica_batch * context.num_replicas_in_sync)
         register_files(file_list, self.compression_type)
         register_pipeline(file_list, self.features, self.compression_type)
-        in_memory = self.cache == "memory"
+        in_memory = self.cache == "memory" and self.to_static is None
         records = self._records(file_list, context, in_memory)
-        if in_memory and self.pad_remainder:  # a finite (eval) split, its last batch padded
+        if self.to_static is not None:
+            dataset = self._static_examples(records, per_replica_batch, context)
+        elif in_memory and self.pad_remainder:  # a finite (eval) split, its last batch padded
             dataset = self._padded_batches(self._read_all(records, context), per_replica_batch)
         elif in_memory:
             dataset = in_memory_batches(
@@ -463,6 +534,33 @@ class TFRecordInput(BatchedInput):
             if self.pad_remainder:
                 dataset = dataset.map(lambda *batch: pad_to_batch(batch, per_replica_batch))
         return self._finish(dataset, context)
+
+    def _static_examples(self, records: tf.data.Dataset, batch_size: int,
+                         context: InputContext) -> tf.data.Dataset:
+        """Single parsed examples -> to_static -> batch -> split the label."""
+        examples = self._parsed_examples(records, context)
+        batches = self.to_static(examples).batch(batch_size, drop_remainder=True)
+        return batches.map(lambda batch: split_label(batch, self.label_key))
+
+    def _parsed_examples(self, records: tf.data.Dataset,
+                         context: InputContext) -> tf.data.Dataset:
+        """cache -> shuffle -> repeat -> parse a chunk at a time -> single examples.
+        Ragged chunks unbatch to rank-1 tensors of any length."""
+        examples = self._shuffled(records, context).batch(_PARSE_CHUNK)
+        return examples.map(lambda chunk: tf.io.parse_example(chunk, self.features),
+                            num_parallel_calls=tf.data.AUTOTUNE,
+                            deterministic=self.deterministic).unbatch()
+
+    def examples(self, input_context: tf.distribute.InputContext | None = None
+                 ) -> tf.data.Dataset:
+        """This pipeline's single parsed examples, unbatched: its share of the files,
+        shuffled and repeated as configured, before `to_static` and batching (what
+        `MixtureInput` draws from). Variable-length features are rank-1 tensors."""
+        context = InputContext.from_tf(input_context)
+        file_list = self._list_files()
+        register_files(file_list, self.compression_type)
+        register_pipeline(file_list, self.features, self.compression_type)
+        return self._parsed_examples(self._records(file_list, context, False), context)
 
     def _padded_batches(self, examples: dict[str, tf.Tensor], batch_size: int) -> tf.data.Dataset:
         """One pass over parsed examples held in RAM, the last batch padded. Not a

@@ -1,7 +1,10 @@
 """Writing examples as sharded TFRecord files (plus a manifest) that tputrain reads.
 
-Every example must have the same keys and the same shape per key: TPUs need
-static shapes, so pad variable-length data before writing. The writer takes a
+Every example must have the same keys and the same shape per key, except
+variable-length features (rank 1, any length per example, given as a list of
+arrays, a `tf.RaggedTensor`, or named in `var_len`): the manifest records them
+with shape `[None]` and `TFRecordInput` reads them for packing, bucketing or
+padding to the static shapes TPUs need. The writer takes a
 dict of arrays, any iterable of dicts (numpy or Python values), or a
 `tf.data.Dataset` of dicts (e.g. a TFDS split); chooses the number of shards
 from a target shard size and the number of hosts; writes the shards in
@@ -29,7 +32,9 @@ from absl import logging
 
 from tputrain.checks import check_int
 from tputrain.data.example_codec import encode_example
-from tputrain.data.manifest import Manifest, Shard, manifest_path, write_manifest
+from tputrain.data import var_len as vl
+from tputrain.data.manifest import (Manifest, Shard, manifest_path, var_len_feature,
+                                    write_manifest)
 
 _COMPRESSION_TYPES = (None, "", "ZLIB", "GZIP")
 _RECORD_OVERHEAD = 16  # TFRecord framing bytes per record
@@ -65,21 +70,36 @@ def _kind(array: np.ndarray) -> str:
     return "float" if kind == "f" else "int64" if kind in "iub" else "bytes"
 
 
-def _columns(examples: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], int]:
-    """Validates a dict of arrays; returns the arrays and their common leading dim."""
+def _check_var_len(var_len: Iterable[str], keys: Iterable[str]) -> frozenset[str]:
+    names = frozenset([var_len] if isinstance(var_len, str) else var_len)
+    unknown = sorted(names - set(keys))
+    if unknown:
+        raise ValueError(f"var_len names {unknown[0]!r}, which is not a feature: use some "
+                         f"of {sorted(keys)}")
+    return names
+
+
+def _columns(examples: Mapping[str, Any], var_len: Iterable[str] = ()
+             ) -> tuple[dict[str, np.ndarray | list[np.ndarray]], int]:
+    """Validates a dict of arrays; returns the arrays (a list of rows for a variable-length
+    feature) and their common leading dim."""
     if not examples:
         raise ValueError("examples is an empty dict: give at least one feature")
+    var_len = _check_var_len(var_len, examples)
     columns = {}
     for key, value in examples.items():
         if not isinstance(key, str):
             raise TypeError(f"feature names must be str, got {key!r}")
+        if key in var_len or vl.is_ragged(value):
+            columns[key] = vl.column_rows(key, value, _as_array)
+            continue
         array = _as_array(key, value)
         if array.ndim == 0:
             raise ValueError(
                 f"feature {key!r} is a scalar: a dict of arrays needs a leading "
                 "example dimension on every value")
         columns[key] = array
-    lengths = {key: array.shape[0] for key, array in columns.items()}
+    lengths = {key: len(array) for key, array in columns.items()}
     if len(set(lengths.values())) > 1:
         raise ValueError(
             "all arrays need the same leading (example) dimension, got "
@@ -90,33 +110,50 @@ def _columns(examples: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], int]:
     return columns, num_examples
 
 
-def _spec(shapes: Mapping[str, tuple[int, ...]], kinds: Mapping[str, str]
-          ) -> dict[str, tf.io.FixedLenFeature]:
+def _spec(shapes: Mapping[str, tuple[int | None, ...]], kinds: Mapping[str, str]
+          ) -> dict[str, tf.io.FixedLenFeature | tf.io.RaggedFeature]:
     dtypes = {"float": tf.float32, "int64": tf.int64, "bytes": tf.string}
-    return {key: tf.io.FixedLenFeature(list(shape), dtypes[kinds[key]])
+    return {key: var_len_feature(dtypes[kinds[key]]) if shape == vl.VAR_LEN_SHAPE
+            else tf.io.FixedLenFeature(list(shape), dtypes[kinds[key]])
             for key, shape in shapes.items()}
 
 
-def feature_spec_for(examples: Mapping[str, Any]) -> dict[str, tf.io.FixedLenFeature]:
-    """Returns the `FixedLenFeature` spec that reads back a dict of arrays.
+def _column_facts(columns: Mapping[str, np.ndarray | list[np.ndarray]]
+                  ) -> tuple[dict[str, tuple[int | None, ...]], dict[str, str]]:
+    """Each column's per-example shape ((None,) when variable-length) and stored kind."""
+    shapes, kinds = {}, {}
+    for key, column in columns.items():
+        if isinstance(column, list):
+            shapes[key], kinds[key] = vl.VAR_LEN_SHAPE, vl.column_kind(key, column, _kind)
+        else:
+            shapes[key], kinds[key] = column.shape[1:], _kind(column)
+    return shapes, kinds
+
+
+def feature_spec_for(examples: Mapping[str, Any], var_len: Iterable[str] = ()
+                     ) -> dict[str, tf.io.FixedLenFeature | tf.io.RaggedFeature]:
+    """Returns the feature spec that reads back a dict of arrays.
 
     Floats read back as float32, integers and bools as int64, bytes and str as
-    string, each with shape `array.shape[1:]`; this is what `write_tfrecords`
-    stores (and records in its manifest).
+    string, each a `FixedLenFeature` of shape `array.shape[1:]`, or, for a
+    variable-length feature (a list of rank-1 rows of different lengths, a
+    `tf.RaggedTensor`, or a name in `var_len`), a `RaggedFeature`; this is what
+    `write_tfrecords` stores (and records in its manifest).
     """
-    columns, _ = _columns(examples)
-    return _spec({k: a.shape[1:] for k, a in columns.items()},
-                 {k: _kind(a) for k, a in columns.items()})
+    return _spec(*_column_facts(_columns(examples, var_len)[0]))
 
 
 class _ExampleChecker:
-    """Checks that streamed examples all have the first example's keys, shapes and kinds."""
+    """Checks that streamed examples all have the first example's keys, shapes and kinds
+    (variable-length features: rank 1 of any length, one kind over the non-empty rows)."""
 
-    def __init__(self):
-        self.shapes: dict[str, tuple[int, ...]] | None = None
-        self.kinds: dict[str, str] = {}
+    def __init__(self, var_len: Iterable[str] = ()):
+        self.var_len = frozenset([var_len] if isinstance(var_len, str) else var_len)
+        self.shapes: dict[str, tuple[int | None, ...]] | None = None
+        self.kinds: dict[str, str | None] = {}
+        self._kind_from: dict[str, int] = {}  # the example a feature's kind was seen in
 
-    def __call__(self, index: int, example: Any) -> dict[str, np.ndarray]:
+    def __call__(self, index: int, example: Any) -> dict[str, np.ndarray | None]:
         if not isinstance(example, Mapping):
             hint = (" (a tf.data/TFDS element (features, label)? map it to one dict first)"
                     if isinstance(example, tuple) else "")
@@ -124,30 +161,51 @@ class _ExampleChecker:
                 f"example {index} is a {type(example).__name__}: examples must be a "
                 f"dict of arrays or an iterable of dicts{hint}")
         arrays = {key: _as_array(key, value) for key, value in example.items()}
-        shapes = {key: array.shape for key, array in arrays.items()}
+        shapes = {key: vl.VAR_LEN_SHAPE if key in self.var_len else array.shape
+                  for key, array in arrays.items()}
         if self.shapes is None:
-            if not shapes:
-                raise ValueError(f"example {index} has no features")
-            if not all(isinstance(key, str) for key in shapes):
-                raise TypeError(f"feature names must be str, got {sorted(map(repr, shapes))}")
-            self.shapes = shapes
-            self.kinds = {key: _kind(array) for key, array in arrays.items()}
+            self._first(index, shapes)
         elif shapes.keys() != self.shapes.keys():
             raise ValueError(
                 f"example {index} has keys {sorted(shapes)} but example 0 has "
                 f"{sorted(self.shapes)}: every example needs the same features")
-        else:
-            for key, shape in shapes.items():
-                if shape != self.shapes[key]:
-                    raise ValueError(
-                        f"feature {key!r} has shape {shape} in example {index} but "
-                        f"{self.shapes[key]} in example 0: TPUs need static shapes, "
-                        "pad every example to the same shape")
-                if _kind(arrays[key]) != self.kinds[key]:
-                    raise ValueError(
-                        f"feature {key!r} is {_kind(arrays[key])} in example {index} but "
-                        f"{self.kinds[key]} in example 0: cast it to one type")
+        for key, array in arrays.items():
+            if key in self.var_len:
+                array = vl.check_row(key, f"example {index}", array)
+                self._check_kind(index, key, vl.row_kind(array, _kind))
+                arrays[key] = vl.stored_row(array)
+                continue
+            if array.shape != self.shapes[key]:
+                raise ValueError(
+                    f"feature {key!r} has shape {array.shape} in example {index} but "
+                    f"{self.shapes[key]} in example 0: TPUs need static shapes, "
+                    "pad every example to the same shape, or store it as variable-length "
+                    f"(var_len=[{key!r}]) and pack it when reading")
+            self._check_kind(index, key, _kind(array))
         return arrays
+
+    def _first(self, index: int, shapes: dict[str, tuple[int | None, ...]]) -> None:
+        if not shapes:
+            raise ValueError(f"example {index} has no features")
+        if not all(isinstance(key, str) for key in shapes):
+            raise TypeError(f"feature names must be str, got {sorted(map(repr, shapes))}")
+        _check_var_len(self.var_len, shapes)
+        self.shapes = shapes
+
+    def _check_kind(self, index: int, key: str, kind: str | None) -> None:
+        """The first kind seen is the feature's; an empty variable-length row (None) fits any."""
+        known = self.kinds.get(key)
+        if kind is None or kind == known:
+            return
+        if known is None:
+            self.kinds[key], self._kind_from[key] = kind, index
+            return
+        raise ValueError(f"feature {key!r} is {kind} in example {index} but {known} in example "
+                         f"{self._kind_from[key]}: cast it to one type")
+
+    def stored_kinds(self) -> dict[str, str]:
+        """Every feature's kind; a variable-length one whose rows were all empty: float."""
+        return {key: self.kinds.get(key) or "float" for key in self.shapes or {}}
 
 
 def _dataset_examples(dataset: tf.data.Dataset) -> Iterator[Mapping[str, Any]]:
@@ -305,6 +363,7 @@ def write_tfrecords(
     target_shard_mb: float = DEFAULT_TARGET_SHARD_MB,
     num_workers: int | None = None,
     manifest: bool = True,
+    var_len: Iterable[str] = (),
 ) -> list[str]:
     """Writes examples to sharded TFRecord files; returns the shard paths in order.
 
@@ -333,6 +392,12 @@ def write_tfrecords(
             disks and GCS alike.
         num_workers: threads writing shards; None: min(shards, 8).
         manifest: also write the JSON manifest (count, feature spec, shards).
+        var_len: names of variable-length features: rank 1, any length per
+            example (empty included), read back as a `RaggedFeature`. A column
+            given as a list of rows of different lengths, a `tf.RaggedTensor`,
+            or a dataset feature of shape `[None]` is variable-length without
+            being named. Empty rows are stored without values and read back
+            empty, with the feature's dtype.
 
     An iterable of unknown length with `num_shards=None` is first spooled to a
     temporary file to learn its size. All shards are written under temporary
@@ -345,9 +410,9 @@ def write_tfrecords(
     if directory:
         tf.io.gfile.makedirs(directory)
     if isinstance(examples, Mapping):
-        written = _write_columns(examples, num_shards, target)
+        written = _write_columns(examples, num_shards, target, var_len)
     else:
-        written = _write_stream(examples, num_shards, target)
+        written = _write_stream(examples, num_shards, target, var_len)
     return _finish(written, target, manifest)
 
 
@@ -401,14 +466,14 @@ def _check_arguments(examples: Any, output_prefix: Any, num_shards: Any, compres
 
 
 def _write_columns(examples: Mapping[str, Any], num_shards: int | None,
-                   target: _Target) -> _Written:
+                   target: _Target, var_len: Iterable[str]) -> _Written:
     """A dict of arrays: every row is at hand, so shard i gets the i-th contiguous block."""
-    columns, num_examples = _columns(examples)
-    shapes = {k: a.shape[1:] for k, a in columns.items()}
-    kinds = {k: _kind(a) for k, a in columns.items()}
+    columns, num_examples = _columns(examples, var_len)
+    shapes, kinds = _column_facts(columns)
 
     def row(i: int) -> bytes:
-        return encode_example({key: col[i] for key, col in columns.items()})
+        return encode_example({key: vl.stored_row(col[i]) if isinstance(col, list) else col[i]
+                               for key, col in columns.items()})
 
     if num_shards is None:
         step = max(1, num_examples // _SIZE_SAMPLE)
@@ -431,13 +496,19 @@ def _write_columns(examples: Mapping[str, Any], num_shards: int | None,
 
 
 def _write_stream(examples: Iterable[Mapping[str, Any]] | tf.data.Dataset,
-                  num_shards: int | None, target: _Target) -> _Written:
+                  num_shards: int | None, target: _Target, var_len: Iterable[str]) -> _Written:
     """An iterable or dataset of dicts: checked as it streams, dealt round-robin.
 
-    The spool file (if the count had to be learned that way) is removed on the
-    way out, whether the write succeeded or not.
+    A dataset's rank-1 features of unknown length are variable-length. The spool
+    file (if the count had to be learned that way) is removed on the way out,
+    whether the write succeeded or not.
     """
-    check = _ExampleChecker()
+    var_len = set([var_len] if isinstance(var_len, str) else var_len)
+    if isinstance(examples, tf.data.Dataset) and isinstance(examples.element_spec, Mapping):
+        var_len |= {key for key, spec in examples.element_spec.items()
+                    if getattr(spec, "shape", None) is not None
+                    and spec.shape.rank == 1 and spec.shape[0] is None}
+    check = _ExampleChecker(var_len)
     length = _known_length(examples)
     source = (_dataset_examples(examples) if isinstance(examples, tf.data.Dataset)
               else iter(examples))
@@ -447,7 +518,7 @@ def _write_stream(examples: Iterable[Mapping[str, Any]] | tf.data.Dataset,
             num_shards, records = _stream_shard_count(records, length, target, cleanup)
         writers = target.writers(num_shards)
         sizes = _commit_or_abort(writers, lambda: _deal(writers, records, num_shards))
-    return _Written(writers, sizes, check.shapes, check.kinds)
+    return _Written(writers, sizes, check.shapes, check.stored_kinds())
 
 
 def _stream_shard_count(records: Iterator[bytes], length: int | None, target: _Target,

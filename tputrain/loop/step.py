@@ -369,11 +369,13 @@ class StepBuilder:
             fusion = ElementwiseFusion(self.model) if plan.fuse_elementwise else None
 
             def step(batch):
+                denominator, logs = self._loss_denominator(batch)
                 with self.guard.scaling_loss(self._scaled_variables()):
                     with fusion.active() if fusion else contextlib.nullcontext():
-                        gradients, loss = self._accumulate_gradients(batch, compute)
+                        gradients, loss = self._accumulate_gradients(
+                            batch, lambda b: compute(b, denominator))
                     apply(gradients)
-                return {"loss": loss}
+                return {"loss": loss, **logs}
         if not plan.whole_step:
             return step
         compiled = tf.function(step if count is None else _counted(step, count),
@@ -382,6 +384,29 @@ class StepBuilder:
             return self.build(count)  # now without XLA
         self.counted_in_step = count is not None
         return compiled
+
+    def _loss_denominator(self, batch: Any) -> tuple[Any, dict[str, tf.Tensor]]:
+        """Replica context: what the step's loss sums are divided by, and its logs.
+
+        The global batch size (examples), or, when the Task counts its own units
+        (`Task.loss_denominator`, e.g. real tokens), their sum over every replica and
+        micro-batch of the step, so the loss is the mean over the global batch's
+        real tokens on any replica count. Then the step also logs `real_tokens` and
+        `padding` (the share of weight-0 positions), each replica its share of the
+        global figure (the loop sums the replicas' logs).
+        """
+        local = self.task.loss_denominator(batch)
+        if local is None:
+            return self.global_batch_size, {}
+        local = tf.cast(tf.round(tf.cast(local, tf.float32)), tf.int64)
+        context = tf.distribute.get_replica_context()
+        total = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+        logs = {"real_tokens": tf.cast(local, tf.float32)}
+        weight = unpack_batch(batch)[2]
+        if weight is not None:
+            slots = tf.cast(tf.size(weight) * context.num_replicas_in_sync, tf.float32)
+            logs["padding"] = (tf.cast(tf.size(weight), tf.float32) - logs["real_tokens"]) / slots
+        return total, logs
 
     def _scaled_variables(self) -> list[Any] | None:
         """The variables whose gradients are those of `optimizer.scale_loss(loss)`, for
@@ -399,9 +424,9 @@ class StepBuilder:
         # compute_gradients without it still works without accumulation.
         extra = {"micro_batches": self.accumulation_steps} if self.accumulation_steps > 1 else {}
 
-        def compute(batch):
+        def compute(batch, denominator):
             return self.task.compute_gradients(batch, self.model, self.update,
-                                               self.global_batch_size, **extra)
+                                               denominator, **extra)
         return tf.function(compute, jit_compile=True) if jit_compile else compute
 
     def _apply(self, jit_compile: bool) -> Callable[[list[Any]], None]:

@@ -2,6 +2,7 @@
 
 from tputrain.tasks.classifier import MLPClassifierTask
 from tputrain.tasks.digits import DigitsTask
+from tputrain.tasks.text_lm import TextLMTask
 from tputrain.tasks.transformer import SyntheticLMTask
 
-__all__ = ["DigitsTask", "MLPClassifierTask", "SyntheticLMTask"]
+__all__ = ["DigitsTask", "MLPClassifierTask", "SyntheticLMTask", "TextLMTask"]

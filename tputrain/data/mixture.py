@@ -1,0 +1,196 @@
+"""Weighted mixtures of several sources, drawn example by example before packing.
+
+Training on several corpora at once (code and prose, languages, tasks) means
+drawing each next example from one source at random with fixed weights.
+`mix_datasets` does it with tf.data's own `sample_from_datasets` and a seed,
+so the order is deterministic and the iterator's checkpoint (which holds the
+sampler's random state and every source's position) resumes it bitwise. Each
+example gets a `source_id` feature (the source's index), which packing
+carries per token, so a batch says how many examples and real tokens each
+source gave (`source_counts`). `MixtureInput` is the input builder: every
+source is read per host like `TFRecordInput` (its share of the files), mixed,
+made static (`to_static`, e.g. `PackSequences`) and batched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import tensorflow as tf
+
+from tputrain.data.batching import BatchedInput, split_label
+from tputrain.data.context import InputContext
+from tputrain.data.manifest import MANIFEST_SUFFIX
+from tputrain.data.options import InputOptions
+from tputrain.data.packing import LOSS_WEIGHTS, POSITIONS, SEGMENT_IDS
+from tputrain.data.tfrecord import TFRecordInput
+
+SOURCE_ID = "source_id"
+
+
+def check_weights(where: str, num_sources: int, weights: Sequence[float]) -> list[float]:
+    """The weights normalised to sum to 1; fails naming the problem."""
+    weights = [float(w) for w in weights]
+    if num_sources < 1:
+        raise ValueError(f"{where}: give at least one source")
+    if len(weights) != num_sources:
+        raise ValueError(f"{where}: {num_sources} sources but {len(weights)} weights: give "
+                         "one weight a source")
+    if any(not w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"{where}: weights must be >= 0 with a positive sum, got {weights}")
+    return [w / sum(weights) for w in weights]
+
+
+def _features(spec: Any) -> dict[str, tf.DType]:
+    return {name: s.dtype for name, s in spec.items()} if isinstance(spec, Mapping) else {}
+
+
+def _tagged(datasets: Sequence[tf.data.Dataset], source_key: str) -> list[tf.data.Dataset]:
+    """Each source with its index as `source_key`, after checking they hold the same features."""
+    first = _features(datasets[0].element_spec)
+    for index, dataset in enumerate(datasets):
+        features = _features(dataset.element_spec)
+        if not features:
+            raise TypeError(f"mix_datasets: source {index} yields {dataset.element_spec}, not "
+                            "a dict of features: map it to one dict first")
+        if source_key in features:
+            raise ValueError(f"mix_datasets: source {index} already has a {source_key!r} "
+                             "feature: rename it or pass another source_key")
+        if features != first:
+            raise ValueError(
+                f"mix_datasets: source {index} has features "
+                f"{ {k: v.name for k, v in features.items()} } but source 0 has "
+                f"{ {k: v.name for k, v in first.items()} }: every source needs the same "
+                "features (names and dtypes)")
+    return [dataset.map(_with_source(source_key, index)) for index, dataset in enumerate(datasets)]
+
+
+def _with_source(source_key: str, index: int) -> Callable[[dict], dict]:
+    def tag(example: dict) -> dict:
+        return {**example, source_key: tf.constant(index, tf.int64)}
+    return tag
+
+
+def mix_datasets(datasets: Sequence[tf.data.Dataset], weights: Sequence[float],
+                 seed: int | None = 0, source_key: str = SOURCE_ID) -> tf.data.Dataset:
+    """Draws each next example from source i with probability weights[i] / sum(weights).
+
+    Args:
+        datasets: unbatched datasets of dicts with the same features (names,
+            dtypes; shapes may differ where variable-length). Mix before
+            packing, so a packed row holds examples of several sources.
+        weights: one non-negative weight a source (normalised).
+        seed: the sampler's seed: the same seed, the same order. None: random.
+        source_key: the int64 feature that names each example's source index.
+
+    When a finite source runs out the others go on (their share grows), so a
+    finite mixture yields every example once; repeat the sources for training.
+    """
+    normalised = check_weights("mix_datasets", len(datasets), weights)
+    return tf.data.Dataset.sample_from_datasets(
+        _tagged(list(datasets), source_key), weights=normalised, seed=seed,
+        stop_on_empty_dataset=False)
+
+
+def source_counts(batch: Mapping[str, tf.Tensor], num_sources: int,
+                  source_key: str = SOURCE_ID) -> dict[str, tf.Tensor]:
+    """`{"examples": int64 [num_sources], "tokens": float32 [num_sources]}` of a batch.
+
+    Packed rows (the source id per token) count segments and real tokens per
+    source; a long example split over several rows counts once a piece.
+    Unpacked examples (a scalar source id each) count once each, and their
+    real tokens are the sum of their `loss_weights` (or 0 without them).
+    """
+    ids = tf.cast(batch[source_key], tf.int32)
+    weights = batch.get(LOSS_WEIGHTS)
+    if SEGMENT_IDS in batch and ids.shape.rank == batch[SEGMENT_IDS].shape.rank:
+        starts = (batch[POSITIONS] == 0) & (batch[SEGMENT_IDS] > 0)
+        examples = tf.math.bincount(tf.boolean_mask(ids, starts), minlength=num_sources,
+                                    maxlength=num_sources, dtype=tf.int64)
+        tokens = tf.math.unsorted_segment_sum(tf.reshape(weights, [-1]), tf.reshape(ids, [-1]),
+                                              num_sources)
+    else:
+        examples = tf.math.bincount(ids, minlength=num_sources, maxlength=num_sources,
+                                    dtype=tf.int64)
+        per_example = (tf.zeros(tf.shape(ids), tf.float32) if weights is None else
+                       tf.reduce_sum(tf.reshape(weights, [tf.shape(ids)[0], -1]), axis=1))
+        tokens = tf.math.unsorted_segment_sum(per_example, ids, num_sources)
+    return {"examples": examples, "tokens": tokens}
+
+
+class MixtureInput(BatchedInput):
+    """One host's batches from a weighted mixture of TFRecord sources.
+
+    Every source is read as `TFRecordInput` reads (this host's share of its
+    files, shuffled and repeated as set here), then the sources are mixed
+    example by example (`mix_datasets`, seeded per host so hosts draw
+    differently but reproducibly), made static by `to_static` (packing, say)
+    and batched. Each example carries `source_id`: sum `source_counts` of the
+    batches for per-source counts.
+
+    Args:
+        sources: manifests (`*.manifest.json`), globs of TFRecord files (then
+            give `features`), or `TFRecordInput`s (their own file, shuffle and
+            seed settings are used; their `to_static` and batch are not).
+        weights: one non-negative weight a source.
+        features: the feature spec for glob sources (see `parse_feature_spec`).
+        to_static: applied after mixing, before batching: `PackSequences(length)`,
+            `PadSequences(length)`, or None for fixed-length features.
+        label_key, global_batch_size, shuffle, shuffle_buffer, repeat,
+            deterministic, options: as for `TFRecordInput`.
+        seed: shuffles source i with seed + i and mixes with seed + the host's
+            input pipeline id.
+        source_key: the name of the source-index feature.
+    """
+
+    def __init__(self, sources: Sequence[str | TFRecordInput], weights: Sequence[float], *,
+                 features: Mapping[str, Any] | None = None,
+                 to_static: Callable[[tf.data.Dataset], tf.data.Dataset] | None = None,
+                 label_key: str | None = None, global_batch_size: int | None = None,
+                 shuffle: bool = True, shuffle_buffer: int = 10_000, seed: int | None = 0,
+                 repeat: bool = True, deterministic: bool | None = True,
+                 options: InputOptions | None = None, source_key: str = SOURCE_ID):
+        self.weights = check_weights("MixtureInput", len(sources), weights)
+        self._set_batching(label_key=label_key, global_batch_size=global_batch_size,
+                           shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed,
+                           repeat=repeat, deterministic=deterministic, cache=False,
+                           options=options, pad_remainder=False)
+        if to_static is not None and not callable(to_static):
+            raise TypeError(f"MixtureInput: to_static must be callable, got {to_static!r}")
+        self.to_static = to_static
+        self.source_key = source_key
+        self.sources = [self._source(index, source, features)
+                        for index, source in enumerate(sources)]
+
+    def _source(self, index: int, source: str | TFRecordInput,
+                features: Mapping[str, Any] | None) -> TFRecordInput:
+        if isinstance(source, TFRecordInput):
+            return source
+        if not isinstance(source, str) or not source:
+            raise TypeError(f"MixtureInput: source {index} must be a manifest path, a glob or "
+                            f"a TFRecordInput, got {source!r}")
+        where = ({"manifest": source} if source.endswith(MANIFEST_SUFFIX)
+                 else {"file_pattern": source, "features": features})
+        return TFRecordInput(**where, shuffle=self.shuffle, shuffle_buffer=self.shuffle_buffer,
+                             seed=None if self.seed is None else self.seed + index,
+                             repeat=self.repeat, deterministic=self.deterministic,
+                             to_static=self.to_static)
+
+    def __call__(self, input_context: tf.distribute.InputContext | None = None
+                 ) -> tf.data.Dataset:
+        """Returns this pipeline's dataset of per-replica batches (per host)."""
+        context = InputContext.from_tf(input_context)
+        batch_size = self._per_replica_batch(context)
+        streams = [source.examples(context) for source in self.sources]
+        seed = None if self.seed is None else self.seed + context.input_pipeline_id
+        mixed = mix_datasets(streams, self.weights, seed=seed, source_key=self.source_key)
+        if self.to_static is not None:
+            mixed = self.to_static(mixed)
+        batches = mixed.batch(batch_size, drop_remainder=True)
+        batches = batches.map(lambda batch: split_label(batch, self.label_key))
+        return self._finish(batches, context)
+
+    def __repr__(self) -> str:
+        return (f"MixtureInput({len(self.sources)} sources, weights={self.weights}, "
+                f"to_static={self.to_static!r})")
+

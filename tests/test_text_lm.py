@@ -28,6 +28,7 @@ def model():
     return task, task.build_model()
 
 
+@pytest.mark.same_worker("text_lm_model")
 def test_a_packed_rows_token_losses_equal_each_example_alone(model):
     task, lm = model
     first, second = [5, 9, 3], [7, 1, 4, 2]
@@ -45,6 +46,7 @@ def test_a_packed_rows_token_losses_equal_each_example_alone(model):
     np.testing.assert_allclose(packed_loss[3:7], loss_second[:4], rtol=1e-5)
 
 
+@pytest.mark.same_worker("text_lm_model")
 def test_the_comparison_sees_a_leak_across_segments(model):
     """Without the segment ids (one segment for the row), the second example attends
     to the first and its positions do not restart: its outputs change."""

@@ -392,12 +392,10 @@ def write_tfrecords(
             disks and GCS alike.
         num_workers: threads writing shards; None: min(shards, 8).
         manifest: also write the JSON manifest (count, feature spec, shards).
-        var_len: names of variable-length features: rank 1, any length per
-            example (empty included), read back as a `RaggedFeature`. A column
-            given as a list of rows of different lengths, a `tf.RaggedTensor`,
-            or a dataset feature of shape `[None]` is variable-length without
-            being named. Empty rows are stored without values and read back
-            empty, with the feature's dtype.
+        var_len: names of variable-length features (rank 1, any length, empty
+            included; read back as a `RaggedFeature`). Rows of different
+            lengths, a `tf.RaggedTensor` or a dataset feature of shape `[None]`
+            are variable-length without being named.
 
     An iterable of unknown length with `num_shards=None` is first spooled to a
     temporary file to learn its size. All shards are written under temporary

@@ -59,8 +59,10 @@ def explain_gin_error(error: Exception) -> str:
     match = re.search(r"No configurable matching (?:reference )?'@?([\w.]+)", first)
     if match:
         name = match.group(1)
-        hint = _suggestion(name, _registry_names()) or (
-            "; register it with @gin.configurable and import its module with --gin_import")
+        # A near built-in name may be a typo, or the user's own class not registered.
+        hint = _suggestion(name, _registry_names()) + (
+            "; if it is yours, register it with @gin.configurable and import its module "
+            "with --gin_import")
         return f"{first}{where}{hint}"
     match = re.search(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'", first)
     if match:

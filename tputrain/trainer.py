@@ -187,7 +187,12 @@ class Trainer:
                                  self.train_steps, self.global_batch_size)
         self.context = self._context()
         if self.is_chief:  # inputs are checked; nothing has been written yet
-            preflight(self.context)
+            self._preflight()
+
+    def _preflight(self) -> None:
+        """The chief's checks and lock before its first write (tputrain/preflight.py);
+        `sidecar.ReadOnlyTrainer` overrides it: it reads beside the lock's holder."""
+        preflight(self.context)
 
     def _reposition_input(self, change: LayoutChange) -> None:
         """The checkpoint's iterator was saved for other batches (another layout): the

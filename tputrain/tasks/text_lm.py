@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tputrain.data import InputContext
 from tputrain.task import Task
+from tputrain.tasks.transformer import transformer_block
 
 TOKENS, SEGMENT_IDS, POSITIONS = "tokens", "segment_ids", "positions"
 
@@ -53,15 +54,6 @@ class PositionTable(keras.layers.Layer):
     def call(self, inputs):
         x, positions = inputs
         return x + keras.ops.cast(tf.gather(self.table, positions), x.dtype)
-
-
-def _block(x: Any, mask: Any, width: int, heads: int, mlp_ratio: int) -> Any:
-    h = keras.layers.LayerNormalization(epsilon=1e-5)(x)
-    h = keras.layers.MultiHeadAttention(heads, width // heads)(h, h, attention_mask=mask)
-    x = x + h
-    h = keras.layers.LayerNormalization(epsilon=1e-5)(x)
-    h = keras.layers.Dense(width * mlp_ratio, activation="gelu")(h)
-    return x + keras.layers.Dense(width)(h)
 
 
 class BitsPerToken(keras.metrics.Mean):
@@ -108,7 +100,7 @@ class TextLMTask(Task):
         x = keras.layers.Embedding(self.vocab_size, self.width)(tokens)
         x = PositionTable(self.sequence_length, name="positions_table")([x, positions])
         for _ in range(self.num_layers):
-            x = _block(x, mask, self.width, self.num_heads, self.mlp_ratio)
+            x = transformer_block(x, self.width, self.num_heads, self.mlp_ratio, mask)
         x = keras.layers.LayerNormalization(epsilon=1e-5)(x)
         logits = keras.layers.Dense(self.vocab_size, dtype="float32", name="logits")(x)
         return keras.Model({TOKENS: tokens, SEGMENT_IDS: segments, POSITIONS: positions},

@@ -30,9 +30,14 @@ class PositionEmbedding(keras.layers.Layer):
         return x + keras.ops.cast(self.table, x.dtype)
 
 
-def _block(x: keras.KerasTensor, width: int, heads: int, mlp_ratio: int) -> keras.KerasTensor:
+def transformer_block(x: keras.KerasTensor, width: int, heads: int, mlp_ratio: int,
+                      attention_mask: keras.KerasTensor | None = None) -> keras.KerasTensor:
+    """A pre-norm block: causal self-attention, or attention where `attention_mask`
+    ([batch, length, length], e.g. `text_lm.segment_mask`) allows; then the MLP."""
     h = keras.layers.LayerNormalization(epsilon=1e-5)(x)
-    h = keras.layers.MultiHeadAttention(heads, width // heads)(h, h, use_causal_mask=True)
+    attention = keras.layers.MultiHeadAttention(heads, width // heads)
+    h = (attention(h, h, use_causal_mask=True) if attention_mask is None
+         else attention(h, h, attention_mask=attention_mask))
     x = x + h
     h = keras.layers.LayerNormalization(epsilon=1e-5)(x)
     h = keras.layers.Dense(width * mlp_ratio, activation="gelu")(h)
@@ -59,7 +64,7 @@ class SyntheticLMTask(Task):
         x = keras.layers.Embedding(self.vocab_size, self.width)(tokens)
         x = PositionEmbedding(name="positions")(x)
         for _ in range(self.num_layers):
-            x = _block(x, self.width, self.num_heads, self.mlp_ratio)
+            x = transformer_block(x, self.width, self.num_heads, self.mlp_ratio)
         x = keras.layers.LayerNormalization(epsilon=1e-5)(x)
         logits = keras.layers.Dense(self.vocab_size, dtype="float32", name="logits")(x)
         return keras.Model({"tokens": tokens}, logits, name="synthetic_lm")

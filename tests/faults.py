@@ -476,6 +476,56 @@ class SaveRunningStats(tputrain.Action):
         np.savez(os.path.join(self.directory, f"worker{trainer.host_id}.npz"), **copies)
 
 
+# ------------------------------------------------------------ per-token loss
+
+TOKEN_LENGTH, TOKEN_VOCAB, TOKEN_BATCH = 6, 11, 8
+
+
+def _token_rows(count: int, seed: int):
+    """Rows whose real lengths differ a lot (1 .. TOKEN_LENGTH tokens)."""
+    rng = np.random.RandomState(seed)
+    tokens = rng.randint(1, TOKEN_VOCAB, size=(count, TOKEN_LENGTH)).astype(np.int32)
+    targets = rng.randint(1, TOKEN_VOCAB, size=(count, TOKEN_LENGTH)).astype(np.int32)
+    real = np.array([1 + (i * 5) % TOKEN_LENGTH for i in range(count)])
+    weights = (np.arange(TOKEN_LENGTH)[None, :] < real[:, None]).astype(np.float32)
+    return tokens, targets, weights
+
+
+@gin.configurable
+class TokenTask(tputrain.Task):
+    """A per-token classifier over (tokens, targets, loss weights) rows whose real
+    lengths differ a lot (tests/test_token_loss.py)."""
+
+    def __init__(self, normalise_by_tokens: bool = True):
+        self.data = _token_rows(64, seed=0)
+        self.normalise_by_tokens = normalise_by_tokens
+
+    def build_model(self):
+        tokens = keras.Input((TOKEN_LENGTH,), dtype="int32", name="tokens")
+        h = keras.layers.Embedding(TOKEN_VOCAB, 8, embeddings_initializer=keras.initializers.RandomNormal(seed=1))(tokens)
+        h = keras.layers.Dense(8, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(seed=2))(h)
+        logits = keras.layers.Dense(TOKEN_VOCAB, kernel_initializer=keras.initializers.GlorotUniform(seed=3))(h)
+        return keras.Model({"tokens": tokens}, logits)
+
+    def build_inputs(self, split, input_context):
+        batch = input_context.get_per_replica_batch_size(input_context.global_batch_size)
+        tokens, targets, weights = self.data
+        dataset = tf.data.Dataset.from_tensor_slices(({"tokens": tokens}, targets, weights))
+        dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+        return dataset.repeat().batch(batch, drop_remainder=True)
+
+    def compute_loss(self, labels, outputs):
+        return keras.losses.sparse_categorical_crossentropy(labels, outputs, from_logits=True)
+
+    def loss_denominator(self, batch):
+        if not self.normalise_by_tokens:
+            return None
+        return tf.reduce_sum(batch[2])
+
+    def build_optimizer(self):
+        return keras.optimizers.SGD(0.5)
+
+
 def final_weights(model_dir: str) -> dict[str, np.ndarray]:
     """The model weights of the latest checkpoint in model_dir, by checkpoint key."""
     path = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))

@@ -6,58 +6,15 @@ count and micro-batches: rows with many real tokens on one replica and few on
 another must not be averaged per replica or per row.
 """
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tputrain
+from faults import TOKEN_BATCH as BATCH
+from faults import TOKEN_LENGTH as LENGTH
+from faults import TokenTask
 from tiny import strategy_for
-
-LENGTH, VOCAB, BATCH = 6, 11, 8
-
-
-def _rows(count: int, seed: int):
-    """Rows whose real lengths differ a lot (1 .. LENGTH tokens)."""
-    rng = np.random.RandomState(seed)
-    tokens = rng.randint(1, VOCAB, size=(count, LENGTH)).astype(np.int32)
-    targets = rng.randint(1, VOCAB, size=(count, LENGTH)).astype(np.int32)
-    real = np.array([1 + (i * 5) % LENGTH for i in range(count)])
-    weights = (np.arange(LENGTH)[None, :] < real[:, None]).astype(np.float32)
-    return tokens, targets, weights
-
-
-class TokenTask(tputrain.Task):
-    """A per-token classifier over (tokens, targets, loss weights) rows."""
-
-    def __init__(self, normalise_by_tokens: bool = True):
-        self.data = _rows(64, seed=0)
-        self.normalise_by_tokens = normalise_by_tokens
-
-    def build_model(self):
-        tokens = keras.Input((LENGTH,), dtype="int32", name="tokens")
-        h = keras.layers.Embedding(VOCAB, 8, embeddings_initializer=keras.initializers.RandomNormal(seed=1))(tokens)
-        h = keras.layers.Dense(8, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(seed=2))(h)
-        logits = keras.layers.Dense(VOCAB, kernel_initializer=keras.initializers.GlorotUniform(seed=3))(h)
-        return keras.Model({"tokens": tokens}, logits)
-
-    def build_inputs(self, split, input_context):
-        batch = input_context.get_per_replica_batch_size(input_context.global_batch_size)
-        tokens, targets, weights = self.data
-        dataset = tf.data.Dataset.from_tensor_slices(({"tokens": tokens}, targets, weights))
-        dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
-        return dataset.repeat().batch(batch, drop_remainder=True)
-
-    def compute_loss(self, labels, outputs):
-        return keras.losses.sparse_categorical_crossentropy(labels, outputs, from_logits=True)
-
-    def loss_denominator(self, batch):
-        if not self.normalise_by_tokens:
-            return None
-        return tf.reduce_sum(batch[2])
-
-    def build_optimizer(self):
-        return keras.optimizers.SGD(0.5)
 
 
 def _train(tmp_path, name, replicas, steps=3, **kwargs):
@@ -130,3 +87,40 @@ def test_the_step_reports_real_tokens_and_the_padding_share(tmp_path):
     per_step = [weights[i * BATCH:(i + 1) * BATCH].sum() for i in range(3)]
     assert logs["real_tokens"] == pytest.approx(np.mean(per_step))
     assert logs["padding"] == pytest.approx(1 - np.mean(per_step) / (BATCH * LENGTH))
+
+
+TOKEN_CONFIG = """
+Trainer.task = @TokenTask()
+Trainer.train_steps = 4
+Trainer.steps_per_loop = 2
+Trainer.global_batch_size = 8
+Trainer.checkpoint_every = 4
+Trainer.eval_steps = 1
+Trainer.report_mfu = False
+Trainer.jit_compile = False
+"""
+
+
+@pytest.mark.slow
+def test_two_worker_processes_normalise_by_the_global_batchs_real_tokens(tmp_path):
+    """Each worker reads every other row (its shard): the real-token count is summed
+    across the workers, so 2 processes end with the one-process run's weights."""
+    import sys
+
+    from faults import Process, child_env, final_weights
+    from processes import Launch
+
+    config = tmp_path / "tokens.gin"
+    config.write_text(TOKEN_CONFIG)
+    one = Process([sys.executable, "-m", "tputrain.run", "--gin_import=faults",
+                   f"--gin_file={config}", f"--model_dir={tmp_path / 'one'}"], child_env())
+    assert one.finish() == 0, one.log()
+    two = Launch(["--workers", "2", "--gin_import=faults", f"--gin_file={config}",
+                  f"--model_dir={tmp_path / 'two'}"])
+    assert two.finish(timeout=300) == 0, two.text()[-4000:]
+    expected, actual = final_weights(str(tmp_path / "one")), final_weights(str(tmp_path / "two"))
+    # The model's weights, as the checkpoint's object graph reaches them first.
+    model = [key for key in expected if "_trainable_variables" in key]
+    assert len(model) == 5 and expected.keys() == actual.keys()
+    for key in model:
+        np.testing.assert_allclose(actual[key], expected[key], rtol=1e-5, atol=1e-6, err_msg=key)

@@ -105,7 +105,10 @@ def tidy_after_restore(directory: str, restored: str | None, failed: list[str]) 
             _rewrite_state_file(directory, restored, kept)
     for leftover in tf.io.gfile.glob(f"{directory.rstrip('/')}/ckpt-*_temp*"):
         logging.info("tputrain: removing %s, left by a killed checkpoint write", leftover)
-        tf.io.gfile.rmtree(leftover) if tf.io.gfile.isdir(leftover) else tf.io.gfile.remove(leftover)
+        if tf.io.gfile.isdir(leftover):
+            tf.io.gfile.rmtree(leftover)
+        else:
+            tf.io.gfile.remove(leftover)
     return changed
 
 

@@ -23,7 +23,7 @@ from absl import logging
 
 from tputrain import audit, optimizers, precision, schedules
 from tputrain.best import BestCheckpoint, EarlyStopping
-from tputrain.checkpoint import Checkpointer
+from tputrain.checkpointing.manager import Checkpointer
 from tputrain.data.mixture import MixtureInput
 from tputrain.data.options import InputOptions
 from tputrain.data.packing import PackSequences
@@ -100,11 +100,13 @@ def _register_options() -> None:
 def _register_aliases() -> None:
     """The old names, so that gin files binding them still parse (their values are
     read by `_with_aliases`; nothing calls these registrations)."""
-    for target, allowlist in ((Checkpointer, ["async_save", "check_finite"]),
-                              (override_layer_dtypes, ["keep_float32_layers"]),
-                              (peak_flops, ["device_kind", "peak_flops_per_device"])):
+    # Checkpointer under the module it was registered from before it moved.
+    for target, module, allowlist in (
+            (Checkpointer, "tputrain.checkpoint", ["async_save", "check_finite"]),
+            (override_layer_dtypes, None, ["keep_float32_layers"]),
+            (peak_flops, None, ["device_kind", "peak_flops_per_device"])):
         if gin.config._INVERSE_REGISTRY.get(target) is None:  # pylint: disable=protected-access
-            gin.external_configurable(target, allowlist=allowlist)
+            gin.external_configurable(target, module=module, allowlist=allowlist)
 
 
 # Classes gin configures in place: `TFRecordInput()` anywhere takes gin's bindings.

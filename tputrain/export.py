@@ -41,7 +41,8 @@ from absl import logging
 
 from tputrain.actions import Action
 from tputrain.best import BestCheckpoint, best_record
-from tputrain.checkpoint import UNREADABLE_ERRORS, list_checkpoints, read_newest
+from tputrain.checkpointing.files import list_checkpoints
+from tputrain.checkpointing.recovery import UNREADABLE_ERRORS, read_newest
 from tputrain.checks import check_bool
 from tputrain.context import ActionContext
 from tputrain.data import parse_feature_spec

@@ -35,7 +35,8 @@ from absl import logging
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from tputrain.actions import Action
-from tputrain.checkpoint import list_checkpoints, seed_generator_states
+from tputrain.checkpointing.files import list_checkpoints
+from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.checks import check_bool
 
 if TYPE_CHECKING:  # annotations only: the Trainer imports the actions

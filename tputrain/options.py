@@ -27,7 +27,7 @@ class CheckpointOptions:
 
     Attributes:
       async_save: write checkpoints on a background thread: training goes on while
-        the snapshot is written (`tputrain.checkpoint`).
+        the snapshot is written (`tputrain.checkpointing.async_writer`).
       check_finite: refuse to save a state with NaN/Inf in a float variable.
     """
 

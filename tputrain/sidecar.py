@@ -40,8 +40,9 @@ from typing import Callable
 import tensorflow as tf
 from absl import logging
 
-from tputrain.checkpoint import (UNREADABLE_ERRORS, CheckpointMismatchError, describe_mismatch,
-                                 list_checkpoints, read_newest)
+from tputrain.checkpointing.files import list_checkpoints
+from tputrain.checkpointing.integrity import CheckpointMismatchError, describe_mismatch
+from tputrain.checkpointing.recovery import UNREADABLE_ERRORS, read_newest
 from tputrain.checks import check_int
 from tputrain.lock import ModelDirInUseError, lock_model_dir, release_model_dir
 from tputrain.trainer import Trainer

@@ -5,7 +5,7 @@ A *step* is one optimizer update on one global batch; a *loop* is up to
 `steps_per_loop` steps in one `tf.function` call. Where the parts live: inputs
 `loop/inputs.py`, the step `loop/step.py`, the host loop `loop/host_loop.py`,
 evaluation `loop/evaluation.py`, when to evaluate and save `controller.py`,
-checkpoints `checkpoint.py`, knobs `options.py` (docs/architecture.md).
+checkpoints `checkpointing/`, knobs `options.py` (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from absl import logging
 import tputrain
 from tputrain.actions import (Action, CommunicationAction, MFUAction, NonFinitePolicyAction,
                               PreemptionAction, ProfilerAction, check_actions)
-from tputrain.checkpoint import Checkpointer, seed_generator_states
+from tputrain.checkpointing.manager import Checkpointer
+from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.checks import check_int
 from tputrain.distribution.communication import CommunicationOptions
 from tputrain.config_summary import ConfigSummaryAction

@@ -16,7 +16,7 @@ from typing import Any
 import tensorflow as tf
 from absl import flags, logging
 
-from tputrain.checkpoint import CheckpointMismatchError, NonFiniteStateError
+from tputrain.checkpointing.integrity import CheckpointMismatchError, NonFiniteStateError
 from tputrain.cli.common import (EXIT_BAD_INPUT, EXIT_TRAINING_FAILED, GIN_FLAGS, build_trainer,
                                  define_gin_flags, error_message, fail, list_in_help,
                                  parse_gin_flags, reject_arguments, run_command)

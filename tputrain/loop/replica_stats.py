@@ -41,7 +41,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tputrain.checkpoint import seed_generator_states
+from tputrain.checkpointing.seeds import seed_generator_states
 
 _SHOWN = 3  # weights named in a ReplicaStateError
 

@@ -26,7 +26,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tputrain.checkpoint import seed_generator_states
+from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.guard import NonFiniteGuard
 from tputrain.loop.inputs import zeros_of
 from tputrain.loop.pipeline import UpdatePipeline

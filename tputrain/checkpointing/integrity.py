@@ -1,0 +1,154 @@
+"""Is it the right state, and is it sound: another model's checkpoint named as
+such (not taken for a corrupt one), and NaN/Inf never saved."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tputrain.input_layout import KEY as LAYOUT_KEY
+
+# Keys every TF2 checkpoint has besides the objects it saves (the input layout:
+# older checkpoints lack it, and it describes the run, it is not restored).
+_BOOKKEEPING_KEYS = ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/", f"{LAYOUT_KEY}/")
+VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+SHOW = 6  # mismatches listed in an error message
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint in model_dir was written by a different model or pipeline."""
+
+
+class InputLayoutError(CheckpointMismatchError):
+    """The checkpoint's data position has no equivalent under this run's input layout."""
+
+
+class NonFiniteStateError(FloatingPointError):
+    """Refusing to checkpoint variables that hold NaN or Inf."""
+
+
+def _is_variable(obj: Any) -> bool:
+    return isinstance(obj, (tf.Variable, keras.Variable))
+
+
+def _expected_entries(checkpoint: tf.train.Checkpoint) -> dict[str, tuple[Any, str]] | None:
+    """{checkpoint key: (shape or None, readable name)} of what `checkpoint` saves.
+
+    Variables get their exact key; other saveables (the data iterator) a key
+    prefix ending in "/.ATTRIBUTES/". Uses TF's object-graph traversal (the one
+    `save` uses); returns None if that private API changes, which only loses the
+    friendly mismatch message.
+    """
+    try:
+        from tensorflow.python.checkpoint import graph_view
+        from tensorflow.python.trackable import base as trackable_base
+
+        objects, paths = graph_view.ObjectGraphView(checkpoint).breadth_first_traversal()
+    except Exception as error:  # noqa: BLE001 - a private API; degrade gracefully
+        logging.debug("tputrain: cannot list checkpoint keys (%s)", error)
+        return None
+    entries: dict[str, tuple[Any, str]] = {}
+    for obj in objects:
+        path = "/".join(ref.name for ref in paths[obj])
+        if not path:
+            continue
+        if _is_variable(obj):
+            name = getattr(obj, "path", None) or getattr(obj, "name", path)
+            entries[path + VARIABLE_SUFFIX] = (tuple(obj.shape), str(name).removesuffix(":0"))
+        elif (type(obj)._serialize_to_tensors
+              is not trackable_base.Trackable._serialize_to_tensors):
+            entries[path + "/.ATTRIBUTES/"] = (None, path)
+    return entries
+
+
+def describe_mismatch(checkpoint: tf.train.Checkpoint, path: str,
+                      ignore: tuple[str, ...] = ()) -> str:
+    """'' if `path` holds what `checkpoint` saves, else the differences in words
+    (keys starting with `ignore`, data state left out on a layout change, aside)."""
+    expected = _expected_entries(checkpoint)
+    if expected is None:
+        return ""
+    # save_counter exists once this object has saved: bookkeeping, not state to match.
+    skip = _BOOKKEEPING_KEYS + ignore
+    expected = {k: v for k, v in expected.items() if not k.startswith(skip)}
+    shapes = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    saved = {k: tuple(v) for k, v in shapes.items() if not k.startswith(skip)}
+    problems, matched = [], set()
+    for key, (shape, name) in expected.items():
+        if shape is None:  # a non-variable saveable: any key under its prefix
+            hits = [k for k in saved if k.startswith(key)]
+            matched.update(hits)
+            if not hits:
+                problems.append(f"{name} is not in the checkpoint")
+            continue
+        if key not in saved:
+            problems.append(f"{name} {list(shape)} is not in the checkpoint")
+            continue
+        matched.add(key)
+        if saved[key] != shape:
+            problems.append(f"{name}: checkpoint has shape {list(saved[key])}, "
+                            f"this model {list(shape)}")
+    extra = [k for k in saved if k not in matched]
+    problems += [f"{k.removesuffix(VARIABLE_SUFFIX)} {list(saved[k])} is in the checkpoint "
+                 "but not in this model" for k in extra]
+    if not problems:
+        return ""
+    more = f" (and {len(problems) - SHOW} more)" if len(problems) > SHOW else ""
+    return "; ".join(problems[:SHOW]) + more
+
+
+def _float_variables(trackables: Iterable[Any]) -> list[Any]:
+    """The floating-point variables of the saved objects (for the finite check)."""
+    found, seen = [], set()
+
+    def add(variable):
+        if id(variable) not in seen and variable.dtype in (tf.float16, tf.bfloat16,
+                                                           tf.float32, tf.float64):
+            seen.add(id(variable))
+            found.append(variable)
+
+    for obj in trackables:
+        if _is_variable(obj):
+            add(obj)
+        elif isinstance(obj, (list, tuple)):
+            found_inner = _float_variables(obj)
+            for variable in found_inner:
+                add(variable)
+        elif hasattr(obj, "variables") and not callable(obj.variables):
+            for variable in obj.variables:
+                if _is_variable(variable):
+                    add(variable)
+    return found
+
+
+def _every_value_finite(variables: list[Any]) -> tf.Tensor:
+    """Whether every value of every variable is finite, element by element.
+
+    Not the guard's checks (`tputrain.guard`), whose float32 sums (of squares)
+    overflow for large finite weights (or one float64 weight above 3.4e38),
+    which for a gradient is as bad, but here would refuse to save a good state.
+    """
+    if not variables:
+        return tf.constant(True)
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(v)))
+                          for v in variables])
+
+
+class FiniteCheck:
+    """Whether the float variables of what is saved are all finite (one compiled check)."""
+
+    def __init__(self, trackables: Iterable[Any]):
+        self.variables = _float_variables(trackables)
+        self._finite_fn = tf.function(lambda: _every_value_finite(self.variables))
+
+    def __call__(self) -> bool:
+        return bool(self._finite_fn())
+
+    def non_finite(self) -> list[str]:
+        """The names of the variables that hold NaN/Inf (read on the host)."""
+        return [str(getattr(v, "path", v.name)) for v in self.variables
+                if not np.all(np.isfinite(np.asarray(v)))]

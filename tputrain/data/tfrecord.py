@@ -3,6 +3,35 @@
 Called once per input pipeline (one per host), outside any replica context,
 with the `InputContext` that says which pipeline this is; it returns that
 pipeline's dataset of per-replica batches.
+
+Pipeline: list files (sorted, each once) -> shard files across input pipelines ->
+shuffle file order -> interleave reads -> [file cache] -> shuffle records ->
+repeat -> batch -> parse -> [tf.data service] -> prefetch. Note the order
+batch-then-parse: one vectorized `tf.io.parse_example` per batch (mapped
+with `num_parallel_calls=AUTOTUNE`) pays the per-op cost once a batch
+instead of once an example, which matters on a small host, where parsing is
+the bottleneck (figures: docs/input_pipeline.md). With
+`cache="memory"` the records are read and parsed once, when the dataset is
+built, and batches are gathered from RAM (see `in_memory_batches`).
+
+If there are fewer files than input pipelines, every pipeline reads all
+files and keeps every n-th record instead (a warning is logged); that costs
+n times the reading, so write at least as many shards as hosts.
+
+Which files are read: every file the glob matches, except those
+`write_tfrecords` makes besides the shards, skipped by name: its manifest
+(`*.manifest.json`) and the temp files of a write in progress or
+interrupted (hidden `.*.tmp-<hex>`, `.*.spool-<hex>`, `*.manifest.json.tmp`).
+So `write_tfrecords(..., "DIR/train")` reads back with "DIR/train*" or
+"DIR/*". Any other matched file is read as TFRecords; one that is not (a
+README, a CSV) stops the pipeline with a `CorruptRecordError` that names the
+file and says why it is not a TFRecord: narrow the glob.
+
+The records must hold what `features` asks for. When the shards have a
+manifest (given, matched by the glob, or next to writer-named shards) the
+spec is compared with it before anything is read; otherwise a mismatch
+found by `tputrain.validate.probe_inputs` (the Trainer's pre-flight) names
+the file, record and feature. Either way it is a `FeatureSpecError`.
 """
 
 from __future__ import annotations
@@ -234,34 +263,8 @@ class TFRecordInput(BatchedInput):
     dimension included (`drop_remainder=True`), because TPUs compile for one
     shape and a ragged last batch would leave replicas empty.
 
-    Pipeline: list files (sorted, each once) -> shard files across input pipelines ->
-    shuffle file order -> interleave reads -> [file cache] -> shuffle records ->
-    repeat -> batch -> parse -> [tf.data service] -> prefetch. Note the order
-    batch-then-parse: one vectorized `tf.io.parse_example` per batch (mapped
-    with `num_parallel_calls=AUTOTUNE`) pays the per-op cost once a batch
-    instead of once an example, which matters on a small host, where parsing is
-    the bottleneck (figures: docs/input_pipeline.md). With
-    `cache="memory"` the records are read and parsed once, when the dataset is
-    built, and batches are gathered from RAM (see `in_memory_batches`).
-
-    If there are fewer files than input pipelines, every pipeline reads all
-    files and keeps every n-th record instead (a warning is logged); that costs
-    n times the reading, so write at least as many shards as hosts.
-
-    Which files are read: every file the glob matches, except those
-    `write_tfrecords` makes besides the shards, skipped by name: its manifest
-    (`*.manifest.json`) and the temp files of a write in progress or
-    interrupted (hidden `.*.tmp-<hex>`, `.*.spool-<hex>`, `*.manifest.json.tmp`).
-    So `write_tfrecords(..., "DIR/train")` reads back with "DIR/train*" or
-    "DIR/*". Any other matched file is read as TFRecords; one that is not (a
-    README, a CSV) stops the pipeline with a `CorruptRecordError` that names the
-    file and says why it is not a TFRecord: narrow the glob.
-
-    The records must hold what `features` asks for. When the shards have a
-    manifest (given, matched by the glob, or next to writer-named shards) the
-    spec is compared with it before anything is read; otherwise a mismatch
-    found by `tputrain.validate.probe_inputs` (the Trainer's pre-flight) names
-    the file, record and feature. Either way it is a `FeatureSpecError`.
+    How it reads (pipeline order, which files, the manifest check): the module's
+    docstring.
 
     Args:
         file_pattern: a glob (or several) of TFRecord files; any `tf.io.gfile`
@@ -379,50 +382,6 @@ class TFRecordInput(BatchedInput):
         self.features = spec
         self.compression_type = compression_type or None
 
-    def _list_files(self) -> list[str]:
-        """Globs now, so a typo fails here and not deep inside tf.data.
-
-        Sorted (deterministic, the same on every host) and without duplicates
-        (overlapping patterns would otherwise read a file twice). The same list
-        feeds the dataset, so the shard decision matches what is read. Checks
-        the feature spec against the shards' manifest, if there is one.
-        """
-        if self.manifest is not None:
-            missing = [path for path in self.file_patterns if not tf.io.gfile.exists(path)]
-            if missing:
-                raise FileNotFoundError(
-                    f"{len(missing)} shard(s) listed in {self.manifest.location} are missing, "
-                    f"e.g. {missing[0]!r}: copy the whole directory or rewrite the data")
-            return sorted(set(self.file_patterns))
-        files: set[str] = set()
-        manifests: set[str] = set()
-        for pattern in self.file_patterns:
-            matches, skipped = _glob_shards(pattern)
-            files.update(matches)
-            manifests.update(path for path in skipped if path.endswith(MANIFEST_SUFFIX))
-        files_list = sorted(files)
-        for manifest in manifests_next_to(files_list, sorted(manifests)):
-            check_against_manifest(self.features, manifest)
-        return files_list
-
-    def _check_batch_fits(self, files: list[str], global_batch: int) -> None:
-        """A batch larger than the whole data set, when a manifest gives its size:
-        batching a repeated data set would read it over and over into one batch
-        (gigabytes, and the first read never returns), without repeat no batch at all."""
-        manifests = [self.manifest] if self.manifest is not None else manifests_next_to(files)
-        counts: dict[str, int] = {}
-        for manifest in manifests:
-            counts.update(manifest.examples_per_file())
-        if not files or not set(files) <= set(counts):
-            return  # some file's count is unknown
-        examples = sum(counts[path] for path in files)
-        if global_batch > examples:
-            where = manifests[0].location or "its manifest"
-            raise ValueError(
-                f"the global batch of {global_batch} is larger than the {examples} examples "
-                f"the data holds ({where} counts them): lower Trainer.global_batch_size to "
-                f"at most {examples}")
-
     def _read_parallelism(self, files: list[str], cycle_length: int) -> int:
         """Files read by parallel threads: remote reads wait on the network, so let
         tf.data tune up to cycle_length; local reads are CPU work, and more threads
@@ -510,10 +469,11 @@ class TFRecordInput(BatchedInput):
         """
         context = InputContext.from_tf(input_context)
         per_replica_batch = self._per_replica_batch(context)
-        file_list = self._list_files()
+        file_list = list_shards(self.file_patterns, self.manifest, self.features)
         # A padded split takes any batch; to_static makes rows, not examples (packing more).
         if not self.pad_remainder and self.to_static is None:
-            self._check_batch_fits(file_list, per_replica_batch * context.num_replicas_in_sync)
+            check_batch_fits(file_list, self.manifest,
+                             per_replica_batch * context.num_replicas_in_sync)
         register_files(file_list, self.compression_type)
         register_pipeline(file_list, self.features, self.compression_type)
         in_memory = self.cache == "memory" and self.to_static is None
@@ -521,10 +481,10 @@ class TFRecordInput(BatchedInput):
         if self.to_static is not None:
             dataset = self._static_examples(records, per_replica_batch, context)
         elif in_memory and self.pad_remainder:  # a finite (eval) split, its last batch padded
-            dataset = self._padded_batches(self._read_all(records, context), per_replica_batch)
+            dataset = self._padded_batches(read_all(records, self.features, context, self.file_patterns), per_replica_batch)
         elif in_memory:
             dataset = in_memory_batches(
-                self._read_all(records, context), per_replica_batch,
+                read_all(records, self.features, context, self.file_patterns), per_replica_batch,
                 shuffle=self.shuffle, seed=self.seed, repeat=self.repeat,
                 finish=lambda batch: split_label(batch, self.label_key))
         else:  # serialized records are cached (a file cache: on disk), parsed per batch
@@ -557,7 +517,7 @@ class TFRecordInput(BatchedInput):
         shuffled and repeated as configured, before `to_static` and batching (what
         `MixtureInput` draws from). Variable-length features are rank-1 tensors."""
         context = InputContext.from_tf(input_context)
-        file_list = self._list_files()
+        file_list = list_shards(self.file_patterns, self.manifest, self.features)
         register_files(file_list, self.compression_type)
         register_pipeline(file_list, self.features, self.compression_type)
         return self._parsed_examples(self._records(file_list, context, False), context)
@@ -573,25 +533,74 @@ class TFRecordInput(BatchedInput):
         dataset = dataset.batch(batch_size).map(lambda batch: split_label(batch, self.label_key))
         return dataset.map(lambda *batch: pad_to_batch(batch, batch_size))
 
-    def _read_all(self, records: tf.data.Dataset, context: InputContext) -> dict[str, tf.Tensor]:
-        """Reads and parses all of this pipeline's records now (cache="memory")."""
-        try:
-            serialized = records.batch(2**31 - 1).get_single_element()
-        except tf.errors.InvalidArgumentError:  # "Dataset was empty"
-            raise ValueError(f"TFRecordInput: pipeline {context.input_pipeline_id} of "
-                             f"{context.num_input_pipelines} has no records in "
-                             f"{list(self.file_patterns)}") from None
-        except tf.errors.DataLossError as error:
-            raise explain_data_loss(error) from None
-        try:
-            examples = tf.io.parse_example(serialized, self.features)
-        except tf.errors.InvalidArgumentError as error:
-            raise explain_parse_error(error) from None
-        count = int(tf.shape(serialized)[0])
-        logging.info("TFRecordInput: cached %d parsed examples (%.1f MB) in memory", count,
-                     sum(t.numpy().nbytes for t in examples.values()) / 1e6)
-        return examples
-
     def __repr__(self) -> str:
         return (f"TFRecordInput({list(self.file_patterns)!r}, features={sorted(self.features)}, "
                 f"label_key={self.label_key!r}, global_batch_size={self.global_batch_size})")
+
+
+def list_shards(file_patterns: Sequence[str], manifest: Manifest | None,
+                features: Mapping[str, Any]) -> list[str]:
+    """Globs now, so a typo fails here and not deep inside tf.data.
+
+    Sorted (deterministic, the same on every host) and without duplicates
+    (overlapping patterns would otherwise read a file twice). The same list
+    feeds the dataset, so the shard decision matches what is read. Checks
+    the feature spec against the shards' manifest, if there is one.
+    """
+    if manifest is not None:
+        missing = [path for path in file_patterns if not tf.io.gfile.exists(path)]
+        if missing:
+            raise FileNotFoundError(
+                f"{len(missing)} shard(s) listed in {manifest.location} are missing, "
+                f"e.g. {missing[0]!r}: copy the whole directory or rewrite the data")
+        return sorted(set(file_patterns))
+    files: set[str] = set()
+    manifests: set[str] = set()
+    for pattern in file_patterns:
+        matches, skipped = _glob_shards(pattern)
+        files.update(matches)
+        manifests.update(path for path in skipped if path.endswith(MANIFEST_SUFFIX))
+    files_list = sorted(files)
+    for found in manifests_next_to(files_list, sorted(manifests)):
+        check_against_manifest(features, found)
+    return files_list
+
+
+def check_batch_fits(files: list[str], manifest: Manifest | None, global_batch: int) -> None:
+    """A batch larger than the whole data set, when a manifest gives its size:
+    batching a repeated data set would read it over and over into one batch
+    (gigabytes, and the first read never returns), without repeat no batch at all."""
+    manifests = [manifest] if manifest is not None else manifests_next_to(files)
+    counts: dict[str, int] = {}
+    for found in manifests:
+        counts.update(found.examples_per_file())
+    if not files or not set(files) <= set(counts):
+        return  # some file's count is unknown
+    examples = sum(counts[path] for path in files)
+    if global_batch > examples:
+        where = manifests[0].location or "its manifest"
+        raise ValueError(
+            f"the global batch of {global_batch} is larger than the {examples} examples "
+            f"the data holds ({where} counts them): lower Trainer.global_batch_size to "
+            f"at most {examples}")
+
+
+def read_all(records: tf.data.Dataset, features: Mapping[str, Any], context: InputContext,
+             file_patterns: Sequence[str]) -> dict[str, tf.Tensor]:
+    """Reads and parses all of this pipeline's records now (cache="memory")."""
+    try:
+        serialized = records.batch(2**31 - 1).get_single_element()
+    except tf.errors.InvalidArgumentError:  # "Dataset was empty"
+        raise ValueError(f"TFRecordInput: pipeline {context.input_pipeline_id} of "
+                         f"{context.num_input_pipelines} has no records in "
+                         f"{list(file_patterns)}") from None
+    except tf.errors.DataLossError as error:
+        raise explain_data_loss(error) from None
+    try:
+        examples = tf.io.parse_example(serialized, features)
+    except tf.errors.InvalidArgumentError as error:
+        raise explain_parse_error(error) from None
+    count = int(tf.shape(serialized)[0])
+    logging.info("TFRecordInput: cached %d parsed examples (%.1f MB) in memory", count,
+                 sum(t.numpy().nbytes for t in examples.values()) / 1e6)
+    return examples

@@ -159,7 +159,8 @@ def _report(results, docs, length, rows, files) -> dict[str, Any]:
             "real_tokens_per_second": medians[kind]["real_tokens_per_second"]
             / medians["pad"]["real_tokens_per_second"],
             "real_tokens_per_cpu_second": medians[kind]["real_tokens_per_cpu_second"]
-            / medians["pad"]["real_tokens_per_cpu_second"]} for kind in ("bucket", "pack", "pack_first_fit")},
+            / medians["pad"]["real_tokens_per_cpu_second"]}
+            for kind in ("bucket", "pack", "pack_first_fit")},
         "goals": {"packing's real-token share >= 95%":
                   max(medians["pack"]["real_token_share"],
                       medians["pack_first_fit"]["real_token_share"]) >= 0.95},

@@ -502,9 +502,12 @@ class TokenTask(tputrain.Task):
 
     def build_model(self):
         tokens = keras.Input((TOKEN_LENGTH,), dtype="int32", name="tokens")
-        h = keras.layers.Embedding(TOKEN_VOCAB, 8, embeddings_initializer=keras.initializers.RandomNormal(seed=1))(tokens)
-        h = keras.layers.Dense(8, activation="tanh", kernel_initializer=keras.initializers.GlorotUniform(seed=2))(h)
-        logits = keras.layers.Dense(TOKEN_VOCAB, kernel_initializer=keras.initializers.GlorotUniform(seed=3))(h)
+        init = keras.initializers
+        h = keras.layers.Embedding(TOKEN_VOCAB, 8,
+                                   embeddings_initializer=init.RandomNormal(seed=1))(tokens)
+        h = keras.layers.Dense(8, activation="tanh",
+                               kernel_initializer=init.GlorotUniform(seed=2))(h)
+        logits = keras.layers.Dense(TOKEN_VOCAB, kernel_initializer=init.GlorotUniform(seed=3))(h)
         return keras.Model({"tokens": tokens}, logits)
 
     def build_inputs(self, split, input_context):

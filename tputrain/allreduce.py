@@ -6,5 +6,6 @@ import warnings
 
 from tputrain.distribution import allreduce as _moved
 
-warnings.warn("tputrain.allreduce moved to tputrain.distribution.allreduce", DeprecationWarning, stacklevel=2)
+warnings.warn("tputrain.allreduce moved to tputrain.distribution.allreduce", DeprecationWarning,
+              stacklevel=2)
 sys.modules[__name__] = _moved

@@ -6,5 +6,6 @@ import warnings
 
 from tputrain.distribution import cluster as _moved
 
-warnings.warn("tputrain.cluster moved to tputrain.distribution.cluster", DeprecationWarning, stacklevel=2)
+warnings.warn("tputrain.cluster moved to tputrain.distribution.cluster", DeprecationWarning,
+              stacklevel=2)
 sys.modules[__name__] = _moved

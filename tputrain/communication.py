@@ -6,5 +6,6 @@ import warnings
 
 from tputrain.distribution import communication as _moved
 
-warnings.warn("tputrain.communication moved to tputrain.distribution.communication", DeprecationWarning, stacklevel=2)
+warnings.warn("tputrain.communication moved to tputrain.distribution.communication",
+              DeprecationWarning, stacklevel=2)
 sys.modules[__name__] = _moved

@@ -6,5 +6,6 @@ import warnings
 
 from tputrain.distribution import launch as _moved
 
-warnings.warn("tputrain.launch moved to tputrain.distribution.launch", DeprecationWarning, stacklevel=2)
+warnings.warn("tputrain.launch moved to tputrain.distribution.launch", DeprecationWarning,
+              stacklevel=2)
 sys.modules[__name__] = _moved

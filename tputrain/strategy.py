@@ -6,5 +6,6 @@ import warnings
 
 from tputrain.distribution import strategy as _moved
 
-warnings.warn("tputrain.strategy moved to tputrain.distribution.strategy", DeprecationWarning, stacklevel=2)
+warnings.warn("tputrain.strategy moved to tputrain.distribution.strategy", DeprecationWarning,
+              stacklevel=2)
 sys.modules[__name__] = _moved

@@ -12,7 +12,8 @@ from tputrain.distribution.communication import (CommunicationOptions, gradient_
 
 class CommunicationAction(Action):
     """Times one all-reduce of the gradients at the start of train() (several replicas
-    only); adds comm/* to each loop (tputrain/distribution/communication.py says how and how well)."""
+    only); adds comm/* to each loop (tputrain/distribution/communication.py says how and
+    how well)."""
 
     def __init__(self, options: CommunicationOptions, seconds: float = 0.25):
         self.options = options

@@ -481,7 +481,8 @@ class TFRecordInput(BatchedInput):
         if self.to_static is not None:
             dataset = self._static_examples(records, per_replica_batch, context)
         elif in_memory and self.pad_remainder:  # a finite (eval) split, its last batch padded
-            dataset = self._padded_batches(read_all(records, self.features, context, self.file_patterns), per_replica_batch)
+            dataset = self._padded_batches(
+                read_all(records, self.features, context, self.file_patterns), per_replica_batch)
         elif in_memory:
             dataset = in_memory_batches(
                 read_all(records, self.features, context, self.file_patterns), per_replica_batch,

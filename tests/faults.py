@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -680,3 +681,23 @@ def write_records(directory: Path) -> list[str]:
     y = (x[:, 0] > 0).astype(np.int64)
     return tputrain.data.write_tfrecords({"x": x, "label": y}, str(directory / "train"),
                                          num_shards=2)
+
+
+def killed_and_rerun(tmp_path: Path, config: Path, step: int) -> tuple[Process, Process]:
+    """The uninterrupted CLI run of `config` (in tmp_path/reference) and the rerun of
+    its model_dir as a SIGKILL after `step` leaves it (tmp_path/interrupted): the
+    reference pauses there and its model_dir is copied, one process less than a
+    second run killed there. Both have finished; compare their `final_weights`."""
+    def child(model_dir: str, *params: str, pausable: bool = False) -> Process:
+        env = pausable_env(child_env()) if pausable else child_env()
+        return Process([sys.executable, "-m", "tputrain.run", "--gin_import=faults",
+                        f"--gin_file={config}", f"--model_dir={tmp_path / model_dir}",
+                        "--deterministic", *params], env, stdin=pausable)
+    reference = child("reference", "--gin_param=Trainer.actions=[@PauseAtStep()]",
+                      f"--gin_param=PauseAtStep.step={step}", pausable=True)
+    copy_at_pause(reference, tmp_path / "reference", tmp_path / "interrupted",
+                  rf"tputrain-test: paused at step {step}")
+    resumed = child("interrupted")
+    assert resumed.finish() == 0, resumed.log()
+    assert reference.finish() == 0, reference.log()
+    return reference, resumed

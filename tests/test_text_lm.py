@@ -98,26 +98,12 @@ def test_a_packed_text_run_killed_mid_run_resumes_bitwise(tmp_path):
     """Shuffled, packed rows in host input mode: the iterator's checkpoint holds the
     partly filled row, so a run killed after step 6 (its model_dir as a SIGKILL at
     the pause leaves it) and rerun equals the uninterrupted run bitwise."""
-    import sys
-
-    from faults import Process, child_env, copy_at_pause, final_weights, pausable_env
+    from faults import final_weights, killed_and_rerun
 
     config = tmp_path / "text.gin"
     config.write_text(TEXT_CONFIG + f"TextLMTask.corpus_dir = '{tmp_path / 'corpus'}'\n")
-
-    def child(model_dir, *params, pausable=False):
-        env = pausable_env(child_env()) if pausable else child_env()
-        return Process([sys.executable, "-m", "tputrain.run", "--gin_import=faults",
-                        f"--gin_file={config}", f"--model_dir={tmp_path / model_dir}",
-                        "--deterministic", *params], env, stdin=pausable)
-    reference = child("reference", "--gin_param=Trainer.actions=[@PauseAtStep()]",
-                      "--gin_param=PauseAtStep.step=6", pausable=True)
-    copy_at_pause(reference, tmp_path / "reference", tmp_path / "interrupted",
-                  r"tputrain-test: paused at step 6")
-    resumed = child("interrupted")
-    assert resumed.finish() == 0, resumed.log()
+    reference, resumed = killed_and_rerun(tmp_path, config, step=6)
     assert "ckpt-4 (step 4)" in resumed.text(), resumed.log()  # steps 5-6 replayed
-    assert reference.finish() == 0, reference.log()
     assert "real tokens/s" in reference.text() and "padding" in reference.text()
     expected = final_weights(str(tmp_path / "reference"))
     actual = final_weights(str(tmp_path / "interrupted"))

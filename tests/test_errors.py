@@ -373,3 +373,27 @@ def test_a_negative_learning_rate_is_refused(rate):
     assert f"learning_rate={rate}" in one_line(caught.value)
     assert "positive float" in str(caught.value)
     assert tputrain.build_optimizer(learning_rate=1).learning_rate.numpy() == 1.0  # an int
+
+
+class GeneratorTask(TinyTask):
+    """A train split read from a Python generator (`Dataset.from_generator`)."""
+
+    def build_inputs(self, split, input_context):
+        import tensorflow as tf
+        x, y = self.x, self.y
+        dataset = tf.data.Dataset.from_generator(
+            lambda: zip(x, y), output_signature=(tf.TensorSpec([8], tf.float32),
+                                                 tf.TensorSpec([], tf.int64)))
+        batch = input_context.get_per_replica_batch_size(input_context.global_batch_size)
+        dataset = dataset.map(lambda a, b: ({"x": a}, b))
+        return (dataset.repeat() if split == "train" else dataset).batch(batch, drop_remainder=True)
+
+
+def test_a_generator_input_that_cannot_be_checkpointed_is_named_before_training(tmp_path):
+    """Exact resume checkpoints the host iterator; a from_generator pipeline cannot be:
+    one error naming the cause and the ways out, not TensorFlow's traceback."""
+    with pytest.raises(tputrain.data.InputStateError,
+                       match=r"GeneratorDataset.*from_generator.*from_tensor_slices.*distributed"):
+        tputrain.Trainer(GeneratorTask(), str(tmp_path / "gen"), strategy=strategy_for(1),
+                         train_steps=2, global_batch_size=16, eval_steps=1)
+    assert not os.path.exists(tmp_path / "gen" / "checkpoints")

@@ -117,6 +117,15 @@ def iterator_state_bytes(dataset: tf.data.Dataset) -> int:
             "InputOptions.external_state_policy='ignore' to save the iterator without it "
             "(a resumed run then restarts that state), or use Trainer.input_mode="
             "'distributed', which resumes by skipping batches") from None
+    except tf.errors.UnimplementedError as error:  # e.g. "GeneratorDataset does not support"
+        found = re.search(r"(\w+Dataset) does not support checkpointing", str(error))
+        kind = found.group(1) if found else str(error).strip().splitlines()[0]
+        raise InputStateError(
+            f"the train input pipeline cannot be checkpointed ({kind}; Dataset.from_generator "
+            "makes a GeneratorDataset), so a resumed run could not continue from its data "
+            "position: build it from tensors (from_tensor_slices) or files (TFRecordInput), "
+            "or use Trainer.input_mode='distributed', which resumes by skipping batches"
+        ) from None
     files = tf.io.gfile.glob(f"{prefix}*")
     size = sum(tf.io.gfile.stat(f).length for f in files)
     for path in files:

@@ -95,6 +95,12 @@ def variable_bytes(variables: Iterable[Any]) -> int:
     return total
 
 
+def _named(error: Exception, pattern: str) -> str:
+    """What `pattern`'s group names in TensorFlow's message, else its first line."""
+    found = re.search(pattern, str(error))
+    return found.group(1) if found else str(error).strip().splitlines()[0]
+
+
 def iterator_state_bytes(dataset: tf.data.Dataset) -> int:
     """Bytes a checkpoint of an iterator over `dataset` takes once it has started.
 
@@ -110,16 +116,14 @@ def iterator_state_bytes(dataset: tf.data.Dataset) -> int:
         tf.train.Checkpoint(iterator=iterator).write(prefix)
     except tf.errors.FailedPreconditionError as error:
         # State tputrain.data.external_state did not find (it saves around what it finds).
-        found = re.search(r"(\w+) is stateful", str(error))
-        op = found.group(1) if found else str(error).strip().splitlines()[0]
+        op = _named(error, r"(\w+) is stateful")
         raise InputStateError(
             f"the train input pipeline holds state tf.data cannot checkpoint (the op {op}): set "
             "InputOptions.external_state_policy='ignore' to save the iterator without it "
             "(a resumed run then restarts that state), or use Trainer.input_mode="
             "'distributed', which resumes by skipping batches") from None
     except tf.errors.UnimplementedError as error:  # e.g. "GeneratorDataset does not support"
-        found = re.search(r"(\w+Dataset) does not support checkpointing", str(error))
-        kind = found.group(1) if found else str(error).strip().splitlines()[0]
+        kind = _named(error, r"(\w+Dataset) does not support checkpointing")
         raise InputStateError(
             f"the train input pipeline cannot be checkpointed ({kind}; Dataset.from_generator "
             "makes a GeneratorDataset), so a resumed run could not continue from its data "

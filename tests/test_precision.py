@@ -1,4 +1,4 @@
-"""Tests for tputrain/precision.py: policies, dtypes of variables/compute, helpers."""
+"""Tests for tputrain/precision/policy.py: policies, dtypes of variables/compute, helpers."""
 
 import gin
 import keras

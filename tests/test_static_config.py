@@ -37,5 +37,5 @@ def test_the_check_sees_gin():
 
 
 def test_precision_is_decided_without_gin():
-    text = (ROOT / "precision.py").read_text()
+    text = (ROOT / "precision" / "policy.py").read_text()
     assert "query_parameter" not in text

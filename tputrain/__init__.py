@@ -43,7 +43,7 @@ _EXPORTS = {
     "Preempted": "tputrain.preemption",
     "audit_precision": "tputrain.configurables",  # gin-configured
     "LARS": "tputrain.lars",
-    "override_layer_dtypes": "tputrain.layer_precision",
+    "override_layer_dtypes": "tputrain.precision.layers",
     "build_optimizer": "tputrain.configurables",  # gin-configured
     "WarmupDecay": "tputrain.schedules",
     "scale_learning_rate": "tputrain.schedules",

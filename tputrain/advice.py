@@ -15,7 +15,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from tputrain.data.pipeline_facts import PipelineFacts, pipeline_facts
-from tputrain.precision import _is_tpu_strategy  # pylint: disable=protected-access
+from tputrain.precision.policy import _is_tpu_strategy  # pylint: disable=protected-access
 
 if TYPE_CHECKING:  # annotations only
     from tputrain.trainer import Trainer

@@ -21,7 +21,7 @@ import gin
 import tensorflow as tf
 from absl import logging
 
-from tputrain import audit, optimizers, precision, schedules
+from tputrain import optimizers, schedules
 from tputrain.best import BestCheckpoint, EarlyStopping
 from tputrain.checkpointing.manager import Checkpointer
 from tputrain.data.mixture import MixtureInput
@@ -36,8 +36,10 @@ from tputrain.export import Export
 from tputrain.flops import peak_flops
 from tputrain.guard import NonFiniteGuard
 from tputrain.init_checkpoint import InitCheckpoint
-from tputrain.layer_precision import override_layer_dtypes
 from tputrain.options import CheckpointOptions, PrecisionOptions, ProfilingOptions
+from tputrain.precision import audit
+from tputrain.precision import policy as precision
+from tputrain.precision.layers import override_layer_dtypes
 from tputrain.tasks.classifier import MLPClassifierTask
 from tputrain.tasks.digits import DigitsTask
 from tputrain.tasks.text_lm import TextLMTask

@@ -47,7 +47,7 @@ from tputrain.checks import check_bool
 from tputrain.context import ActionContext
 from tputrain.data import parse_feature_spec
 from tputrain.data.manifest import is_var_len
-from tputrain.layer_precision import override_layer_dtypes
+from tputrain.precision.layers import override_layer_dtypes
 from tputrain.loop.step import ensure_built
 from tputrain.tasks.digits import FEATURES as DIGITS_FEATURES, DigitsTask
 

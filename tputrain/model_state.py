@@ -13,7 +13,7 @@ import keras
 import tensorflow as tf
 
 from tputrain.guard import NonFiniteGuard
-from tputrain.layer_precision import override_layer_dtypes
+from tputrain.precision.layers import override_layer_dtypes
 from tputrain.loop.replica_seeds import fold_replica_into_seeds
 from tputrain.loop.replica_stats import sum_once
 from tputrain.loop.step import check_model_train_step, ensure_built

@@ -9,9 +9,8 @@
   the drift changes the metrics.
 """
 
-from tputrain.precision.policy import (VALID_POLICIES, _is_tpu_strategy, resolve_precision,
-                                       set_precision_policy, to_float32,
-                                       wrap_optimizer_for_policy)
+from tputrain.precision.policy import (VALID_POLICIES, resolve_precision, set_precision_policy,
+                                       to_float32, wrap_optimizer_for_policy)
 
 __all__ = ["VALID_POLICIES", "resolve_precision", "set_precision_policy", "to_float32",
            "wrap_optimizer_for_policy"]

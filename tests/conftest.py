@@ -54,6 +54,12 @@ tf.config.set_logical_device_configuration(
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="also run the tests marked `slow` (the whole suite: about 45 minutes "
+                          "on 2 cores); without it, and without -m, they are deselected")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "same_worker(group): run on the worker of its group")
     config.addinivalue_line("markers", "start_early(order): start before the rest, lowest first")
@@ -114,6 +120,13 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    """The default run leaves out the `slow` tier (`--slow`, or any `-m`, keeps it), then
+    orders the rest (`_start_rank`)."""
+    if not config.getoption("--slow") and not config.getoption("markexpr"):
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
     items.sort(key=_start_rank)  # stable: collection order within a rank
 
 

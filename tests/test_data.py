@@ -514,6 +514,7 @@ def test_corrupt_record_error_names_the_newest_pipelines_file(tmp_path):
     assert paths["new"] in message and paths["old"] not in message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_manifest", [True, False])
 def test_skip_corrupt_reads_the_rest_and_reports_the_count(tmp_path, capfd, with_manifest):
     _write(tmp_path, 20, 2)

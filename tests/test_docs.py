@@ -103,6 +103,7 @@ _RUNNER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 @pytest.mark.start_early(8)
 def test_every_runnable_snippet_runs(tmp_path):
     snippets = all_snippets()

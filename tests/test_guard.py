@@ -200,12 +200,12 @@ def spy_checks(monkeypatch) -> dict[str, int]:
 
 @pytest.mark.parametrize("optimizer, options, kwargs", [
     ("adam", {}, {}),
-    ("adamw", {"weight_decay": 0.01}, {}),
-    ("sgd", {"momentum": 0.9}, {}),
-    ("lamb", {}, {}),
-    ("lars", {}, {}),
+    pytest.param("adamw", {"weight_decay": 0.01}, {}, marks=pytest.mark.slow),
+    pytest.param("sgd", {"momentum": 0.9}, {}, marks=pytest.mark.slow),
+    pytest.param("lamb", {}, {}, marks=pytest.mark.slow),
+    pytest.param("lars", {}, {}, marks=pytest.mark.slow),
     ("adam", {"clipnorm": 0.5, "use_ema": True, "ema_overwrite_frequency": None}, {}),
-    ("adam", {}, {"accumulation_steps": 2}),
+    pytest.param("adam", {}, {"accumulation_steps": 2}, marks=pytest.mark.slow),
     ("adamw", {"weight_decay": 0.01}, {"precision": "mixed_bfloat16"}),  # the update alone in XLA
 ])
 def test_the_scaled_check_updates_bit_for_bit_as_without_a_guard(tmp_path, monkeypatch,

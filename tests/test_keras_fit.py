@@ -157,6 +157,7 @@ def test_stop_training_from_a_callback_ends_the_run(tmp_path):
         f"ckpt-{2 * EPOCH_STEPS}")
 
 
+@pytest.mark.slow
 def test_a_learning_rate_set_by_a_callback_is_restored_on_resume(tmp_path):
     """The rate ReduceLROnPlateau set is saved with the checkpoint and restored by the
     next `fit` on the same model_dir (not reset to the compiled one)."""

@@ -37,6 +37,7 @@ def test_weights_need_not_sum_to_one_and_the_seed_fixes_the_order():
     assert abs(np.mean(np.array(ids(1)) == 0) - 0.75) < 0.07
 
 
+@pytest.mark.slow
 def test_a_mixture_resumes_bitwise_from_an_iterator_checkpoint_mid_stream(tmp_path):
     def build():
         a = tf.data.Dataset.range(1000).map(lambda i: {"tokens": tf.fill([i % 7], i)})

@@ -39,8 +39,11 @@ class PaddedEvalTask(TinyTask):
         return keras.Model({"x": inputs}, {"logits": logits, "embedding": embedding})
 
     def compute_loss(self, labels, outputs):
-        logits = outputs["logits"] if self.two_outputs else outputs
-        return keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+        if not self.two_outputs:
+            return super().compute_loss(labels, outputs)
+        return (keras.losses.sparse_categorical_crossentropy(labels, outputs["logits"],
+                                                             from_logits=True)
+                + 1e-3 * tf.reduce_sum(tf.square(outputs["embedding"]), -1))
 
     def build_metrics(self):
         return []
@@ -71,6 +74,11 @@ def test_two_replicas_predict_each_example_once_in_order_as_keras_does(tmp_path)
     assert outputs.shape == (EVAL_EXAMPLES, 2)
     np.testing.assert_allclose(outputs, expected, atol=1e-5)
     assert not np.allclose(outputs[:-1], outputs[1:])  # distinct rows: the order is checked
+
+    # A Task's predict_step says what the outputs are: here probabilities
+    trainer.task.predict_step = lambda features, model: tf.nn.softmax(model(features))
+    probabilities = trainer.predict("eval")
+    np.testing.assert_allclose(probabilities, tf.nn.softmax(expected).numpy(), atol=1e-5)
 
 
 def test_two_outputs_give_a_dict_and_mixed_bfloat16_gives_float32(tmp_path):

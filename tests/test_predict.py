@@ -194,7 +194,7 @@ def test_cli_writes_the_file_and_refuses_bad_input(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     done = run_cli("predict", *common, f"--input={data}/train*", f"--output={out}/p.npz",
-                   "--log_every=1")
+                   "--log_every=1", "--step=4")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "examples/s" in done.stderr
     assert os.listdir(out) == ["p.npz"]
@@ -204,6 +204,7 @@ def test_cli_writes_the_file_and_refuses_bad_input(tmp_path):
     for flags, message in (
             ([f"--input={tmp_path}/nothing*", f"--output={out}/q.npz"], "no file matches"),
             ([f"--output={tmp_path}/missing/q.npz"], "does not exist"),
+            (["--step=3", f"--output={out}/q.npz"], "no checkpoint of step 3"),
             ([f"--input={bad}/p*", f"--output={out}/q.npz"], "predict: 1 batches")):
         failed = run_cli("predict", *common, *flags, "--log_every=1")
         assert failed.returncode == 2, failed.stderr[-2000:]
@@ -211,3 +212,17 @@ def test_cli_writes_the_file_and_refuses_bad_input(tmp_path):
         assert message in failed.stderr and failed.stderr.count("tputrain: error:") == 1
         assert "Traceback" not in failed.stderr
         assert os.listdir(out) == ["p.npz"]  # no partial file, no temp file
+
+
+def test_tfrecord_shards_are_read_in_order_and_dealt_to_hosts(tmp_path):
+    x = np.arange(30 * 8, dtype=np.float32).reshape(30, 8)
+    tputrain.data.write_tfrecords({"x": x, "label": np.zeros(30, np.int64)},
+                                  str(tmp_path / "d"), num_shards=3)
+    spec = ({"x": tf.TensorSpec([None, 8], tf.float32)}, tf.TensorSpec([None], tf.int64))
+
+    def read(hosts, host):
+        dataset = predict_module.tfrecord_examples(str(tmp_path / "d*"), spec, hosts, host)
+        return np.stack([example["x"] for example in dataset.as_numpy_iterator()])
+    np.testing.assert_array_equal(read(1, 0), x)  # shard after shard, no label needed
+    np.testing.assert_array_equal(read(2, 1), x[10:20])  # host 1 of 2: shard 1
+    np.testing.assert_array_equal(read(2, 0), np.concatenate([x[:10], x[20:]]))

@@ -1,4 +1,4 @@
-"""`tputrain predict --model_dir=DIR --output=FILE [--input=eval|GLOB] [--step=N]`: batch inference.
+"""`tputrain predict --model_dir=DIR --output=FILE [--input=eval|GLOB]`: batch inference.
 
 Builds the run's model from its config (by default the `operative_config.gin`
 that `tputrain run` left in model_dir) as a `ReadOnlyTrainer`, which neither

@@ -45,6 +45,7 @@ from tputrain.checkpointing.integrity import CheckpointMismatchError, describe_m
 from tputrain.checkpointing.recovery import UNREADABLE_ERRORS, read_newest
 from tputrain.checks import check_int
 from tputrain.lock import ModelDirInUseError, lock_model_dir, release_model_dir
+from tputrain.predict import Outputs, predict_weights
 from tputrain.trainer import Trainer
 
 EVAL_DIR = "eval"
@@ -84,6 +85,14 @@ class ReadOnlyTrainer(Trainer):
             logging.warning("tputrain: no checkpoint in %s: evaluating the initial (untrained) "
                             "weights", self.model_dir)
         return self.evaluate_weights()
+
+    def predict(self, source: str = "eval", log_every: int = 100,
+                step: int | None = None) -> Outputs:
+        """`Trainer.predict` of the checkpoint of `step` (None: the latest readable);
+        ValueError if there is none (nothing tidied, nothing written)."""
+        check_int("ReadOnlyTrainer.predict", "step", step, 0, allow_none=True)
+        _read_one(self, _one_checkpoint(self, step), fall_back=step is None)
+        return predict_weights(self, source, log_every)
 
 
 def checkpoint_dir(trainer: Trainer) -> str:

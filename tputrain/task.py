@@ -219,6 +219,12 @@ class Task:
                             **({} if weight is None else {"sample_weight": weight}))
         return {"loss": loss}
 
+    def predict_step(self, features: Any, model: keras.Model) -> Any:
+        """Replica context: what `Trainer.predict` returns for a batch of features;
+        by default `model(features, training=False)`. Override to return probabilities,
+        embeddings or a dict of several; floating outputs are then cast to float32."""
+        return model(features, training=False)
+
     def eval_step(self, batch: Any, model: keras.Model,
                   metrics: Sequence[keras.metrics.Metric],
                   global_batch_size: int) -> dict[str, tf.Tensor]:

@@ -45,6 +45,7 @@ from tputrain.options import CheckpointOptions, PrecisionOptions, ProfilingOptio
 from tputrain.plan import RESOLVED, resolve_plan
 from tputrain.precision import resolve_precision
 from tputrain.preemption import PreemptionWatcher
+from tputrain.predict import predict as predict_outputs
 from tputrain.preflight import preflight
 from tputrain.progress import Progress, Stopwatch, summary_root
 from tputrain.task import Task, overrides_train_step
@@ -237,9 +238,8 @@ class Trainer:
                                          "report_mfu"))
 
     def close(self) -> None:
-        """Releases this Trainer's input iterators now (freeing a tf.data iterator can
-        block: a sweep or notebook that builds several Trainers pays it here, not at a
-        random later point). A second call does nothing; train() after it raises."""
+        """Releases this Trainer's input iterators now (freeing a tf.data iterator can block:
+        a sweep or notebook pays it here, not at random later). Idempotent; train() then raises."""
         if self._closed:
             return
         self.checkpointer.sync()  # an async write of the iterator completes first
@@ -320,6 +320,10 @@ class Trainer:
         logs = self.evaluate_weights()
         ActionList(self.context, self.actions).call("on_eval_end", self.current_step, logs)
         return logs
+
+    def predict(self, source: str = "eval", log_every: int = 100) -> Any:
+        """The latest checkpoint's float32 outputs, each example once, in order (predict.py)."""
+        return predict_outputs(self, source, log_every)
 
     def evaluate_weights(self) -> dict[str, float]:
         """Evaluates the weights in memory: {"loss": ..., metric names: ...}."""

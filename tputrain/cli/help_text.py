@@ -198,4 +198,27 @@ HELP = {'run': 'USAGE: tputrain [run] --gin_file=CONFIG [flags]\n'
          '  --timeout_seconds: --continuous: give up (exit 1) after this long without a\n'
          "      new checkpoint; 0 waits for ever. (default: '3600.0')\n"
          '\n'
-         "--helpfull also lists absl's own flags (logging, --flagfile).\n"}
+         "--helpfull also lists absl's own flags (logging, --flagfile).\n",
+ 'predict': 'USAGE: tputrain predict [flags]\n'
+            '\n'
+            '`tputrain predict --model_dir=DIR --output=FILE [--input=eval|GLOB]`: batch '
+            'inference.\n'
+            '\n'
+            'flags:\n'
+            '  --gin_file: Gin config file(s); later files override earlier ones.\n'
+            '      (repeatable)\n'
+            "  --gin_param: Gin binding(s), e.g. 'Trainer.train_steps=100'. (repeatable)\n"
+            '  --gin_search_path: Folder(s) searched for gin files and includes. (repeatable)\n'
+            '  --gin_import: Python module(s) to import before parsing, e.g. a module\n'
+            '      defining your Task. (repeatable)\n'
+            '  --model_dir: Overrides Trainer.model_dir.\n'
+            '  --[no]deterministic: Enable TF op determinism: bitwise reproducible runs and\n'
+            '      resumes, at some speed cost.\n'
+            "  --input: What to predict: a split of the task ('eval') or a TFRecord glob (as\n"
+            "      write-tfrecords writes them). (default: 'eval')\n"
+            '  --output: The file to write: .npz (one array per output) or .npy (a single-\n'
+            '      output model), written atomically.\n'
+            '  --step: Predict with the checkpoint of this step; default: the latest.\n'
+            "  --log_every: A progress line every this many batches. (default: '100')\n"
+            '\n'
+            "--helpfull also lists absl's own flags (logging, --flagfile).\n"}

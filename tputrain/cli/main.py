@@ -34,6 +34,7 @@ SUMMARIES = {
     "vertex-spec": "write (or --submit) a Vertex AI CustomJob that trains a gin config",
     "export": "write a checkpoint as a SavedModel for serving (best or latest, or --step)",
     "eval": "evaluate a checkpoint (latest or --step), or --continuous each new one as it appears",
+    "predict": "write every example's outputs of a split or TFRecord glob, once and in order",
 }
 _HELP = (["--help"], ["-h"], ["help"])
 _COMMAND_HELP = ("--help", "-h", "--helpshort", "-?")

@@ -1,0 +1,222 @@
+"""Batch inference: every example's outputs, exactly once and in input order.
+
+`predict_weights(trainer, source)` runs `Task.predict_step` (by default
+`model(features, training=False)`) with the weights in memory, on the run's
+strategy and precision, and returns float32 NumPy arrays: one array for a
+model with one output, else a dict (a list or tuple of outputs becomes
+`output_0`, `output_1`...).
+
+What is read (`source`):
+
+* a split name ("eval", or a finite "train"): what `Task.build_inputs` yields
+  on this host, in its order. Padding rows of a padded split (weight 0, e.g.
+  `TFRecordInput(pad_remainder=True)`) are dropped; a split batched with
+  `drop_remainder=True` has already lost its last examples, so pad it instead.
+* anything else is a TFRecord glob (as `write_tfrecords` writes them): the
+  matched shards in sorted order, each read start to end, parsed as the eval
+  split's features by name (no label needed, the task's own preprocessing in
+  `build_inputs` is not applied). With several hosts, host h reads the shards
+  h, h + H, ...
+
+Exactly once and in order: this host's examples are cut into steps of
+`local replicas x per-replica batch` rows; the last step's missing rows are
+zeros with mask False, and a host with fewer steps than another runs
+all-padding steps (the step count is agreed first), so every host runs the same
+steps. Local replica i of a step takes rows `i*B .. (i+1)*B - 1`. One host: the
+local results, stacked in replica order, are the rows in order. Several hosts:
+each step's outputs and masks are gathered over all replicas (`strategy.gather`);
+replica r is host `r // local`'s local replica `r % local` (the placement
+`Inputs.distribute` assumes too), so the rows go back in host order:
+[steps, hosts, local, B] -> [hosts, steps, local, B], then the masked rows
+(`in_input_order`, unit-tested; not yet run on several worker processes).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tputrain.data.tfrecord import list_shards
+from tputrain.precision import to_float32
+
+if TYPE_CHECKING:
+    from tputrain.trainer import Trainer
+
+Outputs = np.ndarray | dict[str, np.ndarray]
+SPLITS = ("train", "eval")
+
+
+def predict(trainer: "Trainer", source: str = "eval", log_every: int = 100) -> Outputs:
+    """`Trainer.predict`: restores the latest checkpoint (as `Trainer.evaluate`), then
+    `predict_weights`."""
+    if trainer.checkpointer.restore_latest() is None:
+        logging.warning("tputrain: no checkpoint in %s: predicting with the initial "
+                        "(untrained) weights", trainer.model_dir)
+    return predict_weights(trainer, source, log_every)
+
+
+def predict_weights(trainer: "Trainer", source: str = "eval", log_every: int = 100) -> Outputs:
+    """Every example of `source` (a split or a TFRecord glob, see the module docstring)
+    through the weights in memory: float32 arrays, one row per example, in order."""
+    if not isinstance(log_every, int) or log_every < 1:
+        raise ValueError(f"predict: log_every must be an int >= 1, got {log_every!r}")
+    examples = source_examples(trainer, source)
+    local, hosts = trainer.local_replicas, trainer.num_hosts
+    per_replica = trainer.plan.batch.per_replica
+    steps = None
+    if hosts > 1:  # every host runs the most steps any host needs
+        count = int(examples.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+        steps = trainer.agree(-(-count // (local * per_replica)))
+    run = _step_function(trainer)
+    gathered, masks, seen, start = [], [], 0, time.monotonic()
+    for number, (group, mask) in enumerate(step_batches(examples, per_replica, local, steps), 1):
+        outputs, step_mask = run(group, mask)
+        gathered.append(tf.nest.map_structure(np.asarray, outputs))
+        masks.append(np.asarray(step_mask))
+        seen += int(np.sum(mask))
+        if number % log_every == 0:
+            logging.info("tputrain: predict: %d batches, %d examples | %.0f examples/s", number,
+                         seen, seen / max(time.monotonic() - start, 1e-9))
+    if not masks:
+        raise ValueError(f"predict: {source!r} holds no examples")
+    logging.info("tputrain: predicted %d examples in %.1fs", seen, time.monotonic() - start)
+    return _as_outputs(gathered, masks, hosts)
+
+
+def _as_outputs(gathered: list[Any], masks: list[np.ndarray], hosts: int) -> Outputs:
+    """The steps' outputs as one array (or a dict of them) of real rows, in order."""
+    structure = gathered[0]
+    flat = [in_input_order([tf.nest.flatten(g)[i] for g in gathered], masks, hosts)
+            for i in range(len(tf.nest.flatten(structure)))]
+    if isinstance(structure, np.ndarray):
+        return flat[0]
+    if isinstance(structure, dict):
+        return dict(zip(sorted(structure), flat))  # tf.nest flattens dicts by sorted key
+    return {f"output_{i}": array for i, array in enumerate(flat)}
+
+
+def in_input_order(steps: Sequence[np.ndarray], masks: Sequence[np.ndarray],
+                   hosts: int) -> np.ndarray:
+    """Real rows, host by host in order, from each step's `[hosts * local, B, ...]`
+    outputs and `[hosts * local, B]` masks (see the module docstring)."""
+    rows, mask = np.stack(steps), np.stack(masks)
+    count, replicas, batch = mask.shape
+    shape = (count, hosts, replicas // hosts, batch)
+    rows = np.swapaxes(rows.reshape(shape + rows.shape[3:]), 0, 1)
+    mask = np.swapaxes(mask.reshape(shape), 0, 1)
+    return np.ascontiguousarray(rows[mask], dtype=np.float32)
+
+
+def _step_function(trainer: "Trainer") -> Any:
+    """A compiled step: a group `[local, B, ...]` in, (outputs, masks) of every
+    replica out, `[replicas, B, ...]` (this host's, or all hosts' gathered)."""
+    strategy, task, model = trainer.strategy, trainer.task, trainer.model
+    local, gather = trainer.local_replicas, trainer.num_hosts > 1
+
+    def replica_step(batch: tuple[Any, tf.Tensor]) -> tuple[Any, tf.Tensor]:
+        features, mask = batch
+        return to_float32(task.predict_step(features, model)), mask
+
+    @tf.function
+    def run(group: Any, mask: tf.Tensor) -> tuple[Any, tf.Tensor]:
+        batches = [tf.nest.map_structure(lambda t, r=r: t[r], (group, mask))
+                   for r in range(local)]
+        values = strategy.experimental_distribute_values_from_function(
+            lambda ctx: batches[ctx.replica_id_in_sync_group % local])
+        results = strategy.run(replica_step, args=(values,))
+        if gather:
+            return tf.nest.map_structure(lambda v: _by_replica(strategy.gather(v, axis=0),
+                                                               mask.shape[1]), results)
+        return tf.nest.map_structure(
+            lambda v: tf.stack(strategy.experimental_local_results(v)), results)
+    return run
+
+
+def _by_replica(rows: tf.Tensor, batch: int) -> tf.Tensor:
+    """`[replicas * B, ...]` gathered rows as `[replicas, B, ...]`."""
+    return tf.reshape(rows, tf.concat([[-1, batch], tf.shape(rows)[1:]], 0))
+
+
+def step_batches(examples: tf.data.Dataset, per_replica: int, local: int,
+                 steps: int | None = None) -> tf.data.Dataset:
+    """Single examples -> per step `(features [local, B, ...], mask [local, B])`, the
+    last step's missing rows zeros with mask False; `steps`: topped up with
+    all-padding steps to that many."""
+    spec = examples.element_spec
+    padding = tf.data.Dataset.from_tensors((_blank(spec), False)).repeat()
+    rows = per_replica * local
+    batched = (examples.map(lambda f: (f, True)).concatenate(padding)
+               .batch(rows, drop_remainder=True).take_while(lambda f, m: m[0]))
+    if steps is not None:
+        empty = padding.batch(rows, drop_remainder=True)
+        batched = batched.concatenate(empty).take(steps)
+
+    def split(features: Any, mask: tf.Tensor) -> tuple[Any, tf.Tensor]:
+        return tf.nest.map_structure(
+            lambda t: tf.reshape(t, [local, per_replica] + t.shape[1:]), (features, mask))
+    return batched.map(split).prefetch(2)
+
+
+def _blank(spec: Any) -> Any:
+    """A zero (or empty-string) example shaped like `spec`: a padding row."""
+    return tf.nest.map_structure(
+        lambda s: tf.fill(s.shape, tf.constant("", tf.string)) if s.dtype == tf.string
+        else tf.zeros(s.shape, s.dtype), spec)
+
+
+def source_examples(trainer: "Trainer", source: str) -> tf.data.Dataset:
+    """This host's single examples (features only) of a split or a TFRecord glob."""
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"predict: the input must be a split {SPLITS} or a TFRecord glob, "
+                         f"got {source!r}")
+    if source in SPLITS:
+        return split_examples(trainer.task.build_inputs(source, trainer.inputs.input_context()),
+                              source)
+    return tfrecord_examples(source, trainer.inputs.eval_dataset.element_spec,
+                             trainer.num_hosts, trainer.host_id)
+
+
+def split_examples(dataset: tf.data.Dataset, split: str) -> tf.data.Dataset:
+    """Per-replica batches -> single feature examples, padding (weight 0) dropped."""
+    if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(f"predict: the {split} split repeats forever: predict a finite "
+                         "split or a TFRecord glob")
+    spec = dataset.element_spec
+    if not isinstance(spec, tuple):
+        return dataset.unbatch()
+    if len(spec) == 3:
+        return dataset.map(lambda f, _, w: (f, w)).unbatch().filter(
+            lambda f, w: w > 0).map(lambda f, w: f)
+    return dataset.map(lambda f, *_: f).unbatch()
+
+
+def tfrecord_examples(pattern: str, eval_spec: Any, hosts: int,
+                      host: int) -> tf.data.Dataset:
+    """The shards of `pattern` in sorted order, each read start to end, parsed as the
+    eval split's features (by name; cast to their dtypes)."""
+    features = eval_spec[0] if isinstance(eval_spec, tuple) else eval_spec
+    if not isinstance(features, dict):
+        raise ValueError("predict: reading TFRecords needs a task whose eval features are a "
+                         f"dict of named features, got {features}")
+    parse = {name: tf.io.FixedLenFeature(spec.shape[1:], _parse_dtype(spec.dtype))
+             for name, spec in features.items()}
+    files = list_shards([pattern], None, parse)[host::hosts]
+    if not files:
+        raise ValueError(f"predict: {pattern!r} has fewer shards than the {hosts} hosts")
+    records = tf.data.TFRecordDataset(files)  # sequential: file order, then record order
+
+    def parse_one(record: tf.Tensor) -> dict[str, tf.Tensor]:
+        parsed = tf.io.parse_single_example(record, parse)
+        return {name: tf.cast(parsed[name], features[name].dtype) for name in features}
+    return records.map(parse_one, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+def _parse_dtype(dtype: tf.DType) -> tf.DType:
+    """The dtype tf.io.parse_example can read a feature of `dtype` as."""
+    if dtype == tf.string:
+        return tf.string
+    return tf.float32 if dtype.is_floating else tf.int64

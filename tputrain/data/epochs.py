@@ -18,16 +18,12 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
-# The graph-level half of a per-epoch shuffle's seed pair, pinned so the order
-# does not depend on the process's global seed (keras.utils.set_random_seed).
-_GRAPH_SEED = 87654321
 _FOREVER = 2**62
 
 
-def epoch_seed(seed: int, epoch: tf.Tensor, salt: int = 0) -> tf.Tensor:
-    """An int64 seed of (seed, epoch, salt): distinct epochs give distinct seeds."""
-    mixed = (tf.constant(seed, tf.int64) * 1_000_003 + tf.cast(epoch, tf.int64)) * 31 + salt
-    return mixed % (2**31 - 1)
+def epoch_seed(seed: int, epoch: tf.Tensor) -> tf.Tensor:
+    """An int64 seed of (seed, epoch): distinct epochs give distinct seeds."""
+    return tf.constant(seed, tf.int64) * 1_000_003 + tf.cast(epoch, tf.int64) + 1
 
 
 def by_epoch(make: Callable[[tf.Tensor], tf.data.Dataset], repeat: bool) -> tf.data.Dataset:
@@ -39,12 +35,19 @@ def by_epoch(make: Callable[[tf.Tensor], tf.data.Dataset], repeat: bool) -> tf.d
 
 def shuffle_epoch(examples: tf.data.Dataset, buffer_size: int, seed: int,
                   epoch: tf.Tensor) -> tf.data.Dataset:
-    """`examples` through a shuffle buffer seeded with (seed, epoch). Call it inside
-    a tf.data function (`by_epoch`'s `make`): the function graph's own seed is
-    pinned, which leaves the process's global seed alone."""
-    tf.random.set_seed(_GRAPH_SEED)  # in a traced function: that graph's seed only
-    return examples.shuffle(buffer_size, seed=epoch_seed(seed, epoch),
-                            reshuffle_each_iteration=False)
+    """`examples` through a shuffle buffer seeded with (seed, epoch), never reshuffled.
+
+    The raw op, because `Dataset.shuffle` takes one seed and pairs it with the
+    global seed in Python (a tensor seed fails under a global seed), and inside a
+    tf.data function adds a stateful seed-generator op the iterator could not save.
+    """
+    specs = tf.nest.flatten(examples.element_spec)
+    variant = tf.raw_ops.ShuffleDataset(
+        input_dataset=tf.data.experimental.to_variant(examples),
+        buffer_size=tf.constant(buffer_size, tf.int64), seed=tf.constant(seed, tf.int64),
+        seed2=epoch_seed(seed, epoch), reshuffle_each_iteration=False,
+        output_types=[spec.dtype for spec in specs], output_shapes=[spec.shape for spec in specs])
+    return tf.data.experimental.from_variant(variant, examples.element_spec)
 
 
 def permuted(tensors: Sequence[tf.Tensor], seed: int, epoch: tf.Tensor) -> tf.data.Dataset:

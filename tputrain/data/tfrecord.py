@@ -6,7 +6,8 @@ pipeline's dataset of per-replica batches.
 
 Pipeline: list files (sorted, each once) -> shard files across input pipelines ->
 shuffle file order -> interleave reads -> [file cache] -> shuffle records ->
-repeat -> batch -> parse -> [tf.data service] -> prefetch. Note the order
+repeat (seeded: each epoch built from its index, `tputrain.data.epochs`) ->
+batch -> parse -> [tf.data service] -> prefetch. Note the order
 batch-then-parse: one vectorized `tf.io.parse_example` per batch (mapped
 with `num_parallel_calls=AUTOTUNE`) pays the per-op cost once a batch
 instead of once an example, which matters on a small host, where parsing is
@@ -284,7 +285,8 @@ class TFRecordInput(BatchedInput):
         shuffle_buffer: records in the shuffle buffer (not used with cache="memory",
             which shuffles each epoch fully).
         seed: shuffle seed; the same seed gives the same order, reshuffled each
-            epoch. None: random.
+            epoch. Each epoch's order depends on the seed and the epoch only, not
+            on other iterators of the dataset (`tputrain.data.epochs`). None: random.
         repeat: repeat forever (training); False for one pass (evaluation).
         cycle_length: files read concurrently. None: min(files of this
             pipeline, 16), fixed so the order does not depend on the machine.

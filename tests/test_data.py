@@ -860,3 +860,24 @@ def test_a_to_static_that_leaves_lengths_dynamic_is_refused_by_name(tmp_path):
         inputs()
     first = str(caught.value).splitlines()[0]
     assert re.search(r"feature 'tokens' has dynamic shape.*static shapes.*PackSequences", first)
+
+
+def test_iterators_made_earlier_do_not_change_the_shuffled_order(tmp_path):
+    """The Trainer probes a dataset with other iterators before training from it (the
+    input check, the iterator-size pre-flight). Each epoch's shuffles depend on the
+    seed and the epoch only: an iterator that already read 10 epochs of the same
+    dataset leaves the next iterator's order what a fresh process sees."""
+    pattern = _write(tmp_path, 12, 3)
+
+    def build():
+        return TFRecordInput(pattern, FEATURES, shuffle=True, seed=3, shuffle_buffer=8,
+                             repeat=True)(InputContext(global_batch_size=4))
+
+    def first_ids(iterator, batches=30):
+        return [int(i) for _ in range(batches) for i in next(iterator)["id"].numpy()]
+    fresh = first_ids(iter(build()))
+    probed = build()
+    probe = iter(probed)
+    first_ids(probe)  # 10 epochs of 12 examples
+    assert first_ids(iter(probed)) == fresh
+    assert fresh[:12] != fresh[12:24]  # and each epoch is still shuffled anew

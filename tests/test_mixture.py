@@ -178,3 +178,51 @@ def test_a_packed_mixture_resumes_bitwise_through_the_trainer(tmp_path):
     # The last 4 steps moved the weights: equality above is not of untrained models.
     assert any(np.asarray(a).tobytes() != np.asarray(b).tobytes()
                for a, b in zip(half.model.get_weights(), straight.model.get_weights()))
+
+
+class ProbedTask(PackedTask):
+    """PackedTask with shuffled sources; the train dataset is first read by `probes`
+    throwaway iterators (several epochs each), as a process with more pre-flight
+    checks would read it before the Trainer's own iterator."""
+
+    def __init__(self, sources, probes):
+        super().__init__(sources)
+        self.probes = probes
+
+    def build_inputs(self, split, input_context):
+        mixture = MixtureInput(self.sources, [0.7, 0.3], label_key="targets", seed=5,
+                               shuffle_buffer=8,
+                               to_static=lambda d: PackSequences(LENGTH)(d).map(_targets))
+        dataset = mixture(input_context)
+        for _ in range(self.probes if split == "train" else 0):
+            for _ in dataset.take(20):
+                pass
+        return dataset
+
+
+def _small_sources(directory):
+    rng = np.random.default_rng(7)
+    sources = []
+    for name, count in (("a", 12), ("b", 8)):
+        write_tfrecords({"tokens": [rng.integers(1, VOCAB, size=n) for n in
+                                    rng.integers(1, 10, size=count)]}, str(directory / name),
+                        num_shards=2)
+        sources.append(str(directory / f"{name}.manifest.json"))
+    return sources
+
+
+def test_iterators_made_first_do_not_change_what_a_shuffled_mixture_trains_on(tmp_path):
+    """Two runs over a few epochs of shuffled sources, one after its train dataset was
+    read by other iterators: bitwise-equal weights (each epoch's order is a function
+    of the seed and the epoch only)."""
+    sources = _small_sources(tmp_path)
+
+    def trained(directory, probes):
+        trainer = tputrain.Trainer(ProbedTask(sources, probes), str(tmp_path / directory),
+                                   strategy=tf.distribute.OneDeviceStrategy("/cpu:0"),
+                                   train_steps=8, steps_per_loop=4, global_batch_size=4,
+                                   eval_steps=1, input_mode="host", report_mfu=False)
+        trainer.train()
+        return [np.asarray(w).tobytes() for w in trainer.model.get_weights()]
+
+    assert trained("plain", probes=0) == trained("probed", probes=3)

@@ -19,6 +19,7 @@ from absl import logging
 
 from tputrain.checks import check_bool, check_int
 from tputrain.data.context import InputContext
+from tputrain.data.epochs import by_epoch, shuffle_epoch
 from tputrain.data.options import InputOptions
 from tputrain.data.pipeline_facts import mark_in_memory
 
@@ -262,8 +263,8 @@ class BatchedInput:
     def _per_replica_batch(self, context: InputContext) -> int:
         return resolve_per_replica_batch(type(self).__name__, self.global_batch_size, context)
 
-    def _stream(self, examples: tf.data.Dataset, batch_size: int,
-                context: InputContext) -> tf.data.Dataset:
+    def _stream(self, examples: tf.data.Dataset | Callable[..., tf.data.Dataset],
+                batch_size: int, context: InputContext) -> tf.data.Dataset:
         """cache -> shuffle -> repeat -> batch, for data not held in RAM as tensors.
 
         `drop_remainder` keeps the batch dimension static: TPUs compile one shape,
@@ -273,18 +274,45 @@ class BatchedInput:
         examples = self._shuffled(examples, context)
         return examples.batch(batch_size, drop_remainder=not self.pad_remainder)
 
-    def _shuffled(self, examples: tf.data.Dataset, context: InputContext) -> tf.data.Dataset:
-        """cache -> shuffle -> repeat, as configured."""
-        if self.cache == "memory":
-            examples = examples.cache()
-        elif self.cache:  # one cache file per pipeline: tf.data allows one reader per file
-            examples = examples.cache(f"{self.cache}-{context.input_pipeline_id:05d}"
-                                      f"-of-{context.num_input_pipelines:05d}")
+    def _shuffled(self, examples: tf.data.Dataset | Callable[..., tf.data.Dataset],
+                  context: InputContext) -> tf.data.Dataset:
+        """cache -> shuffle -> repeat, as configured.
+
+        `examples` may be a function of the epoch (an int64 tensor; None for no
+        epoch) for input that orders its own files. Seeded, each epoch is then
+        built from its index and shuffled with a seed of (seed, epoch) only
+        (`tputrain.data.epochs`): no iterator made before changes the order.
+        """
+        if callable(examples):
+            if self.shuffle and self.seed is not None:
+                return self._by_epoch(examples, context)
+            examples = examples(None)
+        examples = self._cached(examples, context)
         if self.shuffle:
             examples = examples.shuffle(self.shuffle_buffer, seed=self.seed,
                                         reshuffle_each_iteration=True)
         if self.repeat:
             examples = examples.repeat()
+        return examples
+
+    def _by_epoch(self, make: Callable[..., tf.data.Dataset],
+                  context: InputContext) -> tf.data.Dataset:
+        """Epoch e: make(e) (a cache: epoch 0's, read again) through a buffer seeded
+        with (seed, e)."""
+        if self.cache:
+            cached = self._cached(make(tf.constant(0, tf.int64)), context)
+            make = lambda epoch: cached  # noqa: E731 (the cache holds epoch 0's order)
+        seed, buffer = self.seed, self.shuffle_buffer
+        return by_epoch(lambda epoch: shuffle_epoch(make(epoch), buffer, seed, epoch),
+                        self.repeat)
+
+    def _cached(self, examples: tf.data.Dataset, context: InputContext) -> tf.data.Dataset:
+        """`examples` cached as configured (in RAM or in this pipeline's file)."""
+        if self.cache == "memory":
+            return examples.cache()
+        if self.cache:  # one cache file per pipeline: tf.data allows one reader per file
+            return examples.cache(f"{self.cache}-{context.input_pipeline_id:05d}"
+                                  f"-of-{context.num_input_pipelines:05d}")
         return examples
 
     def _finish(self, dataset: tf.data.Dataset, context: InputContext) -> tf.data.Dataset:

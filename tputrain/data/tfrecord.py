@@ -6,7 +6,8 @@ pipeline's dataset of per-replica batches.
 
 Pipeline: list files (sorted, each once) -> shard files across input pipelines ->
 shuffle file order -> interleave reads -> [file cache] -> shuffle records ->
-repeat -> batch -> parse -> [tf.data service] -> prefetch. Note the order
+repeat (seeded: each epoch built from its index, `tputrain.data.epochs`) ->
+batch -> parse -> [tf.data service] -> prefetch. Note the order
 batch-then-parse: one vectorized `tf.io.parse_example` per batch (mapped
 with `num_parallel_calls=AUTOTUNE`) pays the per-op cost once a batch
 instead of once an example, which matters on a small host, where parsing is
@@ -36,6 +37,7 @@ the file, record and feature. Either way it is a `FeatureSpecError`.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any, Callable, Mapping, Sequence
@@ -48,6 +50,7 @@ from tputrain.data.bad_records import explain_data_loss, read_skipping_corrupt, 
 from tputrain.checks import check_bool, check_int
 from tputrain.data.batching import BatchedInput, in_memory_batches, pad_to_batch, split_label
 from tputrain.data.context import InputContext
+from tputrain.data.epochs import permuted
 from tputrain.data.feature_check import (check_against_manifest, explain_parse_error,
                                          manifests_next_to, register_pipeline)
 from tputrain.data.manifest import (MANIFEST_SUFFIX, Manifest, is_var_len, read_manifest,
@@ -282,7 +285,8 @@ class TFRecordInput(BatchedInput):
         shuffle_buffer: records in the shuffle buffer (not used with cache="memory",
             which shuffles each epoch fully).
         seed: shuffle seed; the same seed gives the same order, reshuffled each
-            epoch. None: random.
+            epoch. Each epoch's order depends on the seed and the epoch only, not
+            on other iterators of the dataset (`tputrain.data.epochs`). None: random.
         repeat: repeat forever (training); False for one pass (evaluation).
         cycle_length: files read concurrently. None: min(files of this
             pipeline, 16), fixed so the order does not depend on the machine.
@@ -403,10 +407,10 @@ class TFRecordInput(BatchedInput):
         return lambda path, size, expected: read_skipping_corrupt(
             path, size, expected, self.compression_type)
 
-    def _file_dataset(self, file_list: list[str]) -> tf.data.Dataset:
+    def _file_tensors(self, file_list: list[str]) -> tuple[tf.Tensor, ...]:
         """Paths (plus size and expected records, to check files when skipping)."""
         if not self.skip_corrupt:
-            return tf.data.Dataset.from_tensor_slices(file_list)
+            return (tf.constant(file_list, tf.string),)
         counts = self.manifest.examples_per_file() if self.manifest else {}
         sizes = []
         for path in file_list:
@@ -415,37 +419,38 @@ class TFRecordInput(BatchedInput):
             except tf.errors.OpError:
                 sizes.append(-1)
         expected = [counts.get(path, -1) for path in file_list]
-        return tf.data.Dataset.from_tensor_slices(
-            (file_list, tf.constant(sizes, tf.int64), tf.constant(expected, tf.int64)))
+        return (tf.constant(file_list, tf.string), tf.constant(sizes, tf.int64),
+                tf.constant(expected, tf.int64))
 
-    def _records(self, file_list: list[str], context: InputContext,
-                 in_memory: bool) -> tf.data.Dataset:
+    def _records(self, file_list: list[str], context: InputContext, in_memory: bool,
+                 epoch: tf.Tensor | None = None) -> tf.data.Dataset:
         """This pipeline's serialized records: its share of the files (or, with fewer
-        files than pipelines, of every file's records), read interleaved."""
+        files than pipelines, of every file's records), read interleaved. Given
+        the `epoch` (and a seed), the file order is that epoch's (`tputrain.data.epochs`)."""
         num_files = len(file_list)
         num_pipelines, pipeline_id = context.num_input_pipelines, context.input_pipeline_id
         shard_files = num_files >= num_pipelines
         shard_records = not shard_files
 
-        # What tf.data.Dataset.list_files(shuffle=False) gives, from the list above.
-        files = self._file_dataset(file_list)
-        if shard_files:
-            files = files.shard(num_pipelines, pipeline_id)
-            local_files = len(range(pipeline_id, num_files, num_pipelines))
-        else:
+        # What tf.data.Dataset.list_files(shuffle=False) then shard() give.
+        local = file_list[pipeline_id::num_pipelines] if shard_files else file_list
+        local_files = len(local)
+        tensors = self._file_tensors(local)
+        files = tf.data.Dataset.from_tensor_slices(tensors if len(tensors) > 1 else tensors[0])
+        if not shard_files:
             logging.warning(
                 "TFRecordInput: %d file(s) match %s but there are %d input pipelines: every "
                 "pipeline reads all files and keeps every %d-th record. Write at least %d "
                 "shards to avoid reading everything on every host.",
                 num_files, list(self.file_patterns), num_pipelines, num_pipelines,
                 num_pipelines)
-            local_files = num_files
         # With record sharding every pipeline must see the records in the same
         # order, or the shards overlap: an unseeded file shuffle would break that.
         # In memory, the full per-epoch permutation makes a file shuffle pointless.
         if (self.shuffle and not in_memory and local_files > 1
                 and (shard_files or self.seed is not None)):
-            files = files.shuffle(local_files, seed=self.seed, reshuffle_each_iteration=True)
+            files = (permuted(tensors, self.seed, epoch) if epoch is not None else
+                     files.shuffle(local_files, seed=self.seed, reshuffle_each_iteration=True))
 
         reader = self._file_reader()
         cycle_length = self.cycle_length or min(local_files, _DEFAULT_MAX_CYCLE_LENGTH)
@@ -477,33 +482,33 @@ class TFRecordInput(BatchedInput):
         register_files(file_list, self.compression_type)
         register_pipeline(file_list, self.features, self.compression_type)
         in_memory = self.cache == "memory" and self.to_static is None
-        records = self._records(file_list, context, in_memory)
+        epochs = functools.partial(self._records, file_list, context, in_memory)
         if self.to_static is not None:
-            dataset = self._static_examples(records, per_replica_batch, context)
+            dataset = self._static_examples(epochs, per_replica_batch, context)
         elif in_memory and self.pad_remainder:  # a finite (eval) split, its last batch padded
             dataset = self._padded_batches(
-                read_all(records, self.features, context, self.file_patterns), per_replica_batch)
+                read_all(epochs(), self.features, context, self.file_patterns), per_replica_batch)
         elif in_memory:
             dataset = in_memory_batches(
-                read_all(records, self.features, context, self.file_patterns), per_replica_batch,
+                read_all(epochs(), self.features, context, self.file_patterns), per_replica_batch,
                 shuffle=self.shuffle, seed=self.seed, repeat=self.repeat,
                 finish=lambda batch: split_label(batch, self.label_key))
         else:  # serialized records are cached (a file cache: on disk), parsed per batch
-            dataset = self._stream(records, per_replica_batch, context)
+            dataset = self._stream(epochs, per_replica_batch, context)
             dataset = dataset.map(self._parse, num_parallel_calls=tf.data.AUTOTUNE,
                                   deterministic=self.deterministic)
             if self.pad_remainder:
                 dataset = dataset.map(lambda *batch: pad_to_batch(batch, per_replica_batch))
         return self._finish(dataset, context)
 
-    def _static_examples(self, records: tf.data.Dataset, batch_size: int,
+    def _static_examples(self, records: Callable[..., tf.data.Dataset], batch_size: int,
                          context: InputContext) -> tf.data.Dataset:
         """Single parsed examples -> to_static -> batch -> split the label."""
         examples = self._parsed_examples(records, context)
         batches = self.to_static(examples).batch(batch_size, drop_remainder=True)
         return batches.map(lambda batch: split_label(batch, self.label_key))
 
-    def _parsed_examples(self, records: tf.data.Dataset,
+    def _parsed_examples(self, records: Callable[..., tf.data.Dataset],
                          context: InputContext) -> tf.data.Dataset:
         """cache -> shuffle -> repeat -> parse a chunk at a time -> single examples.
         Ragged chunks unbatch to rank-1 tensors of any length."""
@@ -521,7 +526,8 @@ class TFRecordInput(BatchedInput):
         file_list = list_shards(self.file_patterns, self.manifest, self.features)
         register_files(file_list, self.compression_type)
         register_pipeline(file_list, self.features, self.compression_type)
-        return self._parsed_examples(self._records(file_list, context, False), context)
+        return self._parsed_examples(
+            functools.partial(self._records, file_list, context, False), context)
 
     def _padded_batches(self, examples: dict[str, tf.Tensor], batch_size: int) -> tf.data.Dataset:
         """One pass over parsed examples held in RAM, the last batch padded. Not a

@@ -20,6 +20,9 @@ from tputrain.find_batch import FindBatchResult, Trial, find_batch, is_out_of_me
 from tputrain.schedules import scale_learning_rate
 
 ROOT = Path(__file__).resolve().parent.parent
+# The climb is what these tests check: tf.function steps compile in a fraction of
+# XLA's time (the CLI test runs the default XLA step).
+QUICK = {"steps_per_loop": 2, "jit_compile": False, "steps_per_program": 1}
 
 
 class OutOfMemoryTask(TinyTask):
@@ -40,7 +43,7 @@ def test_out_of_memory_ends_the_climb_and_the_largest_batch_that_fit_is_suggeste
     task = OutOfMemoryTask(limit=22, num_examples=512)
     result = find_batch(task, tf.distribute.OneDeviceStrategy("/cpu:0"), global_batch_size=4,
                         learning_rate=0.1, min_gain=None, resolution=2, seconds=0.05,
-                        steps_per_loop=2)
+                        **QUICK)
     tried = [(trial.per_replica_batch, trial.fits) for trial in result.trials]
     # Doubling from 4 to the first failure (32), then bisecting 16..32 to 2.
     assert tried == [(4, True), (8, True), (16, True), (32, False), (24, False), (20, True),
@@ -56,7 +59,7 @@ def test_max_batch_bounds_the_climb_on_two_replicas():
         ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
     result = find_batch(TinyTask(num_examples=512), strategy, global_batch_size=8,
                         learning_rate=0.1, max_batch=16, min_gain=None, seconds=0.05,
-                        steps_per_loop=2)
+                        **QUICK)
     assert [(t.per_replica_batch, t.global_batch) for t in result.trials] == [(4, 8), (8, 16),
                                                                             (16, 32)]
     assert result.suggested.global_batch == 32 and "max_batch" in result.stop_reason

@@ -8,7 +8,8 @@ memory, to `resolution`. Each is a Trainer of its own in a temporary directory
 (nothing is written to the run's model_dir), so what is compiled and timed is
 the run's very train loop (`Trainer.run_loop`) on the Task's own train input,
 with `accumulation_steps=1`: memory is what is measured, and accumulation is
-the way past it.
+the way past it. One step a launch (`steps_per_program=1`) unless the options
+say otherwise: "auto" would compile a second, many-step program per batch.
 
 The climb ends at an out of memory (at compile or at run:
 `tf.errors.ResourceExhaustedError`, or XLA's "ran out of memory" in another
@@ -19,6 +20,7 @@ formats the table and the suggested gin params.
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import tempfile
@@ -89,7 +91,9 @@ def examples_per_second(trainer: Trainer, seconds: float) -> float:
     loop: examples per second (the loop length fits a quarter of `seconds`)."""
     if trainer.input_mode == "distributed":
         trainer.set_train_iterator(trainer.inputs.distributed_iterator("train"))
-    unit = int(trainer.steps_per_fetch)  # host-mode loops are multiples of a fetch
+    # Loops are multiples of a fetch (host mode) and of a program's steps: one trace.
+    program = trainer.steps_per_program if isinstance(trainer.steps_per_program, int) else 1
+    unit = math.lcm(int(trainer.steps_per_fetch), program)
     trainer.run_loop(unit)  # traces and compiles: an out of memory shows here or next
     (_, done, _), elapsed = _timed(lambda: trainer.run_loop(unit))
     longest = max(unit, trainer.steps_per_loop // unit * unit)
@@ -136,7 +140,8 @@ class _Finder:
         work_dir = tempfile.mkdtemp(prefix="tputrain-find-batch-")
         _peak_memory(self.device, reset=True)
         try:
-            options = {**self.options, "global_batch_size": global_batch, "accumulation_steps": 1}
+            options = {"steps_per_program": 1, **self.options,
+                       "global_batch_size": global_batch, "accumulation_steps": 1}
             with self.trainer_class(self.task, model_dir=work_dir, strategy=self.strategy,
                                     **options) as trainer:
                 self.train_steps = self.train_steps or trainer.train_steps
@@ -236,4 +241,5 @@ def find_batch(task: Task, strategy: tf.distribute.Strategy | None = None, *,
         global_batch_size=global_batch_size, learning_rate=learning_rate,
         train_steps=finder.train_steps or 1, min_gain=min_gain, constant_rate=constant,
         input_note="the task's own train input through the Trainer's compiled train loop, "
-                   "accumulation_steps=1")
+                   f"accumulation_steps=1, steps_per_program="
+                   f"{trainer_options.get('steps_per_program', 1)}")

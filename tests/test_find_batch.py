@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from faults import child_env
 from tiny import TinyTask
-from tputrain.find_batch import FindBatchResult, Trial, find_batch, is_out_of_memory
+from tputrain.batch_finder import FindBatchResult, Trial, find_batch, is_out_of_memory
 from tputrain.schedules import scale_learning_rate
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ from tputrain.cli.common import (EXIT_TRAINING_FAILED, GIN_FLAGS, configured_tas
                                  define_gin_flags, fail, list_in_help, parse_gin_flags,
                                  reject_arguments, run_command)
 from tputrain.config import ConfigError
-from tputrain.find_batch import find_batch
+from tputrain.batch_finder import find_batch
 from tputrain.schedules import LR_RULES
 from tputrain.trainer import Trainer
 

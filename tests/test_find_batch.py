@@ -54,6 +54,28 @@ def test_out_of_memory_ends_the_climb_and_the_largest_batch_that_fit_is_suggeste
     assert list(tmp_path.iterdir()) == []  # nothing written (the Trainers use temp dirs)
 
 
+class SmallDataTask(TinyTask):
+    """TinyTask whose input refuses a per-replica batch above `limit`."""
+
+    def __init__(self, limit: int, **kwargs):
+        super().__init__(**kwargs)
+        self.limit = limit
+
+    def build_inputs(self, split, input_context):
+        if input_context.get_per_replica_batch_size(input_context.global_batch_size) > self.limit:
+            raise ValueError(f"more than the {self.limit} examples the data holds")
+        return super().build_inputs(split, input_context)
+
+
+def test_another_error_at_a_larger_batch_is_a_limit_named_in_the_stop_reason():
+    result = find_batch(SmallDataTask(limit=8), tf.distribute.OneDeviceStrategy("/cpu:0"),
+                        global_batch_size=8, learning_rate=0.1, min_gain=None, resolution=8,
+                        seconds=0.05, **QUICK)
+    assert [(t.per_replica_batch, t.fits) for t in result.trials] == [(8, True), (16, False)]
+    assert result.suggested.per_replica_batch == 8
+    assert "the 8 examples the data holds" in result.stop_reason
+
+
 def test_max_batch_bounds_the_climb_on_two_replicas():
     strategy = tf.distribute.MirroredStrategy(
         ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())

@@ -14,7 +14,9 @@ say otherwise: "auto" would compile a second, many-step program per batch.
 The climb ends at an out of memory (at compile or at run:
 `tf.errors.ResourceExhaustedError`, or XLA's "ran out of memory" in another
 error), at `max_batch`, or when a doubling buys less than `min_gain` more
-examples/s. `tputrain find-batch` runs it on a gin config; `batch_report`
+examples/s. Another error at a larger batch than the first (e.g. more
+examples than the data holds) is a limit too: bisected to, and named.
+`tputrain find-batch` runs it on a gin config; `batch_report`
 formats the table and the suggested gin params.
 """
 
@@ -49,6 +51,14 @@ def is_out_of_memory(error: BaseException) -> bool:
     if isinstance(error, tf.errors.ResourceExhaustedError):
         return True
     return isinstance(error, tf.errors.OpError) and bool(_OUT_OF_MEMORY.search(str(error)))
+
+
+def _failure(error: BaseException) -> str:
+    """A trial's error in the table: "out of memory", or the first line of another
+    (a larger batch can fail otherwise, e.g. more than the data holds)."""
+    if is_out_of_memory(error):
+        return "out of memory"
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
 
 
 def configured_learning_rate(task: Task) -> tuple[float | None, bool]:
@@ -149,9 +159,9 @@ class _Finder:
                 trial = Trial(batch, global_batch, rate, None, _peak_memory(self.device))
                 trial.mfu = self._mfu(trainer, rate)
         except Exception as error:  # pylint: disable=broad-except  (sorted below)
-            if not is_out_of_memory(error):
-                raise
-            trial = Trial(batch, global_batch, None, None, None, error="out of memory")
+            if not self.trials and not is_out_of_memory(error):
+                raise  # the start batch: a config or data error, not a limit
+            trial = Trial(batch, global_batch, None, None, None, error=_failure(error))
         finally:
             shutil.rmtree(work_dir, ignore_errors=True)
         self.trials.append(trial)
@@ -178,7 +188,7 @@ class _Finder:
     def bisect(self, fit: int | None, failed: int, resolution: int) -> str:
         """Narrows [last fit, first out of memory) to `resolution`; why it stopped."""
         if fit is None:
-            return f"out of memory at the start batch {failed} per replica"
+            return f"{self.trials[0].error} at the start batch {failed} per replica"
         while failed - fit > resolution:
             middle = fit + max(resolution, (failed - fit) // 2 // resolution * resolution)
             if middle >= failed:
@@ -187,7 +197,8 @@ class _Finder:
                 fit = middle
             else:
                 failed = middle
-        return (f"out of memory from per-replica batch {failed} (largest that fit: {fit}; "
+        error = next(t.error for t in self.trials if t.per_replica_batch == failed)
+        return (f"{error} from per-replica batch {failed} (largest that fit: {fit}; "
                 f"resolution {resolution})")
 
 

@@ -39,7 +39,7 @@ class Trial:
         """One line of the table."""
         head = f"{self.per_replica_batch:>11}  {self.global_batch:>8}"
         if not self.fits:
-            return f"{head}  {self.error}"
+            return f"{head}  {self.error[:64]}"  # in full in the stop reason
         mfu = "-" if self.mfu is None else f"{100 * self.mfu:.1f}%"
         memory = "-" if self.memory_bytes is None else f"{self.memory_bytes / 2**30:.2f} GiB"
         return f"{head}  {self.examples_per_second:>12,.0f}  {mfu:>7}  {memory:>10}"

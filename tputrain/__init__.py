@@ -47,6 +47,8 @@ _EXPORTS = {
     "build_optimizer": "tputrain.configurables",  # gin-configured
     "WarmupDecay": "tputrain.schedules",
     "scale_learning_rate": "tputrain.schedules",
+    "find_batch": "tputrain.batch_finder",
+    "FindBatchResult": "tputrain.batch_report",
     "warmup_schedule": "tputrain.configurables",  # gin-configured
     "set_precision_policy": "tputrain.configurables",  # gin-configured
     "resolve_strategy": "tputrain.configurables",  # gin-configured

@@ -18,22 +18,28 @@ import math
 import keras
 
 DECAYS = ("cosine", "linear", "constant")
+LR_RULES = ("linear", "sqrt")  # scale_learning_rate's rules
 
 
 def scale_learning_rate(learning_rate: float, global_batch_size: int,
-                        reference_batch_size: int) -> float:
-    """The linear scaling rule: `learning_rate * global_batch_size / reference_batch_size`.
+                        reference_batch_size: int, rule: str = "linear") -> float:
+    """The learning rate for `global_batch_size`, scaled from the one that works at
+    `reference_batch_size` (e.g. the paper's 0.1 at batch 256).
 
-    `learning_rate` is the rate that works at `reference_batch_size` (e.g. the
-    paper's 0.1 at batch 256); the result is the rate for `global_batch_size`.
+    `rule` "linear" (Goyal et al. 2017, for SGD with momentum) multiplies by
+    `global_batch_size / reference_batch_size`; "sqrt" by its square root, the
+    gentler rule often used with Adam-type optimizers (the gradient noise falls
+    with the square root of the batch). Either wants a warmup at large batches.
     """
     if global_batch_size < 1 or reference_batch_size < 1:
         raise ValueError(f"batch sizes must be >= 1, got global {global_batch_size} and "
                          f"reference {reference_batch_size}")
-    return float(learning_rate) * global_batch_size / reference_batch_size
+    if rule not in LR_RULES:
+        raise ValueError(f"unknown learning-rate rule {rule!r}: use one of {', '.join(LR_RULES)}")
+    ratio = global_batch_size / reference_batch_size
+    return float(learning_rate) * (ratio if rule == "linear" else math.sqrt(ratio))
 
 
-@keras.saving.register_keras_serializable(package="tputrain")
 class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
     """Linear warmup from 0 to `peak_learning_rate`, then decay to `end_learning_rate`.
 

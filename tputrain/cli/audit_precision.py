@@ -23,9 +23,9 @@ import tensorflow as tf
 from absl import flags
 
 from tputrain.configurables import audit_precision  # the gin-configured one
-from tputrain.cli.common import (GIN_FLAGS, define_gin_flags, fail, list_in_help, parse_gin_flags,
-                                 reject_arguments, run_command)
-from tputrain.config import ConfigError, require_bound
+from tputrain.cli.common import (GIN_FLAGS, configured_task, define_gin_flags, fail, list_in_help,
+                                 parse_gin_flags, reject_arguments, run_command)
+from tputrain.config import ConfigError
 from tputrain.task import Task
 
 FLAGS = flags.FLAGS
@@ -34,18 +34,7 @@ FLAGS = flags.FLAGS
 def task_from_gin() -> Task:
     """`audit_precision.task` if bound, else the training config's `Trainer.task`:
     the audit runs on a training config unchanged."""
-    for binding in ("audit_precision.task", "Trainer.task"):
-        try:
-            reference = gin.query_parameter(binding)
-        except ValueError:
-            continue
-        task = (reference.scoped_configurable_fn()
-                if hasattr(reference, "scoped_configurable_fn") else reference)
-        if not isinstance(task, Task):
-            raise ConfigError(f"{binding} must be a tputrain.Task, got {type(task).__name__}")
-        return task
-    require_bound("Trainer.task")  # raises with the fix
-    raise AssertionError("unreachable")
+    return configured_task(("audit_precision.task", "Trainer.task"))
 
 
 def defaults_from_gin() -> dict[str, Any]:

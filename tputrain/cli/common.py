@@ -6,10 +6,12 @@ import os
 import sys
 from typing import Callable, NoReturn, Sequence
 
+import gin
 from absl import app, flags, logging
 
 from tputrain.config import ConfigError, parse_gin, require_bound
 from tputrain.configurables import configure_devices
+from tputrain.task import Task
 from tputrain.trainer import Trainer
 
 FLAGS = flags.FLAGS
@@ -103,6 +105,23 @@ def parse_gin_flags(data_files: Sequence[str] = ()) -> None:
         configure_devices()  # gin only records split_cpu.num_devices: apply it now
     except (RuntimeError, ValueError, TypeError) as error:  # e.g. TF already started
         fail(error_message(error))
+
+
+def configured_task(bindings: Sequence[str] = ("Trainer.task",)) -> Task:
+    """The Task of the first bound of `bindings`, built once (commands that use the
+    task outside a Trainer, or in several); ConfigError when none is bound."""
+    for binding in bindings:
+        try:
+            reference = gin.query_parameter(binding)
+        except ValueError:
+            continue
+        task = (reference.scoped_configurable_fn()
+                if hasattr(reference, "scoped_configurable_fn") else reference)
+        if not isinstance(task, Task):
+            raise ConfigError(f"{binding} must be a tputrain.Task, got {type(task).__name__}")
+        return task
+    require_bound(bindings[-1])  # raises with the fix
+    raise AssertionError("unreachable")
 
 
 def default_operative_config() -> list[str]:

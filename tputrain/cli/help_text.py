@@ -50,6 +50,36 @@ HELP = {'run': 'USAGE: tputrain [run] --gin_file=CONFIG [flags]\n'
              '  --steps: Steps per measured loop; default Trainer.steps_per_loop.\n'
              '\n'
              "--helpfull also lists absl's own flags (logging, --flagfile).\n",
+ 'find-batch': 'USAGE: tputrain find-batch [flags]\n'
+               '\n'
+               '`tputrain find-batch --gin_file=F`: the largest per-replica batch that fits '
+               'and pays.\n'
+               '\n'
+               'flags:\n'
+               '  --gin_file: Gin config file(s); later files override earlier ones.\n'
+               '      (repeatable)\n'
+               "  --gin_param: Gin binding(s), e.g. 'Trainer.train_steps=100'. (repeatable)\n"
+               '  --gin_search_path: Folder(s) searched for gin files and includes. '
+               '(repeatable)\n'
+               '  --gin_import: Python module(s) to import before parsing, e.g. a module\n'
+               '      defining your Task. (repeatable)\n'
+               '  --model_dir: Overrides Trainer.model_dir.\n'
+               '  --[no]deterministic: Enable TF op determinism: bitwise reproducible runs '
+               'and\n'
+               '      resumes, at some speed cost.\n'
+               '  --start_batch: First per-replica batch tried; default:\n'
+               '      Trainer.global_batch_size / replicas.\n'
+               "  --max_batch: Largest per-replica batch tried. (default: '4096')\n"
+               '  --min_gain: Stop when a doubling buys less than this fraction more '
+               'examples/s\n'
+               "      (negative: never). (default: '0.05')\n"
+               '  --resolution: Bisect between the last batch that fit and the first out of\n'
+               "      memory until they are this close (per replica). (default: '8')\n"
+               "  --seconds: Timed seconds per batch, after compiling. (default: '2.0')\n"
+               '  --lr_rule: <linear|sqrt>: How the suggested learning rate scales with the\n'
+               "      batch: linear (x ratio) or sqrt (x sqrt(ratio)). (default: 'linear')\n"
+               '\n'
+               "--helpfull also lists absl's own flags (logging, --flagfile).\n",
  'goodput': 'USAGE: tputrain goodput [flags]\n'
             '\n'
             "`tputrain goodput --model_dir=DIR`: where a job's wall-clock time went.\n"

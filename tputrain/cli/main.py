@@ -28,6 +28,7 @@ SUMMARIES = {
     "run": "train a gin config (the default: `tputrain --gin_file=...` runs it)",
     "launch": "run N local worker processes as one MultiWorkerMirrored cluster",
     "diagnose": "where a step's time goes: input, compute or communication, and the knob to turn",
+    "find-batch": "the largest per-replica batch that fits and pays, and the scaled learning rate",
     "goodput": "where a job's wall-clock time went, restarts included (--model_dir=DIR)",
     "audit-precision": "which layers drift in bf16/fp16, and does it change the metrics?",
     "write-tfrecords": "convert .npz/.csv arrays into sharded TFRecords with a manifest",

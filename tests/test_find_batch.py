@@ -76,6 +76,17 @@ def test_another_error_at_a_larger_batch_is_a_limit_named_in_the_stop_reason():
     assert "the 8 examples the data holds" in result.stop_reason
 
 
+def test_a_data_limit_ends_the_climb_without_bisecting_toward_it():
+    """Bisection is for memory: a batch near the whole data set is no suggestion."""
+    result = find_batch(SmallDataTask(limit=20), tf.distribute.OneDeviceStrategy("/cpu:0"),
+                        global_batch_size=8, learning_rate=0.1, min_gain=None, resolution=4,
+                        seconds=0.05, **QUICK)
+    assert [(t.per_replica_batch, t.fits) for t in result.trials] == [
+        (8, True), (16, True), (32, False)]
+    assert result.suggested.per_replica_batch == 16
+    assert "the 20 examples the data holds" in result.stop_reason
+
+
 def test_max_batch_bounds_the_climb_on_two_replicas():
     strategy = tf.distribute.MirroredStrategy(
         ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())

@@ -15,7 +15,7 @@ The climb ends at an out of memory (at compile or at run:
 `tf.errors.ResourceExhaustedError`, or XLA's "ran out of memory" in another
 error), at `max_batch`, or when a doubling buys less than `min_gain` more
 examples/s. Another error at a larger batch than the first (e.g. more
-examples than the data holds) is a limit too: bisected to, and named.
+examples than the data holds) ends it too, named, without bisecting toward it.
 `tputrain find-batch` runs it on a gin config; `batch_report`
 formats the table and the suggested gin params.
 """
@@ -186,9 +186,15 @@ class _Finder:
             last, batch = trial, min(2 * batch, max_batch)
 
     def bisect(self, fit: int | None, failed: int, resolution: int) -> str:
-        """Narrows [last fit, first out of memory) to `resolution`; why it stopped."""
+        """Narrows [last fit, first out of memory) to `resolution`; why it stopped.
+        Another error (more examples than the data holds) is not bisected toward: a
+        batch near the whole data set is no suggestion."""
         if fit is None:
             return f"{self.trials[0].error} at the start batch {failed} per replica"
+        error = self.trials[-1].error
+        if error != "out of memory":
+            return (f"{error} at per-replica batch {failed} (largest that fit: {fit}; not "
+                    "bisected: the limit is not memory)")
         while failed - fit > resolution:
             middle = fit + max(resolution, (failed - fit) // 2 // resolution * resolution)
             if middle >= failed:

@@ -20,8 +20,10 @@ from typing import Any
 # TensorFlow's C++ INFO lines drown the progress lines; users can still override.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
+from tputrain import compile_cache  # noqa: E402  (imports no TensorFlow)
 from tputrain.console import filter_tensorflow_startup  # noqa: E402  (imports no TensorFlow)
 
+compile_cache.enable()  # before TensorFlow finds its devices, when it reads TF_XLA_FLAGS
 filter_tensorflow_startup()  # before anything imports TensorFlow (docs/architecture.md)
 
 __version__ = "0.1.0"

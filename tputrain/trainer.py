@@ -25,6 +25,7 @@ from tputrain.actions import (Action, CommunicationAction, MFUAction, NonFiniteP
                               PreemptionAction, ProfilerAction, check_actions)
 from tputrain.checkpointing.manager import Checkpointer
 from tputrain.checkpointing.seeds import seed_generator_states
+from tputrain import compile_cache
 from tputrain.checks import check_int
 from tputrain.distribution.communication import CommunicationOptions
 from tputrain.config_summary import ConfigSummaryAction
@@ -125,6 +126,7 @@ class Trainer:
             overrides_train_step(task), type(task).__name__))
         self._max_over_hosts = MaxOverHosts(self.strategy, self.num_hosts)
         keras.utils.set_random_seed(self.seed)
+        compile_cache.report()  # set when tputrain was imported
         self.inputs = Inputs(task, self.strategy, self.plan)
         for split in ("train", "eval"):  # corrupt records and missing files fail here
             self.startup.mark("data", probe_inputs(getattr(self.inputs, f"{split}_dataset"), split))

@@ -202,3 +202,10 @@ def test_a_run_killed_mid_run_resumes_its_averages_bitwise(tmp_path):
     assert any(name.startswith("ema/") for name in expected)
     for key in expected:
         np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
+
+
+def test_the_decay_cannot_change_on_a_built_trainer(runs):
+    ema_run = runs[1]
+    assert ema_run.ema_decay == DECAY and ema_run.ema.decay == DECAY
+    with pytest.raises(AttributeError, match="ema_decay"):
+        ema_run.ema_decay = 0.5

@@ -209,3 +209,15 @@ def test_the_decay_cannot_change_on_a_built_trainer(runs):
     assert ema_run.ema_decay == DECAY and ema_run.ema.decay == DECAY
     with pytest.raises(AttributeError, match="ema_decay"):
         ema_run.ema_decay = 0.5
+
+
+def test_a_side_car_evaluates_and_predicts_with_the_averages(runs):
+    tmp_path, ema_run, ema_logs, record, *_ = runs
+    reader = tputrain.ReadOnlyTrainer(TinyTask(), str(tmp_path / "ema"), strategy_for(1),
+                                      train_steps=STEPS, steps_per_loop=1, global_batch_size=32,
+                                      report_mfu=False, ema_decay=DECAY)
+    logs = tputrain.evaluate_checkpoints(reader, step=STEPS)[STEPS]
+    for key in ema_logs:
+        assert logs[key] == pytest.approx(ema_logs[key], abs=1e-6), key
+    np.testing.assert_allclose(reader.predict("eval"), _averaged_outputs(ema_run, record),
+                               atol=1e-5)

@@ -43,9 +43,10 @@ def manual_average(raw: list[list[np.ndarray]], decay: float = DECAY,
     return average
 
 
-def trainer_for(tmp_path, name, replicas=1, ema_decay=DECAY, actions=(), task=None, **kwargs):
+def trainer_for(tmp_path, name, replicas=1, ema_decay=DECAY, actions=(), task=None,
+                train_steps=STEPS, **kwargs):
     return tputrain.Trainer(task or TinyTask(), str(tmp_path / name), strategy_for(replicas),
-                            train_steps=STEPS, steps_per_loop=1, global_batch_size=32,
+                            train_steps=train_steps, steps_per_loop=1, global_batch_size=32,
                             report_mfu=False, ema_decay=ema_decay, actions=list(actions),
                             **kwargs)
 
@@ -221,3 +222,10 @@ def test_a_side_car_evaluates_and_predicts_with_the_averages(runs):
         assert logs[key] == pytest.approx(ema_logs[key], abs=1e-6), key
     np.testing.assert_allclose(reader.predict("eval"), _averaged_outputs(ema_run, record),
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("before, after", [(None, DECAY), (DECAY, None)])
+def test_turning_ema_on_or_off_in_a_model_dir_is_refused(tmp_path, before, after):
+    trainer_for(tmp_path, "dir", ema_decay=before, train_steps=2).train()
+    with pytest.raises(tputrain.CheckpointMismatchError):
+        trainer_for(tmp_path, "dir", ema_decay=after, train_steps=4).train()

@@ -229,3 +229,16 @@ def test_turning_ema_on_or_off_in_a_model_dir_is_refused(tmp_path, before, after
     trainer_for(tmp_path, "dir", ema_decay=before, train_steps=2).train()
     with pytest.raises(tputrain.CheckpointMismatchError):
         trainer_for(tmp_path, "dir", ema_decay=after, train_steps=4).train()
+
+
+def test_averaged_weights_swaps_the_averages_in_and_the_raw_weights_back(runs):
+    ema_run = runs[1]
+    raw = [np.array(v) for v in ema_run.model.trainable_variables]
+    with tputrain.averaged_weights(ema_run.ema) as averaged:
+        assert averaged
+        for variable, average in zip(ema_run.model.trainable_variables, ema_run.ema.averages):
+            np.testing.assert_array_equal(np.array(variable), np.array(average))
+    for variable, value in zip(ema_run.model.trainable_variables, raw):
+        np.testing.assert_array_equal(np.array(variable), value)
+    with tputrain.averaged_weights(None) as averaged:
+        assert not averaged

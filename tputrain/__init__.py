@@ -73,6 +73,8 @@ _EXPORTS = {
     "NoNewCheckpointError": "tputrain.sidecar",
     "ReadOnlyTrainer": "tputrain.sidecar",
     "evaluate_checkpoints": "tputrain.sidecar",
+    "averaged_weights": "tputrain.ema",
+    "ExponentialAverage": "tputrain.ema",
 }
 
 __all__ = list(_EXPORTS)

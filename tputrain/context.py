@@ -34,6 +34,7 @@ class ActionContext:
       stop_training, stop_reason: set by `stop(reason)`; the Controller ends the
         run after the hook that set them.
       flops_per_step, report_mfu: the MFU action's count, and whether it reports.
+      ema: the run's EMA weights (`tputrain.ema.ExponentialAverage`), or None.
     """
 
     def __init__(self, *, step_variable: tf.Variable, agree: Callable[[int], int],

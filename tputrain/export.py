@@ -47,6 +47,7 @@ from tputrain.checks import check_bool
 from tputrain.context import ActionContext
 from tputrain.data import parse_feature_spec
 from tputrain.data.manifest import is_var_len
+from tputrain.ema import load_averages
 from tputrain.precision.layers import override_layer_dtypes
 from tputrain.loop.step import ensure_built
 from tputrain.tasks.digits import FEATURES as DIGITS_FEATURES, DigitsTask
@@ -132,12 +133,15 @@ def _float32_outputs(outputs: Any) -> dict[str, tf.Tensor]:
 
 def restored_model(trainer: "Trainer", checkpoint: str) -> keras.Model:
     """A new model from the Task, built outside any strategy under the training
-    precision, holding the weights of `checkpoint` (the optimizer is not read)."""
+    precision, holding the weights of `checkpoint` (the optimizer is not read); with
+    `Trainer.ema_decay`, its EMA weights (`tputrain.ema`) where it has them."""
     model = trainer.task.build_model()
     ensure_built(model, trainer.inputs.micro_batch_spec()[0])
     override_layer_dtypes(model, trainer.options.precision.keep_float32_layers)  # as trained
     tf.train.Checkpoint(model=model).read(checkpoint).expect_partial() \
         .assert_existing_objects_matched()
+    if trainer.options.ema_decay is not None and load_averages(model, checkpoint):
+        logging.info("tputrain: exporting the EMA weights of %s", checkpoint)
     return model
 
 

@@ -163,6 +163,11 @@ class TrainerOptions:
         `CheckpointOptions()`.
       profiling: `ProfilingOptions` (the peak MFU is measured against); None:
         `ProfilingOptions()`.
+      ema_decay: keep an exponential moving average of the trainable weights
+        (float32, checkpointed; `average = decay * average + (1 - decay) * weights`
+        after each applied step, from the first step's weights), which evaluation,
+        `BestCheckpoint`, predict and export use; training continues on the raw
+        weights (`tputrain.ema`). E.g. 0.999; None: no average.
     """
 
     train_steps: int = 1000
@@ -184,9 +189,11 @@ class TrainerOptions:
     class_weight: Mapping[int, float] | None = None
     checkpoint: CheckpointOptions | None = None
     profiling: ProfilingOptions | None = None
+    ema_decay: float | None = None
 
     def __post_init__(self) -> None:
         _fill_parts(self)
+        object.__setattr__(self, "ema_decay", _check_ema_decay(self.ema_decay))
         for name in ("train_steps", "steps_per_loop", "global_batch_size",
                      "accumulation_steps", "keep_checkpoints", "seed"):
             check_int("Trainer", name, getattr(self, name), 0 if name == "seed" else 1)
@@ -288,6 +295,17 @@ def _check_class_weight(class_weight: Any) -> dict[int, float] | None:
                              f"finite number >= 0, got {value!r}")
         checked[int(key)] = float(value)
     return checked
+
+
+def _check_ema_decay(decay: Any) -> float | None:
+    """A float in (0, 1), or None: 1 would never move, 0 would be the raw weights."""
+    if decay is None:
+        return None
+    if isinstance(decay, bool) or not isinstance(decay, (int, float, np.floating)) \
+            or not math.isfinite(decay) or not 0 < decay < 1:
+        raise ValueError("Trainer.ema_decay must be a number in (0, 1) such as 0.999, "
+                         f"or None, got {decay!r}")
+    return float(decay)
 
 
 def _check_profile_steps(profile_steps: Any) -> tuple[int, int] | None:

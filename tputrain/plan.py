@@ -20,7 +20,7 @@ from tputrain.options import TrainerOptions
 
 # Plan fields the strategy or the step's build decide (not settable as options).
 RESOLVED = ("input_mode", "precision", "jit_compile", "steps_per_program", "steps_per_fetch",
-            "global_batch_size", "accumulation_steps")
+            "global_batch_size", "accumulation_steps", "ema_decay")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,6 +41,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.data.tfrecord import list_shards
+from tputrain.ema import averaged_weights
 from tputrain.precision import to_float32
 
 if TYPE_CHECKING:
@@ -61,9 +62,18 @@ def predict(trainer: "Trainer", source: str = "eval", log_every: int = 100) -> O
 
 def predict_weights(trainer: "Trainer", source: str = "eval", log_every: int = 100) -> Outputs:
     """Every example of `source` (a split or a TFRecord glob, see the module docstring)
-    through the weights in memory: float32 arrays, one row per example, in order."""
+    through the weights in memory (their EMA with `Trainer.ema_decay`, as evaluation):
+    float32 arrays, one row per example, in order."""
     if not isinstance(log_every, int) or log_every < 1:
         raise ValueError(f"predict: log_every must be an int >= 1, got {log_every!r}")
+    with averaged_weights(trainer.ema) as averaged:
+        if averaged:
+            logging.info("tputrain: predicting with the EMA weights")
+        return _predicted(trainer, source, log_every)
+
+
+def _predicted(trainer: "Trainer", source: str, log_every: int) -> Outputs:
+    """`predict_weights` with the model's variables as they are."""
     examples = source_examples(trainer, source)
     local, hosts = trainer.local_replicas, trainer.num_hosts
     per_replica = trainer.plan.batch.per_replica

@@ -183,10 +183,11 @@ class Progress:
         return f"{compile_figure} | ETA {_format_duration(remaining / self._steps_per_second)}"
 
     def eval_done(self, step: int, logs: Mapping[str, float], seconds: float,
-                  eval_steps: int | None = None) -> None:
+                  eval_steps: int | None = None, averaged: bool = False) -> None:
         steps = f" | {eval_steps} eval steps" if eval_steps is not None else ""
-        logging.info("tputrain: eval at step %d | %s%s | %.1fs", step, _format_logs(logs), steps,
-                     seconds)
+        weights = " (EMA weights)" if averaged else ""
+        logging.info("tputrain: eval at step %d%s | %s%s | %.1fs", step, weights,
+                     _format_logs(logs), steps, seconds)
         self.write_scalars("eval", step, logs)
 
     def close(self) -> None:

@@ -107,9 +107,11 @@ def checkpoint_step(path: str) -> int:
 def read_checkpoint(trainer: Trainer, path: str) -> None:
     """Reads the weights and the step of checkpoint `path` into `trainer`, and
     nothing else: the optimizer, data position and RNG are the training's, and
-    the directory is left as it is (see the module docstring)."""
+    the directory is left as it is (see the module docstring). With
+    `Trainer.ema_decay`, the EMA weights too, which evaluation and predict use."""
+    ema = {"ema": trainer.ema.state} if trainer.ema is not None else {}
     try:
-        tf.train.Checkpoint(step=trainer.step, model=trainer.model).read(path) \
+        tf.train.Checkpoint(step=trainer.step, model=trainer.model, **ema).read(path) \
             .expect_partial().assert_existing_objects_matched()
     except (AssertionError, ValueError) as error:  # another model's, or damaged?
         problems = describe_mismatch(trainer.checkpointer.checkpoint, path)

@@ -32,6 +32,7 @@ from tputrain.config_summary import ConfigSummaryAction
 from tputrain.context import ActionContext, ActionList
 from tputrain.console import default_progress
 from tputrain.controller import Controller
+from tputrain.ema import averaged_weights, build_average
 from tputrain.goodput import GoodputAction, StartupClock
 from tputrain.guard import NonFiniteGuard
 from tputrain.input_layout import LayoutChange
@@ -100,7 +101,7 @@ class Trainer:
                  guard: NonFiniteGuard | None = None, actions: Sequence[Action] = (),
                  communication: CommunicationOptions | None = None,
                  checkpoint: CheckpointOptions | None = None,
-                 profiling: ProfilingOptions | None = None):
+                 profiling: ProfilingOptions | None = None, ema_decay: float | None = None):
         self.options = TrainerOptions(
             train_steps=train_steps, steps_per_loop=steps_per_loop,
             global_batch_size=global_batch_size, eval_every=eval_every, eval_steps=eval_steps,
@@ -109,7 +110,7 @@ class Trainer:
             accumulation_steps=accumulation_steps, profile_steps=profile_steps,
             report_mfu=report_mfu, steps_per_fetch=steps_per_fetch,
             steps_per_program=steps_per_program, class_weight=class_weight,
-            checkpoint=checkpoint, profiling=profiling)
+            checkpoint=checkpoint, profiling=profiling, ema_decay=ema_decay)
         if not isinstance(task, Task):
             raise TypeError(f"Trainer.task must be a tputrain.Task, got {type(task).__name__}")
         if not model_dir:
@@ -135,6 +136,7 @@ class Trainer:
             self.guard = self.startup.mark("model", build_model_state(
                 task, self.strategy, self.inputs.micro_batch_spec()[0],
                 self.options.precision.keep_float32_layers, guard))
+        self.ema = build_average(self.strategy, self.model, self.options.ema_decay)  # ema.py
         self._build_checkpointer()
         self._steps = StepBuilder(task, self.model, self.optimizer, self.train_metrics,
                                   self.guard, self.strategy, self.global_batch_size,
@@ -161,7 +163,7 @@ class Trainer:
             task=self.task, guard=self.guard, inputs=self.inputs, model_dir=self.model_dir,
             train_metrics=self.train_metrics, eval_metrics=self.eval_metrics,
             actions=self.actions, startup=self.startup, options=self.options,
-            report_mfu=self.options.report_mfu)
+            report_mfu=self.options.report_mfu, ema=self.ema)
 
     def _build_checkpointer(self) -> None:
         """Checkpoints (the chief's; other workers write a temp dir), pre-flight, progress."""
@@ -185,6 +187,7 @@ class Trainer:
             barrier=lambda: self._max_over_hosts(0), input_layout=self.inputs.layout(),
             reposition=self._reposition_input, model=self.model, optimizer=self.optimizer,
             seeds=seed_generator_states(self.model), nonfinite_steps=self.guard.nonfinite_steps,
+            **({"ema": self.ema.state} if self.ema else {}),
             async_save=self.checkpoint.async_save, check_finite=self.checkpoint.check_finite)
         self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
         self.progress = Progress(summary_root(self._work_dir) if self.is_chief else None,
@@ -224,13 +227,13 @@ class Trainer:
     train_steps, steps_per_loop, global_batch_size, eval_every, eval_steps, checkpoint_every, \
         keep_checkpoints, seed, accumulation_steps, profile_steps, steps_per_fetch, \
         class_weight, input_mode, precision, jit_compile, steps_per_program, checkpoint, \
-        profiling = (
+        profiling, ema_decay = (
             _planned(name) for name in (
                 "train_steps", "steps_per_loop", "global_batch_size", "eval_every",
                 "eval_steps", "checkpoint_every", "keep_checkpoints", "seed",
                 "accumulation_steps", "profile_steps", "steps_per_fetch", "class_weight",
                 "input_mode", "precision", "jit_compile", "steps_per_program", "checkpoint",
-                "profiling"))
+                "profiling", "ema_decay"))
     num_hosts, host_id, local_replicas = (
         property(lambda self, n=name: getattr(self.plan.batch, n))
         for name in ("num_hosts", "host_id", "local_replicas"))
@@ -250,9 +253,7 @@ class Trainer:
         self.checkpointer = self.context.checkpointer = None
         self._evaluator.close()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
+    closed = property(lambda self: self._closed)  # close() was called
 
     def __enter__(self) -> "Trainer":
         return self
@@ -328,10 +329,10 @@ class Trainer:
         return predict_outputs(self, source, log_every)
 
     def evaluate_weights(self) -> dict[str, float]:
-        """Evaluates the weights in memory: {"loss": ..., metric names: ...}."""
-        with Stopwatch() as watch:
+        """Evaluates the weights in memory (their EMA with `ema_decay`): {"loss": ...}."""
+        with averaged_weights(self.ema) as averaged, Stopwatch() as watch:
             logs, steps = self._evaluator.evaluate()
-        self.progress.eval_done(self.current_step, logs, watch.seconds, steps)
+        self.progress.eval_done(self.current_step, logs, watch.seconds, steps, averaged)
         return logs
 
     def run_loop(self, num_steps: int) -> tuple[dict[str, float], int, float]:
@@ -342,7 +343,7 @@ class Trainer:
             # merge_call, which a nested XLA function cannot hold: the loop counts it.
             mirrored = isinstance(self.step, tf.distribute.DistributedValues)
             step_fn = self._steps.build(count=None if mirrored else (
-                lambda logs: count_step(self.step, self.guard, logs)))
+                lambda logs: count_step(self.step, self.guard, logs, self.ema)))
             program = plan_program(step_fn, self._steps, self.inputs, self.plan, self.step,
                                    self.guard, self.progress.ideal_step_seconds)
             # "auto" -> False if XLA refused it
@@ -350,7 +351,7 @@ class Trainer:
             self._train_loop_fn = HostLoop(step_fn, self.inputs, count_steps=True, step=self.step,
                                            guard=self.guard, stop_requested=self._stop_requested,
                                            counted_in_step=self._steps.counted_in_step,
-                                           **program).run
+                                           ema=self.ema, **program).run
         for metric in self.train_metrics:
             metric.reset_state()
         if self._replica_stats is None:  # the model is built (ensure_built)

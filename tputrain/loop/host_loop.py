@@ -26,6 +26,7 @@ from typing import Any, Callable
 import tensorflow as tf
 from absl import logging
 
+from tputrain.ema import ExponentialAverage
 from tputrain.guard import NonFiniteGuard
 from tputrain.loop.inputs import Inputs, zeros_of
 from tputrain.loop.step import StepBuilder, steps_program
@@ -41,11 +42,16 @@ def op_determinism() -> bool:
     return bool(getattr(tf_config, "is_op_determinism_enabled", lambda: False)())
 
 
-def count_step(step: tf.Variable, guard: NonFiniteGuard, logs: dict[str, tf.Tensor]) -> None:
+def count_step(step: tf.Variable, guard: NonFiniteGuard, logs: dict[str, tf.Tensor],
+               ema: ExponentialAverage | None = None) -> None:
     """After a train step: advance the counter and let the guard observe the step's
-    logs (summed over replicas, or the one replica's inside an XLA step)."""
+    logs (summed over replicas, or the one replica's inside an XLA step); then the
+    EMA weights take the step in, unless the guard counted it non-finite."""
+    skipped = guard.nonfinite_steps.read_value() if ema is not None else None
     step.assign_add(1)
     guard.observe(logs, step)
+    if ema is not None:
+        ema.update(applied=tf.equal(guard.nonfinite_steps.read_value(), skipped))
 
 
 class HostLoop:
@@ -62,8 +68,9 @@ class HostLoop:
                  step: tf.Variable | None = None, guard: NonFiniteGuard | None = None,
                  stop_requested: Callable[[], Any] = lambda: False,
                  counted_in_step: bool = False, program: Callable | None = None,
-                 program_steps: int = 1):
+                 program_steps: int = 1, ema: ExponentialAverage | None = None):
         self.replica_step = replica_step
+        self.ema = ema  # the EMA weights a counted step updates (count_step)
         self.inputs = inputs
         self.strategy = inputs.strategy
         self.count_steps = count_steps
@@ -91,7 +98,7 @@ class HostLoop:
                 for name, value in per_replica.items()}
         # Outside strategy.run: a mirrored counter diverges inside it.
         if self.count_steps and not self.counted_in_step:
-            count_step(self.step, self.guard, logs)
+            count_step(self.step, self.guard, logs, self.ema)
         return logs
 
     def _next_value(self, iterator) -> tuple[tf.Tensor, Any]:

@@ -39,7 +39,7 @@ from tputrain.loop.host_loop import HostLoop, count_step, plan_program
 from tputrain.loop.hosts import MaxOverHosts
 from tputrain.loop.inputs import Inputs
 from tputrain.loop.replica_stats import ReplicaStatistics
-from tputrain.loop.source_counts import SourceCounter
+from tputrain.loop.source_counts import checkpointed, source_logs
 from tputrain.loop.step import StepBuilder
 from tputrain.model_state import build_model_state
 from tputrain.options import CheckpointOptions, PrecisionOptions, ProfilingOptions, TrainerOptions
@@ -130,7 +130,6 @@ class Trainer:
         for split in ("train", "eval"):  # corrupt records and missing files fail here
             self.startup.mark("data", probe_inputs(getattr(self.inputs, f"{split}_dataset"), split))
         check_eval_split(self.inputs.eval_dataset, self.eval_steps)
-        self.source_counter = SourceCounter.of(self.inputs.mixture)  # None: no mixture
         self.model, self.optimizer, self.train_metrics, self.eval_metrics, self.step, \
             self.guard = self.startup.mark("model", build_model_state(
                 task, self.strategy, self.inputs.micro_batch_spec()[0],
@@ -140,7 +139,7 @@ class Trainer:
                                   self.guard, self.strategy, self.global_batch_size,
                                   self.accumulation_steps, self.jit_compile, self.precision,
                                   self.inputs.train_dataset.element_spec,
-                                  self.communication.allreduce_dtype, self.source_counter)
+                                  self.communication.allreduce_dtype, self.inputs.source_counter)
         self._evaluator = Evaluator(task, self.model, self.eval_metrics, self.inputs,
                                     self.eval_steps, self._max_over_hosts)
         self._launch(self.plan.jit_compile, self.plan.steps_per_program)
@@ -175,18 +174,17 @@ class Trainer:
             per_host["iterator"] = self._train_iterator
         self.checkpointer = Checkpointer(
             os.path.join(self._work_dir, "checkpoints"), self.step, every=self.checkpoint_every,
-            keep=self.keep_checkpoints,
             restore_directory=os.path.join(self.model_dir, "checkpoints"),  # the chief's
             # A float learning rate is a variable: the config's value wins over the
             # checkpoint's, unless an action sets it (Action.owns_learning_rate).
             config_owned=[] if any(a.owns_learning_rate for a in self.actions) else
             [v for v in self.optimizer.variables if v.name == "learning_rate"],
-            per_host=per_host, host=(self.host_id, self.num_hosts),
+            keep=self.keep_checkpoints, per_host=per_host, host=(self.host_id, self.num_hosts),
             barrier=lambda: self._max_over_hosts(0), input_layout=self.inputs.layout(),
             reposition=self._reposition_input, model=self.model, optimizer=self.optimizer,
             seeds=seed_generator_states(self.model), nonfinite_steps=self.guard.nonfinite_steps,
             async_save=self.checkpoint.async_save, check_finite=self.checkpoint.check_finite,
-            **(self.source_counter.checkpointed() if self.source_counter else {}))
+            **checkpointed(self.inputs.source_counter))  # a mixture's per-source counts
         self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
         self.progress = Progress(summary_root(self._work_dir) if self.is_chief else None,
                                  self.train_steps, self.global_batch_size)
@@ -358,12 +356,11 @@ class Trainer:
             self._replica_stats = ReplicaStatistics(self.strategy, self.model)
         self._replica_stats.begin()
         totals, steps, input_wait = self._train_loop_fn(self._train_iterator, num_steps)
-        sources = self.source_counter.record(totals) if self.source_counter else {}
         self._replica_stats.average()  # copies made one (or refused) before a save or eval
         steps = int(steps)
         logs = {name: float(value) / steps for name, value in totals.items()}
         logs.update({m.name: float(m.result()) for m in self.train_metrics})
-        return {**logs, **sources}, steps, float(input_wait)
+        return {**logs, **source_logs(self.inputs.source_counter)}, steps, float(input_wait)
 
     def _stop_requested(self) -> Any:
         """In the compiled loop: stop before the next step (guard trip or SIGTERM)? Several

@@ -15,9 +15,9 @@ import tensorflow as tf
 from tputrain.data import InputContext
 from tputrain.data.batching import check_static
 from tputrain.data.external_state import checkpointable
-from tputrain.data.mixture import MixtureSources, mixture_sources
+from tputrain.data.mixture import mixture_sources
 from tputrain.input_layout import InputLayout, LayoutChange
-from tputrain.loop.source_counts import without_source
+from tputrain.loop.source_counts import SourceCounter, without_source
 from tputrain.task import Task
 
 INPUT_MODES = ("host", "distributed")
@@ -110,8 +110,8 @@ class Inputs:
                                                              batch.local_replicas)
         self.steps_per_fetch, self.input_mode = plan.steps_per_fetch, plan.input_mode
         self.class_weight = plan.options.class_weight
-        # A mixture's train split names its sources (the step counts their examples).
-        self.mixture: MixtureSources | None = None
+        # A mixture's train split: the step strips and counts its sources' examples.
+        self.source_counter: SourceCounter | None = None
         # Inputs first: bad data fails before anything is built or written.
         self._train_dataset = self.build_dataset("train")
         self._eval_dataset = self.build_dataset("eval")
@@ -193,8 +193,8 @@ class Inputs:
     def micro_batch_spec(self) -> Any:
         """Element spec of one per-replica (micro-)batch of the train split."""
         spec = self._train_dataset.element_spec
-        if self.mixture is not None:  # the model's features hold no source id
-            spec = without_source(spec, self.mixture.key)
+        if self.source_counter is not None:  # the model's features hold no source id
+            spec = without_source(spec, self.source_counter.key)
         if self.accumulation_steps == 1:
             return spec
         return tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape[1:], s.dtype), spec)
@@ -217,13 +217,14 @@ class Inputs:
         return self.group_micro_batches(dataset, split)
 
     def sources_of(self, dataset: tf.data.Dataset, split: str) -> tf.data.Dataset:
-        """Notes a mixture's sources (train: the step counts and strips the id), or
-        strips the source id from the eval split's features (nothing counts there)."""
+        """A mixture's train split gets a `source_counter` (the step strips and counts
+        the source ids); its eval split, the source id stripped from the features
+        (nothing counts there). Any other dataset is unchanged."""
         sources = mixture_sources(dataset)
         if sources is None:
             return dataset
         if split == "train":
-            self.mixture = sources
+            self.source_counter = SourceCounter(sources)
             return dataset
         return dataset.map(lambda *batch: without_source(batch, sources.key))
 

@@ -60,15 +60,6 @@ class SourceCounter:
         self.examples = tf.Variable(tf.zeros([len(self.names)], tf.int64), trainable=False,
                                     name="source_examples")
 
-    @classmethod
-    def of(cls, sources: MixtureSources | None) -> "SourceCounter | None":
-        """A counter for a mixture's sources; None (no cost) for any other input."""
-        return None if sources is None else cls(sources)
-
-    def checkpointed(self) -> dict[str, tf.Variable]:
-        """The totals, as a trackable of the run's checkpoint."""
-        return {"source_examples": self.examples}
-
     def counting(self, step: Callable[[Any], dict[str, tf.Tensor]]
                  ) -> Callable[[Any], dict[str, tf.Tensor]]:
         """The replica step on the batch without the source id, logging its counts."""
@@ -80,11 +71,23 @@ class SourceCounter:
             return {**logs, COUNTS_LOG: count_examples(batch[0], self.key, len(self.names))}
         return counted
 
-    def record(self, totals: dict[str, Any]) -> dict[str, float]:
-        """Takes a loop's summed counts out of `totals` into the running totals;
-        returns the totals as logs (`examples/<name>`)."""
+    def record(self, totals: dict[str, Any]) -> None:
+        """Takes a loop's summed counts (`HostLoop.run`) out of `totals` into the totals."""
         counts = totals.pop(COUNTS_LOG, None)
         if counts is not None:
             self.examples.assign_add(tf.cast(counts, tf.int64))
+
+    def logs(self) -> dict[str, float]:
+        """The running totals as logs: `examples/<name>`."""
         return {f"{TAG_PREFIX}{name}": float(count)
                 for name, count in zip(self.names, self.examples.numpy())}
+
+
+def checkpointed(counter: SourceCounter | None) -> dict[str, tf.Variable]:
+    """The checkpoint's trackables of a mixture's counts: none without a mixture."""
+    return {} if counter is None else {"source_examples": counter.examples}
+
+
+def source_logs(counter: SourceCounter | None) -> dict[str, float]:
+    """The loop's logs of a mixture's counts (`SourceCounter.logs`): none without one."""
+    return {} if counter is None else counter.logs()

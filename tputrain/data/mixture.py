@@ -173,8 +173,9 @@ class MixtureInput(BatchedInput):
     files, shuffled and repeated as set here), then the sources are mixed
     example by example (`mix_datasets`, seeded per host so hosts draw
     differently but reproducibly), made static by `to_static` (packing, say)
-    and batched. Each example carries `source_id`: sum `source_counts` of the
-    batches for per-source counts.
+    and batched. Each example carries `source_id`, which the Trainer's step
+    strips from the features and counts: each source's examples so far show in
+    the progress line and TensorBoard (`examples/<name>`), checkpointed.
 
     Args:
         sources: manifests (`*.manifest.json`), globs of TFRecord files (then

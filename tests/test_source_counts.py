@@ -72,13 +72,13 @@ def _sources(directory):
     return sources
 
 
-def direct_counts(sources, steps):
+def direct_counts(sources, steps, replicas=REPLICAS):
     """[wiki, code] examples (segments) in the first `steps` steps' batches, counted
     from each row's segment ids and the source id their tokens carry."""
     context = InputContext(num_input_pipelines=1, input_pipeline_id=0,
-                           num_replicas_in_sync=REPLICAS, global_batch_size=GLOBAL_BATCH)
+                           num_replicas_in_sync=replicas, global_batch_size=GLOBAL_BATCH)
     counts = np.zeros(2, np.int64)
-    batches = _mixture(sources)(context).take(steps * REPLICAS)
+    batches = _mixture(sources)(context).take(steps * replicas)
     for features, _ in batches.as_numpy_iterator():
         for segments, ids in zip(features["segment_ids"], features["source_id"]):
             for segment in set(segments.tolist()) - {0}:
@@ -86,22 +86,24 @@ def direct_counts(sources, steps):
     return counts
 
 
-def _trainer(tmp_path, sources, directory, steps):
+def _trainer(tmp_path, sources, directory, steps, replicas=REPLICAS):
     return tputrain.Trainer(MixtureTask(sources), str(tmp_path / directory),
-                            strategy=strategy_for(REPLICAS), train_steps=steps, steps_per_loop=2,
+                            strategy=strategy_for(replicas), train_steps=steps, steps_per_loop=2,
                             global_batch_size=GLOBAL_BATCH, checkpoint_every=2, eval_steps=1,
                             report_mfu=False)
 
 
-def test_the_counts_are_exact_cumulative_global_and_shown(tmp_path, caplog):
+# 2 replicas: summed over replicas; 1 replica: the whole step one XLA program.
+@pytest.mark.parametrize("replicas", [2, 1])
+def test_the_counts_are_exact_cumulative_global_and_shown(tmp_path, caplog, replicas):
     sources = _sources(tmp_path)
     with caplog.at_level("INFO"):
-        _trainer(tmp_path, sources, "run", 6).train()
+        _trainer(tmp_path, sources, "run", 6, replicas).train()
     points = scalar_points(tmp_path / "run" / "train")
     for step in (2, 4, 6):
         written = [dict(points[f"examples/{name}"])[step] for name in ("wiki", "code")]
-        assert written == direct_counts(sources, step).tolist(), step
-    wiki, code = direct_counts(sources, 6)
+        assert written == direct_counts(sources, step, replicas).tolist(), step
+    wiki, code = direct_counts(sources, 6, replicas)
     assert wiki > 0 and code > 0
     line = [r.getMessage() for r in caplog.records if "step 6/6" in r.getMessage()][-1]
     wiki_share, code_share = (f"{100 * n / (wiki + code):.0f}" for n in (wiki, code))

@@ -64,6 +64,31 @@ def _token_rates(logs: Mapping[str, float], steps_per_second: float,
     return words
 
 
+# Cumulative per-source example counts of a mixture (`tputrain.loop.source_counts`).
+SOURCE_PREFIX = "examples/"
+
+
+def _format_count(count: float) -> str:
+    """6100 -> "6.1k": a count the line can hold at any size."""
+    for size, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if count >= size:
+            return f"{count / size:.1f}{unit}"
+    return f"{count:.0f}"
+
+
+def _source_words(logs: Mapping[str, float]) -> str:
+    """`| sources: wiki 61% (6.1k) | code 39% (3.9k)`: each source's share of the
+    examples trained on so far and its count; "" without a mixture's counts."""
+    counts = {name[len(SOURCE_PREFIX):]: float(value) for name, value in logs.items()
+              if name.startswith(SOURCE_PREFIX)}
+    if not counts:
+        return ""
+    total = max(sum(counts.values()), 1.0)
+    return " | sources: " + " | ".join(f"{name} {100 * count / total:.0f}% "
+                                       f"({_format_count(count)})"
+                                       for name, count in counts.items())
+
+
 class Progress:
     """Logs each loop (step, loss, metrics, examples/s, ETA) and writes summaries.
 
@@ -145,7 +170,8 @@ class Progress:
                  "examples_per_second": steps_per_second * self.global_batch_size,
                  "input/stall_fraction": min(1.0, input_wait / max(seconds, 1e-9))}
         tokens, shown = _token_rates(logs, steps_per_second, rates), dict(logs)
-        for name in TOKEN_LOGS:
+        tokens += _source_words(logs)
+        for name in [*TOKEN_LOGS, *(n for n in logs if n.startswith(SOURCE_PREFIX))]:
             shown.pop(name, None)
         mfu = ""
         if self._flops_per_step and self._peak_flops:

@@ -41,6 +41,7 @@ from tputrain.loop.host_loop import HostLoop, count_step, plan_program
 from tputrain.loop.hosts import MaxOverHosts
 from tputrain.loop.inputs import Inputs
 from tputrain.loop.replica_stats import ReplicaStatistics
+from tputrain.loop.source_counts import checkpointed, source_logs
 from tputrain.loop.step import StepBuilder
 from tputrain.model_state import build_model_state
 from tputrain.options import CheckpointOptions, PrecisionOptions, ProfilingOptions, TrainerOptions
@@ -72,6 +73,13 @@ def _from_context(name: str) -> property:
     """Run state the actions share: read and written through the context."""
     return property(lambda self: getattr(self.context, name),
                     lambda self, value: setattr(self.context, name, value))
+
+
+def _check_arguments(task: Task, model_dir: str) -> None:
+    if not isinstance(task, Task):
+        raise TypeError(f"Trainer.task must be a tputrain.Task, got {type(task).__name__}")
+    if not model_dir:
+        raise ValueError("Trainer.model_dir is empty: pass --model_dir or bind Trainer.model_dir")
 
 
 class Trainer:
@@ -111,10 +119,7 @@ class Trainer:
             report_mfu=report_mfu, steps_per_fetch=steps_per_fetch,
             steps_per_program=steps_per_program, class_weight=class_weight,
             checkpoint=checkpoint, profiling=profiling, ema_decay=ema_decay)
-        if not isinstance(task, Task):
-            raise TypeError(f"Trainer.task must be a tputrain.Task, got {type(task).__name__}")
-        if not model_dir:
-            raise ValueError("Trainer.model_dir is empty: pass --model_dir or bind Trainer.model_dir")
+        _check_arguments(task, model_dir)
         self.actions, self.startup = check_actions(actions), StartupClock()  # goodput.py
         self._closed, self.context = False, None
         default_progress()  # a plain Python script shows progress, as the CLI does
@@ -142,7 +147,7 @@ class Trainer:
                                   self.guard, self.strategy, self.global_batch_size,
                                   self.accumulation_steps, self.jit_compile, self.precision,
                                   self.inputs.train_dataset.element_spec,
-                                  self.communication.allreduce_dtype)
+                                  self.communication.allreduce_dtype, self.inputs.source_counter)
         self._evaluator = Evaluator(task, self.model, self.eval_metrics, self.inputs,
                                     self.eval_steps, self._max_over_hosts)
         self._launch(self.plan.jit_compile, self.plan.steps_per_program)
@@ -177,18 +182,18 @@ class Trainer:
             per_host["iterator"] = self._train_iterator
         self.checkpointer = Checkpointer(
             os.path.join(self._work_dir, "checkpoints"), self.step, every=self.checkpoint_every,
-            keep=self.keep_checkpoints,
             restore_directory=os.path.join(self.model_dir, "checkpoints"),  # the chief's
             # A float learning rate is a variable: the config's value wins over the
             # checkpoint's, unless an action sets it (Action.owns_learning_rate).
             config_owned=[] if any(a.owns_learning_rate for a in self.actions) else
             [v for v in self.optimizer.variables if v.name == "learning_rate"],
-            per_host=per_host, host=(self.host_id, self.num_hosts),
+            keep=self.keep_checkpoints, per_host=per_host, host=(self.host_id, self.num_hosts),
             barrier=lambda: self._max_over_hosts(0), input_layout=self.inputs.layout(),
             reposition=self._reposition_input, model=self.model, optimizer=self.optimizer,
             seeds=seed_generator_states(self.model), nonfinite_steps=self.guard.nonfinite_steps,
-            **({"ema": self.ema.state} if self.ema else {}),
-            async_save=self.checkpoint.async_save, check_finite=self.checkpoint.check_finite)
+            **({"ema": self.ema.state} if self.ema else {}), **checkpointed(
+                self.inputs.source_counter), async_save=self.checkpoint.async_save,
+            check_finite=self.checkpoint.check_finite)  # (a mixture's per-source counts)
         self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
         self.progress = Progress(summary_root(self._work_dir) if self.is_chief else None,
                                  self.train_steps, self.global_batch_size)
@@ -362,7 +367,7 @@ class Trainer:
         steps = int(steps)
         logs = {name: float(value) / steps for name, value in totals.items()}
         logs.update({m.name: float(m.result()) for m in self.train_metrics})
-        return logs, steps, float(input_wait)
+        return {**logs, **source_logs(self.inputs.source_counter)}, steps, float(input_wait)
 
     def _stop_requested(self) -> Any:
         """In the compiled loop: stop before the next step (guard trip or SIGTERM)? Several

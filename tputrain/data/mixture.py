@@ -9,11 +9,16 @@ example gets a `source_id` feature (the source's index), which packing
 carries per token, so a batch says how many examples and real tokens each
 source gave (`source_counts`). `MixtureInput` is the input builder: every
 source is read per host like `TFRecordInput` (its share of the files), mixed,
-made static (`to_static`, e.g. `PackSequences`) and batched.
+made static (`to_static`, e.g. `PackSequences`) and batched; its dataset
+names its sources (`mixture_sources`), so the Trainer counts the examples of
+each (`tputrain.loop.source_counts`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
 from typing import Any, Callable, Mapping, Sequence
 
 import tensorflow as tf
@@ -26,6 +31,49 @@ from tputrain.data.packing import LOSS_WEIGHTS, POSITIONS, SEGMENT_IDS
 from tputrain.data.tfrecord import TFRecordInput
 
 SOURCE_ID = "source_id"
+_SOURCES_ATTRIBUTE = "_tputrain_mixture_sources"
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureSources:
+    """What a mixture's batches say of their sources: each one's name, in index
+    order, and the feature that holds the index."""
+
+    names: tuple[str, ...]
+    key: str = SOURCE_ID
+
+
+def mixture_sources(dataset: tf.data.Dataset) -> MixtureSources | None:
+    """The sources of a `MixtureInput` dataset, None for any other dataset (or one
+    transformed after `MixtureInput` returned it: tf.data makes a new dataset)."""
+    return getattr(dataset, _SOURCES_ATTRIBUTE, None)
+
+
+def source_name(source: Any, index: int) -> str:
+    """A readable default name: the manifest's or the file pattern's stem."""
+    path = source if isinstance(source, str) else (
+        getattr(getattr(source, "manifest", None), "location", None)
+        or next(iter(getattr(source, "file_patterns", ())), None))
+    if not isinstance(path, str):
+        return f"source{index}"
+    stem = re.split(r"[*?\[.]", os.path.basename(path))[0].rstrip("-_")
+    return stem or f"source{index}"
+
+
+def check_names(where: str, sources: Sequence[Any],
+                names: Sequence[str] | None) -> tuple[str, ...]:
+    """The sources' names (given, or `source_name`s made unique by their index)."""
+    if names is None:
+        names = [source_name(source, i) for i, source in enumerate(sources)]
+        if len(set(names)) < len(names):
+            names = [f"{name}{i}" for i, name in enumerate(names)]
+    names = tuple(str(name) for name in names)
+    if len(names) != len(sources):
+        raise ValueError(f"{where}: {len(sources)} sources but {len(names)} names: give "
+                         "one name a source")
+    if len(set(names)) < len(names) or not all(names):
+        raise ValueError(f"{where}: source names must be unique and non-empty, got {names}")
+    return names
 
 
 def check_weights(where: str, num_sources: int, weights: Sequence[float]) -> list[float]:
@@ -125,8 +173,9 @@ class MixtureInput(BatchedInput):
     files, shuffled and repeated as set here), then the sources are mixed
     example by example (`mix_datasets`, seeded per host so hosts draw
     differently but reproducibly), made static by `to_static` (packing, say)
-    and batched. Each example carries `source_id`: sum `source_counts` of the
-    batches for per-source counts.
+    and batched. Each example carries `source_id`, which the Trainer's step
+    strips from the features and counts: each source's examples so far show in
+    the progress line and TensorBoard (`examples/<name>`), checkpointed.
 
     Args:
         sources: manifests (`*.manifest.json`), globs of TFRecord files (then
@@ -141,6 +190,9 @@ class MixtureInput(BatchedInput):
         seed: shuffles source i with seed + i and mixes with seed + the host's
             input pipeline id.
         source_key: the name of the source-index feature.
+        names: one name a source, for the progress line's and TensorBoard's
+            per-source counts (`examples/<name>`); None: each manifest's or file
+            pattern's stem (`wiki.manifest.json` -> `wiki`).
     """
 
     def __init__(self, sources: Sequence[str | TFRecordInput], weights: Sequence[float], *,
@@ -149,8 +201,10 @@ class MixtureInput(BatchedInput):
                  label_key: str | None = None, global_batch_size: int | None = None,
                  shuffle: bool = True, shuffle_buffer: int = 10_000, seed: int | None = 0,
                  repeat: bool = True, deterministic: bool | None = True,
-                 options: InputOptions | None = None, source_key: str = SOURCE_ID):
+                 options: InputOptions | None = None, source_key: str = SOURCE_ID,
+                 names: Sequence[str] | None = None):
         self.weights = check_weights("MixtureInput", len(sources), weights)
+        self.names = check_names("MixtureInput", sources, names)
         self._set_batching(label_key=label_key, global_batch_size=global_batch_size,
                            shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed,
                            repeat=repeat, deterministic=deterministic, cache=False,
@@ -188,9 +242,12 @@ class MixtureInput(BatchedInput):
             mixed = self.to_static(mixed)
         batches = mixed.batch(batch_size, drop_remainder=True)
         batches = batches.map(lambda batch: split_label(batch, self.label_key))
-        return self._finish(batches, context)
+        finished = self._finish(batches, context)
+        setattr(finished, _SOURCES_ATTRIBUTE, MixtureSources(self.names, self.source_key))
+        return finished
 
     def __repr__(self) -> str:
-        return (f"MixtureInput({len(self.sources)} sources, weights={self.weights}, "
+        return (f"MixtureInput({len(self.sources)} sources {list(self.names)}, "
+                f"weights={self.weights}, "
                 f"to_static={self.to_static!r})")
 

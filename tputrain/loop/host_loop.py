@@ -87,10 +87,15 @@ class HostLoop:
         self.program_loop = tf.function(self._program_loop)
 
     def run(self, iterator, num_steps: int) -> tuple[Any, tf.Tensor, tf.Tensor]:
-        """`loop`, or `program_loop` when a program's steps divide `num_steps`."""
+        """`loop`, or `program_loop` when a program's steps divide `num_steps`; a
+        training loop adds a mixture's per-source counts to their totals."""
         if self.program is not None and num_steps % self.program_steps == 0:
-            return self.program_loop(iterator, tf.constant(num_steps // self.program_steps))
-        return self.loop(iterator, tf.constant(num_steps, tf.int32))
+            result = self.program_loop(iterator, tf.constant(num_steps // self.program_steps))
+        else:
+            result = self.loop(iterator, tf.constant(num_steps, tf.int32))
+        if self.count_steps and self.inputs.source_counter is not None:
+            self.inputs.source_counter.record(result[0])  # a mixture's per-source counts
+        return result
 
     def one_step(self, batch: Any) -> dict[str, tf.Tensor]:
         per_replica = self.strategy.run(self.replica_step, args=(batch,))

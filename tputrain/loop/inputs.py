@@ -15,7 +15,9 @@ import tensorflow as tf
 from tputrain.data import InputContext
 from tputrain.data.batching import check_static
 from tputrain.data.external_state import checkpointable
+from tputrain.data.mixture import mixture_sources
 from tputrain.input_layout import InputLayout, LayoutChange
+from tputrain.loop.source_counts import SourceCounter, without_source
 from tputrain.task import Task
 
 INPUT_MODES = ("host", "distributed")
@@ -108,6 +110,8 @@ class Inputs:
                                                              batch.local_replicas)
         self.steps_per_fetch, self.input_mode = plan.steps_per_fetch, plan.input_mode
         self.class_weight = plan.options.class_weight
+        # A mixture's train split: the step strips and counts its sources' examples.
+        self.source_counter: SourceCounter | None = None
         # Inputs first: bad data fails before anything is built or written.
         self._train_dataset = self.build_dataset("train")
         self._eval_dataset = self.build_dataset("eval")
@@ -189,6 +193,8 @@ class Inputs:
     def micro_batch_spec(self) -> Any:
         """Element spec of one per-replica (micro-)batch of the train split."""
         spec = self._train_dataset.element_spec
+        if self.source_counter is not None:  # the model's features hold no source id
+            spec = without_source(spec, self.source_counter.key)
         if self.accumulation_steps == 1:
             return spec
         return tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape[1:], s.dtype), spec)
@@ -200,6 +206,7 @@ class Inputs:
         if not isinstance(dataset, tf.data.Dataset):
             raise TypeError(f"Task.build_inputs({split!r}) must return a tf.data.Dataset, "
                             f"got {type(dataset).__name__}")
+        dataset = self.sources_of(dataset, split)
         check_static(f"{split} input", dataset.element_spec,
                      "pad variable-length features to a fixed length",
                      self.plan.batch.micro_batch if split == "train"
@@ -208,6 +215,18 @@ class Inputs:
         if split == "train" and self.input_mode == "host":  # its iterator is checkpointed
             dataset = checkpointable(dataset, split)
         return self.group_micro_batches(dataset, split)
+
+    def sources_of(self, dataset: tf.data.Dataset, split: str) -> tf.data.Dataset:
+        """A mixture's train split gets a `source_counter` (the step strips and counts
+        the source ids); its eval split, the source id stripped from the features
+        (nothing counts there). Any other dataset is unchanged."""
+        sources = mixture_sources(dataset)
+        if sources is None:
+            return dataset
+        if split == "train":
+            self.source_counter = SourceCounter(sources)
+            return dataset
+        return dataset.map(lambda *batch: without_source(batch, sources.key))
 
     def weighted_by_class(self, dataset: tf.data.Dataset, split: str) -> tf.data.Dataset:
         """The train split's `(features, labels)` as `(features, labels, class weights)`
@@ -221,6 +240,8 @@ class Inputs:
         def dataset_fn(tf_context):
             dataset = self.task.build_inputs(
                 split, self.input_context(tf_context, self.input_batch(split)))
+            if split != "train" and mixture_sources(dataset) is not None:
+                dataset = self.sources_of(dataset, split)
             dataset = self.group_micro_batches(self.weighted_by_class(dataset, split), split)
             # Each pipeline feeds its replicas one batch each per step (a TPU pod has
             # one client but a pipeline per host: not self.local_replicas).

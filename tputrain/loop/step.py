@@ -30,6 +30,7 @@ from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.guard import NonFiniteGuard
 from tputrain.loop.inputs import zeros_of
 from tputrain.loop.pipeline import UpdatePipeline
+from tputrain.loop.source_counts import SourceCounter
 from tputrain.loop.update import refusal as update_refusal
 from tputrain.distribution.strategy import worker_devices
 from tputrain.task import Task, overrides, overrides_train_step, unpack_batch
@@ -276,8 +277,10 @@ class StepBuilder:
                  train_metrics: Sequence[keras.metrics.Metric], guard: NonFiniteGuard,
                  strategy: tf.distribute.Strategy, global_batch_size: int,
                  accumulation_steps: int, jit_compile: bool | str, precision: str,
-                 train_element_spec: Any, allreduce_dtype: str = "float32"):
+                 train_element_spec: Any, allreduce_dtype: str = "float32",
+                 source_counter: SourceCounter | None = None):
         self.task = task
+        self.source_counter = source_counter  # a mixture: strips and counts the source ids
         self.model = model
         self.optimizer = optimizer  # the Task's own, never patched
         # What the step and the Task's own steps update through (reduce, check, apply).
@@ -376,6 +379,8 @@ class StepBuilder:
                             batch, lambda b: compute(b, denominator))
                     apply(gradients)
                 return {"loss": loss, **logs}
+        if self.source_counter is not None:
+            step = self.source_counter.counting(step)
         if not plan.whole_step:
             return step
         compiled = tf.function(step if count is None else _counted(step, count),

@@ -41,7 +41,8 @@ from tputrain.loop.inputs import Inputs
 from tputrain.loop.replica_stats import ReplicaStatistics
 from tputrain.loop.step import StepBuilder
 from tputrain.model_state import build_model_state
-from tputrain.options import CheckpointOptions, PrecisionOptions, ProfilingOptions, TrainerOptions
+from tputrain.options import (CheckpointOptions, PrecisionOptions, ProfilingOptions, RematOptions,
+                              TrainerOptions)
 from tputrain.plan import RESOLVED, resolve_plan
 from tputrain.precision import resolve_precision
 from tputrain.preemption import PreemptionWatcher
@@ -94,7 +95,7 @@ class Trainer:
                  input_mode: str | None = None, jit_compile: bool | str = "auto",
                  accumulation_steps: int = 1, profile_steps: tuple[int, int] | None = None,
                  report_mfu: bool = True, steps_per_fetch: int = 1,
-                 steps_per_program: int | str = "auto",
+                 steps_per_program: int | str = "auto", remat: str | RematOptions | None = None,
                  class_weight: Mapping[int, float] | None = None,
                  guard: NonFiniteGuard | None = None, actions: Sequence[Action] = (),
                  communication: CommunicationOptions | None = None,
@@ -108,7 +109,7 @@ class Trainer:
             accumulation_steps=accumulation_steps, profile_steps=profile_steps,
             report_mfu=report_mfu, steps_per_fetch=steps_per_fetch,
             steps_per_program=steps_per_program, class_weight=class_weight,
-            checkpoint=checkpoint, profiling=profiling)
+            checkpoint=checkpoint, profiling=profiling, remat=remat)
         if not isinstance(task, Task):
             raise TypeError(f"Trainer.task must be a tputrain.Task, got {type(task).__name__}")
         if not model_dir:
@@ -132,7 +133,7 @@ class Trainer:
         self.model, self.optimizer, self.train_metrics, self.eval_metrics, self.step, \
             self.guard = self.startup.mark("model", build_model_state(
                 task, self.strategy, self.inputs.micro_batch_spec()[0],
-                self.options.precision.keep_float32_layers, guard))
+                self.options.precision.keep_float32_layers, guard, self.options.remat))
         self._build_checkpointer()
         self._steps = StepBuilder(task, self.model, self.optimizer, self.train_metrics,
                                   self.guard, self.strategy, self.global_batch_size,

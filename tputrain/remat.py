@@ -17,14 +17,18 @@ from typing import Any, Callable, Iterator
 
 import keras
 import tensorflow as tf
+from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
 
 from tputrain.options import RematOptions
 
 
 def recompute(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` under `tf.recompute_grad`, its floating tensors passed positionally and
-    everything else (flags, masks, integer ids: no gradient) closed over."""
+    everything else (flags, masks, integer ids: no gradient) closed over. The
+    backward pass recomputes outside the layer's call: under the call's autocast
+    dtype again (mixed precision reads float32 variables as bfloat16)."""
     def call(*args: Any, **kwargs: Any) -> Any:
+        autocast = get_autocast_scope()
         flat = tf.nest.flatten((args, kwargs))
         where = [i for i, x in enumerate(flat)
                  if tf.is_tensor(x) and x.dtype.is_floating]
@@ -34,7 +38,8 @@ def recompute(fn: Callable[..., Any]) -> Callable[..., Any]:
             for i, tensor in zip(where, tensors):
                 values[i] = tensor
             inner_args, inner_kwargs = tf.nest.pack_sequence_as((args, kwargs), values)
-            return fn(*inner_args, **inner_kwargs)
+            with AutocastScope(autocast.dtype if autocast is not None else None):
+                return fn(*inner_args, **inner_kwargs)
 
         if not where:
             return fn(*args, **kwargs)

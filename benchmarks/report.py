@@ -114,6 +114,10 @@ def headlines(report: dict[str, Any]) -> list[str]:
                 for mode, value in report["late_vs_early"].items()]
     if "goal" in report:
         return resume_headlines(report)
+    if "ratios_remat_over_none" in report:
+        ratios = report["ratios_remat_over_none"]
+        return [f"remat / no remat, peak RSS {ratios['peak_rss_mib']:.2f}",
+                f"remat / no remat, step time {ratios['step_seconds']:.2f}"]
     return [f"bf16 vs fp32 all-reduce, {label}: {report['ratios'][name]['steps_per_cpu_second']:.2f}"
             for name, label in COMMUNICATION_RATIOS.items() if name in report.get("ratios", {})]
 

@@ -24,6 +24,7 @@ def test_defaults_and_derived_values():
     ({"input_mode": "device"}, "input_mode must be one of"),
     ({"profile_steps": (5, 5)}, "0 <= start < stop"),
     ({"steps_per_fetch": 0}, "steps_per_fetch must be an int >= 1"),
+    ({"remat": "everything"}, "Trainer.remat must be one of"),
 ])
 def test_bad_values_name_the_knob(kwargs, message):
     with pytest.raises((TypeError, ValueError), match=message):

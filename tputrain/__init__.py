@@ -64,6 +64,7 @@ _EXPORTS = {
     "CheckpointOptions": "tputrain.options",
     "PrecisionOptions": "tputrain.options",
     "ProfilingOptions": "tputrain.options",
+    "RematOptions": "tputrain.options",
     "CommunicationOptions": "tputrain.distribution.communication",
     "BestCheckpoint": "tputrain.best",
     "EarlyStopping": "tputrain.best",

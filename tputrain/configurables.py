@@ -36,7 +36,7 @@ from tputrain.export import Export
 from tputrain.flops import peak_flops
 from tputrain.guard import NonFiniteGuard
 from tputrain.init_checkpoint import InitCheckpoint
-from tputrain.options import CheckpointOptions, PrecisionOptions, ProfilingOptions
+from tputrain.options import CheckpointOptions, PrecisionOptions, ProfilingOptions, RematOptions
 from tputrain.precision import audit
 from tputrain.precision import policy as precision
 from tputrain.precision.layers import override_layer_dtypes
@@ -90,7 +90,8 @@ def _with_aliases(cls: type, aliases: Mapping[str, str]) -> None:
 def _register_options() -> None:
     """The options classes, in place: `CheckpointOptions()` anywhere takes gin's
     bindings (then the deprecated aliases, then the defaults)."""
-    for cls in (CheckpointOptions, PrecisionOptions, ProfilingOptions, CommunicationOptions):
+    for cls in (CheckpointOptions, PrecisionOptions, ProfilingOptions, RematOptions,
+                CommunicationOptions):
         registered = gin.config._INVERSE_REGISTRY.get(cls)  # pylint: disable=protected-access
         if registered is not None:
             continue  # imported twice (importlib.reload)

@@ -17,7 +17,9 @@ from tputrain.precision.layers import override_layer_dtypes
 from tputrain.loop.replica_seeds import fold_replica_into_seeds
 from tputrain.loop.replica_stats import sum_once
 from tputrain.loop.step import check_model_train_step, ensure_built
+from tputrain.options import RematOptions
 from tputrain.precision import wrap_optimizer_for_policy
+from tputrain.remat import build_with_remat
 from tputrain.task import Task
 
 
@@ -31,10 +33,12 @@ class ModelState(NamedTuple):
 
 
 def build_model_state(task: Task, strategy: tf.distribute.Strategy, batch_spec: Any,
-                      keep_float32_layers: Any, guard: NonFiniteGuard | None) -> ModelState:
-    """Model, optimizer, metrics, step counter and guard, in `strategy`'s scope."""
+                      keep_float32_layers: Any, guard: NonFiniteGuard | None,
+                      remat: RematOptions | None = None) -> ModelState:
+    """Model, optimizer, metrics, step counter and guard, in `strategy`'s scope
+    (the model's layers built in `remat`'s `keras.RematScope`: tputrain/remat.py)."""
     with strategy.scope():
-        model = task.build_model()
+        model = build_with_remat(task.build_model, remat)
         ensure_built(model, batch_spec)
         override_layer_dtypes(model, keep_float32_layers)
         fold_replica_into_seeds(model)  # dropout masks differ per replica

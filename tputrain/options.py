@@ -19,6 +19,7 @@ from absl import logging
 from tputrain.checks import check_int, per_replica_batch
 
 INPUT_MODES = ("host", "distributed")
+REMAT_MODES = ("full", "activations", "larger_than", "list_of_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,35 @@ class ProfilingOptions:
                                  or not peak > 0):
             raise ValueError("ProfilingOptions.peak_flops_per_device must be a number > 0, "
                              f"got {peak!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RematOptions:
+    """What the backward pass recomputes instead of keeping (`keras.RematScope`'s modes).
+
+    Attributes:
+      mode: "full" (every layer and op of the model), "activations" (the
+        activation functions of layers that have one, e.g. `Dense(activation=...)`),
+        "larger_than" (layers whose output has more than `output_size_threshold`
+        elements) or "list_of_layers" (the layers named in `layer_names`).
+      output_size_threshold: elements per output (batch included) for "larger_than".
+      layer_names: layer names for "list_of_layers".
+    """
+
+    mode: str = "full"
+    output_size_threshold: int = 1024
+    layer_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode not in REMAT_MODES:
+            raise ValueError(f"RematOptions.mode must be one of {REMAT_MODES}, got {self.mode!r}")
+        check_int("RematOptions", "output_size_threshold", self.output_size_threshold, 0)
+        names = self.layer_names
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"RematOptions.layer_names must be a list of layer names, got {names!r}")
+        if self.mode == "list_of_layers" and not names:
+            raise ValueError('RematOptions(mode="list_of_layers") needs layer_names')
+        object.__setattr__(self, "layer_names", tuple(names))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +198,11 @@ class TrainerOptions:
         after each applied step, from the first step's weights), which evaluation,
         `BestCheckpoint`, predict and export use; training continues on the raw
         weights (`tputrain.ema`). E.g. 0.999; None: no average.
+      remat: rematerialization: activations are recomputed in the backward pass
+        instead of kept, for less device memory at the cost of compute (MFU still
+        counts the model's FLOPs, not the recomputation). None (the default): off;
+        a mode ("full", "activations", "larger_than", "list_of_layers") stands for
+        `RematOptions(mode=...)`; or a `RematOptions`. See docs/performance.md.
     """
 
     train_steps: int = 1000
@@ -190,10 +225,12 @@ class TrainerOptions:
     checkpoint: CheckpointOptions | None = None
     profiling: ProfilingOptions | None = None
     ema_decay: float | None = None
+    remat: str | RematOptions | None = None
 
     def __post_init__(self) -> None:
         _fill_parts(self)
         object.__setattr__(self, "ema_decay", _check_ema_decay(self.ema_decay))
+        object.__setattr__(self, "remat", _check_remat(self.remat))
         for name in ("train_steps", "steps_per_loop", "global_batch_size",
                      "accumulation_steps", "keep_checkpoints", "seed"):
             check_int("Trainer", name, getattr(self, name), 0 if name == "seed" else 1)
@@ -255,6 +292,16 @@ def _fill_parts(options: TrainerOptions) -> None:
             raise TypeError(f"Trainer.{name} must be a tputrain.{cls.__name__}, "
                             f"got {type(value).__name__}")
         object.__setattr__(options, name, value)
+
+
+def _check_remat(remat: Any) -> RematOptions | None:
+    """None, or the mode as `RematOptions`."""
+    if remat is None or isinstance(remat, RematOptions):
+        return remat
+    if isinstance(remat, str) and remat in REMAT_MODES:
+        return RematOptions(mode=remat)
+    raise ValueError(f"Trainer.remat must be one of {(None,) + REMAT_MODES} or a "
+                     f"tputrain.RematOptions, got {remat!r}")
 
 
 AUTO_PROGRAM_STEPS = 32  # steps_per_program="auto": at most this many steps,

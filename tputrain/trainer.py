@@ -44,7 +44,8 @@ from tputrain.loop.replica_stats import ReplicaStatistics
 from tputrain.loop.source_counts import checkpointed, source_logs
 from tputrain.loop.step import StepBuilder
 from tputrain.model_state import build_model_state
-from tputrain.options import CheckpointOptions, PrecisionOptions, ProfilingOptions, TrainerOptions
+from tputrain.options import (CheckpointOptions, PrecisionOptions, ProfilingOptions, RematOptions,
+                              TrainerOptions)
 from tputrain.plan import RESOLVED, resolve_plan
 from tputrain.precision import resolve_precision
 from tputrain.preemption import PreemptionWatcher
@@ -109,7 +110,8 @@ class Trainer:
                  guard: NonFiniteGuard | None = None, actions: Sequence[Action] = (),
                  communication: CommunicationOptions | None = None,
                  checkpoint: CheckpointOptions | None = None,
-                 profiling: ProfilingOptions | None = None, ema_decay: float | None = None):
+                 profiling: ProfilingOptions | None = None, ema_decay: float | None = None,
+                 remat: str | RematOptions | None = None):
         self.options = TrainerOptions(
             train_steps=train_steps, steps_per_loop=steps_per_loop,
             global_batch_size=global_batch_size, eval_every=eval_every, eval_steps=eval_steps,
@@ -118,7 +120,7 @@ class Trainer:
             accumulation_steps=accumulation_steps, profile_steps=profile_steps,
             report_mfu=report_mfu, steps_per_fetch=steps_per_fetch,
             steps_per_program=steps_per_program, class_weight=class_weight,
-            checkpoint=checkpoint, profiling=profiling, ema_decay=ema_decay)
+            checkpoint=checkpoint, profiling=profiling, ema_decay=ema_decay, remat=remat)
         _check_arguments(task, model_dir)
         self.actions, self.startup = check_actions(actions), StartupClock()  # goodput.py
         self._closed, self.context = False, None
@@ -140,7 +142,7 @@ class Trainer:
         self.model, self.optimizer, self.train_metrics, self.eval_metrics, self.step, \
             self.guard = self.startup.mark("model", build_model_state(
                 task, self.strategy, self.inputs.micro_batch_spec()[0],
-                self.options.precision.keep_float32_layers, guard))
+                self.options.precision.keep_float32_layers, guard, self.options.remat))
         self.ema = build_average(self.strategy, self.model, self.options.ema_decay)  # ema.py
         self._build_checkpointer()
         self._steps = StepBuilder(task, self.model, self.optimizer, self.train_metrics,

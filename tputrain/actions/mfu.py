@@ -7,6 +7,7 @@ from absl import logging
 from tputrain.actions.base import Action
 from tputrain.context import ActionContext
 from tputrain.flops import count_flops, peak_flops, specs_of
+from tputrain.remat import remat_disabled
 from tputrain.task import overrides_train_step
 
 
@@ -39,9 +40,10 @@ def count_flops_per_step(context: ActionContext) -> float:
     if overrides_train_step(task):
         raise ValueError(f"{type(task).__name__} overrides Task.train_step: return an "
                          "analytic count from Task.flops_per_example()")
-    per_micro_batch = count_flops(
-        lambda batch: task.compute_gradients(batch, context.model, context.optimizer,
-                                             context.plan.batch.global_batch_size),
-        specs_of(context.inputs.micro_batch_spec()))
+    with remat_disabled(context.model):  # model FLOPs: not `Trainer.remat`'s recomputation
+        per_micro_batch = count_flops(
+            lambda batch: task.compute_gradients(batch, context.model, context.optimizer,
+                                                 context.plan.batch.global_batch_size),
+            specs_of(context.inputs.micro_batch_spec()))
     return float(per_micro_batch * context.plan.batch.accumulation_steps
                  * context.strategy.num_replicas_in_sync)

@@ -701,3 +701,65 @@ def killed_and_rerun(tmp_path: Path, config: Path, step: int) -> tuple[Process, 
     assert resumed.finish() == 0, resumed.log()
     assert reference.finish() == 0, reference.log()
     return reference, resumed
+
+
+MIXTURE_LENGTH, MIXTURE_VOCAB = 16, 32
+
+
+@gin.configurable
+class MixtureTask(tputrain.Task):
+    """Next-token rows packed from a shuffled 2-source weighted mixture of
+    variable-length records (`sources`: the manifests; tests/test_mixture.py)."""
+
+    def __init__(self, sources: tuple[str, ...] = ()):
+        self.sources = list(sources)
+
+    def build_model(self):
+        inputs = {name: keras.Input((MIXTURE_LENGTH,), dtype="int64", name=name)
+                  for name in ("tokens", "positions", "segment_ids")}
+        init = keras.initializers
+        hidden = keras.layers.Embedding(MIXTURE_VOCAB, 8, embeddings_initializer=init.RandomNormal(
+            seed=1))(inputs["tokens"]) + keras.layers.Embedding(
+                MIXTURE_LENGTH, 8, embeddings_initializer=init.RandomNormal(seed=4))(
+                    inputs["positions"])
+        real = keras.ops.expand_dims(keras.ops.cast(inputs["segment_ids"] > 0, "float32"), -1)
+        hidden = keras.layers.Dropout(0.2, seed=2)(hidden * real)
+        logits = keras.layers.Dense(MIXTURE_VOCAB, kernel_initializer=init.GlorotUniform(seed=3))
+        return keras.Model(inputs, logits(hidden))
+
+    def build_inputs(self, split, input_context):
+        from tputrain.data.mixture import MixtureInput
+        from tputrain.data.packing import PackSequences
+
+        def targets(row):
+            tokens = row["tokens"]
+            return {**row, "targets": tf.concat([tokens[1:], tf.zeros_like(tokens[:1])], 0)}
+
+        train = split == "train"
+        return MixtureInput(self.sources, [0.7, 0.3], seed=5, shuffle=train, repeat=train,
+                            label_key="targets",
+                            to_static=lambda d: PackSequences(MIXTURE_LENGTH)(d).map(targets)
+                            )(input_context)
+
+    def compute_loss(self, labels, outputs):
+        return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+            labels, outputs, from_logits=True), axis=-1)
+
+    def build_optimizer(self):
+        return keras.optimizers.SGD(0.1)
+
+
+def write_token_sources(directory, counts: dict[str, int], lengths: tuple[int, int],
+                        seed: int, vocab: int = MIXTURE_VOCAB) -> list[str]:
+    """One variable-length token source a name (`counts[name]` records of lengths in
+    [lengths[0], lengths[1]), tokens in [1, vocab)), 2 shards each: the manifests."""
+    from tputrain.data import write_tfrecords
+
+    rng = np.random.default_rng(seed)
+    sources = []
+    for name, count in counts.items():
+        write_tfrecords({"tokens": [rng.integers(1, vocab, size=n) for n in
+                                    rng.integers(*lengths, size=count)]},
+                        os.path.join(str(directory), name), num_shards=2)
+        sources.append(os.path.join(str(directory), f"{name}.manifest.json"))
+    return sources

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tputrain
-
+from faults import write_token_sources
 from tputrain.data import (InputContext, MixtureInput, PackSequences, PadSequences,
                            TFRecordInput, mix_datasets, source_counts, write_tfrecords)
 
@@ -152,13 +152,7 @@ class PackedTask(tputrain.Task):
 
 @pytest.mark.slow
 def test_a_packed_mixture_resumes_bitwise_through_the_trainer(tmp_path):
-    rng = np.random.default_rng(6)
-    sources = []
-    for name, count in (("a", 60), ("b", 40)):
-        write_tfrecords({"tokens": [rng.integers(1, VOCAB, size=n) for n in
-                                    rng.integers(0, 30, size=count)]}, str(tmp_path / name),
-                        num_shards=2)
-        sources.append(str(tmp_path / f"{name}.manifest.json"))
+    sources = write_token_sources(tmp_path, {"a": 60, "b": 40}, (0, 30), seed=6, vocab=VOCAB)
 
     def trainer(directory, steps):
         return tputrain.Trainer(PackedTask(sources), str(tmp_path / directory),
@@ -201,14 +195,7 @@ class ProbedTask(PackedTask):
 
 
 def _small_sources(directory):
-    rng = np.random.default_rng(7)
-    sources = []
-    for name, count in (("a", 12), ("b", 8)):
-        write_tfrecords({"tokens": [rng.integers(1, VOCAB, size=n) for n in
-                                    rng.integers(1, 10, size=count)]}, str(directory / name),
-                        num_shards=2)
-        sources.append(str(directory / f"{name}.manifest.json"))
-    return sources
+    return write_token_sources(directory, {"a": 12, "b": 8}, (1, 10), seed=7, vocab=VOCAB)
 
 
 def test_iterators_made_first_do_not_change_what_a_shuffled_mixture_trains_on(tmp_path):
@@ -226,3 +213,37 @@ def test_iterators_made_first_do_not_change_what_a_shuffled_mixture_trains_on(tm
         return [np.asarray(w).tobytes() for w in trainer.model.get_weights()]
 
     assert trained("plain", probes=0) == trained("probed", probes=3)
+
+
+@pytest.mark.slow
+def test_a_shuffled_mixture_run_killed_mid_run_resumes_bitwise(tmp_path):
+    """A shuffled 2-source weighted mixture, packed, through the CLI: the run's
+    model_dir as a SIGKILL after step 6 leaves it, rerun, equals the uninterrupted
+    run bitwise, and its per-source counts continue."""
+    from faults import final_weights, killed_and_rerun
+
+    sources = write_token_sources(tmp_path, {"wiki": 90, "code": 60}, (0, 40), seed=7)
+    config = tmp_path / "mixture.gin"
+    config.write_text(f"""
+Trainer.task = @MixtureTask()
+MixtureTask.sources = {sources!r}
+Trainer.train_steps = 12
+Trainer.steps_per_loop = 2
+Trainer.checkpoint_every = 4
+Trainer.eval_every = 12
+Trainer.global_batch_size = 4
+Trainer.input_mode = 'host'
+Trainer.report_mfu = False
+""")
+    reference, resumed = killed_and_rerun(tmp_path, config, step=6)
+    assert "ckpt-4 (step 4)" in resumed.text(), resumed.log()  # steps 5-6 replayed
+    assert "sources: wiki" in reference.text(), reference.log()
+    last = [line for line in reference.text().splitlines() if "sources: wiki" in line][-1]
+    again = [line for line in resumed.text().splitlines() if "sources: wiki" in line][-1]
+    assert last.split("sources: ")[1].split(" | ")[:2] == again.split("sources: ")[1].split(
+        " | ")[:2]  # the same counts at the end: continued, not restarted
+    expected = final_weights(str(tmp_path / "reference"))
+    actual = final_weights(str(tmp_path / "interrupted"))
+    assert expected.keys() == actual.keys() and len(expected) >= 3
+    for key in expected:
+        np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)

@@ -11,8 +11,9 @@ import tensorflow as tf
 
 import tputrain
 from events import scalar_points
+from faults import write_token_sources
 from tiny import strategy_for
-from tputrain.data import InputContext, MixtureInput, PackSequences, write_tfrecords
+from tputrain.data import InputContext, MixtureInput, PackSequences
 from tputrain.progress import Progress
 
 LENGTH, VOCAB, GLOBAL_BATCH, REPLICAS = 16, 32, 4, 2
@@ -62,14 +63,8 @@ class MixtureTask(tputrain.Task):
 
 
 def _sources(directory):
-    rng = np.random.default_rng(11)
-    sources = []
-    for name, count in (("wiki", 30), ("code", 20)):
-        write_tfrecords({"tokens": [rng.integers(1, VOCAB, size=n) for n in
-                                    rng.integers(1, 12, size=count)]}, str(directory / name),
-                        num_shards=2)
-        sources.append(str(directory / f"{name}.manifest.json"))
-    return sources
+    return write_token_sources(directory, {"wiki": 30, "code": 20}, (1, 12), seed=11,
+                               vocab=VOCAB)
 
 
 def direct_counts(sources, steps, replicas=REPLICAS):

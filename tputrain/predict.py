@@ -97,7 +97,7 @@ def gathered_steps(trainer: "Trainer", examples: tf.data.Dataset, compute: Calla
     for number, (group, mask) in enumerate(step_batches(examples, per_replica, local, steps), 1):
         outputs, step_mask = run(group, mask)
         gathered.append(tf.nest.map_structure(np.asarray, outputs))
-        masks.append(np.asarray(step_mask))
+        masks.append(np.asarray(step_mask).astype(bool))
         seen += int(np.sum(mask))
         if number % log_every == 0:
             logging.info("tputrain: %s: %d batches, %d examples | %.0f examples/s", what,
@@ -140,8 +140,8 @@ def _step_function(trainer: "Trainer", compute: Callable[[Any], Any]) -> Any:
     local, gather = trainer.local_replicas, trainer.num_hosts > 1
 
     def replica_step(batch: tuple[Any, tf.Tensor]) -> tuple[Any, tf.Tensor]:
-        features, mask = batch
-        return to_float32(compute(features)), mask
+        features, mask = batch  # int32: a collective gather takes no bool
+        return to_float32(compute(features)), tf.cast(mask, tf.int32)
 
     @tf.function
     def run(group: Any, mask: tf.Tensor) -> tuple[Any, tf.Tensor]:

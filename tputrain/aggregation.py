@@ -60,7 +60,7 @@ def gather_eval(trainer: "Trainer") -> dict[str, Any]:
     gathered, masks = gathered_steps(
         trainer, eval_examples(dataset),
         lambda example: task.eval_outputs(example["batch"], model),
-        log_every=100, what="aggregate_eval: the eval split")
+        log_every=100, what="aggregate_eval", source="the eval split")
     structure = gathered[0]
     leaves = [in_input_order([tf.nest.flatten(step)[i] for step in gathered], masks,
                              trainer.num_hosts, dtype=None)

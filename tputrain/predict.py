@@ -28,7 +28,9 @@ each step's outputs and masks are gathered over all replicas (`strategy.gather`)
 replica r is host `r // local`'s local replica `r % local` (the placement
 `Inputs.distribute` assumes too), so the rows go back in host order:
 [steps, hosts, local, B] -> [hosts, steps, local, B], then the masked rows
-(`in_input_order`, unit-tested; not yet run on several worker processes).
+(`in_input_order`, unit-tested; on 2 worker processes through the same steps,
+`gathered_steps`, in tests/test_aggregation.py). The same pass gathers
+`Task.eval_outputs` for `Task.aggregate_eval` (tputrain/aggregation.py).
 """
 
 from __future__ import annotations
@@ -77,15 +79,17 @@ def _predicted(trainer: "Trainer", source: str, log_every: int) -> Outputs:
     task, model = trainer.task, trainer.model
     gathered, masks = gathered_steps(trainer, source_examples(trainer, source),
                                      lambda features: task.predict_step(features, model),
-                                     log_every, f"predict: {source!r}")
+                                     log_every, "predict", repr(source))
     return _as_outputs(gathered, masks, trainer.num_hosts)
 
 
 def gathered_steps(trainer: "Trainer", examples: tf.data.Dataset, compute: Callable[[Any], Any],
-                   log_every: int, what: str) -> tuple[list[Any], list[np.ndarray]]:
-    """`compute` (replica context) over this host's single `examples`, every host running
-    the same steps: each step's outputs and masks, `[replicas, B, ...]` NumPy arrays of
-    every replica (all hosts' gathered), for `in_input_order`."""
+                   log_every: int, what: str,
+                   source: str) -> tuple[list[Any], list[np.ndarray]]:
+    """`compute` (replica context) over this host's single `examples` (of `source`),
+    every host running the same steps: each step's outputs and masks, `[replicas, B,
+    ...]` NumPy arrays of every replica (all hosts' gathered), for `in_input_order`;
+    `what` names the pass in the log ("predict")."""
     local, hosts = trainer.local_replicas, trainer.num_hosts
     per_replica = trainer.plan.batch.per_replica
     steps = None
@@ -103,8 +107,9 @@ def gathered_steps(trainer: "Trainer", examples: tf.data.Dataset, compute: Calla
             logging.info("tputrain: %s: %d batches, %d examples | %.0f examples/s", what,
                          number, seen, seen / max(time.monotonic() - start, 1e-9))
     if not masks:
-        raise ValueError(f"{what} holds no examples")
-    logging.info("tputrain: %s: %d examples in %.1fs", what, seen, time.monotonic() - start)
+        raise ValueError(f"{what}: {source} holds no examples")
+    logging.info("tputrain: %s: %d examples of %s in %.1fs", what, seen, source,
+                 time.monotonic() - start)
     return gathered, masks
 
 

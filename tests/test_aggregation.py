@@ -96,6 +96,16 @@ def test_aggregated_metric_reaches_tensorboard_and_best_checkpoint(tmp_path):
     assert last_scalars(tmp_path / "run" / "eval")["f1"] == pytest.approx(seen[4]["f1"])
 
 
+def test_with_eval_steps_the_hook_gets_the_batches_the_keras_metrics_read(tmp_path):
+    task = F1Task()
+    trainer = make(tmp_path / "run", task, eval_steps=2)  # 2 steps of 16: the first 32
+    logs = trainer.evaluate()
+    (received,) = task.received
+    np.testing.assert_array_equal(received["labels"], task.y_eval[:32])
+    assert logs["f1"] == pytest.approx(
+        reference_f1(trainer.model, task.x_eval[:32], task.y_eval[:32]), abs=1e-6)
+
+
 def test_a_task_without_the_hook_gathers_nothing(tmp_path):
     task = TinyTask()
     gathered = []

@@ -763,3 +763,29 @@ def write_token_sources(directory, counts: dict[str, int], lengths: tuple[int, i
                         os.path.join(str(directory), name), num_shards=2)
         sources.append(os.path.join(str(directory), f"{name}.manifest.json"))
     return sources
+
+
+@gin.configurable
+class F1RecordsTask(RecordsTask):
+    """RecordsTask whose eval is also summarised by a host-side F1 (Task.aggregate_eval):
+    it gathers the features too (Task.eval_outputs) and each host writes what it got
+    to `dump_dir/aggregated-<host pid>.npz`, so a test sees every gathered row."""
+
+    def __init__(self, pattern: str, eval_pattern: str | None = None, pad_eval: bool = False,
+                 dump_dir: str = ""):
+        super().__init__(pattern, eval_pattern, pad_eval)
+        self.dump_dir = dump_dir
+
+    def eval_outputs(self, batch, model):
+        gathered = super().eval_outputs(batch, model)
+        return {**gathered, "x": batch[0]["x"]}
+
+    def aggregate_eval(self, outputs):
+        from sklearn.metrics import f1_score
+        predicted = outputs["outputs"][:, 1] > outputs["outputs"][:, 0]
+        if self.dump_dir:
+            os.makedirs(self.dump_dir, exist_ok=True)
+            np.savez(os.path.join(self.dump_dir, f"aggregated-{os.getpid()}.npz"),
+                     x=outputs["x"], labels=outputs["labels"], outputs=outputs["outputs"])
+        return {"f1": float(f1_score(outputs["labels"], predicted)),
+                "rows": float(len(outputs["labels"]))}

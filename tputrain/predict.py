@@ -28,13 +28,15 @@ each step's outputs and masks are gathered over all replicas (`strategy.gather`)
 replica r is host `r // local`'s local replica `r % local` (the placement
 `Inputs.distribute` assumes too), so the rows go back in host order:
 [steps, hosts, local, B] -> [hosts, steps, local, B], then the masked rows
-(`in_input_order`, unit-tested; not yet run on several worker processes).
+(`in_input_order`, unit-tested; on 2 worker processes through the same steps,
+`gathered_steps`, in tests/test_aggregation.py). The same pass gathers
+`Task.eval_outputs` for `Task.aggregate_eval` (tputrain/aggregation.py).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -74,27 +76,41 @@ def predict_weights(trainer: "Trainer", source: str = "eval", log_every: int = 1
 
 def _predicted(trainer: "Trainer", source: str, log_every: int) -> Outputs:
     """`predict_weights` with the model's variables as they are."""
-    examples = source_examples(trainer, source)
+    task, model = trainer.task, trainer.model
+    gathered, masks = gathered_steps(trainer, source_examples(trainer, source),
+                                     lambda features: task.predict_step(features, model),
+                                     log_every, "predict", repr(source))
+    return _as_outputs(gathered, masks, trainer.num_hosts)
+
+
+def gathered_steps(trainer: "Trainer", examples: tf.data.Dataset, compute: Callable[[Any], Any],
+                   log_every: int, what: str,
+                   source: str) -> tuple[list[Any], list[np.ndarray]]:
+    """`compute` (replica context) over this host's single `examples` (of `source`),
+    every host running the same steps: each step's outputs and masks, `[replicas, B,
+    ...]` NumPy arrays of every replica (all hosts' gathered), for `in_input_order`;
+    `what` names the pass in the log ("predict")."""
     local, hosts = trainer.local_replicas, trainer.num_hosts
     per_replica = trainer.plan.batch.per_replica
     steps = None
     if hosts > 1:  # every host runs the most steps any host needs
         count = int(examples.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
         steps = trainer.agree(-(-count // (local * per_replica)))
-    run = _step_function(trainer)
+    run = _step_function(trainer, compute)
     gathered, masks, seen, start = [], [], 0, time.monotonic()
     for number, (group, mask) in enumerate(step_batches(examples, per_replica, local, steps), 1):
         outputs, step_mask = run(group, mask)
         gathered.append(tf.nest.map_structure(np.asarray, outputs))
-        masks.append(np.asarray(step_mask))
+        masks.append(np.asarray(step_mask).astype(bool))
         seen += int(np.sum(mask))
         if number % log_every == 0:
-            logging.info("tputrain: predict: %d batches, %d examples | %.0f examples/s", number,
-                         seen, seen / max(time.monotonic() - start, 1e-9))
+            logging.info("tputrain: %s: %d batches, %d examples | %.0f examples/s", what,
+                         number, seen, seen / max(time.monotonic() - start, 1e-9))
     if not masks:
-        raise ValueError(f"predict: {source!r} holds no examples")
-    logging.info("tputrain: predicted %d examples in %.1fs", seen, time.monotonic() - start)
-    return _as_outputs(gathered, masks, hosts)
+        raise ValueError(f"{what}: {source} holds no examples")
+    logging.info("tputrain: %s: %d examples of %s in %.1fs", what, seen, source,
+                 time.monotonic() - start)
+    return gathered, masks
 
 
 def _as_outputs(gathered: list[Any], masks: list[np.ndarray], hosts: int) -> Outputs:
@@ -110,26 +126,27 @@ def _as_outputs(gathered: list[Any], masks: list[np.ndarray], hosts: int) -> Out
 
 
 def in_input_order(steps: Sequence[np.ndarray], masks: Sequence[np.ndarray],
-                   hosts: int) -> np.ndarray:
+                   hosts: int, dtype: Any = np.float32) -> np.ndarray:
     """Real rows, host by host in order, from each step's `[hosts * local, B, ...]`
-    outputs and `[hosts * local, B]` masks (see the module docstring)."""
+    outputs and `[hosts * local, B]` masks (see the module docstring); `dtype` None
+    keeps the outputs' own (e.g. integer labels)."""
     rows, mask = np.stack(steps), np.stack(masks)
     count, replicas, batch = mask.shape
     shape = (count, hosts, replicas // hosts, batch)
     rows = np.swapaxes(rows.reshape(shape + rows.shape[3:]), 0, 1)
     mask = np.swapaxes(mask.reshape(shape), 0, 1)
-    return np.ascontiguousarray(rows[mask], dtype=np.float32)
+    return np.ascontiguousarray(rows[mask], dtype=dtype)
 
 
-def _step_function(trainer: "Trainer") -> Any:
-    """A compiled step: a group `[local, B, ...]` in, (outputs, masks) of every
-    replica out, `[replicas, B, ...]` (this host's, or all hosts' gathered)."""
-    strategy, task, model = trainer.strategy, trainer.task, trainer.model
+def _step_function(trainer: "Trainer", compute: Callable[[Any], Any]) -> Any:
+    """A compiled step: a group `[local, B, ...]` in, (`compute`'s outputs, masks) of
+    every replica out, `[replicas, B, ...]` (this host's, or all hosts' gathered)."""
+    strategy = trainer.strategy
     local, gather = trainer.local_replicas, trainer.num_hosts > 1
 
     def replica_step(batch: tuple[Any, tf.Tensor]) -> tuple[Any, tf.Tensor]:
-        features, mask = batch
-        return to_float32(task.predict_step(features, model)), mask
+        features, mask = batch  # int32: a collective gather takes no bool
+        return to_float32(compute(features)), tf.cast(mask, tf.int32)
 
     @tf.function
     def run(group: Any, mask: tf.Tensor) -> tuple[Any, tf.Tensor]:

@@ -225,6 +225,30 @@ class Task:
         embeddings or a dict of several; floating outputs are then cast to float32."""
         return model(features, training=False)
 
+    def eval_outputs(self, batch: Any, model: keras.Model) -> dict[str, Any]:
+        """Replica context: what `aggregate_eval` receives of an eval batch, by default
+        `{"outputs": model(features, training=False), "labels": labels}` plus
+        `"weights"` for a `(features, labels, weights)` batch. Override to gather
+        something else (probabilities, ids, features); floating values are cast to
+        float32. Runs only when `aggregate_eval` is overridden."""
+        features, labels, weight = unpack_batch(batch)
+        gathered = {"outputs": model(features, training=False), "labels": labels}
+        return gathered if weight is None else {**gathered, "weights": weight}
+
+    def aggregate_eval(self, outputs: dict[str, Any]) -> dict[str, float]:
+        """Host side, after each evaluation: metrics over the whole eval split, such as
+        F1, exact AUC or BLEU, that running Keras metrics cannot compute.
+
+        `outputs` holds `eval_outputs` of every eval example exactly once, in input
+        order (host by host with several), padding removed, gathered across replicas
+        and hosts: NumPy arrays, one row per example. Every host calls it on the same
+        arrays, so keep it deterministic. Return {name: number}: reported with the
+        eval logs (progress line, TensorBoard eval/, `Trainer.evaluate()`, actions'
+        `on_eval_end`, `BestCheckpoint(metric=name)`). Not overridden (the default):
+        nothing is gathered (tputrain/aggregation.py).
+        """
+        return {}
+
     def eval_step(self, batch: Any, model: keras.Model,
                   metrics: Sequence[keras.metrics.Metric],
                   global_batch_size: int) -> dict[str, tf.Tensor]:

@@ -23,6 +23,7 @@ from absl import logging
 import tputrain
 from tputrain.actions import (Action, CommunicationAction, MFUAction, NonFinitePolicyAction,
                               PreemptionAction, ProfilerAction, check_actions)
+from tputrain.aggregation import with_aggregates
 from tputrain.checkpointing.manager import Checkpointer
 from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain import compile_cache
@@ -338,7 +339,7 @@ class Trainer:
     def evaluate_weights(self) -> dict[str, float]:
         """Evaluates the weights in memory (their EMA with `ema_decay`): {"loss": ...}."""
         with averaged_weights(self.ema) as averaged, Stopwatch() as watch:
-            logs, steps = self._evaluator.evaluate()
+            logs, steps = with_aggregates(self, *self._evaluator.evaluate())
         self.progress.eval_done(self.current_step, logs, watch.seconds, steps, averaged)
         return logs
 

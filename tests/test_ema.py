@@ -11,6 +11,8 @@ import tensorflow as tf
 import tputrain
 from tiny import TinyTask, strategy_for
 
+pytestmark = pytest.mark.same_worker("test_ema.py")  # the module's trained runs, once
+
 DECAY = 0.8
 STEPS = 6
 

@@ -76,6 +76,7 @@ def test_a_rerun_reads_the_programs_back_and_a_changed_model_compiles_anew(tmp_p
     assert changed == _train(tmp_path, "d", "tanh", TPUTRAIN_COMPILE_CACHE="off")[0] != first
 
 
+@pytest.mark.slow
 def test_the_default_is_a_folder_per_tensorflow_version_in_the_users_cache(tmp_path):
     from importlib import metadata
 
@@ -84,6 +85,7 @@ def test_the_default_is_a_folder_per_tensorflow_version_in_the_users_cache(tmp_p
     assert _entries(cache) and str(cache) in log
 
 
+@pytest.mark.slow
 def test_off_writes_nothing_and_says_nothing(tmp_path):
     _, log = _train(tmp_path, "run", "relu", XDG_CACHE_HOME=str(tmp_path / "home_cache"),
                     TPUTRAIN_COMPILE_CACHE="off")

@@ -18,7 +18,8 @@ tensor when no op needs it any more). Memory, in MiB:
   was built (before the first step): what the steps (compilation included) add;
 - `step_peak_mib`: the peak of the timed steps above the resident memory just
   before them (VmHWM reset after one warm-up step through /proc/self/clear_refs):
-  one steady step's transient memory, mostly activations.
+  one steady step's transient memory, mostly activations (it reads low when
+  the allocator kept memory the warm-up step freed: one run in three, executor).
 
 Runs interleave (plan by plan, off then on, `repeats` times); reported: medians
 of each, the ratios remat/no-remat per plan, and the machine's load average.

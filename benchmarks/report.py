@@ -102,6 +102,17 @@ def resume_headlines(report: dict[str, Any]) -> list[str]:
     return cells
 
 
+def remat_headlines(report: dict[str, Any]) -> list[str]:
+    """Per plan (XLA, executor): memory and CPU time with remat over without."""
+    cells = []
+    for plan, result in report["plans"].items():
+        ratios = result["ratios_remat_over_none"]
+        cells.append(f"{plan}: remat / no remat, peak RSS {ratios['peak_rss_mib']:.2f}, "
+                     f"step peak {ratios['step_peak_mib']:.2f}, "
+                     f"CPU time {ratios['step_cpu_seconds']:.2f}")
+    return cells
+
+
 def headlines(report: dict[str, Any]) -> list[str]:
     """The few ratios a reader compares across runs, by what the result holds."""
     goals = report.get("goals", {})
@@ -114,6 +125,8 @@ def headlines(report: dict[str, Any]) -> list[str]:
                 for mode, value in report["late_vs_early"].items()]
     if "goal" in report:
         return resume_headlines(report)
+    if report.get("benchmark") == "remat" and "plans" in report:
+        return remat_headlines(report)
     if "ratios_remat_over_none" in report:
         ratios = report["ratios_remat_over_none"]
         return [f"remat / no remat, peak RSS {ratios['peak_rss_mib']:.2f}",
@@ -125,6 +138,8 @@ def headlines(report: dict[str, Any]) -> list[str]:
 def load_average(report: dict[str, Any]) -> str:
     """The 1-minute load average before / after the run, where it was recorded."""
     machine = report.get("machine") or report.get("environment") or report
+    if isinstance(machine.get("load_average_1min"), dict):  # remat: over the run
+        return "{min:.1f}-{max:.1f}".format(**machine["load_average_1min"])
     values = [machine.get(f"load_average_{when}") for when in ("before", "after")]
     values = [v[0] if isinstance(v, list) else v for v in values]
     return " / ".join(f"{v:.1f}" for v in values if v is not None) or "-"

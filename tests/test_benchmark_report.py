@@ -66,6 +66,18 @@ def test_a_row_gives_the_headline_ratios_against_their_goals_and_the_load(tmp_pa
                        "| 0.5 |")
 
 
+def test_a_remat_row_gives_each_plans_memory_ratios_and_the_load(tmp_path):
+    ratios = {"xla": {"peak_rss_mib": 0.9, "step_peak_mib": 0.48, "step_cpu_seconds": 1.25},
+              "executor": {"peak_rss_mib": 0.6, "step_peak_mib": 0.41, "step_cpu_seconds": 1.1}}
+    (tmp_path / "2030-01-01-remat-b8.json").write_text(json.dumps({
+        "benchmark": "remat", "load_average_1min": {"min": 3.25, "max": 9.5},
+        "plans": {plan: {"ratios_remat_over_none": r} for plan, r in ratios.items()}}))
+    row = load("report").table(tmp_path).splitlines()[-1]
+    assert row == ("| 2030-01-01 | remat | b8 | xla: remat / no remat, peak RSS 0.90, step peak "
+                   "0.48, CPU time 1.25<br>executor: remat / no remat, peak RSS 0.60, step peak "
+                   "0.41, CPU time 1.10 | 3.2-9.5 |")
+
+
 def test_a_script_writes_its_result_to_a_dated_file_without_overwriting(tmp_path):
     results = load("result_file")
     today = datetime.date.today().isoformat()

@@ -40,6 +40,7 @@ def scale_learning_rate(learning_rate: float, global_batch_size: int,
     return float(learning_rate) * (ratio if rule == "linear" else math.sqrt(ratio))
 
 
+@keras.saving.register_keras_serializable(package="tputrain")
 class WarmupDecay(keras.optimizers.schedules.LearningRateSchedule):
     """Linear warmup from 0 to `peak_learning_rate`, then decay to `end_learning_rate`.
 

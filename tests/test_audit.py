@@ -76,6 +76,7 @@ def run_cli(tmp_path, *extra):
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     return result, json.loads(output.read_text()) if output.exists() else None
 
+@pytest.mark.slow
 
 def test_cli_flags_the_layer_and_gin_override_passes(tmp_path):
     result, report = run_cli(tmp_path)

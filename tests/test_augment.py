@@ -68,7 +68,8 @@ def trainer(tmp_path, task, train_steps):
 
 
 @pytest.mark.parametrize("augment, named", [
-    (keras_layers, ["ReadVariableOp", "random_flip", "random_translation", "SeedGenerator"]),
+    pytest.param(keras_layers, ["ReadVariableOp", "random_flip", "random_translation",
+                                "SeedGenerator"], marks=pytest.mark.slow),
     (tf_image_and_random, ["RandomUniform", "random_flip_left_right", "random_uniform"]),
 ])
 def test_random_augmentation_trains_and_resumes_with_one_warning(tmp_path, caplog, augment,

@@ -174,8 +174,9 @@ def test_a_fallback_saves_again_at_the_damaged_step(tmp_path, caplog):
                for r in caplog.records)
 
 
-@pytest.mark.parametrize("content", [b"garbage that is not a state file", b"",
-                                     b"\xff\xfe binary \x00 junk"])
+@pytest.mark.parametrize("content", [
+    b"garbage that is not a state file", pytest.param(b"", marks=pytest.mark.slow),
+    pytest.param(b"\xff\xfe binary \x00 junk", marks=pytest.mark.slow)])
 def test_a_damaged_state_file_resumes_from_the_files_and_keeps_them(tmp_path, content, caplog):
     """Issue 10.2: a garbled, empty or non-UTF-8 `checkpoint` file must not restart
     training at step 0 (which rotated the good checkpoints away)."""
@@ -210,7 +211,8 @@ def test_a_damaged_state_file_with_no_checkpoint_files_starts_over(tmp_path):
     assert _checkpoint_steps(checkpoints) == [2]
 
 
-@pytest.mark.parametrize("how", ["deleted", "copied_without"])
+@pytest.mark.parametrize("how", [pytest.param("deleted", marks=pytest.mark.slow),
+                                 "copied_without"])
 def test_a_missing_state_file_resumes_from_the_newest_checkpoint_files(tmp_path, how, caplog):
     """Issue 33.1: intact `ckpt-*` files without a `checkpoint` state file are a resume
     (it started at step 0, silently, and rotated the good checkpoints away)."""
@@ -388,6 +390,7 @@ def indexed_trainer(model_dir, replicas, global_batch_size, train_steps, **kwarg
                             train_steps=train_steps, **options)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("input_mode", ["host", "distributed"])
 def test_changed_replicas_and_global_batch_continue_from_the_examples_consumed(
         tmp_path, caplog, input_mode):

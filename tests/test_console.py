@@ -94,7 +94,8 @@ NOISE = re.compile("did not fully read the dataset|Sharding callback duration|"
 STARTUP_NOISE = re.compile("failed call to cuInit|All log messages before absl::InitializeLog")
 
 
-@pytest.mark.parametrize("first", ["tputrain", "tensorflow-first"])
+@pytest.mark.parametrize("first", ["tputrain", pytest.param("tensorflow-first",
+                                                             marks=pytest.mark.slow)])
 def test_a_script_that_sets_up_first_shows_the_strategy_each_loop_and_no_noise(tmp_path, first):
     script = tmp_path / "train.py"
     script.write_text(SET_UP_FIRST)

@@ -280,6 +280,7 @@ def test_diagnose_names_a_slow_link_communication_bound(tmp_path):
     assert "bytes_per_pack" not in text  # one host: MirroredStrategy has no packs
     assert "communication" in result.report().splitlines()[5]  # the step split line
 
+@pytest.mark.slow
 
 def test_cli_names_the_input_bottleneck_of_slow_input_gin():
     """As documented: `python -m tputrain.diagnose` from the repository root, where
@@ -316,6 +317,7 @@ def _diagnose_cli(*args: str, launch_workers: int = 0) -> list[dict]:
         reports.append(json.loads("\n".join(lines[lines.index("{"):])))
     return reports
 
+@pytest.mark.slow
 
 def test_cli_does_not_name_digits_communication_bound():
     """digits.gin on 2 replicas (split CPU): a 0.2 MB all-reduce, really measured, is

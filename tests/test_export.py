@@ -207,6 +207,7 @@ def test_mixed_bfloat16_run_serves_float32_and_the_cli_exports_any_step(tmp_path
     assert exported.stdout.strip() == str(model_dir / "export" / "200")
     assert served_accuracy(tmp_path, model_dir / "export" / "200")["dtype"] == "float32"
 
+@pytest.mark.slow
 
 def test_the_cli_exports_while_a_training_process_holds_model_dir(tmp_path):
     """`tputrain export` only reads the run (a ReadOnlyTrainer): it works beside the

@@ -146,6 +146,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env=child_env())
 
+@pytest.mark.slow
 
 def test_cli_prints_the_table_and_the_suggestion_and_writes_nothing(tmp_path):
     model_dir = tmp_path / "run"

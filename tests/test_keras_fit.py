@@ -64,7 +64,7 @@ def close(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("replicas", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_fit_reaches_keras_fit_eval_metrics(tmp_path, replicas):
     model = compiled_model()
     initial = model.get_weights()

@@ -197,6 +197,7 @@ class ProbedTask(PackedTask):
 def _small_sources(directory):
     return write_token_sources(directory, {"a": 12, "b": 8}, (1, 10), seed=7, vocab=VOCAB)
 
+@pytest.mark.slow
 
 def test_iterators_made_first_do_not_change_what_a_shuffled_mixture_trains_on(tmp_path):
     """Two runs over a few epochs of shuffled sources, one after its train dataset was

@@ -71,6 +71,7 @@ def test_scalars_are_what_tensorboard_reads_as_scalars(tmp_path):
     assert plugin == "scalars"
 
 
+@pytest.mark.slow
 def test_train_num_steps_beyond_train_steps_reports_its_own_target(tmp_path, caplog):
     """`train(num_steps=N)` past `train_steps` (fine-tuning more, benchmarks): the
     progress line counts to the run's own end, and the ETA is never negative."""

@@ -72,6 +72,7 @@ def _train(model_dir, steps: int, steps_per_loop: int, checkpoint_every: int) ->
     trainer.train(steps)
     return trainer
 
+@pytest.mark.slow
 
 def test_stream_depends_on_step_and_replica_only(tmp_path):
     """2 replicas with dropout: 8 steps in loops of 2 = 3 steps in loops of 3, saved and

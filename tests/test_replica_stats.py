@@ -70,7 +70,7 @@ def train_task(tmp_path, task: TinyTask, replicas: int, **kwargs) -> tputrain.Tr
     return trainer
 
 
-@pytest.mark.parametrize("replicas", [1, 2, 4])
+@pytest.mark.parametrize("replicas", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_replica_holds_the_global_batches_moving_mean(tmp_path, replicas):
     trainer = train(tmp_path, replicas)
     bn = trainer.model.get_layer("bn")

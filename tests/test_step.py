@@ -71,7 +71,7 @@ def _distance(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return float(np.sqrt(sum(np.sum((x.astype(np.float64) - y) ** 2) for x, y in zip(a, b))))
 
 
-@pytest.mark.parametrize("policy", ["raise", None])
+@pytest.mark.parametrize("policy", ["raise", pytest.param(None, marks=pytest.mark.slow)])
 def test_bf16_auto_step_matches_the_uncompiled_step(tmp_path, policy):
     """After 6 steps the weights are as close to jit_compile=False's as bf16 rounding
     allows (measured: 1.2% of the update apart, while bf16 itself is 1.5% from
@@ -120,6 +120,7 @@ def _gradients(policy: str, fuse: bool) -> tuple[list[np.ndarray], int]:
     assert ("_XlaMustCompile" in graph) == fuse
     return [g.numpy() for g in gradients()], len(fusion.swaps)
 
+@pytest.mark.slow
 
 def test_fused_elementwise_layers_are_as_close_to_float32_as_unfused():
     reference, _ = _gradients("float32", fuse=False)
@@ -190,7 +191,7 @@ def test_a_guarded_nan_step_under_xla_changes_no_variable(tmp_path, precision, o
 
 
 @pytest.mark.parametrize("replicas, jit_compile, options", [
-    (1, "auto", {}), (1, False, {}), (2, "auto", {}),
+    (1, "auto", {}), (1, False, {}), pytest.param(2, "auto", {}, marks=pytest.mark.slow),
     (1, "auto", {"global_clipnorm": None, "weight_decay": None})])
 def test_a_finite_gradient_whose_square_overflows_is_a_nonfinite_step(
         tmp_path, replicas, jit_compile, options):
@@ -375,6 +376,7 @@ def test_steps_per_program_trains_bitwise_as_one_step_a_launch(tmp_path):
     assert int(mixed.step.numpy()) == 14
     assert same(trained("one14", steps_per_program=1, train_steps=14), mixed)
 
+@pytest.mark.slow
 
 def test_a_resume_between_programs_is_bitwise(tmp_path):
     """Stopped at step 4 and resumed to 12 (4 a launch) = 12 uninterrupted steps."""

@@ -105,7 +105,8 @@ class OddEvalTask(TinyTask):
 
 
 @pytest.mark.start_early(2)
-@pytest.mark.parametrize("replicas,input_mode", [(1, "host"), (4, "host"), (2, "distributed")])
+@pytest.mark.parametrize("replicas,input_mode", [
+    (1, "host"), pytest.param(4, "host", marks=pytest.mark.slow), (2, "distributed")])
 def test_padded_eval_counts_every_example_once(tmp_path, replicas, input_mode):
     """100 examples in per-replica batches of 16/replicas: the padding counts for nothing."""
     trainer = make_trainer(tmp_path, replicas, f"odd{replicas}", task=OddEvalTask(l2=1e-2),

@@ -8,6 +8,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import keras
 import numpy as np
@@ -19,6 +20,7 @@ from events import last_scalars, scalar_points
 from faults import RecordsTask
 from processes import Launch
 from tiny import strategy_for
+from tputrain.config_summary import eval_tags
 from tputrain.sidecar import ReadOnlyTrainer, evaluate_checkpoints
 
 PER_REPLICA = 8
@@ -102,6 +104,8 @@ def test_two_sets_on_two_replicas_equal_a_direct_computation(tmp_path, caplog):
     assert re.search(r"eval at step 4 \| validation: loss \S+ \| accuracy \S+ \(3 eval steps\) "
                      r"\| test: loss \S+ \| accuracy \S+ \(2 eval steps\)", lines[-1]), lines
     assert trainer.evaluate() == pytest.approx(logs, abs=1e-6)
+    x, _ = _examples(files["test"])  # predict reads a named set, padding dropped
+    np.testing.assert_allclose(trainer.predict("test"), trainer.model({"x": x}), atol=1e-5)
     trainer.close()
 
     reader = ReadOnlyTrainer(_task(files), str(tmp_path / "model"), strategy=strategy_for(2),
@@ -152,6 +156,14 @@ def test_a_metric_of_no_set_fails_before_training(tmp_path, action, metric):
 def test_bad_eval_splits_are_refused(splits):
     with pytest.raises((ValueError, TypeError), match="eval_splits"):
         tputrain.TrainerOptions(eval_splits=splits)
+
+
+@pytest.mark.parametrize("splits, runs", [(("eval",), ["eval"]),
+                                           (SETS, ["eval/validation", "eval/test"])])
+def test_hparams_metrics_name_each_sets_run(splits, runs):
+    context = SimpleNamespace(options=tputrain.TrainerOptions(eval_splits=splits),
+                              eval_metrics=[keras.metrics.SparseCategoricalAccuracy("accuracy")])
+    assert eval_tags(context) == [(run, tag) for run in runs for tag in ("loss", "accuracy")]
 
 
 @pytest.mark.slow

@@ -142,7 +142,9 @@ class BestCheckpoint(Action):
     the keep-N rotation; `tputrain.Export` and `tputrain export` export it when set.
 
     Args:
-      metric: an eval metric, "accuracy" or "eval/accuracy" (the same), "loss", ...
+      metric: an eval metric, "accuracy" or "eval/accuracy" (the same), "loss", ...;
+        with named eval sets (`Trainer.eval_splits`) "<set>/<metric>", e.g.
+        "validation/accuracy".
       mode: "max" (accuracy) or "min" (loss): which way is better.
       directory: where to keep it; None: model_dir/best.
     """
@@ -277,7 +279,8 @@ class EarlyStopping(Action):
     no more and ends as at `train_steps` (actions' on_train_end, export).
 
     Args:
-      metric: an eval metric, "loss" or "eval/loss" (the same), "accuracy", ...
+      metric: an eval metric, "loss" or "eval/loss" (the same), "accuracy", ...;
+        with named eval sets (`Trainer.eval_splits`) "<set>/<metric>".
       mode: "min" (loss) or "max" (accuracy): which way is better.
       patience: evaluations without improvement before stopping.
       min_delta: a change smaller than this is no improvement.

@@ -79,9 +79,10 @@ class Evaluator:
         steps = -(-count // local) if padded_split else count // local
         if steps < 1 and self.inputs.num_hosts == 1:
             raise ValueError(
-                f"the {self.split} split has {count} per-replica batches, fewer than the "
-                f"{local} local replicas: use a smaller global batch, "
-                "more eval data, or pad the eval split (TFRecordInput.pad_remainder)")
+                f"the eval split has {count} per-replica batches, fewer than the "
+                f"{local} local replicas (build_inputs({self.split!r}, ...)): use a smaller "
+                "global batch, more eval data, or pad the eval split "
+                "(TFRecordInput.pad_remainder)")
         return steps
 
     def close(self) -> None:

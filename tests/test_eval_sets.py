@@ -167,7 +167,8 @@ def test_hparams_metrics_name_each_sets_run(splits, runs):
 
 
 @pytest.mark.slow
-def test_two_sets_on_two_workers_agree_and_equal_a_direct_computation(tmp_path):
+@pytest.mark.parametrize("input_mode", ["host", "distributed"])
+def test_two_sets_on_two_workers_agree_and_equal_a_direct_computation(tmp_path, input_mode):
     data = tmp_path / "data"
     train = [_write(data / f"train{i}", 64, i) for i in range(2)]
     # Uneven shards: host 0 reads file 0, host 1 file 1 (none a multiple of a batch).
@@ -184,6 +185,7 @@ Trainer.train_steps = 4
 Trainer.steps_per_loop = 2
 Trainer.global_batch_size = {2 * PER_REPLICA}
 Trainer.report_mfu = False
+Trainer.input_mode = '{input_mode}'
 """)
     model_dir = tmp_path / "model"
     launch = Launch(["--workers", "2", "--gin_import=faults", f"--gin_file={config}",

@@ -170,7 +170,8 @@ def test_hparams_metrics_name_each_sets_run(splits, runs):
 @pytest.mark.parametrize("input_mode", ["host", "distributed"])
 def test_two_sets_on_two_workers_agree_and_equal_a_direct_computation(tmp_path, input_mode):
     data = tmp_path / "data"
-    train = [_write(data / f"train{i}", 64, i) for i in range(2)]
+    for index in range(2):
+        _write(data / f"train{index}", 64, index)
     # Uneven shards: host 0 reads file 0, host 1 file 1 (none a multiple of a batch).
     sets = {"validation": [_write(data / "validation0", 37, 5), _write(data / "validation1", 11, 6)],
             "test": [_write(data / "test0", 5, 7), _write(data / "test1", 21, 8)]}
@@ -193,7 +194,6 @@ Trainer.input_mode = '{input_mode}'
     code = launch.finish(timeout=300)
     text = launch.text()
     assert code == 0, text[-4000:]
-    assert len(train) == 2
     pattern = r"\[worker (\d)\] .*eval at step 4 \| validation: .*\((\d+) eval steps\) " \
               r"\| test: .*\((\d+) eval steps\)"
     counts = {int(w): (int(v), int(t)) for w, v, t in re.findall(pattern, text)}

@@ -135,16 +135,18 @@ class PauseAtStep(tputrain.Action):
 class RecordsTask(TinyTask):
     """TinyTask read back from TFRecord files: `pattern` (train) and `eval_pattern`."""
 
-    def __init__(self, pattern: str, eval_pattern: str | None = None, pad_eval: bool = False):
+    def __init__(self, pattern: str, eval_pattern: str | None = None, pad_eval: bool = False,
+                 eval_patterns: dict[str, str] | None = None):
         super().__init__()
-        self.patterns = {"train": pattern, "eval": eval_pattern or pattern}
+        # `eval_patterns`: named eval sets (Trainer.eval_splits), each its own files.
+        self.patterns = {"train": pattern, "eval": eval_pattern or pattern, **(eval_patterns or {})}
         self.pad_eval = pad_eval
 
     def build_inputs(self, split, input_context):
         return tputrain.data.TFRecordInput(
             self.patterns[split], {"x": ([8], "float32"), "label": ([], "int64")},
             label_key="label", shuffle=False, repeat=split == "train",
-            pad_remainder=self.pad_eval and split == "eval")(input_context)
+            pad_remainder=self.pad_eval and split != "train")(input_context)
 
 
 def flip_and_noise(features, labels, seed):

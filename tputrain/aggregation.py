@@ -39,22 +39,24 @@ if TYPE_CHECKING:
     from tputrain.trainer import Trainer
 
 
-def with_aggregates(trainer: "Trainer", logs: dict[str, float],
-                    steps: int) -> tuple[dict[str, float], int]:
-    """The eval `logs` plus `Task.aggregate_eval`'s metrics (unchanged, and nothing
-    gathered, when the Task does not override it); `steps` passes through."""
+def with_aggregates(trainer: "Trainer", logs: dict[str, float], steps: int,
+                    split: str = "eval") -> tuple[dict[str, float], int]:
+    """The eval set `split`'s `logs` plus `Task.aggregate_eval`'s metrics over it
+    (unchanged, and nothing gathered, when the Task does not override it); `steps`
+    passes through."""
     task = trainer.task
     if not overrides(task, "aggregate_eval"):
         return logs, steps
-    metrics = task.aggregate_eval(gather_eval(trainer))
+    metrics = task.aggregate_eval(gather_eval(trainer, split))
     return {**logs, **checked_metrics(metrics, logs)}, steps
 
 
-def gather_eval(trainer: "Trainer") -> dict[str, Any]:
-    """`Task.eval_outputs` of every eval example, once, in order, as NumPy arrays with
-    one row per example (floating ones float32; a nest keeps its structure)."""
+def gather_eval(trainer: "Trainer", split: str = "eval") -> dict[str, Any]:
+    """`Task.eval_outputs` of every example of the eval set `split`, once, in order, as
+    NumPy arrays with one row per example (floating ones float32; a nest keeps its
+    structure)."""
     task, model = trainer.task, trainer.model
-    dataset = trainer.inputs.eval_dataset
+    dataset = trainer.inputs.dataset(split)
     if trainer.eval_steps is not None:
         dataset = dataset.take(int(trainer.eval_steps) * trainer.local_replicas)
     gathered, masks = gathered_steps(

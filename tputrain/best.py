@@ -42,6 +42,7 @@ from absl import logging
 from tputrain.actions import Action
 from tputrain.checks import check_int
 from tputrain.context import ActionContext
+from tputrain.loop.eval_sets import is_default, log_keys
 from tputrain.validate import ModelDirError
 
 
@@ -67,10 +68,23 @@ class Watch:
         self.min_delta = float(min_delta)
 
     def value(self, logs: Mapping[str, float]) -> float:
-        if self.key not in logs:
+        key = self.metric if self.metric in logs else self.key  # (a set named "eval")
+        if key not in logs:
             raise ValueError(f"{self.owner}.metric {self.metric!r} is not an eval metric of "
                              f"this task: use one of {sorted(k for k in logs if not k.startswith('_'))}")
-        return float(logs[self.key])
+        return float(logs[key])
+
+    def check(self, context: ActionContext) -> None:
+        """Before training (`Action.preflight`): with named eval sets the metric must
+        name one, "<set>/<metric>" (a Task's own eval logs are checked at the first
+        evaluation, which `value` does)."""
+        splits = context.options.eval_splits
+        named = {name.split("/", 1)[0] for name in (self.metric, self.key) if "/" in name}
+        if is_default(splits) or named & set(splits):
+            return
+        names = log_keys(splits, ["loss", *(metric.name for metric in context.eval_metrics)])
+        raise ValueError(f"{self.owner}.metric {self.metric!r} names no eval set's metric "
+                         f"(Trainer.eval_splits={splits}): use one of {names}")
 
     def improved(self, value: float, best: float | None) -> bool:
         if not math.isfinite(value):
@@ -128,7 +142,9 @@ class BestCheckpoint(Action):
     the keep-N rotation; `tputrain.Export` and `tputrain export` export it when set.
 
     Args:
-      metric: an eval metric, "accuracy" or "eval/accuracy" (the same), "loss", ...
+      metric: an eval metric, "accuracy" or "eval/accuracy" (the same), "loss", ...;
+        with named eval sets (`Trainer.eval_splits`) "<set>/<metric>", e.g.
+        "validation/accuracy".
       mode: "max" (accuracy) or "min" (loss): which way is better.
       directory: where to keep it; None: model_dir/best.
     """
@@ -143,6 +159,9 @@ class BestCheckpoint(Action):
 
     def directory_of(self, context: ActionContext) -> str:
         return self.directory or os.path.join(context.model_dir, BEST_DIR)
+
+    def preflight(self, context: ActionContext) -> None:
+        self.watch.check(context)
 
     def on_train_begin(self, context: ActionContext, step: int) -> None:
         self._load(context)
@@ -260,7 +279,8 @@ class EarlyStopping(Action):
     no more and ends as at `train_steps` (actions' on_train_end, export).
 
     Args:
-      metric: an eval metric, "loss" or "eval/loss" (the same), "accuracy", ...
+      metric: an eval metric, "loss" or "eval/loss" (the same), "accuracy", ...;
+        with named eval sets (`Trainer.eval_splits`) "<set>/<metric>".
       mode: "min" (loss) or "max" (accuracy): which way is better.
       patience: evaluations without improvement before stopping.
       min_delta: a change smaller than this is no improvement.
@@ -273,6 +293,9 @@ class EarlyStopping(Action):
         self.evals: dict[int, float] = {}  # step -> value, every evaluation of this run
         self.stopped_at: int | None = None
         self.loaded = False
+
+    def preflight(self, context: ActionContext) -> None:
+        self.watch.check(context)
 
     def on_train_begin(self, context: ActionContext, step: int) -> None:
         self._load(context, step)

@@ -10,7 +10,8 @@ or `$AIP_TENSORBOARD_LOG_DIR`), beside `train/` and `eval/`:
   (bool, int, float, str; a `@reference` as its text) of that config, named as
   in it (`Trainer.train_steps`, `scope/Task.dropout`), and the Trainer's options
   under the same names; its metrics are the eval scalars (`loss` and the
-  Task's metrics) of the run's `eval/`. Each model_dir is then one session of
+  Task's metrics) of the run's `eval/` (of each `eval/<set>/` with named eval
+  sets, `TrainerOptions.eval_splits`). Each model_dir is then one session of
   TensorBoard's HParams dashboard, started on the folder above a sweep's
   model_dirs; a run that has no evaluation yet shows no metric value.
 
@@ -27,6 +28,7 @@ from tensorboard.plugins.hparams import api as hp
 
 from tputrain.actions import Action
 from tputrain.context import ActionContext
+from tputrain.loop.eval_sets import is_default
 
 
 HParamValue = Union[bool, int, float, str]
@@ -77,21 +79,25 @@ def config_text(context: ActionContext) -> str:
                      for field, value in sorted(vars(context.options).items())) + "\n"
 
 
-def eval_tags(context: ActionContext) -> list[str]:
-    """The eval run's scalar tags: the loss and the Task's metrics."""
-    return ["loss", *(metric.name for metric in context.eval_metrics)]
+def eval_tags(context: ActionContext) -> list[tuple[str, str]]:
+    """(run, tag) of the eval scalars: the loss and the Task's metrics, in `eval/`, or
+    in `eval/<set>/` for each named eval set (`TrainerOptions.eval_splits`)."""
+    tags = ["loss", *(metric.name for metric in context.eval_metrics)]
+    splits = context.options.eval_splits
+    groups = [EVAL_GROUP] if is_default(splits) else [f"{EVAL_GROUP}/{s}" for s in splits]
+    return [(group, tag) for group in groups for tag in tags]
 
 
 def write_config_summary(directory: str, text: str, hparams: Mapping[str, HParamValue],
-                         metrics: list[str]) -> None:
+                         metrics: list[tuple[str, str]]) -> None:
     """Writes the config text and the hparams summary into the run at `directory`."""
     writer = tf.summary.create_file_writer(directory)
     with writer.as_default(step=0):
         # Indented: Markdown shows it verbatim (no '#' headings, no '_' emphasis).
         tf.summary.text(TEXT_TAG, "\n".join("    " + line for line in text.splitlines()))
         hp.hparams_config(hparams=[hp.HParam(name) for name in sorted(hparams)],
-                          metrics=[hp.Metric(tag, group=EVAL_GROUP, display_name=f"eval/{tag}")
-                                   for tag in metrics])
+                          metrics=[hp.Metric(tag, group=group, display_name=f"{group}/{tag}")
+                                   for group, tag in metrics])
         hp.hparams(dict(hparams))  # runs with the same settings form one group (repeats)
     writer.close()
 

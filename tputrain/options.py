@@ -114,6 +114,17 @@ class RematOptions:
         object.__setattr__(self, "layer_names", tuple(names))
 
 
+def _check_eval_splits(splits: Any) -> tuple[str, ...]:
+    """Distinct set names, none "train" (the train split) nor holding "/" (a set's
+    metrics are "<set>/<metric>")."""
+    names = tuple(splits) if isinstance(splits, (list, tuple)) else None
+    if not names or len(set(names)) != len(names) or not all(
+            isinstance(n, str) and n and "/" not in n and n != "train" for n in names):
+        raise ValueError("Trainer.eval_splits must be a non-empty tuple of distinct split names "
+                         f"(not 'train', no '/'), e.g. ('validation', 'test'); got {splits!r}")
+    return names
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainerOptions:
     """How a Trainer runs: cadence, batch, precision, input and compilation.
@@ -124,7 +135,12 @@ class TrainerOptions:
         checkpoint boundaries.
       global_batch_size: examples per step over all replicas.
       eval_every: evaluate every N steps (and at the end); None: only at the end.
-      eval_steps: eval batches per evaluation; None: the whole (finite) eval split.
+      eval_steps: eval batches per evaluation (of each eval set); None: the whole
+        (finite) eval split.
+      eval_splits: the eval sets, each `Task.build_inputs(name, ...)`, evaluated in
+        turn: e.g. ("validation", "test"). The default ("eval",) reports its metrics
+        unprefixed ("accuracy", TensorBoard eval/); other sets as "<set>/accuracy"
+        (TensorBoard eval/<set>/), which BestCheckpoint and EarlyStopping can watch.
       checkpoint_every: save every N steps (and at the end); None: as eval_every,
         or 1000.
       keep_checkpoints: how many checkpoints to keep.
@@ -210,6 +226,7 @@ class TrainerOptions:
     global_batch_size: int = 64
     eval_every: int | None = None
     eval_steps: int | None = None
+    eval_splits: tuple[str, ...] = ("eval",)
     checkpoint_every: int | None = None
     keep_checkpoints: int = 3
     precision: str | PrecisionOptions | None = None
@@ -231,6 +248,7 @@ class TrainerOptions:
         _fill_parts(self)
         object.__setattr__(self, "ema_decay", _check_ema_decay(self.ema_decay))
         object.__setattr__(self, "remat", _check_remat(self.remat))
+        object.__setattr__(self, "eval_splits", _check_eval_splits(self.eval_splits))
         for name in ("train_steps", "steps_per_loop", "global_batch_size",
                      "accumulation_steps", "keep_checkpoints", "seed"):
             check_int("Trainer", name, getattr(self, name), 0 if name == "seed" else 1)

@@ -8,7 +8,8 @@ model with one output, else a dict (a list or tuple of outputs becomes
 
 What is read (`source`):
 
-* a split name ("eval", or a finite "train"): what `Task.build_inputs` yields
+* a split name ("eval", a named eval set of `Trainer.eval_splits`, or a finite
+  "train"): what `Task.build_inputs` yields
   on this host, in its order. Padding rows of a padded split (weight 0, e.g.
   `TFRecordInput(pad_remainder=True)`) are dropped; a split batched with
   `drop_remainder=True` has already lost its last examples, so pad it instead.
@@ -197,10 +198,11 @@ def _blank(spec: Any) -> Any:
 
 def source_examples(trainer: "Trainer", source: str) -> tf.data.Dataset:
     """This host's single examples (features only) of a split or a TFRecord glob."""
+    splits = tuple(dict.fromkeys((*SPLITS, *trainer.eval_splits)))  # and the named eval sets
     if not isinstance(source, str) or not source:
-        raise ValueError(f"predict: the input must be a split {SPLITS} or a TFRecord glob, "
+        raise ValueError(f"predict: the input must be a split {splits} or a TFRecord glob, "
                          f"got {source!r}")
-    if source in SPLITS:
+    if source in splits:
         return split_examples(trainer.task.build_inputs(source, trainer.inputs.input_context()),
                               source)
     return tfrecord_examples(source, trainer.inputs.eval_dataset.element_spec,

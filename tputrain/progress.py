@@ -102,7 +102,7 @@ class Progress:
         self.train_steps = train_steps  # the step this run ends at (`Controller.run` sets it)
         self.global_batch_size = global_batch_size
         self._writers: dict[str, tf.summary.SummaryWriter] = {}
-        self._eval_writer: EvalEventWriter | None = None  # keeps every eval step visible
+        self._eval_writers: dict[str, EvalEventWriter] = {}  # keep every eval step visible
         self._summary_dir = summary_dir
         self._steps_per_second: float | None = None
         self._flops_per_step: float | None = None
@@ -143,10 +143,10 @@ class Progress:
         summary = summary_pb2.Summary()
         for name, value in scalars.items():
             summary.value.extend(scalar_summary.scalar_pb(name, float(value)).value)
-        if split == "eval":  # evaluations may come out of step order (tputrain.eval_events)
-            if self._eval_writer is None:
-                self._eval_writer = EvalEventWriter(os.path.join(self._summary_dir, split))
-            self._eval_writer.write(step, summary)
+        if split == "eval" or split.startswith("eval/"):  # eval/, or eval/<set>/: evaluations
+            if split not in self._eval_writers:  # may come out of step order (eval_events)
+                self._eval_writers[split] = EvalEventWriter(os.path.join(self._summary_dir, split))
+            self._eval_writers[split].write(step, summary)
             return
         writer = self._writer(split)
         with writer.as_default(step=step):
@@ -216,14 +216,25 @@ class Progress:
                      _format_logs(logs), steps, seconds)
         self.write_scalars("eval", step, logs)
 
+    def eval_sets_done(self, step: int, per_set: Mapping[str, tuple[Mapping[str, float], int]],
+                       seconds: float, averaged: bool = False) -> None:
+        """Named eval sets (`TrainerOptions.eval_splits`): one line, a TensorBoard run
+        per set (eval/<set>/, the single split's tags)."""
+        weights = " (EMA weights)" if averaged else ""
+        sets = " | ".join(f"{name}: {_format_logs(logs)} ({steps} eval steps)"
+                          for name, (logs, steps) in per_set.items())
+        logging.info("tputrain: eval at step %d%s | %s | %.1fs", step, weights, sets, seconds)
+        for name, (logs, _) in per_set.items():
+            self.write_scalars(f"eval/{name}", step, logs)
+
     def close(self) -> None:
         """Closes the event files; the eval run's first restates what its lower steps hid."""
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()
-        if self._eval_writer is not None:
-            self._eval_writer.close()
-            self._eval_writer = None
+        for writer in self._eval_writers.values():
+            writer.close()
+        self._eval_writers.clear()
 
 
 class Stopwatch:

@@ -37,7 +37,7 @@ from tputrain.ema import averaged_weights, build_average
 from tputrain.goodput import GoodputAction, StartupClock
 from tputrain.guard import NonFiniteGuard
 from tputrain.input_layout import LayoutChange
-from tputrain.loop.evaluation import Evaluator
+from tputrain.loop.eval_sets import EvalSets
 from tputrain.loop.host_loop import HostLoop, count_step, plan_program
 from tputrain.loop.hosts import MaxOverHosts
 from tputrain.loop.inputs import Inputs
@@ -52,9 +52,9 @@ from tputrain.precision import resolve_precision
 from tputrain.preemption import PreemptionWatcher
 from tputrain.predict import predict as predict_outputs
 from tputrain.preflight import preflight
-from tputrain.progress import Progress, Stopwatch, summary_root
+from tputrain.progress import Progress, summary_root
 from tputrain.task import Task, overrides_train_step
-from tputrain.validate import check_eval_split, probe_inputs
+from tputrain.validate import check_splits
 
 
 def _planned(name: str) -> property:
@@ -101,7 +101,8 @@ class Trainer:
     def __init__(self, task: Task, model_dir: str, strategy: tf.distribute.Strategy | None = None,
                  train_steps: int = 1000, steps_per_loop: int = 100,
                  global_batch_size: int = 64, eval_every: int | None = None,
-                 eval_steps: int | None = None, checkpoint_every: int | None = None,
+                 eval_steps: int | None = None, eval_splits: Sequence[str] = ("eval",),
+                 checkpoint_every: int | None = None,
                  keep_checkpoints: int = 3, precision: str | PrecisionOptions | None = None, seed: int = 0,
                  input_mode: str | None = None, jit_compile: bool | str = "auto",
                  accumulation_steps: int = 1, profile_steps: tuple[int, int] | None = None,
@@ -116,6 +117,7 @@ class Trainer:
         self.options = TrainerOptions(
             train_steps=train_steps, steps_per_loop=steps_per_loop,
             global_batch_size=global_batch_size, eval_every=eval_every, eval_steps=eval_steps,
+            eval_splits=eval_splits,
             checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
             precision=precision, seed=seed, input_mode=input_mode, jit_compile=jit_compile,
             accumulation_steps=accumulation_steps, profile_steps=profile_steps,
@@ -137,9 +139,7 @@ class Trainer:
         keras.utils.set_random_seed(self.seed)
         compile_cache.report()  # set when tputrain was imported
         self.inputs = Inputs(task, self.strategy, self.plan)
-        for split in ("train", "eval"):  # corrupt records and missing files fail here
-            self.startup.mark("data", probe_inputs(getattr(self.inputs, f"{split}_dataset"), split))
-        check_eval_split(self.inputs.eval_dataset, self.eval_steps)
+        self.startup.mark("data", check_splits(self.inputs, self.eval_splits, self.eval_steps))
         self.model, self.optimizer, self.train_metrics, self.eval_metrics, self.step, \
             self.guard = self.startup.mark("model", build_model_state(
                 task, self.strategy, self.inputs.micro_batch_spec()[0],
@@ -151,8 +151,8 @@ class Trainer:
                                   self.accumulation_steps, self.jit_compile, self.precision,
                                   self.inputs.train_dataset.element_spec,
                                   self.communication.allreduce_dtype, self.inputs.source_counter)
-        self._evaluator = Evaluator(task, self.model, self.eval_metrics, self.inputs,
-                                    self.eval_steps, self._max_over_hosts)
+        self._evaluator = EvalSets(task, self.model, self.eval_metrics, self.inputs,
+                                   self.eval_steps, self._max_over_hosts, self.eval_splits)
         self._launch(self.plan.jit_compile, self.plan.steps_per_program)
         logging.info("tputrain: %s, %s, XLA %s", type(self.strategy).__name__,
                      self.plan.summary(), self.plan.xla)
@@ -246,6 +246,7 @@ class Trainer:
         property(lambda self, n=name: getattr(self.plan.batch, n))
         for name in ("num_hosts", "host_id", "local_replicas"))
     is_chief = property(lambda self: self.plan.is_chief)
+    eval_splits = property(lambda self: self.plan.options.eval_splits)  # the eval sets' names
     stop_training, stop_reason, flops_per_step, report_mfu = (
         _from_context(name) for name in ("stop_training", "stop_reason", "flops_per_step",
                                          "report_mfu"))
@@ -338,10 +339,9 @@ class Trainer:
 
     def evaluate_weights(self) -> dict[str, float]:
         """Evaluates the weights in memory (their EMA with `ema_decay`): {"loss": ...}."""
-        with averaged_weights(self.ema) as averaged, Stopwatch() as watch:
-            logs, steps = with_aggregates(self, *self._evaluator.evaluate())
-        self.progress.eval_done(self.current_step, logs, watch.seconds, steps, averaged)
-        return logs
+        with averaged_weights(self.ema) as averaged:  # every eval set (loop/eval_sets.py)
+            return self._evaluator.run(self.progress, self.current_step, averaged,
+                                       lambda split, result: with_aggregates(self, *result, split))
 
     def run_loop(self, num_steps: int) -> tuple[dict[str, float], int, float]:
         """Runs up to `num_steps` train steps in one compiled call (no cadence, no

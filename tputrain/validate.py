@@ -12,7 +12,7 @@ import errno
 import re
 import shutil
 import uuid
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import tensorflow as tf
 from absl import logging
@@ -69,13 +69,25 @@ def probe_inputs(dataset: tf.data.Dataset, split: str) -> None:
         raise _feature_spec_error(error, split) from None
 
 
-def check_eval_split(dataset: tf.data.Dataset, eval_steps: int | None) -> None:
+def check_eval_split(dataset: tf.data.Dataset, eval_steps: int | None,
+                     split: str = "eval") -> None:
     """Without `eval_steps` the eval split is counted to its end: refuse one that
     has no end before training starts (counting it would never return)."""
     if eval_steps is None and int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
         raise ValueError(
-            "the eval split repeats forever (build_inputs('eval', ...) returns a repeated "
-            "dataset): set eval_steps=N (batches per evaluation) or do not repeat the eval split")
+            f"the {split} split repeats forever (build_inputs({split!r}, ...) returns a repeated "
+            f"dataset): set eval_steps=N (batches per evaluation) or do not repeat the {split} "
+            "split")
+
+
+def check_splits(inputs: Any, eval_splits: Sequence[str], eval_steps: int | None) -> None:
+    """Reads a batch of the train split and of each eval set (`probe_inputs`: corrupt
+    records and missing files fail here, before anything is built), and refuses an
+    endless eval set that would be counted to its end (`check_eval_split`)."""
+    for split in ("train", *eval_splits):
+        probe_inputs(inputs.dataset(split), split)
+    for split in eval_splits:
+        check_eval_split(inputs.dataset(split), eval_steps, split)
 
 
 def _feature_spec_error(error: tf.errors.InvalidArgumentError, split: str) -> Exception:

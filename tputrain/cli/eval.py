@@ -6,8 +6,10 @@ passes the run's own --gin_file and --gin_param) as a `ReadOnlyTrainer`, which
 neither locks model_dir nor writes to it except `eval/` (tputrain/sidecar.py),
 and evaluates the latest checkpoint, `--step`'s, or with `--continuous` each new
 one once as it appears, until the one at `Trainer.train_steps`. Eval summaries
-go to `model_dir/eval/` at the checkpoint's step; stdout gets one JSON line per
-evaluated checkpoint as soon as it is evaluated: {"step": N, "loss": ..., metrics...}.
+go to `model_dir/eval/` at the checkpoint's step (`eval/<set>/` for each of
+`Trainer.eval_splits`' named sets, every set evaluated); stdout gets one JSON line
+per evaluated checkpoint as soon as it is evaluated: {"step": N, "loss": ...,
+metrics...} ("<set>/loss", ... with named sets).
 Without --step, a truncated latest checkpoint falls back to the newest readable one.
 
 Exits 0 when done; 1 when `--continuous` saw no new checkpoint for

@@ -35,9 +35,11 @@ class Evaluator:
     """`evaluate()` -> (metrics, eval steps run) over this host's eval split."""
 
     def __init__(self, task: Task, model: keras.Model, metrics: Sequence[keras.metrics.Metric],
-                 inputs: Inputs, eval_steps: int | None, max_over_hosts: Callable[[int], int]):
+                 inputs: Inputs, eval_steps: int | None, max_over_hosts: Callable[[int], int],
+                 split: str = "eval"):
         self.task, self.model, self.metrics = task, model, list(metrics)
-        self.inputs = inputs
+        self.inputs, self.split = inputs, split  # an eval set's name (Trainer.eval_splits)
+        self.dataset = inputs.dataset(split)
         self.eval_steps = eval_steps
         self.max_over_hosts = max_over_hosts
         self._loop: Callable | None = None
@@ -51,7 +53,7 @@ class Evaluator:
     def _build(self) -> None:
         """Agrees on the eval step count across hosts; builds the eval iterator and loop."""
         inputs = self.inputs
-        weighted = inputs.num_hosts > 1 or is_weighted(inputs.eval_dataset.element_spec)
+        weighted = inputs.num_hosts > 1 or is_weighted(self.dataset.element_spec)
         self._batches = batches = self.max_over_hosts(self._local_steps(weighted))
 
         def prepare(dataset: tf.data.Dataset, replicas: int) -> tf.data.Dataset:
@@ -61,10 +63,10 @@ class Evaluator:
 
         if inputs.input_mode == "distributed":
             self._iterator = iter(inputs.strategy.distribute_datasets_from_function(
-                lambda c: prepare(self.task.build_inputs("eval", inputs.input_context(c)),
+                lambda c: prepare(self.task.build_inputs(self.split, inputs.input_context(c)),
                                   replicas_per_pipeline(c))))
         else:
-            self._iterator = iter(prepare(inputs.eval_dataset, inputs.local_replicas))
+            self._iterator = iter(prepare(self.dataset, inputs.local_replicas))
         self._loop = HostLoop(self._replica_step, inputs, count_steps=False).loop
 
     def _local_steps(self, padded_split: bool) -> int:
@@ -73,13 +75,14 @@ class Evaluator:
         if self.eval_steps is not None:
             return int(self.eval_steps)
         local = self.inputs.local_replicas
-        count = int(self.inputs.eval_dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+        count = int(self.dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
         steps = -(-count // local) if padded_split else count // local
         if steps < 1 and self.inputs.num_hosts == 1:
             raise ValueError(
                 f"the eval split has {count} per-replica batches, fewer than the "
-                f"{local} local replicas: use a smaller global batch, "
-                "more eval data, or pad the eval split (TFRecordInput.pad_remainder)")
+                f"{local} local replicas (build_inputs({self.split!r}, ...)): use a smaller "
+                "global batch, more eval data, or pad the eval split "
+                "(TFRecordInput.pad_remainder)")
         return steps
 
     def close(self) -> None:

@@ -114,7 +114,9 @@ class Inputs:
         self.source_counter: SourceCounter | None = None
         # Inputs first: bad data fails before anything is built or written.
         self._train_dataset = self.build_dataset("train")
-        self._eval_dataset = self.build_dataset("eval")
+        # The eval sets (`TrainerOptions.eval_splits`), in order: name -> dataset.
+        self.eval_datasets = {name: self.build_dataset(name)
+                              for name in plan.options.eval_splits}
 
     @property
     def train_dataset(self) -> tf.data.Dataset:
@@ -123,7 +125,12 @@ class Inputs:
 
     @property
     def eval_dataset(self) -> tf.data.Dataset:
-        return self._eval_dataset
+        """The first eval set's dataset (the only one by default, "eval")."""
+        return next(iter(self.eval_datasets.values()))
+
+    def dataset(self, split: str) -> tf.data.Dataset:
+        """This host's dataset of `split`: "train" or an eval set's name."""
+        return self._train_dataset if split == "train" else self.eval_datasets[split]
 
     def input_context(self, tf_context: tf.distribute.InputContext | None = None,
                        global_batch_size: int | None = None) -> InputContext:

@@ -184,3 +184,30 @@ Trainer.report_mfu = False
         np.testing.assert_array_equal(got["labels"][order], y[np.lexsort(x.T[::-1])])
         np.testing.assert_allclose(got["outputs"],
                                    model.predict({"x": got["x"]}, verbose=0), atol=1e-5)
+
+
+class TwoSetF1Task(F1Task):
+    """F1Task with named eval sets: "validation" is the first 30 eval examples, "test"
+    all 50 with their labels flipped (so the two sets' F1 differ)."""
+
+    def build_inputs(self, split, input_context):
+        if split == "train":
+            return super().build_inputs(split, input_context)
+        x, y = (self.x_eval[:30], self.y_eval[:30]) if split == "validation" else (
+            self.x_eval, 1 - self.y_eval)
+        batch = input_context.get_per_replica_batch_size(input_context.global_batch_size)
+        dataset = tf.data.Dataset.from_tensor_slices(({"x": x}, y))
+        return dataset.batch(batch).map(lambda *b: pad_to_batch(b, batch))
+
+
+def test_each_named_eval_set_gets_its_own_host_side_metric(tmp_path):
+    task = TwoSetF1Task()
+    trainer = make(tmp_path / "run", task, eval_splits=("validation", "test"))
+    trainer.train()
+    task.received.clear()
+    logs = trainer.evaluate()
+    assert [len(r["labels"]) for r in task.received] == [30, EVAL_EXAMPLES]
+    assert logs["validation/f1"] == pytest.approx(
+        reference_f1(trainer.model, task.x_eval[:30], task.y_eval[:30]), abs=1e-6)
+    assert logs["test/f1"] == pytest.approx(
+        reference_f1(trainer.model, task.x_eval, 1 - task.y_eval), abs=1e-6)

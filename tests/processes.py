@@ -44,3 +44,14 @@ def listed_steps(model_dir: Path) -> list[int]:
     """The steps of the checkpoints the state file lists."""
     state = tf.train.get_checkpoint_state(str(model_dir / "checkpoints"))
     return sorted(int(p.rsplit("-", 1)[1]) for p in state.all_model_checkpoint_paths) if state else []
+
+
+def launched(config: Path, model_dir: Path, workers: int = 2, timeout: int = 300) -> str:
+    """The output of `tputrain launch` of `config` (with tests/faults.py importable) on
+    `workers` workers, asserted to have exited 0."""
+    launch = Launch(["--workers", str(workers), "--gin_import=faults", f"--gin_file={config}",
+                     f"--model_dir={model_dir}"])
+    code = launch.finish(timeout=timeout)
+    text = launch.text()
+    assert code == 0, text[-4000:]
+    return text

@@ -17,7 +17,7 @@ from sklearn.metrics import f1_score
 import tputrain
 from events import last_scalars
 from faults import F1RecordsTask
-from processes import Launch
+from processes import launched
 from tiny import TinyTask, strategy_for
 from tputrain.data.batching import pad_to_batch
 
@@ -158,11 +158,7 @@ Trainer.global_batch_size = {2 * PER_REPLICA}
 Trainer.report_mfu = False
 """)
     model_dir = tmp_path / "model"
-    launch = Launch(["--workers", "2", "--gin_import=faults", f"--gin_file={config}",
-                     f"--model_dir={model_dir}"])
-    code = launch.finish(timeout=300)
-    text = launch.text()
-    assert code == 0, text[-4000:]
+    text = launched(config, model_dir)
     logged = {int(w): float(f) for w, f in
               re.findall(r"\[worker (\d)\] .*eval at step 4 .*f1 ([0-9.]+)", text)}
     assert sorted(logged) == [0, 1] and logged[0] == logged[1], text[-4000:]

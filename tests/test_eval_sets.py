@@ -18,7 +18,7 @@ import tensorflow as tf
 import tputrain
 from events import last_scalars, scalar_points
 from faults import RecordsTask
-from processes import Launch
+from processes import launched
 from tiny import strategy_for
 from tputrain.config_summary import eval_tags
 from tputrain.sidecar import ReadOnlyTrainer, evaluate_checkpoints
@@ -189,11 +189,7 @@ Trainer.report_mfu = False
 Trainer.input_mode = '{input_mode}'
 """)
     model_dir = tmp_path / "model"
-    launch = Launch(["--workers", "2", "--gin_import=faults", f"--gin_file={config}",
-                     f"--model_dir={model_dir}"])
-    code = launch.finish(timeout=300)
-    text = launch.text()
-    assert code == 0, text[-4000:]
+    text = launched(config, model_dir)
     pattern = r"\[worker (\d)\] .*eval at step 4 \| validation: .*\((\d+) eval steps\) " \
               r"\| test: .*\((\d+) eval steps\)"
     counts = {int(w): (int(v), int(t)) for w, v, t in re.findall(pattern, text)}

@@ -218,9 +218,25 @@ def split_examples(dataset: tf.data.Dataset, split: str) -> tf.data.Dataset:
     if not isinstance(spec, tuple):
         return dataset.unbatch()
     if len(spec) == 3:
-        return dataset.map(lambda f, _, w: (f, w)).unbatch().filter(
-            lambda f, w: w > 0).map(lambda f, w: f)
+        return dataset.map(_features_and_weights).unbatch().filter(_real).map(_features)
     return dataset.map(lambda f, *_: f).unbatch()
+
+
+# Named functions, not lambdas: AutoGraph cannot tell two lambdas on one line apart
+# and warns that it runs them as they are.
+def _features_and_weights(features: Any, labels: Any, weights: tf.Tensor) -> tuple[Any, tf.Tensor]:
+    del labels
+    return features, weights
+
+
+def _real(features: Any, weight: tf.Tensor) -> tf.Tensor:
+    del features
+    return weight > 0
+
+
+def _features(features: Any, weight: tf.Tensor) -> Any:
+    del weight
+    return features
 
 
 def tfrecord_examples(pattern: str, eval_spec: Any, hosts: int,

@@ -685,6 +685,17 @@ def write_records(directory: Path) -> list[str]:
                                          num_shards=2)
 
 
+def same_final_weights(tmp_path: Path) -> dict[str, np.ndarray]:
+    """Asserts the latest checkpoints of tmp_path/reference and tmp_path/interrupted
+    (`killed_and_rerun`) hold the same keys and bitwise-equal values; returns them."""
+    expected = final_weights(str(tmp_path / "reference"))
+    actual = final_weights(str(tmp_path / "interrupted"))
+    assert expected.keys() == actual.keys()
+    for key in expected:
+        np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
+    return expected
+
+
 def killed_and_rerun(tmp_path: Path, config: Path, step: int) -> tuple[Process, Process]:
     """The uninterrupted CLI run of `config` (in tmp_path/reference) and the rerun of
     its model_dir as a SIGKILL after `step` leaves it (tmp_path/interrupted): the

@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import tputrain
-from faults import Process, child_env, copy_at_pause, final_weights, pausable_env
+from faults import Process, child_env, copy_at_pause, pausable_env, same_final_weights
 from tiny import TinyTask, strategy_for
 from tputrain.validate import iterator_state_bytes
 
@@ -160,8 +160,5 @@ def test_stateless_augment_resumes_bitwise_after_sigkill(tmp_path):
     for run in (reference, resumed):
         assert WARNING not in run.text(), run.log()
 
-    expected = final_weights(str(tmp_path / "reference"))
-    actual = final_weights(str(tmp_path / "interrupted"))
-    assert expected.keys() == actual.keys() and len(expected) > 4
-    for key in expected:
-        np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
+    weights = same_final_weights(tmp_path)
+    assert len(weights) > 4

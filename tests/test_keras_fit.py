@@ -186,7 +186,7 @@ def test_sigkill_midway_resumes_bitwise(tmp_path):
     bitwise an uninterrupted run's (2 replicas, dropout, shuffled arrays)."""
     import sys
 
-    from faults import Process, child_env, copy_at_pause, final_weights, pausable_env
+    from faults import Process, child_env, copy_at_pause, pausable_env, same_final_weights
 
     def child(model_dir, pause_at=None):
         call = f"faults.keras_fit_run({str(model_dir)!r}, {pause_at!r})"
@@ -204,11 +204,8 @@ def test_sigkill_midway_resumes_bitwise(tmp_path):
     assert resumed.finish() == 0, resumed.log()
     # Killed before step 10's save: steps 9 and 10 are trained again, from ckpt-8.
     assert "training from step 8 to 24" in resumed.text(), resumed.log()
-    expected = final_weights(str(tmp_path / "reference"))
-    actual = final_weights(str(tmp_path / "interrupted"))
-    assert expected.keys() == actual.keys() and any(k.startswith("seeds/") for k in expected)
-    for key in expected:
-        np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
+    weights = same_final_weights(tmp_path)
+    assert any(k.startswith("seeds/") for k in weights)
 
 
 def test_a_model_building_function_is_called_in_the_scope(tmp_path):

@@ -221,7 +221,7 @@ def test_a_shuffled_mixture_run_killed_mid_run_resumes_bitwise(tmp_path):
     """A shuffled 2-source weighted mixture, packed, through the CLI: the run's
     model_dir as a SIGKILL after step 6 leaves it, rerun, equals the uninterrupted
     run bitwise, and its per-source counts continue."""
-    from faults import final_weights, killed_and_rerun
+    from faults import killed_and_rerun, same_final_weights
 
     sources = write_token_sources(tmp_path, {"wiki": 90, "code": 60}, (0, 40), seed=7)
     config = tmp_path / "mixture.gin"
@@ -243,8 +243,5 @@ Trainer.report_mfu = False
     again = [line for line in resumed.text().splitlines() if "sources: wiki" in line][-1]
     assert last.split("sources: ")[1].split(" | ")[:2] == again.split("sources: ")[1].split(
         " | ")[:2]  # the same counts at the end: continued, not restarted
-    expected = final_weights(str(tmp_path / "reference"))
-    actual = final_weights(str(tmp_path / "interrupted"))
-    assert expected.keys() == actual.keys() and len(expected) >= 3
-    for key in expected:
-        np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
+    weights = same_final_weights(tmp_path)
+    assert len(weights) >= 3

@@ -98,15 +98,12 @@ def test_a_packed_text_run_killed_mid_run_resumes_bitwise(tmp_path):
     """Shuffled, packed rows in host input mode: the iterator's checkpoint holds the
     partly filled row, so a run killed after step 6 (its model_dir as a SIGKILL at
     the pause leaves it) and rerun equals the uninterrupted run bitwise."""
-    from faults import final_weights, killed_and_rerun
+    from faults import killed_and_rerun, same_final_weights
 
     config = tmp_path / "text.gin"
     config.write_text(TEXT_CONFIG + f"TextLMTask.corpus_dir = '{tmp_path / 'corpus'}'\n")
     reference, resumed = killed_and_rerun(tmp_path, config, step=6)
     assert "ckpt-4 (step 4)" in resumed.text(), resumed.log()  # steps 5-6 replayed
     assert "real tokens/s" in reference.text() and "padding" in reference.text()
-    expected = final_weights(str(tmp_path / "reference"))
-    actual = final_weights(str(tmp_path / "interrupted"))
-    assert expected.keys() == actual.keys() and len(expected) > 4
-    for key in expected:
-        np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
+    weights = same_final_weights(tmp_path)
+    assert len(weights) > 4

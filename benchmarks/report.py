@@ -113,6 +113,13 @@ def remat_headlines(report: dict[str, Any]) -> list[str]:
     return cells
 
 
+def restart_headlines(report: dict[str, Any]) -> list[str]:
+    """Per config: a rerun's start-to-first-loop and compile time, cache over no cache."""
+    return [f"{result['config']}: with cache / without, to first loop "
+            f"{result['ratio_to_first_loop']:.2f}, compile {result['ratio_compile']:.2f}"
+            for result in report["results"]]
+
+
 def headlines(report: dict[str, Any]) -> list[str]:
     """The few ratios a reader compares across runs, by what the result holds."""
     goals = report.get("goals", {})
@@ -127,6 +134,8 @@ def headlines(report: dict[str, Any]) -> list[str]:
         return resume_headlines(report)
     if report.get("benchmark") == "remat" and "plans" in report:
         return remat_headlines(report)
+    if report.get("benchmark") == "restart_compile":
+        return restart_headlines(report)
     if "ratios_remat_over_none" in report:
         ratios = report["ratios_remat_over_none"]
         return [f"remat / no remat, peak RSS {ratios['peak_rss_mib']:.2f}",
@@ -138,6 +147,9 @@ def headlines(report: dict[str, Any]) -> list[str]:
 def load_average(report: dict[str, Any]) -> str:
     """The 1-minute load average before / after the run, where it was recorded."""
     machine = report.get("machine") or report.get("environment") or report
+    if "load_before" in machine:  # restart_compile: the os.getloadavg() triples
+        machine = {"load_average_before": machine["load_before"],
+                   "load_average_after": machine["load_after"]}
     if isinstance(machine.get("load_average_1min"), dict):  # remat: over the run
         return "{min:.1f}-{max:.1f}".format(**machine["load_average_1min"])
     values = [machine.get(f"load_average_{when}") for when in ("before", "after")]

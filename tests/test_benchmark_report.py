@@ -38,6 +38,8 @@ def test_every_result_file_is_dated_and_has_its_row():
         assert NAME.match(path.name), path.name
         date, benchmark, tag = load("report").parse_name(path)
         assert f"| {date} | {benchmark} | {tag or '-'} |" in table
+        assert load("report").headlines(json.loads(path.read_text())), (
+            f"{path.name}: report.py finds no headline ratio in it")
 
 
 def test_no_benchmark_json_is_kept_outside_the_results_folder():
@@ -87,3 +89,13 @@ def test_a_script_writes_its_result_to_a_dated_file_without_overwriting(tmp_path
     assert [first.name, second.name, third.name] == [
         f"{today}-resume.json", f"{today}-resume-quiet.json", f"{today}-resume-run2.json"]
     assert json.loads(first.read_text())["date"].startswith(today)
+
+
+def test_a_restart_row_gives_the_cache_ratios_per_config_and_the_load(tmp_path):
+    (tmp_path / "2030-01-01-restart_compile.json").write_text(json.dumps({
+        "benchmark": "restart_compile", "load_before": [1.5, 1, 1], "load_after": [2.0, 1, 1],
+        "results": [{"config": "digits.gin", "ratio_to_first_loop": 0.61,
+                     "ratio_compile": 0.4}]}))
+    row = load("report").table(tmp_path).splitlines()[-1]
+    assert row == ("| 2030-01-01 | restart_compile | - | digits.gin: with cache / without, "
+                   "to first loop 0.61, compile 0.40 | 1.5 / 2.0 |")

@@ -38,7 +38,7 @@ from tputrain.goodput import GoodputAction, StartupClock
 from tputrain.guard import NonFiniteGuard
 from tputrain.input_layout import LayoutChange
 from tputrain.loop.eval_sets import EvalSets
-from tputrain.loop.host_loop import HostLoop, count_step, plan_program
+from tputrain.loop.host_loop import HostLoop, count_step, plan_steps
 from tputrain.loop.hosts import MaxOverHosts
 from tputrain.loop.inputs import Inputs
 from tputrain.loop.replica_stats import ReplicaStatistics
@@ -350,10 +350,9 @@ class Trainer:
             # A mirrored counter (MirroredStrategy on one device) is written through a
             # merge_call, which a nested XLA function cannot hold: the loop counts it.
             mirrored = isinstance(self.step, tf.distribute.DistributedValues)
-            step_fn = self._steps.build(count=None if mirrored else (
-                lambda logs: count_step(self.step, self.guard, logs, self.ema)))
-            program = plan_program(step_fn, self._steps, self.inputs, self.plan, self.step,
-                                   self.guard, self.progress.ideal_step_seconds)
+            step_fn, program = plan_steps(self._steps, None if mirrored else (
+                lambda logs: count_step(self.step, self.guard, logs, self.ema)), self.inputs,
+                self.plan, self.step, self.guard, self.progress.ideal_step_seconds)
             # "auto" -> False if XLA refused it
             self._launch(self._steps.jit_compile, program.get("program_steps", 1))
             self._train_loop_fn = HostLoop(step_fn, self.inputs, count_steps=True, step=self.step,

@@ -244,6 +244,19 @@ def _after(value: tf.Tensor, op: Callable[[], tf.Tensor]) -> tf.Tensor:
         return op()
 
 
+def plan_steps(builder: StepBuilder, count: Callable[[dict[str, tf.Tensor]], None] | None,
+               inputs: Inputs, plan: Any, step: tf.Variable, guard: NonFiniteGuard,
+               ideal_step_seconds: float | None) -> tuple[Callable, dict[str, Any]]:
+    """The step (`StepBuilder.build`) and HostLoop's program arguments (`plan_program`).
+
+    XLA's lowering is most of a small model's start-up: where a program of several
+    steps lowers, the step inside it is not lowered again on its own.
+    """
+    step_fn = builder.build(count, check=False)
+    program = plan_program(step_fn, builder, inputs, plan, step, guard, ideal_step_seconds)
+    return builder.checked(step_fn, count), program
+
+
 def plan_program(step_fn: Callable, builder: StepBuilder, inputs: Inputs, plan: Any,
                  step: tf.Variable, guard: NonFiniteGuard,
                  ideal_step_seconds: float | None) -> dict[str, Any]:
@@ -264,5 +277,6 @@ def plan_program(step_fn: Callable, builder: StepBuilder, inputs: Inputs, plan: 
         logging.warning("tputrain: %d steps per XLA program do not compile (%s): "
                         "one step a launch", steps, why)
         return {}
+    builder.lowered_within()
     logging.info("tputrain: %d steps per XLA program launch (Trainer.steps_per_program)", steps)
     return {"program": program, "program_steps": steps}

@@ -205,7 +205,8 @@ def _counted(step: Callable, count: Callable[[dict[str, tf.Tensor]], None]) -> C
 def _log_zeros(step: Callable, batch_spec: Any) -> Any:
     """Zeros shaped like the logs `step` returns, from a trace of it that never runs
     (sums over a while loop need their structure before the first step)."""
-    logs = tf.function(step).get_concrete_function(batch_spec).structured_outputs
+    traced = step if hasattr(step, "get_concrete_function") else tf.function(step)
+    logs = traced.get_concrete_function(batch_spec).structured_outputs
     return zeros_of(logs)
 
 
@@ -234,7 +235,7 @@ def steps_program(step: Callable, steps: int, counter: tf.Variable,
 
         ran, totals, _ = tf.while_loop(
             lambda j, totals, stopped: tf.logical_and(j < n, tf.logical_not(stopped)), body,
-            (tf.constant(0), _log_zeros(one_step, spec), tf.constant(False)),
+            (tf.constant(0), _log_zeros(step, spec), tf.constant(False)),
             maximum_iterations=steps)
         counter.assign_add(tf.cast(n - ran, counter.dtype))
         return totals, ran
@@ -298,6 +299,7 @@ class StepBuilder:
         self._own_gradients = not (self._custom_train_step
                                    or overrides(task, "compute_gradients"))
         self.counted_in_step = False  # set by build()
+        self._unchecked: Callable | None = None  # built with check=False, not yet lowered
 
     def xla_plan(self) -> tuple[bool, bool, str]:
         """(compile the whole step, compile forward/backward only, why): `plan`'s summary;
@@ -348,13 +350,15 @@ class StepBuilder:
             return f"precision {self.precision}"
         return update_refusal(self.optimizer, compile_any=compile_any)
 
-    def build(self, count: Callable[[dict[str, tf.Tensor]], None] | None = None
-              ) -> Callable[[Any], dict[str, tf.Tensor]]:
+    def build(self, count: Callable[[dict[str, tf.Tensor]], None] | None = None,
+              check: bool = True) -> Callable[[Any], dict[str, tf.Tensor]]:
         """The per-replica step (replica context), with accumulation and XLA as configured.
 
         `count(logs)` (the step counter and the guard's observation) is called in the
         step when the whole step is one XLA program, on one replica, where the logs
         need no reduction; `counted_in_step` then says so, and the loop skips it.
+        `check=False` leaves jit_compile="auto"'s lowering to `checked` (a program
+        of several steps that lowers has lowered this step too).
         """
         plan = self.plan()
         self.counted_in_step = False
@@ -385,10 +389,24 @@ class StepBuilder:
             return step
         compiled = tf.function(step if count is None else _counted(step, count),
                                jit_compile=True)
-        if self.jit_compile == "auto" and not self._compiles(compiled):
+        self._unchecked = compiled if self.jit_compile == "auto" and not check else None
+        if self.jit_compile == "auto" and check and not self._compiles(compiled):
             return self.build(count)  # now without XLA
         self.counted_in_step = count is not None
         return compiled
+
+    def checked(self, step: Callable, count: Callable[[dict[str, tf.Tensor]], None] | None
+                ) -> Callable[[Any], dict[str, tf.Tensor]]:
+        """`step` from `build(check=False)`, lowered now unless `lowered_within` said a
+        program holding it lowered; the step without XLA if XLA refuses it."""
+        if step is not self._unchecked:
+            return step
+        self._unchecked = None
+        return step if self._compiles(step) else self.build(count)
+
+    def lowered_within(self) -> None:
+        """A program holding the step lowered: the step needs no lowering of its own."""
+        self._unchecked = None
 
     def _loss_denominator(self, batch: Any) -> tuple[Any, dict[str, tf.Tensor]]:
         """Replica context: what the step's loss sums are divided by, and its logs.

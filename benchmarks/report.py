@@ -124,7 +124,10 @@ def restart_headlines(report: dict[str, Any]) -> list[str]:
             continue
         lines += [f"{result['config']}: {case} / neither, to first loop "
                   f"{ratios['to_first_loop']:.2f}, compile {ratios['compile']:.2f}, "
-                  f"start-up {ratios['startup']:.2f}, CPU {ratios['process_cpu']:.2f}"
+                  f"start-up {ratios['startup']:.2f}, " + (
+                      f"CPU to first loop {ratios['cpu_to_first_loop']:.2f}"
+                      if "cpu_to_first_loop" in ratios else
+                      f"whole-process CPU {ratios['process_cpu']:.2f}")
                   for case, ratios in result["ratios_vs_neither"].items()]
     return lines
 

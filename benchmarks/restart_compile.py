@@ -17,10 +17,12 @@ of the two switches:
 Each rerun's goodput record (`model_dir/goodput/run-*.json`) gives its start-up
 (process start to the end of the restore and the actions' set-up: the account's
 `restart` bucket for a rerun) and the first loop's `compile` seconds; their sum
-is the time from process start to the first trained step's loop. Also kept: the
-rerun's wall and CPU seconds as a whole process (including its final eval, save
-and export) and the load average before each rerun. Medians, and each case over
-`neither`.
+is the time from process start to the first trained step's loop. On a loaded
+machine those wall times swing with the load; the record's CPU seconds (all
+threads, from process start) at `train()`'s start and at the end of the first
+loop (`cpu_to_first_loop`) swing far less. Also kept: the rerun's wall and CPU
+seconds as a whole process (with its final eval, save and export) and the load
+average before each rerun. Medians, and each case over `neither`.
 
 Only XLA programs are cached: a config whose step runs without XLA (digits'
 dropout on CPU, see `Trainer.jit_compile`) gains nothing from the cache.
@@ -82,6 +84,8 @@ def first_step_seconds(record: dict) -> dict:
     return {"startup": startup, "compile": compile_seconds,
             "to_first_loop": startup + compile_seconds,
             **{f"startup_{name}": value for name, value in record["startup"].items()},
+            "cpu_to_train_begin": record["cpu"]["train_begin"],
+            "cpu_to_first_loop": record["cpu"]["first_loop_end"],
             "process_wall": record["process"]["wall"], "process_cpu": record["process"]["cpu"],
             "seconds_per_later_step": later_seconds / later_steps if later_steps else None}
 
@@ -121,7 +125,8 @@ def measure(config: str, steps: int, repeats: int, root: str, cases: list[str]) 
     middle = {case: medians(values) for case, values in trials.items()}
     reference = middle.get("neither")
     ratios = {case: {key: middle[case][key] / reference[key]
-                     for key in ("to_first_loop", "startup", "compile", "process_wall", "process_cpu")}
+                     for key in ("to_first_loop", "startup", "compile", "cpu_to_first_loop",
+                                 "cpu_to_train_begin", "process_wall", "process_cpu")}
               for case in cases if reference and case != "neither"}
     return {"config": config, "steps": steps, "cache_entries": entries, "trials": trials,
             "medians": middle, "ratios_vs_neither": ratios}

@@ -114,10 +114,22 @@ def remat_headlines(report: dict[str, Any]) -> list[str]:
 
 
 def restart_headlines(report: dict[str, Any]) -> list[str]:
-    """Per config: a rerun's start-to-first-loop and compile time, cache over no cache."""
-    return [f"{result['config']}: with cache / without, to first loop "
-            f"{result['ratio_to_first_loop']:.2f}, compile {result['ratio_compile']:.2f}"
-            for result in report["results"]]
+    """Per config: a rerun's start-to-first-loop and compile time, each case over
+    `neither` (cache and lean tracing off); an older file: cache over no cache."""
+    lines = []
+    for result in report["results"]:
+        if "ratios_vs_neither" not in result:
+            lines.append(f"{result['config']}: with cache / without, to first loop "
+                         f"{result['ratio_to_first_loop']:.2f}, compile {result['ratio_compile']:.2f}")
+            continue
+        lines += [f"{result['config']}: {case} / neither, to first loop "
+                  f"{ratios['to_first_loop']:.2f}, compile {ratios['compile']:.2f}, "
+                  f"start-up {ratios['startup']:.2f}, " + (
+                      f"CPU to first loop {ratios['cpu_to_first_loop']:.2f}"
+                      if "cpu_to_first_loop" in ratios else
+                      f"whole-process CPU {ratios['process_cpu']:.2f}")
+                  for case, ratios in result["ratios_vs_neither"].items()]
+    return lines
 
 
 def headlines(report: dict[str, Any]) -> list[str]:

@@ -99,6 +99,16 @@ def test_compile_is_the_first_loop_beyond_its_steps_at_the_steady_rate():
     assert rec.data["steps_trained"] == 20 and rec.data["last_step"] == 20
 
 
+def test_the_record_keeps_the_process_cpu_seconds_at_train_begin_and_first_loop_end(monkeypatch):
+    clock = iter([3.0, 7.5, 9.0])  # CPU seconds since the process started
+    monkeypatch.setattr(goodput.time, "process_time", lambda: next(clock))
+    rec = loop_record()
+    assert rec.data["cpu"] == {"train_begin": 3.0, "first_loop_end": None}
+    run_loop(rec, 10, 10, 5.0)
+    run_loop(rec, 20, 10, 1.0)  # a later loop changes nothing
+    assert rec.data["cpu"] == {"train_begin": 3.0, "first_loop_end": 7.5}
+
+
 def test_one_loop_uses_the_previous_runs_rate():
     rec = loop_record(fallback=0.1)
     run_loop(rec, 10, 10, 3.0)

@@ -29,6 +29,8 @@ from typing import Any, Iterator
 import keras
 import tensorflow as tf
 
+from tputrain import tracing
+
 
 class ExponentialAverage:
     """The averages of `model`'s trainable weights, and how many steps they hold.
@@ -48,6 +50,7 @@ class ExponentialAverage:
     def averages(self) -> list[tf.Variable]:
         return list(self.state.averages)
 
+    @tracing.graph_helper
     def update(self, applied: tf.Tensor) -> None:
         """After a step: average in the weights if the step was `applied`."""
         first = tf.equal(self.state.updates.read_value(), 0)

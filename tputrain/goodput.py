@@ -24,6 +24,8 @@ How each bucket is measured (docs/performance.md#goodput):
   rate is known).
 - eval and checkpoint: the time up to `on_eval_end` / `on_save` since the
   previous hook.
+- CPU: the record also keeps the process's CPU seconds (all threads, since the
+  process started) when `train()` begins and when its first loop ends.
 - across runs: `recomputed` is the step time the previous run spent on steps
   past the checkpoint this run restored (steps x that run's seconds per step),
   moved out of `steps`; `restart` is the start-up of every run after the first;
@@ -136,7 +138,10 @@ class RunRecord:
             "seconds": {bucket: 0.0 for bucket in RUN_BUCKETS},
             "restored_step": step, "last_step": step, "steps_trained": 0,
             "last_checkpoint_step": None, "seconds_per_step": None,
-            "first_loop": None, "later_loops": [0, 0.0]}
+            "first_loop": None, "later_loops": [0, 0.0],
+            # The process's CPU seconds (all threads) since it started: less swayed by a
+            # loaded machine than the wall times (benchmarks/restart_compile.py).
+            "cpu": {"train_begin": time.process_time(), "first_loop_end": None}}
         self._cursor = time.perf_counter()
         self._starting = True  # until the first loop: time between hooks is start-up
         self._loop = (0, 0.0)
@@ -178,6 +183,7 @@ class RunRecord:
         self.add("communication", min(comm, seconds - stall))
         if self.data["first_loop"] is None:
             self.data["first_loop"] = [steps, work]
+            self.data["cpu"]["first_loop_end"] = time.process_time()
         else:
             later = self.data["later_loops"]
             self.data["later_loops"] = [later[0] + steps, later[1] + work]

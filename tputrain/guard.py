@@ -47,6 +47,8 @@ from typing import Any, Callable, Iterator, Mapping
 import keras
 import tensorflow as tf
 
+from tputrain import tracing
+
 POLICIES = ("raise", "skip", "rollback", None)
 
 
@@ -54,6 +56,7 @@ class NonFiniteError(FloatingPointError):
     """Training produced a NaN/Inf loss or gradient (policy 'raise' or too many rollbacks)."""
 
 
+@tracing.graph_helper
 def _all_finite(values: list[Any]) -> tf.Tensor:
     """Whether every element of these values is finite: NaN and Inf propagate through
     a sum, so one sum of sums tells (a sum past float32's range counts as not
@@ -76,6 +79,7 @@ def check_scale(weights: int) -> float:
     return 2.0 ** (65 + math.ceil(math.log2(max(weights, 1)) / 2))
 
 
+@tracing.graph_helper
 def _float_gradients(gradients: list[Any]) -> list[Any]:
     """The floating-point gradients as float32 dense values (a sparse one: its values)."""
     floating = [g for g in gradients if g is not None and tf.as_dtype(g.dtype).is_floating]
@@ -117,6 +121,7 @@ def _unscaled(gradient: Any, scale: float, bad: tf.Tensor) -> Any:
     return gradient * factor
 
 
+@tracing.graph_helper
 def _gradients_finite(gradients: list[Any], in_xla: bool = False,
                       clipping: bool = False) -> tf.Tensor:
     """Whether the gradients' squared global norm is finite.
@@ -152,6 +157,7 @@ def _gradients_finite(gradients: list[Any], in_xla: bool = False,
     return tf.math.is_finite(tf.sqrt(_square_sum(values, in_xla)))
 
 
+@tracing.graph_helper
 def _square_sum(values: list[Any], in_xla: bool = False) -> tf.Tensor:
     """Half the squared global norm (`l2_loss`, one kernel a value) or, in XLA, all of
     it: finite exactly when the norm's square is. Sparse gradients: their values."""
@@ -209,6 +215,7 @@ class NonFiniteGuard:
 
     # ------------------------------------------------------- inside the step
 
+    @tracing.graph_helper
     def guards(self, optimizer: keras.optimizers.Optimizer) -> bool:
         """Whether this optimizer's updates are checked in-step (`tputrain.loop.pipeline`).
 
@@ -223,14 +230,17 @@ class NonFiniteGuard:
         """Whether a bad step's writes are masked by selects (`select_updates`)."""
         return self._select
 
+    @tracing.graph_helper
     def gradients_bad(self, grads: list[Any]) -> tf.Tensor:
         """The exact check outside XLA: whether the gradients' squared norm is not finite."""
         return tf.logical_not(_gradients_finite(grads))
 
+    @tracing.graph_helper
     def record(self, bad: tf.Tensor) -> None:
         """Notes this step's gradient verdict for `observe`."""
         self._gradients_bad.assign(tf.cast(bad, tf.int64))
 
+    @tracing.graph_helper
     def scaled_loss(self, optimizer: keras.optimizers.Optimizer, loss: tf.Tensor) -> tf.Tensor:
         """`loss` (already the optimizer's `scale_loss`) times the scaled check's power of
         two while a scaled step traces (`scaling_loss`); unchanged otherwise."""
@@ -240,6 +250,7 @@ class NonFiniteGuard:
             loss = tf.cast(loss, tf.float32)
         return loss * tf.constant(self._scale, loss.dtype)
 
+    @tracing.graph_helper
     def _scaling(self, optimizer: keras.optimizers.Optimizer) -> bool:
         """Whether the loss is scaled (and the gradients unscaled in the update). With
         global-norm clipping the exact check is free (XLA shares clipping's norm); with
@@ -337,6 +348,7 @@ class NonFiniteGuard:
                 variable.assign(tf.where(bad, old[key], tf.convert_to_tensor(variable)))
         self._gradients_bad.assign(tf.cast(bad, tf.int64))
 
+    @tracing.graph_helper
     def observe(self, logs: Mapping[str, tf.Tensor], step: tf.Variable) -> None:
         """After each train step, records a non-finite step: in cross-replica context
         on the replica-summed logs, or inside the step's XLA program on one replica
@@ -355,6 +367,7 @@ class NonFiniteGuard:
             first = tf.logical_and(bad, tf.equal(self.tripped_at, 0))
             self.tripped_at.assign(tf.where(first, tf.cast(step, tf.int64), self.tripped_at))
 
+    @tracing.graph_helper
     def should_stop(self) -> tf.Tensor:
         """Whether the loop must stop before its next step (not under "skip")."""
         if self.policy in (None, "skip"):

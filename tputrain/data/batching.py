@@ -17,6 +17,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tputrain import tracing
 from tputrain.checks import check_bool, check_int
 from tputrain.data.context import InputContext
 from tputrain.data.epochs import by_epoch, shuffle_epoch
@@ -45,6 +46,7 @@ def resolve_per_replica_batch(builder: str, configured: int | None,
     return context.get_per_replica_batch_size(global_batch)
 
 
+@tracing.graph_helper
 def split_label(features: dict[str, Any], label_key: str | None):
     """`features` itself, or `(features without the label, label)`."""
     if label_key is None:
@@ -54,6 +56,7 @@ def split_label(features: dict[str, Any], label_key: str | None):
     return features, label
 
 
+@tracing.graph_helper
 def pad_to_batch(batch: Any, batch_size: int) -> tuple[Any, Any, tf.Tensor]:
     """`(features, labels)` of up to `batch_size` rows -> `(features, labels, weights)`.
 

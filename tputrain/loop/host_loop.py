@@ -26,6 +26,7 @@ from typing import Any, Callable
 import tensorflow as tf
 from absl import logging
 
+from tputrain import tracing
 from tputrain.ema import ExponentialAverage
 from tputrain.guard import NonFiniteGuard
 from tputrain.loop.inputs import Inputs, zeros_of
@@ -42,6 +43,7 @@ def op_determinism() -> bool:
     return bool(getattr(tf_config, "is_op_determinism_enabled", lambda: False)())
 
 
+@tracing.graph_helper
 def count_step(step: tf.Variable, guard: NonFiniteGuard, logs: dict[str, tf.Tensor],
                ema: ExponentialAverage | None = None) -> None:
     """After a train step: advance the counter and let the guard observe the step's
@@ -81,6 +83,7 @@ class HostLoop:
         self.grouped = count_steps and inputs.input_mode == "host"
         self.fetch = inputs.steps_per_fetch if self.grouped else 1
         self.loop = tf.function(self._loop)
+        self._step_call = tracing.once(self.one_step)  # traced once, called in 3 places
         # `program` (step.steps_program) runs `program_steps` steps a launch; loops whose
         # length is not a multiple of it take the step one at a time (`loop`).
         self.program, self.program_steps = program, program_steps
@@ -106,12 +109,14 @@ class HostLoop:
             count_step(self.step, self.guard, logs, self.ema)
         return logs
 
+    @tracing.graph_helper
     def _next_value(self, iterator) -> tuple[tf.Tensor, Any]:
         if not self.grouped:
             return self.inputs.next(iterator)
         optional = iterator.get_next_as_optional()
         return optional.has_value(), optional
 
+    @tracing.graph_helper
     def timed_next(self, iterator) -> tuple[tf.Tensor, Any, tf.Tensor, tf.Tensor]:
         """(has_value, value, seconds waited, tensor the batch must wait for)."""
         if op_determinism():  # tf.timestamp is refused under op determinism
@@ -122,13 +127,15 @@ class HostLoop:
         end = _after(has_value, tf.timestamp)
         return has_value, value, end - start, end
 
+    @tracing.graph_helper
     def batches_of(self, value: Any, ready: tf.Tensor) -> Any:
         """The fetched group of batches (host training), else the step's batch."""
         with tf.control_dependencies([ready]):
             return value.get_value() if self.grouped else self.inputs.distribute(value)
 
+    @tracing.graph_helper
     def first_step(self, batches: Any) -> dict[str, tf.Tensor]:
-        return self.one_step(self.inputs.distribute_from_group(batches, tf.constant(0))
+        return self._step_call(self.inputs.distribute_from_group(batches, tf.constant(0))
                              if self.grouped else batches)
 
     def steps_on(self, batches: Any, totals: Any, steps: tf.Tensor, first: int):
@@ -141,11 +148,12 @@ class HostLoop:
         for j in tf.range(first, self.fetch):
             totals, steps = self.unless_tripped(
                 lambda j=j, totals=totals, steps=steps: (tf.nest.map_structure(
-                    tf.add, totals, self.one_step(self.inputs.distribute_from_group(batches, j))),
+                    tf.add, totals, self._step_call(self.inputs.distribute_from_group(batches, j))),
                     steps + 1),
                 totals, steps)
         return totals, steps
 
+    @tracing.graph_helper
     def unless_tripped(self, run: Callable, totals: Any, steps: tf.Tensor):
         """`run()` for a step inside a fetch, unless the guard tripped on an earlier one.
 

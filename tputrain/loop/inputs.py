@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 import tensorflow as tf
 
+from tputrain import tracing
 from tputrain.data import InputContext
 from tputrain.data.batching import check_static
 from tputrain.data.external_state import checkpointable
@@ -256,6 +257,7 @@ class Inputs:
             return dataset.skip(skip_steps * replicas) if skip_steps else dataset
         return iter(self.strategy.distribute_datasets_from_function(dataset_fn))
 
+    @tracing.graph_helper
     def next(self, iterator) -> tuple[tf.Tensor, Any]:
         """In a tf.function: (has_value, distributed batch) for one step.
 
@@ -299,6 +301,7 @@ class Inputs:
         options.experimental_optimization.inject_prefetch = False
         return grouped.with_options(options)
 
+    @tracing.graph_helper
     def distribute_from_group(self, group: Any, j: tf.Tensor) -> Any:
         """Step `j` of a fetched group: replica r takes `group[j, r]`, the order one
         fetch per step would give. A direct fetch's group is the step's batch."""
@@ -310,6 +313,7 @@ class Inputs:
         return self.strategy.experimental_distribute_values_from_function(
             lambda ctx: batches[ctx.replica_id_in_sync_group % local])
 
+    @tracing.graph_helper
     def distribute(self, value) -> Any:
         if self.input_mode == "distributed":
             return value.get_value()

@@ -23,6 +23,7 @@ from typing import Any, Iterable
 import keras
 import tensorflow as tf
 
+from tputrain import tracing
 from tputrain.distribution.allreduce import all_reduce_sum, no_second_sum
 from tputrain.guard import NonFiniteGuard
 from tputrain.loop.update import apply_on_each_device
@@ -67,17 +68,20 @@ class UpdatePipeline:
         self._guard.select_updates(select)
         self._each_device = bool(each_device)
 
+    @tracing.graph_helper
     def scale_loss(self, loss: tf.Tensor) -> tf.Tensor:
         """The optimizer's `scale_loss`, then the guard's check scale while a scaled
         step traces (`NonFiniteGuard.scaling_loss`)."""
         return self._guard.scaled_loss(self.wrapped, self.wrapped.scale_loss(loss))
 
+    @tracing.graph_helper
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> tf.Variable:
         """Keras's `apply_gradients`, through the pipeline; returns the step counter."""
         grads, trainable_variables = zip(*grads_and_vars)
         self.apply(list(grads), list(trainable_variables))
         return self.wrapped.iterations
 
+    @tracing.graph_helper
     def apply(self, grads: Iterable[Any], trainable_variables: Any = None) -> None:
         """Reduce, check, apply (module docstring)."""
         grads = list(grads)
@@ -90,6 +94,7 @@ class UpdatePipeline:
             return
         self._checked_apply(grads, trainable_variables)
 
+    @tracing.graph_helper
     def _apply_on_each_device(self, strategy: tf.distribute.Strategy, grads: list[Any],
                               trainable_variables: Any) -> None:
         """Cross-replica context: the check once for every device, then each device's
@@ -98,6 +103,7 @@ class UpdatePipeline:
         apply_on_each_device(strategy, self._checked_apply, grads, trainable_variables,
                              self._guard.checking_once if guarded else None)
 
+    @tracing.graph_helper
     def _checked_apply(self, grads: list[Any], trainable_variables: Any) -> None:
         """The guard's check around the optimizer's own apply (gradients summed)."""
         optimizer, guard = self.wrapped, self._guard
@@ -118,6 +124,7 @@ class UpdatePipeline:
         context.merge_call(self._conditional_apply,
                            args=(guard.gradients_bad(grads), grads, trainable_variables))
 
+    @tracing.graph_helper
     def _conditional_apply(self, strategy: tf.distribute.Strategy, local_bad: Any,
                            grads: list[Any], trainable_variables: Any) -> None:
         """Cross-replica context: the update on every replica, or none. A replica-context

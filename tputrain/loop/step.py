@@ -374,13 +374,15 @@ class StepBuilder:
             compute = self._compute(jit_compile=plan.gradients_only)
             apply = self._apply(jit_compile=plan.apply_only)
             fusion = ElementwiseFusion(self.model) if plan.fuse_elementwise else None
+            # Without accumulation, AutoGraph converts only the short path (tracing.py).
+            gradients_of = (self._accumulate_gradients if self.accumulation_steps > 1
+                            else self._batch_gradients)
 
             def step(batch):
                 denominator, logs = self._loss_denominator(batch)
                 with self.guard.scaling_loss(self._scaled_variables()):
                     with fusion.active() if fusion else contextlib.nullcontext():
-                        gradients, loss = self._accumulate_gradients(
-                            batch, lambda b: compute(b, denominator))
+                        gradients, loss = gradients_of(batch, lambda b: compute(b, denominator))
                     apply(gradients)
                 return {"loss": loss, **logs}
         if self.source_counter is not None:
@@ -505,6 +507,12 @@ class StepBuilder:
         else:
             self.task.update_metrics(self.train_metrics, labels, outputs, sample_weight=weight)
 
+    def _batch_gradients(self, batch: Any, compute: Callable) -> tuple[list[Any], tf.Tensor]:
+        """Replica context: the gradients and loss of one batch (no accumulation)."""
+        gradients, loss, outputs = compute(batch)
+        self._update_metrics(batch, outputs)
+        return list(gradients), loss
+
     def _accumulate_gradients(self, batch: Any, compute: Callable) -> tuple[list[Any], tf.Tensor]:
         """Replica context: gradients and loss summed over the step's micro-batches.
 
@@ -512,9 +520,7 @@ class StepBuilder:
         equal the gradients and loss of the whole step's batch.
         """
         if self.accumulation_steps == 1:
-            gradients, loss, outputs = compute(batch)
-            self._update_metrics(batch, outputs)
-            return list(gradients), loss
+            return self._batch_gradients(batch, compute)
         variables = self.model.trainable_variables
         unused = set()  # indices of variables without a gradient: they stay None, not zero
 

@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tputrain import tracing
 from tputrain.console import default_progress
 
 VALID_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
@@ -78,6 +79,7 @@ def wrap_optimizer_for_policy(optimizer: keras.optimizers.Optimizer) -> keras.op
     return keras.optimizers.LossScaleOptimizer(optimizer)
 
 
+@tracing.graph_helper
 def to_float32(structure: Any) -> Any:
     """Casts every floating tensor (and NumPy array) in a nest to float32.
 

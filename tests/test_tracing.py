@@ -1,0 +1,105 @@
+"""Lean tracing (tputrain/tracing.py, issue 38): the step traced once per loop, tputrain's
+own helpers unconverted by AutoGraph, a user's code converted as before, and the
+same weights as with lean tracing off."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+import tputrain
+from faults import child_env
+from tiny import TinyTask, strategy_for
+from tputrain import tracing
+
+
+class CountingTask(TinyTask):
+    """Counts the traces of its gradient computation (each trace calls it once)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.traces = 0
+
+    def compute_gradients(self, *args, **kwargs):
+        self.traces += 1
+        return super().compute_gradients(*args, **kwargs)
+
+
+def test_a_training_loop_traces_the_step_once(tmp_path):
+    assert tracing.ENABLED  # the suite runs the default
+    task = CountingTask(num_examples=64)
+    trainer = tputrain.Trainer(task, str(tmp_path), strategy=strategy_for(1), train_steps=8,
+                               steps_per_loop=4, steps_per_fetch=2, global_batch_size=16,
+                               jit_compile=False, report_mfu=False)
+    trainer.run_loop(4)
+    # The peeled first step, the rest of the first fetch and the later fetches call
+    # one traced step (lean tracing off: three traces).
+    assert task.traces == 1
+    trainer.run_loop(4)
+    assert task.traces == 1
+    trainer.close()
+
+
+# A Task whose loss has Python control flow on a tensor: only AutoGraph makes it a
+# graph (unconverted, `if` on a symbolic tensor raises). `lean` sets the switch.
+SCRIPT = r"""
+import json, sys
+model_dir, lean = sys.argv[1], sys.argv[2]
+import os
+os.environ["TPUTRAIN_LEAN_TRACING"] = lean
+import tputrain, keras, tensorflow as tf
+from tiny import TinyTask, strategy_for
+
+class BranchingTask(TinyTask):
+    def compute_loss(self, labels, outputs):
+        loss = keras.losses.sparse_categorical_crossentropy(labels, outputs, from_logits=True)
+        if tf.reduce_sum(labels) > 8:  # a tensor condition: AutoGraph's tf.cond
+            loss = loss * 2.0
+        return loss
+
+trainer = tputrain.Trainer(BranchingTask(num_examples=64, dropout=0.25), model_dir,
+                           strategy=strategy_for(int(sys.argv[3])), train_steps=6,
+                           steps_per_loop=3, steps_per_fetch=3, global_batch_size=16,
+                           jit_compile=False, report_mfu=False)
+initial = [w.numpy().tolist() for w in trainer.model.weights]
+trainer.train()
+print("RESULT " + json.dumps({"lean": tputrain.tracing.ENABLED,
+                              "initial": initial,
+                              "weights": [w.numpy().tolist() for w in trainer.model.weights]}))
+"""
+
+
+def _train(tmp_path, name: str, lean: str, replicas: int) -> dict:
+    script = tmp_path / "branching.py"  # a file: AutoGraph reads the source it converts
+    script.write_text(SCRIPT)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / name), lean,
+                             str(replicas)], env=child_env(cpus=2), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.parametrize("replicas", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_users_control_flow_is_converted_and_the_weights_are_those_of_lean_tracing_off(
+        tmp_path, replicas):  # one device; MirroredStrategy over two
+    lean = _train(tmp_path, "lean", "on", replicas)
+    full = _train(tmp_path, "full", "off", replicas)
+    assert lean["lean"] and not full["lean"]
+    assert lean["weights"] == full["weights"]  # bitwise: the same ops
+    assert lean["weights"] != lean["initial"]  # it trained
+
+
+def test_the_switch_turns_off_both(monkeypatch):
+    monkeypatch.setattr(tracing, "ENABLED", False)
+
+    def helper(x):
+        return x + 1
+    assert tracing.once(helper) is helper and tracing.graph_helper(helper) is helper
+    monkeypatch.setattr(tracing, "ENABLED", True)
+    assert isinstance(tracing.once(helper), tf.types.experimental.PolymorphicFunction)
+    assert tracing.graph_helper(helper)(1) == 2

@@ -1,7 +1,7 @@
 """What the NaN/Inf guard costs: guard on vs off on 1 replica, 2 replicas and 2 workers.
 
-    python benchmarks/guard_cost.py                  # every setup, 5 rounds, ~40 minutes
-    python benchmarks/guard_cost.py --setups workers_2 --repeats 7
+    python benchmarks/guard_cost.py                  # every run, 5 rounds, ~40 minutes
+    python benchmarks/guard_cost.py --runs workers_2.mlp,replica_1.transformer
     python benchmarks/guard_cost.py --quick          # smoke run (JSON to stdout)
 
 Writes benchmarks/results/<today>-guard_cost[-<tag>].json (`--out`, `--tag`). Guard on
@@ -47,7 +47,8 @@ import tputrain
 
 HERE = Path(__file__).resolve().parent
 GOAL = 0.99
-SETUPS = ("replica_1", "replicas_2", "workers_2")
+RUNS = ("replica_1.mlp", "replica_1.transformer", "replicas_2.mlp", "replicas_2.transformer",
+        "workers_2.mlp")
 
 
 def log(message: str) -> None:
@@ -121,7 +122,8 @@ def launched_rate(guard: bool, args: argparse.Namespace, root: Path) -> dict[str
     command = _in_netns([sys.executable, "-m", "tputrain.run", "launch", "--workers", "2",
                          "--gin_import=guard_cost", f"--gin_file={run / 'config.gin'}",
                          f"--model_dir={run / 'model'}"])
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False,
+                          timeout=1800)
     if done.returncode:
         raise RuntimeError(f"tputrain launch exited {done.returncode}: {done.stderr[-3000:]}")
     clocks = [[json.loads(line) for line in (run / f"worker-{i}.jsonl").read_text().splitlines()]
@@ -164,8 +166,10 @@ def _paired(on: list[float], off: list[float]) -> float:
 def replicas(count: int, workload: str, args: argparse.Namespace) -> dict[str, Any]:
     """train_loop.py's guard-on and guard-off contenders on `count` replicas."""
     kinds = [train_loop.TputrainContender, train_loop.TputrainNoGuardContender]
+    spec = train_loop.workload(workload, args.quick)
+    ks = [max(spec.ks)] if args.one_k else spec.ks  # the MLP's best in earlier runs: 50
     result = train_loop.run_workload(workload, args.quick, "float32", kinds, args.repeats,
-                                     {}, replicas=count)
+                                     {}, ks=ks, replicas=count)
     key = "tputrain_vs_tputrain_no_guard"
     on, off = result["tputrain"], result["tputrain_no_guard"]
     k_on, k_off = str(on["best_steps_per_call"]), str(off["best_steps_per_call"])
@@ -185,18 +189,21 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny models, 2 rounds")
     parser.add_argument("--repeats", type=int, default=None, help="rounds (5)")
-    parser.add_argument("--setups", default=",".join(SETUPS))
-    parser.add_argument("--workloads", default="mlp,transformer",
-                        help="train_loop.py workloads for replica_1 and replicas_2")
+    parser.add_argument("--runs", default=",".join(RUNS), help="<setup>.<workload>, in order")
+    parser.add_argument("--one_k", action="store_true",
+                        help="only train_loop.py's largest steps per loop (half the time)")
     parser.add_argument("--worker_steps", type=int, default=None,
-                        help="steps of each 2-worker run (600)")
+                        help="steps of each 2-worker run (300)")
     parser.add_argument("--worker_loop", type=int, default=50, help="steps per loop there")
     result_file.add_arguments(parser, "guard_cost")
     args = parser.parse_args()
     args.repeats = args.repeats or (2 if args.quick else 5)
-    args.worker_steps = args.worker_steps or (40 if args.quick else 600)
+    args.worker_steps = args.worker_steps or (40 if args.quick else 300)
     if args.quick:
         args.worker_loop = min(args.worker_loop, 10)
+    if any(run.split(".")[0] not in ("replica_1", "replicas_2", "workers_2")
+           or (run.startswith("workers_2") and run != "workers_2.mlp") for run in args.runs.split(",")):
+        parser.error(f"--runs: each one of {', '.join(RUNS)}")
     return args
 
 
@@ -210,20 +217,23 @@ def main() -> None:
         "machine": {"cores": os.cpu_count(), "load_average_before": os.getloadavg()},
         "method": __doc__.split("\n\n", 2)[2].strip(), "setups": {}}
     loads = [os.getloadavg()[0]]
-    for setup in args.setups.split(","):
+    out = args.out or ("-" if args.quick else str(result_file.dated_path("guard_cost", args.tag)))
+    for run in args.runs.split(","):
+        setup, name = run.split(".")
         if setup == "workers_2":
-            report["setups"]["workers_2.mlp"] = workers_2(args)
+            report["setups"][run] = workers_2(args)
         else:
-            count = 1 if setup == "replica_1" else int(setup.split("_")[1])
-            for name in args.workloads.split(","):
-                report["setups"][f"{setup}.{name}"] = replicas(count, name, args)
-                log(f"{setup}.{name}: guard on/off (CPU, paired) "
-                    f"{report['setups'][f'{setup}.{name}']['guard_on_vs_off_cpu_paired']:.3f}")
+            report["setups"][run] = replicas(1 if setup == "replica_1" else 2, name, args)
+        log(f"{run}: guard on/off (CPU, paired) "
+            f"{report['setups'][run]['guard_on_vs_off_cpu_paired']:.3f}")
         loads.append(os.getloadavg()[0])
-    report["machine"].update({"load_average_after": os.getloadavg(),
-                              "load_average_1min": {"min": min(loads), "max": max(loads)}})
-    report["seconds"] = time.time() - started
-    result_file.write(report, args.out, "guard_cost", args.tag, args.quick)
+        report["machine"].update({"load_average_after": os.getloadavg(),
+                                  "load_average_1min": {"min": min(loads), "max": max(loads)}})
+        report["seconds"] = time.time() - started
+        if out != "-":  # after every run: a stopped benchmark keeps what it measured
+            result_file.write(report, out, "guard_cost")
+    if out == "-":
+        result_file.write(report, out, "guard_cost")
 
 
 if __name__ == "__main__":

@@ -132,8 +132,17 @@ def restart_headlines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def guard_cost_headlines(report: dict[str, Any]) -> list[str]:
+    """Per setup (replicas or workers, workload): guard on over off, paired CPU time."""
+    return [f"{setup} guard on vs off (CPU, paired) "
+            f"{judged(result['guard_on_vs_off_cpu_paired'], report['goal'])}"
+            for setup, result in report["setups"].items()]
+
+
 def headlines(report: dict[str, Any]) -> list[str]:
     """The few ratios a reader compares across runs, by what the result holds."""
+    if report.get("benchmark") == "guard_cost":
+        return guard_cost_headlines(report)
     goals = report.get("goals", {})
     if any(isinstance(goal, dict) for goal in goals.values()):  # train_loop: measured ratios
         return train_loop_headlines(report)

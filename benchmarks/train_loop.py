@@ -3,6 +3,7 @@
     python benchmarks/train_loop.py            # full run, ~35 minutes on 2 cores
     python benchmarks/train_loop.py --quick    # smoke run on tiny models (JSON to stdout)
     python benchmarks/train_loop.py --fresh --tag fresh   # a new process each round
+    python benchmarks/train_loop.py --replicas 2   # MirroredStrategy over 2 split-CPU devices
 
     python benchmarks/train_loop.py --workloads transformer \
         --contenders tputrain,keras_fit_xla --repeats 5   # a subset
@@ -489,15 +490,18 @@ def workload(name: str, quick: bool) -> Workload:
 
 
 def serve(conn, workload_name: str, quick: bool, kind_name: str, ks: list[int],
-          precision: str) -> None:
+          precision: str, replicas: int = 1) -> None:
     """A contender's own process: prepares it for each k, then measures on request.
 
     Its CPU time is its own: nothing another contender built or left behind (models,
-    compiled programs, allocator state, threads) is in this process.
+    compiled programs, allocator state, threads) is in this process. With `replicas`
+    > 1 its CPU is split into that many logical devices (MirroredStrategy over them).
     """
     logging.set_verbosity(logging.WARNING)
     try:
         kind = CONTENDERS[kind_name]
+        if replicas > 1:
+            tputrain.split_cpu(replicas)
         strategy = tputrain.resolve_strategy()
         if kind.no_strategy:
             if strategy.num_replicas_in_sync > 1:
@@ -525,12 +529,12 @@ class ContenderProcess:
     """The parent's handle on one contender kind in its own (spawned) process."""
 
     def __init__(self, workload_name: str, quick: bool, kind: type[Contender],
-                 ks: list[int], precision: str):
+                 ks: list[int], precision: str, replicas: int = 1):
         context = multiprocessing.get_context("spawn")
         self.name, self.ks = kind.name, ks
         self._conn, child = context.Pipe()
         self._process = context.Process(
-            target=serve, args=(child, workload_name, quick, kind.name, ks, precision),
+            target=serve, args=(child, workload_name, quick, kind.name, ks, precision, replicas),
             name=f"bench-{kind.name}", daemon=True)
         self._process.start()
         child.close()
@@ -579,7 +583,8 @@ Rates = dict[tuple[str, int], list[float]]  # (contender, k) -> one rate per rou
 
 def run_workload(name: str, quick: bool, precision: str, kinds: list[type[Contender]],
                  repeats: int, peaks: dict[str, list[tuple[float, float]]],
-                 ks: list[int] | None = None, fresh: bool = False) -> dict[str, Any]:
+                 ks: list[int] | None = None, fresh: bool = False,
+                 replicas: int = 1) -> dict[str, Any]:
     """Measures every contender `repeats` times, interleaved, each in a process of its own:
     the same process all rounds, or with `fresh` a new one each round (so a process's
     luck, where its memory landed, is one sample of the median rather than all)."""
@@ -599,7 +604,7 @@ def run_workload(name: str, quick: bool, precision: str, kinds: list[type[Conten
             flops.setdefault("per_step", process.flops_per_step)
 
     def start(kind: type[Contender]) -> ContenderProcess | None:
-        process = ContenderProcess(name, quick, kind, ks, precision)
+        process = ContenderProcess(name, quick, kind, ks, precision, replicas)
         try:
             process.wait_ready()
             return process
@@ -630,7 +635,7 @@ def run_workload(name: str, quick: bool, precision: str, kinds: list[type[Conten
             if process is not None:
                 process.close()
     results = _summary(rates, cpu_rates, skipped, kinds, spec.global_batch)
-    results.update({"precision": precision, "steps_per_measurement": spec.steps,
+    results.update({"precision": precision, "steps_per_measurement": spec.steps, "replicas": replicas,
                     "repeats": repeats, "fresh_process_each_round": fresh})
     if flops.get("per_step"):
         results["flops_per_step"] = flops["per_step"]
@@ -805,6 +810,9 @@ def _arguments() -> argparse.Namespace:
                         help="comma-separated subset of mlp,transformer,small_mlp")
     parser.add_argument("--fresh", action="store_true",
                         help="a new process for every contender in every round")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="split each contender's CPU into this many logical devices "
+                             "(MirroredStrategy over them)")
     parser.add_argument("--contenders", default="",
                         help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all)")
     result_file.add_arguments(parser, "train_loop")
@@ -816,6 +824,8 @@ def main() -> None:
     logging.set_verbosity(logging.WARNING)
     quick = args.quick
     repeats = args.repeats or (1 if quick else 5)
+    if args.replicas > 1:
+        tputrain.split_cpu(args.replicas)
     strategy = tputrain.resolve_strategy()
     started = time.time()
     load_before = os.getloadavg()
@@ -845,7 +855,7 @@ def main() -> None:
         extra = [TputrainBF16Contender] if name == "transformer" and (
             TputrainBF16Contender.name in chosen) else []
         workloads[name] = run_workload(name, quick, "float32", kinds + extra, repeats, peaks,
-                                       fresh=args.fresh)
+                                       fresh=args.fresh, replicas=args.replicas)
         workloads[name]["model"] = workload(name, quick).model
     if "small_mlp" in args.workloads.split(","):
         loop_sizes = run_workload("small_mlp", quick, "float32", [TputrainContender],

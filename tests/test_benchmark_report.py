@@ -99,3 +99,15 @@ def test_a_restart_row_gives_the_cache_ratios_per_config_and_the_load(tmp_path):
     row = load("report").table(tmp_path).splitlines()[-1]
     assert row == ("| 2030-01-01 | restart_compile | - | digits.gin: with cache / without, "
                    "to first loop 0.61, compile 0.40 | 1.5 / 2.0 |")
+
+
+def test_a_guard_cost_row_gives_each_setups_paired_ratio_against_the_goal(tmp_path):
+    setups = {"replica_1.mlp": {"guard_on_vs_off_cpu_paired": 0.996},
+              "workers_2.mlp": {"guard_on_vs_off_cpu_paired": 0.9812}}
+    (tmp_path / "2030-01-01-guard_cost.json").write_text(json.dumps({
+        "benchmark": "guard_cost", "goal": 0.99, "setups": setups,
+        "machine": {"load_average_1min": {"min": 2.0, "max": 4.5}}}))
+    row = load("report").table(tmp_path).splitlines()[-1]
+    assert row == ("| 2030-01-01 | guard_cost | - | replica_1.mlp guard on vs off (CPU, paired) "
+                   "0.996 (goal 0.99: met)<br>workers_2.mlp guard on vs off (CPU, paired) "
+                   "0.981 (goal 0.99: not met) | 2.0-4.5 |")

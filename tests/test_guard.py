@@ -369,3 +369,35 @@ def test_compute_gradients_replaced_on_the_instance_keeps_the_exact_check(tmp_pa
                            NonFiniteGuard(policy="raise", scaled_check=False))
     for value, expected in zip(replaced, exact):
         np.testing.assert_array_equal(value, expected)
+
+
+
+def _square_passes(function, *args) -> int:
+    """Fusions of XLA's optimized program for `function(*args)` that square a value."""
+    hlo = tf.function(function, jit_compile=True).experimental_get_compiler_ir(*args)(
+        stage="optimized_hlo")
+    entry = hlo[hlo.index("\nENTRY"):]
+    return entry.count('op_type="Square"')
+
+
+def test_under_clipping_the_check_adds_no_pass_over_a_sparse_gradient():
+    """Under global-norm clipping the check is clipping's own norm, computed once by XLA,
+    for an embedding's sparse gradient (IndexedSlices) too: the program that checks and
+    clips squares as many values as the one that only clips."""
+    from tputrain.guard import _gradients_finite
+
+    optimizer = keras.optimizers.Adam(global_clipnorm=1.0)
+    indices = tf.constant([3, 1, 3, 0, 2, 3, 1, 0])
+
+    def gradients(values, kernel):
+        return [tf.IndexedSlices(values, indices, tf.constant([4, 64])), kernel]
+
+    def clipped(values, kernel):
+        return [tf.convert_to_tensor(g) for g in optimizer._clip_gradients(gradients(values, kernel))]
+
+    def checked_and_clipped(values, kernel):
+        finite = _gradients_finite(gradients(values, kernel), in_xla=True, clipping=True)
+        return [tf.where(finite, g, 0.0) for g in clipped(values, kernel)]
+
+    args = (tf.ones([8, 64]), tf.ones([64, 32]))
+    assert _square_passes(checked_and_clipped, *args) == _square_passes(clipped, *args)

@@ -134,7 +134,8 @@ def _gradients_finite(gradients: list[Any], in_xla: bool = False,
     * without XLA, `l2_loss`: one kernel per gradient, 0.16 ms (a square and a
       sum: 0.42 ms);
     * in an XLA program whose optimizer clips by global norm (`clipping`), the ops
-      of Keras's `clip_by_global_norm`: XLA computes the two as one, so nothing;
+      of Keras's `clip_by_global_norm` (`_clipping_norm_finite`): XLA computes the
+      two as one, so nothing (sparse gradients included);
     * in an XLA update with the loss scaled (`NonFiniteGuard.scaled_check`):
       `_scaled_gradients_finite`, one plain sum a gradient;
     * in other XLA programs, the largest magnitude (NaN counted as inf) against
@@ -144,8 +145,11 @@ def _gradients_finite(gradients: list[Any], in_xla: bool = False,
       producer (docs/performance.md). A step with one element of 1e16 among 3.5M
       weights is then skipped too.
     The square root keeps XLA from copying the sum (one add per variable) into
-    every variable's update. Sparse (embedding) gradients: their values.
+    every variable's update. Sparse (embedding) gradients: their values (under
+    clipping, as clipping sums them).
     """
+    if in_xla and clipping:
+        return _clipping_norm_finite(gradients)
     values = _float_gradients(gradients)
     if not values:
         return tf.constant(True)
@@ -155,6 +159,18 @@ def _gradients_finite(gradients: list[Any], in_xla: bool = False,
             tf.math.is_nan(v), math.inf, tf.abs(v))) for v in values]))
         return largest < math.sqrt(tf.float32.max / max(sum(sizes), 1))
     return tf.math.is_finite(tf.sqrt(_square_sum(values, in_xla)))
+
+
+def _clipping_norm_finite(gradients: list[Any]) -> tf.Tensor:
+    """Whether Keras's global-norm clipping's norm is finite, computed by the very ops of
+    its `global_norm`, so that XLA computes the two as one. A sparse gradient's squares
+    go through Keras's own densifying sum, where the sum of its values' squares would
+    be a pass of its own over them."""
+    floating = [g for g in gradients if g is not None and tf.as_dtype(g.dtype).is_floating]
+    if not floating:
+        return tf.constant(True)
+    squares = [keras.ops.sum(keras.ops.square(g)) for g in floating]
+    return tf.math.is_finite(keras.ops.sqrt(keras.ops.sum(keras.ops.stack(squares))))
 
 
 @tracing.graph_helper

@@ -254,7 +254,7 @@ def _after(value: tf.Tensor, op: Callable[[], tf.Tensor]) -> tf.Tensor:
 
 def plan_steps(builder: StepBuilder, count: Callable[[dict[str, tf.Tensor]], None] | None,
                inputs: Inputs, plan: Any, step: tf.Variable, guard: NonFiniteGuard,
-               ideal_step_seconds: float | None) -> tuple[Callable, dict[str, Any]]:
+               ideal_step_seconds: Callable[[], float | None]) -> tuple[Callable, dict[str, Any]]:
     """The step (`StepBuilder.build`) and HostLoop's program arguments (`plan_program`).
 
     XLA's lowering is most of a small model's start-up: where a program of several
@@ -267,15 +267,19 @@ def plan_steps(builder: StepBuilder, count: Callable[[dict[str, tf.Tensor]], Non
 
 def plan_program(step_fn: Callable, builder: StepBuilder, inputs: Inputs, plan: Any,
                  step: tf.Variable, guard: NonFiniteGuard,
-                 ideal_step_seconds: float | None) -> dict[str, Any]:
+                 ideal_step_seconds: Callable[[], float | None]) -> dict[str, Any]:
     """HostLoop's `program` and `program_steps`: several steps a launch where the
     whole step is one XLA program on one replica reading one batch a step; {} (one
-    step a launch) otherwise, or when that program does not compile."""
+    step a launch) otherwise, or when that program does not compile.
+    `ideal_step_seconds` is asked only where "auto" steps depend on it (it may count
+    the step's FLOPs: `Progress.count_flops_later`)."""
+    if not (builder.counted_in_step and inputs.direct_fetch and plan.input_mode == "host"):
+        return {}
+    ideal = ideal_step_seconds() if plan.options.steps_per_program == "auto" else None
     steps = program_steps(plan.options, sum(
         spec.shape.num_elements() * spec.dtype.size
-        for spec in tf.nest.flatten(inputs.train_dataset.element_spec)), ideal_step_seconds)
-    if not (steps > 1 and builder.counted_in_step and inputs.direct_fetch
-            and plan.input_mode == "host"):
+        for spec in tf.nest.flatten(inputs.train_dataset.element_spec)), ideal)
+    if steps <= 1:
         return {}
     # The guard's trip only: SIGTERM is noticed between programs, so that every
     # batch a program took is trained on (exact resume).

@@ -82,7 +82,7 @@ class HostLoop:
         # Host-mode training fetches groups (see `Inputs.fetch_groups`), even of one step.
         self.grouped = count_steps and inputs.input_mode == "host"
         self.fetch = inputs.steps_per_fetch if self.grouped else 1
-        self.loop = tf.function(self._loop)
+        self.loop = tracing.loop_function(self._loop)  # the step converts user code
         self._step_call = tracing.once(self.one_step)  # traced once, called in 3 places
         # `program` (step.steps_program) runs `program_steps` steps a launch; loops whose
         # length is not a multiple of it take the step one at a time (`loop`).
@@ -145,12 +145,17 @@ class HostLoop:
                 totals = tf.nest.map_structure(tf.add, totals, self.first_step(batches))
                 steps += 1
             return totals, steps
-        for j in tf.range(first, self.fetch):
+        # An explicit while loop, not AutoGraph's `for j in tf.range`: the loop is
+        # traced without AutoGraph (`tracing.loop_function`).
+        def body(j, totals, steps):
             totals, steps = self.unless_tripped(
-                lambda j=j, totals=totals, steps=steps: (tf.nest.map_structure(
+                lambda: (tf.nest.map_structure(
                     tf.add, totals, self._step_call(self.inputs.distribute_from_group(batches, j))),
                     steps + 1),
                 totals, steps)
+            return j + 1, totals, steps
+        _, totals, steps = tf.while_loop(lambda j, totals, steps: j < self.fetch, body,
+                                         (tf.constant(first, tf.int32), totals, steps))
         return totals, steps
 
     @tracing.graph_helper

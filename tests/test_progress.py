@@ -160,3 +160,20 @@ def test_sequence_runs_show_real_tokens_per_second_and_padding_and_mfu_counts_re
     line = caplog.records[-1].getMessage()
     assert "3000 real tokens/s" in line and "padding 25.0%" in line
     assert "real_tokens 300" not in line  # shown as a rate, not a raw log
+
+
+def test_a_deferred_flops_count_runs_once_when_the_ideal_step_time_is_first_read():
+    """The MFU action defers its FLOP count (a trace of the step) off the path to the
+    first step; a plan that needs the ideal step time makes it count right then."""
+    p = Progress(None, train_steps=100, global_batch_size=8)
+    calls = []
+
+    def count():
+        calls.append(1)
+        p.set_flops(3e9, 60e9)
+    p.count_flops_later(count)
+    assert calls == []
+    assert p.ideal_step_seconds == pytest.approx(3e9 / 60e9)
+    assert p.ideal_step_seconds == pytest.approx(3e9 / 60e9)
+    p.count_pending_flops()
+    assert calls == [1]

@@ -103,3 +103,17 @@ def test_the_switch_turns_off_both(monkeypatch):
     monkeypatch.setattr(tracing, "ENABLED", True)
     assert isinstance(tracing.once(helper), tf.types.experimental.PolymorphicFunction)
     assert tracing.graph_helper(helper)(1) == 2
+
+
+def test_a_loop_function_is_unconverted_only_with_lean_tracing(monkeypatch):
+    """tputrain's loops (explicit tf.while_loop/tf.cond, the user's step its own
+    `once` function) are traced without AutoGraph; with the switch off, converted."""
+
+    def branching(x):
+        if x > 0:  # a tensor condition: only AutoGraph makes it a tf.cond
+            return x
+        return -x
+    with pytest.raises(TypeError):  # OperatorNotAllowedInGraphError: Python bool of a tensor
+        tracing.loop_function(branching)(tf.constant(-2))
+    monkeypatch.setattr(tracing, "ENABLED", False)
+    assert tracing.loop_function(branching)(tf.constant(-2)).numpy() == 2

@@ -281,6 +281,31 @@ def test_mfu_and_throughput_in_logs_and_tensorboard(tmp_path, caplog):
         trainer.flops_per_step * scalars["steps_per_second"][4] / 1e9, rel=1e-5)
 
 
+def test_mfu_flops_are_counted_after_the_first_loop_not_before_its_first_step(tmp_path):
+    """The count traces the step once more: it runs after the first loop (off the path
+    to the first trained step), so every later loop shows MFU. (Here no XLA: with it,
+    "auto" steps per program read the ideal step time and the count runs before.)"""
+    import gin
+
+    gin.bind_parameter("peak_flops.peak_flops_per_device", 1e9)  # no probe in this test
+    seen = []
+
+    class Watch(tputrain.Action):  # user actions run after the built-in MFU action
+        def loop_metrics(self, context, step, steps, seconds):
+            seen.append(("loop", step, context.flops_per_step))
+            return {}
+
+        def on_loop_end(self, context, step, logs):
+            seen.append(("end", step, context.flops_per_step))
+
+    trainer = make_trainer(tmp_path, 1, "mfu_later", train_steps=4, steps_per_loop=2,
+                           jit_compile=False, actions=[Watch()])
+    trainer.train()
+    flops = 2 * 16 * (8 * 16 + 16 * 2) * 2 + 2 * 16 * 16 * 2
+    assert seen[0] == ("loop", 2, None)  # loops end at 2, 3 (checkpoint_every) and 4
+    assert seen[1:] == [(hook, step, flops) for step in (2, 3, 4) for hook in ("loop", "end")][1:]
+
+
 def test_profile_steps_write_a_trace(tmp_path):
     trainer = make_trainer(tmp_path, 1, "prof", train_steps=6, steps_per_loop=6, report_mfu=False,
                            profile_steps=(2, 4))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 import tensorflow as tf
 from absl import logging
@@ -108,6 +108,7 @@ class Progress:
         self._flops_per_step: float | None = None
         self._peak_flops: float | None = None
         self._first_loop: tuple[int, float] | None = None  # (steps, seconds) until priced
+        self._pending_count: Callable[[], None] | None = None
 
     @property
     def summary_dir(self) -> str | None:
@@ -119,9 +120,22 @@ class Progress:
         self._flops_per_step = float(flops_per_step)
         self._peak_flops = float(peak_flops)
 
+    def count_flops_later(self, count: Callable[[], None]) -> None:
+        """Defers a FLOP count (`count` calls `set_flops`): it traces the step once more,
+        which need not delay the first step. It runs when `ideal_step_seconds` is first
+        read (a plan that depends on it) or at `count_pending_flops`."""
+        self._pending_count = count
+
+    def count_pending_flops(self) -> None:
+        """Runs a deferred FLOP count, once."""
+        count, self._pending_count = getattr(self, "_pending_count", None), None
+        if count is not None:
+            count()
+
     @property
     def ideal_step_seconds(self) -> float | None:
         """A step's FLOPs over the device's peak (the time at 100% MFU); None unknown."""
+        self.count_pending_flops()
         flops, peak = getattr(self, "_flops_per_step", None), getattr(self, "_peak_flops", None)
         return flops / peak if flops and peak else None
 

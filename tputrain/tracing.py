@@ -13,8 +13,11 @@ the graph's ops:
 - `graph_helper`: tputrain's own graph-building helpers that have no Python
   control flow on tensors and call no user code are left unconverted by AutoGraph
   (a user's Task, loss and metrics are converted as before).
+- `loop_function`: the host loop's `tf.function` is traced without AutoGraph (its
+  loops are explicit `tf.while_loop`s); the step it calls is its own `once`
+  function, which converts the user's code.
 
-`TPUTRAIN_LEAN_TRACING=off` (or `0`, `false`) turns both off, read at import;
+`TPUTRAIN_LEAN_TRACING=off` (or `0`, `false`) turns them off, read at import;
 `benchmarks/restart_compile.py` measures reruns both ways.
 """
 
@@ -40,3 +43,10 @@ def graph_helper(fn: F) -> F:
     """Marks tputrain code AutoGraph need not convert: no `if`/`for`/`while` on tensors
     and no call into user code (whose conversion an unconverted caller would stop)."""
     return tf.autograph.experimental.do_not_convert(fn) if ENABLED else fn
+
+
+def loop_function(fn: F) -> F:
+    """`tf.function(fn)` for a loop with explicit control flow that calls user code
+    only through `once` functions: unconverted by AutoGraph (converted when off, where
+    the user's step is traced inline)."""
+    return tf.function(fn, autograph=not ENABLED)

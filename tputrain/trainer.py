@@ -352,7 +352,7 @@ class Trainer:
             mirrored = isinstance(self.step, tf.distribute.DistributedValues)
             step_fn, program = plan_steps(self._steps, None if mirrored else (
                 lambda logs: count_step(self.step, self.guard, logs, self.ema)), self.inputs,
-                self.plan, self.step, self.guard, self.progress.ideal_step_seconds)
+                self.plan, self.step, self.guard, lambda: self.progress.ideal_step_seconds)
             # "auto" -> False if XLA refused it
             self._launch(self._steps.jit_compile, program.get("program_steps", 1))
             self._train_loop_fn = HostLoop(step_fn, self.inputs, count_steps=True, step=self.step,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from absl import logging
 
 from tputrain.actions.base import Action
@@ -12,10 +14,23 @@ from tputrain.task import overrides_train_step
 
 
 class MFUAction(Action):
-    """Counts training FLOPs per step and finds the device peak once, at the start;
-    the progress line then shows MFU each loop (`Trainer.report_mfu`)."""
+    """Counts training FLOPs per step and finds the device peak once; the progress
+    line then shows MFU each loop (`Trainer.report_mfu`).
+
+    The count traces the step once more, so it is deferred off the path to the first
+    trained step: it runs after the first loop (its line shows no MFU, its rate being
+    mostly tracing), or before the loop is built where the plan of steps per XLA
+    program reads the ideal step time (`Progress.ideal_step_seconds`).
+    """
 
     def on_train_begin(self, context: ActionContext, step: int) -> None:
+        if context.flops_per_step is None:
+            context.progress.count_flops_later(lambda: self._count(context))
+
+    def on_loop_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
+        context.progress.count_pending_flops()
+
+    def _count(self, context: ActionContext) -> None:
         if context.flops_per_step is not None:
             return
         try:

@@ -82,7 +82,7 @@ class HostLoop:
         # Host-mode training fetches groups (see `Inputs.fetch_groups`), even of one step.
         self.grouped = count_steps and inputs.input_mode == "host"
         self.fetch = inputs.steps_per_fetch if self.grouped else 1
-        self.loop = tf.function(self._loop)
+        self.loop = tracing.loop_function(self._loop)  # the step converts user code
         self._step_call = tracing.once(self.one_step)  # traced once, called in 3 places
         # `program` (step.steps_program) runs `program_steps` steps a launch; loops whose
         # length is not a multiple of it take the step one at a time (`loop`).
@@ -145,12 +145,17 @@ class HostLoop:
                 totals = tf.nest.map_structure(tf.add, totals, self.first_step(batches))
                 steps += 1
             return totals, steps
-        for j in tf.range(first, self.fetch):
+        # An explicit while loop, not AutoGraph's `for j in tf.range`: the loop is
+        # traced without AutoGraph (`tracing.loop_function`).
+        def body(j, totals, steps):
             totals, steps = self.unless_tripped(
-                lambda j=j, totals=totals, steps=steps: (tf.nest.map_structure(
+                lambda: (tf.nest.map_structure(
                     tf.add, totals, self._step_call(self.inputs.distribute_from_group(batches, j))),
                     steps + 1),
                 totals, steps)
+            return j + 1, totals, steps
+        _, totals, steps = tf.while_loop(lambda j, totals, steps: j < self.fetch, body,
+                                         (tf.constant(first, tf.int32), totals, steps))
         return totals, steps
 
     @tracing.graph_helper
@@ -254,7 +259,7 @@ def _after(value: tf.Tensor, op: Callable[[], tf.Tensor]) -> tf.Tensor:
 
 def plan_steps(builder: StepBuilder, count: Callable[[dict[str, tf.Tensor]], None] | None,
                inputs: Inputs, plan: Any, step: tf.Variable, guard: NonFiniteGuard,
-               ideal_step_seconds: float | None) -> tuple[Callable, dict[str, Any]]:
+               ideal_step_seconds: Callable[[], float | None]) -> tuple[Callable, dict[str, Any]]:
     """The step (`StepBuilder.build`) and HostLoop's program arguments (`plan_program`).
 
     XLA's lowering is most of a small model's start-up: where a program of several
@@ -267,15 +272,19 @@ def plan_steps(builder: StepBuilder, count: Callable[[dict[str, tf.Tensor]], Non
 
 def plan_program(step_fn: Callable, builder: StepBuilder, inputs: Inputs, plan: Any,
                  step: tf.Variable, guard: NonFiniteGuard,
-                 ideal_step_seconds: float | None) -> dict[str, Any]:
+                 ideal_step_seconds: Callable[[], float | None]) -> dict[str, Any]:
     """HostLoop's `program` and `program_steps`: several steps a launch where the
     whole step is one XLA program on one replica reading one batch a step; {} (one
-    step a launch) otherwise, or when that program does not compile."""
+    step a launch) otherwise, or when that program does not compile.
+    `ideal_step_seconds` is asked only where "auto" steps depend on it (it may count
+    the step's FLOPs: `Progress.count_flops_later`)."""
+    if not (builder.counted_in_step and inputs.direct_fetch and plan.input_mode == "host"):
+        return {}
+    ideal = ideal_step_seconds() if plan.options.steps_per_program == "auto" else None
     steps = program_steps(plan.options, sum(
         spec.shape.num_elements() * spec.dtype.size
-        for spec in tf.nest.flatten(inputs.train_dataset.element_spec)), ideal_step_seconds)
-    if not (steps > 1 and builder.counted_in_step and inputs.direct_fetch
-            and plan.input_mode == "host"):
+        for spec in tf.nest.flatten(inputs.train_dataset.element_spec)), ideal)
+    if steps <= 1:
         return {}
     # The guard's trip only: SIGTERM is noticed between programs, so that every
     # batch a program took is trained on (exact resume).

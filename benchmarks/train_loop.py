@@ -126,6 +126,87 @@ class LMTask(SyntheticLMTask):
         return [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
 
 
+class ConvTask(tputrain.Task):
+    """A small ResNet (BatchNorm, a Dropout head) on random 32x32x3 images read from a
+    TFRecord file, with random flip and crop (`tputrain.data.stateless_augment`)."""
+
+    def __init__(self, widths: tuple[int, ...] = (16, 32, 64), blocks: int = 1,
+                 examples: int = 1024, classes: int = 10, size: int = 32):
+        self.widths, self.blocks, self.classes = widths, blocks, classes
+        self.examples, self.size = examples, size
+        self._manifest: str | None = None
+
+    def build_model(self) -> keras.Model:
+        layers = keras.layers
+        x = inputs = keras.Input((self.size, self.size, 3), name="image")
+        x = layers.Conv2D(self.widths[0], 3, padding="same", use_bias=False)(x)
+        x = layers.ReLU()(layers.BatchNormalization()(x))
+        for stage, width in enumerate(self.widths):
+            for block in range(self.blocks):
+                stride = 2 if stage > 0 and block == 0 else 1
+                shortcut = x
+                y = layers.Conv2D(width, 3, strides=stride, padding="same", use_bias=False)(x)
+                y = layers.ReLU()(layers.BatchNormalization()(y))
+                y = layers.Conv2D(width, 3, padding="same", use_bias=False)(y)
+                y = layers.BatchNormalization()(y)
+                if stride != 1 or shortcut.shape[-1] != width:
+                    shortcut = layers.Conv2D(width, 1, strides=stride, use_bias=False)(shortcut)
+                    shortcut = layers.BatchNormalization()(shortcut)
+                x = layers.ReLU()(layers.Add()([y, shortcut]))
+        x = layers.Dropout(0.3)(layers.GlobalAveragePooling2D()(x))
+        logits = layers.Dense(self.classes, dtype="float32")(x)
+        return keras.Model({"image": inputs}, logits)
+
+    def _records(self) -> str:
+        """The manifest of a TFRecord file of random uint8 images, written once a process."""
+        if self._manifest is None:
+            rng = np.random.RandomState(0)
+            images = rng.randint(0, 256, (self.examples, self.size, self.size, 3))
+            labels = rng.randint(0, self.classes, self.examples)
+            folder = tempfile.mkdtemp(prefix="tputrain-bench-conv-")
+            tputrain.data.write_tfrecords({"image": images.astype(np.int64), "label": labels},
+                                          os.path.join(folder, "train"), num_shards=1)
+            self._manifest = os.path.join(folder, "train.manifest.json")
+        return self._manifest
+
+    def build_inputs(self, split: str, input_context: InputContext) -> tf.data.Dataset:
+        train = split == "train"
+        source = tputrain.data.TFRecordInput(
+            manifest=self._records(), label_key="label", cache="memory", seed=0,
+            shuffle=train, repeat=train)
+        dataset = source(input_context)
+        if train:
+            dataset = dataset.apply(tputrain.data.stateless_augment(
+                self._augment, seed=0, input_context=input_context))
+        else:
+            dataset = dataset.map(lambda f, y: ({"image": tf.cast(f["image"], tf.float32) / 255.0}, y))
+        return dataset.prefetch(2)
+
+    def _augment(self, features, labels, seed):
+        """Per image: a random horizontal flip and a random 32x32 crop of the image
+        padded by 4 pixels (vectorized over the batch)."""
+        flip_seed, crop_seed = tf.unstack(tf.random.split(seed, 2))
+        images = tf.cast(tf.reshape(features["image"], [-1, self.size, self.size, 3]),
+                         tf.float32) / 255.0
+        images = tf.image.stateless_random_flip_left_right(images, flip_seed)
+        padded = tf.pad(images, [[0, 0], [4, 4], [4, 4], [0, 0]])
+        offsets = tf.random.stateless_uniform([tf.shape(images)[0], 2], crop_seed, 0, 9,
+                                              dtype=tf.int32)
+        window = tf.range(self.size)
+        rows = tf.gather(padded, offsets[:, :1] + window, axis=1, batch_dims=1)
+        images = tf.gather(rows, offsets[:, 1:] + window, axis=2, batch_dims=1)
+        return {"image": images}, labels
+
+    def compute_loss(self, labels, outputs) -> tf.Tensor:
+        return keras.losses.sparse_categorical_crossentropy(labels, outputs, from_logits=True)
+
+    def build_metrics(self) -> list[keras.metrics.Metric]:
+        return [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
+
+    def build_optimizer(self) -> keras.optimizers.Optimizer:
+        return tputrain.build_optimizer("sgd", learning_rate=0.05, momentum=0.9)
+
+
 def probe_matmul(dtype: str, size: int = 2048, repeats: int = 8) -> tuple[float, float]:
     """(FLOP/s, FLOP per CPU-second of this process) of the best [size x size] matmul.
 
@@ -482,6 +563,13 @@ def workload(name: str, quick: bool) -> Workload:
                                        num_layers=4, num_heads=4), 16, 30, [10],
                         "configs/synthetic_transformer.gin: 4 layers, width 256, "
                         "16 x 128 tokens, AdamW + clipnorm")
+    if name == "conv":
+        if quick:
+            return Workload(lambda: ConvTask(widths=(8, 16), examples=256), 32, 20, [5],
+                            "ResNet 8-16, 1 block a stage")
+        return Workload(lambda: ConvTask(), 32, 60, [10, 20],
+                        "ResNet 16-32-64 (1 residual block a stage, BatchNorm, Dropout 0.3 "
+                        "head), SGD momentum; 32x32x3 from TFRecords, random flip + crop")
     if name == "small_mlp":
         return Workload(lambda: MLPTask(32, (64,), batches=8), 64, 100 if quick else 1000,
                         [1, 50], "MLP 32-64-10, batch 64 (per-call overhead dominates)")
@@ -489,7 +577,7 @@ def workload(name: str, quick: bool) -> Workload:
 
 
 def serve(conn, workload_name: str, quick: bool, kind_name: str, ks: list[int],
-          precision: str) -> None:
+          precision: str, replicas: int | None = None) -> None:
     """A contender's own process: prepares it for each k, then measures on request.
 
     Its CPU time is its own: nothing another contender built or left behind (models,
@@ -497,6 +585,8 @@ def serve(conn, workload_name: str, quick: bool, kind_name: str, ks: list[int],
     """
     logging.set_verbosity(logging.WARNING)
     try:
+        if replicas:
+            tputrain.split_cpu(replicas)
         kind = CONTENDERS[kind_name]
         strategy = tputrain.resolve_strategy()
         if kind.no_strategy:
@@ -525,12 +615,12 @@ class ContenderProcess:
     """The parent's handle on one contender kind in its own (spawned) process."""
 
     def __init__(self, workload_name: str, quick: bool, kind: type[Contender],
-                 ks: list[int], precision: str):
+                 ks: list[int], precision: str, replicas: int | None = None):
         context = multiprocessing.get_context("spawn")
         self.name, self.ks = kind.name, ks
         self._conn, child = context.Pipe()
         self._process = context.Process(
-            target=serve, args=(child, workload_name, quick, kind.name, ks, precision),
+            target=serve, args=(child, workload_name, quick, kind.name, ks, precision, replicas),
             name=f"bench-{kind.name}", daemon=True)
         self._process.start()
         child.close()
@@ -579,7 +669,8 @@ Rates = dict[tuple[str, int], list[float]]  # (contender, k) -> one rate per rou
 
 def run_workload(name: str, quick: bool, precision: str, kinds: list[type[Contender]],
                  repeats: int, peaks: dict[str, list[tuple[float, float]]],
-                 ks: list[int] | None = None, fresh: bool = False) -> dict[str, Any]:
+                 ks: list[int] | None = None, fresh: bool = False,
+                 replicas: int | None = None) -> dict[str, Any]:
     """Measures every contender `repeats` times, interleaved, each in a process of its own:
     the same process all rounds, or with `fresh` a new one each round (so a process's
     luck, where its memory landed, is one sample of the median rather than all)."""
@@ -599,7 +690,7 @@ def run_workload(name: str, quick: bool, precision: str, kinds: list[type[Conten
             flops.setdefault("per_step", process.flops_per_step)
 
     def start(kind: type[Contender]) -> ContenderProcess | None:
-        process = ContenderProcess(name, quick, kind, ks, precision)
+        process = ContenderProcess(name, quick, kind, ks, precision, replicas)
         try:
             process.wait_ready()
             return process
@@ -630,7 +721,8 @@ def run_workload(name: str, quick: bool, precision: str, kinds: list[type[Conten
             if process is not None:
                 process.close()
     results = _summary(rates, cpu_rates, skipped, kinds, spec.global_batch)
-    results.update({"precision": precision, "steps_per_measurement": spec.steps,
+    results.update({"precision": precision, "replicas": replicas or 1,
+                    "steps_per_measurement": spec.steps,
                     "repeats": repeats, "fresh_process_each_round": fresh})
     if flops.get("per_step"):
         results["flops_per_step"] = flops["per_step"]
@@ -802,7 +894,14 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny models, one repeat")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--workloads", default="mlp,transformer,small_mlp",
-                        help="comma-separated subset of mlp,transformer,small_mlp")
+                        help="comma-separated subset of mlp,transformer,conv,small_mlp "
+                             "(default: all but conv)")
+    parser.add_argument("--precision", default="float32",
+                        choices=["float32", "mixed_bfloat16"],
+                        help="every contender's Keras policy (the workloads but small_mlp)")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="split the CPU into this many logical devices (split_cpu), so "
+                             "the strategy mirrors over them (the _no_strategy peers skip)")
     parser.add_argument("--fresh", action="store_true",
                         help="a new process for every contender in every round")
     parser.add_argument("--contenders", default="",
@@ -816,6 +915,8 @@ def main() -> None:
     logging.set_verbosity(logging.WARNING)
     quick = args.quick
     repeats = args.repeats or (1 if quick else 5)
+    if args.replicas:
+        tputrain.split_cpu(args.replicas)
     strategy = tputrain.resolve_strategy()
     started = time.time()
     load_before = os.getloadavg()
@@ -826,7 +927,8 @@ def main() -> None:
     report: dict[str, Any] = {
         "command": " ".join(["python benchmarks/train_loop.py", *sys.argv[1:]]),
         "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(),
-                    "strategy": type(strategy).__name__, "tensorflow": tf.__version__,
+                    "strategy": type(strategy).__name__,
+                    "replicas": strategy.num_replicas_in_sync, "tensorflow": tf.__version__,
                     "keras": keras.__version__, "load_average_before": load_before},
         "method": "each contender in a process of its own (spawned; it builds its model "
                   "there for every steps-per-call setting), measured in turn: steps/s from "
@@ -844,12 +946,12 @@ def main() -> None:
             continue
         extra = [TputrainBF16Contender] if name == "transformer" and (
             TputrainBF16Contender.name in chosen) else []
-        workloads[name] = run_workload(name, quick, "float32", kinds + extra, repeats, peaks,
-                                       fresh=args.fresh)
+        workloads[name] = run_workload(name, quick, args.precision, kinds + extra, repeats,
+                                       peaks, fresh=args.fresh, replicas=args.replicas)
         workloads[name]["model"] = workload(name, quick).model
     if "small_mlp" in args.workloads.split(","):
         loop_sizes = run_workload("small_mlp", quick, "float32", [TputrainContender],
-                                  repeats, peaks, fresh=args.fresh)
+                                  repeats, peaks, fresh=args.fresh, replicas=args.replicas)
         by_k = loop_sizes["tputrain"]["by_steps_per_call"]
         report["steps_per_loop_50_vs_1"] = {
             "model": workload("small_mlp", quick).model,

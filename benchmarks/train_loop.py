@@ -327,6 +327,14 @@ class TputrainNoXLAContender(TputrainContender):
     jit_compile = False
 
 
+class TputrainXLAContender(TputrainContender):
+    """The Trainer with `jit_compile=True`: the whole step compiled, whatever "auto"
+    would have chosen (random ops on CPU included)."""
+
+    name = "tputrain_xla"
+    jit_compile = True
+
+
 class TputrainNoGuardContender(TputrainContender):
     """The default Trainer with the NaN/Inf guard off (`NonFiniteGuard.policy=None`):
     what the guard costs."""
@@ -532,7 +540,7 @@ CONTENDERS: dict[str, type[Contender]] = {kind.name: kind for kind in (
     TputrainNoXLAContender, KerasFitXLAContender, TputrainNoGuardContender,
     TputrainNoXLANoGuardContender, TputrainBF16Contender, KerasFitNoStrategyContender,
     KerasFitXLANoStrategyContender, HandLoopNoStrategyContender,
-    TputrainOneStepAProgramContender)}
+    TputrainOneStepAProgramContender, TputrainXLAContender)}
 # Each peer at its best: the best median of its configurations (strategy, XLA).
 BEST_OF = {"keras_fit_best": ("keras_fit", "keras_fit_xla", "keras_fit_no_strategy",
                               "keras_fit_xla_no_strategy"),
@@ -771,7 +779,7 @@ def _ratios(best: dict[str, float], best_cpu: dict[str, float]) -> dict[str, flo
     if "tputrain_bf16" in best and "tputrain" in best:
         ratios["tputrain_bf16_vs_tputrain"] = best["tputrain_bf16"] / best["tputrain"]
     for on, off in (("tputrain", "tputrain_no_guard"), ("tputrain_no_xla", "tputrain_no_xla_no_guard"),
-                    ("tputrain", "tputrain_program_1")):
+                    ("tputrain", "tputrain_program_1"), ("tputrain", "tputrain_xla")):
         if on in best and off in best:
             ratios[f"{on}_vs_{off}"] = best[on] / best[off]
     # Each framework at its best configuration (XLA on or off, with or without a strategy).

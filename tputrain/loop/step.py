@@ -26,10 +26,10 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.guard import NonFiniteGuard
 from tputrain.loop.inputs import zeros_of
 from tputrain.loop.pipeline import UpdatePipeline
+from tputrain.loop.random_draws import draws_are_costly, features_spec
 from tputrain.loop.source_counts import SourceCounter
 from tputrain.loop.update import refusal as update_refusal
 from tputrain.distribution.strategy import worker_devices
@@ -298,6 +298,7 @@ class StepBuilder:
         self._own_gradients = not (self._custom_train_step
                                    or overrides(task, "compute_gradients"))
         self.counted_in_step = False  # set by build()
+        self._costly_draws: bool | None = None  # _draws_are_costly, counted once
 
     def xla_plan(self) -> tuple[bool, bool, str]:
         """(compile the whole step, compile forward/backward only, why): `plan`'s summary;
@@ -325,10 +326,6 @@ class StepBuilder:
                                "replicas' devices", apply_per_replica=True)
             return XlaPlan(False, False, f"auto: off on {replicas} replicas ({why})")
         on_cpu = not any("GPU" in d.upper() for d in worker_devices(self.strategy))
-        if on_cpu and seed_generator_states(self.model):
-            # XLA's CPU random-number generation is slow: a small MLP with Dropout took
-            # 9.3 ms per step compiled against 0.5 ms uncompiled (19x).
-            return XlaPlan(False, False, "auto: off on CPU for a model with random ops (dropout)")
         if on_cpu and self.precision == "mixed_bfloat16" and not self._custom_train_step:
             # XLA's CPU backend has no oneDNN bf16 matmuls (the Transformer's bf16 step
             # took 320 ms compiled against 250 ms uncompiled), so only the update and
@@ -338,7 +335,19 @@ class StepBuilder:
                            apply_only=True, fuse_elementwise=True)
         if on_cpu and self.precision != "float32":
             return XlaPlan(False, False, f"auto: off for {self.precision} on CPU")
+        if on_cpu and self._draws_are_costly():
+            # XLA's CPU random-number generation is slow: a small MLP with Dropout took
+            # 9.3 ms per step compiled against 0.5 ms uncompiled (19x).
+            return XlaPlan(False, False, "auto: off on CPU for a model with random ops (dropout)")
         return XlaPlan(True, False, "auto: the whole step, if it compiles")
+
+    def _draws_are_costly(self) -> bool:
+        """`random_draws.draws_are_costly` for the model, counted once."""
+        if self._costly_draws is None:
+            key = self.source_counter.key if self.source_counter is not None else None
+            self._costly_draws = draws_are_costly(self.model, features_spec(
+                self.train_element_spec, self.accumulation_steps, key))
+        return self._costly_draws
 
     def _per_device_refusal(self, compile_any: bool) -> str | None:
         """Why the update is not one XLA program per device on N replicas, or None."""

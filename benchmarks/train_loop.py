@@ -575,7 +575,7 @@ def workload(name: str, quick: bool) -> Workload:
         if quick:
             return Workload(lambda: ConvTask(widths=(8, 16), examples=256), 32, 20, [5],
                             "ResNet 8-16, 1 block a stage")
-        return Workload(lambda: ConvTask(), 32, 60, [10, 20],
+        return Workload(lambda: ConvTask(), 32, 40, [10],
                         "ResNet 16-32-64 (1 residual block a stage, BatchNorm, Dropout 0.3 "
                         "head), SGD momentum; 32x32x3 from TFRecords, random flip + crop")
     if name == "small_mlp":

@@ -94,3 +94,13 @@ def test_mixed_bfloat16_with_dropout_compiles_the_update_outside_the_draws(tmp_p
     plan = bf16._steps.plan()
     assert (plan.whole_step, plan.apply_only, plan.fuse_elementwise) == (False, True, True)
     assert np.isfinite(bf16.train()["loss"])
+
+
+def test_auto_runs_one_step_a_launch_for_convolutions_on_cpu(tmp_path):
+    """XLA's CPU convolutions ran several times slower in a multi-step program."""
+    conv = trainer(tmp_path, ConvDropoutTask(), "conv")
+    conv.train()
+    assert conv.plan.steps_per_program == 1
+    mlp = trainer(tmp_path, TinyTask(), "mlp")
+    mlp.train()
+    assert mlp.plan.steps_per_program == 2

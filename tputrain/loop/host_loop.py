@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import keras
 import tensorflow as tf
 from absl import logging
 
+from tputrain.distribution.strategy import worker_devices
 from tputrain.ema import ExponentialAverage
 from tputrain.guard import NonFiniteGuard
 from tputrain.loop.inputs import Inputs, zeros_of
@@ -244,6 +246,21 @@ def _after(value: tf.Tensor, op: Callable[[], tf.Tensor]) -> tf.Tensor:
         return op()
 
 
+_CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
+                 keras.layers.DepthwiseConv2D, keras.layers.SeparableConv2D,
+                 keras.layers.Conv2DTranspose, keras.layers.Conv3DTranspose)
+
+
+def convolutions_on_cpu(builder: StepBuilder) -> bool:
+    """Whether the model has Keras convolution layers and trains on CPUs: XLA's CPU
+    convolutions inside a multi-step program's loop ran several times slower than one
+    step a launch (a small ResNet: 8x the CPU time a step), far more than a launch
+    costs, so "auto" keeps one step a launch for them."""
+    on_cpu = not any("GPU" in d.upper() for d in worker_devices(builder.strategy))
+    layers = builder.model._flatten_layers(include_self=False, recursive=True)  # pylint: disable=protected-access
+    return on_cpu and any(isinstance(layer, _CONVOLUTIONS) for layer in layers)
+
+
 def plan_program(step_fn: Callable, builder: StepBuilder, inputs: Inputs, plan: Any,
                  step: tf.Variable, guard: NonFiniteGuard,
                  ideal_step_seconds: float | None) -> dict[str, Any]:
@@ -255,6 +272,10 @@ def plan_program(step_fn: Callable, builder: StepBuilder, inputs: Inputs, plan: 
         for spec in tf.nest.flatten(inputs.train_dataset.element_spec)), ideal_step_seconds)
     if not (steps > 1 and builder.counted_in_step and inputs.direct_fetch
             and plan.input_mode == "host"):
+        return {}
+    if plan.options.steps_per_program == "auto" and convolutions_on_cpu(builder):
+        logging.info("tputrain: one step an XLA program launch (convolutions on a CPU run "
+                     "slower in a multi-step program; set Trainer.steps_per_program to try)")
         return {}
     # The guard's trip only: SIGTERM is noticed between programs, so that every
     # batch a program took is trained on (exact resume).

@@ -6,6 +6,13 @@
 
     python benchmarks/train_loop.py --workloads transformer \
         --contenders tputrain,keras_fit_xla --repeats 5   # a subset
+    python benchmarks/train_loop.py --workloads conv --replicas 2 \
+        --precision mixed_bfloat16 --tag conv_bf16_2replicas   # the conv net, 2 split-CPU replicas
+
+Workloads: an MLP, a Transformer LM, and (only when asked: `--workloads conv`) a small
+ResNet with BatchNorm and a Dropout head on 32x32x3 images read from a TFRecord file
+with random flip and crop (`ConvTask`). `--precision` sets every contender's policy,
+`--replicas N` splits the CPU into N logical devices (`split_cpu`) for every process.
 
 Writes one JSON document to benchmarks/results/<today>-train_loop[-<tag>].json
 (`--out PATH`, `--out -` for stdout; progress goes to stderr). Every contender

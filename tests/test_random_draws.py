@@ -104,3 +104,18 @@ def test_auto_runs_one_step_a_launch_for_convolutions_on_cpu(tmp_path):
     mlp = trainer(tmp_path, TinyTask(), "mlp")
     mlp.train()
     assert mlp.plan.steps_per_program == 2
+
+
+def test_auto_compiles_forward_and_backward_of_a_conv_net_on_two_replicas(tmp_path):
+    """A float32 conv net on 2 CPU replicas: XLA for forward and backward too (the update
+    on each device as before); an MLP keeps the update alone."""
+    def two(task, name):
+        return tputrain.Trainer(task, str(tmp_path / name), strategy=strategy_for(2),
+                                train_steps=2, steps_per_loop=2, global_batch_size=8,
+                                report_mfu=False)
+    conv = two(ConvDropoutTask(), "conv")
+    plan = conv._steps.plan()
+    assert (plan.whole_step, plan.gradients_only, plan.apply_per_replica) == (False, True, True)
+    assert np.isfinite(conv.train()["loss"])
+    plan = two(TinyTask(), "mlp")._steps.plan()
+    assert (plan.gradients_only, plan.apply_per_replica) == (False, True)

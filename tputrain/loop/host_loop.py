@@ -23,13 +23,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import keras
 import tensorflow as tf
 from absl import logging
 
 from tputrain.distribution.strategy import worker_devices
 from tputrain.ema import ExponentialAverage
 from tputrain.guard import NonFiniteGuard
+from tputrain.loop.convolutions import has_convolutions
 from tputrain.loop.inputs import Inputs, zeros_of
 from tputrain.loop.step import StepBuilder, steps_program
 from tputrain.options import program_steps
@@ -246,19 +246,13 @@ def _after(value: tf.Tensor, op: Callable[[], tf.Tensor]) -> tf.Tensor:
         return op()
 
 
-_CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
-                 keras.layers.DepthwiseConv2D, keras.layers.SeparableConv2D,
-                 keras.layers.Conv2DTranspose, keras.layers.Conv3DTranspose)
-
-
 def convolutions_on_cpu(builder: StepBuilder) -> bool:
     """Whether the model has Keras convolution layers and trains on CPUs: XLA's CPU
     convolutions inside a multi-step program's loop ran several times slower than one
     step a launch (a small ResNet: 8x the CPU time a step), far more than a launch
     costs, so "auto" keeps one step a launch for them."""
     on_cpu = not any("GPU" in d.upper() for d in worker_devices(builder.strategy))
-    layers = builder.model._flatten_layers(include_self=False, recursive=True)  # pylint: disable=protected-access
-    return on_cpu and any(isinstance(layer, _CONVOLUTIONS) for layer in layers)
+    return on_cpu and has_convolutions(builder.model)
 
 
 def plan_program(step_fn: Callable, builder: StepBuilder, inputs: Inputs, plan: Any,

@@ -615,7 +615,9 @@ def serve(conn, workload_name: str, quick: bool, kind_name: str, ks: list[int],
             contenders[k] = kind(spec.task_factory, strategy, spec.global_batch, precision, k)
             contenders[k].prepare()
     except Exception as error:  # pylint: disable=broad-except
-        conn.send(("error", f"{type(error).__name__}: {error}"[:500]))
+        message = f"{type(error).__name__}: {error}"  # TF's start and its last lines
+        conn.send(("error", message if len(message) <= 800 else
+                   f"{message[:300]} ... {message[-500:]}"))
         return
     conn.send(("ready", getattr(contenders[ks[0]], "flops_per_step", None)))
     while True:

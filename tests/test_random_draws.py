@@ -119,3 +119,18 @@ def test_auto_compiles_forward_and_backward_of_a_conv_net_on_two_replicas(tmp_pa
     assert np.isfinite(conv.train()["loss"])
     plan = two(TinyTask(), "mlp")._steps.plan()
     assert (plan.gradients_only, plan.apply_per_replica) == (False, True)
+
+
+def test_auto_compiles_a_conv_net_in_mixed_bfloat16_on_cpu(tmp_path):
+    """TensorFlow's bf16 convolutions on a CPU are slow: the whole step compiles (one
+    replica), forward and backward too (two)."""
+    def bf16(replicas, name):
+        return tputrain.Trainer(ConvDropoutTask(), str(tmp_path / name),
+                                strategy=strategy_for(replicas), train_steps=2,
+                                steps_per_loop=2, global_batch_size=8,
+                                precision="mixed_bfloat16", report_mfu=False)
+    one = bf16(1, "one")
+    assert one._steps.plan().whole_step
+    assert np.isfinite(one.train()["loss"])
+    plan = bf16(2, "two")._steps.plan()
+    assert (plan.gradients_only, plan.apply_per_replica) == (True, True)

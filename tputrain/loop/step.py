@@ -325,13 +325,18 @@ class StepBuilder:
             why = self._per_device_refusal(compile_any=False)
             if why is None and self._compiles_convolutions(on_cpu):
                 # A small ResNet on 2 CPU replicas: 1.5x the steps per CPU-second.
-                return XlaPlan(False, True, f"auto: forward and backward (convolutions) and "
+                return XlaPlan(False, True, "auto: forward and backward (convolutions) and "
                                f"the optimizer update on each of {replicas} replicas' devices",
                                apply_per_replica=True)
             if why is None:
                 return XlaPlan(False, False, f"auto: the optimizer update on each of {replicas} "
                                "replicas' devices", apply_per_replica=True)
             return XlaPlan(False, False, f"auto: off on {replicas} replicas ({why})")
+        if on_cpu and self.precision == "mixed_bfloat16" and self._compiles_convolutions(on_cpu):
+            # TensorFlow's bf16 convolutions on a CPU: a small ResNet's step took ~9x the
+            # CPU time uncompiled (matmuls and update under the plan below) as compiled.
+            return XlaPlan(True, False, "auto: the whole step for convolutions in "
+                           f"{self.precision} on CPU")
         if on_cpu and self.precision == "mixed_bfloat16" and not self._custom_train_step:
             # XLA's CPU backend has no oneDNN bf16 matmuls (the Transformer's bf16 step
             # took 320 ms compiled against 250 ms uncompiled), so only the update and
@@ -348,9 +353,11 @@ class StepBuilder:
         return XlaPlan(True, False, "auto: the whole step, if it compiles")
 
     def _compiles_convolutions(self, on_cpu: bool) -> bool:
-        """N replicas, "auto": whether forward and backward compile for a float32 conv
-        net on CPUs (XLA fuses what surrounds its convolutions) whose draws are few."""
-        return (on_cpu and self.precision == "float32" and not self._custom_train_step
+        """With "auto": whether forward and backward compile for a conv net on CPUs (XLA fuses
+        what surrounds its convolutions; TensorFlow's bf16 ones are slow) whose random
+        draws are few."""
+        return (on_cpu and self.precision in ("float32", "mixed_bfloat16")
+                and not self._custom_train_step
                 and has_convolutions(self.model) and not self._draws_are_costly())
 
     def _draws_are_costly(self) -> bool:

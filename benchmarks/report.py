@@ -37,6 +37,7 @@ LABELS = {
     "orbit": "Orbit",
     "tputrain_bf16": "tputrain, mixed_bfloat16",
     "tputrain_program_1": "tputrain, one step per XLA launch (steps_per_program=1)",
+    "tputrain_xla": "tputrain, jit_compile=True",
 }
 # The training loop's headline goals: (goal names, the first present wins), label.
 HEADLINE_GOALS = [
@@ -48,6 +49,9 @@ HEADLINE_GOALS = [
     (("transformer.tputrain_vs_hand_loop_best", "transformer.tputrain_vs_hand_loop"),
      "Transformer vs hand loop"),
     (("transformer.bf16_vs_float32",), "bf16 vs float32"),
+    (("conv.tputrain_best_vs_keras_fit_best",), "Conv net vs `fit` at its best"),
+    (("conv.tputrain_vs_hand_loop_best", "conv.tputrain_vs_hand_loop"), "Conv net vs hand loop"),
+    (("conv.tputrain_vs_orbit",), "Conv net vs Orbit"),
 ]
 RESUME_RATIOS = {"exact_resume_vs_skip_resume_cpu": "exact resume on vs off",
                  "guard_on_vs_off_cpu": "guard on vs off",

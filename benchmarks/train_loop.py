@@ -7,6 +7,13 @@
 
     python benchmarks/train_loop.py --workloads transformer \
         --contenders tputrain,keras_fit_xla --repeats 5   # a subset
+    python benchmarks/train_loop.py --workloads conv --replicas 2 \
+        --precision mixed_bfloat16 --tag conv_bf16_2replicas   # the conv net, 2 split-CPU replicas
+
+Workloads: an MLP, a Transformer LM, and (only when asked: `--workloads conv`) a small
+ResNet with BatchNorm and a Dropout head on 32x32x3 images read from a TFRecord file
+with random flip and crop (`ConvTask`). `--precision` sets every contender's policy,
+`--replicas N` splits the CPU into N logical devices (`split_cpu`) for every process.
 
 Writes one JSON document to benchmarks/results/<today>-train_loop[-<tag>].json
 (`--out PATH`, `--out -` for stdout; progress goes to stderr). Every contender
@@ -127,6 +134,87 @@ class LMTask(SyntheticLMTask):
         return [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
 
 
+class ConvTask(tputrain.Task):
+    """A small ResNet (BatchNorm, a Dropout head) on random 32x32x3 images read from a
+    TFRecord file, with random flip and crop (`tputrain.data.stateless_augment`)."""
+
+    def __init__(self, widths: tuple[int, ...] = (16, 32, 64), blocks: int = 1,
+                 examples: int = 1024, classes: int = 10, size: int = 32):
+        self.widths, self.blocks, self.classes = widths, blocks, classes
+        self.examples, self.size = examples, size
+        self._manifest: str | None = None
+
+    def build_model(self) -> keras.Model:
+        layers = keras.layers
+        x = inputs = keras.Input((self.size, self.size, 3), name="image")
+        x = layers.Conv2D(self.widths[0], 3, padding="same", use_bias=False)(x)
+        x = layers.ReLU()(layers.BatchNormalization()(x))
+        for stage, width in enumerate(self.widths):
+            for block in range(self.blocks):
+                stride = 2 if stage > 0 and block == 0 else 1
+                shortcut = x
+                y = layers.Conv2D(width, 3, strides=stride, padding="same", use_bias=False)(x)
+                y = layers.ReLU()(layers.BatchNormalization()(y))
+                y = layers.Conv2D(width, 3, padding="same", use_bias=False)(y)
+                y = layers.BatchNormalization()(y)
+                if stride != 1 or shortcut.shape[-1] != width:
+                    shortcut = layers.Conv2D(width, 1, strides=stride, use_bias=False)(shortcut)
+                    shortcut = layers.BatchNormalization()(shortcut)
+                x = layers.ReLU()(layers.Add()([y, shortcut]))
+        x = layers.Dropout(0.3)(layers.GlobalAveragePooling2D()(x))
+        logits = layers.Dense(self.classes, dtype="float32")(x)
+        return keras.Model({"image": inputs}, logits)
+
+    def _records(self) -> str:
+        """The manifest of a TFRecord file of random uint8 images, written once a process."""
+        if self._manifest is None:
+            rng = np.random.RandomState(0)
+            images = rng.randint(0, 256, (self.examples, self.size, self.size, 3))
+            labels = rng.randint(0, self.classes, self.examples)
+            folder = tempfile.mkdtemp(prefix="tputrain-bench-conv-")
+            tputrain.data.write_tfrecords({"image": images.astype(np.int64), "label": labels},
+                                          os.path.join(folder, "train"), num_shards=1)
+            self._manifest = os.path.join(folder, "train.manifest.json")
+        return self._manifest
+
+    def build_inputs(self, split: str, input_context: InputContext) -> tf.data.Dataset:
+        train = split == "train"
+        source = tputrain.data.TFRecordInput(
+            manifest=self._records(), label_key="label", cache="memory", seed=0,
+            shuffle=train, repeat=train)
+        dataset = source(input_context)
+        if train:
+            dataset = dataset.apply(tputrain.data.stateless_augment(
+                self._augment, seed=0, input_context=input_context))
+        else:
+            dataset = dataset.map(lambda f, y: ({"image": tf.cast(f["image"], tf.float32) / 255.0}, y))
+        return dataset.prefetch(2)
+
+    def _augment(self, features, labels, seed):
+        """Per image: a random horizontal flip and a random 32x32 crop of the image
+        padded by 4 pixels (vectorized over the batch)."""
+        flip_seed, crop_seed = tf.unstack(tf.random.split(seed, 2))
+        images = tf.cast(tf.reshape(features["image"], [-1, self.size, self.size, 3]),
+                         tf.float32) / 255.0
+        images = tf.image.stateless_random_flip_left_right(images, flip_seed)
+        padded = tf.pad(images, [[0, 0], [4, 4], [4, 4], [0, 0]])
+        offsets = tf.random.stateless_uniform([tf.shape(images)[0], 2], crop_seed, 0, 9,
+                                              dtype=tf.int32)
+        window = tf.range(self.size)
+        rows = tf.gather(padded, offsets[:, :1] + window, axis=1, batch_dims=1)
+        images = tf.gather(rows, offsets[:, 1:] + window, axis=2, batch_dims=1)
+        return {"image": images}, labels
+
+    def compute_loss(self, labels, outputs) -> tf.Tensor:
+        return keras.losses.sparse_categorical_crossentropy(labels, outputs, from_logits=True)
+
+    def build_metrics(self) -> list[keras.metrics.Metric]:
+        return [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
+
+    def build_optimizer(self) -> keras.optimizers.Optimizer:
+        return tputrain.build_optimizer("sgd", learning_rate=0.05, momentum=0.9)
+
+
 def probe_matmul(dtype: str, size: int = 2048, repeats: int = 8) -> tuple[float, float]:
     """(FLOP/s, FLOP per CPU-second of this process) of the best [size x size] matmul.
 
@@ -245,6 +333,14 @@ class TputrainNoXLAContender(TputrainContender):
 
     name = "tputrain_no_xla"
     jit_compile = False
+
+
+class TputrainXLAContender(TputrainContender):
+    """The Trainer with `jit_compile=True`: the whole step compiled, whatever "auto"
+    would have chosen (random ops on CPU included)."""
+
+    name = "tputrain_xla"
+    jit_compile = True
 
 
 class TputrainNoGuardContender(TputrainContender):
@@ -452,7 +548,7 @@ CONTENDERS: dict[str, type[Contender]] = {kind.name: kind for kind in (
     TputrainNoXLAContender, KerasFitXLAContender, TputrainNoGuardContender,
     TputrainNoXLANoGuardContender, TputrainBF16Contender, KerasFitNoStrategyContender,
     KerasFitXLANoStrategyContender, HandLoopNoStrategyContender,
-    TputrainOneStepAProgramContender)}
+    TputrainOneStepAProgramContender, TputrainXLAContender)}
 # Each peer at its best: the best median of its configurations (strategy, XLA).
 BEST_OF = {"keras_fit_best": ("keras_fit", "keras_fit_xla", "keras_fit_no_strategy",
                               "keras_fit_xla_no_strategy"),
@@ -483,6 +579,13 @@ def workload(name: str, quick: bool) -> Workload:
                                        num_layers=4, num_heads=4), 16, 30, [10],
                         "configs/synthetic_transformer.gin: 4 layers, width 256, "
                         "16 x 128 tokens, AdamW + clipnorm")
+    if name == "conv":
+        if quick:
+            return Workload(lambda: ConvTask(widths=(8, 16), examples=256), 32, 20, [5],
+                            "ResNet 8-16, 1 block a stage")
+        return Workload(lambda: ConvTask(), 32, 40, [10],
+                        "ResNet 16-32-64 (1 residual block a stage, BatchNorm, Dropout 0.3 "
+                        "head), SGD momentum; 32x32x3 from TFRecords, random flip + crop")
     if name == "small_mlp":
         return Workload(lambda: MLPTask(32, (64,), batches=8), 64, 100 if quick else 1000,
                         [1, 50], "MLP 32-64-10, batch 64 (per-call overhead dominates)")
@@ -490,7 +593,7 @@ def workload(name: str, quick: bool) -> Workload:
 
 
 def serve(conn, workload_name: str, quick: bool, kind_name: str, ks: list[int],
-          precision: str, replicas: int = 1) -> None:
+          precision: str, replicas: int | None = None) -> None:
     """A contender's own process: prepares it for each k, then measures on request.
 
     Its CPU time is its own: nothing another contender built or left behind (models,
@@ -499,9 +602,9 @@ def serve(conn, workload_name: str, quick: bool, kind_name: str, ks: list[int],
     """
     logging.set_verbosity(logging.WARNING)
     try:
-        kind = CONTENDERS[kind_name]
-        if replicas > 1:
+        if replicas:
             tputrain.split_cpu(replicas)
+        kind = CONTENDERS[kind_name]
         strategy = tputrain.resolve_strategy()
         if kind.no_strategy:
             if strategy.num_replicas_in_sync > 1:
@@ -514,7 +617,9 @@ def serve(conn, workload_name: str, quick: bool, kind_name: str, ks: list[int],
             contenders[k] = kind(spec.task_factory, strategy, spec.global_batch, precision, k)
             contenders[k].prepare()
     except Exception as error:  # pylint: disable=broad-except
-        conn.send(("error", f"{type(error).__name__}: {error}"[:500]))
+        message = f"{type(error).__name__}: {error}"  # TF's start and its last lines
+        conn.send(("error", message if len(message) <= 800 else
+                   f"{message[:300]} ... {message[-500:]}"))
         return
     conn.send(("ready", getattr(contenders[ks[0]], "flops_per_step", None)))
     while True:
@@ -529,7 +634,7 @@ class ContenderProcess:
     """The parent's handle on one contender kind in its own (spawned) process."""
 
     def __init__(self, workload_name: str, quick: bool, kind: type[Contender],
-                 ks: list[int], precision: str, replicas: int = 1):
+                 ks: list[int], precision: str, replicas: int | None = None):
         context = multiprocessing.get_context("spawn")
         self.name, self.ks = kind.name, ks
         self._conn, child = context.Pipe()
@@ -584,7 +689,7 @@ Rates = dict[tuple[str, int], list[float]]  # (contender, k) -> one rate per rou
 def run_workload(name: str, quick: bool, precision: str, kinds: list[type[Contender]],
                  repeats: int, peaks: dict[str, list[tuple[float, float]]],
                  ks: list[int] | None = None, fresh: bool = False,
-                 replicas: int = 1) -> dict[str, Any]:
+                 replicas: int | None = None) -> dict[str, Any]:
     """Measures every contender `repeats` times, interleaved, each in a process of its own:
     the same process all rounds, or with `fresh` a new one each round (so a process's
     luck, where its memory landed, is one sample of the median rather than all)."""
@@ -635,7 +740,8 @@ def run_workload(name: str, quick: bool, precision: str, kinds: list[type[Conten
             if process is not None:
                 process.close()
     results = _summary(rates, cpu_rates, skipped, kinds, spec.global_batch)
-    results.update({"precision": precision, "steps_per_measurement": spec.steps, "replicas": replicas,
+    results.update({"precision": precision, "replicas": replicas or 1,
+                    "steps_per_measurement": spec.steps,
                     "repeats": repeats, "fresh_process_each_round": fresh})
     if flops.get("per_step"):
         results["flops_per_step"] = flops["per_step"]
@@ -684,7 +790,7 @@ def _ratios(best: dict[str, float], best_cpu: dict[str, float]) -> dict[str, flo
     if "tputrain_bf16" in best and "tputrain" in best:
         ratios["tputrain_bf16_vs_tputrain"] = best["tputrain_bf16"] / best["tputrain"]
     for on, off in (("tputrain", "tputrain_no_guard"), ("tputrain_no_xla", "tputrain_no_xla_no_guard"),
-                    ("tputrain", "tputrain_program_1")):
+                    ("tputrain", "tputrain_program_1"), ("tputrain", "tputrain_xla")):
         if on in best and off in best:
             ratios[f"{on}_vs_{off}"] = best[on] / best[off]
     # Each framework at its best configuration (XLA on or off, with or without a strategy).
@@ -807,12 +913,16 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny models, one repeat")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--workloads", default="mlp,transformer,small_mlp",
-                        help="comma-separated subset of mlp,transformer,small_mlp")
+                        help="comma-separated subset of mlp,transformer,conv,small_mlp "
+                             "(default: all but conv)")
+    parser.add_argument("--precision", default="float32",
+                        choices=["float32", "mixed_bfloat16"],
+                        help="every contender's Keras policy (the workloads but small_mlp)")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="split the CPU into this many logical devices (split_cpu), so "
+                             "the strategy mirrors over them (the _no_strategy peers skip)")
     parser.add_argument("--fresh", action="store_true",
                         help="a new process for every contender in every round")
-    parser.add_argument("--replicas", type=int, default=1,
-                        help="split each contender's CPU into this many logical devices "
-                             "(MirroredStrategy over them)")
     parser.add_argument("--contenders", default="",
                         help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all)")
     result_file.add_arguments(parser, "train_loop")
@@ -824,7 +934,7 @@ def main() -> None:
     logging.set_verbosity(logging.WARNING)
     quick = args.quick
     repeats = args.repeats or (1 if quick else 5)
-    if args.replicas > 1:
+    if args.replicas:
         tputrain.split_cpu(args.replicas)
     strategy = tputrain.resolve_strategy()
     started = time.time()
@@ -836,7 +946,8 @@ def main() -> None:
     report: dict[str, Any] = {
         "command": " ".join(["python benchmarks/train_loop.py", *sys.argv[1:]]),
         "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(),
-                    "strategy": type(strategy).__name__, "tensorflow": tf.__version__,
+                    "strategy": type(strategy).__name__,
+                    "replicas": strategy.num_replicas_in_sync, "tensorflow": tf.__version__,
                     "keras": keras.__version__, "load_average_before": load_before},
         "method": "each contender in a process of its own (spawned; it builds its model "
                   "there for every steps-per-call setting), measured in turn: steps/s from "
@@ -854,12 +965,12 @@ def main() -> None:
             continue
         extra = [TputrainBF16Contender] if name == "transformer" and (
             TputrainBF16Contender.name in chosen) else []
-        workloads[name] = run_workload(name, quick, "float32", kinds + extra, repeats, peaks,
-                                       fresh=args.fresh, replicas=args.replicas)
+        workloads[name] = run_workload(name, quick, args.precision, kinds + extra, repeats,
+                                       peaks, fresh=args.fresh, replicas=args.replicas)
         workloads[name]["model"] = workload(name, quick).model
     if "small_mlp" in args.workloads.split(","):
         loop_sizes = run_workload("small_mlp", quick, "float32", [TputrainContender],
-                                  repeats, peaks, fresh=args.fresh)
+                                  repeats, peaks, fresh=args.fresh, replicas=args.replicas)
         by_k = loop_sizes["tputrain"]["by_steps_per_call"]
         report["steps_per_loop_50_vs_1"] = {
             "model": workload("small_mlp", quick).model,

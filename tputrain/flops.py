@@ -28,7 +28,7 @@ import re
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import tensorflow as tf
@@ -158,31 +158,37 @@ def _live_ops(graph: tf.Graph) -> list[tf.Operation]:
     return [op for op in graph.get_operations() if op in live]
 
 
-def count_graph_flops(graph: tf.Graph) -> int:
-    """Sums `op_flops` over the live ops of a traced graph and the functions it calls.
-
-    Loop bodies (`tf.while_loop`) are not counted: their trip count is unknown.
-    Raises ValueError if a matmul-like op has a dynamic shape.
-    """
-    total, seen = 0, set()
-    pending = [graph]
+def live_graph_ops(graph: tf.Graph) -> Iterator[tf.Operation]:
+    """The live ops of a traced graph and of the functions it calls, each graph once."""
+    seen, pending = set(), [graph]
     while pending:
         current = pending.pop()
         if id(current) in seen:
             continue
         seen.add(id(current))
         for op in _live_ops(current):
-            flops = op_flops(op)
-            if flops is None:
-                raise ValueError(
-                    f"cannot count the FLOPs of {op.type} op {op.name!r}: its shapes are not "
-                    "static. Batch with drop_remainder=True, or return an analytic count from "
-                    "Task.flops_per_example()")
-            total += flops
-            if op.type in ("While", "StatelessWhile"):
-                logging.warning("tputrain: FLOPs inside the tf.while_loop %s are not counted; "
-                                "return an analytic count from Task.flops_per_example()", op.name)
+            yield op
             pending.extend(_nested_graphs(op))
+
+
+def count_graph_flops(graph: tf.Graph) -> int:
+    """Sums `op_flops` over the live ops of a traced graph and the functions it calls.
+
+    Loop bodies (`tf.while_loop`) are not counted: their trip count is unknown.
+    Raises ValueError if a matmul-like op has a dynamic shape.
+    """
+    total = 0
+    for op in live_graph_ops(graph):
+        flops = op_flops(op)
+        if flops is None:
+            raise ValueError(
+                f"cannot count the FLOPs of {op.type} op {op.name!r}: its shapes are not "
+                "static. Batch with drop_remainder=True, or return an analytic count from "
+                "Task.flops_per_example()")
+        total += flops
+        if op.type in ("While", "StatelessWhile"):
+            logging.warning("tputrain: FLOPs inside the tf.while_loop %s are not counted; "
+                            "return an analytic count from Task.flops_per_example()", op.name)
     return total
 
 

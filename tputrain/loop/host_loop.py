@@ -27,8 +27,10 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain import tracing
+from tputrain.distribution.strategy import worker_devices
 from tputrain.ema import ExponentialAverage
 from tputrain.guard import NonFiniteGuard
+from tputrain.loop.convolutions import has_convolutions
 from tputrain.loop.inputs import Inputs, zeros_of
 from tputrain.loop.step import StepBuilder, steps_program
 from tputrain.options import program_steps
@@ -270,6 +272,15 @@ def plan_steps(builder: StepBuilder, count: Callable[[dict[str, tf.Tensor]], Non
     return builder.checked(step_fn, count), program
 
 
+def convolutions_on_cpu(builder: StepBuilder) -> bool:
+    """Whether the model has Keras convolution layers and trains on CPUs: XLA's CPU
+    convolutions inside a multi-step program's loop ran several times slower than one
+    step a launch, far more than a launch
+    costs, so "auto" keeps one step a launch for them."""
+    on_cpu = not any("GPU" in d.upper() for d in worker_devices(builder.strategy))
+    return on_cpu and has_convolutions(builder.model)
+
+
 def plan_program(step_fn: Callable, builder: StepBuilder, inputs: Inputs, plan: Any,
                  step: tf.Variable, guard: NonFiniteGuard,
                  ideal_step_seconds: Callable[[], float | None]) -> dict[str, Any]:
@@ -285,6 +296,10 @@ def plan_program(step_fn: Callable, builder: StepBuilder, inputs: Inputs, plan: 
         spec.shape.num_elements() * spec.dtype.size
         for spec in tf.nest.flatten(inputs.train_dataset.element_spec)), ideal)
     if steps <= 1:
+        return {}
+    if plan.options.steps_per_program == "auto" and convolutions_on_cpu(builder):
+        logging.info("tputrain: one step an XLA program launch (convolutions on a CPU run "
+                     "slower in a multi-step program; set Trainer.steps_per_program to try)")
         return {}
     # The guard's trip only: SIGTERM is noticed between programs, so that every
     # batch a program took is trained on (exact resume).

@@ -26,10 +26,11 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.guard import NonFiniteGuard
+from tputrain.loop.convolutions import has_convolutions
 from tputrain.loop.inputs import zeros_of
 from tputrain.loop.pipeline import UpdatePipeline
+from tputrain.loop.random_draws import draws_are_costly, features_spec
 from tputrain.loop.source_counts import SourceCounter
 from tputrain.loop.update import refusal as update_refusal
 from tputrain.distribution.strategy import worker_devices
@@ -300,6 +301,7 @@ class StepBuilder:
                                    or overrides(task, "compute_gradients"))
         self.counted_in_step = False  # set by build()
         self._unchecked: Callable | None = None  # built with check=False, not yet lowered
+        self._costly_draws: bool | None = None  # _draws_are_costly, counted once
 
     def xla_plan(self) -> tuple[bool, bool, str]:
         """(compile the whole step, compile forward/backward only, why): `plan`'s summary;
@@ -320,17 +322,23 @@ class StepBuilder:
                            apply_per_replica=per_device)
         if self.jit_compile != "auto":
             return XlaPlan(False, False, "off")
+        on_cpu = not any("GPU" in d.upper() for d in worker_devices(self.strategy))
         if replicas > 1:
             why = self._per_device_refusal(compile_any=False)
+            if why is None and self._compiles_convolutions(on_cpu):
+                # A small ResNet on 2 CPU replicas: 1.5x the steps per CPU-second.
+                return XlaPlan(False, True, "auto: forward and backward (convolutions) and "
+                               f"the optimizer update on each of {replicas} replicas' devices",
+                               apply_per_replica=True)
             if why is None:
                 return XlaPlan(False, False, f"auto: the optimizer update on each of {replicas} "
                                "replicas' devices", apply_per_replica=True)
             return XlaPlan(False, False, f"auto: off on {replicas} replicas ({why})")
-        on_cpu = not any("GPU" in d.upper() for d in worker_devices(self.strategy))
-        if on_cpu and seed_generator_states(self.model):
-            # XLA's CPU random-number generation is slow: a small MLP with Dropout took
-            # 9.3 ms per step compiled against 0.5 ms uncompiled (19x).
-            return XlaPlan(False, False, "auto: off on CPU for a model with random ops (dropout)")
+        if on_cpu and self.precision == "mixed_bfloat16" and self._compiles_convolutions(on_cpu):
+            # TensorFlow's bf16 convolutions on a CPU: a small ResNet's step took ~9x the
+            # CPU time uncompiled (matmuls and update under the plan below) as compiled.
+            return XlaPlan(True, False, "auto: the whole step for convolutions in "
+                           f"{self.precision} on CPU")
         if on_cpu and self.precision == "mixed_bfloat16" and not self._custom_train_step:
             # XLA's CPU backend has no oneDNN bf16 matmuls (the Transformer's bf16 step
             # took 320 ms compiled against 250 ms uncompiled), so only the update and
@@ -340,7 +348,27 @@ class StepBuilder:
                            apply_only=True, fuse_elementwise=True)
         if on_cpu and self.precision != "float32":
             return XlaPlan(False, False, f"auto: off for {self.precision} on CPU")
+        if on_cpu and self._draws_are_costly():
+            # XLA's CPU random-number generation is slow: a small MLP with Dropout took
+            # 9.3 ms per step compiled against 0.5 ms uncompiled (19x).
+            return XlaPlan(False, False, "auto: off on CPU for a model with random ops (dropout)")
         return XlaPlan(True, False, "auto: the whole step, if it compiles")
+
+    def _compiles_convolutions(self, on_cpu: bool) -> bool:
+        """With "auto": whether forward and backward compile for a conv net on CPUs (XLA fuses
+        what surrounds its convolutions; TensorFlow's bf16 ones are slow) whose random
+        draws are few."""
+        return (on_cpu and self.precision in ("float32", "mixed_bfloat16")
+                and not self._custom_train_step
+                and has_convolutions(self.model) and not self._draws_are_costly())
+
+    def _draws_are_costly(self) -> bool:
+        """`random_draws.draws_are_costly` for the model, counted once."""
+        if self._costly_draws is None:
+            key = self.source_counter.key if self.source_counter is not None else None
+            self._costly_draws = draws_are_costly(self.model, features_spec(
+                self.train_element_spec, self.accumulation_steps, key))
+        return self._costly_draws
 
     def _per_device_refusal(self, compile_any: bool) -> str | None:
         """Why the update is not one XLA program per device on N replicas, or None."""

@@ -1,0 +1,136 @@
+"""jit_compile="auto" on a CPU and random layers (issue 38): XLA stays off for a model
+whose random draws are many beside its FLOPs (an MLP with Dropout on its hidden
+layer), and compiles the whole step of one whose draws are few (a conv net with
+a Dropout head), drawing the same dropout masks as TensorFlow's kernels."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tputrain
+from tiny import TinyTask, strategy_for
+from tputrain.loop.random_draws import COSTLY_DRAWS_PER_FLOP, draws_per_flop
+
+
+class ConvDropoutTask(TinyTask):
+    """Two 3x3 convolutions on 16x16x3 images, pooled, a Dense(8) and Dropout head."""
+
+    def __init__(self):
+        super().__init__()
+        rng = np.random.RandomState(0)
+        self.images = rng.rand(64, 16, 16, 3).astype(np.float32)
+        self.labels = rng.randint(0, 2, 64).astype(np.int64)
+
+    def build_model(self) -> keras.Model:
+        inputs = keras.Input((16, 16, 3), name="image")
+        x = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
+        x = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(x)
+        x = keras.layers.Dense(8, activation="relu")(keras.layers.GlobalAveragePooling2D()(x))
+        x = keras.layers.Dropout(0.5, seed=1)(x)
+        return keras.Model({"image": inputs}, keras.layers.Dense(2, dtype="float32")(x))
+
+    def build_inputs(self, split, input_context):
+        batch = input_context.get_per_replica_batch_size(input_context.global_batch_size)
+        dataset = tf.data.Dataset.from_tensor_slices(({"image": self.images}, self.labels))
+        dataset = dataset.repeat() if split == "train" else dataset
+        return dataset.batch(batch, drop_remainder=True)
+
+
+def trainer(tmp_path, task, name, jit_compile="auto"):
+    return tputrain.Trainer(task, str(tmp_path / name), strategy=strategy_for(1),
+                            train_steps=4, steps_per_loop=2, global_batch_size=8,
+                            checkpoint_every=4, jit_compile=jit_compile, seed=0,
+                            report_mfu=False)
+
+
+def test_draws_per_flop_counts_the_dropout_draws_against_the_matmuls():
+    model = TinyTask(dropout=0.5).build_model()  # Dense 8->16, Dropout, Dense 16->2
+    batch = 4
+    flops = 2 * batch * (8 * 16 + 16 * 2)  # two matmuls, 2 FLOPs a multiply-add
+    draws = batch * 16  # one uniform number per dropped-or-kept unit
+    ratio = draws_per_flop(model, {"x": tf.TensorSpec([batch, 8], tf.float32)})
+    assert ratio == draws / flops
+
+
+def test_conv_net_draws_are_few_per_flop():
+    model = ConvDropoutTask().build_model()
+    flops = 2 * (16 * 16 * 32 * 3 * 3 * 3 + 16 * 16 * 32 * 3 * 3 * 32 + 32 * 8 + 8 * 2)
+    ratio = draws_per_flop(model, {"image": tf.TensorSpec([1, 16, 16, 3], tf.float32)})
+    assert ratio == 8 / flops
+    assert ratio < COSTLY_DRAWS_PER_FLOP
+
+
+def test_auto_compiles_the_whole_step_of_a_conv_net_with_dropout(tmp_path):
+    auto = trainer(tmp_path, ConvDropoutTask(), "auto")
+    assert auto._steps.xla_plan() == (True, False, "auto: the whole step, if it compiles")
+    auto.train()
+    compiled = trainer(tmp_path, ConvDropoutTask(), "compiled", jit_compile=True)
+    compiled.train()
+    plain = trainer(tmp_path, ConvDropoutTask(), "plain", jit_compile=False)
+    plain.train()
+    # XLA draws other dropout masks than TensorFlow's kernels (its own generator): the
+    # auto run is the compiled one bit for bit, and not the uncompiled one.
+    for a, b in zip(auto.model.get_weights(), compiled.model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.allclose(a, b, rtol=1e-3)
+               for a, b in zip(auto.model.get_weights(), plain.model.get_weights()))
+
+
+def test_auto_keeps_xla_off_for_an_mlp_with_dropout(tmp_path):
+    mlp = trainer(tmp_path, TinyTask(dropout=0.5), "mlp")
+    assert mlp._steps.xla_plan() == (False, False,
+                                     "auto: off on CPU for a model with random ops (dropout)")
+
+
+def test_mixed_bfloat16_with_dropout_compiles_the_update_outside_the_draws(tmp_path):
+    """The bf16 plan's XLA programs (the update, GELUs, layer norms) draw nothing, so a
+    random layer no longer turns them off."""
+    task = TinyTask(dropout=0.5)
+    bf16 = tputrain.Trainer(task, str(tmp_path / "bf16"), strategy=strategy_for(1),
+                            train_steps=2, steps_per_loop=2, global_batch_size=8,
+                            precision="mixed_bfloat16", report_mfu=False)
+    plan = bf16._steps.plan()
+    assert (plan.whole_step, plan.apply_only, plan.fuse_elementwise) == (False, True, True)
+    assert np.isfinite(bf16.train()["loss"])
+
+
+def test_auto_runs_one_step_a_launch_for_convolutions_on_cpu(tmp_path):
+    """XLA's CPU convolutions ran several times slower in a multi-step program."""
+    conv = trainer(tmp_path, ConvDropoutTask(), "conv")
+    conv.train()
+    assert conv.plan.steps_per_program == 1
+    mlp = trainer(tmp_path, TinyTask(), "mlp")
+    mlp.train()
+    assert mlp.plan.steps_per_program == 2
+
+
+def test_auto_compiles_forward_and_backward_of_a_conv_net_on_two_replicas(tmp_path):
+    """A float32 conv net on 2 CPU replicas: XLA for forward and backward too (the update
+    on each device as before); an MLP keeps the update alone."""
+    def two(task, name):
+        return tputrain.Trainer(task, str(tmp_path / name), strategy=strategy_for(2),
+                                train_steps=2, steps_per_loop=2, global_batch_size=8,
+                                report_mfu=False)
+    conv = two(ConvDropoutTask(), "conv")
+    plan = conv._steps.plan()
+    assert (plan.whole_step, plan.gradients_only, plan.apply_per_replica) == (False, True, True)
+    assert np.isfinite(conv.train()["loss"])
+    plan = two(TinyTask(), "mlp")._steps.plan()
+    assert (plan.gradients_only, plan.apply_per_replica) == (False, True)
+
+
+def test_auto_compiles_a_conv_net_in_mixed_bfloat16_on_cpu(tmp_path):
+    """TensorFlow's bf16 convolutions on a CPU are slow: the whole step compiles (one
+    replica), forward and backward too (two)."""
+    def bf16(replicas, name):
+        return tputrain.Trainer(ConvDropoutTask(), str(tmp_path / name),
+                                strategy=strategy_for(replicas), train_steps=2,
+                                steps_per_loop=2, global_batch_size=8,
+                                precision="mixed_bfloat16", report_mfu=False)
+    one = bf16(1, "one")
+    assert one._steps.plan().whole_step
+    assert np.isfinite(one.train()["loss"])
+    plan = bf16(2, "two")._steps.plan()
+    assert (plan.gradients_only, plan.apply_per_replica) == (True, True)

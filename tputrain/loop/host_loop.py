@@ -85,7 +85,10 @@ class HostLoop:
         self.grouped = count_steps and inputs.input_mode == "host"
         self.fetch = inputs.steps_per_fetch if self.grouped else 1
         self.loop = tracing.loop_function(self._loop)  # the step converts user code
-        self._step_call = tracing.once(self.one_step)  # traced once, called in 3 places
+        # The step traced once, called in 3 places; the counting stays in the loop's own
+        # graph (in a nested function, a mirrored counter's update also ran for a fetch
+        # that had no batch: tests/test_trainer.py::test_finite_train_data_stops_cleanly).
+        self._replica_call = tracing.once(self.replica_logs)
         # `program` (step.steps_program) runs `program_steps` steps a launch; loops whose
         # length is not a multiple of it take the step one at a time (`loop`).
         self.program, self.program_steps = program, program_steps
@@ -102,10 +105,14 @@ class HostLoop:
             self.inputs.source_counter.record(result[0])  # a mixture's per-source counts
         return result
 
-    def one_step(self, batch: Any) -> dict[str, tf.Tensor]:
+    def replica_logs(self, batch: Any) -> dict[str, tf.Tensor]:
+        """The step on every replica; its logs summed over them."""
         per_replica = self.strategy.run(self.replica_step, args=(batch,))
-        logs = {name: self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+        return {name: self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
                 for name, value in per_replica.items()}
+
+    def one_step(self, batch: Any) -> dict[str, tf.Tensor]:
+        logs = self._replica_call(batch)
         # Outside strategy.run: a mirrored counter diverges inside it.
         if self.count_steps and not self.counted_in_step:
             count_step(self.step, self.guard, logs, self.ema)
@@ -137,7 +144,7 @@ class HostLoop:
 
     @tracing.graph_helper
     def first_step(self, batches: Any) -> dict[str, tf.Tensor]:
-        return self._step_call(self.inputs.distribute_from_group(batches, tf.constant(0))
+        return self.one_step(self.inputs.distribute_from_group(batches, tf.constant(0))
                              if self.grouped else batches)
 
     def steps_on(self, batches: Any, totals: Any, steps: tf.Tensor, first: int):
@@ -152,7 +159,7 @@ class HostLoop:
         def body(j, totals, steps):
             totals, steps = self.unless_tripped(
                 lambda: (tf.nest.map_structure(
-                    tf.add, totals, self._step_call(self.inputs.distribute_from_group(batches, j))),
+                    tf.add, totals, self.one_step(self.inputs.distribute_from_group(batches, j))),
                     steps + 1),
                 totals, steps)
             return j + 1, totals, steps

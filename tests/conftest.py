@@ -189,3 +189,27 @@ def readme_digits(tmp_path_factory):
                              f"--model_dir={root / 'model'}"],
                             env=env, capture_output=True, text=True, timeout=300, cwd=root)
     return root, result
+
+
+@pytest.fixture(autouse=True)
+def _close_trainers(monkeypatch):
+    """Every Trainer a test builds is closed when the test ends (`Trainer.close`), so its
+    tf.data iterators end at a known point: freed later by the garbage collector, inside
+    another test, an old iterator's end waited up to a minute on tf.data's autotuning
+    thread (measured in this suite), with the worker's core idle."""
+    import weakref
+
+    import tputrain
+
+    built = weakref.WeakSet()
+    init = tputrain.Trainer.__init__
+
+    def recording_init(self, *args, **kwargs):
+        built.add(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(tputrain.Trainer, "__init__", recording_init)
+    yield
+    for trainer in list(built):
+        if hasattr(trainer, "_closed"):  # built far enough to have something to close
+            trainer.close()

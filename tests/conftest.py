@@ -196,20 +196,23 @@ def _close_trainers(monkeypatch):
     """Every Trainer a test builds is closed when the test ends (`Trainer.close`), so its
     tf.data iterators end at a known point: freed later by the garbage collector, inside
     another test, an old iterator's end waited up to a minute on tf.data's autotuning
-    thread (measured in this suite), with the worker's core idle."""
+    thread (measured in this suite), with the worker's core idle.
+
+    A Trainer is recorded when its construction completes (`Trainer._launch`, its last
+    step): one that refused its arguments has nothing to close. (Not `__init__`: gin
+    validates bindings against its signature.)"""
     import weakref
 
-    import tputrain
+    from tputrain.trainer import Trainer
 
     built = weakref.WeakSet()
-    init = tputrain.Trainer.__init__
+    launch = Trainer._launch
 
-    def recording_init(self, *args, **kwargs):
+    def recording_launch(self, *args, **kwargs):
+        launch(self, *args, **kwargs)
         built.add(self)
-        init(self, *args, **kwargs)
 
-    monkeypatch.setattr(tputrain.Trainer, "__init__", recording_init)
+    monkeypatch.setattr(Trainer, "_launch", recording_launch)
     yield
     for trainer in list(built):
-        if hasattr(trainer, "_closed"):  # built far enough to have something to close
-            trainer.close()
+        trainer.close()

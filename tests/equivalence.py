@@ -47,11 +47,11 @@ class OptionTask(TinyTask):
 def train(option: str, model_dir: str, strategy=None) -> list[np.ndarray]:
     """Final weights after 4 steps of global batch 16 (3 checkpoints-free loops)."""
     _, trainer_kwargs = OPTIONS.get(option, ({}, {}))
-    trainer = tputrain.Trainer(OptionTask(option), model_dir, strategy=strategy, train_steps=4,
-                               steps_per_loop=2, global_batch_size=16, checkpoint_every=4,
-                               eval_steps=1, report_mfu=False, **trainer_kwargs)
-    trainer.train()
-    return [np.asarray(w) for w in trainer.model.get_weights()]
+    with tputrain.Trainer(OptionTask(option), model_dir, strategy=strategy, train_steps=4,
+                          steps_per_loop=2, global_batch_size=16, checkpoint_every=4,
+                          eval_steps=1, report_mfu=False, **trainer_kwargs) as trainer:
+        trainer.train()  # closed at once: many Trainers in one test (conftest._close_trainers)
+        return [np.asarray(w) for w in trainer.model.get_weights()]
 
 
 def train_one_replica(root) -> dict[str, list[np.ndarray]]:

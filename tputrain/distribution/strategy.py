@@ -70,6 +70,12 @@ def worker_devices(strategy: tf.distribute.Strategy) -> tuple[str, ...]:
         return tuple(d.name for d in tf.config.list_logical_devices())
 
 
+def without_gpus(strategy: tf.distribute.Strategy) -> bool:
+    """Whether no device of this worker is a GPU: the XLA and program plans' CPU case
+    (a TPUStrategy is planned before this is asked)."""
+    return not any("GPU" in device.upper() for device in worker_devices(strategy))
+
+
 def split_cpu(num_devices: int) -> None:
     """Splits the first physical CPU into `num_devices` logical devices.
 

@@ -27,7 +27,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain import tracing
-from tputrain.distribution.strategy import worker_devices
+from tputrain.distribution.strategy import without_gpus
 from tputrain.ema import ExponentialAverage
 from tputrain.guard import NonFiniteGuard
 from tputrain.loop.convolutions import has_convolutions
@@ -282,10 +282,9 @@ def plan_steps(builder: StepBuilder, count: Callable[[dict[str, tf.Tensor]], Non
 def convolutions_on_cpu(builder: StepBuilder) -> bool:
     """Whether the model has Keras convolution layers and trains on CPUs: XLA's CPU
     convolutions inside a multi-step program's loop ran several times slower than one
-    step a launch, far more than a launch
-    costs, so "auto" keeps one step a launch for them."""
-    on_cpu = not any("GPU" in d.upper() for d in worker_devices(builder.strategy))
-    return on_cpu and has_convolutions(builder.model)
+    step a launch, far more than a launch costs, so "auto" keeps one step a launch
+    for them."""
+    return without_gpus(builder.strategy) and has_convolutions(builder.model)
 
 
 def plan_program(step_fn: Callable, builder: StepBuilder, inputs: Inputs, plan: Any,

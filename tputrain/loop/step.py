@@ -33,7 +33,7 @@ from tputrain.loop.pipeline import UpdatePipeline
 from tputrain.loop.random_draws import draws_are_costly, features_spec
 from tputrain.loop.source_counts import SourceCounter
 from tputrain.loop.update import refusal as update_refusal
-from tputrain.distribution.strategy import worker_devices
+from tputrain.distribution.strategy import without_gpus
 from tputrain.task import Task, overrides, overrides_train_step, unpack_batch
 
 
@@ -322,7 +322,7 @@ class StepBuilder:
                            apply_per_replica=per_device)
         if self.jit_compile != "auto":
             return XlaPlan(False, False, "off")
-        on_cpu = not any("GPU" in d.upper() for d in worker_devices(self.strategy))
+        on_cpu = without_gpus(self.strategy)
         if replicas > 1:
             why = self._per_device_refusal(compile_any=False)
             if why is None and self._compiles_convolutions(on_cpu):

@@ -117,3 +117,46 @@ def test_a_loop_function_is_unconverted_only_with_lean_tracing(monkeypatch):
         tracing.loop_function(branching)(tf.constant(-2))
     monkeypatch.setattr(tracing, "ENABLED", False)
     assert tracing.loop_function(branching)(tf.constant(-2)).numpy() == 2
+
+
+class BranchingDigits(tputrain.tasks.DigitsTask):
+    """The user's loss has an `if` on a tensor: AutoGraph must still convert it."""
+
+    def compute_loss(self, labels, outputs):
+        loss = super().compute_loss(labels, outputs)
+        if tf.reduce_sum(labels) > 8:  # a tensor condition: only AutoGraph makes it a tf.cond
+            loss = loss * 1.0
+        return loss
+
+
+def _spy_conversions(monkeypatch) -> list[str]:
+    """The `module.qualname` of each function AutoGraph converts from now on (its cache
+    of conversions emptied, so earlier tests' conversions count again)."""
+    from tensorflow.python.autograph.impl import api  # TF internals: no public hook
+    from tensorflow.python.autograph.pyct import cache
+
+    converted, convert = [], api._convert_actual
+    monkeypatch.setattr(api._TRANSPILER, "_cache", cache.CodeObjectCache())
+
+    def spy(entity, program_ctx):
+        converted.append(f"{getattr(entity, '__module__', '')}.{entity.__qualname__}")
+        return convert(entity, program_ctx)
+    monkeypatch.setattr(api, "_convert_actual", spy)
+    return converted
+
+
+def test_the_input_pipeline_loss_helpers_and_checkpoint_check_are_not_converted(
+        tmp_path, monkeypatch):
+    """Each conversion costs tens of milliseconds of every restart: tputrain's input
+    pipeline, its loss helpers and the checkpoint's finite check (no control flow on
+    tensors, no user code) are left as they are; the user's loss is converted."""
+    converted = _spy_conversions(monkeypatch)
+    task = BranchingDigits(hidden_units=(8,), cache_dir=str(tmp_path / "digits"))
+    with tputrain.Trainer(task, str(tmp_path / "run"), strategy=strategy_for(1),
+                          train_steps=2, steps_per_loop=2, global_batch_size=16,
+                          eval_steps=1, jit_compile=False, report_mfu=False) as trainer:
+        trainer.train()
+    assert f"{__name__}.BranchingDigits.compute_loss" in converted
+    helpers = ("tputrain.data.", "tputrain.checkpointing.", "tputrain.task.unpack_batch",
+               "tputrain.task.per_example_weights", "tputrain.task.average_loss")
+    assert sorted(set(name for name in converted if name.startswith(helpers))) == []

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
+from tputrain import tracing
 from tputrain.data import InputContext
 from tputrain.precision import to_float32
 
@@ -29,6 +30,7 @@ EVAL_WEIGHT = "_eval_weight"
 EVAL_REGULARIZATION = "_eval_regularization"
 
 
+@tracing.graph_helper
 def unpack_batch(batch: Any) -> tuple[Any, Any, tf.Tensor | None]:
     """`(features, labels)` or Keras `fit`'s `(features, labels, sample_weight)` ->
     `(features, labels, sample_weight or None)`."""
@@ -39,6 +41,7 @@ def unpack_batch(batch: Any) -> tuple[Any, Any, tf.Tensor | None]:
     return features, labels, (weights[0] if weights else None)
 
 
+@tracing.graph_helper
 def per_example_weights(weight: tf.Tensor, per_example: tf.Tensor) -> tf.Tensor:
     """`weight` as float32 of the per-example loss's rank: a `[batch, 1]` weight is
     squeezed (as Keras does), so that it never broadcasts to `[batch, batch]`."""
@@ -48,6 +51,7 @@ def per_example_weights(weight: tf.Tensor, per_example: tf.Tensor) -> tf.Tensor:
     return weight
 
 
+@tracing.graph_helper
 def average_loss(per_example: tf.Tensor, sample_weight: tf.Tensor | None,
                  global_batch_size: int | tf.Tensor) -> tf.Tensor:
     """sum(weight * loss) / global_batch_size: `tf.nn.compute_average_loss`'s sum; a

@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tputrain import tracing
 from tputrain.input_layout import KEY as LAYOUT_KEY
 
 # Keys every TF2 checkpoint has besides the objects it saves (the input layout:
@@ -125,6 +126,7 @@ def _float_variables(trackables: Iterable[Any]) -> list[Any]:
     return found
 
 
+@tracing.graph_helper
 def _every_value_finite(variables: list[Any]) -> tf.Tensor:
     """Whether every value of every variable is finite, element by element.
 
@@ -143,7 +145,7 @@ class FiniteCheck:
 
     def __init__(self, trackables: Iterable[Any]):
         self.variables = _float_variables(trackables)
-        self._finite_fn = tf.function(lambda: _every_value_finite(self.variables))
+        self._finite_fn = tf.function(tracing.graph_helper(lambda: _every_value_finite(self.variables)))
 
     def __call__(self) -> bool:
         return bool(self._finite_fn())

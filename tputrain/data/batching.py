@@ -192,6 +192,7 @@ def in_memory_batches(examples: Mapping[str, tf.Tensor], batch_size: int, *, shu
     tensors = dict(examples)
     finish = finish or (lambda batch: batch)
 
+    @tracing.graph_helper
     def one_epoch(leftover: tf.Tensor, epoch: tf.Tensor):
         order = tf.range(num_examples, dtype=tf.int32)
         if shuffle:
@@ -202,15 +203,16 @@ def in_memory_batches(examples: Mapping[str, tf.Tensor], batch_size: int, *, shu
         used = num_batches * batch_size
         return pool[used:], tf.reshape(pool[:used], [num_batches, batch_size])
 
+    @tracing.graph_helper  # `finish` too runs unconverted: tputrain's own splits
     def gathered(chunk: tf.Tensor) -> tf.data.Dataset:
         return tf.data.Dataset.from_tensor_slices(
             finish({name: tf.gather(t, chunk) for name, t in tensors.items()}))
 
     epochs = tf.data.Dataset.range(2**62 if repeat else 1)
     index_batches = epochs.scan(tf.zeros([0], tf.int32), one_epoch)
-    return mark_in_memory(index_batches.flat_map(
+    return mark_in_memory(index_batches.flat_map(tracing.graph_helper(
         lambda matrix: tf.data.Dataset.from_tensor_slices(matrix).batch(batches_per_chunk)
-        .flat_map(gathered)))
+        .flat_map(gathered))))
 
 
 def check_cache(builder: str, cache: Any) -> bool | str:

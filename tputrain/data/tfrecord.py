@@ -47,6 +47,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.data.bad_records import explain_data_loss, read_skipping_corrupt, register_files
+from tputrain import tracing
 from tputrain.checks import check_bool, check_int
 from tputrain.data.batching import BatchedInput, in_memory_batches, pad_to_batch, split_label
 from tputrain.data.context import InputContext
@@ -403,9 +404,10 @@ class TFRecordInput(BatchedInput):
     def _file_reader(self) -> Callable[..., tf.data.Dataset]:
         compression = self.compression_type or ""
         if not self.skip_corrupt:
-            return lambda path: tf.data.TFRecordDataset(path, compression_type=compression)
-        return lambda path, size, expected: read_skipping_corrupt(
-            path, size, expected, self.compression_type)
+            return tracing.graph_helper(
+                lambda path: tf.data.TFRecordDataset(path, compression_type=compression))
+        return tracing.graph_helper(lambda path, size, expected: read_skipping_corrupt(
+            path, size, expected, self.compression_type))
 
     def _file_tensors(self, file_list: list[str]) -> tuple[tf.Tensor, ...]:
         """Paths (plus size and expected records, to check files when skipping)."""
@@ -455,7 +457,7 @@ class TFRecordInput(BatchedInput):
         reader = self._file_reader()
         cycle_length = self.cycle_length or min(local_files, _DEFAULT_MAX_CYCLE_LENGTH)
         records = files.interleave(
-            lambda *file: reader(*file),
+            tracing.graph_helper(lambda *file: reader(*file)),
             cycle_length=cycle_length,
             block_length=self.block_length,
             num_parallel_calls=self._read_parallelism(file_list, cycle_length),
@@ -492,13 +494,14 @@ class TFRecordInput(BatchedInput):
             dataset = in_memory_batches(
                 read_all(epochs(), self.features, context, self.file_patterns), per_replica_batch,
                 shuffle=self.shuffle, seed=self.seed, repeat=self.repeat,
-                finish=lambda batch: split_label(batch, self.label_key))
+                finish=tracing.graph_helper(lambda batch: split_label(batch, self.label_key)))
         else:  # serialized records are cached (a file cache: on disk), parsed per batch
             dataset = self._stream(epochs, per_replica_batch, context)
             dataset = dataset.map(self._parse, num_parallel_calls=tf.data.AUTOTUNE,
                                   deterministic=self.deterministic)
             if self.pad_remainder:
-                dataset = dataset.map(lambda *batch: pad_to_batch(batch, per_replica_batch))
+                dataset = dataset.map(tracing.graph_helper(
+                    lambda *batch: pad_to_batch(batch, per_replica_batch)))
         return self._finish(dataset, context)
 
     def _static_examples(self, records: Callable[..., tf.data.Dataset], batch_size: int,
@@ -506,14 +509,15 @@ class TFRecordInput(BatchedInput):
         """Single parsed examples -> to_static -> batch -> split the label."""
         examples = self._parsed_examples(records, context)
         batches = self.to_static(examples).batch(batch_size, drop_remainder=True)
-        return batches.map(lambda batch: split_label(batch, self.label_key))
+        return batches.map(tracing.graph_helper(lambda batch: split_label(batch, self.label_key)))
 
     def _parsed_examples(self, records: Callable[..., tf.data.Dataset],
                          context: InputContext) -> tf.data.Dataset:
         """cache -> shuffle -> repeat -> parse a chunk at a time -> single examples.
         Ragged chunks unbatch to rank-1 tensors of any length."""
         examples = self._shuffled(records, context).batch(_PARSE_CHUNK)
-        return examples.map(lambda chunk: tf.io.parse_example(chunk, self.features),
+        return examples.map(tracing.graph_helper(
+                                lambda chunk: tf.io.parse_example(chunk, self.features)),
                             num_parallel_calls=tf.data.AUTOTUNE,
                             deterministic=self.deterministic).unbatch()
 
@@ -537,8 +541,9 @@ class TFRecordInput(BatchedInput):
         if self.shuffle:
             dataset = dataset.shuffle(int(tf.shape(next(iter(examples.values())))[0]),
                                       seed=self.seed, reshuffle_each_iteration=True)
-        dataset = dataset.batch(batch_size).map(lambda batch: split_label(batch, self.label_key))
-        return dataset.map(lambda *batch: pad_to_batch(batch, batch_size))
+        dataset = dataset.batch(batch_size).map(
+            tracing.graph_helper(lambda batch: split_label(batch, self.label_key)))
+        return dataset.map(tracing.graph_helper(lambda *batch: pad_to_batch(batch, batch_size)))
 
     def __repr__(self) -> str:
         return (f"TFRecordInput({list(self.file_patterns)!r}, features={sorted(self.features)}, "

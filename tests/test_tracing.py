@@ -145,18 +145,22 @@ def _spy_conversions(monkeypatch) -> list[str]:
     return converted
 
 
-def test_the_input_pipeline_loss_helpers_and_checkpoint_check_are_not_converted(
-        tmp_path, monkeypatch):
+def test_only_task_methods_and_the_users_code_are_converted(tmp_path, monkeypatch):
     """Each conversion costs tens of milliseconds of every restart: tputrain's input
-    pipeline, its loss helpers and the checkpoint's finite check (no control flow on
-    tensors, no user code) are left as they are; the user's loss is converted."""
+    pipeline, loss helpers, steps, loops, actions, export and checkpoint check (no
+    control flow on tensors) are left as they are; the Task's methods, which a user
+    may override, and the user's loss are converted."""
     converted = _spy_conversions(monkeypatch)
     task = BranchingDigits(hidden_units=(8,), cache_dir=str(tmp_path / "digits"))
     with tputrain.Trainer(task, str(tmp_path / "run"), strategy=strategy_for(1),
                           train_steps=2, steps_per_loop=2, global_batch_size=16,
-                          eval_steps=1, jit_compile=False, report_mfu=False) as trainer:
+                          eval_steps=1, jit_compile=False,
+                          actions=[tputrain.Export()]) as trainer:
         trainer.train()
     assert f"{__name__}.BranchingDigits.compute_loss" in converted
+    assert {"tputrain.task.Task.compute_gradients", "tputrain.task.Task.eval_step"} <= set(converted)
+    assert (tmp_path / "run" / "export").is_dir()
     helpers = ("tputrain.data.", "tputrain.checkpointing.", "tputrain.task.unpack_batch",
-               "tputrain.task.per_example_weights", "tputrain.task.average_loss")
+               "tputrain.task.per_example_weights", "tputrain.task.average_loss",
+               "tputrain.loop.", "tputrain.actions.", "tputrain.export.")
     assert sorted(set(name for name in converted if name.startswith(helpers))) == []

@@ -39,6 +39,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tputrain import tracing
 from tputrain.actions import Action
 from tputrain.best import BestCheckpoint, best_record
 from tputrain.checkpointing.files import list_checkpoints
@@ -119,6 +120,7 @@ def _single_input_name(model: keras.Model) -> str:
     return name if isinstance(name, str) and name else "inputs"
 
 
+@tracing.graph_helper
 def _float32_outputs(outputs: Any) -> dict[str, tf.Tensor]:
     """Named outputs, floating point ones cast to float32 (bfloat16 never leaves)."""
     if isinstance(outputs, Mapping):
@@ -149,12 +151,14 @@ def save_serving_model(model: keras.Model, inputs: Any, path: str,
                        examples: Mapping[str, tf.io.FixedLenFeature] | None = None) -> list[str]:
     """Writes `model` as a SavedModel at `path`; returns the signature names."""
     @tf.function(input_signature=[inputs])
+    @tracing.graph_helper  # the model's call is Keras's: AutoGraph converts none of it
     def serve(features):
         return _float32_outputs(model(features, training=False))
 
     signatures = {"serving_default": serve}
     if examples is not None and isinstance(inputs, Mapping):
         @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="examples")])
+        @tracing.graph_helper
         def serve_examples(serialized):
             parsed = tf.io.parse_example(serialized, dict(examples))
             features = {name: tf.cast(parsed[name], spec.dtype) for name, spec in inputs.items()}

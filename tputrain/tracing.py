@@ -16,6 +16,11 @@ the graph's ops:
 - `loop_function`: the host loop's `tf.function` is traced without AutoGraph (its
   loops are explicit `tf.while_loop`s); the step it calls is its own `once`
   function, which converts the user's code.
+- `step_code` and `user_call`: the train and eval steps' own code (`loop/step.py`,
+  `loop/evaluation.py`) is left unconverted too, and calls each Task method (which
+  a user may override, and which calls the user's model, loss and metrics) through
+  `user_call`, which AutoGraph converts as before. AutoGraph converts each function
+  once a process, tens of milliseconds each: a restart pays it every time.
 
 `TPUTRAIN_LEAN_TRACING=off` (or `0`, `false`) turns them off, read at import;
 `benchmarks/restart_compile.py` measures reruns both ways.
@@ -43,6 +48,33 @@ def graph_helper(fn: F) -> F:
     """Marks tputrain code AutoGraph need not convert: no `if`/`for`/`while` on tensors
     and no call into user code (whose conversion an unconverted caller would stop)."""
     return tf.autograph.experimental.do_not_convert(fn) if ENABLED else fn
+
+
+# What AutoGraph passes to the calls a converted function makes (a `tf.function`'s
+# `ConversionOptions(recursive=True)`'s `call_options()`): one cache of conversions.
+_CALL_OPTIONS = None
+
+
+def step_code(fn: F) -> F:
+    """Marks tputrain's step code, which has no `if`/`for`/`while` on tensors and calls
+    user code only through `user_call`: unconverted under lean tracing."""
+    return graph_helper(fn)
+
+
+def user_call(fn: Callable, *args, **kwargs):
+    """`fn(*args, **kwargs)`, `fn` converted by AutoGraph as a call from converted code
+    is (a user's `if` on a tensor becomes a `tf.cond`), also from `step_code`."""
+    if not ENABLED:  # the caller is converted: AutoGraph converts this call itself
+        return fn(*args, **kwargs)
+    from tensorflow.python.autograph.core import ag_ctx, converter  # no public API
+    from tensorflow.python.autograph.impl import api
+
+    global _CALL_OPTIONS
+    if _CALL_OPTIONS is None:
+        _CALL_OPTIONS = converter.ConversionOptions(recursive=True,
+                                                    optional_features=None).call_options()
+    with ag_ctx.ControlStatusCtx(status=ag_ctx.Status.ENABLED):
+        return api.converted_call(fn, args, kwargs, options=_CALL_OPTIONS)
 
 
 def loop_function(fn: F) -> F:

@@ -6,6 +6,7 @@ from typing import Mapping
 
 from absl import logging
 
+from tputrain import tracing
 from tputrain.actions.base import Action
 from tputrain.context import ActionContext
 from tputrain.flops import count_flops, peak_flops, specs_of
@@ -57,8 +58,9 @@ def count_flops_per_step(context: ActionContext) -> float:
                          "analytic count from Task.flops_per_example()")
     with remat_disabled(context.model):  # model FLOPs: not `Trainer.remat`'s recomputation
         per_micro_batch = count_flops(
-            lambda batch: task.compute_gradients(batch, context.model, context.optimizer,
-                                                 context.plan.batch.global_batch_size),
+            tracing.step_code(lambda batch: tracing.user_call(
+                task.compute_gradients, batch, context.model, context.optimizer,
+                context.plan.batch.global_batch_size)),
             specs_of(context.inputs.micro_batch_spec()))
     return float(per_micro_batch * context.plan.batch.accumulation_steps
                  * context.strategy.num_replicas_in_sync)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 import keras
 import tensorflow as tf
 
+from tputrain import tracing
 from tputrain.loop.host_loop import HostLoop
 from tputrain.loop.inputs import Inputs, is_weighted, padded, replicas_per_pipeline, with_weights
 from tputrain.task import EVAL_REGULARIZATION, EVAL_WEIGHT, Task
@@ -46,9 +47,10 @@ class Evaluator:
         self._iterator = None
         self._batches = 0
 
+    @tracing.step_code
     def _replica_step(self, batch: Any) -> dict[str, tf.Tensor]:
-        return self.task.eval_step(batch, self.model, self.metrics,
-                                   self.inputs.global_batch_size)
+        return tracing.user_call(self.task.eval_step, batch, self.model, self.metrics,
+                                 self.inputs.global_batch_size)
 
     def _build(self) -> None:
         """Agrees on the eval step count across hosts; builds the eval iterator and loop."""
@@ -75,7 +77,7 @@ class Evaluator:
         if self.eval_steps is not None:
             return int(self.eval_steps)
         local = self.inputs.local_replicas
-        count = int(self.dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+        count = int(self.dataset.reduce(tf.constant(0, tf.int64), tracing.graph_helper(lambda n, _: n + 1)))
         steps = -(-count // local) if padded_split else count // local
         if steps < 1 and self.inputs.num_hosts == 1:
             raise ValueError(

@@ -105,6 +105,7 @@ class HostLoop:
             self.inputs.source_counter.record(result[0])  # a mixture's per-source counts
         return result
 
+    @tracing.step_code
     def replica_logs(self, batch: Any) -> dict[str, tf.Tensor]:
         """The step on every replica; its logs summed over them."""
         per_replica = self.strategy.run(self.replica_step, args=(batch,))

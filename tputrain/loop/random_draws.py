@@ -17,6 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tputrain import tracing
 from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.flops import count_graph_flops, live_graph_ops
 from tputrain.loop.source_counts import without_source
@@ -59,7 +60,8 @@ def draws_per_flop(model: keras.Model, spec: Any) -> float | None:
     """Random numbers the training-mode forward pass draws per matmul/conv FLOP; None
     if it cannot be counted (a shape not static, a model that does not trace)."""
     try:
-        graph = tf.function(lambda f: model(f, training=True)).get_concrete_function(spec).graph
+        forward = tracing.graph_helper(lambda f: model(f, training=True))  # Keras: unconverted
+        graph = tf.function(forward).get_concrete_function(spec).graph
         flops = count_graph_flops(graph)
         counts = [_draws(op) for op in live_graph_ops(graph)]
     except (ValueError, TypeError, tf.errors.OpError):

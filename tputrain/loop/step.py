@@ -26,6 +26,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tputrain import tracing
 from tputrain.guard import NonFiniteGuard
 from tputrain.loop.convolutions import has_convolutions
 from tputrain.loop.inputs import zeros_of
@@ -395,9 +396,10 @@ class StepBuilder:
         self.update.set_plan(select=plan.whole_step or plan.apply_only or plan.apply_per_replica,
                              each_device=plan.apply_per_replica)
         if self._custom_train_step:
+            @tracing.step_code
             def step(batch):
-                return self.task.train_step(batch, self.model, self.update,
-                                            self.train_metrics, self.global_batch_size)
+                return tracing.user_call(self.task.train_step, batch, self.model, self.update,
+                                         self.train_metrics, self.global_batch_size)
         else:
             compute = self._compute(jit_compile=plan.gradients_only)
             apply = self._apply(jit_compile=plan.apply_only)
@@ -406,6 +408,7 @@ class StepBuilder:
             gradients_of = (self._accumulate_gradients if self.accumulation_steps > 1
                             else self._batch_gradients)
 
+            @tracing.step_code
             def step(batch):
                 denominator, logs = self._loss_denominator(batch)
                 with self.guard.scaling_loss(self._scaled_variables()):
@@ -448,7 +451,7 @@ class StepBuilder:
         `padding` (the share of weight-0 positions), each replica its share of the
         global figure (the loop sums the replicas' logs).
         """
-        local = self.task.loss_denominator(batch)
+        local = tracing.user_call(self.task.loss_denominator, batch)
         if local is None:
             return self.global_batch_size, {}
         local = tf.cast(tf.round(tf.cast(local, tf.float32)), tf.int64)
@@ -478,8 +481,8 @@ class StepBuilder:
         extra = {"micro_batches": self.accumulation_steps} if self.accumulation_steps > 1 else {}
 
         def compute(batch, denominator):
-            return self.task.compute_gradients(batch, self.model, self.update,
-                                               denominator, **extra)
+            return tracing.user_call(self.task.compute_gradients, batch, self.model,
+                                     self.update, denominator, **extra)
         return tf.function(compute, jit_compile=True) if jit_compile else compute
 
     def _apply(self, jit_compile: bool) -> Callable[[list[Any]], None]:
@@ -530,10 +533,8 @@ class StepBuilder:
         """The train metrics on a (micro-)batch, weighted by its sample weights if any
         (as Keras `fit` updates them)."""
         _, labels, weight = unpack_batch(batch)
-        if weight is None:  # a Task's update_metrics without sample_weight still works
-            self.task.update_metrics(self.train_metrics, labels, outputs)
-        else:
-            self.task.update_metrics(self.train_metrics, labels, outputs, sample_weight=weight)
+        extra = {} if weight is None else {"sample_weight": weight}  # a Task's without it works
+        tracing.user_call(self.task.update_metrics, self.train_metrics, labels, outputs, **extra)
 
     def _batch_gradients(self, batch: Any, compute: Callable) -> tuple[list[Any], tf.Tensor]:
         """Replica context: the gradients and loss of one batch (no accumulation)."""

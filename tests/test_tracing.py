@@ -146,7 +146,7 @@ def _spy_conversions(monkeypatch) -> list[str]:
 
 
 def test_only_task_methods_and_the_users_code_are_converted(tmp_path, monkeypatch):
-    """Each conversion costs tens of milliseconds of every restart: tputrain's input
+    """Every restart pays for each conversion again: tputrain's input
     pipeline, loss helpers, steps, loops, actions, export and checkpoint check (no
     control flow on tensors) are left as they are; the Task's methods, which a user
     may override, and the user's loss are converted."""

@@ -19,8 +19,8 @@ the graph's ops:
 - `step_code` and `user_call`: the train and eval steps' own code (`loop/step.py`,
   `loop/evaluation.py`) is left unconverted too, and calls each Task method (which
   a user may override, and which calls the user's model, loss and metrics) through
-  `user_call`, which AutoGraph converts as before. AutoGraph converts each function
-  once a process, tens of milliseconds each: a restart pays it every time.
+  `user_call`, which AutoGraph converts as before. AutoGraph's conversions are not kept
+  across processes: every restart pays for each one again.
 
 `TPUTRAIN_LEAN_TRACING=off` (or `0`, `false`) turns them off, read at import;
 `benchmarks/restart_compile.py` measures reruns both ways.

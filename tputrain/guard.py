@@ -130,17 +130,16 @@ def _gradients_finite(gradients: list[Any], in_xla: bool = False,
     finite, but its square is not, and global-norm clipping then scales every
     gradient by NaN, and Adam's second moment becomes inf for good.
 
-    How, measured per step on the MLP's 1.6M weights (2-core CPU):
-    * without XLA, `l2_loss`: one kernel per gradient, 0.16 ms (a square and a
-      sum: 0.42 ms);
+    How (the cheapest measured on the MLP's 1.6M weights: docs/performance.md, Design measurements):
+    * without XLA, `l2_loss`: one kernel per gradient (a square and a sum is two);
     * in an XLA program whose optimizer clips by global norm (`clipping`), the ops
       of Keras's `clip_by_global_norm` (`_clipping_norm_finite`): XLA computes the
       two as one, so nothing (sparse gradients included);
     * in an XLA update with the loss scaled (`NonFiniteGuard.scaled_check`):
       `_scaled_gradients_finite`, one plain sum a gradient;
     * in other XLA programs, the largest magnitude (NaN counted as inf) against
-      sqrt(float32 max / number of weights), which bounds the squared norm: 0.66 ms,
-      where XLA's CPU sums of squares took 1.9 ms. Either way the op before the
+      sqrt(float32 max / number of weights), which bounds the squared norm: cheaper
+      than XLA's CPU sums of squares. Either way the op before the
       reduction is a pass of its own: XLA's CPU reductions (YNNPACK) fuse no
       producer (docs/performance.md). A step with one element of 1e16 among 3.5M
       weights is then skipped too.

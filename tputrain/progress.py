@@ -150,8 +150,8 @@ class Progress:
     def write_scalars(self, split: str, step: int, scalars: Mapping[str, float]) -> None:
         """Writes `scalars` at `step` as TensorBoard scalars (the values
         `tf.summary.scalar` writes), built here as one Summary proto and written by one
-        op: 0.41 ms for nine tags, where a summary op per tag took 1.9 ms of host time
-        between loops."""
+        op: a summary op per tag cost several times the host time between loops
+        (docs/performance.md, Design measurements)."""
         if not scalars or self._summary_dir is None:
             return
         summary = summary_pb2.Summary()

@@ -78,18 +78,15 @@ def exact_gelu(x: tf.Tensor) -> tuple[tf.Tensor, Callable]:
     """Keras's exact GELU, x * Phi(x), as two small XLA programs computed in float32.
 
     The backward recomputes Phi and phi from `x` instead of keeping float32
-    intermediates: on the Transformer's [16, 128, 1024] bf16 activations it took
-    4.1 ms of CPU time forward and backward, against 10.5 ms for Keras's GELU
-    compiled by XLA with automatic gradients and 19.4 ms uncompiled.
+    intermediates: on the Transformer's bf16 activations that took less CPU time
+    than Keras's GELU, compiled by XLA or not (docs/performance.md, Design measurements).
     """
     return _gelu_forward(x), lambda dy: _gelu_backward(dy, x)
 
 
 # Measured on the Transformer (configs/synthetic_transformer.gin) in mixed_bfloat16 on a
-# 2-core AVX512_BF16 CPU, each forward and backward alone (CPU time): the exact GELU
-# 19.4 ms uncompiled, `exact_gelu` 4.1 ms. Keras's layer norm (2.2 ms against 3.3 ms
-# compiled with its automatic gradient) is replaced by `layer_norm` (2.6 ms); the
-# masked Softmax (3.0 against 5.8 ms compiled) is faster uncompiled, so it is left
+# CPU, each forward and backward alone (docs/performance.md, Design measurements): `exact_gelu` and `layer_norm` beat
+# Keras's, compiled or not; the masked Softmax is faster uncompiled, so it is left
 # alone. A plain ReLU or tanh is one kernel either way.
 FUSED_ACTIVATIONS: dict[Callable, Callable] = {keras.activations.gelu: exact_gelu}
 
@@ -135,9 +132,8 @@ def layer_norm(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float) 
     TensorFlow's automatic gradient of Keras's version runs ~25 small kernels, each a
     pass over the activations; this backward is the closed form (dx = (g - mean(g)
     - xhat * mean(g * xhat)) / sigma, g = dy * gamma), recomputing xhat and sigma from
-    `x`. Transformer shapes [16, 128, 256] in bf16, forward and backward, CPU time:
-    2.6 ms, against 3.9 ms for the same closed form as TensorFlow kernels and 4.9 ms
-    for Keras's.
+    `x`. On the Transformer's bf16 shapes it took less CPU time, forward and
+    backward, than the same closed form as TensorFlow kernels or Keras's (docs/performance.md, Design measurements).
     """
     @tf.custom_gradient
     def normalize(x, gamma, beta):

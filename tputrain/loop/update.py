@@ -17,9 +17,9 @@ local while the program traces. The guard's selects fuse into the program
 (`NonFiniteGuard.select_updates`), as on one replica; its check is made once for
 every device (`NonFiniteGuard.checking_once`).
 
-Measured (`benchmarks/resume.py`: 2 replicas, MLP 256-1024-1024-10 with dropout,
-CPU, two runs): 1.22x less CPU time a step than the TensorFlow kernels; guard on
-vs off 0.979-0.988 (0.958-0.971 around the kernels, in earlier runs).
+Measured by `benchmarks/resume.py` (2 replicas, an MLP with dropout): less CPU
+time a step than the TensorFlow kernels, the guard's cost with it included
+(docs/performance.md, Design measurements, and the `resume` results).
 """
 
 from __future__ import annotations

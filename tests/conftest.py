@@ -25,6 +25,13 @@ if _CACHE_FLAG not in os.environ.get("TF_XLA_FLAGS", ""):
         os.environ.get("TF_XLA_FLAGS"), f"{_CACHE_FLAG}={_OWN_XLA_CACHE}",
         "--tf_xla_persistent_cache_device_types=CPU"]))
 
+# tputrain's own cache (the digits TFRecords, the CPU's measured peak FLOP/s) in one
+# folder for the run, not the user's ~/.cache: a peak probed while three workers
+# share two cores reads low, and the user's runs would have kept it.
+_OWN_CACHE = None
+if "TPUTRAIN_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = os.environ["TPUTRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="tputrain-test-cache-")
+
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -115,8 +122,9 @@ def _start_rank(item) -> tuple[int, int]:
 
 
 def pytest_unconfigure(config):
-    if _OWN_XLA_CACHE:  # the process that made it, after every worker is done
-        shutil.rmtree(_OWN_XLA_CACHE, ignore_errors=True)
+    for own in (_OWN_XLA_CACHE, _OWN_CACHE):  # the process that made it, after every worker
+        if own:
+            shutil.rmtree(own, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

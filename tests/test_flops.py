@@ -146,3 +146,14 @@ def test_a_peak_probed_meanwhile_by_another_process_is_not_lowered(tmp_path, mon
     assert flops.cpu_peak_flops("float32") == 400e9
     assert json.loads((tmp_path / "peak_flops.json").read_text()) == {key: 400e9}
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_raised_cpu_peak_is_cached_and_never_lowered(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPUTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(flops, "measure_matmul_peak", lambda dtype: 100e9)
+    flops._probed_here.clear()
+    assert flops.cpu_peak_flops("float32") == 100e9
+    flops.raise_cpu_peak("float32", 150e9)
+    flops.raise_cpu_peak("float32", 120e9)  # lower: kept at 150
+    assert list(json.loads((tmp_path / "peak_flops.json").read_text()).values()) == [150e9]
+    assert flops.cpu_peak_flops("float32") == 150e9

@@ -177,3 +177,25 @@ def test_a_deferred_flops_count_runs_once_when_the_ideal_step_time_is_first_read
     assert p.ideal_step_seconds == pytest.approx(3e9 / 60e9)
     p.count_pending_flops()
     assert calls == [1]
+
+
+def test_a_loop_faster_than_a_measured_peak_raises_the_peak_and_mfu_stays_at_most_1(caplog):
+    """A CPU peak probed while other work ran reads low for good; a loop that runs
+    more FLOP/s than it shows the peak was higher (MFU above 100% read here)."""
+    raised = []
+    p = Progress(None, train_steps=100, global_batch_size=8)
+    p.set_flops(2e9, peak_flops=10e9, raise_peak=raised.append)
+    with caplog.at_level("INFO"):
+        rates = p.train_loop_done(step=10, steps=10, seconds=1.0, logs={})  # 20e9 FLOP/s
+    assert rates["mfu"] == pytest.approx(1.0)
+    assert raised == [pytest.approx(20e9)]
+    assert "above the measured peak" in caplog.text
+    assert p.train_loop_done(step=20, steps=10, seconds=2.0, logs={})["mfu"] == pytest.approx(0.5)
+    assert p.train_loop_done(step=30, steps=10, seconds=1.0, logs={})["mfu"] == pytest.approx(1.0)
+    assert len(raised) == 1  # not above the raised peak
+
+
+def test_a_table_peak_is_never_raised():
+    p = Progress(None, train_steps=100, global_batch_size=8)
+    p.set_flops(2e9, peak_flops=10e9)  # an accelerator's table peak: a count error shows
+    assert p.train_loop_done(step=10, steps=10, seconds=1.0, logs={})["mfu"] == pytest.approx(2.0)

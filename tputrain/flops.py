@@ -209,7 +209,11 @@ class Peak:
     source: str
 
 
-def _precision_kind(precision: str) -> str:
+MEASURED_CPU = "measured CPU"  # how a `Peak.source` from a CPU probe starts
+
+
+def peak_kind(precision: str) -> str:
+    """The peak a precision policy computes at: "bfloat16", "float16" or "float32"."""
     if precision in ("mixed_bfloat16", "bfloat16"):
         return "bfloat16"
     if precision in ("mixed_float16", "float16"):
@@ -348,6 +352,18 @@ def cpu_peak_flops(dtype: str = "float32", refresh: bool = False) -> float:
     return peak
 
 
+def raise_cpu_peak(dtype: str, flops_per_second: float) -> None:
+    """Raises this CPU's cached `dtype` peak to `flops_per_second`, a rate a training
+    loop reached (a peak is never lowered): probes taken while other work ran (a
+    test suite, another job) can all read low, and MFU would then top 100% for good."""
+    key = f"{_cpu_name()}|{os.cpu_count()} cpus|tf {tf.__version__}|{dtype}"
+    path = _cache_path()
+    cache = _read_json(path)
+    if float(flops_per_second) > float(cache.get(key, 0.0)):
+        cache[key] = float(flops_per_second)
+        _write_json(path, cache)
+
+
 def peak_flops(precision: str, strategy: tf.distribute.Strategy | None = None,
                device_kind: str | None = None,
                peak_flops_per_device: float | None = None) -> Peak:
@@ -364,13 +380,13 @@ def peak_flops(precision: str, strategy: tf.distribute.Strategy | None = None,
     whole host (logical CPU devices share its cores), whatever the replica count.
     """
     strategy = strategy or tf.distribute.get_strategy()
-    kind = _precision_kind(precision)
+    kind = peak_kind(precision)
     replicas = strategy.num_replicas_in_sync
     if peak_flops_per_device is not None:
         return Peak(float(peak_flops_per_device) * replicas, "ProfilingOptions.peak_flops_per_device")
     accelerator = ("device", device_kind) if device_kind else _accelerator_kind(strategy)
     if accelerator is None:
-        return Peak(cpu_peak_flops(kind), f"measured CPU {kind} matmul peak")
+        return Peak(cpu_peak_flops(kind), f"{MEASURED_CPU} {kind} matmul peak")
     row = lookup_device(accelerator[1])
     if row is None:
         raise ValueError(

@@ -107,6 +107,7 @@ class Progress:
         self._steps_per_second: float | None = None
         self._flops_per_step: float | None = None
         self._peak_flops: float | None = None
+        self._raise_peak: Callable[[float], None] | None = None  # a measured peak
         self._first_loop: tuple[int, float] | None = None  # (steps, seconds) until priced
         self._pending_count: Callable[[], None] | None = None
 
@@ -115,10 +116,24 @@ class Progress:
         """The TensorBoard root of the run (`train/`, `eval/`); None: not written here."""
         return self._summary_dir
 
-    def set_flops(self, flops_per_step: float, peak_flops: float) -> None:
-        """Enables MFU each loop (`tputrain.flops.model_flops_utilization`)."""
+    def set_flops(self, flops_per_step: float, peak_flops: float,
+                  raise_peak: Callable[[float], None] | None = None) -> None:
+        """Enables MFU each loop (`tputrain.flops.model_flops_utilization`).
+
+        `raise_peak`: the peak is a measurement (a CPU's matmul probe), so a loop that
+        runs more FLOP/s than it raises it to that rate, and `raise_peak` keeps it."""
         self._flops_per_step = float(flops_per_step)
         self._peak_flops = float(peak_flops)
+        self._raise_peak = raise_peak
+
+    def _raise_measured_peak(self, achieved: float) -> None:
+        if self._raise_peak is None or achieved <= self._peak_flops:
+            return
+        logging.info("tputrain: %.4g FLOP/s, above the measured peak %.4g FLOP/s (probed "
+                     "while other work ran?): the peak is raised to it", achieved,
+                     self._peak_flops)
+        self._peak_flops = achieved
+        self._raise_peak(achieved)
 
     def count_flops_later(self, count: Callable[[], None]) -> None:
         """Defers a FLOP count (`count` calls `set_flops`): it traces the step once more,
@@ -189,6 +204,7 @@ class Progress:
             shown.pop(name, None)
         mfu = ""
         if self._flops_per_step and self._peak_flops:
+            self._raise_measured_peak(self._flops_per_step * steps_per_second)
             rates["mfu"] = model_flops_utilization(self._flops_per_step, steps_per_second,
                                                    self._peak_flops)
             rates["mfu"] *= 1.0 - float(logs.get("padding", 0.0))  # real tokens' FLOPs only

@@ -9,7 +9,8 @@ from absl import logging
 from tputrain import tracing
 from tputrain.actions.base import Action
 from tputrain.context import ActionContext
-from tputrain.flops import count_flops, peak_flops, specs_of
+from tputrain.flops import (MEASURED_CPU, count_flops, peak_flops, peak_kind, raise_cpu_peak,
+                            specs_of)
 from tputrain.remat import remat_disabled
 from tputrain.task import overrides_train_step
 
@@ -42,7 +43,11 @@ class MFUAction(Action):
             logging.warning("tputrain: MFU is not reported: %s: %s", type(error).__name__, error)
             context.report_mfu = False
             return
-        context.progress.set_flops(context.flops_per_step, peak.flops_per_second)
+        measured = peak.source.startswith(MEASURED_CPU)  # a probe, not a table's figure
+        context.progress.set_flops(
+            context.flops_per_step, peak.flops_per_second,
+            raise_peak=(lambda rate: raise_cpu_peak(peak_kind(context.plan.precision), rate))
+            if measured else None)
         logging.info("tputrain: %.4g FLOPs per step; peak %.4g FLOP/s (%s)",
                      context.flops_per_step, peak.flops_per_second, peak.source)
 

@@ -158,7 +158,8 @@ def test_only_task_methods_and_the_users_code_are_converted(tmp_path, monkeypatc
                           actions=[tputrain.Export()]) as trainer:
         trainer.train()
     assert f"{__name__}.BranchingDigits.compute_loss" in converted
-    assert {"tputrain.task.Task.compute_gradients", "tputrain.task.Task.eval_step"} <= set(converted)
+    task_methods = {"tputrain.task.Task.compute_gradients", "tputrain.task.Task.eval_step"}
+    assert task_methods <= set(converted)
     assert (tmp_path / "run" / "export").is_dir()
     helpers = ("tputrain.data.", "tputrain.checkpointing.", "tputrain.task.unpack_batch",
                "tputrain.task.per_example_weights", "tputrain.task.average_loss",

@@ -43,7 +43,8 @@ class MFUAction(Action):
             logging.warning("tputrain: MFU is not reported: %s: %s", type(error).__name__, error)
             context.report_mfu = False
             return
-        measured = peak.source.startswith(MEASURED_CPU)  # a probe, not a table's figure
+        # A probe, not a table's figure; one host's (the FLOPs are every host's).
+        measured = peak.source.startswith(MEASURED_CPU) and context.num_hosts == 1
         context.progress.set_flops(
             context.flops_per_step, peak.flops_per_second,
             raise_peak=(lambda rate: raise_cpu_peak(peak_kind(context.plan.precision), rate))

@@ -145,7 +145,8 @@ class FiniteCheck:
 
     def __init__(self, trackables: Iterable[Any]):
         self.variables = _float_variables(trackables)
-        self._finite_fn = tf.function(tracing.graph_helper(lambda: _every_value_finite(self.variables)))
+        self._finite_fn = tf.function(
+            tracing.graph_helper(lambda: _every_value_finite(self.variables)))
 
     def __call__(self) -> bool:
         return bool(self._finite_fn())

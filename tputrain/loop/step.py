@@ -79,15 +79,16 @@ def exact_gelu(x: tf.Tensor) -> tuple[tf.Tensor, Callable]:
 
     The backward recomputes Phi and phi from `x` instead of keeping float32
     intermediates: on the Transformer's bf16 activations that took less CPU time
-    than Keras's GELU, compiled by XLA or not (docs/performance.md, Design measurements).
+    than Keras's GELU, compiled by XLA or not (docs/performance.md, Design
+    measurements).
     """
     return _gelu_forward(x), lambda dy: _gelu_backward(dy, x)
 
 
 # Measured on the Transformer (configs/synthetic_transformer.gin) in mixed_bfloat16 on a
-# CPU, each forward and backward alone (docs/performance.md, Design measurements): `exact_gelu` and `layer_norm` beat
-# Keras's, compiled or not; the masked Softmax is faster uncompiled, so it is left
-# alone. A plain ReLU or tanh is one kernel either way.
+# CPU, each forward and backward alone (docs/performance.md, Design measurements):
+# `exact_gelu` and `layer_norm` beat Keras's, compiled or not; the masked Softmax is
+# faster uncompiled, so it is left alone. A plain ReLU or tanh is one kernel either way.
 FUSED_ACTIVATIONS: dict[Callable, Callable] = {keras.activations.gelu: exact_gelu}
 
 
@@ -133,7 +134,8 @@ def layer_norm(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float) 
     pass over the activations; this backward is the closed form (dx = (g - mean(g)
     - xhat * mean(g * xhat)) / sigma, g = dy * gamma), recomputing xhat and sigma from
     `x`. On the Transformer's bf16 shapes it took less CPU time, forward and
-    backward, than the same closed form as TensorFlow kernels or Keras's (docs/performance.md, Design measurements).
+    backward, than the same closed form as TensorFlow kernels or Keras's
+    (docs/performance.md, Design measurements).
     """
     @tf.custom_gradient
     def normalize(x, gamma, beta):

@@ -323,13 +323,18 @@ def _probe_count(cache: dict[str, Any], counts: dict[str, Any], key: str) -> int
     return int(counts.get(key, 1 if key in cache else 0))
 
 
+def _peak_key(dtype: str) -> str:
+    """This CPU's entry in the peak cache: its name, core count, TensorFlow, dtype."""
+    return f"{_cpu_name()}|{os.cpu_count()} cpus|tf {tf.__version__}|{dtype}"
+
+
 def cpu_peak_flops(dtype: str = "float32", refresh: bool = False) -> float:
     """The measured matmul peak of this CPU for `dtype`, cached: the best probe of the
     first `PEAK_PROBES` processes (one probe each; `refresh` starts over).
 
     A probe taken while other work runs reads low (the matmul shares the cores), and
     MFU computed against it would read high for good: the best of several probes stands."""
-    key = f"{_cpu_name()}|{os.cpu_count()} cpus|tf {tf.__version__}|{dtype}"
+    key = _peak_key(dtype)
     path = _cache_path()
     cache = _read_json(path)
     probes = _probe_count(cache, _read_json(_probes_path(path)), key)
@@ -356,7 +361,7 @@ def raise_cpu_peak(dtype: str, flops_per_second: float) -> None:
     """Raises this CPU's cached `dtype` peak to `flops_per_second`, a rate a training
     loop reached (a peak is never lowered): probes taken while other work ran (a
     test suite, another job) can all read low, and MFU would then top 100% for good."""
-    key = f"{_cpu_name()}|{os.cpu_count()} cpus|tf {tf.__version__}|{dtype}"
+    key = _peak_key(dtype)
     path = _cache_path()
     cache = _read_json(path)
     if float(flops_per_second) > float(cache.get(key, 0.0)):

@@ -51,8 +51,9 @@ import json, sys
 model_dir, lean = sys.argv[1], sys.argv[2]
 import os
 os.environ["TPUTRAIN_LEAN_TRACING"] = lean
+import faults  # splits the CPU into the child's logical devices
 import tputrain, keras, tensorflow as tf
-from tiny import TinyTask, strategy_for
+from tiny import TinyTask, devices, strategy_for
 
 class BranchingTask(TinyTask):
     def compute_loss(self, labels, outputs):
@@ -61,8 +62,12 @@ class BranchingTask(TinyTask):
             loss = loss * 2.0
         return loss
 
+if sys.argv[3] == "collective":  # MirroredStrategy's own CPU all-reduce, as users build it
+    strategy = tf.distribute.MirroredStrategy(devices(2))
+else:
+    strategy = strategy_for(int(sys.argv[3]))
 trainer = tputrain.Trainer(BranchingTask(num_examples=64, dropout=0.25), model_dir,
-                           strategy=strategy_for(int(sys.argv[3])), train_steps=6,
+                           strategy=strategy, train_steps=6,
                            steps_per_loop=3, steps_per_fetch=3, global_batch_size=16,
                            jit_compile=False, report_mfu=False)
 initial = [w.numpy().tolist() for w in trainer.model.weights]
@@ -73,7 +78,7 @@ print("RESULT " + json.dumps({"lean": tputrain.tracing.ENABLED,
 """
 
 
-def _train(tmp_path, name: str, lean: str, replicas: int) -> dict:
+def _train(tmp_path, name: str, lean: str, replicas: int | str) -> dict:
     script = tmp_path / "branching.py"  # a file: AutoGraph reads the source it converts
     script.write_text(SCRIPT)
     result = subprocess.run([sys.executable, str(script), str(tmp_path / name), lean,
@@ -84,9 +89,10 @@ def _train(tmp_path, name: str, lean: str, replicas: int) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-@pytest.mark.parametrize("replicas", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("replicas", [1, pytest.param(2, marks=pytest.mark.slow), "collective"])
 def test_a_users_control_flow_is_converted_and_the_weights_are_those_of_lean_tracing_off(
-        tmp_path, replicas):  # one device; MirroredStrategy over two
+        tmp_path, replicas):  # one device; MirroredStrategy over two, reduced on one
+    # device or by its default collective all-reduce
     lean = _train(tmp_path, "lean", "on", replicas)
     full = _train(tmp_path, "full", "off", replicas)
     assert lean["lean"] and not full["lean"]

@@ -352,3 +352,15 @@ def test_a_named_tpu_without_the_cloud_api_client_names_the_extra(monkeypatch):
         strategy_module._build_tpu("my-tpu")
     assert not strategy_module._needs_cloud_api("grpc://10.0.0.2:8470")
     assert not strategy_module._needs_cloud_api("local")
+
+
+def test_a_strategy_over_a_device_that_does_not_exist_is_refused_naming_the_fix(tmp_path):
+    # TensorFlow builds MirroredStrategy(["/cpu:0", "/cpu:7"]) on a 4-device CPU, and the
+    # first all-reduce then waits forever for the missing replica.
+    from tiny import TinyTask
+    import tputrain
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:7"])
+    with pytest.raises(ValueError, match=r"(?s)CPU:7.*split_cpu"):
+        tputrain.Trainer(TinyTask(num_examples=32), str(tmp_path), strategy=strategy,
+                         global_batch_size=8, train_steps=2, report_mfu=False)
+    strategy_lib.check_devices_exist(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:3"]))

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from tputrain.distribution.strategy import check_devices_exist
 from tputrain.loop.hosts import host_topology, is_chief
 from tputrain.loop.inputs import default_input_mode
 from tputrain.options import TrainerOptions
@@ -109,6 +110,7 @@ def resolve_plan(options: TrainerOptions, strategy: tf.distribute.Strategy,
     """Checks the options against `strategy` and resolves them (the one place the
     batch split and the input mode are decided); `precision` is resolved (it sets
     the Keras policy) once the checks passed."""
+    check_devices_exist(strategy)
     replicas = strategy.num_replicas_in_sync
     options.check_replicas(replicas, custom_train_step, task_name)
     num_hosts, host_id = host_topology(strategy)

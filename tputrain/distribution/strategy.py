@@ -70,6 +70,24 @@ def worker_devices(strategy: tf.distribute.Strategy) -> tuple[str, ...]:
         return tuple(d.name for d in tf.config.list_logical_devices())
 
 
+def check_devices_exist(strategy: tf.distribute.Strategy) -> None:
+    """Refuses a strategy over a CPU or GPU this process does not have: TensorFlow
+    builds `MirroredStrategy(["/cpu:0", "/cpu:1"])` on one CPU device, and its first
+    all-reduce then waits forever for the missing replica."""
+    present = {(spec.device_type, spec.device_index) for spec in
+               (tf.DeviceSpec.from_string(d.name) for d in tf.config.list_logical_devices())}
+    for name in worker_devices(strategy):
+        spec = tf.DeviceSpec.from_string(name)
+        if spec.device_type not in ("CPU", "GPU") or spec.device_index is None:
+            continue
+        if (spec.device_type, spec.device_index) not in present:
+            raise ValueError(
+                f"The strategy's device {name} does not exist in this process (it has "
+                f"{sorted(d.name for d in tf.config.list_logical_devices())}). For several "
+                "CPU replicas, call tputrain.split_cpu(N) before TensorFlow starts; for "
+                "GPUs, check CUDA_VISIBLE_DEVICES.")
+
+
 def without_gpus(strategy: tf.distribute.Strategy) -> bool:
     """Whether no device of this worker is a GPU: the XLA and program plans' CPU case
     (a TPUStrategy is planned before this is asked)."""

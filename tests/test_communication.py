@@ -184,3 +184,24 @@ def test_a_profile_on_two_replicas_logs_the_collective_share_beside_the_estimate
                       r"\(comm/allreduce_fraction estimates ([0-9.]+)%", result.stderr)
     assert found, result.stderr[-3000:]
     assert 0 < float(found.group(1)) <= 100 and 0 < float(found.group(2)) <= 100
+
+
+def test_a_second_train_call_reuses_the_measured_all_reduce(tmp_path, monkeypatch):
+    # A notebook's train() calls on one Trainer: the gradients' all-reduce is timed once
+    # (it takes about 1.5x CommunicationAction.seconds of every core), not per call.
+    from tputrain.actions import communication as action_module
+    calls = []
+    measure = action_module.measure_allreduce
+    monkeypatch.setattr(action_module, "measure_allreduce",
+                        lambda *a, **k: calls.append(1) or measure(*a, **k))
+    recorder = Recorder()
+    trainer = tputrain.Trainer(
+        TinyTask(), str(tmp_path / "run"), strategy=strategy_for(2), train_steps=2,
+        steps_per_loop=2, global_batch_size=16, eval_steps=1, report_mfu=False,
+        actions=[recorder])
+    trainer.train()
+    trainer.train(2)
+    assert len(calls) == 1
+    first, second = recorder.loops
+    assert second["comm/gradient_bytes"] == first["comm/gradient_bytes"] > 0
+    assert 0 < second["comm/allreduce_fraction"] <= 1

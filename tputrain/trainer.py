@@ -198,6 +198,7 @@ class Trainer:
                 self.inputs.source_counter), async_save=self.checkpoint.async_save,
             check_finite=self.checkpoint.check_finite)  # (a mixture's per-source counts)
         self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
+        self._communication = CommunicationAction(self.communication)  # timed once
         self.progress = Progress(summary_root(self._work_dir) if self.is_chief else None,
                                  self.train_steps, self.global_batch_size)
         self.context = self._context()
@@ -315,7 +316,7 @@ class Trainer:
     def _actions(self) -> list[Action]:
         """The built-in actions (goodput first: tputrain/goodput.py), then the user's."""
         built_in: list[Action] = [GoodputAction(), ConfigSummaryAction(),
-                                  CommunicationAction(self.communication)]
+                                  self._communication]
         built_in += [MFUAction()] if self.report_mfu else []
         if self.profile_steps and self.is_chief:
             logdir = os.path.join(summary_root(self.model_dir), "train")  # beside the events

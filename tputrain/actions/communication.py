@@ -11,7 +11,7 @@ from tputrain.distribution.communication import (CommunicationOptions, gradient_
 
 
 class CommunicationAction(Action):
-    """Times one all-reduce of the gradients at the start of train() (several replicas
+    """Times one all-reduce of the gradients at the first train() (several replicas
     only); adds comm/* to each loop (tputrain/distribution/communication.py says how and
     how well)."""
 
@@ -20,12 +20,16 @@ class CommunicationAction(Action):
         self.seconds = seconds  # measurement budget: about 1.5x this at start-up
         self.bytes = 0
         self.seconds_per_allreduce = 0.0
+        self.measured = False
 
     def on_train_begin(self, context: ActionContext, step: int) -> None:
         replicas = context.strategy.num_replicas_in_sync
         variables = context.model.trainable_variables
         self.bytes = gradient_bytes(variables, self.options.allreduce_dtype, replicas)
-        if replicas > 1:  # a collective: every host measures, with agreed loop lengths
+        # Once per Trainer (a notebook's later train() calls reuse it); a collective:
+        # every host measures, with agreed loop lengths.
+        if replicas > 1 and not self.measured:  # the same on every host
+            self.measured = True
             self.seconds_per_allreduce = measure_allreduce(
                 context.strategy, variables, self.options.allreduce_dtype, self.seconds,
                 agree=context.agree)

@@ -166,7 +166,8 @@ def test_cli_prints_the_table_and_the_suggestion_and_writes_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("flag, named", [("--start_batch=0", "--start_batch"),
-                                         ("--lr_rule=cubic", "--lr_rule")])
+                                         pytest.param("--lr_rule=cubic", "--lr_rule",
+                                                      marks=pytest.mark.slow)])
 def test_cli_bad_input_is_one_line_and_exit_2(flag, named):
     result = _cli("--gin_file=synthetic_transformer.gin", flag)
     assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr

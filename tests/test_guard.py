@@ -122,7 +122,8 @@ def test_rollback_with_the_count_inside_the_xla_step(tmp_path):
 
 
 @pytest.mark.parametrize("replicas, nan_at_batch, several", [
-    (1, 2, {"steps_per_fetch": 4}), (2, NAN_BATCH, {"steps_per_fetch": 4}),
+    pytest.param(1, 2, {"steps_per_fetch": 4}, marks=pytest.mark.slow),
+    (2, NAN_BATCH, {"steps_per_fetch": 4}),
     (1, 2, {"steps_per_program": 4})])
 def test_raise_stops_inside_a_fetch_of_several_steps(tmp_path, replicas, nan_at_batch, several):
     """steps_per_fetch=4 takes steps 1-4's batches at once (steps_per_program=4 also
@@ -204,7 +205,8 @@ def spy_checks(monkeypatch) -> dict[str, int]:
     pytest.param("sgd", {"momentum": 0.9}, {}, marks=pytest.mark.slow),
     pytest.param("lamb", {}, {}, marks=pytest.mark.slow),
     pytest.param("lars", {}, {}, marks=pytest.mark.slow),
-    ("adam", {"clipnorm": 0.5, "use_ema": True, "ema_overwrite_frequency": None}, {}),
+    pytest.param("adam", {"clipnorm": 0.5, "use_ema": True, "ema_overwrite_frequency": None},
+                 {}, marks=pytest.mark.slow),
     pytest.param("adam", {}, {"accumulation_steps": 2}, marks=pytest.mark.slow),
     ("adamw", {"weight_decay": 0.01}, {"precision": "mixed_bfloat16"}),  # the update alone in XLA
 ])
@@ -336,7 +338,8 @@ def test_the_scaled_check_skips_gradients_whose_squared_norm_overflows(tmp_path)
         assert np.all(np.abs(trainer.model.get_weights()[0]) < 10)
 
 
-@pytest.mark.parametrize("hidden_dtype", ["float16", "mixed_float16"])
+@pytest.mark.parametrize("hidden_dtype", [pytest.param("float16", marks=pytest.mark.slow),
+                                         "mixed_float16"])
 def test_a_model_computing_in_float16_keeps_the_exact_check(tmp_path, monkeypatch,
                                                             hidden_dtype):
     """A scaled backward pass would overflow float16: the exact check, and no skips."""

@@ -116,7 +116,7 @@ def plateau() -> keras.callbacks.ReduceLROnPlateau:
                                              min_delta=0.03, verbose=0)
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("replicas", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_csv_logger_and_reduce_lr_on_plateau_act_as_under_fit(tmp_path, replicas):
     epochs = 5
     expected_model, history = keras_fit(

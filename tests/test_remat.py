@@ -75,8 +75,14 @@ def test_a_string_stands_for_remat_options_and_bad_values_name_the_knob():
         RematOptions("larger_than", output_size_threshold=-1)
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
-@pytest.mark.parametrize("remat", MODES[1:], ids=str)
+# Every mode without XLA and the options' modes with it in the default tier; "full" and
+# "activations" under XLA with --slow.
+GRADIENT_CASES = [pytest.param(remat, jit, id=f"{remat}-{jit}", marks=(
+    pytest.mark.slow if jit and remat in ("full", "activations") else ()))
+    for jit in (False, True) for remat in MODES[1:]]
+
+
+@pytest.mark.parametrize("remat, jit_compile", GRADIENT_CASES)
 def test_gradients_are_those_without_remat(remat, jit_compile):
     # Keras's RematScope alone fails here on TensorFlow: tf.recompute_grad takes no
     # keyword arguments in a graph, and Keras passes `training=` to every layer.
@@ -109,8 +115,9 @@ def _train(tmp_path, name, replicas, **kwargs):
     return weights, trainer.flops_per_step, trainer.plan.xla
 
 
-@pytest.mark.parametrize("replicas, precision", [(1, "float32"), (2, "float32"),
-                                                 (1, "mixed_bfloat16")])
+# One replica is trained in mixed_bfloat16 in the default tier, in float32 with --slow.
+@pytest.mark.parametrize("replicas, precision", [
+    pytest.param(1, "float32", marks=pytest.mark.slow), (2, "float32"), (1, "mixed_bfloat16")])
 def test_training_with_remat_gives_the_same_weights_and_flops(tmp_path, replicas, precision):
     plain, plain_flops, xla = _train(tmp_path, "plain", replicas, precision=precision)
     remat, remat_flops, remat_xla = _train(tmp_path, "remat", replicas, precision=precision,

@@ -89,7 +89,7 @@ def _trainer(tmp_path, sources, directory, steps, replicas=REPLICAS):
 
 
 # 2 replicas: summed over replicas; 1 replica: the whole step one XLA program.
-@pytest.mark.parametrize("replicas", [2, 1])
+@pytest.mark.parametrize("replicas", [2, pytest.param(1, marks=pytest.mark.slow)])
 def test_the_counts_are_exact_cumulative_global_and_shown(tmp_path, caplog, replicas):
     sources = _sources(tmp_path)
     with caplog.at_level("INFO"):

@@ -44,8 +44,9 @@ def _reference(steps=3):
     return [np.asarray(w) for w in model.get_weights()], losses
 
 
-@pytest.mark.parametrize("replicas,jit_compile", [(1, False), (1, "auto"), (2, False),
-                                                  (2, "auto"), (4, False)])
+@pytest.mark.parametrize("replicas,jit_compile", [
+    pytest.param(1, False, marks=pytest.mark.slow), (1, "auto"),
+    pytest.param(2, False, marks=pytest.mark.slow), (2, "auto"), (4, False)])
 def test_the_loss_is_the_mean_over_the_global_batchs_real_tokens(tmp_path, replicas,
                                                                  jit_compile):
     """Host input splits each global batch over the replicas, so every run sees the

@@ -27,7 +27,7 @@ def single_device(tmp_path_factory):
 
 
 @pytest.mark.same_worker("single_device")
-@pytest.mark.parametrize("replicas", [2, 4])
+@pytest.mark.parametrize("replicas", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_replicas_match_single_device(tmp_path, single_device, replicas):
     """Same global batch, regularisation included: loss and weights agree to 1e-5."""
     single_weights, single_logs = single_device

@@ -226,3 +226,27 @@ def test_tfrecord_shards_are_read_in_order_and_dealt_to_hosts(tmp_path):
     np.testing.assert_array_equal(read(1, 0), x)  # shard after shard, no label needed
     np.testing.assert_array_equal(read(2, 1), x[10:20])  # host 1 of 2: shard 1
     np.testing.assert_array_equal(read(2, 0), np.concatenate([x[:10], x[20:]]))
+
+
+def test_arrays_and_a_dataset_in_memory_predict_like_the_split(tmp_path):
+    # What a Keras user passes to model.predict: NumPy arrays (a dict by input name), or
+    # a tf.data.Dataset of batches, here of (features, labels) with a ragged last batch.
+    trainer = trained(tmp_path / "run")
+    expected = trainer.predict("eval")
+    x = trainer.task.x_eval
+    np.testing.assert_array_equal(trainer.predict({"x": x}), expected)
+    labelled = tf.data.Dataset.from_tensor_slices(({"x": x}, np.zeros(len(x)))).batch(7)
+    np.testing.assert_array_equal(trainer.predict(labelled), expected)
+    with pytest.raises(ValueError, match="holds no examples"):
+        trainer.predict({"x": x[:0]})
+
+
+def test_in_memory_examples_are_dealt_to_hosts_in_contiguous_blocks():
+    rows = np.arange(10, dtype=np.float32)[:, None]
+    blocks = [np.concatenate(list(predict_module.memory_examples({"x": rows}, 3, host)
+                                  .batch(10).map(lambda f: f["x"]).as_numpy_iterator()))
+              for host in range(3)]
+    np.testing.assert_array_equal(np.concatenate(blocks), rows)  # host order is input order
+    assert [len(b) for b in blocks] == [4, 3, 3]
+    with pytest.raises(ValueError, match="NumPy arrays or a TFRecord glob"):
+        predict_module.memory_examples(tf.data.Dataset.range(4).batch(2), 2, 0)

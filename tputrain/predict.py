@@ -13,7 +13,11 @@ What is read (`source`):
   on this host, in its order. Padding rows of a padded split (weight 0, e.g.
   `TFRecordInput(pad_remainder=True)`) are dropped; a split batched with
   `drop_remainder=True` has already lost its last examples, so pad it instead.
-* anything else is a TFRecord glob (as `write_tfrecords` writes them): the
+* NumPy arrays (a dict by input name), one example a row, or a finite
+  `tf.data.Dataset` of batches of features or of (features, labels[, weights]),
+  as Keras `predict` takes them. With several hosts, host h predicts the h-th
+  contiguous block of rows; a dataset is refused there (pass arrays or a glob).
+* any other string is a TFRecord glob (as `write_tfrecords` writes them): the
   matched shards in sorted order, each read start to end, parsed as the eval
   split's features by name (no label needed, the task's own preprocessing in
   `build_inputs` is not applied). With several hosts, host h reads the shards
@@ -54,7 +58,7 @@ Outputs = np.ndarray | dict[str, np.ndarray]
 SPLITS = ("train", "eval")
 
 
-def predict(trainer: "Trainer", source: str = "eval", log_every: int = 100) -> Outputs:
+def predict(trainer: "Trainer", source: Any = "eval", log_every: int = 100) -> Outputs:
     """`Trainer.predict`: restores the latest checkpoint (as `Trainer.evaluate`), then
     `predict_weights`."""
     if trainer.checkpointer.restore_latest() is None:
@@ -63,10 +67,10 @@ def predict(trainer: "Trainer", source: str = "eval", log_every: int = 100) -> O
     return predict_weights(trainer, source, log_every)
 
 
-def predict_weights(trainer: "Trainer", source: str = "eval", log_every: int = 100) -> Outputs:
-    """Every example of `source` (a split or a TFRecord glob, see the module docstring)
-    through the weights in memory (their EMA with `Trainer.ema_decay`, as evaluation):
-    float32 arrays, one row per example, in order."""
+def predict_weights(trainer: "Trainer", source: Any = "eval", log_every: int = 100) -> Outputs:
+    """Every example of `source` (a split, a TFRecord glob or data in memory, see the
+    module docstring) through the weights in memory (their EMA with `Trainer.ema_decay`,
+    as evaluation): float32 arrays, one row per example, in order."""
     if not isinstance(log_every, int) or log_every < 1:
         raise ValueError(f"predict: log_every must be an int >= 1, got {log_every!r}")
     with averaged_weights(trainer.ema) as averaged:
@@ -75,13 +79,20 @@ def predict_weights(trainer: "Trainer", source: str = "eval", log_every: int = 1
         return _predicted(trainer, source, log_every)
 
 
-def _predicted(trainer: "Trainer", source: str, log_every: int) -> Outputs:
+def _predicted(trainer: "Trainer", source: Any, log_every: int) -> Outputs:
     """`predict_weights` with the model's variables as they are."""
     task, model = trainer.task, trainer.model
     gathered, masks = gathered_steps(trainer, source_examples(trainer, source),
                                      lambda features: task.predict_step(features, model),
-                                     log_every, "predict", repr(source))
+                                     log_every, "predict", _described(source))
     return _as_outputs(gathered, masks, trainer.num_hosts)
+
+
+def _described(source: Any) -> str:
+    """`source` for the log: a split or glob by name, data in memory by its kind."""
+    if isinstance(source, str):
+        return repr(source)
+    return "a tf.data.Dataset" if isinstance(source, tf.data.Dataset) else "arrays in memory"
 
 
 def gathered_steps(trainer: "Trainer", examples: tf.data.Dataset, compute: Callable[[Any], Any],
@@ -196,17 +207,41 @@ def _blank(spec: Any) -> Any:
         else tf.zeros(s.shape, s.dtype), spec)
 
 
-def source_examples(trainer: "Trainer", source: str) -> tf.data.Dataset:
-    """This host's single examples (features only) of a split or a TFRecord glob."""
+def source_examples(trainer: "Trainer", source: Any) -> tf.data.Dataset:
+    """This host's single examples (features only) of a split, a TFRecord glob, NumPy
+    arrays or a dataset of batches."""
     splits = tuple(dict.fromkeys((*SPLITS, *trainer.eval_splits)))  # and the named eval sets
+    if isinstance(source, (tf.data.Dataset, np.ndarray, dict, list, tuple)):
+        return memory_examples(source, trainer.num_hosts, trainer.host_id)
     if not isinstance(source, str) or not source:
-        raise ValueError(f"predict: the input must be a split {splits} or a TFRecord glob, "
-                         f"got {source!r}")
+        raise ValueError(f"predict: the input must be a split {splits}, a TFRecord glob, "
+                         f"NumPy arrays or a tf.data.Dataset of batches, got {source!r}")
     if source in splits:
         return split_examples(trainer.task.build_inputs(source, trainer.inputs.input_context()),
                               source)
     return tfrecord_examples(source, trainer.inputs.eval_dataset.element_spec,
                              trainer.num_hosts, trainer.host_id)
+
+
+def memory_examples(source: Any, hosts: int, host: int) -> tf.data.Dataset:
+    """Single feature examples of what Keras's `predict` takes: NumPy arrays (a dict by
+    input name, or a list), one example a row, or a finite `tf.data.Dataset` of batches
+    of features or of (features, labels[, weights]). With several hosts, host h takes
+    the h-th contiguous block of rows (host order is input order); a dataset cannot be
+    cut so without reading it, so it is refused there."""
+    if isinstance(source, tf.data.Dataset):
+        if hosts > 1:
+            raise ValueError("predict: a tf.data.Dataset on several hosts cannot be dealt "
+                             "to them in order: pass NumPy arrays or a TFRecord glob")
+        return split_examples(source, "input")
+    rows = {len(a) for a in tf.nest.flatten(tf.nest.map_structure(np.asarray, source))}
+    if len(rows) != 1:
+        raise ValueError(f"predict: the arrays have different numbers of rows: {sorted(rows)}")
+    total = rows.pop()
+    start = host * (total // hosts) + min(host, total % hosts)  # as np.array_split cuts
+    stop = start + total // hosts + (host < total % hosts)
+    block = tf.nest.map_structure(lambda a: np.asarray(a)[start:stop], source)
+    return tf.data.Dataset.from_tensor_slices(block)
 
 
 def split_examples(dataset: tf.data.Dataset, split: str) -> tf.data.Dataset:

@@ -334,8 +334,9 @@ class Trainer:
         ActionList(self.context, self.actions).call("on_eval_end", self.current_step, logs)
         return logs
 
-    def predict(self, source: str = "eval", log_every: int = 100) -> Any:
-        """The latest checkpoint's float32 outputs, each example once, in order (predict.py)."""
+    def predict(self, source: Any = "eval", log_every: int = 100) -> Any:
+        """The latest checkpoint's float32 outputs, each example once, in order: a split,
+        a TFRecord glob, NumPy arrays or a dataset of batches (predict.py)."""
         return predict_outputs(self, source, log_every)
 
     def evaluate_weights(self) -> dict[str, float]:

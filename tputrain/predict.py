@@ -234,13 +234,14 @@ def memory_examples(source: Any, hosts: int, host: int) -> tf.data.Dataset:
             raise ValueError("predict: a tf.data.Dataset on several hosts cannot be dealt "
                              "to them in order: pass NumPy arrays or a TFRecord glob")
         return split_examples(source, "input")
-    rows = {len(a) for a in tf.nest.flatten(tf.nest.map_structure(np.asarray, source))}
+    arrays = tf.nest.map_structure(np.asarray, source)
+    rows = {len(a) for a in tf.nest.flatten(arrays)}
     if len(rows) != 1:
         raise ValueError(f"predict: the arrays have different numbers of rows: {sorted(rows)}")
     total = rows.pop()
     start = host * (total // hosts) + min(host, total % hosts)  # as np.array_split cuts
     stop = start + total // hosts + (host < total % hosts)
-    block = tf.nest.map_structure(lambda a: np.asarray(a)[start:stop], source)
+    block = tf.nest.map_structure(lambda a: a[start:stop], arrays)
     return tf.data.Dataset.from_tensor_slices(block)
 
 

@@ -27,7 +27,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain import tracing
-from tputrain.distribution.strategy import without_gpus, worker_devices
+from tputrain.distribution.strategy import without_gpus
 from tputrain.ema import ExponentialAverage
 from tputrain.guard import NonFiniteGuard
 from tputrain.loop.convolutions import has_convolutions
@@ -91,9 +91,8 @@ class HostLoop:
         # Over several local devices it stays inline: a collective all-reduce (CPU
         # MirroredStrategy's default) in a nested function under the loop's `tf.cond`
         # fails to run (tests/test_tracing.py, "collective").
-        one_device = (self.strategy.num_replicas_in_sync == 1
-                      or len(worker_devices(self.strategy)) == 1)
-        self._replica_call = tracing.once(self.replica_logs) if one_device else self.replica_logs
+        self._replica_call = (tracing.once(self.replica_logs) if inputs.local_replicas == 1
+                              else self.replica_logs)
         # `program` (step.steps_program) runs `program_steps` steps a launch; loops whose
         # length is not a multiple of it take the step one at a time (`loop`).
         self.program, self.program_steps = program, program_steps

@@ -62,6 +62,22 @@ def test_tensorflow_start_up_noise_is_filtered_and_real_errors_kept():
     assert "cuInit" in _filter_startup("E0000 1 cuda_platform.cc:52] failed call to cuInit: x\n")
 
 
+@pytest.mark.parametrize("level, kept", [("0", "IWE"), ("1", "WE"), ("2", "E"), ("3", "")])
+def test_start_up_lines_below_tf_cpp_min_log_level_are_dropped(monkeypatch, level, kept):
+    # TF's C++ lines written before absl's log is initialised ignore the level (the
+    # oneDNN line on a CPU with AVX-512 bf16): the capture applies it to them.
+    from tputrain.console import _at_log_level
+
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", level)
+    text = ("I0000 00:00:1.0 1 port.cc:153] oneDNN custom operations are on.\n"
+            "W0000 00:00:2.0 1 x.cc:1] a warning\n"
+            "E0000 00:00:3.1 1 something.cc:1] a real error\n"
+            "tputrain: error: flag --x: must be positive\n")
+    lines = _at_log_level(text).splitlines()
+    assert [line[0] for line in lines[:-1]] == list(kept)
+    assert lines[-1] == "tputrain: error: flag --x: must be positive"  # not a TF line: kept
+
+
 def test_importing_tputrain_prints_no_error_level_line():
     # tputrain imports TensorFlow lazily: the start-up filter applies to whoever does.
     result = subprocess.run([sys.executable, "-c", "import tputrain, tensorflow"],

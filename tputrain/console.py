@@ -19,6 +19,7 @@ import importlib.abc
 import importlib.machinery
 import logging as pylogging
 import os
+import re
 import sys
 import tempfile
 from types import ModuleType
@@ -132,6 +133,22 @@ def _filter_startup(text: str) -> str:
     return "".join(kept)
 
 
+_TF_LINE = re.compile(r"^([IWE])\d{4} ")
+
+
+def _at_log_level(text: str) -> str:
+    """The captured lines minus TF's own below TF_CPP_MIN_LOG_LEVEL (1 drops INFO, 2
+    WARNING too, 3 ERROR too), which TF's C++ code ignores for lines written before
+    absl's log is initialised (the oneDNN notice on a CPU with AVX-512 bf16, say)."""
+    try:
+        level = int(os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0"))
+    except ValueError:
+        level = 0
+    dropped = "IWE"[:max(0, level)]
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if not ((match := _TF_LINE.match(line)) and match.group(1) in dropped))
+
+
 @contextlib.contextmanager
 def native_noise_filtered() -> Iterator[None]:
     """Captures the process's stderr (fd 2, where TF's C++ code writes) while TF
@@ -151,7 +168,7 @@ def native_noise_filtered() -> Iterator[None]:
             os.dup2(saved, 2)
             os.close(saved)
             capture.seek(0)
-            text = _filter_startup(capture.read().decode("utf-8", "replace"))
+            text = _at_log_level(_filter_startup(capture.read().decode("utf-8", "replace")))
             if text:
                 sys.stderr.write(text)
                 sys.stderr.flush()

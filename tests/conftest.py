@@ -33,6 +33,8 @@ if "TPUTRAIN_CACHE_DIR" not in os.environ:
     _OWN_CACHE = os.environ["TPUTRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="tputrain-test-cache-")
 
 import pytest  # noqa: E402
+
+import tputrain  # noqa: E402,F401  (first: its import of TF drops TF's start-up noise)
 import tensorflow as tf  # noqa: E402
 
 NUM_CPU_DEVICES = 4

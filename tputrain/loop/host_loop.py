@@ -88,11 +88,11 @@ class HostLoop:
         # The step traced once, called in 3 places; the counting stays in the loop's own
         # graph (in a nested function, a mirrored counter's update also ran for a fetch
         # that had no batch: tests/test_trainer.py::test_finite_train_data_stops_cleanly).
-        # Over several local devices it stays inline: a collective all-reduce (CPU
-        # MirroredStrategy's default) in a nested function under the loop's `tf.cond`
-        # fails to run (tests/test_tracing.py, "collective").
-        self._replica_call = (tracing.once(self.replica_logs) if inputs.local_replicas == 1
-                              else self.replica_logs)
+        # With several replicas (local devices or workers) it stays inline: a collective
+        # all-reduce (CPU MirroredStrategy's default, MultiWorkerMirrored's) in a nested
+        # function under the loop's `tf.cond` fails to run (tests/test_tracing.py).
+        self._replica_call = (tracing.once(self.replica_logs)
+                              if self.strategy.num_replicas_in_sync == 1 else self.replica_logs)
         # `program` (step.steps_program) runs `program_steps` steps a launch; loops whose
         # length is not a multiple of it take the step one at a time (`loop`).
         self.program, self.program_steps = program, program_steps

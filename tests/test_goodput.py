@@ -194,6 +194,36 @@ def test_a_trainer_keeps_a_record_per_process_and_tensorboard_scalars(tmp_path):
     assert sum(result["fractions"].values()) == pytest.approx(1.0)
 
 
+def test_the_export_at_the_end_is_its_own_bucket_not_other(tmp_path):
+    # The Export action runs after the last loop's hooks: its seconds (a SavedModel
+    # written, about a second on a small model) were left in `other`.
+    trainer = make(tmp_path, actions=[tputrain.Export()])
+    trainer.train()
+    rec = goodput.read_records(str(tmp_path / "run"))[0]
+    assert rec["seconds"]["export"] > 0
+    result = goodput.account(str(tmp_path / "run"))
+    assert result["seconds"]["export"] == pytest.approx(rec["seconds"]["export"])
+    assert sum(result["fractions"].values()) == pytest.approx(1.0)
+    assert "goodput/export" in scalar_tags(tmp_path / "run" / "train")
+    assert re.search(r"^export +[0-9.]+ ", goodput.format_account(result), re.M)
+
+
+def test_the_deferred_flop_count_is_start_up_not_other(tmp_path, monkeypatch):
+    # The MFU action counts FLOPs (and probes the CPU's peak) after the first loop,
+    # off the path to the first step: that is set-up, the start-up's `actions` phase.
+    from tputrain.actions import mfu
+
+    counted = mfu.count_flops_per_step
+
+    def slow_count(context):
+        time.sleep(0.5)  # a count made slow on purpose: its time must be accounted
+        return counted(context)
+    monkeypatch.setattr(mfu, "count_flops_per_step", slow_count)
+    make(tmp_path, report_mfu=True).train()
+    rec = goodput.read_records(str(tmp_path / "run"))[0]
+    assert rec["startup"]["actions"] >= 0.5
+
+
 # ------------------------------------------------------------ end to end
 
 

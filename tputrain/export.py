@@ -39,7 +39,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tputrain import tracing
+from tputrain import goodput, tracing
 from tputrain.actions import Action
 from tputrain.best import BestCheckpoint, best_record
 from tputrain.checkpointing.files import list_checkpoints
@@ -449,7 +449,9 @@ class Export(Action):
             logging.info("tputrain: %s is exported already (%s)", checkpoint, path)
             self.path = path
             return
-        self.path = export_checkpoint(context, export_dir=self.export_dir, examples=self.examples)
+        with goodput.timed(context, "export"):
+            self.path = export_checkpoint(context, export_dir=self.export_dir,
+                                          examples=self.examples)
 
 
 def _exported(context: ActionContext, path: str, step: int) -> bool:

@@ -15,7 +15,8 @@ How each bucket is measured (docs/performance.md#goodput):
   `data` (input pipelines built and probed) and `model` (model, optimizer,
   metrics) are marked by the Trainer (`StartupClock.mark`); `restore` is the
   rest of `Trainer()` and `train()`'s restore; `actions` is the other actions'
-  set-up before the first loop (FLOP count, timing the all-reduce).
+  set-up (timing the all-reduce before the first loop; the FLOP count and the
+  CPU's peak probe, deferred past the first loop, through `timed`).
 - loops: each loop's seconds (the Controller's stopwatch) less its input stall
   (`input/stall_fraction`) and all-reduce time (`comm/allreduce_fraction`, 0
   when absent). What remains is step time, except in the first loop, which also
@@ -23,7 +24,8 @@ How each bucket is measured (docs/performance.md#goodput):
   steady rate of the later loops (or of the previous run, or all of it when no
   rate is known).
 - eval and checkpoint: the time up to `on_eval_end` / `on_save` since the
-  previous hook.
+  previous hook; export: the Export action's SavedModels (`timed`), which it
+  writes after those hooks, at the end of training most of all.
 - CPU: the record also keeps the process's CPU seconds (all threads, since the
   process started) when `train()` begins and when its first loop ends.
 - across runs: `recomputed` is the step time the previous run spent on steps
@@ -37,17 +39,18 @@ How each bucket is measured (docs/performance.md#goodput):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
 import socket
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import tensorflow as tf
 from absl import logging
 
-from tputrain.actions import Action
+from tputrain.actions.base import Action
 from tputrain.context import ActionContext
 
 try:
@@ -60,9 +63,9 @@ IMPORTED_AT = time.time()  # the process start when neither /proc nor psutil can
 RECORD_DIR = "goodput"
 VERSION = 1
 # The record's loop buckets; the account adds startup, restart, recomputed, down, other.
-RUN_BUCKETS = ("compile", "steps", "input", "communication", "eval", "checkpoint")
+RUN_BUCKETS = ("compile", "steps", "input", "communication", "eval", "checkpoint", "export")
 BUCKETS = ("startup", "restart", "compile", "steps", "recomputed", "input", "communication",
-           "eval", "checkpoint", "down", "other")
+           "eval", "checkpoint", "export", "down", "other")
 REMOTE_SAVE_SECONDS = 30.0  # a remote (gs://) record is rewritten at most this often
 # goodput/* scalars at most this often (and at the end): a dozen summary ops cost ~5 ms.
 SCALAR_SECONDS = 10.0
@@ -168,8 +171,9 @@ class RunRecord:
         """A loop of `steps` steps took `seconds`; the rest since the last hook is the
         other actions' set-up before the first loop, else host work (other)."""
         between = max(0.0, self.since_cursor() - seconds)
-        if self._starting:
-            self.data["startup"]["actions"] = between
+        if self._starting:  # (plus what `timed` added to it)
+            startup = self.data["startup"]
+            startup["actions"] = startup.get("actions", 0.0) + between
             self._starting = False
         self._loop = (steps, seconds)
 
@@ -218,6 +222,29 @@ class RunRecord:
             self._broken = True
             logging.warning("tputrain: goodput record %s not written (%s); the run goes on "
                             "without it", self.path, error)
+
+
+@contextlib.contextmanager
+def timed(context: Any, bucket: str) -> Iterator[None]:
+    """Adds the seconds of an action's own work, done after the hook that started it,
+    to `bucket` of this run's record: "export" (the Export action's SavedModel) or the
+    start-up phase "actions" (the MFU action's FLOP count and peak probe, deferred past
+    the first loop). The next hook's bucket starts after it: nothing counts twice."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        clock = getattr(context, "startup", None)
+        record = getattr(clock, "run", None)
+        if record is not None:
+            seconds = time.perf_counter() - start
+            if bucket in RUN_BUCKETS:
+                record.add(bucket, seconds)
+            else:
+                startup = record.data["startup"]
+                startup[bucket] = startup.get(bucket, 0.0) + seconds
+            record.since_cursor()
+            record.save(force=True)
 
 
 @atexit.register
@@ -358,6 +385,7 @@ _BUCKET_NOTES = {
     "communication": "gradient all-reduce (estimated)",
     "eval": "evaluations",
     "checkpoint": "checkpoint saves",
+    "export": "SavedModel exports (the Export action)",
     "down": "between a run's last record and the next run's start",
     "other": "the rest: progress lines, TensorBoard, actions",
 }

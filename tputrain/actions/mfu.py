@@ -6,7 +6,7 @@ from typing import Mapping
 
 from absl import logging
 
-from tputrain import tracing
+from tputrain import goodput, tracing
 from tputrain.actions.base import Action
 from tputrain.context import ActionContext
 from tputrain.flops import (MEASURED_CPU, count_flops, peak_flops, peak_kind, raise_cpu_peak,
@@ -36,9 +36,10 @@ class MFUAction(Action):
         if context.flops_per_step is not None:
             return
         try:
-            context.flops_per_step = count_flops_per_step(context)
-            peak = peak_flops(context.plan.precision, context.strategy,
-                              **vars(context.options.profiling))
+            with goodput.timed(context, "actions"):  # set-up, not the loop's host work
+                context.flops_per_step = count_flops_per_step(context)
+                peak = peak_flops(context.plan.precision, context.strategy,
+                                  **vars(context.options.profiling))
         except Exception as error:  # pylint: disable=broad-except  (a diagnostic, not training)
             logging.warning("tputrain: MFU is not reported: %s: %s", type(error).__name__, error)
             context.report_mfu = False

@@ -5,11 +5,15 @@ a Dropout head), drawing the same dropout masks as TensorFlow's kernels."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import tensorflow as tf
 
 import tputrain
+from faults import child_env
 from tiny import TinyTask, strategy_for
 from tputrain.loop.random_draws import COSTLY_DRAWS_PER_FLOP, draws_per_flop
 
@@ -62,7 +66,12 @@ def test_conv_net_draws_are_few_per_flop():
     assert ratio < COSTLY_DRAWS_PER_FLOP
 
 
-def test_auto_compiles_the_whole_step_of_a_conv_net_with_dropout(tmp_path):
+def test_auto_compiles_the_whole_step_of_a_conv_net_with_dropout(tmp_path, monkeypatch):
+    # On a CPU whose TensorFlow kernels do not run through oneDNN (with oneDNN:
+    # test_auto_leaves_float32_convolutions_to_onednn_on_one_cpu).
+    from tputrain.loop import step
+
+    monkeypatch.setattr(step, "onednn_enabled", lambda: False)
     auto = trainer(tmp_path, ConvDropoutTask(), "auto")
     assert auto._steps.xla_plan() == (True, False, "auto: the whole step, if it compiles")
     auto.train()
@@ -104,6 +113,31 @@ def test_auto_runs_one_step_a_launch_for_convolutions_on_cpu(tmp_path):
     mlp = trainer(tmp_path, TinyTask(), "mlp")
     mlp.train()
     assert mlp.plan.steps_per_program == 2
+
+
+def test_auto_leaves_float32_convolutions_to_onednn_on_one_cpu(tmp_path, monkeypatch):
+    """Where TensorFlow runs its CPU kernels through oneDNN (x86 CPUs with AVX-512 VNNI
+    and newer), its float32 convolutions beat XLA's: "auto" leaves XLA off (the update
+    compiled alone was slower too). Without oneDNN the whole step compiles, as before."""
+    from tputrain.loop import step
+
+    monkeypatch.setattr(step, "onednn_enabled", lambda: True)
+    conv = trainer(tmp_path, ConvDropoutTask(), "onednn")
+    plan = conv._steps.plan()
+    assert (plan.whole_step, plan.gradients_only, plan.apply_only) == (False, False, False)
+    assert "oneDNN" in plan.why
+    assert np.isfinite(conv.train()["loss"])
+    assert trainer(tmp_path, TinyTask(), "mlp")._steps.plan().whole_step  # no convolutions
+    monkeypatch.setattr(step, "onednn_enabled", lambda: False)
+    assert trainer(tmp_path, ConvDropoutTask(), "xla")._steps.plan().whole_step
+
+
+def test_onednn_enabled_follows_tf_enable_onednn_opts():
+    script = ("import tputrain.loop.convolutions as c; "
+              "print('ONEDNN', c.onednn_enabled())")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=dict(child_env(), TF_ENABLE_ONEDNN_OPTS="0"), timeout=300)
+    assert "ONEDNN False" in result.stdout, result.stderr[-2000:]
 
 
 def test_auto_compiles_forward_and_backward_of_a_conv_net_on_two_replicas(tmp_path):

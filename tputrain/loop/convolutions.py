@@ -1,5 +1,6 @@
-"""Whether a model has Keras convolution layers: on a CPU, XLA's convolutions change
-what `jit_compile="auto"` and `steps_per_program="auto"` choose (docs/performance.md)."""
+"""Whether a model has Keras convolution layers, and whether TensorFlow's CPU kernels
+run through oneDNN: on a CPU, both change what `jit_compile="auto"` and
+`steps_per_program="auto"` choose (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -15,3 +16,14 @@ def has_convolutions(model: keras.Model) -> bool:
     called from a custom layer is not seen)."""
     layers = model._flatten_layers(include_self=False, recursive=True)  # pylint: disable=protected-access
     return any(isinstance(layer, _CONVOLUTIONS) for layer in layers)
+
+
+def onednn_enabled() -> bool:
+    """Whether TensorFlow runs its CPU kernels through oneDNN: on by default on x86 CPUs
+    with AVX-512 VNNI and newer, off with TF_ENABLE_ONEDNN_OPTS=0. Its float32
+    convolutions then beat XLA's CPU ones. TensorFlow's own answer (no public API)."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port  # pylint: disable=import-outside-toplevel
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):  # another build: assume not
+        return False

@@ -28,7 +28,7 @@ from absl import logging
 
 from tputrain import tracing
 from tputrain.guard import NonFiniteGuard
-from tputrain.loop.convolutions import has_convolutions
+from tputrain.loop.convolutions import has_convolutions, onednn_enabled
 from tputrain.loop.inputs import zeros_of
 from tputrain.loop.pipeline import UpdatePipeline
 from tputrain.loop.random_draws import draws_are_costly, features_spec
@@ -347,6 +347,13 @@ class StepBuilder:
                            apply_only=True, fuse_elementwise=True)
         if on_cpu and self.precision != "float32":
             return XlaPlan(False, False, f"auto: off for {self.precision} on CPU")
+        if (on_cpu and not self._custom_train_step and has_convolutions(self.model)
+                and onednn_enabled()):
+            # A small ResNet with a dropout head, against Keras fit's uncompiled steps per
+            # CPU-second: 0.82x with the whole step compiled, 0.95x with the update
+            # alone, 0.98x without XLA (benchmarks/results, docs/performance.md).
+            return XlaPlan(False, False, "auto: off for convolutions on CPU (oneDNN's run "
+                           "faster than XLA's)")
         if on_cpu and self._draws_are_costly():
             # XLA's CPU random-number generation is slow: a small MLP with Dropout took
             # 9.3 ms per step compiled against 0.5 ms uncompiled (19x).

@@ -140,9 +140,14 @@ def test_onednn_enabled_follows_tf_enable_onednn_opts():
     assert "ONEDNN False" in result.stdout, result.stderr[-2000:]
 
 
-def test_auto_compiles_forward_and_backward_of_a_conv_net_on_two_replicas(tmp_path):
+def test_auto_compiles_forward_and_backward_of_a_conv_net_on_two_replicas(tmp_path, monkeypatch):
     """A float32 conv net on 2 CPU replicas: XLA for forward and backward too (the update
-    on each device as before); an MLP keeps the update alone."""
+    on each device as before); an MLP keeps the update alone. On a CPU whose TensorFlow
+    does not run oneDNN (with it: the next test)."""
+    from tputrain.loop import step
+
+    monkeypatch.setattr(step, "onednn_enabled", lambda: False)
+
     def two(task, name):
         return tputrain.Trainer(task, str(tmp_path / name), strategy=strategy_for(2),
                                 train_steps=2, steps_per_loop=2, global_batch_size=8,
@@ -153,6 +158,20 @@ def test_auto_compiles_forward_and_backward_of_a_conv_net_on_two_replicas(tmp_pa
     assert np.isfinite(conv.train()["loss"])
     plan = two(TinyTask(), "mlp")._steps.plan()
     assert (plan.gradients_only, plan.apply_per_replica) == (False, True)
+
+
+def test_auto_leaves_float32_convolutions_to_onednn_on_two_replicas(tmp_path, monkeypatch):
+    """With oneDNN, forward and backward stay uncompiled on 2 replicas too; the update
+    is compiled on each device, as for an MLP."""
+    from tputrain.loop import step
+
+    monkeypatch.setattr(step, "onednn_enabled", lambda: True)
+    conv = tputrain.Trainer(ConvDropoutTask(), str(tmp_path / "conv"), strategy=strategy_for(2),
+                            train_steps=2, steps_per_loop=2, global_batch_size=8,
+                            report_mfu=False)
+    plan = conv._steps.plan()
+    assert (plan.whole_step, plan.gradients_only, plan.apply_per_replica) == (False, False, True)
+    assert np.isfinite(conv.train()["loss"])
 
 
 def test_auto_compiles_a_conv_net_in_mixed_bfloat16_on_cpu(tmp_path):

@@ -174,9 +174,13 @@ def test_auto_leaves_float32_convolutions_to_onednn_on_two_replicas(tmp_path, mo
     assert np.isfinite(conv.train()["loss"])
 
 
-def test_auto_compiles_a_conv_net_in_mixed_bfloat16_on_cpu(tmp_path):
-    """TensorFlow's bf16 convolutions on a CPU are slow: the whole step compiles (one
-    replica), forward and backward too (two)."""
+def test_auto_compiles_a_conv_net_in_mixed_bfloat16_on_cpu(tmp_path, monkeypatch):
+    """TensorFlow's bf16 convolutions on a CPU without oneDNN are slow: the whole step
+    compiles (one replica), forward and backward too (two)."""
+    from tputrain.loop import step
+
+    monkeypatch.setattr(step, "onednn_enabled", lambda: False)
+
     def bf16(replicas, name):
         return tputrain.Trainer(ConvDropoutTask(), str(tmp_path / name),
                                 strategy=strategy_for(replicas), train_steps=2,
@@ -187,3 +191,24 @@ def test_auto_compiles_a_conv_net_in_mixed_bfloat16_on_cpu(tmp_path):
     assert np.isfinite(one.train()["loss"])
     plan = bf16(2, "two")._steps.plan()
     assert (plan.gradients_only, plan.apply_per_replica) == (True, True)
+
+
+def test_auto_leaves_bfloat16_convolutions_to_onednn(tmp_path, monkeypatch):
+    """With oneDNN (AVX-512 bf16 kernels) TensorFlow's bf16 convolutions are fast: one
+    replica gets the bf16 plan of models without convolutions (the update and GELUs
+    compiled), two the update on each device."""
+    from tputrain.loop import step
+
+    monkeypatch.setattr(step, "onednn_enabled", lambda: True)
+
+    def bf16(replicas, name):
+        return tputrain.Trainer(ConvDropoutTask(), str(tmp_path / name),
+                                strategy=strategy_for(replicas), train_steps=2,
+                                steps_per_loop=2, global_batch_size=8,
+                                precision="mixed_bfloat16", report_mfu=False)
+    one = bf16(1, "one")
+    plan = one._steps.plan()
+    assert (plan.whole_step, plan.apply_only) == (False, True)
+    assert np.isfinite(one.train()["loss"])
+    plan = bf16(2, "two")._steps.plan()
+    assert (plan.gradients_only, plan.apply_per_replica) == (False, True)

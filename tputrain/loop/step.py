@@ -363,13 +363,13 @@ class StepBuilder:
     def _compiles_convolutions(self, on_cpu: bool) -> bool:
         """With "auto": whether forward and backward compile for a conv net on CPUs (XLA fuses
         what surrounds its convolutions; TensorFlow's bf16 ones are slow) whose random
-        draws are few; not in float32 where TensorFlow runs oneDNN, whose convolutions
-        are faster (a small ResNet on 2 replicas: ~0.6x Keras fit's steps a CPU-second
-        compiled)."""
+        draws are few; not where TensorFlow runs oneDNN, whose float32 and bf16
+        convolutions are faster (a small ResNet on 2 replicas: ~0.6x Keras fit's steps
+        a CPU-second compiled, in either precision)."""
         return (on_cpu and self.precision in ("float32", "mixed_bfloat16")
                 and not self._custom_train_step
                 and has_convolutions(self.model) and not self._draws_are_costly()
-                and not (self.precision == "float32" and onednn_enabled()))
+                and not onednn_enabled())
 
     def _draws_are_costly(self) -> bool:
         """`random_draws.draws_are_costly` for the model, counted once."""

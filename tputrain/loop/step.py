@@ -271,6 +271,13 @@ def _reason(error: Exception) -> str:
     return line.removeprefix(f"{type(error).__name__}: ")[:300]
 
 
+def convolutions_on_onednn(model: keras.Model, on_cpu: bool) -> bool:
+    """Whether a conv net's convolutions run on oneDNN (TensorFlow's CPU kernels on x86
+    CPUs with AVX-512 VNNI and newer): there its float32 and bf16 convolutions beat
+    XLA's CPU ones, so "auto" compiles none of them (docs/performance.md)."""
+    return on_cpu and has_convolutions(model) and onednn_enabled()
+
+
 class StepBuilder:
     """Builds the per-replica train step for `Trainer.jit_compile` and accumulation."""
 
@@ -347,13 +354,8 @@ class StepBuilder:
                            apply_only=True, fuse_elementwise=True)
         if on_cpu and self.precision != "float32":
             return XlaPlan(False, False, f"auto: off for {self.precision} on CPU")
-        if (on_cpu and not self._custom_train_step and has_convolutions(self.model)
-                and onednn_enabled()):
-            # A small ResNet with a dropout head, against Keras fit's uncompiled steps per
-            # CPU-second: 0.82x with the whole step compiled, 0.95x with the update
-            # alone, 0.98x without XLA (benchmarks/results, docs/performance.md).
-            return XlaPlan(False, False, "auto: off for convolutions on CPU (oneDNN's run "
-                           "faster than XLA's)")
+        if not self._custom_train_step and convolutions_on_onednn(self.model, on_cpu):
+            return XlaPlan(False, False, "auto: off for convolutions on oneDNN (CPU)")
         if on_cpu and self._draws_are_costly():
             # XLA's CPU random-number generation is slow: a small MLP with Dropout took
             # 9.3 ms per step compiled against 0.5 ms uncompiled (19x).
@@ -362,14 +364,11 @@ class StepBuilder:
 
     def _compiles_convolutions(self, on_cpu: bool) -> bool:
         """With "auto": whether forward and backward compile for a conv net on CPUs (XLA fuses
-        what surrounds its convolutions; TensorFlow's bf16 ones are slow) whose random
-        draws are few; not where TensorFlow runs oneDNN, whose float32 and bf16
-        convolutions are faster (a small ResNet on 2 replicas: ~0.6x Keras fit's steps
-        a CPU-second compiled, in either precision)."""
+        what surrounds its convolutions; TensorFlow's bf16 ones are slow without oneDNN)
+        whose random draws are few."""
         return (on_cpu and self.precision in ("float32", "mixed_bfloat16")
-                and not self._custom_train_step
-                and has_convolutions(self.model) and not self._draws_are_costly()
-                and not onednn_enabled())
+                and not self._custom_train_step and not convolutions_on_onednn(self.model, on_cpu)
+                and has_convolutions(self.model) and not self._draws_are_costly())
 
     def _draws_are_costly(self) -> bool:
         """`random_draws.draws_are_costly` for the model, counted once."""

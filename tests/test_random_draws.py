@@ -174,22 +174,23 @@ def test_auto_leaves_float32_convolutions_to_onednn_on_two_replicas(tmp_path, mo
     assert np.isfinite(conv.train()["loss"])
 
 
+def _bf16_conv(tmp_path, replicas: int, name: str) -> tputrain.Trainer:
+    return tputrain.Trainer(ConvDropoutTask(), str(tmp_path / name),
+                            strategy=strategy_for(replicas), train_steps=2,
+                            steps_per_loop=2, global_batch_size=8,
+                            precision="mixed_bfloat16", report_mfu=False)
+
+
 def test_auto_compiles_a_conv_net_in_mixed_bfloat16_on_cpu(tmp_path, monkeypatch):
     """TensorFlow's bf16 convolutions on a CPU without oneDNN are slow: the whole step
     compiles (one replica), forward and backward too (two)."""
     from tputrain.loop import step
 
     monkeypatch.setattr(step, "onednn_enabled", lambda: False)
-
-    def bf16(replicas, name):
-        return tputrain.Trainer(ConvDropoutTask(), str(tmp_path / name),
-                                strategy=strategy_for(replicas), train_steps=2,
-                                steps_per_loop=2, global_batch_size=8,
-                                precision="mixed_bfloat16", report_mfu=False)
-    one = bf16(1, "one")
+    one = _bf16_conv(tmp_path, 1, "one")
     assert one._steps.plan().whole_step
     assert np.isfinite(one.train()["loss"])
-    plan = bf16(2, "two")._steps.plan()
+    plan = _bf16_conv(tmp_path, 2, "two")._steps.plan()
     assert (plan.gradients_only, plan.apply_per_replica) == (True, True)
 
 
@@ -200,15 +201,9 @@ def test_auto_leaves_bfloat16_convolutions_to_onednn(tmp_path, monkeypatch):
     from tputrain.loop import step
 
     monkeypatch.setattr(step, "onednn_enabled", lambda: True)
-
-    def bf16(replicas, name):
-        return tputrain.Trainer(ConvDropoutTask(), str(tmp_path / name),
-                                strategy=strategy_for(replicas), train_steps=2,
-                                steps_per_loop=2, global_batch_size=8,
-                                precision="mixed_bfloat16", report_mfu=False)
-    one = bf16(1, "one")
+    one = _bf16_conv(tmp_path, 1, "one")
     plan = one._steps.plan()
     assert (plan.whole_step, plan.apply_only) == (False, True)
     assert np.isfinite(one.train()["loss"])
-    plan = bf16(2, "two")._steps.plan()
+    plan = _bf16_conv(tmp_path, 2, "two")._steps.plan()
     assert (plan.gradients_only, plan.apply_per_replica) == (False, True)

@@ -115,3 +115,18 @@ def test_a_directory_named_in_tf_xla_flags_wins(monkeypatch, tmp_path):
 def test_the_variable_turns_it_off(monkeypatch, setting):
     monkeypatch.setenv(compile_cache.ENV, setting)
     assert compile_cache.default_directory() is None
+
+
+def test_the_default_folder_is_per_cpu_so_another_cpu_never_reads_a_program(monkeypatch, tmp_path):
+    # XLA's CPU programs are compiled for the host's instruction set (AVX-512, say): a
+    # home folder shared with a machine without it must not hand them over.
+    monkeypatch.delenv(compile_cache.ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    here = compile_cache.default_directory()
+    assert here == compile_cache.default_directory()  # stable
+    assert os.path.dirname(os.path.dirname(here)) == str(tmp_path / "tputrain" / "xla")
+    monkeypatch.setattr(compile_cache, "_cpu_features", lambda: "fpu sse2 avx2")
+    older = compile_cache.default_directory()
+    monkeypatch.setattr(compile_cache, "_cpu_features", lambda: "fpu sse2 avx2 avx512f")
+    newer = compile_cache.default_directory()
+    assert older != newer and os.path.dirname(older) == os.path.dirname(newer)

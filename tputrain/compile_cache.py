@@ -11,7 +11,8 @@ every run of a machine.
 TensorFlow reads `TF_XLA_FLAGS` once, when it first finds its devices, which
 importing tputrain does (its start-up filter). So the directory is set when
 tputrain is imported: `$TPUTRAIN_COMPILE_CACHE` (a path; `off` turns the cache
-off), else `~/.cache/tputrain/xla/tf-<version>`; a `TF_XLA_FLAGS` that names a
+off), else `~/.cache/tputrain/xla/tf-<version>/<cpu>` (`cpu_key`: programs compiled
+for one CPU's instruction set never reach another); a `TF_XLA_FLAGS` that names a
 directory already wins. If TensorFlow found its devices before tputrain was
 imported (an op ran), the flag comes too late: the Trainer says so once.
 
@@ -23,7 +24,9 @@ Not measured on TPUs, whose programs the TPU runtime compiles.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import re
 import sys
 from importlib import metadata
@@ -40,9 +43,30 @@ def current() -> str | None:
     return found.group(1) if found else None
 
 
+def _cpu_features() -> str:
+    """The host CPU's instruction-set flags (Linux's /proc/cpuinfo), else its name."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith(("flags", "Features")):  # x86, Arm
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cpu_key() -> str:
+    """A short name for the host CPU's instruction set: the cache's subfolder, because
+    XLA compiles CPU programs for the host (AVX-512, say) and a cache shared with a
+    machine without it (a home folder on a network file system) must not hand them over."""
+    digest = hashlib.sha256(" ".join(sorted(_cpu_features().split())).encode()).hexdigest()
+    return f"{platform.machine() or 'cpu'}-{digest[:10]}"
+
+
 def default_directory() -> str | None:
-    """`$TPUTRAIN_COMPILE_CACHE`, or a folder per TensorFlow version under the user's
-    cache; None when the variable says `off` (or `0`, `false`, empty)."""
+    """`$TPUTRAIN_COMPILE_CACHE`, or a folder per TensorFlow version and CPU instruction
+    set under the user's cache; None when the variable says `off` (or `0`, `false`,
+    empty)."""
     setting = os.environ.get(ENV)
     if setting is not None:
         return None if setting.strip().lower() in ("", "0", "off", "false") else setting
@@ -51,7 +75,7 @@ def default_directory() -> str | None:
     except metadata.PackageNotFoundError:  # tensorflow-tpu, tensorflow-cpu, ...
         version = "unknown"
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "tputrain", "xla", f"tf-{version}")
+    return os.path.join(root, "tputrain", "xla", f"tf-{version}", cpu_key())
 
 
 def enable(directory: str | None = None) -> str | None:

@@ -274,7 +274,8 @@ def _reason(error: Exception) -> str:
 def convolutions_on_onednn(model: keras.Model, on_cpu: bool) -> bool:
     """Whether a conv net's convolutions run on oneDNN (TensorFlow's CPU kernels on x86
     CPUs with AVX-512 VNNI and newer): there its float32 and bf16 convolutions beat
-    XLA's CPU ones, so "auto" compiles none of them (docs/performance.md)."""
+    XLA's CPU ones, so "auto" compiles none of them, nor (several replicas, float32)
+    the step around them (docs/performance.md)."""
     return on_cpu and has_convolutions(model) and onednn_enabled()
 
 
@@ -329,6 +330,9 @@ class StepBuilder:
         if self.jit_compile != "auto":
             return XlaPlan(False, False, "off")
         on_cpu = without_gpus(self.strategy)
+        if not self._custom_train_step and convolutions_on_onednn(self.model, on_cpu) and (
+                replicas > 1 or self.precision == "float32"):
+            return XlaPlan(False, False, "auto: off for convolutions on oneDNN (CPU)")
         if replicas > 1:
             why = self._per_device_refusal(compile_any=False)
             if why is None and self._compiles_convolutions(on_cpu):
@@ -354,8 +358,6 @@ class StepBuilder:
                            apply_only=True, fuse_elementwise=True)
         if on_cpu and self.precision != "float32":
             return XlaPlan(False, False, f"auto: off for {self.precision} on CPU")
-        if not self._custom_train_step and convolutions_on_onednn(self.model, on_cpu):
-            return XlaPlan(False, False, "auto: off for convolutions on oneDNN (CPU)")
         if on_cpu and self._draws_are_costly():
             # XLA's CPU random-number generation is slow: a small MLP with Dropout took
             # 9.3 ms per step compiled against 0.5 ms uncompiled (19x).
@@ -363,9 +365,8 @@ class StepBuilder:
         return XlaPlan(True, False, "auto: the whole step, if it compiles")
 
     def _compiles_convolutions(self, on_cpu: bool) -> bool:
-        """With "auto": whether forward and backward compile for a conv net on CPUs (XLA fuses
-        what surrounds its convolutions; TensorFlow's bf16 ones are slow without oneDNN)
-        whose random draws are few."""
+        """With "auto": whether forward and backward compile for a conv net with few random
+        draws on CPUs (XLA fuses around convolutions; bf16 ones are slow without oneDNN)."""
         return (on_cpu and self.precision in ("float32", "mixed_bfloat16")
                 and not self._custom_train_step and not convolutions_on_onednn(self.model, on_cpu)
                 and has_convolutions(self.model) and not self._draws_are_costly())

@@ -15,6 +15,7 @@ import tensorflow as tf
 import tputrain
 from faults import child_env
 from tiny import TinyTask, strategy_for
+from tputrain.loop import convolutions
 from tputrain.loop.random_draws import COSTLY_DRAWS_PER_FLOP, draws_per_flop
 
 
@@ -66,12 +67,15 @@ def test_conv_net_draws_are_few_per_flop():
     assert ratio < COSTLY_DRAWS_PER_FLOP
 
 
+def _onednn(monkeypatch, on: bool) -> None:
+    """Pins whether TensorFlow runs oneDNN, whatever this machine's CPU."""
+    monkeypatch.setattr(convolutions, "onednn_enabled", lambda: on)
+
+
 def test_auto_compiles_the_whole_step_of_a_conv_net_with_dropout(tmp_path, monkeypatch):
     # On a CPU whose TensorFlow kernels do not run through oneDNN (with oneDNN:
     # test_auto_leaves_float32_convolutions_to_onednn_on_one_cpu).
-    from tputrain.loop import step
-
-    monkeypatch.setattr(step, "onednn_enabled", lambda: False)
+    _onednn(monkeypatch, False)
     auto = trainer(tmp_path, ConvDropoutTask(), "auto")
     assert auto._steps.xla_plan() == (True, False, "auto: the whole step, if it compiles")
     auto.train()
@@ -119,16 +123,14 @@ def test_auto_leaves_float32_convolutions_to_onednn_on_one_cpu(tmp_path, monkeyp
     """Where TensorFlow runs its CPU kernels through oneDNN (x86 CPUs with AVX-512 VNNI
     and newer), its float32 convolutions beat XLA's: "auto" leaves XLA off (the update
     compiled alone was slower too). Without oneDNN the whole step compiles, as before."""
-    from tputrain.loop import step
-
-    monkeypatch.setattr(step, "onednn_enabled", lambda: True)
+    _onednn(monkeypatch, True)
     conv = trainer(tmp_path, ConvDropoutTask(), "onednn")
     plan = conv._steps.plan()
     assert (plan.whole_step, plan.gradients_only, plan.apply_only) == (False, False, False)
     assert "oneDNN" in plan.why
     assert np.isfinite(conv.train()["loss"])
     assert trainer(tmp_path, TinyTask(), "mlp")._steps.plan().whole_step  # no convolutions
-    monkeypatch.setattr(step, "onednn_enabled", lambda: False)
+    _onednn(monkeypatch, False)
     assert trainer(tmp_path, ConvDropoutTask(), "xla")._steps.plan().whole_step
 
 
@@ -144,9 +146,7 @@ def test_auto_compiles_forward_and_backward_of_a_conv_net_on_two_replicas(tmp_pa
     """A float32 conv net on 2 CPU replicas: XLA for forward and backward too (the update
     on each device as before); an MLP keeps the update alone. On a CPU whose TensorFlow
     does not run oneDNN (with it: the next test)."""
-    from tputrain.loop import step
-
-    monkeypatch.setattr(step, "onednn_enabled", lambda: False)
+    _onednn(monkeypatch, False)
 
     def two(task, name):
         return tputrain.Trainer(task, str(tmp_path / name), strategy=strategy_for(2),
@@ -163,9 +163,7 @@ def test_auto_compiles_forward_and_backward_of_a_conv_net_on_two_replicas(tmp_pa
 def test_auto_leaves_float32_convolutions_to_onednn_on_two_replicas(tmp_path, monkeypatch):
     """With oneDNN, the step stays uncompiled on 2 replicas too: the update compiled on
     each device (an MLP's plan) also ran slower than TensorFlow's kernels there."""
-    from tputrain.loop import step
-
-    monkeypatch.setattr(step, "onednn_enabled", lambda: True)
+    _onednn(monkeypatch, True)
     conv = tputrain.Trainer(ConvDropoutTask(), str(tmp_path / "conv"), strategy=strategy_for(2),
                             train_steps=2, steps_per_loop=2, global_batch_size=8,
                             report_mfu=False)
@@ -185,9 +183,7 @@ def _bf16_conv(tmp_path, replicas: int, name: str) -> tputrain.Trainer:
 def test_auto_compiles_a_conv_net_in_mixed_bfloat16_on_cpu(tmp_path, monkeypatch):
     """TensorFlow's bf16 convolutions on a CPU without oneDNN are slow: the whole step
     compiles (one replica), forward and backward too (two)."""
-    from tputrain.loop import step
-
-    monkeypatch.setattr(step, "onednn_enabled", lambda: False)
+    _onednn(monkeypatch, False)
     one = _bf16_conv(tmp_path, 1, "one")
     assert one._steps.plan().whole_step
     assert np.isfinite(one.train()["loss"])
@@ -199,9 +195,7 @@ def test_auto_leaves_bfloat16_convolutions_to_onednn(tmp_path, monkeypatch):
     """With oneDNN (AVX-512 bf16 kernels) TensorFlow's bf16 convolutions are fast: one
     replica gets the bf16 plan of models without convolutions (the update and GELUs
     compiled), two none."""
-    from tputrain.loop import step
-
-    monkeypatch.setattr(step, "onednn_enabled", lambda: True)
+    _onednn(monkeypatch, True)
     one = _bf16_conv(tmp_path, 1, "one")
     plan = one._steps.plan()
     assert (plan.whole_step, plan.apply_only) == (False, True)

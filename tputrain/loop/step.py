@@ -28,7 +28,7 @@ from absl import logging
 
 from tputrain import tracing
 from tputrain.guard import NonFiniteGuard
-from tputrain.loop.convolutions import has_convolutions, onednn_enabled
+from tputrain.loop.convolutions import convolutions_on_onednn, has_convolutions
 from tputrain.loop.inputs import zeros_of
 from tputrain.loop.pipeline import UpdatePipeline
 from tputrain.loop.random_draws import draws_are_costly, features_spec
@@ -269,15 +269,6 @@ def _reason(error: Exception) -> str:
     named = [line for line in lines if re.match(r"^[A-Za-z.]*(Error|Exception): ", line)]
     line = (named or lines or [""])[0]
     return line.removeprefix(f"{type(error).__name__}: ")[:300]
-
-
-def convolutions_on_onednn(model: keras.Model, on_cpu: bool) -> bool:
-    """Whether a conv net's convolutions run on oneDNN (TensorFlow's CPU kernels on x86
-    CPUs with AVX-512 VNNI and newer): there its float32 and bf16 convolutions beat
-    XLA's CPU ones, so "auto" compiles nothing for such a model on several replicas
-    or in float32, and in bf16 on one replica only the update and GELUs
-    (docs/performance.md)."""
-    return on_cpu and has_convolutions(model) and onednn_enabled()
 
 
 class StepBuilder:

@@ -398,10 +398,18 @@ def _build(contender: Contender):
         optimizer = task.build_optimizer()
         optimizer.build(model.trainable_variables)
         metric = keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+    return task, model, optimizer, metric, peer_inputs(contender, task)
+
+
+def peer_inputs(contender: Contender, task: tputrain.Task) -> tf.data.Dataset:
+    """The train dataset a peer (fit, the hand loop, Orbit) splits over its replicas:
+    batches of the global batch, as one replica's Task would build them. (A Task
+    builds per-replica batches; `experimental_distribute_dataset` and `fit` split
+    each element again, so the Task's 2-replica batches gave the peers half the
+    examples a step.)"""
     context = InputContext(num_input_pipelines=1, input_pipeline_id=0,
-                           num_replicas_in_sync=contender.strategy.num_replicas_in_sync,
-                           global_batch_size=contender.global_batch)
-    return task, model, optimizer, metric, task.build_inputs("train", context)
+                           num_replicas_in_sync=1, global_batch_size=contender.global_batch)
+    return task.build_inputs("train", context)
 
 
 class HandLoopContender(Contender):
@@ -443,10 +451,7 @@ class KerasFitContender(Contender):
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
                 steps_per_execution=self.k, jit_compile=self.jit_compile)
-        context = InputContext(num_input_pipelines=1, input_pipeline_id=0,
-                               num_replicas_in_sync=self.strategy.num_replicas_in_sync,
-                               global_batch_size=self.global_batch)
-        self.dataset = task.build_inputs("train", context)
+        self.dataset = peer_inputs(self, task)
         self._times: list[tuple[float, float]] = []
         times = self._times
 

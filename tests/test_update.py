@@ -137,16 +137,76 @@ def nan_at_step_2(value: float) -> OptimizerTask:
     return task
 
 
-def test_the_guard_skips_a_bad_step_on_every_device(tmp_path):
-    """The summed gradients are NaN: every device's update is skipped (its copies keep
-    the old values) and the step is counted once."""
-    trainer = train(nan_at_step_2(np.nan), tmp_path / "skip",
-                    guard=tputrain.NonFiniteGuard(policy="skip"))
+class HugeTargetTask(OptimizerTask):
+    """A loss linear in the first logit, weighted by a target of 1e25 for example 27 (in
+    global step 2's batch): the gradients stay finite, their squares do not."""
+
+    def __init__(self):
+        super().__init__(OPTIMIZERS["adam"])
+        self.y = np.zeros(len(self.x), np.float32)
+        self.y[27] = 1e25
+
+    def compute_loss(self, labels, outputs):
+        return -labels * tf.cast(outputs[:, 0], tf.float32)
+
+    def build_metrics(self):
+        return []
+
+
+@pytest.mark.parametrize("task", [lambda: nan_at_step_2(np.nan), HugeTargetTask])
+def test_the_guard_skips_a_bad_step_on_every_device(tmp_path, task):
+    """The summed gradients are NaN, or finite with squares that overflow: every
+    device's update is skipped (its copies keep the old values) and the step is
+    counted once."""
+    trainer = train(task(), tmp_path / "skip", guard=tputrain.NonFiniteGuard(policy="skip"))
     assert trainer._steps.plan().apply_per_replica
     assert int(trainer.guard.nonfinite_steps.numpy()) == 1
     assert int(trainer.optimizer.iterations.numpy()) == 5  # the bad step applied nothing
     assert_copies_equal(trainer)
     assert all(np.isfinite(w).all() for w in trainer.model.get_weights())
+
+
+def spy_checks(monkeypatch) -> dict[str, int]:
+    """Counts the traces of the scaled check and of the exact one made once for every
+    device (`NonFiniteGuard.checking_once`)."""
+    from tputrain import guard as guard_module
+
+    calls = {"scaled": 0, "once": 0}
+    for name, key in (("_scaled_gradients_finite", "scaled"), ("_square_sum", "once")):
+        original = getattr(guard_module, name)
+
+        def spy(*args, original=original, key=key, **kwargs):
+            calls[key] += 1
+            return original(*args, **kwargs)
+        monkeypatch.setattr(guard_module, name, spy)
+    return calls
+
+
+def test_each_device_runs_the_scaled_check_in_its_update_bit_for_bit_as_the_exact(
+        tmp_path, monkeypatch):
+    """On 2 replicas the loss is scaled and each device checks and unscales the summed
+    gradients inside its own update program (no check made outside it for both): the
+    weights end bit for bit as under the exact check."""
+    calls = spy_checks(monkeypatch)
+    scaled = run(OptimizerTask(OPTIMIZERS["adamw"]), tmp_path / "scaled",
+                 guard=tputrain.NonFiniteGuard(policy="raise"))
+    assert scaled._steps.plan().apply_per_replica
+    assert calls["scaled"] >= 2 and calls["once"] == 0  # traced on each device
+    exact = run(OptimizerTask(OPTIMIZERS["adamw"]), tmp_path / "exact",
+                guard=tputrain.NonFiniteGuard(policy="raise", scaled_check=False))
+    assert calls["once"] >= 1
+    assert_copies_equal(scaled)
+    for got, want in zip([*scaled.model.weights, *scaled.optimizer.variables],
+                         [*exact.model.weights, *exact.optimizer.variables]):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=got.path)
+
+
+def test_gradients_crossing_in_float16_keep_the_exact_check(tmp_path, monkeypatch):
+    """Scaled gradients would overflow float16 on the wire: the check made once."""
+    calls = spy_checks(monkeypatch)
+    run(OptimizerTask(OPTIMIZERS["adam"]), tmp_path / "f16",
+        communication=tputrain.CommunicationOptions(allreduce_dtype="float16"))
+    assert calls["scaled"] == 0 and calls["once"] >= 1
 
 
 class OneBadGradientTask(OptimizerTask):

@@ -265,6 +265,11 @@ class NonFiniteGuard:
             loss = tf.cast(loss, tf.float32)
         return loss * tf.constant(self._scale, loss.dtype)
 
+    def scales(self, optimizer: keras.optimizers.Optimizer) -> bool:
+        """Whether the step tracing now checks scaled gradients (`scaling_loss`): each
+        update then checks and unscales its own, and needs no check made for it."""
+        return self._scaling(optimizer)
+
     @tracing.graph_helper
     def _scaling(self, optimizer: keras.optimizers.Optimizer) -> bool:
         """Whether the loss is scaled (and the gradients unscaled in the update). With

@@ -97,11 +97,18 @@ class UpdatePipeline:
     @tracing.graph_helper
     def _apply_on_each_device(self, strategy: tf.distribute.Strategy, grads: list[Any],
                               trainable_variables: Any) -> None:
-        """Cross-replica context: the check once for every device, then each device's
-        update (`tputrain.loop.update`)."""
-        guarded = self._guard.guards(self.wrapped)
+        """Cross-replica context: each device's update (`tputrain.loop.update`). Under
+        the scaled check each device's program checks its copy of the summed gradients
+        (one sum a gradient, fused where the update reads them); otherwise the exact
+        check is made once for every device, before their programs."""
+        once = self._guard.guards(self.wrapped) and not self._guard.scales(self.wrapped)
         apply_on_each_device(strategy, self._checked_apply, grads, trainable_variables,
-                             self._guard.checking_once if guarded else None)
+                             self._guard.checking_once if once else None)
+
+    def scales_on_each_device(self) -> bool:
+        """Whether gradients of a scaled loss can cross replicas to each device's update:
+        an update program per device, and a wire dtype with float32's range."""
+        return self._each_device and tf.as_dtype(self._dtype) != tf.float16
 
     @tracing.graph_helper
     def _checked_apply(self, grads: list[Any], trainable_variables: Any) -> None:

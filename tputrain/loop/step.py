@@ -470,7 +470,7 @@ class StepBuilder:
         computes in float16 anywhere (a scaled backward pass would overflow it)."""
         if not self._own_gradients or _computes_in_float16(self.model):
             return None
-        if self.strategy.num_replicas_in_sync > 1:
+        if self.strategy.num_replicas_in_sync > 1 and not self.update.scales_on_each_device():
             return None  # checked once for every device (NonFiniteGuard.checking_once)
         return self.model.trainable_variables
 

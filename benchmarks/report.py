@@ -150,6 +150,10 @@ def headlines(report: dict[str, Any]) -> list[str]:
     goals = report.get("goals", {})
     if any(isinstance(goal, dict) for goal in goals.values()):  # train_loop: measured ratios
         return train_loop_headlines(report)
+    if "workloads" in report and not goals:  # train_loop between tputrain's own plans
+        return [f"{workload}.{name} (CPU, paired) {value:.3f}"
+                for workload, result in report["workloads"].items()
+                for name, value in result.get("ratios_cpu_time_paired", {}).items()]
     if goals:  # input_pipeline: each goal's statement, met or not
         return [f"{goal}: {'met' if met else 'not met'}" for goal, met in report["goals"].items()]
     if "late_vs_early" in report:

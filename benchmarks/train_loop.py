@@ -34,6 +34,8 @@ in a process of its own, as a user's job would run:
   "hand_loop_best" are the best of each peer's configurations;
 * `tputrain_no_xla`, `tputrain_no_guard`, `tputrain_no_xla_no_guard`: the Trainer
   with XLA off and/or the NaN/Inf guard off, to show what each costs or buys;
+* `tputrain_no_strategy`: the defaults under TensorFlow's default strategy (one
+  device), to show what `OneDeviceStrategy` costs tputrain;
 * `tputrain_program_1`: the defaults with one step per XLA program launch
   (`steps_per_program=1`), to show what several steps a launch buy;
 * `orbit`: Orbit's `StandardTrainer` (`tf.while_loop` over the step), if
@@ -335,6 +337,14 @@ class TputrainNoXLAContender(TputrainContender):
     jit_compile = False
 
 
+class TputrainNoStrategyContender(TputrainContender):
+    """The Trainer under TensorFlow's default strategy (no `strategy.scope()`), as
+    the no-strategy peers run: what `OneDeviceStrategy` costs on one device."""
+
+    name = "tputrain_no_strategy"
+    no_strategy = True
+
+
 class TputrainXLAContender(TputrainContender):
     """The Trainer with `jit_compile=True`: the whole step compiled, whatever "auto"
     would have chosen (random ops on CPU included)."""
@@ -553,7 +563,7 @@ CONTENDERS: dict[str, type[Contender]] = {kind.name: kind for kind in (
     TputrainNoXLAContender, KerasFitXLAContender, TputrainNoGuardContender,
     TputrainNoXLANoGuardContender, TputrainBF16Contender, KerasFitNoStrategyContender,
     KerasFitXLANoStrategyContender, HandLoopNoStrategyContender,
-    TputrainOneStepAProgramContender, TputrainXLAContender)}
+    TputrainOneStepAProgramContender, TputrainXLAContender, TputrainNoStrategyContender)}
 # Each peer at its best: the best median of its configurations (strategy, XLA).
 BEST_OF = {"keras_fit_best": ("keras_fit", "keras_fit_xla", "keras_fit_no_strategy",
                               "keras_fit_xla_no_strategy"),

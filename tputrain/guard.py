@@ -26,7 +26,8 @@ steps and lowers its scale; the guard then watches only the loss, since
 non-finite scaled gradients are expected there.
 
 The scaled check (`scaled_check`, on by default): where the update is inside an
-XLA program on one replica and `Task.compute_gradients` is not overridden, the
+XLA program (on one replica, or on each device of several with gradients crossing
+in float32 or bfloat16) and `Task.compute_gradients` is not overridden, the
 guard scales the loss by a power of two through `optimizer.scale_loss` (as Keras's
 loss scaling does; 2^75 for 1M weights, `check_scale`) and unscales the gradients
 before the update. A gradient large enough that the squared global norm could
@@ -195,7 +196,8 @@ class NonFiniteGuard:
       max_rollbacks: with "rollback", how many rollbacks before giving up.
       check_gradients: also check gradients (skips the update in-step); False
         checks only the step's logged loss, after the update.
-      scaled_check: where the update is inside an XLA program on one replica, check
+      scaled_check: where the update is inside an XLA program (one replica, or each
+        device of several), check
         gradients of a loss scaled by a power of two with one plain sum
         (docs/fault_tolerance.md);
         False for a model whose custom gradients are not linear in their input.
@@ -284,7 +286,9 @@ class NonFiniteGuard:
         """With `on`, a bad step's writes are masked by selects instead of skipped by a
         conditional (`select_apply`); for an update inside an XLA program, on one
         replica or on each device (`StepBuilder` sets it from its plan). On several
-        devices the check is made once for all of them (`checking_once`).
+        devices each program makes the scaled check on its own copy of the summed
+        gradients (the same on every device, so is the verdict); the exact check is
+        made once for all of them (`checking_once`).
 
         Each write of the optimizer (`assign`, `assign_add`, `assign_sub`, the weight
         decay) keeps the old value on a bad step; in XLA the select fuses into the

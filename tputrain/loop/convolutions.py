@@ -32,7 +32,6 @@ def onednn_enabled() -> bool:
 def convolutions_on_onednn(model: keras.Model, on_cpu: bool) -> bool:
     """Whether a conv net's convolutions run on oneDNN (TensorFlow's CPU kernels on x86
     CPUs with AVX-512 VNNI and newer): there its float32 and bf16 convolutions beat
-    XLA's CPU ones, so "auto" compiles nothing for such a model on several replicas
-    or in float32, and in bf16 on one replica only the update and GELUs
-    (docs/performance.md)."""
+    XLA's CPU ones, so "auto" compiles nothing of such a model's step but, in bf16
+    on one replica, its GELUs and layer norms (docs/performance.md)."""
     return on_cpu and has_convolutions(model) and onednn_enabled()

@@ -322,9 +322,10 @@ class StepBuilder:
         if self.jit_compile != "auto":
             return XlaPlan(False, False, "off")
         on_cpu = without_gpus(self.strategy)
-        if not self._custom_train_step and convolutions_on_onednn(self.model, on_cpu) and (
-                replicas > 1 or self.precision == "float32"):
-            return XlaPlan(False, False, "auto: off for convolutions on oneDNN (CPU)")
+        if not self._custom_train_step and convolutions_on_onednn(self.model, on_cpu):
+            # bf16 on one replica keeps the GELU and layer-norm programs (no update).
+            return XlaPlan(False, False, "auto: off for convolutions on oneDNN (CPU)",
+                           fuse_elementwise=replicas == 1 and self.precision == "mixed_bfloat16")
         if replicas > 1:
             why = self._per_device_refusal(compile_any=False)
             if why is None and self._compiles_convolutions(on_cpu):
@@ -468,10 +469,9 @@ class StepBuilder:
         """The variables whose gradients are those of `optimizer.scale_loss(loss)`, for
         the guard's scaled check; None for a Task's own gradients or a model that
         computes in float16 anywhere (a scaled backward pass would overflow it)."""
-        if not self._own_gradients or _computes_in_float16(self.model):
-            return None
-        if self.strategy.num_replicas_in_sync > 1 and not self.update.scales_on_each_device():
-            return None  # checked once for every device (NonFiniteGuard.checking_once)
+        once = self.strategy.num_replicas_in_sync > 1 and not self.update.scales_on_each_device()
+        if not self._own_gradients or _computes_in_float16(self.model) or once:
+            return None  # `once`: checked once for every device (NonFiniteGuard.checking_once)
         return self.model.trainable_variables
 
     def _compute(self, jit_compile: bool) -> Callable:

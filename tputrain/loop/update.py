@@ -14,8 +14,10 @@ replica's update context, so every read and write of a mirrored variable is its
 copy on that device. The Keras TF
 backend's own per-variable `extended.update` calls and merge calls are made
 local while the program traces. The guard's selects fuse into the program
-(`NonFiniteGuard.select_updates`), as on one replica; its check is made once for
-every device (`NonFiniteGuard.checking_once`).
+(`NonFiniteGuard.select_updates`), as on one replica. Its scaled check runs in each
+program on that device's copy of the summed gradients (every copy is the same, so
+is every verdict); the exact check is made once for every device
+(`NonFiniteGuard.checking_once`).
 
 Measured by `benchmarks/resume.py` (2 replicas, an MLP with dropout): less CPU
 time a step than the TensorFlow kernels, the guard's cost with it included

@@ -9,7 +9,7 @@ import tputrain
 from faults import FaultTask
 from tputrain.checkpoint import NonFiniteStateError
 from tputrain.guard import NonFiniteError, NonFiniteGuard
-from tiny import strategy_for, weights
+from tiny import spy_calls, strategy_for, weights
 
 # Two replicas take per-replica batches 2k and 2k+1 at step k+1: batch 5 is step 3.
 NAN_BATCH, NAN_STEP = 5, 3
@@ -188,15 +188,8 @@ def spy_checks(monkeypatch) -> dict[str, int]:
     """Counts the traces of each gradient check."""
     from tputrain import guard as guard_module
 
-    calls = {"scaled": 0, "exact": 0}
-    for name, key in (("_scaled_gradients_finite", "scaled"), ("_gradients_finite", "exact")):
-        original = getattr(guard_module, name)
-
-        def spy(*args, original=original, key=key, **kwargs):
-            calls[key] += 1
-            return original(*args, **kwargs)
-        monkeypatch.setattr(guard_module, name, spy)
-    return calls
+    return spy_calls(monkeypatch, guard_module,
+                     {"_scaled_gradients_finite": "scaled", "_gradients_finite": "exact"})
 
 
 @pytest.mark.parametrize("optimizer, options, kwargs", [

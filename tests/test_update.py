@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tputrain
-from tiny import TinyTask, strategy_for
+from tiny import TinyTask, spy_calls, strategy_for
 
 OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(0.01),
@@ -171,15 +171,8 @@ def spy_checks(monkeypatch) -> dict[str, int]:
     device (`NonFiniteGuard.checking_once`)."""
     from tputrain import guard as guard_module
 
-    calls = {"scaled": 0, "once": 0}
-    for name, key in (("_scaled_gradients_finite", "scaled"), ("_square_sum", "once")):
-        original = getattr(guard_module, name)
-
-        def spy(*args, original=original, key=key, **kwargs):
-            calls[key] += 1
-            return original(*args, **kwargs)
-        monkeypatch.setattr(guard_module, name, spy)
-    return calls
+    return spy_calls(monkeypatch, guard_module,
+                     {"_scaled_gradients_finite": "scaled", "_square_sum": "once"})
 
 
 def test_each_device_runs_the_scaled_check_in_its_update_bit_for_bit_as_the_exact(

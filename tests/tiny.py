@@ -71,3 +71,17 @@ def model_bytes(task, bytes_per_value: int = 4) -> int:
 
 def weights(trainer: tputrain.Trainer) -> list[np.ndarray]:
     return [np.asarray(w) for w in trainer.model.get_weights()]
+
+
+def spy_calls(monkeypatch, module, keys: dict[str, str]) -> dict[str, int]:
+    """Counts the calls (in a step: the traces) of `module`'s functions, as
+    `{function name: key}` asks: the counts by key, updated as they happen."""
+    calls = {key: 0 for key in keys.values()}
+    for name, key in keys.items():
+        original = getattr(module, name)
+
+        def spy(*args, original=original, key=key, **kwargs):
+            calls[key] += 1
+            return original(*args, **kwargs)
+        monkeypatch.setattr(module, name, spy)
+    return calls

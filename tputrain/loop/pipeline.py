@@ -99,8 +99,8 @@ class UpdatePipeline:
                               trainable_variables: Any) -> None:
         """Cross-replica context: each device's update (`tputrain.loop.update`). Under
         the scaled check each device's program checks its copy of the summed gradients
-        (one sum a gradient, fused where the update reads them); otherwise the exact
-        check is made once for every device, before their programs."""
+        (one plain sum a gradient, inside the program: no device waits for another);
+        otherwise the exact check is made once for every device, before their programs."""
         once = self._guard.guards(self.wrapped) and not self._guard.scales(self.wrapped)
         apply_on_each_device(strategy, self._checked_apply, grads, trainable_variables,
                              self._guard.checking_once if once else None)

@@ -397,3 +397,37 @@ def test_under_clipping_the_check_adds_no_pass_over_a_sparse_gradient():
 
     args = (tf.ones([8, 64]), tf.ones([64, 32]))
     assert _square_passes(checked_and_clipped, *args) == _square_passes(clipped, *args)
+
+
+class BatchNormTask(FaultTask):
+    """FaultTask with BatchNormalization: its moving statistics are written by the
+    forward pass, not by the optimizer the guard skips."""
+
+    def build_model(self):
+        inputs = keras.Input((8,), name="x")
+        h = keras.layers.Dense(self.hidden, activation="relu")(inputs)
+        h = keras.layers.BatchNormalization()(h)
+        return keras.Model({"x": inputs}, keras.layers.Dense(2, dtype="float32")(h))
+
+
+@pytest.mark.parametrize("replicas, jit_compile", [
+    (1, "auto"), (1, False), (2, "auto"), pytest.param(2, False, marks=pytest.mark.slow)])
+def test_a_skipped_step_leaves_batchnorm_statistics_as_they_were(tmp_path, replicas,
+                                                                 jit_compile):
+    """A batch of NaN features: the step is skipped, and the moving statistics its
+    forward pass computed from NaN are not kept (they made every later save fail)."""
+    trainer = tputrain.Trainer(
+        BatchNormTask(dropout=0.0, nan_at_batch=2 * replicas), str(tmp_path / "t"),  # step 2
+        strategy=strategy_for(replicas), train_steps=4, steps_per_loop=1,
+        global_batch_size=16, checkpoint_every=10**9, eval_steps=1, jit_compile=jit_compile,
+        guard=NonFiniteGuard(policy="skip"))
+    trainer.train(num_steps=2)
+    statistics = list(trainer.model.non_trainable_variables)
+    assert len(statistics) == 2
+    before = [np.array(v.numpy()) for v in statistics]
+    trainer.train(num_steps=1)  # the NaN batch; saves at the end
+    assert int(trainer.guard.nonfinite_steps.numpy()) == 1
+    for variable, value in zip(statistics, before):
+        np.testing.assert_array_equal(variable.numpy(), value, err_msg=variable.path)
+    trainer.train(num_steps=1)
+    assert all(np.isfinite(v.numpy()).all() for v in statistics)

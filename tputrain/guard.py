@@ -267,6 +267,25 @@ class NonFiniteGuard:
             loss = tf.cast(loss, tf.float32)
         return loss * tf.constant(self._scale, loss.dtype)
 
+    @tracing.graph_helper
+    def state_before(self, variables: list[Any]) -> list[tuple[Any, tf.Tensor]]:
+        """Before a step's forward pass: `variables` (the weights it writes, batch
+        norm's moving statistics: not the optimizer's, so its skip leaves them) with
+        their values, for `keep_if_bad`."""
+        if self.policy is None or not self.check_gradients:
+            return []
+        return [(v, tf.identity(tf.convert_to_tensor(v))) for v in variables]
+
+    @tracing.graph_helper
+    def keep_if_bad(self, kept: list[tuple[Any, tf.Tensor]]) -> None:
+        """After the update: on a step whose gradients were bad (`record`), the weights
+        `state_before` took keep their values from before its forward pass."""
+        if not kept:
+            return
+        bad = self._gradients_bad.read_value() > 0
+        for variable, old in kept:
+            variable.assign(tf.where(bad, old, tf.convert_to_tensor(variable)))
+
     def scales(self, optimizer: keras.optimizers.Optimizer) -> bool:
         """Whether the step tracing now checks scaled gradients (`scaling_loss`): each
         update then checks and unscales its own, and needs no check made for it."""

@@ -61,6 +61,17 @@ def moving_statistics(model: keras.Model) -> list[Any]:
     return list(found.values())
 
 
+def forward_state(model: keras.Model) -> list[Any]:
+    """The floating-point weights a train step's forward pass writes: batch norm's
+    moving statistics and weights declared `aggregation="mean"` or `"sum"`."""
+    found = {id(v): v for v in moving_statistics(model)}
+    for variable in model.non_trainable_variables:
+        if (getattr(variable, "aggregation", "none") in ("mean", "sum")
+                and tf.as_dtype(variable.dtype).is_floating):
+            found[id(variable)] = variable
+    return list(found.values())
+
+
 def undeclared_state(model: keras.Model) -> list[Any]:
     """The model's non-trainable weights with aggregation "none" that must stay equal on
     every replica (batch norm's statistics and the seed generators' states excluded:

@@ -32,6 +32,7 @@ from tputrain.loop.convolutions import convolutions_on_onednn, has_convolutions
 from tputrain.loop.inputs import zeros_of
 from tputrain.loop.pipeline import UpdatePipeline
 from tputrain.loop.random_draws import draws_are_costly, features_spec
+from tputrain.loop.replica_stats import forward_state
 from tputrain.loop.source_counts import SourceCounter
 from tputrain.loop.update import refusal as update_refusal
 from tputrain.distribution.strategy import without_gpus
@@ -200,6 +201,20 @@ def _counted(step: Callable, count: Callable[[dict[str, tf.Tensor]], None]) -> C
         count(logs)
         return logs
     return counted
+
+
+def _keeping_state(step: Callable, guard: NonFiniteGuard, variables: list[Any]) -> Callable:
+    """`step`, after which a step the guard skipped leaves the weights its forward pass
+    wrote (`variables`) as they were (`NonFiniteGuard.keep_if_bad`)."""
+    if not variables:
+        return step
+
+    def keeping(batch):
+        kept = guard.state_before(variables)
+        logs = step(batch)
+        guard.keep_if_bad(kept)
+        return logs
+    return keeping
 
 
 def _log_zeros(step: Callable, batch_spec: Any) -> Any:
@@ -392,8 +407,7 @@ class StepBuilder:
         """
         plan = self.plan()
         self.counted_in_step = False
-        # An update inside an XLA program (one replica) is guarded by a select, not a
-        # conditional: the select fuses into the update (NonFiniteGuard.select_updates).
+        # In XLA the guard masks writes by selects, which fuse (NonFiniteGuard.select_updates).
         self.update.set_plan(select=plan.whole_step or plan.apply_only or plan.apply_per_replica,
                              each_device=plan.apply_per_replica)
         if self._custom_train_step:
@@ -417,6 +431,7 @@ class StepBuilder:
                         gradients, loss = gradients_of(batch, lambda b: compute(b, denominator))
                     apply(gradients)
                 return {"loss": loss, **logs}
+        step = _keeping_state(step, self.guard, forward_state(self.model))
         if self.source_counter is not None:
             step = self.source_counter.counting(step)
         if not plan.whole_step:

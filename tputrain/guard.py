@@ -7,7 +7,9 @@ another all-reduce). A step with a non-finite loss or
 gradient does not update the weights or the optimizer's state (the optimizer's
 apply is skipped, as Keras's loss-scale optimizer does for overflow; inside an
 XLA program, on one replica or on each device of several (`tputrain.loop.update`),
-each of its writes keeps the old value instead, see `select_updates`), and then,
+each of its writes keeps the old value instead, see `select_updates`); the weights
+its forward pass wrote (batch norm's moving statistics) keep their values from
+before it (`keep_if_bad`), and then,
 by `policy`:
 
 * "raise" (default): the loop stops and `NonFiniteError` names the step;

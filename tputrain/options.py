@@ -174,8 +174,9 @@ class TrainerOptions:
         compiles nothing for mixed_float16 on a CPU (nor bf16 matmuls: XLA's CPU
         backend lacks oneDNN's), nor, on one CPU replica, a model with random ops
         such as Dropout (XLA's CPU random-number generation is far slower than
-        TensorFlow's kernels), nor a float32 conv net on one CPU replica where
-        TensorFlow runs oneDNN (its convolutions are faster than XLA's CPU ones).
+        TensorFlow's kernels), nor a conv net where TensorFlow runs oneDNN on the CPU
+        (its convolutions are faster than XLA's CPU ones; in bf16 on one replica
+        only GELUs and layer norms are compiled).
       accumulation_steps: split each step's `global_batch_size` examples into N
         micro-batches, sum their gradients and apply them once: the same update as
         one N-times-larger batch (batch-norm statistics aside) in 1/N the memory.

@@ -373,10 +373,10 @@ class StepBuilder:
         return XlaPlan(True, False, "auto: the whole step, if it compiles")
 
     def _compiles_convolutions(self, on_cpu: bool) -> bool:
-        """With "auto": whether forward and backward compile for a conv net with few random
-        draws on CPUs (XLA fuses around convolutions; bf16 ones are slow without oneDNN)."""
+        """With "auto", on CPUs without oneDNN (`plan` handles those first): whether forward
+        and backward compile for a conv net with few random draws (XLA fuses around them)."""
         return (on_cpu and self.precision in ("float32", "mixed_bfloat16")
-                and not self._custom_train_step and not convolutions_on_onednn(self.model, on_cpu)
+                and not self._custom_train_step
                 and has_convolutions(self.model) and not self._draws_are_costly())
 
     def _draws_are_costly(self) -> bool:

@@ -47,20 +47,24 @@ def test_auto_plan_for_mixed_bfloat16_on_cpu_compiles_update_and_elementwise_onl
     assert plan == XlaPlan(
         whole_step=False, gradients_only=False,
         why="auto: for mixed_bfloat16 on CPU the optimizer update and GELUs only (matmuls "
-            "stay on oneDNN)", apply_only=True, fuse_elementwise=True)
+            "stay on oneDNN)", apply_only=True, fuse_elementwise=True, fuse_batch_norm=True)
     assert steps.xla_plan() == (False, False, plan.why)  # what the start-up line logs
 
 
+# Where "auto" leaves the forward pass to TensorFlow's kernels, batch norms run fused
+# (loop/batch_norm.py); "off" swaps nothing.
 @pytest.mark.parametrize("precision, kwargs, expected", [
     ("float32", {}, XlaPlan(True, False, "auto: the whole step, if it compiles")),
     ("mixed_bfloat16", {"jit_compile": False}, XlaPlan(False, False, "off")),
     # N replicas: the optimizer update is one XLA program a device (loop/update.py).
     ("mixed_bfloat16", {"replicas": 2}, XlaPlan(
         False, False, "auto: the optimizer update on each of 2 replicas' devices",
-        apply_per_replica=True)),
+        apply_per_replica=True, fuse_batch_norm=True)),
     ("mixed_float16", {"replicas": 2}, XlaPlan(
-        False, False, "auto: off on 2 replicas (precision mixed_float16)")),
-    ("mixed_float16", {}, XlaPlan(False, False, "auto: off for mixed_float16 on CPU")),
+        False, False, "auto: off on 2 replicas (precision mixed_float16)",
+        fuse_batch_norm=True)),
+    ("mixed_float16", {}, XlaPlan(False, False, "auto: off for mixed_float16 on CPU",
+                                  fuse_batch_norm=True)),
 ])
 def test_other_plans_are_unchanged(tmp_path, precision, kwargs, expected):
     trainer = make_trainer(tmp_path, "t", precision, global_batch_size=8, **kwargs)

@@ -28,6 +28,7 @@ from absl import logging
 
 from tputrain import tracing
 from tputrain.guard import NonFiniteGuard
+from tputrain.loop.batch_norm import fused_call as fused_batch_norm_call
 from tputrain.loop.convolutions import convolutions_on_onednn, has_convolutions
 from tputrain.loop.inputs import zeros_of
 from tputrain.loop.pipeline import UpdatePipeline
@@ -54,6 +55,7 @@ class XlaPlan(NamedTuple):
     apply_only: bool = False  # the optimizer's update alone
     fuse_elementwise: bool = False  # ElementwiseFusion: GELUs (XLA) and layer norms
     apply_per_replica: bool = False  # the update as one XLA program a device (loop/update.py)
+    fuse_batch_norm: bool = False  # batch norms as TensorFlow's fused kernel (loop/batch_norm.py)
 
 
 _SQRT_HALF = math.sqrt(0.5)
@@ -164,19 +166,23 @@ def _layer_norm_call(layer: keras.layers.Layer) -> Callable | None:
 
 class ElementwiseFusion:
     """Small XLA programs for a model's GELUs (`FUSED_ACTIVATIONS`) and `layer_norm`
-    for its layer normalizations, used while a step traces.
+    for its layer normalizations (`elementwise`), and TensorFlow's fused kernel for
+    its batch norms (`batch_norm`, `tputrain.loop.batch_norm`), used while a step traces.
 
     The layers are swapped back on exit, so evaluation, export and FLOP counting
-    see the model unchanged. Each XLA program (and its gradient) fuses what
-    TensorFlow would run as ~10 kernels, each a full pass over a bf16 tensor.
+    see the model unchanged. Each replacement (and its gradient) fuses what
+    TensorFlow would run as ~10 kernels, each a full pass over the activations.
     """
 
-    def __init__(self, model: keras.Model):
+    def __init__(self, model: keras.Model, elementwise: bool = True, batch_norm: bool = False):
         self.swaps: list[tuple[keras.layers.Layer, str, Callable]] = []
         for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
-            if (fused := _fused_activation(getattr(layer, "activation", None))) is not None:
+            fused = _fused_activation(getattr(layer, "activation", None))
+            if elementwise and fused is not None:
                 self.swaps.append((layer, "activation", fused))
-            if (call := _layer_norm_call(layer)) is not None:
+            call = (_layer_norm_call(layer) if elementwise else None) or (
+                fused_batch_norm_call(layer) if batch_norm else None)
+            if call is not None:
                 self.swaps.append((layer, "call", call))
 
     @contextlib.contextmanager
@@ -257,6 +263,22 @@ def steps_program(step: Callable, steps: int, counter: tf.Variable,
     return run
 
 
+def _update_metrics(task: Task, metrics: list[keras.metrics.Metric], batch: Any,
+                    outputs: Any) -> None:
+    """The train metrics on a (micro-)batch, weighted by its sample weights if any
+    (as Keras `fit` updates them)."""
+    _, labels, weight = unpack_batch(batch)
+    extra = {} if weight is None else {"sample_weight": weight}  # a Task's without it works
+    tracing.user_call(task.update_metrics, metrics, labels, outputs, **extra)
+
+
+def fused_forward(plan: XlaPlan, auto: bool) -> XlaPlan:
+    """`plan`, with batch norms as TensorFlow's fused kernel (`tputrain.loop.batch_norm`)
+    when `auto` (jit_compile="auto", tputrain's own step, not a TPU) leaves the
+    forward pass to TensorFlow's kernels."""
+    return plan._replace(fuse_batch_norm=auto and not (plan.whole_step or plan.gradients_only))
+
+
 def check_model_train_step(model: keras.Model, task: Task) -> None:
     """Refuses a model that overrides `keras.Model.train_step`: the Trainer's step is the
     Task's and never calls it, so the model would silently train without it."""
@@ -323,7 +345,12 @@ class StepBuilder:
         return tuple(self.plan()[:3])
 
     def plan(self) -> XlaPlan:
-        """What `jit_compile` compiles, and why."""
+        """What `jit_compile` compiles, and why (and `fused_forward`)."""
+        tpu = isinstance(self.strategy, tf.distribute.TPUStrategy)
+        return fused_forward(self._plan(), self.jit_compile == "auto" and not tpu
+                             and not self._custom_train_step)
+
+    def _plan(self) -> XlaPlan:
         if isinstance(self.strategy, tf.distribute.TPUStrategy):
             return XlaPlan(False, False, "on (TPU: always compiled)")
         replicas = self.strategy.num_replicas_in_sync
@@ -418,7 +445,8 @@ class StepBuilder:
         else:
             compute = self._compute(jit_compile=plan.gradients_only)
             apply = self._apply(jit_compile=plan.apply_only)
-            fusion = ElementwiseFusion(self.model) if plan.fuse_elementwise else None
+            fusion = (ElementwiseFusion(self.model, plan.fuse_elementwise, plan.fuse_batch_norm)
+                      if plan.fuse_elementwise or plan.fuse_batch_norm else None)
             # Without accumulation, AutoGraph converts only the short path (tracing.py).
             gradients_of = (self._accumulate_gradients if self.accumulation_steps > 1
                             else self._batch_gradients)
@@ -544,17 +572,10 @@ class StepBuilder:
             return f"{type(error).__name__}: {_reason(error)}"
         return None
 
-    def _update_metrics(self, batch: Any, outputs: Any) -> None:
-        """The train metrics on a (micro-)batch, weighted by its sample weights if any
-        (as Keras `fit` updates them)."""
-        _, labels, weight = unpack_batch(batch)
-        extra = {} if weight is None else {"sample_weight": weight}  # a Task's without it works
-        tracing.user_call(self.task.update_metrics, self.train_metrics, labels, outputs, **extra)
-
     def _batch_gradients(self, batch: Any, compute: Callable) -> tuple[list[Any], tf.Tensor]:
         """Replica context: the gradients and loss of one batch (no accumulation)."""
         gradients, loss, outputs = compute(batch)
-        self._update_metrics(batch, outputs)
+        _update_metrics(self.task, self.train_metrics, batch, outputs)
         return list(gradients), loss
 
     def _accumulate_gradients(self, batch: Any, compute: Callable) -> tuple[list[Any], tf.Tensor]:
@@ -571,7 +592,7 @@ class StepBuilder:
         def micro_step(i, sums, loss):
             micro = tf.nest.map_structure(lambda t: t[i], batch)
             gradients, micro_loss, outputs = compute(micro)
-            self._update_metrics(micro, outputs)
+            _update_metrics(self.task, self.train_metrics, micro, outputs)
             new_sums = []
             for index, (total, gradient) in enumerate(zip(sums, gradients)):
                 if gradient is None:

@@ -2,6 +2,8 @@
 while a step traces without XLA: the same values, gradients and moving statistics,
 and Keras's own call wherever the fused kernel does not cover the layer."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -209,3 +211,45 @@ def test_auto_runs_a_conv_nets_batch_norms_fused_on_onednn_and_trains_as_keras(
                                    err_msg=mine.path)
     for layer in auto.model._flatten_layers(include_self=False, recursive=True):
         assert "call" not in vars(layer)  # swapped back after tracing
+
+
+def _gradients_and_statistics(model, fusion, images, labels):
+    @tf.function
+    def run():
+        with fusion.active() if fusion else contextlib.nullcontext():
+            with tf.GradientTape() as tape:
+                logits = model(images, training=True)
+                loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                    labels, logits, from_logits=True))
+        return tape.gradient(loss, model.trainable_variables)
+    saved = [v.numpy() for v in model.variables]
+    kernels = {op.type for op in run.get_concrete_function().graph.get_operations()}
+    assert ("FusedBatchNormV3" in kernels) == (fusion is not None)
+    grads = [g.numpy() for g in run()]
+    statistics = [v.numpy() for v in model.non_trainable_variables]
+    for variable, value in zip(model.variables, saved):
+        variable.assign(value)
+    return grads, statistics
+
+
+def test_a_keras_applications_model_trains_fused_as_with_keras_batch_norm():
+    """MobileNetV3Small (weights=None): every batch norm is swapped, and one training
+    call's gradients and moving statistics are Keras's to float32 rounding."""
+    keras.mixed_precision.set_global_policy("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.applications.MobileNetV3Small(
+        input_shape=(32, 32, 3), weights=None, classes=4, include_preprocessing=False,
+        classifier_activation=None, dropout_rate=0.0)
+    fusion = ElementwiseFusion(model, elementwise=False, batch_norm=True)
+    norms = [layer for layer in model._flatten_layers(include_self=False, recursive=True)
+             if isinstance(layer, keras.layers.BatchNormalization)]
+    assert len(fusion.swaps) == len(norms) > 10
+    images = tf.random.stateless_uniform([8, 32, 32, 3], [1, 2], -1.0, 1.0)
+    labels = tf.random.stateless_uniform([8], [3, 4], 0, 4, tf.int32)
+    expected = _gradients_and_statistics(model, None, images, labels)
+    fused = _gradients_and_statistics(model, fusion, images, labels)
+    for mine, theirs in zip(fused, expected):
+        assert len(mine) == len(theirs)
+        distance = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(mine, theirs)))
+        size = np.sqrt(sum(np.sum(b ** 2) for b in theirs))
+        assert distance <= 1e-4 * size

@@ -176,7 +176,10 @@ class TrainerOptions:
         such as Dropout (XLA's CPU random-number generation is far slower than
         TensorFlow's kernels), nor a conv net where TensorFlow runs oneDNN on the CPU
         (its convolutions are faster than XLA's CPU ones; in bf16 on one replica
-        only GELUs and layer norms are compiled).
+        only GELUs and layer norms are compiled). Wherever "auto" leaves the
+        forward pass uncompiled (not on a TPU), Keras's 4-D channels-last batch
+        norms run as TensorFlow's fused kernel while the step traces, with
+        Keras's maths (`tputrain/loop/batch_norm.py`); False swaps nothing.
       accumulation_steps: split each step's `global_batch_size` examples into N
         micro-batches, sum their gradients and apply them once: the same update as
         one N-times-larger batch (batch-norm statistics aside) in 1/N the memory.

@@ -55,10 +55,15 @@ def _run(layer, x, call=None, training=True):
     return found
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"center": False}, {"scale": False, "momentum": 0.9}])
-def test_fused_call_is_keras_batch_norm_its_gradients_and_moving_statistics(kwargs):
+@pytest.mark.parametrize("shape, kwargs", [
+    ((6, 5, 4, 8), {}), ((6, 5, 4, 8), {"center": False}),
+    ((6, 5, 4, 8), {"scale": False, "momentum": 0.9}),
+    ((6, 8), {}),             # a Dense's outputs: reshaped for the kernel
+    ((6, 7, 8), {}),          # a Conv1D's
+    ((2, 3, 4, 5, 8), {}),    # a Conv3D's
+])
+def test_fused_call_is_keras_batch_norm_its_gradients_and_moving_statistics(shape, kwargs):
     keras.mixed_precision.set_global_policy("float32")
-    shape = (6, 5, 4, 8)
     layer = _layer(shape, **kwargs)
     x = tf.random.stateless_normal(shape, [9, 10]) * 3.0 + 1.0
     expected = _run(layer, x)
@@ -96,9 +101,8 @@ def test_batch_of_one_example_gives_keras_zero_variance():
 
 
 @pytest.mark.parametrize("shape, kwargs", [
-    ((6, 8), {}),                      # a Dense's output: no spatial axes
-    ((2, 3, 4, 5, 8), {}),             # Conv3D
     ((6, 8, 4, 4), {"axis": 1}),       # channels first
+    ((6, 8), {"axis": 0}),
     ((6, 4, 4, 8), {"renorm": True}),
     ((6, 4, 4, 8), {"synchronized": True}),
 ])

@@ -177,7 +177,7 @@ class TrainerOptions:
         TensorFlow's kernels), nor a conv net where TensorFlow runs oneDNN on the CPU
         (its convolutions are faster than XLA's CPU ones; in bf16 on one replica
         only GELUs and layer norms are compiled). Wherever "auto" leaves the
-        forward pass uncompiled (not on a TPU), Keras's 4-D channels-last batch
+        forward pass uncompiled (not on a TPU), Keras's channels-last batch
         norms run as TensorFlow's fused kernel while the step traces, with
         Keras's maths (`tputrain/loop/batch_norm.py`); False swaps nothing.
       accumulation_steps: split each step's `global_batch_size` examples into N

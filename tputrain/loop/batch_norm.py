@@ -12,9 +12,11 @@ CPU) the step swaps the fused kernel in while it traces (`ElementwiseFusion` in
 The maths is Keras's: normalized by the batch's biased variance, computed in
 float32 whatever the policy, moving statistics updated as
 `moving * momentum + batch * (1 - momentum)` with the biased variance (the kernel
-returns the unbiased one; it is rescaled). Calls the kernel does not cover
-(inference, a frozen layer, a mask, other than 4-D channels-last inputs, float64)
-run Keras's call.
+returns the unbiased one; it is rescaled). Inputs of another rank than the
+kernel's four (a Dense's or a Conv1D's outputs) are reshaped to [examples, 1, 1,
+channels]: the statistics are over every axis but the channels' either way.
+Calls the kernel does not cover (inference, a frozen layer, a mask, channels not
+last, float64) run Keras's call.
 """
 
 from __future__ import annotations
@@ -52,14 +54,18 @@ def fused_call(layer: keras.layers.Layer) -> Callable | None:
 
 
 def _covered(layer: keras.layers.Layer, inputs: Any, training: Any, mask: Any) -> bool:
-    """A training call of a trainable layer on unmasked 4-D channels-last inputs."""
+    """A training call of a trainable layer on unmasked channels-last inputs."""
     rank = tf.TensorShape(inputs.shape).rank
-    return (training is True and layer.trainable and mask is None and rank == 4
-            and layer.axis % rank == 3 and tf.as_dtype(inputs.dtype) != tf.float64)
+    return (training is True and layer.trainable and mask is None and rank is not None
+            and rank >= 2 and layer.axis % rank == rank - 1
+            and tf.as_dtype(inputs.dtype) != tf.float64)
 
 
 def _train_call(layer: keras.layers.Layer, inputs: tf.Tensor) -> tf.Tensor:
     x = tf.cast(inputs, tf.float32)
+    shape = tf.shape(x)
+    if x.shape.rank != 4:
+        x = tf.reshape(x, [-1, 1, 1, x.shape[-1]])
     moving_mean = tf.cast(layer.moving_mean.value, tf.float32)
     moving_variance = tf.cast(layer.moving_variance.value, tf.float32)
     channels = tf.TensorShape(x.shape)[-1]
@@ -71,4 +77,4 @@ def _train_call(layer: keras.layers.Layer, inputs: tf.Tensor) -> tf.Tensor:
     momentum = layer.momentum
     layer.moving_mean.assign(moving_mean * momentum + mean * (1.0 - momentum))
     layer.moving_variance.assign(moving_variance * momentum + variance * (1.0 - momentum))
-    return tf.cast(y, layer.compute_dtype)
+    return tf.cast(y if inputs.shape.rank == 4 else tf.reshape(y, shape), layer.compute_dtype)

@@ -36,6 +36,7 @@ from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from tputrain.actions import Action
 from tputrain.checkpointing.files import list_checkpoints
+from tputrain.checkpointing.model_variables import ROOT as MODEL_VARIABLES
 from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.checks import check_bool
 
@@ -140,8 +141,8 @@ def read_tf_checkpoint(prefix: str) -> Source:
     graph = trackable_object_graph_pb2.TrackableObjectGraph()
     graph.ParseFromString(reader.get_tensor(_GRAPH_KEY))
     roots = {child.local_name: child.node_id for child in graph.nodes[0].children}
-    if "model" in roots:
-        model_nodes = _reachable(graph, [roots["model"]])
+    if "model" in roots:  # and the weights Keras leaves out of its object graph
+        model_nodes = _reachable(graph, [roots[n] for n in ("model", MODEL_VARIABLES) if n in roots])
     else:  # a checkpoint of some other object: every weight that is not bookkeeping
         model_nodes = _reachable(graph, [i for n, i in roots.items() if n not in _NOT_WEIGHTS])
     optimizer_nodes = set()

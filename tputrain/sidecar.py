@@ -42,6 +42,7 @@ from absl import logging
 
 from tputrain.checkpointing.files import list_checkpoints
 from tputrain.checkpointing.integrity import CheckpointMismatchError, describe_mismatch
+from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.recovery import UNREADABLE_ERRORS, read_newest
 from tputrain.checks import check_int
 from tputrain.lock import ModelDirInUseError, lock_model_dir, release_model_dir
@@ -111,7 +112,7 @@ def read_checkpoint(trainer: Trainer, path: str) -> None:
     `Trainer.ema_decay`, the EMA weights too, which evaluation and predict use."""
     ema = {"ema": trainer.ema.state} if trainer.ema is not None else {}
     try:
-        tf.train.Checkpoint(step=trainer.step, model=trainer.model, **ema).read(path) \
+        tf.train.Checkpoint(step=trainer.step, **model_trackables(trainer.model), **ema).read(path) \
             .expect_partial().assert_existing_objects_matched()
     except (AssertionError, ValueError) as error:  # another model's, or damaged?
         problems = describe_mismatch(trainer.checkpointer.checkpoint, path)

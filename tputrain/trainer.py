@@ -25,6 +25,7 @@ from tputrain.actions import (Action, CommunicationAction, MFUAction, NonFiniteP
                               PreemptionAction, ProfilerAction, check_actions)
 from tputrain.aggregation import with_aggregates
 from tputrain.checkpointing.manager import Checkpointer
+from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain import compile_cache
 from tputrain.checks import check_int
@@ -175,8 +176,7 @@ class Trainer:
 
     def _build_checkpointer(self) -> None:
         """Checkpoints (the chief's; other workers write a temp dir), pre-flight, progress."""
-        # Non-chief workers must still take part in saves; they write to a temp dir.
-        self._work_dir = (self.model_dir if self.is_chief
+        self._work_dir = (self.model_dir if self.is_chief  # the others take part in saves
                           else tempfile.mkdtemp(prefix="tputrain-worker-"))
         self._train_iterator, self._train_loop_fn, per_host = None, None, {}
         self._replica_stats: ReplicaStatistics | None = None
@@ -192,7 +192,8 @@ class Trainer:
             [v for v in self.optimizer.variables if v.name == "learning_rate"],
             keep=self.keep_checkpoints, per_host=per_host, host=(self.host_id, self.num_hosts),
             barrier=lambda: self._max_over_hosts(0), input_layout=self.inputs.layout(),
-            reposition=self._reposition_input, model=self.model, optimizer=self.optimizer,
+            reposition=self._reposition_input,
+            **model_trackables(self.model), optimizer=self.optimizer,  # "model" first: its keys
             seeds=seed_generator_states(self.model), nonfinite_steps=self.guard.nonfinite_steps,
             **({"ema": self.ema.state} if self.ema else {}), **checkpointed(
                 self.inputs.source_counter), async_save=self.checkpoint.async_save,

@@ -4,7 +4,10 @@ A checkpoint holds the model, the optimizer (with its slots), the step, the
 host's input iterator (the data position, including shuffle buffers) and the
 state of every Keras `SeedGenerator` in the model. Keras does not expose the
 seed generators to `tf.train.Checkpoint`, so without tracking them explicitly
-dropout masks after a resume differ from an uninterrupted run.
+dropout masks after a resume differ from an uninterrupted run. Nor does it expose
+the weights of layers a subclassed model keeps in a list or dict: those are saved
+under a second root (`model_variables.py`), and every reader of the model (resume,
+export, the eval side-car, fine-tuning, the precision audit) reads both.
 
 Integrity, in the order things can go wrong:
 

@@ -31,6 +31,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.data import InputContext
+from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.precision.layers import override_layer_dtypes, sublayers
 from tputrain.options import PrecisionOptions
 from tputrain.precision.policy import set_precision_policy, to_float32
@@ -178,7 +179,7 @@ def _restore(model: keras.Model, checkpoint: str) -> str:
     if not path:
         raise ValueError(f"no checkpoint in {checkpoint!r}: pass a model_dir/checkpoints folder "
                          "or a checkpoint prefix, or omit it to audit the initial weights")
-    tf.train.Checkpoint(model=model).restore(path).expect_partial()
+    tf.train.Checkpoint(**model_trackables(model)).restore(path).expect_partial()
     return path
 
 

@@ -1,0 +1,131 @@
+"""tputrain/checkpointing/model_variables.py: every weight of a user's model is in
+its checkpoints, those of layers a subclassed model keeps in a list included.
+
+Keras 3 on TensorFlow keeps a layer's list attributes in its own TrackedList, which
+TensorFlow's checkpoints do not traverse: before the fix a resumed run reset such a
+layer's BatchNorm statistics, and an export, the eval side-car and a fine-tuning run
+read none of its weights.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tputrain
+from tiny import strategy_for
+from tputrain.checkpointing.model_variables import model_trackables
+from tputrain.export import export_checkpoint, restored_model
+from tputrain.init_checkpoint import read_tf_checkpoint
+from tputrain.sidecar import ReadOnlyTrainer, read_checkpoint
+
+
+class ListedBlocks(keras.Model):
+    """Conv, then blocks kept in a list (a BatchNorm and a Dense), then a head."""
+
+    def __init__(self):  # named: the same paths in every instance (fine-tuning matches them)
+        super().__init__(name="listed")
+        self.conv = keras.layers.Conv2D(4, 3, padding="same", name="conv")
+        self.blocks = [keras.layers.BatchNormalization(momentum=0.5, name="norm"),
+                       keras.layers.Dense(6, activation="relu", name="hidden")]
+        self.head = keras.layers.Dense(3, dtype="float32", name="head")
+
+    def call(self, inputs, training=None):
+        x = self.blocks[0](self.conv(inputs["image"]), training=training)
+        return self.head(self.blocks[1](tf.reduce_mean(x, [1, 2])))
+
+
+class ListedTask(tputrain.Task):
+    def build_model(self):
+        return ListedBlocks()
+
+    def build_inputs(self, split, input_context):
+        images = tf.random.stateless_normal([32, 6, 6, 2], [1, 2]) * 2.0 + 1.0
+        labels = tf.random.stateless_uniform([32], [3, 4], 0, 3, tf.int32)
+        dataset = tf.data.Dataset.from_tensor_slices(({"image": images}, labels))
+        return dataset.repeat().batch(input_context.get_per_replica_batch_size(8),
+                                      drop_remainder=True)
+
+    def build_optimizer(self):
+        return tputrain.build_optimizer("sgd", learning_rate=0.1)
+
+    def compute_loss(self, labels, outputs):
+        return keras.losses.sparse_categorical_crossentropy(labels, outputs, from_logits=True)
+
+
+def _trainer(model_dir, replicas=1, steps=3, cls=tputrain.Trainer, **kwargs):
+    return cls(ListedTask(), str(model_dir), strategy=strategy_for(replicas),
+               train_steps=steps, steps_per_loop=steps, global_batch_size=8,
+               checkpoint_every=10**9, eval_steps=1, seed=0, **kwargs)
+
+
+def _assert_same_weights(model, trained):
+    assert len(model.variables) == len(trained) == 10
+    for variable, value in zip(model.variables, trained):
+        np.testing.assert_array_equal(variable.numpy(), value, err_msg=variable.path)
+
+
+@pytest.fixture(name="trained")
+def _trained(tmp_path):
+    trainer = _trainer(tmp_path / "run")
+    trainer.train()
+    values = [v.numpy() for v in trainer.model.variables]
+    moving = [w for v, w in zip(trainer.model.variables, values) if "moving" in v.path]
+    assert not np.allclose(moving[0], 0.0) and not np.allclose(moving[1], 1.0)  # they moved
+    return trainer, values
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_resumed_run_gets_back_the_listed_layers_statistics(tmp_path, replicas):
+    first = _trainer(tmp_path / "run", replicas)
+    first.train()
+    trained = [v.numpy() for v in first.model.variables]
+    resumed = _trainer(tmp_path / "run", replicas, steps=3)
+    resumed.train()  # restores step 3: nothing left to train
+    _assert_same_weights(resumed.model, trained)
+
+
+def test_an_export_serves_the_listed_layers_weights(tmp_path, trained):
+    trainer, values = trained
+    _assert_same_weights(restored_model(trainer, trainer.checkpointer.latest), values)
+    served = tf.saved_model.load(export_checkpoint(trainer, export_dir=str(tmp_path / "export")))
+    images = tf.random.stateless_normal([4, 6, 6, 2], [7, 8])
+    outputs = list(served.signatures["serving_default"](image=images).values())[0]
+    np.testing.assert_allclose(outputs, trainer.model({"image": images}, training=False),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_the_eval_side_car_reads_the_listed_layers_weights(trained):
+    trainer, values = trained
+    reader = _trainer(trainer.model_dir, cls=ReadOnlyTrainer)
+    read_checkpoint(reader, trainer.checkpointer.latest)
+    _assert_same_weights(reader.model, values)
+
+
+def test_fine_tuning_sees_the_listed_layers_weights(trained):
+    """InitCheckpoint reads the model's weights from both roots. (It names a weight
+    by the TensorFlow name saved with it, here "listed/<weight>": the kernels and
+    biases of this model's three layers share names, so only the batch norm's are
+    unambiguous; before the fix none of them was in the checkpoint's model.)"""
+    trainer, _ = trained
+    source = read_tf_checkpoint(trainer.checkpointer.latest)
+    assert {"listed/gamma", "listed/beta", "listed/moving_mean",
+            "listed/moving_variance"} <= set(source.weights)
+
+
+def test_only_a_model_with_weights_out_of_the_object_graph_gets_a_second_root():
+    """A model whose weights TensorFlow's object graph reaches keeps its checkpoint
+    keys as before; a listed layer's weights are named by their place in
+    `model.variables`."""
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.BatchNormalization()(inputs)))
+    assert list(model_trackables(model)) == ["model"]
+    listed = ListedBlocks()
+    listed({"image": tf.zeros([1, 6, 6, 2])})
+    trackables = model_trackables(listed)
+    assert list(trackables) == ["model", "model_variables"]
+    held = {name: v.path for name, v in vars(trackables["model_variables"]).items()
+            if isinstance(v, keras.Variable)}
+    listed_paths = [v.path for v in listed.variables[2:8]]  # the BatchNorm's 4, the Dense's 2
+    assert sorted(held.values()) == sorted(listed_paths)
+    assert sorted(held) == [f"variable_{i}" for i in range(2, 8)]

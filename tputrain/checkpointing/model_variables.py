@@ -1,0 +1,39 @@
+"""Every weight of the model in its checkpoints, those TensorFlow's object graph misses.
+
+Why: Keras 3 on TensorFlow keeps a layer's list and dict attributes in its own
+`TrackedList`/`TrackedDict`, which TensorFlow's checkpoints do not traverse. A
+subclassed model's `self.blocks = [Block(), ...]` then saved none of its blocks'
+weights under "model": their trainable weights were saved only as the optimizer's
+references (a resume got them back, an export, the eval side-car and fine-tuning,
+which read the model alone, did not), and their non-trainable ones (BatchNorm's
+moving statistics) not at all, so a resumed run reset them silently.
+
+`model_trackables` adds a second root, "model_variables", holding the weights the
+object graph does not reach from the model, each named by its place in
+`model.variables` (the order the model's code builds them in, which a rebuilt model
+repeats; Keras's paths are not stable: a second instance is "model_1/...").
+A model whose weights are all reached keeps its checkpoint exactly as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+ROOT = "model_variables"
+
+
+def model_trackables(model: keras.Model) -> dict[str, Any]:
+    """{"model": model}, and ROOT with the weights the object graph misses, if any:
+    what every checkpoint that holds the model saves or reads."""
+    reached = {id(obj) for obj in tf.train.TrackableView(model).descendants()}
+    missed = {f"variable_{index}": variable for index, variable in enumerate(model.variables)
+              if id(variable) not in reached}
+    if not missed:
+        return {"model": model}
+    holder = tf.Module(name=ROOT)
+    for name, variable in missed.items():
+        setattr(holder, name, variable)
+    return {"model": model, ROOT: holder}

@@ -129,3 +129,28 @@ def test_only_a_model_with_weights_out_of_the_object_graph_gets_a_second_root():
     listed_paths = [v.path for v in listed.variables[2:8]]  # the BatchNorm's 4, the Dense's 2
     assert sorted(held.values()) == sorted(listed_paths)
     assert sorted(held) == [f"variable_{i}" for i in range(2, 8)]
+
+
+def test_a_checkpoint_from_before_the_second_root_resumes_with_a_warning(
+        tmp_path, monkeypatch, caplog):
+    """An older tputrain saved such a model without `model_variables`: the run resumes
+    from it (the optimizer's references give back the listed trainable weights) and
+    names the statistics it cannot give back, instead of refusing the checkpoint."""
+    from tputrain import trainer as trainer_module
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer_module, "model_trackables", lambda model: {"model": model})
+        old = _trainer(tmp_path / "run")
+        old.train()
+    trained = {v.path: v.numpy() for v in old.model.variables}
+    resumed = _trainer(tmp_path / "run", steps=4)
+    resumed.checkpointer.check_compatible()  # the pre-flight accepts it too
+    with caplog.at_level("WARNING"):
+        assert resumed.checkpointer.restore_latest().endswith("ckpt-3")
+    assert "listed/norm/moving_mean, listed/norm/moving_variance keep their current" in caplog.text
+    for variable in resumed.model.variables:
+        if "moving" not in variable.path:
+            np.testing.assert_array_equal(variable.numpy(), trained[variable.path])
+    resumed.train()
+    assert resumed.current_step == 4
+    assert any(key.startswith("model_variables/") for key, _ in
+               tf.train.list_variables(resumed.checkpointer.latest))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Iterable, Sequence
 
+import keras
 import tensorflow as tf
 from absl import logging
 
@@ -20,6 +21,7 @@ from tputrain.checkpointing.host_state import HostState
 from tputrain.checkpointing.integrity import (SHOW, CheckpointMismatchError, FiniteCheck,
                                               NonFiniteStateError, describe_mismatch)
 from tputrain.checkpointing.layout import LayoutRecord
+from tputrain.checkpointing.model_variables import ROOT as MODEL_VARIABLES
 from tputrain.checkpointing.recovery import newest_readable, tidy_after_restore
 from tputrain.input_layout import InputLayout, LayoutChange, saved_layout
 
@@ -126,7 +128,7 @@ class Checkpointer:
             try:
                 reader = tf.train.load_checkpoint(path)
                 ignore = self._layout.data_keys(self._layout.differs(saved_layout(reader)))
-                problems = describe_mismatch(self.checkpoint, path, ignore)
+                problems = describe_mismatch(self._checkpoint_for(reader), path, ignore)
             except (tf.errors.OpError, ValueError, IndexError):
                 continue  # unreadable: restore_latest falls back past it
             if problems:
@@ -170,11 +172,12 @@ class Checkpointer:
         reader = tf.train.load_checkpoint(path)
         saved = saved_layout(reader)
         change = self._layout.change(path, reader, saved)
-        problems = describe_mismatch(self.checkpoint, path,
+        problems = describe_mismatch(self._checkpoint_for(reader), path,
                                      self._layout.data_keys(change is not None))
         if problems:
             raise CheckpointMismatchError(self._mismatch_message(path, problems))
-        left_out = self._layout.left_out(change, saved)
+        left_out = self._layout.left_out(change, saved) | self._older_than_model_variables(
+            reader, path)
         try:
             if not left_out:
                 self.checkpoint.restore(path).assert_consumed()
@@ -198,6 +201,32 @@ class Checkpointer:
         """This run's layout and where its data started: what the next save records
         (after a restore, `input_steps(step)` is the input's position)."""
         return self._layout.recorded()
+
+    def _checkpoint_for(self, reader: Any) -> tf.train.Checkpoint:
+        """What `reader`'s checkpoint was written from: this run's objects, without
+        `model_variables` if it predates that root (`_older_than_model_variables`)."""
+        if not self._older_than_model_variables(reader):
+            return self.checkpoint
+        return tf.train.Checkpoint(**{name: obj for name, obj in self._saveables().items()
+                                      if name != MODEL_VARIABLES})
+
+    def _older_than_model_variables(self, reader: Any, path: str | None = None) -> set[str]:
+        """{MODEL_VARIABLES} if this model needs that root and the checkpoint has none
+        (written before tputrain saved the weights Keras hides from TensorFlow's
+        checkpoints): restored as written then, its optimizer giving back the listed
+        layers' trainable weights; with `path`, a warning names what it cannot."""
+        holder = self._trackables.get(MODEL_VARIABLES)
+        if holder is None or any(key.startswith(f"{MODEL_VARIABLES}/")
+                                 for key in reader.get_variable_to_shape_map()):
+            return set()
+        if path is not None:
+            kept = [v.path for v in vars(holder).values()
+                    if isinstance(v, keras.Variable) and not v.trainable]
+            logging.warning(
+                "tputrain: %s predates the saving of weights of layers a subclassed model "
+                "keeps in a list or dict; restoring it as written: %s keep their current "
+                "values (the next save holds everything)", path, ", ".join(kept) or "nothing")
+        return {MODEL_VARIABLES}
 
     def _saveables(self) -> dict[str, Any]:
         """What `self.checkpoint` saves, by name (save_counter aside)."""

@@ -143,6 +143,7 @@ def test_a_checkpoint_from_before_the_second_root_resumes_with_a_warning(
         old.train()
     trained = {v.path: v.numpy() for v in old.model.variables}
     resumed = _trainer(tmp_path / "run", steps=4)
+    restored_model(resumed, resumed.checkpointer.latest)  # an export reads it (the model's part)
     resumed.checkpointer.check_compatible()  # the pre-flight accepts it too
     with caplog.at_level("WARNING"):
         assert resumed.checkpointer.restore_latest().endswith("ckpt-3")

@@ -141,7 +141,7 @@ def restored_model(trainer: "Trainer", checkpoint: str) -> keras.Model:
     model = trainer.task.build_model()
     ensure_built(model, trainer.inputs.micro_batch_spec()[0])
     override_layer_dtypes(model, trainer.options.precision.keep_float32_layers)  # as trained
-    tf.train.Checkpoint(**model_trackables(model)).read(checkpoint).expect_partial() \
+    tf.train.Checkpoint(**model_trackables(model, checkpoint)).read(checkpoint).expect_partial() \
         .assert_existing_objects_matched()
     if trainer.options.ema_decay is not None and load_averages(model, checkpoint):
         logging.info("tputrain: exporting the EMA weights of %s", checkpoint)

@@ -112,7 +112,8 @@ def read_checkpoint(trainer: Trainer, path: str) -> None:
     `Trainer.ema_decay`, the EMA weights too, which evaluation and predict use."""
     ema = {"ema": trainer.ema.state} if trainer.ema is not None else {}
     try:
-        tf.train.Checkpoint(step=trainer.step, **model_trackables(trainer.model), **ema).read(path) \
+        model = model_trackables(trainer.model, path)
+        tf.train.Checkpoint(step=trainer.step, **model, **ema).read(path) \
             .expect_partial().assert_existing_objects_matched()
     except (AssertionError, ValueError) as error:  # another model's, or damaged?
         problems = describe_mismatch(trainer.checkpointer.checkpoint, path)

@@ -21,16 +21,29 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from absl import logging
 
 ROOT = "model_variables"
 
 
-def model_trackables(model: keras.Model) -> dict[str, Any]:
+def model_trackables(model: keras.Model, reading: str | None = None) -> dict[str, Any]:
     """{"model": model}, and ROOT with the weights the object graph misses, if any:
-    what every checkpoint that holds the model saves or reads."""
+    what every checkpoint that holds the model saves or reads.
+
+    `reading`: a checkpoint to read the model alone from (export, side-car). One
+    written before ROOT existed is read without it, with a warning: its listed
+    layers' weights keep the values they have (it never held them for the model).
+    """
     reached = {id(obj) for obj in tf.train.TrackableView(model).descendants()}
     missed = {f"variable_{index}": variable for index, variable in enumerate(model.variables)
               if id(variable) not in reached}
+    if missed and reading is not None and not any(
+            key.startswith(f"{ROOT}/")
+            for key in tf.train.load_checkpoint(reading).get_variable_to_shape_map()):
+        logging.warning("tputrain: %s predates the saving of weights of layers a subclassed "
+                        "model keeps in a list or dict: %s keep their current values", reading,
+                        ", ".join(v.path for v in missed.values()))
+        missed = {}
     if not missed:
         return {"model": model}
     holder = tf.Module(name=ROOT)

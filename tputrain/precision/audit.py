@@ -179,7 +179,7 @@ def _restore(model: keras.Model, checkpoint: str) -> str:
     if not path:
         raise ValueError(f"no checkpoint in {checkpoint!r}: pass a model_dir/checkpoints folder "
                          "or a checkpoint prefix, or omit it to audit the initial weights")
-    tf.train.Checkpoint(**model_trackables(model)).restore(path).expect_partial()
+    tf.train.Checkpoint(**model_trackables(model, path)).restore(path).expect_partial()
     return path
 
 

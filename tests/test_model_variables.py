@@ -155,3 +155,13 @@ def test_a_checkpoint_from_before_the_second_root_resumes_with_a_warning(
     assert resumed.current_step == 4
     assert any(key.startswith("model_variables/") for key, _ in
                tf.train.list_variables(resumed.checkpointer.latest))
+
+
+def test_dropout_seed_states_stay_under_their_own_root():
+    """Keras hides seed generators from TensorFlow's object graph too; they are saved
+    as "seeds" (checkpointing/seeds.py), not again here: a model with Dropout keeps
+    its checkpoint keys."""
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Dropout(0.5)(inputs)))
+    assert any("seed" in v.path for v in model.variables)
+    assert list(model_trackables(model)) == ["model"]

@@ -12,7 +12,8 @@ moving statistics) not at all, so a resumed run reset them silently.
 object graph does not reach from the model, each named by its place in
 `model.variables` (the order the model's code builds them in, which a rebuilt model
 repeats; Keras's paths are not stable: a second instance is "model_1/...").
-A model whose weights are all reached keeps its checkpoint exactly as before.
+A model whose weights are all reached keeps its checkpoint exactly as before. (Keras's
+seed generators, hidden the same way, have their own root: `seeds.py`.)
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 from absl import logging
+
+from tputrain.checkpointing.seeds import seed_generator_states
 
 ROOT = "model_variables"
 
@@ -35,6 +38,7 @@ def model_trackables(model: keras.Model, reading: str | None = None) -> dict[str
     layers' weights keep the values they have (it never held them for the model).
     """
     reached = {id(obj) for obj in tf.train.TrackableView(model).descendants()}
+    reached.update(id(state) for state in seed_generator_states(model))  # saved as "seeds"
     missed = {f"variable_{index}": variable for index, variable in enumerate(model.variables)
               if id(variable) not in reached}
     if missed and reading is not None and not any(

@@ -223,9 +223,10 @@ class Checkpointer:
             kept = [v.path for v in vars(holder).values()
                     if isinstance(v, keras.Variable) and not v.trainable]
             logging.warning(
-                "tputrain: %s predates the saving of weights of layers a subclassed model "
-                "keeps in a list or dict; restoring it as written: %s keep their current "
-                "values (the next save holds everything)", path, ", ".join(kept) or "nothing")
+                "tputrain: %s holds no value for the weights of layers a subclassed model "
+                "keeps in a list or dict (written before tputrain saved them, or by a model "
+                "without them); restoring it as written: %s keep their current values "
+                "(the next save holds everything)", path, ", ".join(kept) or "nothing")
         return {MODEL_VARIABLES}
 
     def _saveables(self) -> dict[str, Any]:

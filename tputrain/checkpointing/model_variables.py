@@ -24,6 +24,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tputrain.checkpointing.integrity import VARIABLE_SUFFIX
 from tputrain.checkpointing.seeds import seed_generator_states
 
 ROOT = "model_variables"
@@ -33,24 +34,42 @@ def model_trackables(model: keras.Model, reading: str | None = None) -> dict[str
     """{"model": model}, and ROOT with the weights the object graph misses, if any:
     what every checkpoint that holds the model saves or reads.
 
-    `reading`: a checkpoint to read the model alone from (export, side-car). One
-    written before ROOT existed is read without it, with a warning: its listed
-    layers' weights keep the values they have (it never held them for the model).
+    `reading`: a checkpoint to read the model alone from (export, side-car, audit).
+    One without ROOT is read without it (`_read_without_root`).
     """
     reached = {id(obj) for obj in tf.train.TrackableView(model).descendants()}
     reached.update(id(state) for state in seed_generator_states(model))  # saved as "seeds"
     missed = {f"variable_{index}": variable for index, variable in enumerate(model.variables)
               if id(variable) not in reached}
-    if missed and reading is not None and not any(
-            key.startswith(f"{ROOT}/")
-            for key in tf.train.load_checkpoint(reading).get_variable_to_shape_map()):
-        logging.warning("tputrain: %s predates the saving of weights of layers a subclassed "
-                        "model keeps in a list or dict: %s keep their current values", reading,
-                        ", ".join(v.path for v in missed.values()))
-        missed = {}
+    if missed and reading is not None:
+        reader = tf.train.load_checkpoint(reading)
+        if not any(key.startswith(f"{ROOT}/") for key in reader.get_variable_to_shape_map()):
+            _read_without_root(model, list(missed.values()), reader, reading)
+            missed = {}
     if not missed:
         return {"model": model}
     holder = tf.Module(name=ROOT)
     for name, variable in missed.items():
         setattr(holder, name, variable)
     return {"model": model, ROOT: holder}
+
+
+def _read_without_root(model: keras.Model, missed: list[Any], reader: Any, path: str) -> None:
+    """A checkpoint without ROOT (written before it existed, or by a model without such
+    layers): the missed trainable weights are read from the optimizer's references to
+    the model's trainable variables, where it has them with their shapes; the others
+    keep their values, with a warning naming them."""
+    shapes = reader.get_variable_to_shape_map()
+    place = {id(v): n for n, v in enumerate(model.trainable_variables)}
+    kept = []
+    for variable in missed:
+        key = f"optimizer/_trainable_variables/{place.get(id(variable))}{VARIABLE_SUFFIX}"
+        if id(variable) in place and tuple(shapes.get(key, ())) == tuple(variable.shape):
+            variable.assign(reader.get_tensor(key))
+        else:
+            kept.append(variable.path)
+    if kept:
+        logging.warning(
+            "tputrain: %s holds no value for %s (weights of layers a subclassed model keeps "
+            "in a list or dict: it was written before tputrain saved them, or by a model "
+            "without them); they keep their current values", path, ", ".join(kept))

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import tputrain
 from tiny import strategy_for
-from tputrain.checkpointing.model_variables import model_trackables
+from tputrain.checkpointing.model_variables import has_root, model_trackables
 from tputrain.export import export_checkpoint, restored_model
 from tputrain.init_checkpoint import read_tf_checkpoint
 from tputrain.sidecar import ReadOnlyTrainer, read_checkpoint
@@ -53,14 +53,14 @@ class ListedTask(tputrain.Task):
         return keras.losses.sparse_categorical_crossentropy(labels, outputs, from_logits=True)
 
 
-def _trainer(model_dir, replicas=1, steps=3, cls=tputrain.Trainer, **kwargs):
-    return cls(ListedTask(), str(model_dir), strategy=strategy_for(replicas),
+def _trainer(model_dir, replicas=1, steps=3, cls=tputrain.Trainer, task=None, **kwargs):
+    return cls(task or ListedTask(), str(model_dir), strategy=strategy_for(replicas),
                train_steps=steps, steps_per_loop=steps, global_batch_size=8,
                checkpoint_every=10**9, eval_steps=1, seed=0, **kwargs)
 
 
-def _assert_same_weights(model, trained):
-    assert len(model.variables) == len(trained) == 10
+def _assert_same_weights(model, trained, count=10):
+    assert len(model.variables) == len(trained) == count
     for variable, value in zip(model.variables, trained):
         np.testing.assert_array_equal(variable.numpy(), value, err_msg=variable.path)
 
@@ -113,13 +113,16 @@ def test_fine_tuning_sees_the_listed_layers_weights(trained):
             "listed/moving_variance"} <= set(source.weights)
 
 
-def test_only_a_model_with_weights_out_of_the_object_graph_gets_a_second_root():
+def test_only_a_model_with_weights_out_of_the_object_graph_gets_weights_in_a_second_root():
     """A model whose weights TensorFlow's object graph reaches keeps its checkpoint
-    keys as before; a listed layer's weights are named by their place in
-    `model.variables`."""
+    keys as before (the second root is empty); a listed layer's weights are named by
+    their place in `model.variables`."""
     inputs = keras.Input((3,))
     model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.BatchNormalization()(inputs)))
-    assert list(model_trackables(model)) == ["model"]
+    path = tf.train.Checkpoint(**model_trackables(model)).write(str(tmp_dir() / "tracked"))
+    assert all(key.startswith(("model/", "_CHECKPOINTABLE")) for key, _ in
+               tf.train.list_variables(path))
+    assert has_root(tf.train.load_checkpoint(path))
     listed = ListedBlocks()
     listed({"image": tf.zeros([1, 6, 6, 2])})
     trackables = model_trackables(listed)
@@ -151,7 +154,7 @@ def test_a_checkpoint_from_before_the_second_root_resumes_with_a_warning(
     with caplog.at_level("WARNING"):
         assert resumed.checkpointer.restore_latest().endswith("ckpt-3")
     assert "listed/norm/moving_mean, listed/norm/moving_variance keep their current" in caplog.text
-    assert "written before tputrain saved them, or by a model without them" in caplog.text
+    assert "was written before tputrain saved the weights of layers" in caplog.text
     for variable in resumed.model.variables:
         if "moving" not in variable.path:
             np.testing.assert_array_equal(variable.numpy(), trained[variable.path])
@@ -168,4 +171,68 @@ def test_dropout_seed_states_stay_under_their_own_root():
     inputs = keras.Input((3,))
     model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Dropout(0.5)(inputs)))
     assert any("seed" in v.path for v in model.variables)
-    assert list(model_trackables(model)) == ["model"]
+    assert not vars_held(model_trackables(model)["model_variables"])
+
+
+def tmp_dir():
+    import tempfile, pathlib
+    return pathlib.Path(tempfile.mkdtemp(prefix="tputrain-model-variables-"))
+
+
+def vars_held(holder) -> list:
+    return [v for v in vars(holder).values() if isinstance(v, keras.Variable)]
+
+
+def test_a_frozen_layer_added_to_a_list_is_another_model(tmp_path):
+    """A run whose model had nothing in the second root, resumed by a model that adds a
+    frozen layer in a list (no optimizer key changes): refused as another model's
+    checkpoint, not restored half (review finding)."""
+    _trainer(tmp_path / "run", steps=2, task=TrackedTask()).train()
+
+    class Grown(TrackedTask):
+        def build_model(self):
+            return FrozenListed()
+    with pytest.raises(tputrain.CheckpointMismatchError, match="model_variables|norm"):
+        _trainer(tmp_path / "run", steps=3, task=Grown()).train()
+
+
+class TrackedTask(ListedTask):
+    def build_model(self):
+        return Tracked()
+
+
+class Tracked(keras.Model):
+    def __init__(self):
+        super().__init__(name="listed")
+        self.conv = keras.layers.Conv2D(4, 3, padding="same", name="conv")
+        self.head = keras.layers.Dense(3, dtype="float32", name="head")
+
+    def call(self, inputs, training=None):
+        return self.head(tf.reduce_mean(self.conv(inputs["image"]), [1, 2]))
+
+
+class FrozenListed(Tracked):
+    def __init__(self):
+        super().__init__()
+        self.extra = [keras.layers.BatchNormalization(trainable=False, name="norm")]
+
+    def call(self, inputs, training=None):
+        x = self.extra[0](self.conv(inputs["image"]), training=training)
+        return self.head(tf.reduce_mean(x, [1, 2]))
+
+
+def test_an_older_checkpoint_of_a_fully_tracked_model_resumes_silently(
+        tmp_path, monkeypatch, caplog):
+    """Written before the second root existed, by a model it holds nothing for: this
+    run's empty root is passed over, with no warning."""
+    from tputrain import trainer as trainer_module
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer_module, "model_trackables", lambda model: {"model": model})
+        old = _trainer(tmp_path / "run", steps=2, task=TrackedTask())
+        old.train()
+    trained = [v.numpy() for v in old.model.variables]
+    resumed = _trainer(tmp_path / "run", steps=2, task=TrackedTask())
+    with caplog.at_level("WARNING"):
+        assert resumed.checkpointer.restore_latest().endswith("ckpt-2")
+    assert "was written before" not in caplog.text
+    _assert_same_weights(resumed.model, trained, count=4)

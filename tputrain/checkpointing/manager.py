@@ -21,7 +21,7 @@ from tputrain.checkpointing.host_state import HostState
 from tputrain.checkpointing.integrity import (SHOW, CheckpointMismatchError, FiniteCheck,
                                               NonFiniteStateError, describe_mismatch)
 from tputrain.checkpointing.layout import LayoutRecord
-from tputrain.checkpointing.model_variables import ROOT as MODEL_VARIABLES
+from tputrain.checkpointing.model_variables import ROOT as MODEL_VARIABLES, has_root
 from tputrain.checkpointing.recovery import newest_readable, tidy_after_restore
 from tputrain.input_layout import InputLayout, LayoutChange, saved_layout
 
@@ -216,17 +216,17 @@ class Checkpointer:
         checkpoints): restored as written then, its optimizer giving back the listed
         layers' trainable weights; with `path`, a warning names what it cannot."""
         holder = self._trackables.get(MODEL_VARIABLES)
-        if holder is None or any(key.startswith(f"{MODEL_VARIABLES}/")
-                                 for key in reader.get_variable_to_shape_map()):
+        held = [v for v in vars(holder).values() if isinstance(v, keras.Variable)] \
+            if holder is not None else []
+        if not held or has_root(reader):
             return set()
         if path is not None:
-            kept = [v.path for v in vars(holder).values()
-                    if isinstance(v, keras.Variable) and not v.trainable]
+            kept = [v.path for v in held if not v.trainable]
             logging.warning(
-                "tputrain: %s holds no value for the weights of layers a subclassed model "
-                "keeps in a list or dict (written before tputrain saved them, or by a model "
-                "without them); restoring it as written: %s keep their current values "
-                "(the next save holds everything)", path, ", ".join(kept) or "nothing")
+                "tputrain: %s was written before tputrain saved the weights of layers a "
+                "subclassed model keeps in a list or dict; restoring it as written: %s keep "
+                "their current values (the next save holds everything)", path,
+                ", ".join(kept) or "nothing")
         return {MODEL_VARIABLES}
 
     def _saveables(self) -> dict[str, Any]:

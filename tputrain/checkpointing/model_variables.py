@@ -12,7 +12,7 @@ moving statistics) not at all, so a resumed run reset them silently.
 object graph does not reach from the model, each named by its place in
 `model.variables` (the order the model's code builds them in, which a rebuilt model
 repeats; Keras's paths are not stable: a second instance is "model_1/...").
-A model whose weights are all reached keeps its checkpoint exactly as before. (Keras's
+A model whose weights are all reached keeps every checkpoint key it had. (Keras's
 seed generators, hidden the same way, have their own root: `seeds.py`.)
 """
 
@@ -23,19 +23,25 @@ from typing import Any
 import keras
 import tensorflow as tf
 from absl import logging
+from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from tputrain.checkpointing.integrity import VARIABLE_SUFFIX
 from tputrain.checkpointing.seeds import seed_generator_states
 
 ROOT = "model_variables"
+_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 
 
 def model_trackables(model: keras.Model, reading: str | None = None) -> dict[str, Any]:
-    """{"model": model}, and ROOT with the weights the object graph misses, if any:
-    what every checkpoint that holds the model saves or reads.
+    """{"model": model, ROOT: the weights the object graph misses}: what every
+    checkpoint that holds the model saves or reads.
 
-    `reading`: a checkpoint to read the model alone from (export, side-car, audit).
-    One without ROOT is read without it (`_read_without_root`).
+    ROOT is there even when it holds nothing: a node without values, which changes
+    no checkpoint key and which TensorFlow's restores pass over either way, but
+    which tells a checkpoint that had nothing to hold from one written before ROOT
+    existed (`has_root`). `reading`: a checkpoint to read the model alone from
+    (export, side-car, audit); one without ROOT is read without it
+    (`_read_without_root`).
     """
     reached = {id(obj) for obj in tf.train.TrackableView(model).descendants()}
     reached.update(id(state) for state in seed_generator_states(model))  # saved as "seeds"
@@ -43,20 +49,24 @@ def model_trackables(model: keras.Model, reading: str | None = None) -> dict[str
               if id(variable) not in reached}
     if missed and reading is not None:
         reader = tf.train.load_checkpoint(reading)
-        if not any(key.startswith(f"{ROOT}/") for key in reader.get_variable_to_shape_map()):
+        if not has_root(reader):
             _read_without_root(model, list(missed.values()), reader, reading)
-            missed = {}
-    if not missed:
-        return {"model": model}
+            return {"model": model}
     holder = tf.Module(name=ROOT)
     for name, variable in missed.items():
         setattr(holder, name, variable)
     return {"model": model, ROOT: holder}
 
 
+def has_root(reader: Any) -> bool:
+    """Whether the checkpoint `reader` reads was written with ROOT (held weights or not)."""
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(reader.get_tensor(_GRAPH_KEY))
+    return any(child.local_name == ROOT for child in graph.nodes[0].children)
+
+
 def _read_without_root(model: keras.Model, missed: list[Any], reader: Any, path: str) -> None:
-    """A checkpoint without ROOT (written before it existed, or by a model without such
-    layers): the missed trainable weights are read from the optimizer's references to
+    """A checkpoint without ROOT (written before it existed): the missed trainable weights are read from the optimizer's references to
     the model's trainable variables, where it has them with their shapes; the others
     keep their values, with a warning naming them."""
     shapes = reader.get_variable_to_shape_map()
@@ -71,5 +81,5 @@ def _read_without_root(model: keras.Model, missed: list[Any], reader: Any, path:
     if kept:
         logging.warning(
             "tputrain: %s holds no value for %s (weights of layers a subclassed model keeps "
-            "in a list or dict: it was written before tputrain saved them, or by a model "
-            "without them); they keep their current values", path, ", ".join(kept))
+            "in a list or dict: it was written before tputrain saved them); they keep their "
+            "current values", path, ", ".join(kept))

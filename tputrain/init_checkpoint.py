@@ -36,7 +36,7 @@ from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from tputrain.actions import Action
 from tputrain.checkpointing.files import list_checkpoints
-from tputrain.checkpointing.model_variables import ROOT as MODEL_VARIABLES
+from tputrain.checkpointing.model_variables import ROOT as MODEL_VARIABLES, model_paths
 from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.checks import check_bool
 
@@ -59,13 +59,16 @@ class Entry(NamedTuple):
 
 class Source(NamedTuple):
     """What a checkpoint offers: model weights by name, optimizer slots by name
-    (without the optimizer's own prefix), and what kind of file it is."""
+    (without the optimizer's own prefix), and what kind of file it is; for a
+    tputrain checkpoint also its model weights by their place in the model
+    (`placed`: object-graph path from the model's roots -> (entry, its name if unambiguous))."""
 
     path: str
     kind: str  # "checkpoint" or "h5"
     weights: dict[str, Entry]
     slots: dict[str, Entry]
     ambiguous: frozenset[str]
+    placed: Mapping[str, tuple[Entry, str | None]] = {}
 
 
 class Report(NamedTuple):
@@ -150,7 +153,40 @@ def read_tf_checkpoint(prefix: str) -> Source:
         optimizer_nodes = _reachable(graph, [roots["optimizer"]]) - model_nodes
     weights, ambiguous = _named(graph, model_nodes, entry, lambda name: name)
     slots, _ = _named(graph, optimizer_nodes, entry, lambda name: name.split("/", 1)[-1])
-    return Source(prefix, "checkpoint", weights, slots, ambiguous)
+    placed = {}
+    if "model" in roots:
+        names = {key: name for name, key in _keys_of(graph, model_nodes).items()
+                 if name in weights}
+        for path, node in _paths(graph, [(n, roots[n]) for n in ("model", MODEL_VARIABLES)
+                                          if n in roots]).items():
+            for attribute in graph.nodes[node].attributes:
+                if attribute.name == "VARIABLE_VALUE":
+                    key = attribute.checkpoint_key
+                    placed[path] = (entry(key), names.get(key))
+    return Source(prefix, "checkpoint", weights, slots, ambiguous, placed)
+
+
+def _paths(graph: Any, roots: Sequence[tuple[str, int]]) -> dict[str, int]:
+    """{path from `roots` (breadth first, as TensorFlow walks a model): node id}."""
+    found: dict[str, int] = {}
+    seen: set[int] = set()
+    queue = list(roots)
+    while queue:
+        path, node = queue.pop(0)
+        if node in seen:
+            continue
+        seen.add(node)
+        found[path] = node
+        queue.extend((f"{path}/{child.local_name}", child.node_id)
+                     for child in graph.nodes[node].children)
+    return found
+
+
+def _keys_of(graph: Any, nodes: set[int]) -> dict[str, str]:
+    """{saved name: checkpoint key} of the variables among `nodes`."""
+    return {attribute.full_name.removesuffix(":0"): attribute.checkpoint_key
+            for node in nodes for attribute in graph.nodes[node].attributes
+            if attribute.name == "VARIABLE_VALUE"}
 
 
 def _reachable(graph: Any, starts: Sequence[int]) -> set[int]:
@@ -295,9 +331,14 @@ class Match(NamedTuple):
 
 
 def match_weights(variables: Sequence[Any], source: Source, include: Sequence[str] | None,
-                  mapping: Mapping[str, str], places: Mapping[int, tuple[str, int]]
+                  mapping: Mapping[str, str], places: Mapping[int, tuple[str, int]],
+                  paths: Mapping[int, str] | None = None
                   ) -> tuple[list[Match], list[str], list[str]]:
-    """(matches, model names outside `include`, model names in it the checkpoint lacks)."""
+    """(matches, model names outside `include`, model names in it the checkpoint lacks).
+
+    A weight whose name the checkpoint lacks is taken from the same place in a
+    tputrain checkpoint's model (`paths`, `Source.placed`) when that place holds the
+    name a subclassed model saves it under (`_same_place`), unless `mapping` renames it."""
     matches, excluded, missing = [], [], []
     seen: set[str] = set()
     for variable in variables:
@@ -311,7 +352,9 @@ def match_weights(variables: Sequence[Any], source: Source, include: Sequence[st
         seen.add(name)
         old = rename(name, mapping)
         key = h5_key(variable, old, places.get(id(variable))) if source.kind == "h5" else old
-        if key is None or key not in source.weights:
+        if (key is None or key not in source.weights) and old == name and paths:
+            key = _same_place(name, paths.get(id(variable)), source)
+        if key is None or (key not in source.weights and key not in source.placed):
             missing.append(name)
             continue
         matches.append(Match(variable, name, key))
@@ -432,6 +475,10 @@ class InitCheckpoint(Action):
     """Fine-tuning: a new run (nothing in model_dir yet) starts from another
     checkpoint's weights; a resumed run continues from its own checkpoints.
 
+    Weights match by name (`variable.path`). A subclassed model's weights are saved
+    under "<model>/<weight>" (its layers' kernels share a name); from a tputrain
+    checkpoint those are taken from the same place in the model's structure.
+
     Args:
       path: a tputrain model_dir (its newest checkpoint), a folder of TF checkpoints,
         a checkpoint prefix (`.../ckpt-100`), or a Keras `.weights.h5` file.
@@ -495,9 +542,10 @@ class InitCheckpoint(Action):
             raise ValueError("InitCheckpoint(optimizer=True) needs the optimizer to load into")
         with self._opened() as source:
             plan = self._plan(source, model, optimizer)
-            assign(plan.matches, source.weights, strategy)
+            assign(plan.matches, entries_of(source), strategy)
             assign(plan.slots, source.slots, strategy)
-        used = {m.key for m in plan.matches}
+        used = {m.key for m in plan.matches} | {
+            source.placed[m.key][1] for m in plan.matches if m.key in source.placed}
         report = Report(source.path, [(m.name, m.key) for m in plan.matches], plan.excluded,
                         plan.missing, sorted(set(source.weights) - used), len(plan.slots),
                         plan.slots_missing)
@@ -509,8 +557,9 @@ class InitCheckpoint(Action):
         seeds = {id(s) for s in seed_generator_states(model)}
         variables = [v for v in _unique(model.variables) if id(v) not in seeds]
         places = h5_places(model) if source.kind == "h5" else {}
+        paths = model_paths(model) if source.placed else None
         matches, excluded, missing = match_weights(variables, source, self.include,
-                                                   self.mapping, places)
+                                                   self.mapping, places, paths)
         if self.strict and missing:
             raise ValueError(f"InitCheckpoint(strict=True): {source.path} has no "
                              f"{_names(missing)}; it has {_names(sorted(source.weights))}")
@@ -519,7 +568,7 @@ class InitCheckpoint(Action):
                 f"InitCheckpoint: no variable of this model is in {source.path} (this model: "
                 f"{_names([v.path for v in variables])}; the checkpoint: "
                 f"{_names(sorted(source.weights))}): check include= and mapping=")
-        check_shapes(matches, source.weights, source.path)
+        check_shapes(matches, entries_of(source), source.path)
         slots, slots_missing = [], []
         if optimizer is not None:
             if not source.slots:
@@ -529,6 +578,23 @@ class InitCheckpoint(Action):
             slots, slots_missing = match_slots(optimizer, variables, matches, source)
             check_shapes(slots, source.slots, source.path)
         return Plan(matches, excluded, missing, slots, slots_missing)
+
+
+def _same_place(name: str, path: str | None, source: Source) -> str | None:
+    """`path` if the source's weight there is this one as a subclassed model saves it:
+    "<model>/<weight>" (the layer left out, so a model's kernels share one name and
+    are ambiguous); None otherwise (a functional model's new head keeps its own name)."""
+    placed = source.placed.get(path) if path else None
+    parts = name.split("/")
+    saved_as = f"{parts[0]}/{parts[-1]}"
+    if placed is None or len(parts) < 3:
+        return None
+    return path if placed[1] == saved_as or saved_as in source.ambiguous else None
+
+
+def entries_of(source: Source) -> dict[str, Entry]:
+    """The source's weights by name and by place (`Source.placed`)."""
+    return {**source.weights, **{path: entry for path, (entry, _) in source.placed.items()}}
 
 
 def _unique(variables: Sequence[Any]) -> Iterator[Any]:

@@ -83,3 +83,13 @@ def _read_without_root(model: keras.Model, missed: list[Any], reader: Any, path:
             "tputrain: %s holds no value for %s (weights of layers a subclassed model keeps "
             "in a list or dict: it was written before tputrain saved them); they keep their "
             "current values", path, ", ".join(kept))
+
+
+def model_paths(model: keras.Model) -> dict[int, str]:
+    """{id(variable): its path from the model's checkpoint roots ("model/conv/_kernel")}:
+    where a checkpoint of this architecture holds each weight, whatever its name."""
+    from tensorflow.python.checkpoint import graph_view  # pylint: disable=import-outside-toplevel
+    root = tf.train.Checkpoint(**model_trackables(model))
+    objects, paths = graph_view.ObjectGraphView(root).breadth_first_traversal()
+    return {id(obj): "/".join(ref.name for ref in paths[obj]) for obj in objects
+            if isinstance(obj, (tf.Variable, keras.Variable))}

@@ -32,10 +32,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 from absl import logging
-from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from tputrain.actions import Action
 from tputrain.checkpointing.files import list_checkpoints
+from tputrain.checkpointing.integrity import GRAPH_KEY, object_graph
 from tputrain.checkpointing.model_variables import ROOT as MODEL_VARIABLES, model_paths
 from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.checks import check_bool
@@ -43,7 +43,6 @@ from tputrain.checks import check_bool
 if TYPE_CHECKING:  # annotations only: the Trainer imports the actions
     from tputrain.trainer import Trainer
 
-_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 # Root objects of a tputrain checkpoint that are not weights.
 _NOT_WEIGHTS = ("optimizer", "step", "save_counter", "iterator", "seeds", "nonfinite_steps")
 _INDEX = re.compile(r"ckpt-(\d+)\.index$")
@@ -139,13 +138,14 @@ def read_tf_checkpoint(prefix: str) -> Source:
     def entry(key: str) -> Entry:
         return Entry(tuple(shapes[key]), lambda: reader.get_tensor(key))
 
-    if _GRAPH_KEY not in shapes:
+    if GRAPH_KEY not in shapes:
         return Source(prefix, "checkpoint", {k: entry(k) for k in shapes}, {}, frozenset())
-    graph = trackable_object_graph_pb2.TrackableObjectGraph()
-    graph.ParseFromString(reader.get_tensor(_GRAPH_KEY))
+    graph = object_graph(reader)
     roots = {child.local_name: child.node_id for child in graph.nodes[0].children}
-    if "model" in roots:  # and the weights Keras leaves out of its object graph
-        model_nodes = _reachable(graph, [roots[n] for n in ("model", MODEL_VARIABLES) if n in roots])
+    # The model, and the weights Keras leaves out of its object graph (model_variables.py).
+    model_roots = [name for name in ("model", MODEL_VARIABLES) if name in roots]
+    if "model" in roots:
+        model_nodes = _reachable(graph, [roots[name] for name in model_roots])
     else:  # a checkpoint of some other object: every weight that is not bookkeeping
         model_nodes = _reachable(graph, [i for n, i in roots.items() if n not in _NOT_WEIGHTS])
     optimizer_nodes = set()
@@ -157,8 +157,7 @@ def read_tf_checkpoint(prefix: str) -> Source:
     if "model" in roots:
         names = {key: name for name, key in _keys_of(graph, model_nodes).items()
                  if name in weights}
-        for path, node in _paths(graph, [(n, roots[n]) for n in ("model", MODEL_VARIABLES)
-                                          if n in roots]).items():
+        for path, node in _paths(graph, [(name, roots[name]) for name in model_roots]).items():
             for attribute in graph.nodes[node].attributes:
                 if attribute.name == "VARIABLE_VALUE":
                     key = attribute.checkpoint_key

@@ -9,13 +9,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 from absl import logging
+from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from tputrain import tracing
 from tputrain.input_layout import KEY as LAYOUT_KEY
 
 # Keys every TF2 checkpoint has besides the objects it saves (the input layout:
 # older checkpoints lack it, and it describes the run, it is not restored).
-_BOOKKEEPING_KEYS = ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter/", f"{LAYOUT_KEY}/")
+GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"  # a TF2 checkpoint's object graph
+_BOOKKEEPING_KEYS = (GRAPH_KEY, "save_counter/", f"{LAYOUT_KEY}/")
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 SHOW = 6  # mismatches listed in an error message
 
@@ -30,6 +32,13 @@ class InputLayoutError(CheckpointMismatchError):
 
 class NonFiniteStateError(FloatingPointError):
     """Refusing to checkpoint variables that hold NaN or Inf."""
+
+
+def object_graph(reader: Any) -> trackable_object_graph_pb2.TrackableObjectGraph:
+    """The object graph of the checkpoint `reader` reads (a TF2 checkpoint's)."""
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(reader.get_tensor(GRAPH_KEY))
+    return graph
 
 
 def _is_variable(obj: Any) -> bool:

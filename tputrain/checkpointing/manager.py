@@ -128,7 +128,8 @@ class Checkpointer:
             try:
                 reader = tf.train.load_checkpoint(path)
                 ignore = self._layout.data_keys(self._layout.differs(saved_layout(reader)))
-                problems = describe_mismatch(self._checkpoint_for(reader), path, ignore)
+                problems = describe_mismatch(
+                    self._checkpoint_for(self._older_than_model_variables(reader)), path, ignore)
             except (tf.errors.OpError, ValueError, IndexError):
                 continue  # unreadable: restore_latest falls back past it
             if problems:
@@ -172,12 +173,12 @@ class Checkpointer:
         reader = tf.train.load_checkpoint(path)
         saved = saved_layout(reader)
         change = self._layout.change(path, reader, saved)
-        problems = describe_mismatch(self._checkpoint_for(reader), path,
+        older = self._older_than_model_variables(reader, path)
+        problems = describe_mismatch(self._checkpoint_for(older), path,
                                      self._layout.data_keys(change is not None))
         if problems:
             raise CheckpointMismatchError(self._mismatch_message(path, problems))
-        left_out = self._layout.left_out(change, saved) | self._older_than_model_variables(
-            reader, path)
+        left_out = self._layout.left_out(change, saved) | older
         try:
             if not left_out:
                 self.checkpoint.restore(path).assert_consumed()
@@ -202,13 +203,13 @@ class Checkpointer:
         (after a restore, `input_steps(step)` is the input's position)."""
         return self._layout.recorded()
 
-    def _checkpoint_for(self, reader: Any) -> tf.train.Checkpoint:
-        """What `reader`'s checkpoint was written from: this run's objects, without
-        `model_variables` if it predates that root (`_older_than_model_variables`)."""
-        if not self._older_than_model_variables(reader):
+    def _checkpoint_for(self, left_out: set[str]) -> tf.train.Checkpoint:
+        """What a checkpoint was written from: this run's objects but `left_out` (the
+        `model_variables` of one that predates that root: `_older_than_model_variables`)."""
+        if not left_out:
             return self.checkpoint
         return tf.train.Checkpoint(**{name: obj for name, obj in self._saveables().items()
-                                      if name != MODEL_VARIABLES})
+                                      if name not in left_out})
 
     def _older_than_model_variables(self, reader: Any, path: str | None = None) -> set[str]:
         """{MODEL_VARIABLES} if this model needs that root and the checkpoint has none

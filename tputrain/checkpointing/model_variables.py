@@ -23,13 +23,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 from absl import logging
-from tensorflow.core.protobuf import trackable_object_graph_pb2
 
-from tputrain.checkpointing.integrity import VARIABLE_SUFFIX
+from tputrain.checkpointing.integrity import VARIABLE_SUFFIX, object_graph
 from tputrain.checkpointing.seeds import seed_generator_states
 
 ROOT = "model_variables"
-_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 
 
 def model_trackables(model: keras.Model, reading: str | None = None) -> dict[str, Any]:
@@ -60,15 +58,14 @@ def model_trackables(model: keras.Model, reading: str | None = None) -> dict[str
 
 def has_root(reader: Any) -> bool:
     """Whether the checkpoint `reader` reads was written with ROOT (held weights or not)."""
-    graph = trackable_object_graph_pb2.TrackableObjectGraph()
-    graph.ParseFromString(reader.get_tensor(_GRAPH_KEY))
-    return any(child.local_name == ROOT for child in graph.nodes[0].children)
+    return any(child.local_name == ROOT for child in object_graph(reader).nodes[0].children)
 
 
 def _read_without_root(model: keras.Model, missed: list[Any], reader: Any, path: str) -> None:
-    """A checkpoint without ROOT (written before it existed): the missed trainable weights are read from the optimizer's references to
-    the model's trainable variables, where it has them with their shapes; the others
-    keep their values, with a warning naming them."""
+    """A checkpoint without ROOT (written before it existed): the missed trainable
+    weights are read from the optimizer's references to the model's trainable
+    variables, where it has them with their shapes; the others keep their values,
+    with a warning naming them."""
     shapes = reader.get_variable_to_shape_map()
     place = {id(v): n for n, v in enumerate(model.trainable_variables)}
     kept = []

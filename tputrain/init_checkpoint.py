@@ -144,8 +144,9 @@ def read_tf_checkpoint(prefix: str) -> Source:
     roots = {child.local_name: child.node_id for child in graph.nodes[0].children}
     # The model, and the weights Keras leaves out of its object graph (model_variables.py).
     model_roots = [name for name in ("model", MODEL_VARIABLES) if name in roots]
+    placed_nodes = _paths(graph, [(name, roots[name]) for name in model_roots])
     if "model" in roots:
-        model_nodes = _reachable(graph, [roots[name] for name in model_roots])
+        model_nodes = set(placed_nodes.values())
     else:  # a checkpoint of some other object: every weight that is not bookkeeping
         model_nodes = _reachable(graph, [i for n, i in roots.items() if n not in _NOT_WEIGHTS])
     optimizer_nodes = set()
@@ -154,14 +155,11 @@ def read_tf_checkpoint(prefix: str) -> Source:
     weights, ambiguous = _named(graph, model_nodes, entry, lambda name: name)
     slots, _ = _named(graph, optimizer_nodes, entry, lambda name: name.split("/", 1)[-1])
     placed = {}
-    if "model" in roots:
-        names = {key: name for name, key in _keys_of(graph, model_nodes).items()
-                 if name in weights}
-        for path, node in _paths(graph, [(name, roots[name]) for name in model_roots]).items():
-            for attribute in graph.nodes[node].attributes:
-                if attribute.name == "VARIABLE_VALUE":
-                    key = attribute.checkpoint_key
-                    placed[path] = (entry(key), names.get(key))
+    for path, node in placed_nodes.items():  # a tputrain checkpoint's model, by place
+        for attribute in graph.nodes[node].attributes:
+            if attribute.name == "VARIABLE_VALUE":
+                name = attribute.full_name.removesuffix(":0")
+                placed[path] = (entry(attribute.checkpoint_key), name if name in weights else None)
     return Source(prefix, "checkpoint", weights, slots, ambiguous, placed)
 
 
@@ -179,13 +177,6 @@ def _paths(graph: Any, roots: Sequence[tuple[str, int]]) -> dict[str, int]:
         queue.extend((f"{path}/{child.local_name}", child.node_id)
                      for child in graph.nodes[node].children)
     return found
-
-
-def _keys_of(graph: Any, nodes: set[int]) -> dict[str, str]:
-    """{saved name: checkpoint key} of the variables among `nodes`."""
-    return {attribute.full_name.removesuffix(":0"): attribute.checkpoint_key
-            for node in nodes for attribute in graph.nodes[node].attributes
-            if attribute.name == "VARIABLE_VALUE"}
 
 
 def _reachable(graph: Any, starts: Sequence[int]) -> set[int]:

@@ -245,3 +245,13 @@ Trainer.report_mfu = False
         " | ")[:2]  # the same counts at the end: continued, not restarted
     weights = same_final_weights(tmp_path)
     assert len(weights) >= 3
+
+
+@pytest.mark.parametrize("weights", [[float("inf"), 1], [float("nan"), 1], [1e308, 1e308]])
+def test_mixture_weights_are_checked_at_construction_and_quoted_as_given(weights):
+    with pytest.raises(ValueError, match=r"finite") as caught:
+        mix_datasets([_source(1), _source(2)], weights)
+    assert str(weights[0]) in str(caught.value) and "nan, 0.0" not in str(caught.value)
+    with pytest.raises(ValueError, match=r"MixtureInput: .*finite") as caught:
+        MixtureInput(["a.manifest.json", "b.manifest.json"], weights)
+    assert str(weights[0]) in str(caught.value)

@@ -199,3 +199,12 @@ def test_first_fit_over_several_rows_keeps_every_segment_and_fills_rows_fuller()
     assert len(first_fit) < len(next_fit)
     share = sum(r["loss_weights"].sum() for r in first_fit) / (len(first_fit) * LENGTH)
     assert share >= 0.95
+
+
+@pytest.mark.parametrize("make", [PackSequences, PadSequences,
+                                  lambda n: PackSequences(8, bins=n)])
+def test_packing_lengths_and_bins_have_a_limit_checked_at_construction(make):
+    with pytest.raises(ValueError, match=r"at most [\d,]+.*got 1000000000000"):
+        make(10**12)
+    with pytest.raises(ValueError, match="at most"):
+        bucket_by_length(_dataset(_examples([1])), [4, 10**12], 2)

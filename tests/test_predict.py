@@ -250,3 +250,40 @@ def test_in_memory_examples_are_dealt_to_hosts_in_contiguous_blocks():
     assert [len(b) for b in blocks] == [4, 3, 3]
     with pytest.raises(ValueError, match="NumPy arrays or a TFRecord glob"):
         predict_module.memory_examples(tf.data.Dataset.range(4).batch(2), 2, 0)
+
+
+class DroppingEvalTask(TinyTask):
+    """TinyTask whose eval split of `num_examples` is read back from TFRecords (`cache`:
+    as TFRecordInput takes it), or from memory, batched with drop_remainder=True."""
+
+    def __init__(self, num_examples: int, data=None, cache=False):
+        super().__init__(num_examples=num_examples)
+        self.data, self.cache = data, cache
+
+    def build_inputs(self, split, input_context):
+        if split == "train" or self.data is None:
+            return super().build_inputs(split, input_context)
+        return tputrain.data.TFRecordInput(
+            f"{self.data}/eval*", {"x": ([8], "float32"), "label": ([], "int64")},
+            label_key="label", shuffle=False, repeat=False, cache=self.cache)(input_context)
+
+
+@pytest.mark.parametrize("source", ["memory", "stream", "cached"])
+def test_predict_says_how_many_examples_a_drop_remainder_split_left_out(tmp_path, caplog,
+                                                                        source):
+    data = None
+    if source != "memory":
+        data = tmp_path / "data"
+        task = TinyTask(num_examples=250)
+        tputrain.data.write_tfrecords({"x": task.x, "label": task.y}, str(data / "eval"),
+                                      num_shards=2)
+    task = DroppingEvalTask(250, data, cache=source == "cached")
+    trainer = tputrain.Trainer(task, str(tmp_path / "run"), strategy=strategy_for(2),
+                               train_steps=2, steps_per_loop=1, global_batch_size=16,
+                               eval_steps=1, report_mfu=False)
+    with caplog.at_level("WARNING"):
+        outputs = trainer.predict("eval")
+    assert outputs.shape == (248, 2)  # 31 per-replica batches of 8; 2 examples never read
+    warnings = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    assert "2 of the 250 examples" in warnings[0] and "pad_remainder=True" in warnings[0]

@@ -12,7 +12,8 @@ What is read (`source`):
   "train"): what `Task.build_inputs` yields
   on this host, in its order. Padding rows of a padded split (weight 0, e.g.
   `TFRecordInput(pad_remainder=True)`) are dropped; a split batched with
-  `drop_remainder=True` has already lost its last examples, so pad it instead.
+  `drop_remainder=True` has already lost its last examples: a warning says how
+  many (`dropped_remainder`, a second count of the split) and how to keep them.
 * NumPy arrays (a dict by input name), one example a row, or a finite
   `tf.data.Dataset` of batches of features or of (features, labels[, weights]),
   as Keras `predict` takes them. With several hosts, host h predicts the h-th
@@ -47,6 +48,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tputrain.data.batching import dropped_remainder
 from tputrain.data.tfrecord import list_shards
 from tputrain.ema import averaged_weights
 from tputrain.precision import to_float32
@@ -82,10 +84,30 @@ def predict_weights(trainer: "Trainer", source: Any = "eval", log_every: int = 1
 def _predicted(trainer: "Trainer", source: Any, log_every: int) -> Outputs:
     """`predict_weights` with the model's variables as they are."""
     task, model = trainer.task, trainer.model
-    gathered, masks = gathered_steps(trainer, source_examples(trainer, source),
+    batches = split_batches(trainer, source)
+    examples = (source_examples(trainer, source) if batches is None
+                else split_examples(batches, source))
+    gathered, masks = gathered_steps(trainer, examples,
                                      lambda features: task.predict_step(features, model),
                                      log_every, "predict", _described(source))
+    if batches is not None:
+        warn_dropped(batches, source)
     return _as_outputs(gathered, masks, trainer.num_hosts)
+
+
+def warn_dropped(batches: tf.data.Dataset, split: str) -> None:
+    """One warning when `batches` (a split's) dropped its last partial batch: how many
+    examples were never read, and how to keep them."""
+    dropped = dropped_remainder(batches)
+    if dropped is None or not dropped[1]:
+        return
+    total, left_out = dropped
+    logging.warning(
+        "tputrain: predict: the %r split batches with drop_remainder=True, which left out "
+        "%d of the %d examples it holds (%d predicted): to keep them, build it with "
+        "pad_remainder=True (TFRecordInput, TFDSInput), or batch without dropping and pad "
+        "with tputrain.data.pad_to_batch (padding rows are not predicted), or predict its "
+        "files (--input=GLOB)", split, left_out, total, total - left_out)
 
 
 def _described(source: Any) -> str:
@@ -210,17 +232,29 @@ def _blank(spec: Any) -> Any:
 def source_examples(trainer: "Trainer", source: Any) -> tf.data.Dataset:
     """This host's single examples (features only) of a split, a TFRecord glob, NumPy
     arrays or a dataset of batches."""
-    splits = tuple(dict.fromkeys((*SPLITS, *trainer.eval_splits)))  # and the named eval sets
+    splits = _splits(trainer)
     if isinstance(source, (tf.data.Dataset, np.ndarray, dict, list, tuple)):
         return memory_examples(source, trainer.num_hosts, trainer.host_id)
     if not isinstance(source, str) or not source:
         raise ValueError(f"predict: the input must be a split {splits}, a TFRecord glob, "
                          f"NumPy arrays or a tf.data.Dataset of batches, got {source!r}")
     if source in splits:
-        return split_examples(trainer.task.build_inputs(source, trainer.inputs.input_context()),
-                              source)
+        return split_examples(split_batches(trainer, source), source)
     return tfrecord_examples(source, trainer.inputs.eval_dataset.element_spec,
                              trainer.num_hosts, trainer.host_id)
+
+
+def split_batches(trainer: "Trainer", source: Any) -> tf.data.Dataset | None:
+    """This host's batches of the split `source` names, as the task builds them;
+    None when `source` names no split."""
+    if not isinstance(source, str) or source not in _splits(trainer):
+        return None
+    return trainer.task.build_inputs(source, trainer.inputs.input_context())
+
+
+def _splits(trainer: "Trainer") -> tuple[str, ...]:
+    """The split names predict reads: train, eval and the named eval sets."""
+    return tuple(dict.fromkeys((*SPLITS, *trainer.eval_splits)))
 
 
 def memory_examples(source: Any, hosts: int, host: int) -> tf.data.Dataset:

@@ -11,6 +11,7 @@ on hosts with few cores, where tf.data threads compete with the train step.
 from __future__ import annotations
 
 import random
+import weakref
 from typing import Any, Callable, Mapping
 
 import keras
@@ -108,6 +109,40 @@ def drops_remainder(dataset: tf.data.Dataset) -> bool | None:
         if flag is not None:
             value = tf.get_static_value(flag)
             return None if value is None else bool(value)
+        node = getattr(node, "_input_dataset", None)
+    return None
+
+
+# Datasets `in_memory_batches` returned without repeat -> (examples, examples left
+# out): they batch by index, with no batch op a walk could find.
+_IN_MEMORY_REMAINDERS: "weakref.WeakKeyDictionary[tf.data.Dataset, tuple[int, int]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def dropped_remainder(dataset: tf.data.Dataset) -> tuple[int, int] | None:
+    """(examples batched, examples the dropped last partial batch left out) of a finite
+    `dataset` whose last batch op drops its remainder; None for any other dataset.
+
+    Counts the batch op's input, a second pass over it (serialized records for
+    `TFRecordInput`, no parsing): call it once a pass is done, to report the loss
+    (`tputrain predict`), never on the hot path.
+    """
+    node = dataset
+    while node is not None:
+        if node in _IN_MEMORY_REMAINDERS:
+            return _IN_MEMORY_REMAINDERS[node]
+        flag = getattr(node, "_drop_remainder", None)
+        if flag is not None:
+            batch = tf.get_static_value(getattr(node, "_batch_size", None))
+            examples = getattr(node, "_input_dataset", None)
+            if not tf.get_static_value(flag) or batch is None or examples is None:
+                return None
+            count = int(examples.cardinality())
+            if count == int(tf.data.INFINITE_CARDINALITY):
+                return None
+            if count < 0:  # unknown: count them
+                count = int(examples.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+            return count, count % int(batch)
         node = getattr(node, "_input_dataset", None)
     return None
 
@@ -210,9 +245,12 @@ def in_memory_batches(examples: Mapping[str, tf.Tensor], batch_size: int, *, shu
 
     epochs = tf.data.Dataset.range(2**62 if repeat else 1)
     index_batches = epochs.scan(tf.zeros([0], tf.int32), one_epoch)
-    return mark_in_memory(index_batches.flat_map(tracing.graph_helper(
+    batches = mark_in_memory(index_batches.flat_map(tracing.graph_helper(
         lambda matrix: tf.data.Dataset.from_tensor_slices(matrix).batch(batches_per_chunk)
         .flat_map(gathered))))
+    if not repeat:
+        _IN_MEMORY_REMAINDERS[batches] = (num_examples, num_examples % batch_size)
+    return batches
 
 
 def check_cache(builder: str, cache: Any) -> bool | str:

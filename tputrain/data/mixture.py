@@ -17,6 +17,7 @@ each (`tputrain.loop.source_counts`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from typing import Any, Callable, Mapping, Sequence
@@ -77,16 +78,24 @@ def check_names(where: str, sources: Sequence[Any],
 
 
 def check_weights(where: str, num_sources: int, weights: Sequence[float]) -> list[float]:
-    """The weights normalised to sum to 1; fails naming the problem."""
-    weights = [float(w) for w in weights]
+    """The weights normalised to sum to 1; fails naming the problem, quoting the
+    weights as given (not normalised: `[inf, 1]` would read `[nan, 0.0]`)."""
+    given = list(weights)
     if num_sources < 1:
         raise ValueError(f"{where}: give at least one source")
-    if len(weights) != num_sources:
-        raise ValueError(f"{where}: {num_sources} sources but {len(weights)} weights: give "
+    if len(given) != num_sources:
+        raise ValueError(f"{where}: {num_sources} sources but {len(given)} weights: give "
                          "one weight a source")
-    if any(not w >= 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"{where}: weights must be >= 0 with a positive sum, got {weights}")
-    return [w / sum(weights) for w in weights]
+    try:
+        values = [float(w) for w in given]
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: weights must be numbers, got {given}") from None
+    if not all(math.isfinite(w) for w in values) or not math.isfinite(sum(values)):
+        raise ValueError(f"{where}: weights must be finite numbers with a finite sum "
+                         f"(relative shares, e.g. [0.7, 0.3]), got {given}")
+    if any(w < 0 for w in values) or sum(values) <= 0:
+        raise ValueError(f"{where}: weights must be >= 0 with a positive sum, got {given}")
+    return [w / sum(values) for w in values]
 
 
 def _features(spec: Any) -> dict[str, tf.DType]:

@@ -33,6 +33,10 @@ SEGMENT_IDS = "segment_ids"
 POSITIONS = "positions"
 LOSS_WEIGHTS = "loss_weights"
 WRITTEN = (SEGMENT_IDS, POSITIONS, LOSS_WEIGHTS)
+# Limits checked at construction: a row of `length` positions (about 4 million) and
+# `bins` rows open at once; beyond them a value is a typo (10**12), not a plan.
+MAX_LENGTH = 2**22
+MAX_BINS = 1024
 _LENGTH = "_piece_length"  # internal: real tokens of a piece; length + 1 marks the end
 
 
@@ -87,10 +91,22 @@ def check_same_lengths(example: Mapping[str, tf.Tensor], sequences: Sequence[str
 
 
 def check_length(where: str, length: Any) -> int:
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-        raise ValueError(f"{where}: length must be a positive int (positions a row), "
-                         f"got {length!r}")
+    """A row length of 1 to `MAX_LENGTH` positions: every row, packed or padded, holds
+    `length` values a feature, so a larger one is a typo, not a row that would fit."""
+    if (isinstance(length, bool) or not isinstance(length, int) or length < 1
+            or length > MAX_LENGTH):
+        raise ValueError(f"{where}: length must be a positive int of at most {MAX_LENGTH:,} "
+                         f"(positions a row), got {length!r}")
     return length
+
+
+def check_bins(where: str, bins: Any) -> int:
+    """Rows open at once, 1 to `MAX_BINS`: each example is placed by a pass over every
+    open row, so a larger number costs time for no fuller rows."""
+    if isinstance(bins, bool) or not isinstance(bins, int) or not 1 <= bins <= MAX_BINS:
+        raise ValueError(f"{where}: bins must be a positive int of at most {MAX_BINS:,} "
+                         f"(rows open at once), got {bins!r}")
+    return bins
 
 
 def _pieces(dataset: tf.data.Dataset, length: int, sequences: list[str], scalars: list[str],
@@ -179,8 +195,7 @@ def pack_sequences(dataset: tf.data.Dataset, length: int,
     sequences, scalars = sequence_features(dataset.element_spec, keys, where)
     pieces = _pieces(dataset, length, sequences, scalars, where)
     spec = pieces.element_spec
-    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
-        raise ValueError(f"{where}: bins must be a positive int (rows open at once), got {bins!r}")
+    bins = check_bins(where, bins)
     if dataset.cardinality() != tf.data.INFINITE_CARDINALITY:  # end markers flush each row
         end = {name: tf.zeros(s.shape, s.dtype) for name, s in spec.items()}
         end[_LENGTH] = tf.constant(length + 1, spec[_LENGTH].dtype)
@@ -214,7 +229,7 @@ class PackSequences:
     def __init__(self, length: int, keys: Sequence[str] | None = None, bins: int = 1):
         self.length = check_length("PackSequences", length)
         self.keys = None if keys is None else tuple([keys] if isinstance(keys, str) else keys)
-        self.bins = bins
+        self.bins = check_bins("PackSequences", bins)
 
     def __call__(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
         return pack_sequences(dataset, self.length, self.keys, self.bins)

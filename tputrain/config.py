@@ -221,3 +221,15 @@ def write_operative_config(model_dir: str) -> str:
         f.write(gin.operative_config_str())
     tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
     return path
+
+
+def without_gin_notes(error: BaseException) -> BaseException:
+    """`error` as it was raised, without the lines gin appends to any error raised in a
+    configurable ("In call to configurable 'Trainer'"), when no gin binding is in use:
+    a Python caller with no gin config (`tputrain.fit`) reads its own error only."""
+    if gin.config_str().strip():
+        return error
+    while (getattr(type(error).__init__, "__module__", None) == "gin.utils"
+           and error.__context__ is not None):
+        error = error.__context__
+    return error

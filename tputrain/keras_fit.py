@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import keras
 
 from tputrain.actions import Action
+from tputrain.config import without_gin_notes
 from tputrain.keras_callbacks import KerasCallbacks
 from tputrain.keras_task import KerasTask
 from tputrain.trainer import Trainer
@@ -22,7 +23,7 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
         *, model_dir: str, steps: int, batch_size: int | None = None,
         eval_every: int | None = None, callbacks: Sequence[keras.callbacks.Callback] = (),
         shuffle: bool = True, actions: Sequence[Action] = (),
-        **trainer_options: Any) -> dict[str, float]:
+        task: Callable[..., KerasTask] = KerasTask, **trainer_options: Any) -> dict[str, float]:
     """Trains a compiled Keras model for `steps` optimizer steps; returns the final
     evaluation's metrics ({"loss": ..., metric names: ...}).
 
@@ -36,14 +37,23 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
       eval_every: evaluate every N steps (a Keras "epoch" for the callbacks).
       callbacks: `keras.callbacks.Callback`s, run by `KerasCallbacks`.
       actions: tputrain actions (e.g. `tputrain.Export()`), after the callbacks.
+      task: the Task's class: `KerasTask` or a subclass (one that overrides `train_step`
+        ports a model's own `train_step`, docs/tasks.md); called with `KerasTask`'s
+        arguments.
       **trainer_options: any other `Trainer` argument (strategy, steps_per_loop, ...).
     """
-    task = KerasTask(model, train_data, eval_data, batch_size=batch_size, shuffle=shuffle,
-                     seed=trainer_options.get("seed", 0))
+    keras_task = task(model, train_data, eval_data, batch_size=batch_size, shuffle=shuffle,
+                      seed=trainer_options.get("seed", 0))
     adapters = [KerasCallbacks(callbacks)] if callbacks else []
-    trainer = Trainer(task, model_dir, train_steps=steps, eval_every=eval_every,
-                      global_batch_size=task.global_batch_size,
-                      actions=[*adapters, *actions], **trainer_options)
+    try:
+        trainer = Trainer(keras_task, model_dir, train_steps=steps, eval_every=eval_every,
+                          global_batch_size=keras_task.global_batch_size,
+                          actions=[*adapters, *actions], **trainer_options)
+    except Exception as error:  # pylint: disable=broad-except  (re-raised)
+        original = without_gin_notes(error)  # fit takes no gin config: no gin note
+        if original is error:
+            raise
+        raise original from original.__cause__
     logs = trainer.train()
     if isinstance(model, keras.Model):
         model.set_weights(trainer.model.get_weights())

@@ -28,6 +28,7 @@ from absl import logging
 
 from tputrain import tracing
 from tputrain.guard import NonFiniteGuard
+from tputrain.keras_task import KerasTask
 from tputrain.loop.batch_norm import fused_call as fused_batch_norm_call
 from tputrain.loop.convolutions import convolutions_on_onednn, has_convolutions
 from tputrain.loop.inputs import zeros_of
@@ -280,15 +281,26 @@ def fused_forward(plan: XlaPlan, auto: bool) -> XlaPlan:
 
 
 def check_model_train_step(model: keras.Model, task: Task) -> None:
-    """Refuses a model that overrides `keras.Model.train_step`: the Trainer's step is the
-    Task's and never calls it, so the model would silently train without it."""
+    """Refuses a model that overrides `keras.Model.train_step` when the Task's step is
+    tputrain's own: nothing would call the model's, so it would silently train without
+    it. A Task that overrides `train_step` (or `compute_gradients`) is the port."""
     if getattr(type(model), "train_step", keras.Model.train_step) is keras.Model.train_step:
         return
+    if overrides_train_step(task) or overrides(task, "compute_gradients"):
+        return
     name, task_name = type(model).__name__, type(task).__name__
+    if type(task) is KerasTask:  # tputrain.fit's: the port is a subclass passed as task=
+        raise TypeError(
+            f"tputrain: {name}.train_step overrides keras.Model.train_step, which tputrain "
+            "never calls (the Task's step trains the model): port its body to a KerasTask "
+            "in two lines, `class Ported(tputrain.KerasTask): def train_step(self, batch, "
+            "model, optimizer, metrics, global_batch_size): ...` and `tputrain.fit(model, "
+            "train_data, ..., task=Ported)` (docs/tasks.md, \"Port a model's train_step\")")
     raise TypeError(
-        f"tputrain: {name}.train_step overrides keras.Model.train_step, which the Trainer "
-        f"never calls (its step is the Task's): move it to {task_name}.train_step(batch, "
-        "model, optimizer, metrics, global_batch_size) (docs/tasks.md)")
+        f"tputrain: {name}.train_step overrides keras.Model.train_step, which tputrain "
+        f"never calls (the Task's step trains the model): move it to {task_name}.train_step("
+        "batch, model, optimizer, metrics, global_batch_size) (docs/tasks.md, \"Port a "
+        "model's train_step\")")
 
 
 def _computes_in_float16(model: keras.Model) -> bool:

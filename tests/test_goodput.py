@@ -136,6 +136,77 @@ def test_format_lists_every_bucket_and_totals_100_percent(tmp_path):
     assert "no goodput records" in goodput.format_account(goodput.account(str(tmp_path / "x")))
 
 
+def test_a_pause_between_a_finished_run_and_the_next_is_between_runs_not_down():
+    # A person continues a finished run 622 s later: not down time, and outside the wall.
+    finished = record(1, 1000.0, 1010.0, restored=0, last=500, finished=True,
+                      seconds={"steps": 5.0})
+    resumed = record(2, 1632.0, 1642.0, restored=500, last=1000, finished=True,
+                     seconds={"steps": 5.0})
+    result = goodput.account_of([finished, resumed])
+    assert result["seconds"]["down"] == 0.0 and result["runs"][1]["down"] == 0.0
+    assert result["between_runs"] == pytest.approx(622.0)
+    assert result["runs"][1]["between_runs"] == pytest.approx(622.0)
+    assert result["wall"] == pytest.approx(20.0) and result["goodput"] == pytest.approx(0.5)
+    assert sum(result["fractions"].values()) == pytest.approx(1.0)
+    assert "between runs 622s (not counted)" in goodput.summary_line(result)
+    assert re.search(r"^between runs +622\.00 +not counted", goodput.format_account(result),
+                     re.M), goodput.format_account(result)
+    # The same gap after a run that did not end cleanly (killed, crashed, preempted): down.
+    killed = dict(finished, finished=False)
+    result = goodput.account_of([killed, resumed])
+    assert result["seconds"]["down"] == pytest.approx(622.0) and result["between_runs"] == 0.0
+    assert result["wall"] == pytest.approx(642.0)
+
+
+def test_no_bucket_is_negative_when_the_flop_count_runs_inside_the_first_xla_loop(
+        tmp_path, monkeypatch):
+    # With XLA, the plan of steps per program reads the ideal step time while the first
+    # loop is built, so the deferred FLOP count (start-up `actions`) ran inside the loop's
+    # stopwatch: counted twice, `other` went negative.
+    from tputrain.actions import mfu
+
+    counted = mfu.count_flops_per_step
+
+    def slow_count(context):
+        time.sleep(0.5)  # a count made slow on purpose: its time must be counted once
+        return counted(context)
+    monkeypatch.setattr(mfu, "count_flops_per_step", slow_count)
+    make(tmp_path, report_mfu=True, jit_compile=True).train()
+    rec = goodput.read_records(str(tmp_path / "run"))[0]
+    assert rec["startup"]["actions"] >= 0.5
+    result = goodput.account(str(tmp_path / "run"))
+    assert {bucket: v for bucket, v in result["seconds"].items() if v < 0} == {}
+    assert min(result["fractions"].values()) >= 0.0
+    assert sum(result["fractions"].values()) == pytest.approx(1.0)
+
+
+EXEC_SCRIPT = """
+import json, sys
+import tputrain
+from tputrain import process_start
+print(json.dumps(process_start.vouched()))
+"""
+
+
+def test_a_shells_work_before_it_execs_python_is_not_start_up(tmp_path):
+    # `sh -c 'pip install ... && exec tputrain ...'`: the Python process inherits the
+    # shell's PID and so its start time; the shell's work must not count as `import`.
+    marks = tmp_path / "marks"
+    busy = "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done"
+    script = (f"date +%s.%N >> {marks}; {busy}; date +%s.%N >> {marks}; "
+              f"exec {sys.executable} -c '{EXEC_SCRIPT}'")
+    done = subprocess.run(["sh", "-c", script], capture_output=True, text=True,
+                          env=child_env(), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shell_start, shell_done = map(float, marks.read_text().split())
+    vouched = json.loads(done.stdout.strip().splitlines()[-1])
+    assert vouched["start"] >= shell_done  # start-up is counted from after the exec
+    assert vouched["source"] == "import of tputrain"
+    # The time before it is reported apart, and holds the shell's work.
+    assert vouched["before"] >= shell_done - shell_start > 0
+    assert vouched["process_start"] <= shell_start
+
+
 def goodput_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tputrain.run", "goodput", *args],
                           capture_output=True, text=True, env=child_env(), timeout=300)

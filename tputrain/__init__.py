@@ -17,6 +17,8 @@ import importlib
 import os
 from typing import Any
 
+from tputrain import process_start  # noqa: F401  first: goodput's start-up begins here
+
 # TensorFlow's C++ INFO lines drown the progress lines; users can still override.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 

@@ -8,10 +8,12 @@ reads them all and `format_account()` prints them (`tputrain goodput`).
 
 How each bucket is measured (docs/performance.md#goodput):
 
-- start-up: `import` is process start to `Trainer()`: the interpreter, imports
-  and config parsing. The process start comes from `/proc/self/stat` and
-  `/proc/uptime` (10 ms ticks), else `psutil`, else the moment this module
-  was imported; only the first Trainer of a process counts it. `strategy`,
+- start-up: `import` is tputrain's import to `Trainer()`: imports (TensorFlow's
+  when tputrain is imported first) and config parsing. Only the first Trainer of
+  a process counts it. The time before tputrain's import (the interpreter, the
+  modules imported before it, a shell's work before it exec'd Python: an install
+  in `sh -c 'pip install ... && exec tputrain ...'`) is not counted: the record
+  keeps it as `before_start` (`tputrain.process_start`). `strategy`,
   `data` (input pipelines built and probed) and `model` (model, optimizer,
   metrics) are marked by the Trainer (`StartupClock.mark`); `restore` is the
   rest of `Trainer()` and `train()`'s restore; `actions` is the other actions'
@@ -31,9 +33,14 @@ How each bucket is measured (docs/performance.md#goodput):
 - across runs: `recomputed` is the step time the previous run spent on steps
   past the checkpoint this run restored (steps x that run's seconds per step),
   moved out of `steps`; `restart` is the start-up of every run after the first;
-  `down` is the time between a run's last record and the next run's start.
+  `down` is the time between the last record of a run that did not end cleanly
+  (killed, crashed, preempted) and the next run's start. After a run that
+  finished, that gap is `between_runs` (a person's pause before continuing): it
+  is reported, and is not part of the job's wall time.
 - `other` is the wall time no bucket holds: progress lines, TensorBoard, other
-  actions between loops.
+  actions between loops. An action's own work timed inside a loop (the FLOP count
+  where the plan of steps per XLA program asks for it) is taken out of that
+  loop, so no time counts twice and no bucket is negative.
 """
 
 from __future__ import annotations
@@ -53,13 +60,9 @@ from absl import logging
 from tputrain.actions.base import Action
 from tputrain.context import ActionContext
 
-try:
-    import psutil
-except ImportError:  # optional: /proc is read first anyway
-    psutil = None
+from tputrain import process_start
+from tputrain.process_start import process_start_time  # noqa: F401  (public here too)
 
-
-IMPORTED_AT = time.time()  # the process start when neither /proc nor psutil can say
 RECORD_DIR = "goodput"
 VERSION = 1
 # The record's loop buckets; the account adds startup, restart, recomputed, down, other.
@@ -76,30 +79,12 @@ _first_clock = True  # only the first StartupClock of a process counts the impor
 _latest: RunRecord | None = None  # the record brought up to date at interpreter exit
 
 
-def process_start_time(pid: int | None = None) -> tuple[float, str]:
-    """The process's start (epoch seconds) and where it came from: /proc, psutil or
-    the import of this module."""
-    pid = os.getpid() if pid is None else pid
-    try:
-        with open(f"/proc/{pid}/stat") as stat, open("/proc/uptime") as uptime:
-            ticks = int(stat.read().rpartition(")")[2].split()[19])  # field 22: starttime
-            since_boot = float(uptime.read().split()[0])
-        return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK")), "/proc"
-    except (OSError, ValueError, IndexError):
-        pass
-    if psutil is not None:
-        try:
-            return psutil.Process(pid).create_time(), "psutil"
-        except psutil.Error:
-            pass
-    return IMPORTED_AT, "import of tputrain.goodput"
-
-
 class StartupClock:
     """Times a Trainer's start-up phases: the Trainer calls `mark(phase)` after each.
 
-    The first clock of a process starts at the process start (its `import` phase
-    is the interpreter, imports and config); a later Trainer's starts at its own.
+    The first clock of a process starts at tputrain's import (its `import` phase is
+    the imports and config after it; `before` the process's time before it, not
+    counted: `tputrain.process_start`); a later Trainer's starts at its own.
     `run` holds this Trainer's goodput record once `train()` begins.
     """
 
@@ -108,9 +93,13 @@ class StartupClock:
         self._epoch, self._perf = time.time(), time.perf_counter()
         self.start, self.source = self._epoch, "Trainer()"
         self.phases: dict[str, float] = {"import": 0.0}
+        self.before: dict[str, Any] = {"seconds": 0.0}
         if _first_clock:
-            self.start, self.source = process_start_time()
-            self.phases["import"] = max(0.0, self._epoch - self.start)
+            origin = process_start.vouched()
+            self.phases["import"] = max(0.0, self._perf - process_start.IMPORTED_PERF)
+            self.start, self.source = self._epoch - self.phases["import"], origin["source"]
+            self.before = {"seconds": origin["before"], "process_start": origin["process_start"],
+                           "source": origin["process_start_source"]}
         _first_clock = False
         self._last = self._perf
         self.run: RunRecord | None = None
@@ -137,7 +126,8 @@ class RunRecord:
         self.data: dict[str, Any] = {
             "version": VERSION, "run": run, "host": socket.gethostname(), "pid": os.getpid(),
             "start": clock.start, "start_source": clock.source, "updated": clock.now(),
-            "finished": False, "startup": dict(clock.phases),
+            "process_start": process_start.process_start_time()[0],
+            "before_start": dict(clock.before), "finished": False, "startup": dict(clock.phases),
             "seconds": {bucket: 0.0 for bucket in RUN_BUCKETS},
             "restored_step": step, "last_step": step, "steps_trained": 0,
             "last_checkpoint_step": None, "seconds_per_step": None,
@@ -146,6 +136,7 @@ class RunRecord:
             # loaded machine than the wall times (benchmarks/restart_compile.py).
             "cpu": {"train_begin": time.process_time(), "first_loop_end": None}}
         self._cursor = time.perf_counter()
+        self._timed: list[tuple[float, float]] = []  # `timed` intervals since the cursor
         self._starting = True  # until the first loop: time between hooks is start-up
         self._loop = (0, 0.0)
         self._saved_at = -float("inf")
@@ -153,10 +144,26 @@ class RunRecord:
         self.earlier: list[dict[str, Any]] = []  # model_dir's earlier runs (the job's account)
 
     def since_cursor(self) -> float:
-        """Seconds since the last hook this record saw (and moves the cursor)."""
+        """Seconds since the last hook this record saw, less what `timed` counted in
+        them (and moves the cursor)."""
         now = time.perf_counter()
-        seconds, self._cursor = now - self._cursor, now
-        return seconds
+        seconds = now - self._cursor - sum(end - start for start, end in self._timed)
+        self._cursor, self._timed = now, []
+        return max(0.0, seconds)
+
+    def add_timed(self, bucket: str, start: float, end: float) -> None:
+        """An action's own work from `start` to `end` (perf_counter), into `bucket` (a
+        run bucket, else a start-up phase); kept out of the hooks' and loops' time."""
+        if bucket in RUN_BUCKETS:
+            self.add(bucket, end - start)
+        else:
+            startup = self.data["startup"]
+            startup[bucket] = startup.get(bucket, 0.0) + end - start
+        self._timed.append((start, end))
+
+    def _timed_within(self, start: float, end: float) -> float:
+        """Seconds of the `timed` work since the cursor that fell between start and end."""
+        return sum(max(0.0, min(end, b) - max(start, a)) for a, b in self._timed)
 
     def add(self, bucket: str, seconds: float) -> None:
         self.data["seconds"][bucket] += seconds
@@ -169,22 +176,27 @@ class RunRecord:
 
     def loop_started(self, steps: int, seconds: float) -> None:
         """A loop of `steps` steps took `seconds`; the rest since the last hook is the
-        other actions' set-up before the first loop, else host work (other)."""
-        between = max(0.0, self.since_cursor() - seconds)
+        other actions' set-up before the first loop, else host work (other). `timed`
+        work inside the loop (a FLOP count the XLA plan asked for) is not the loop's."""
+        now = time.perf_counter()
+        inside = self._timed_within(now - seconds, now)
+        between = max(0.0, self.since_cursor() - (seconds - inside))
         if self._starting:  # (plus what `timed` added to it)
             startup = self.data["startup"]
             startup["actions"] = startup.get("actions", 0.0) + between
             self._starting = False
-        self._loop = (steps, seconds)
+        self._loop = (steps, seconds, inside)
 
     def loop_done(self, step: int, logs: Mapping[str, float]) -> None:
         """Splits the loop: input stall, all-reduce, then compile and steps."""
-        steps, seconds = self._loop
+        steps, seconds, inside = self._loop
         stall = min(1.0, float(logs.get("input/stall_fraction", 0.0))) * seconds
         comm = min(1.0, float(logs.get("comm/allreduce_fraction", 0.0))) * seconds
+        seconds -= inside
+        stall = min(stall, seconds)
         work = max(0.0, seconds - stall - comm)
         self.add("input", stall)
-        self.add("communication", min(comm, seconds - stall))
+        self.add("communication", max(0.0, min(comm, seconds - stall)))
         if self.data["first_loop"] is None:
             self.data["first_loop"] = [steps, work]
             self.data["cpu"]["first_loop_end"] = time.process_time()
@@ -229,7 +241,8 @@ def timed(context: Any, bucket: str) -> Iterator[None]:
     """Adds the seconds of an action's own work, done after the hook that started it,
     to `bucket` of this run's record: "export" (the Export action's SavedModel) or the
     start-up phase "actions" (the MFU action's FLOP count and peak probe, deferred past
-    the first loop). The next hook's bucket starts after it: nothing counts twice."""
+    the first loop, or inside it where the XLA plan asks for it). The next hook's bucket
+    and a loop around it leave it out: nothing counts twice."""
     start = time.perf_counter()
     try:
         yield
@@ -237,13 +250,7 @@ def timed(context: Any, bucket: str) -> Iterator[None]:
         clock = getattr(context, "startup", None)
         record = getattr(clock, "run", None)
         if record is not None:
-            seconds = time.perf_counter() - start
-            if bucket in RUN_BUCKETS:
-                record.add(bucket, seconds)
-            else:
-                startup = record.data["startup"]
-                startup[bucket] = startup.get(bucket, 0.0) + seconds
-            record.since_cursor()
+            record.add_timed(bucket, start, time.perf_counter())
             record.save(force=True)
 
 
@@ -309,7 +316,8 @@ def _status(record: Mapping[str, Any], is_last: bool) -> str:
             start, _ = process_start_time(int(record["pid"]))
         except (KeyError, ValueError):
             return "ended"
-        if abs(start - float(record["start"])) < 2.0 and os.path.exists(f"/proc/{record['pid']}"):
+        started = float(record.get("process_start", record["start"]))
+        if abs(start - started) < 2.0 and os.path.exists(f"/proc/{record['pid']}"):
             return "running"
     return "ended"
 
@@ -327,9 +335,11 @@ def run_summary(record: Mapping[str, Any], previous: Mapping[str, Any] | None,
         "restored_step": int(record["restored_step"]), "last_step": int(record["last_step"]),
         "steps_trained": int(record["steps_trained"]),
         "last_checkpoint_step": record.get("last_checkpoint_step"),
-        "recomputed_steps": 0, "recomputed_seconds": 0.0, "down": 0.0}
-    if previous is not None:
-        summary["down"] = max(0.0, float(record["start"]) - float(previous["updated"]))
+        "recomputed_steps": 0, "recomputed_seconds": 0.0, "down": 0.0, "between_runs": 0.0,
+        "before_start": float(record.get("before_start", {}).get("seconds", 0.0))}
+    if previous is not None:  # after a clean end the gap is a pause, else down time
+        gap = max(0.0, float(record["start"]) - float(previous["updated"]))
+        summary["between_runs" if previous.get("finished") else "down"] = gap
         lost = max(0, int(previous["last_step"]) - int(record["restored_step"]))
         summary["recomputed_steps"] = lost
         summary["recomputed_seconds"] = min(float(previous["seconds"].get("steps", 0.0)),
@@ -351,9 +361,12 @@ def account_of(records: Sequence[Mapping[str, Any]], model_dir: str = "") -> dic
         totals["recomputed"] += run["recomputed_seconds"]
         totals["down"] += run["down"]
     wall = sum(run["wall"] + run["down"] for run in runs)
-    totals["other"] = wall - sum(v for bucket, v in totals.items() if bucket != "other")
+    named = sum(v for bucket, v in totals.items() if bucket != "other")
+    # Buckets are timed apart and never overlap; a rounding's excess is wall time too.
+    totals["other"], wall = max(0.0, wall - named), max(wall, named)
     fractions = {bucket: value / wall if wall > 0 else 0.0 for bucket, value in totals.items()}
     return {"model_dir": model_dir, "runs": runs, "wall": wall, "seconds": totals,
+            "between_runs": sum(run["between_runs"] for run in runs),
             "fractions": fractions, "goodput": fractions["steps"],
             "recomputed_steps": sum(run["recomputed_steps"] for run in runs),
             "steps_trained": sum(run["steps_trained"] for run in runs)}
@@ -370,9 +383,11 @@ def summary_line(result: Mapping[str, Any]) -> str:
     shares = " | ".join(f"{bucket} {100 * result['fractions'][bucket]:.1f}%"
                         for bucket in BUCKETS if bucket != "steps")
     runs = len(result["runs"])
+    between = result.get("between_runs", 0.0)
     return (f"goodput {100 * result['goodput']:.1f}% of {result['wall']:.1f}s over {runs} "
             f"run{'s' if runs != 1 else ''} | {shares} | recomputed steps "
-            f"{result['recomputed_steps']}")
+            f"{result['recomputed_steps']}"
+            + (f" | between runs {between:.0f}s (not counted)" if between else ""))
 
 
 _BUCKET_NOTES = {
@@ -386,7 +401,8 @@ _BUCKET_NOTES = {
     "eval": "evaluations",
     "checkpoint": "checkpoint saves",
     "export": "SavedModel exports (the Export action)",
-    "down": "between a run's last record and the next run's start",
+    "down": "after a run that did not end cleanly (killed, crashed, preempted), to the "
+            "next run's start",
     "other": "the rest: progress lines, TensorBoard, actions",
 }
 
@@ -420,6 +436,12 @@ def format_account(result: Mapping[str, Any]) -> str:
                      f"{100 * result['fractions'][bucket]:>6.1f}%  {_BUCKET_NOTES[bucket]}")
     total = sum(result["fractions"].values())
     lines.append(f"{'total':<14} {result['wall']:>9.2f} {100 * total:>6.1f}%")
+    lines.append(f"{'between runs':<14} {result.get('between_runs', 0.0):>9.2f} not counted: "
+                 "pauses after a run that finished, before the next one")
+    before = sum(run["before_start"] for run in result["runs"])
+    lines.append(f"{'before import':<14} {before:>9.2f} not counted: each process's time "
+                 "before tputrain's import (interpreter, earlier imports, a shell's work "
+                 "before exec)")
     return "\n".join(lines)
 
 

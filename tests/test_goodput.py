@@ -336,3 +336,16 @@ def test_digits_killed_and_resumed_accounts_the_recomputed_steps(tmp_path):
     assert printed.returncode == 0, printed.stderr[-3000:]
     assert f"{paused - saved[-1]} step(s) recomputed" in printed.stdout
     assert re.search(r"^total +[0-9.]+ +100\.0%", printed.stdout, re.M), printed.stdout
+
+
+def test_the_closing_line_says_why_a_run_too_short_for_a_rate_has_no_goodput():
+    # One loop: no steady rate prices the steps, so it all counts as compile.
+    short = record(1, 1000.0, 1010.0, restored=0, last=100, finished=True, rate=None,
+                   seconds={"compile": 6.0})
+    line = goodput.summary_line(goodput.account_of([short]))
+    assert "goodput 0.0%" not in line and "no loop after the first" in line, line
+    assert " down " not in line and "restart" not in line, line  # zero shares left out
+    assert "startup 20.0%" in line and "compile 60.0%" in line, line
+    long = record(1, 1000.0, 1010.0, restored=0, last=500, finished=True,
+                  seconds={"compile": 1.0, "steps": 5.0})
+    assert goodput.summary_line(goodput.account_of([long])).startswith("goodput 50.0% of 10.0s")

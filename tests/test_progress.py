@@ -137,9 +137,8 @@ def test_the_first_loop_says_it_compiles_and_the_next_prices_the_compilation(cap
                                         input_wait=5.0)
         p.train_loop_done(step=20, steps=10, seconds=1.0, logs={"loss": 0.5}, input_wait=0.01)
     first, second = [r.getMessage() for r in caplog.records]
-    assert first == ("tputrain: step 10/30 | loss 1 | compiling in this loop, so its rates "
-                     "include start-up: 4 examples/s | 0.50 steps/s | input stall 25.0% | "
-                     "ETA after the next loop")
+    assert first == ("tputrain: step 10/30 | loss 1 | with compiling: 4 examples/s | "
+                     "0.50 steps/s | input stall 25.0% | ETA next loop")
     assert second == ("tputrain: step 20/30 | loss 0.5 | 80 examples/s | 10.00 steps/s | "
                       "input stall 1.0% | compile 19s | ETA 1s")
     assert first_rates["input/stall_fraction"] == pytest.approx(0.25)  # TensorBoard's
@@ -199,3 +198,76 @@ def test_a_table_peak_is_never_raised():
     p = Progress(None, train_steps=100, global_batch_size=8)
     p.set_flops(2e9, peak_flops=10e9)  # an accelerator's table peak: a count error shows
     assert p.train_loop_done(step=10, steps=10, seconds=1.0, logs={})["mfu"] == pytest.approx(2.0)
+
+
+ONE_REPLICA = {"loss": 0.141, "accuracy": 0.9625, "learning_rate": 0.001,
+               "comm/gradient_bytes": 0.0, "comm/allreduce_fraction": 0.0}
+
+
+def step_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("tputrain: step")]
+
+
+def test_the_line_leaves_out_communication_on_one_replica_and_tensorboard_keeps_it(
+        tmp_path, caplog):
+    import logging
+
+    from events import scalar_points
+
+    p = Progress(str(tmp_path), train_steps=1200, global_batch_size=64)
+    with caplog.at_level(logging.INFO):
+        p.train_loop_done(step=100, steps=100, seconds=14.0, logs=dict(ONE_REPLICA))
+        p.train_loop_done(step=200, steps=100, seconds=0.5, logs=dict(ONE_REPLICA))
+        p.train_loop_done(step=300, steps=100, seconds=0.5,
+                          logs={**ONE_REPLICA, "comm/gradient_bytes": 2.0e5,
+                                "comm/allreduce_fraction": 0.12})
+    p.close()
+    first, second, third = step_lines(caplog)
+    assert "comm/" not in first and "comm/" not in second, second
+    assert "comm/gradient_bytes 2e+05 | comm/allreduce_fraction 0.12" in third
+    # One terminal line (with room for a logger's prefix) on one replica, the first too.
+    assert max(len(first), len(second)) <= 150, (first, second)
+    tags = scalar_points(tmp_path / "train")  # TensorBoard's tags are unchanged
+    assert [v for _, v in tags["comm/gradient_bytes"]] == [0.0, 0.0, 2.0e5]
+    assert [s for s, _ in tags["comm/allreduce_fraction"]] == [100, 200, 300]
+
+
+def test_an_input_stall_of_fast_steps_is_explained_once_with_the_knob(caplog):
+    import logging
+
+    p = Progress(None, train_steps=1000, global_batch_size=64)
+    with caplog.at_level(logging.INFO):
+        p.train_loop_done(step=100, steps=100, seconds=10.0, logs={}, input_wait=5.0)  # first
+        p.train_loop_done(step=200, steps=100, seconds=0.1, logs={}, input_wait=0.03)
+        p.train_loop_done(step=300, steps=100, seconds=0.1, logs={}, input_wait=0.04)
+    advice = [r.getMessage() for r in caplog.records if "steps_per_fetch" in r.getMessage()]
+    assert len(advice) == 1, advice  # once, after the first loop (which holds compiling)
+    assert "in-memory" in advice[0] and "tputrain diagnose" in advice[0], advice
+    fetching = Progress(None, train_steps=1000, global_batch_size=64, steps_per_fetch=100)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):  # the knob is in use: the input advice instead
+        fetching.train_loop_done(step=100, steps=100, seconds=10.0, logs={})
+        fetching.train_loop_done(step=200, steps=100, seconds=0.1, logs={}, input_wait=0.03)
+    advice = [r.getMessage() for r in caplog.records if "diagnose" in r.getMessage()]
+    assert len(advice) == 1 and "steps_per_fetch" not in advice[0], advice
+
+
+def test_a_slow_input_gets_the_input_advice_not_the_fetch_knob(caplog):
+    import logging
+
+    p = Progress(None, train_steps=1000, global_batch_size=64)
+    with caplog.at_level(logging.INFO):
+        p.train_loop_done(step=100, steps=100, seconds=10.0, logs={})
+        p.train_loop_done(step=200, steps=100, seconds=10.0, logs={}, input_wait=5.0)
+    advice = [r.getMessage() for r in caplog.records if "tputrain diagnose" in r.getMessage()]
+    assert len(advice) == 1 and "steps_per_fetch" not in advice[0], advice
+
+
+def test_a_quiet_loop_gives_no_advice(caplog):
+    import logging
+
+    p = Progress(None, train_steps=1000, global_batch_size=64)
+    with caplog.at_level(logging.INFO):
+        p.train_loop_done(step=100, steps=100, seconds=10.0, logs={}, input_wait=9.0)
+        p.train_loop_done(step=200, steps=100, seconds=1.0, logs={}, input_wait=0.01)
+    assert not [r for r in caplog.records if "diagnose" in r.getMessage()]

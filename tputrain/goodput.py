@@ -379,14 +379,20 @@ def account(model_dir: str) -> dict[str, Any]:
 
 
 def summary_line(result: Mapping[str, Any]) -> str:
-    """One line: goodput, then every bucket's share of the wall time."""
-    shares = " | ".join(f"{bucket} {100 * result['fractions'][bucket]:.1f}%"
-                        for bucket in BUCKETS if bucket != "steps")
+    """One line: goodput, then the share of every bucket that holds time (those that
+    round to 0.0% say nothing); a job with no loop after a first one has no steady
+    rate to price its steps, and says so rather than "goodput 0.0%"."""
+    fractions = result["fractions"]
+    shares = " | ".join(f"{bucket} {100 * fractions[bucket]:.1f}%" for bucket in BUCKETS
+                        if bucket != "steps" and round(100 * fractions[bucket], 1))
     runs = len(result["runs"])
+    priced = result["seconds"]["steps"] > 0 or result["seconds"]["recomputed"] > 0
+    head = (f"goodput {100 * result['goodput']:.1f}%" if priced else
+            "goodput unknown (no loop after the first to price the steps: all compile)")
     between = result.get("between_runs", 0.0)
-    return (f"goodput {100 * result['goodput']:.1f}% of {result['wall']:.1f}s over {runs} "
-            f"run{'s' if runs != 1 else ''} | {shares} | recomputed steps "
-            f"{result['recomputed_steps']}"
+    return (f"{head} of {result['wall']:.1f}s over {runs} run{'s' if runs != 1 else ''} | "
+            f"{shares}" + (f" | recomputed steps {result['recomputed_steps']}"
+                           if result["recomputed_steps"] else "")
             + (f" | between runs {between:.0f}s (not counted)" if between else ""))
 
 

@@ -19,7 +19,15 @@ from tputrain.flops import model_flops_utilization
 VERTEX_TENSORBOARD_DIR = "AIP_TENSORBOARD_LOG_DIR"  # set by Vertex AI (docs/vertex.md)
 # Before the first loop's rates: its wall time also holds tracing, XLA compilation and
 # the input pipeline's first batch, so they are no steady rate (goodput splits them).
-FIRST_LOOP = "compiling in this loop, so its rates include start-up: "
+FIRST_LOOP = "with compiling: "
+# Communication figures shown only where there is communication (several replicas);
+# TensorBoard gets them always.
+COMM_PREFIX = "comm/"
+# An input stall above this share is explained once (the docs' goal is 5%; a shared
+# host's noise reaches past that without any cause to fix).
+STALL_ADVICE = 0.2
+# A stall under this many seconds a step is the fetch's own hand-off, not the reading.
+HANDOFF_SECONDS = 1e-3
 
 
 def summary_root(model_dir: str) -> str:
@@ -44,8 +52,41 @@ def _format_duration(seconds: float) -> str:
     return f"{seconds}s"
 
 
+# Shorter names in the line than the TensorBoard tags (which are unchanged).
+LINE_NAMES = {"learning_rate": "lr"}
+
+
 def _format_logs(logs: Mapping[str, float]) -> str:
-    return " | ".join(f"{name} {value:.4g}" for name, value in logs.items())
+    return " | ".join(f"{LINE_NAMES.get(name, name)} {value:.4g}" for name, value in logs.items())
+
+
+def _format_rate(rate: float) -> str:
+    """Steps a second: whole above 100 (no noise digits), else two decimals."""
+    return f"{rate:.0f}" if rate >= 100 else f"{rate:.2f}"
+
+
+def _line_logs(logs: Mapping[str, float]) -> dict[str, float]:
+    """The logs the line shows: a mixture's counts and token logs have their own
+    words; communication figures that are 0 (one replica) say nothing."""
+    hidden = {*TOKEN_LOGS, *(n for n in logs if n.startswith(SOURCE_PREFIX)),
+              *(n for n, v in logs.items() if n.startswith(COMM_PREFIX) and not float(v))}
+    return {name: value for name, value in logs.items() if name not in hidden}
+
+
+def stall_advice(stall_fraction: float, stall_per_step: float, steps_per_fetch: int = 1) -> str:
+    """Why an input stall above STALL_ADVICE, and the knob: with a fetch a step, a stall
+    of under HANDOFF_SECONDS a step is each fetch's cost (data in memory too), else
+    the input is slower than the step."""
+    if stall_per_step < HANDOFF_SECONDS and steps_per_fetch == 1:
+        return (f"tputrain: input stall {100 * stall_fraction:.0f}% at "
+                f"{1e6 * stall_per_step:.0f} us a step: each fetch's hand-off, which "
+                "in-memory data (NumPy, from_tensor_slices) pays too. "
+                "Trainer.steps_per_fetch = K fetches K steps' batches at once (digits.gin: "
+                "100); `tputrain diagnose` separates input from step "
+                "(docs/input_pipeline.md). Said once.")
+    return (f"tputrain: input stall {100 * stall_fraction:.0f}%: the input is slower than "
+            "the step. `tputrain diagnose` measures both and names the knobs (cache, "
+            "parallel reads, prefetch; docs/input_pipeline.md). Said once.")
 
 
 # Step logs of a run that counts tokens (`Task.loss_denominator`): shown as rates.
@@ -98,7 +139,9 @@ class Progress:
     `summary_dir=None` logs without writing (non-chief workers).
     """
 
-    def __init__(self, summary_dir: str | None, train_steps: int, global_batch_size: int):
+    def __init__(self, summary_dir: str | None, train_steps: int, global_batch_size: int,
+                 steps_per_fetch: int = 1):
+        self.steps_per_fetch = steps_per_fetch  # the stall advice's knob (`stall_advice`)
         self.train_steps = train_steps  # the step this run ends at (`Controller.run` sets it)
         self.global_batch_size = global_batch_size
         self._writers: dict[str, tf.summary.SummaryWriter] = {}
@@ -110,6 +153,7 @@ class Progress:
         self._raise_peak: Callable[[float], None] | None = None  # a measured peak
         self._first_loop: tuple[int, float] | None = None  # (steps, seconds) until priced
         self._pending_count: Callable[[], None] | None = None
+        self._stall_explained = False  # `stall_advice`, once a run
 
     @property
     def summary_dir(self) -> str | None:
@@ -198,10 +242,8 @@ class Progress:
         rates = {"steps_per_second": steps_per_second,
                  "examples_per_second": steps_per_second * self.global_batch_size,
                  "input/stall_fraction": min(1.0, input_wait / max(seconds, 1e-9))}
-        tokens, shown = _token_rates(logs, steps_per_second, rates), dict(logs)
+        tokens, shown = _token_rates(logs, steps_per_second, rates), _line_logs(logs)
         tokens += _source_words(logs)
-        for name in [*TOKEN_LOGS, *(n for n in logs if n.startswith(SOURCE_PREFIX))]:
-            shown.pop(name, None)
         mfu = ""
         if self._flops_per_step and self._peak_flops:
             self._raise_measured_peak(self._flops_per_step * steps_per_second)
@@ -210,13 +252,22 @@ class Progress:
             rates["mfu"] *= 1.0 - float(logs.get("padding", 0.0))  # real tokens' FLOPs only
             mfu = f" | MFU {100 * rates['mfu']:.1f}%"
         first = self._steps_per_second is None and getattr(self, "_first_loop", None) is None
-        logging.info("tputrain: step %d/%d | %s | %s%.0f examples/s%s | %.2f steps/s%s | "
+        logging.info("tputrain: step %d/%d | %s | %s%.0f examples/s%s | %s steps/s%s | "
                      "input stall %.1f%%%s", step, self.train_steps, _format_logs(shown),
                      FIRST_LOOP if first else "", rates["examples_per_second"], tokens,
-                     steps_per_second, mfu, 100 * rates["input/stall_fraction"],
+                     _format_rate(steps_per_second), mfu, 100 * rates["input/stall_fraction"],
                      self._timing(step, steps, seconds))
+        if not first:
+            self._advise_on_stall(rates["input/stall_fraction"], input_wait / max(steps, 1))
         self.write_scalars("train", step, {**logs, **rates})
         return rates
+
+    def _advise_on_stall(self, fraction: float, per_step: float) -> None:
+        """Explains an input stall above STALL_ADVICE, once a run (the first loop's, which
+        holds the pipeline's first batch, is none)."""
+        if fraction > STALL_ADVICE and not getattr(self, "_stall_explained", False):
+            self._stall_explained = True
+            logging.info("%s", stall_advice(fraction, per_step, self.steps_per_fetch))
 
     def _timing(self, step: int, steps: int, seconds: float) -> str:
         """The line's tail. The first loop gives no ETA (its line says it compiles,
@@ -226,7 +277,7 @@ class Progress:
         remaining = max(0, self.train_steps - step)
         if self._steps_per_second is None and getattr(self, "_first_loop", None) is None:
             self._first_loop = (steps, seconds)
-            return f" | ETA {'after the next loop' if remaining else '0s'}"
+            return f" | ETA {'next loop' if remaining else '0s'}"
         steps_per_second = steps / max(seconds, 1e-9)
         compile_figure = ""
         if getattr(self, "_first_loop", None) is not None:

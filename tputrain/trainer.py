@@ -201,7 +201,7 @@ class Trainer:
         self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
         self._communication = CommunicationAction(self.communication)  # timed once
         self.progress = Progress(summary_root(self._work_dir) if self.is_chief else None,
-                                 self.train_steps, self.global_batch_size)
+                                 self.train_steps, self.global_batch_size, self.plan.steps_per_fetch)
         self.context = self._context()
         if self.is_chief:  # inputs are checked; nothing has been written yet
             self._preflight()

@@ -216,3 +216,25 @@ def test_a_model_building_function_is_called_in_the_scope(tmp_path):
                         jit_compile=False)
     _, history = keras_fit(epochs=1)
     assert abs(logs["loss"] - history["val_loss"][-1]) < 1e-5
+
+
+def shuffled_dataset() -> tf.data.Dataset:
+    """fit's usual input: reshuffled each pass (tf.data's default), seeded."""
+    return (tf.data.Dataset.from_tensor_slices(data(BATCH * EPOCH_STEPS, 1, True))
+            .shuffle(512, seed=0).batch(BATCH))
+
+
+@pytest.mark.parametrize("replicas", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_reshuffling_dataset_gives_fits_batches(tmp_path, replicas):
+    """`fit` opens one iterator of the dataset per epoch and no other: tputrain.fit
+    opens the same ones in the same order, so each epoch's shuffle is fit's."""
+    epochs = 3
+    expected = compiled_model()
+    expected.fit(shuffled_dataset(), epochs=epochs, verbose=0)
+    model = compiled_model()
+    tputrain.fit(model, shuffled_dataset(), EVAL, model_dir=str(tmp_path / "run"),
+                 steps=epochs * EPOCH_STEPS, eval_every=EPOCH_STEPS,
+                 strategy=strategy_for(replicas), report_mfu=False, jit_compile=False)
+    gap = close(model.get_weights(), expected.get_weights())
+    print(f"replicas={replicas}: largest weight difference to model.fit {gap:.2e}")
+    assert gap < 1e-5

@@ -43,7 +43,7 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
       **trainer_options: any other `Trainer` argument (strategy, steps_per_loop, ...).
     """
     keras_task = task(model, train_data, eval_data, batch_size=batch_size, shuffle=shuffle,
-                      seed=trainer_options.get("seed", 0))
+                      seed=trainer_options.get("seed", 0), epoch_steps=eval_every)
     adapters = [KerasCallbacks(callbacks)] if callbacks else []
     try:
         trainer = Trainer(keras_task, model_dir, train_steps=steps, eval_every=eval_every,

@@ -14,12 +14,15 @@ from typing import Any, Callable, Sequence
 
 import keras
 import tensorflow as tf
+from absl import logging
+from tensorflow.python.data.ops import dataset_ops, map_op
 
 from tputrain.data import InputContext
 from tputrain.data.batching import pad_to_batch
 from tputrain.task import Task
 
 DEFAULT_BATCH_SIZE = 32  # as `model.fit` for arrays
+_BATCHES = ("_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset")
 
 
 def _examples(data: Any, batch_size: int | None, split: str) -> tuple[tf.data.Dataset, int]:
@@ -38,13 +41,43 @@ def _examples(data: Any, batch_size: int | None, split: str) -> tuple[tf.data.Da
 
 
 def _first_batch_size(dataset: tf.data.Dataset, split: str) -> int:
-    """The batch size of a batched dataset: static if known, else its first batch's."""
+    """The batch size of a batched dataset: static if known, else read from the
+    dataset's own `batch` (`_batch_size_of`), else its first batch's. Only the last
+    opens an iterator: `fit` opens one per epoch and none besides, and each iterator
+    of a dataset that reshuffles each iteration draws the next shuffle."""
     spec = tf.nest.flatten(dataset.element_spec)[0]
     if spec.shape.rank and spec.shape[0] is not None:
         return int(spec.shape[0])
+    if int(dataset.cardinality()) == 0:
+        raise ValueError(f"the {split} dataset is empty")
+    size = _batch_size_of(dataset)
+    if size is not None:
+        return size
+    logging.warning("tputrain: read the first batch of the %s dataset for its batch size: a "
+                    "dataset that reshuffles each iteration now gives other batches than "
+                    "model.fit; end it with .batch(n) (then map/prefetch), or pass batch_size "
+                    "with a dataset of single examples", split)
     for element in dataset.take(1):
         return int(tf.shape(tf.nest.flatten(element)[0])[0])
     raise ValueError(f"the {split} dataset is empty")
+
+
+def _batch_size_of(dataset: tf.data.Dataset) -> int | None:
+    """The `batch_size` of the last `batch` of `dataset`, found through the
+    transformations after it that keep each element's batch (prefetch, shuffle,
+    repeat, take, cache, map...), without reading the dataset; None if another
+    transformation (unbatch, rebatch, interleave, zip...) or none is in the way."""
+    # pylint: disable=protected-access  (tf.data's own record of its transformations)
+    keeps_batch = (dataset_ops.UnaryUnchangedStructureDataset, map_op._MapDataset,
+                   map_op._ParallelMapDataset)
+    while dataset is not None:
+        if type(dataset).__name__ in _BATCHES:
+            size = getattr(dataset, "_batch_size", None)
+            return int(size) if size is not None else None
+        if not isinstance(dataset, keeps_batch):
+            return None
+        dataset = getattr(dataset, "_input_dataset", None)
+    return None
 
 
 def _padded(batch: tuple, rows: int) -> tuple:
@@ -98,11 +131,20 @@ class KerasTask(Task):
         the global batch for arrays (default 32) or a dataset of single examples.
       shuffle: arrays only: reshuffle the train examples every pass (seeded), as fit.
       seed: the shuffle's seed.
+      epoch_steps: the steps between two evaluations (a Keras epoch). When it is the
+        number of batches of a batched train dataset, each pass opens the dataset as
+        `model.fit(dataset, epochs=...)` does: a spare iterator at each epoch's end
+        (Keras's epoch iterator makes one), so a dataset that reshuffles each
+        iteration gives fit's batches. Otherwise passes follow each other, as under
+        `fit(..., steps_per_epoch=epoch_steps)`.
     """
+
+    # The user's dataset is read only by training, as by fit (Task.probe_train_inputs).
+    probe_train_inputs = False
 
     def __init__(self, model: keras.Model | Callable[[], keras.Model], train_data: Any,
                  eval_data: Any = None, batch_size: int | None = None, shuffle: bool = True,
-                 seed: int = 0):
+                 seed: int = 0, epoch_steps: int | None = None):
         self._source = model if isinstance(model, keras.Model) else None
         self._factory = None if self._source is not None else model
         if self._source is not None:
@@ -112,6 +154,9 @@ class KerasTask(Task):
                             f"one, got {type(model).__name__}")
         self._train, self.global_batch_size = _examples(train_data, batch_size, "train")
         self._shuffle = bool(shuffle) and not isinstance(train_data, tf.data.Dataset)
+        self._fit_epochs = (isinstance(train_data, tf.data.Dataset) and batch_size is None
+                            and epoch_steps is not None
+                            and int(train_data.cardinality()) == epoch_steps)
         self._seed = seed
         self._eval = (self._train.take(self.global_batch_size) if eval_data is None
                       else _examples(eval_data, batch_size, "eval")[0])
@@ -149,7 +194,7 @@ class KerasTask(Task):
             if self._shuffle:
                 examples = examples.shuffle(10_000, seed=self._seed,
                                             reshuffle_each_iteration=True)
-            return examples.repeat().batch(rows, drop_remainder=True)
+            return self._passes(examples).batch(rows, drop_remainder=True)
         return examples.batch(rows).map(lambda *batch: _padded(batch, rows))
 
     def compute_loss(self, labels: Any, outputs: Any) -> tf.Tensor:
@@ -202,6 +247,16 @@ class KerasTask(Task):
             self._evaluating = False
 
     # ------------------------------------------------------------ helpers
+
+    def _passes(self, examples: tf.data.Dataset) -> tf.data.Dataset:
+        """The train examples pass after pass. Every iterator of the user's dataset
+        draws its next shuffle (`reshuffle_each_iteration`): under `_fit_epochs` one
+        is opened and left unread (one batch read) between two passes, as Keras's
+        epoch iterator opens one at an epoch's end and another at the next's start."""
+        if not self._fit_epochs:
+            return examples.repeat()
+        spare = examples.take(1).filter(lambda *_: False)
+        return examples.concatenate(spare.concatenate(examples).repeat())
 
     def _metric(self, identifier: Any) -> keras.metrics.Metric:
         if isinstance(identifier, str) and identifier.lower() in ("accuracy", "acc"):

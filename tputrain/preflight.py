@@ -21,8 +21,10 @@ def preflight(context: ActionContext) -> None:
     for action in context.actions:  # e.g. InitCheckpoint: its source and shapes
         action.preflight(context)
     size = variable_bytes(context.model.variables) + variable_bytes(context.optimizer.variables)
-    if context.plan.input_mode == "host":  # the iterator is checkpointed: shuffle buffers and all
-        inputs = context.inputs
+    inputs = context.inputs
+    if context.plan.input_mode == "host" and inputs.task.probe_train_inputs:
+        # The iterator is checkpointed, shuffle buffers and all (measured, unless the
+        # Task's train data must not be read before training: Task.probe_train_inputs).
         size += iterator_state_bytes(inputs.fetch_groups(inputs.train_dataset))
     kept_best = [a for a in context.actions if isinstance(a, BestCheckpoint)]
     for action in kept_best:  # a copy a kill or a full disk cut short takes no room

@@ -78,7 +78,16 @@ def overrides(task: "Task", name: str) -> bool:
 
 
 class Task:
-    """Base class for a training task; see the module docstring for contexts."""
+    """Base class for a training task; see the module docstring for contexts.
+
+    `probe_train_inputs`: whether the Trainer may open throwaway iterators on the
+    train split at start-up (one batch read to fail early on unreadable records, one
+    to size the checkpointed iterator state). `KerasTask` sets False: every iterator
+    of a user's dataset that reshuffles each iteration draws the next shuffle, so a
+    probe would make training read other batches than `model.fit` does.
+    """
+
+    probe_train_inputs = True
 
     def build_model(self) -> keras.Model:
         """Returns the Keras model (strategy scope, precision policy already set)."""

@@ -83,8 +83,10 @@ def check_eval_split(dataset: tf.data.Dataset, eval_steps: int | None,
 def check_splits(inputs: Any, eval_splits: Sequence[str], eval_steps: int | None) -> None:
     """Reads a batch of the train split and of each eval set (`probe_inputs`: corrupt
     records and missing files fail here, before anything is built), and refuses an
-    endless eval set that would be counted to its end (`check_eval_split`)."""
-    for split in ("train", *eval_splits):
+    endless eval set that would be counted to its end (`check_eval_split`). The
+    train split is left unread for a Task that says so (`Task.probe_train_inputs`)."""
+    probe_train = getattr(inputs.task, "probe_train_inputs", True)
+    for split in ("train", *eval_splits) if probe_train else eval_splits:
         probe_inputs(inputs.dataset(split), split)
     for split in eval_splits:
         check_eval_split(inputs.dataset(split), eval_steps, split)

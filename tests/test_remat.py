@@ -11,12 +11,13 @@ import pytest
 import tensorflow as tf
 
 import tputrain
+from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.flops import count_flops
 from tputrain.model_state import build_model_state
 from tputrain.options import RematOptions, TrainerOptions
 from tputrain.remat import remat_disabled
 from tputrain.tasks import SyntheticLMTask
-from tiny import strategy_for
+from tiny import TinyTask, strategy_for
 
 MODES = [None, "full", "activations", RematOptions("larger_than", output_size_threshold=1000),
          RematOptions("list_of_layers", layer_names=("logits", "dense_1"))]
@@ -129,3 +130,79 @@ def test_training_with_remat_gives_the_same_weights_and_flops(tmp_path, replicas
     atol = 1e-6 if precision == "float32" else 2e-3
     for got, want in zip(remat, plain, strict=True):
         np.testing.assert_allclose(got, want, atol=atol, rtol=0)
+
+
+# ------------------------------------------------------------ random layers (issue 50)
+#
+# The recomputation must replay the forward pass's random draws: a Dropout recomputed
+# with a new mask gives a gradient that belongs to no forward pass, and a seed
+# generator advanced again by the recomputation draws other masks at every later step.
+
+
+class DropoutTask(TinyTask):
+    """TinyTask's classifier with two Dropouts (one nested in a block): no L2, so the
+    gradients are the cross-entropy's alone."""
+
+    def build_model(self) -> keras.Model:
+        inputs = keras.Input((8,), name="x")
+        h = keras.layers.Dense(32, activation="relu")(inputs)
+        h = keras.layers.Dropout(0.5, seed=1)(h)
+        block = keras.Sequential([keras.layers.Dense(32, activation="relu"),
+                                  keras.layers.Dropout(0.5, seed=2)], name="block")
+        return keras.Model({"x": inputs}, keras.layers.Dense(2)(block(h)))
+
+
+def _dropout_gradients(remat, replicas: int, jit_compile: bool):
+    """Each replica's gradients of two steps (the second draws the next masks) and the
+    seed generators' states after them."""
+    task, strategy = DropoutTask(num_examples=16), strategy_for(replicas)
+    keras.utils.set_random_seed(0)
+    spec = {"x": tf.TensorSpec([16 // replicas, 8], tf.float32)}
+    state = build_model_state(task, strategy, spec, (), None, TrainerOptions(remat=remat).remat)
+    batch = ({"x": tf.constant(task.x)}, tf.constant(task.y))
+    dataset = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensors(batch).unbatch().batch(16))
+    per_replica = next(iter(dataset))
+
+    @tf.function(jit_compile=jit_compile)
+    def gradients(batch):
+        return task.compute_gradients(batch, state.model, state.optimizer, 16)[0]
+
+    steps = [[g.numpy() for g in tf.nest.flatten(tf.nest.map_structure(
+        strategy.experimental_local_results,
+        tf.function(lambda b: strategy.run(gradients, args=(b,)))(per_replica)))]
+        for _ in range(2)]
+    seeds = [tf.convert_to_tensor(v).numpy() for v in seed_generator_states(state.model)]
+    return steps, seeds
+
+
+@pytest.mark.parametrize("replicas, jit_compile", [(1, False), (1, True), (2, False)])
+def test_random_layers_are_recomputed_with_the_forward_pass_draws(replicas, jit_compile):
+    want, want_seeds = _dropout_gradients(None, replicas, jit_compile)
+    got, got_seeds = _dropout_gradients("full", replicas, jit_compile)
+    assert any(np.abs(g).max() > 0.1 for g in want[0])  # not vanishing gradients
+    for got_step, want_step in zip(got, want, strict=True):
+        for g, w in zip(got_step, want_step, strict=True):
+            np.testing.assert_allclose(g, w, atol=1e-6, rtol=0)
+    # as many draws a step as without remat: the recomputation does not advance them
+    for g, w in zip(got_seeds, want_seeds, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_training_with_dropout_and_remat_gives_the_same_weights(tmp_path, replicas):
+    def train(name, **kwargs):
+        trainer = tputrain.Trainer(DropoutTask(), str(tmp_path / name),
+                                   strategy=strategy_for(replicas), train_steps=4,
+                                   steps_per_loop=2, global_batch_size=16, eval_steps=1,
+                                   report_mfu=False, **kwargs)
+        trainer.train()
+        seeds = [tf.convert_to_tensor(v).numpy() for v in seed_generator_states(trainer.model)]
+        return [v.numpy() for v in trainer.model.trainable_variables], seeds
+
+    (plain, plain_seeds), (remat, remat_seeds) = train("plain"), train("remat", remat="full")
+    for got, want in zip(remat, plain, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    for got, want in zip(remat_seeds, plain_seeds, strict=True):
+        np.testing.assert_array_equal(got, want)

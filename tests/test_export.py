@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import tputrain
 from tiny import TinyTask, strategy_for
-from tputrain.export import feature_spec_of
+from tputrain.export import feature_spec_of, signature_inputs
 from tputrain.sidecar import ReadOnlyTrainer, evaluate_checkpoints
 
 
@@ -260,6 +260,48 @@ def test_a_plain_tensor_input_is_served_under_its_keras_input_name(tmp_path):
     x = trainer.task.x[:5]
     outputs = serve(pixels=tf.constant(x))["outputs"]
     np.testing.assert_allclose(outputs, trainer.model(x), rtol=1e-5, atol=1e-6)
+
+
+def tiny_application() -> keras.Model:
+    """keras.applications' MobileNet, small (weights=None: nothing is downloaded)."""
+    return keras.applications.MobileNet(weights=None, input_shape=(32, 32, 3), alpha=0.25,
+                                        classes=2, classifier_activation=None)
+
+
+def test_a_keras_applications_input_is_named_as_keras_names_its_layer():
+    """keras.applications' models declare `keras.Input(shape)` with no name: the signature
+    names it `input_layer` (Keras's name for its layer), never the automatic
+    `keras_tensor_N`, which changes with every model built and with `clone_model`."""
+    features = tf.TensorSpec([4, 32, 32, 3], tf.float32)
+    first = tiny_application()
+    for model in (first, tiny_application(), keras.models.clone_model(first)):
+        assert signature_inputs(model, features).name == "input_layer"
+    named = keras.Input((32, 32, 3), name="image")
+    model = keras.applications.MobileNet(weights=None, input_tensor=named, alpha=0.25,
+                                         classes=2)
+    assert signature_inputs(model, features).name == "image"
+
+
+@pytest.mark.slow
+def test_a_keras_applications_model_is_served_under_its_input_layers_name(tmp_path):
+    """Exported from `tputrain.fit` (a cloned model), its one input is `input_layer`."""
+    rng = np.random.default_rng(0)
+    images = rng.uniform(size=(8, 32, 32, 3)).astype(np.float32)
+    labels = rng.integers(0, 2, size=8)
+    keras.utils.set_random_seed(0)
+    model = tiny_application()
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    export = tputrain.Export()
+    tputrain.fit(model, (images, labels), (images[:4], labels[:4]),
+                 model_dir=str(tmp_path / "run"), steps=1, batch_size=4,
+                 strategy=strategy_for(1), actions=[export], report_mfu=False,
+                 jit_compile=False)
+    serve = tf.saved_model.load(export.path).signatures["serving_default"]
+    assert list(serve.structured_input_signature[1]) == ["input_layer"]
+    outputs = serve(input_layer=tf.constant(images[:3]))["outputs"]
+    np.testing.assert_allclose(outputs, model(images[:3], training=False), rtol=1e-4,
+                               atol=1e-5)
 
 
 def test_a_model_dirs_config_is_read_as_data_and_its_imports_are_not_run(tmp_path):

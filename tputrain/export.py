@@ -5,7 +5,8 @@ the training strategy (so TPU or mirrored variables never reach the SavedModel),
 reads a checkpoint's weights into it and writes a SavedModel with:
 
 * `serving_default`: the model's own inputs (the features of the train split,
-  batch dimension free; one plain tensor is named by the model's `keras.Input`)
+  batch dimension free; one plain tensor is named by the model's `keras.Input`,
+  "input_layer" when that has no name, as in keras.applications' models)
   -> its outputs, **always float32** (a mixed_bfloat16
   model computes in bfloat16 and is cast at the end): a client never sees
   bfloat16, which most serving stacks cannot encode;
@@ -31,6 +32,7 @@ import contextlib
 import errno
 import logging as pylogging
 import os
+import re
 import socket
 import uuid
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
@@ -90,10 +92,18 @@ def feature_spec_of(task: "Task") -> dict[str, tf.io.FixedLenFeature] | None:
     return parsed
 
 
+_AUTOMATIC_NAME = re.compile(r"keras_tensor(_\d+)?")  # Keras's name for an unnamed input
+
+
 def serving_inputs(trainer: "Trainer", model: keras.Model) -> Any:
-    """The signature's inputs: the features the model trains on, any batch size,
-    restricted to the named inputs of a functional model (it ignores the rest)."""
-    features = trainer.inputs.micro_batch_spec()[0]
+    """The signature's inputs: the features the model trains on (`signature_inputs`)."""
+    return signature_inputs(model, trainer.inputs.micro_batch_spec()[0])
+
+
+def signature_inputs(model: keras.Model, features: Any) -> Any:
+    """The `TensorSpec`s a SavedModel of `model` takes for `features` (the train split's
+    feature specs): any batch size, named after the model's inputs, restricted to the
+    named inputs of a functional model (it ignores the rest)."""
     if isinstance(features, tf.TensorSpec):
         return tf.TensorSpec([None, *features.shape[1:]], features.dtype,
                              name=_single_input_name(model))
@@ -111,14 +121,18 @@ def serving_inputs(trainer: "Trainer", model: keras.Model) -> Any:
 
 
 def _single_input_name(model: keras.Model) -> str:
-    """The name of a functional model's one `keras.Input` (what a client knows the
-    input by), else "inputs" (a subclassed model declares none)."""
+    """What a client knows a functional model's one `keras.Input` by: its `name=`, else
+    "input_layer", Keras's name for the layer of an unnamed input (keras.applications'
+    models), never the automatic `keras_tensor_N`, which changes with every model built
+    in the process; "inputs" for a subclassed model (it declares none)."""
     try:
         inputs = model.inputs
     except (AttributeError, ValueError):
         inputs = None
     name = getattr(inputs[0], "name", None) if inputs and len(inputs) == 1 else None
-    return name if isinstance(name, str) and name else "inputs"
+    if not (isinstance(name, str) and name):
+        return "inputs"
+    return "input_layer" if _AUTOMATIC_NAME.fullmatch(name) else name
 
 
 @tracing.graph_helper

@@ -21,6 +21,7 @@ from file_events import (CONFIG, assert_same_outcome, event_child, kill_states, 
                          run_outcome)
 from tiny import TinyTask, strategy_for
 from tputrain.best import Watch, early_stopping_path
+from tputrain.validate import ModelDirError
 
 
 class Evals(tputrain.Action):
@@ -150,6 +151,75 @@ def test_early_stopping_resumes_from_the_evals_up_to_the_restored_step(tmp_path)
     resumed = make(tmp_path / "run", [never_improves_after_the_first(3)], train_steps=100)
     resumed.train()
     assert resumed.current_step == reference.current_step == 8
+
+
+# ------------------------------------------------------------ a lost or damaged best
+
+
+def stopped_with_a_best(model_dir, keep: int) -> tuple[dict, list[tputrain.Action]]:
+    """A run that stopped early with its best (accuracy) kept at an earlier step than
+    the stop (the rerun evaluates the stop step again); returns best.json and the
+    actions for the rerun."""
+    def actions():
+        return [tputrain.BestCheckpoint("accuracy", "max"),
+                tputrain.EarlyStopping("accuracy", "max", patience=2), tputrain.Export()]
+
+    trainer = make(model_dir, actions(), keep_checkpoints=keep, train_steps=40)
+    trainer.train()
+    record = json.loads((model_dir / "best" / "best.json").read_text())
+    assert record["step"] < trainer.current_step < 40, (record, trainer.current_step)
+    return record, actions()
+
+
+def damage(model_dir, record: dict, what: str) -> None:
+    prefix = model_dir / "best" / record["checkpoint"]
+    if what == "index lost":
+        os.remove(f"{prefix}.index")
+    else:  # bit rot in the middle of the data file
+        data = bytearray(open(f"{prefix}.data-00000-of-00001", "rb").read())
+        for i in range(len(data) // 3, len(data) // 3 + 64):
+            data[i] ^= 0xFF
+        open(f"{prefix}.data-00000-of-00001", "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("what", ["index lost", "data damaged"])
+def test_a_lost_or_damaged_best_is_copied_again_from_its_checkpoint(tmp_path, what):
+    """Issue 50.1: the rerun deleted the rest of the best, took the stop step (a worse
+    accuracy) for the best, exported it and exited 0. The best's step is still in
+    checkpoints/: it is copied again, and the best and the export are unchanged."""
+    model_dir = tmp_path / "run"
+    record, actions = stopped_with_a_best(model_dir, keep=10)
+    step = record["step"]
+    assert (model_dir / "checkpoints" / f"ckpt-{step}.index").exists()
+    damage(model_dir, record, what)
+    make(model_dir, actions, keep_checkpoints=10, train_steps=40).train()
+    assert actions[0].step == step and actions[0].value == record["value"]
+    assert json.loads((model_dir / "best" / "best.json").read_text()) == record
+    for suffix in (".index", ".data-00000-of-00001"):
+        assert (model_dir / "best" / f"ckpt-{step}{suffix}").read_bytes() == \
+            (model_dir / "checkpoints" / f"ckpt-{step}{suffix}").read_bytes(), suffix
+    assert sorted(p.name for p in (model_dir / "export").iterdir()) == [str(step)]
+
+
+@pytest.mark.parametrize("what", ["index lost", "data damaged"])
+def test_a_lost_or_damaged_best_without_its_checkpoint_stops_the_run(tmp_path, what):
+    """Issue 50.1 with the best's step rotated out of checkpoints/: one line naming what
+    is missing, before anything is written; best/ is left as it was."""
+    model_dir = tmp_path / "run"
+    record, actions = stopped_with_a_best(model_dir, keep=1)
+    step = record["step"]
+    assert not (model_dir / "checkpoints" / f"ckpt-{step}.index").exists()
+    damage(model_dir, record, what)
+    before = sorted(p.name for p in (model_dir / "best").iterdir())
+    with pytest.raises(ModelDirError) as raised:
+        make(model_dir, actions, keep_checkpoints=1, train_steps=40)
+    message = str(raised.value).split("\n  In call to configurable")[0]  # gin's addition
+    assert "\n" not in message and f"ckpt-{step}" in message and "checkpoints" in message, \
+        message
+    assert ("missing" if what == "index lost" else "damaged") in message, message
+    assert json.loads((model_dir / "best" / "best.json").read_text()) == record
+    assert sorted(p.name for p in (model_dir / "best").iterdir()) == before
+    assert sorted(p.name for p in (model_dir / "export").iterdir()) == [str(step)]
 
 
 # ------------------------------------------------------------ kill -9 and resume

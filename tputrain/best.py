@@ -24,6 +24,10 @@ an uninterrupted one:
   or a full disk, the previous best left by a kill) are deleted before the
   pre-flight measures the room (`tidy_best`); a copy that fails deletes its
   partial files and stops the run with `ModelDirError`, the rerun continues.
+* The best that best.json names is read back at pre-flight (`repair`): missing
+  or damaged files (bit rot, a partial copy of model_dir) are copied again from
+  the same step in `checkpoints/`, or the run stops naming them. A worse step is
+  never kept in its place: best.json stays the commit point.
 
 Hooks run on every host with the same (agreed) eval metrics; only the chief writes.
 """
@@ -34,12 +38,14 @@ import json
 import math
 import os
 import uuid
-from typing import Any, Mapping, NoReturn
+from typing import Any, Mapping
 
 import tensorflow as tf
 from absl import logging
 
 from tputrain.actions import Action
+from tputrain.checkpointing.files import first_line
+from tputrain.checkpointing.recovery import UNREADABLE_ERRORS
 from tputrain.checks import check_int
 from tputrain.context import ActionContext
 from tputrain.loop.eval_sets import is_default, log_keys
@@ -167,11 +173,13 @@ class BestCheckpoint(Action):
         self._load(context)
 
     def _load(self, context: ActionContext) -> None:
-        """Reads back the best so far (a resumed run keeps comparing against it)."""
-        record = best_record(context.model_dir, self.directory_of(context))
+        """Reads back the best so far (a resumed run keeps comparing against it). From
+        best.json alone: a best whose files went missing is still the value to beat
+        (pre-flight copies it again or stops), never a reason to take a worse one."""
+        record = read_json(os.path.join(self.directory_of(context), BEST_FILE))
         self.step = self.value = None
         self.loaded = True
-        if record is None:
+        if record is None or "step" not in record:
             return
         if (record.get("metric"), record.get("mode")) != (self.watch.key, self.watch.mode):
             logging.warning("tputrain: %s kept the best %s (%s); now %s (%s): starting over",
@@ -208,20 +216,47 @@ class BestCheckpoint(Action):
     def _keep(self, context: ActionContext, step: int, value: float, path: str) -> None:
         """Copies the checkpoint files, then commits best.json, then drops the old copy."""
         directory = self.directory_of(context)
-        tf.io.gfile.makedirs(directory)
         name = f"ckpt-{step}"
-        # The index last: a copy cut short has no index, so it never looks like a checkpoint.
-        sources = sorted(tf.io.gfile.glob(f"{path}.*"), key=lambda s: s.endswith(".index"))
-        if not any(s.endswith(".index") for s in sources):
-            raise FileNotFoundError(f"BestCheckpoint: the checkpoint {path} has no files")
         try:
-            for source in sources:
-                suffix = source[len(path):]  # ".index", ".data-00000-of-00001"
-                tf.io.gfile.copy(source, os.path.join(directory, name + suffix), overwrite=True)
+            copy_checkpoint(path, directory, name)
         except (tf.errors.OpError, OSError) as error:
-            self._copy_failed(directory, name, path, error)
+            raise ModelDirError(
+                f"copying the best checkpoint {path} into {directory} {_failure(error)}; the "
+                f"partial copy is deleted, best.json and {path} are intact: free some space "
+                "and rerun, which evaluates that step again and keeps it if it is the "
+                "best") from None
         self._commit(context, step, step, value)
         tidy_best(directory)  # the previous best's files
+
+    def repair(self, context: ActionContext) -> None:
+        """Pre-flight (chief): a best that best.json names but whose files are missing or
+        damaged is copied again from the same step in checkpoints/, else the run stops.
+        (A run that started the best over took a worse step for the best, deleted what
+        was left of the true one and exported the worse one.)"""
+        directory = self.directory_of(context)
+        record = read_json(os.path.join(directory, BEST_FILE)) or {}
+        if "checkpoint" not in record or \
+                (record.get("metric"), record.get("mode")) != (self.watch.key, self.watch.mode):
+            return  # no best yet, or another metric's (started over by _load)
+        name = str(record["checkpoint"])
+        damage = checkpoint_damage(os.path.join(directory, name))
+        if damage is None:
+            return
+        source = os.path.join(context.model_dir, "checkpoints", name)
+        what = (f"the best checkpoint {os.path.join(directory, name)} ({record.get('metric')} "
+                f"{record.get('value')} at step {record.get('step')}, named by {BEST_FILE}) "
+                f"{damage}")
+        if checkpoint_damage(source) is not None:
+            raise ModelDirError(
+                f"{what}, and {os.path.dirname(source)} holds no intact {name} to copy it "
+                f"from: put back {name}.* from a copy of this model_dir, or delete "
+                f"{directory} to keep the best of the evaluations from now on")
+        logging.warning("tputrain: %s: copying it again from %s", what, source)
+        try:
+            copy_checkpoint(source, directory, name)
+        except (tf.errors.OpError, OSError) as error:
+            raise ModelDirError(f"{what}; copying it again from {source} {_failure(error)}: "
+                                "free some space and rerun") from None
 
     def _commit(self, context: ActionContext, evaluated: int, step: int | None,
                 value: float | None) -> None:
@@ -232,20 +267,51 @@ class BestCheckpoint(Action):
             record.update(step=step, value=value, checkpoint=f"ckpt-{step}")
         write_json(os.path.join(self.directory_of(context), BEST_FILE), record)
 
-    def _copy_failed(self, directory: str, name: str, path: str,
-                     error: BaseException) -> NoReturn:
-        """Deletes the partial copy; raises saying the best so far and the checkpoint are
-        intact (a full disk must not leave a file every rerun trips over)."""
+
+
+def _failure(error: BaseException) -> str:
+    """'ran out of room (...)' or 'failed (...)': a full disk said as such."""
+    text = first_line(error)
+    full = "no space left" in text.lower() or isinstance(error, tf.errors.ResourceExhaustedError)
+    return f"{'ran out of room' if full else 'failed'} ({text})"
+
+
+def copy_checkpoint(path: str, directory: str, name: str) -> None:
+    """Copies the checkpoint `path`'s files to `directory`/`name`.*, the index last: a
+    copy cut short has no index, so it never looks like a checkpoint. A copy that fails
+    deletes its partial files (a full disk must not leave a file every rerun trips
+    over) and raises."""
+    tf.io.gfile.makedirs(directory)
+    sources = sorted(tf.io.gfile.glob(f"{path}.*"), key=lambda s: s.endswith(".index"))
+    if not any(s.endswith(".index") for s in sources):
+        raise FileNotFoundError(f"BestCheckpoint: the checkpoint {path} has no files")
+    try:
+        for source in sources:
+            suffix = source[len(path):]  # ".index", ".data-00000-of-00001"
+            tf.io.gfile.copy(source, os.path.join(directory, name + suffix), overwrite=True)
+    except (tf.errors.OpError, OSError):
         for partial in tf.io.gfile.glob(os.path.join(directory, f"{name}.*")):
             tf.io.gfile.remove(partial)
-        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        full = "no space left" in text.lower() or isinstance(
-            error, tf.errors.ResourceExhaustedError)
-        raise ModelDirError(
-            f"copying the best checkpoint {path} into {directory} "
-            f"{'ran out of room' if full else 'failed'} ({text}); the partial copy is deleted, "
-            f"best.json and {path} are intact: free some space and rerun, which evaluates that "
-            "step again and keeps it if it is the best") from None
+        raise
+
+
+def checkpoint_damage(prefix: str) -> str | None:
+    """Why the checkpoint at `prefix` cannot be used ("... is missing", "is damaged
+    (...)"), or None when every tensor reads back (TensorFlow checks each one's
+    checksum; the data iterator's state, which Python cannot read, is left out)."""
+    name = os.path.basename(prefix)
+    if not tf.io.gfile.exists(f"{prefix}.index"):
+        return f"is missing its index file {name}.index"
+    if not tf.io.gfile.glob(f"{prefix}.data-*"):
+        return f"is missing its data file {name}.data-*"
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+        for key, dtype in reader.get_variable_to_dtype_map().items():
+            if dtype != tf.variant:
+                reader.get_tensor(key)
+    except UNREADABLE_ERRORS as error:
+        return f"is damaged ({type(error).__name__}: {first_line(error)})"
+    return None
 
 
 def tidy_best(directory: str) -> None:

@@ -3,7 +3,8 @@
 A run that cannot finish should fail before it writes anything: the checkpoint
 already there must be this model's, each action's own sources must be there
 (`Action.preflight`), and model_dir must be writable with room for the kept
-checkpoints (the iterator state included) and a best copy. Then the directory is
+checkpoints (the iterator state included) and a best copy, and the kept
+best checkpoint must be whole (copied again from checkpoints/ if not). Then the directory is
 locked: one run per model_dir.
 """
 
@@ -29,6 +30,7 @@ def preflight(context: ActionContext) -> None:
     kept_best = [a for a in context.actions if isinstance(a, BestCheckpoint)]
     for action in kept_best:  # a copy a kill or a full disk cut short takes no room
         tidy_best(action.directory_of(context))
+        action.repair(context)  # a lost or damaged best: copied again, or the run stops
     check_model_dir(context.model_dir, size, keep=context.checkpointer.keep,
                     best_copy=bool(kept_best))
     lock_model_dir(context.model_dir)  # one run per model_dir, until this process ends

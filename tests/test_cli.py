@@ -156,3 +156,13 @@ def test_an_empty_model_dir_is_refused(command, capsys):
     """Issue 33.6: `--model_dir=$UNSET` trained in the config's own model_dir."""
     error = _parse_error(command, "--model_dir=", "--gin_file=digits.gin", capsys=capsys)
     assert "--model_dir" in error and "unset shell variable" in error
+
+
+@pytest.mark.parametrize("command", ["eval", "run", "export"])
+def test_extra_positional_arguments_are_one_line_and_exit_2(command, capsys):
+    """Issue 50.6: `tputrain eval --model_dir=X extra` exited 1 with absl's usage dump."""
+    with pytest.raises(SystemExit) as caught:
+        main.command_module(command).main([f"tputrain {command}", "extra", "more"])
+    error = capsys.readouterr().err
+    assert caught.value.code == 2 and error.count("\n") == 1, error
+    assert "extra more" in error and "--help" in error, error

@@ -397,3 +397,62 @@ def test_a_generator_input_that_cannot_be_checkpointed_is_named_before_training(
         tputrain.Trainer(GeneratorTask(), str(tmp_path / "gen"), strategy=strategy_for(1),
                          train_steps=2, global_batch_size=16, eval_steps=1)
     assert not os.path.exists(tmp_path / "gen" / "checkpoints")
+
+
+# ------------------------------------------------------------ issue 50.6: tracebacks
+
+
+def test_an_unknown_eval_split_is_one_line_listing_the_tasks_splits(tmp_path):
+    """Issue 50.6: an eval set the Task has no data for was a KeyError (48 lines)."""
+    from tputrain.tasks import DigitsTask
+
+    model_dir = tmp_path / "model"
+    with pytest.raises(ValueError) as caught:  # a task that lists its splits
+        make_trainer(model_dir, DigitsTask(), eval_splits=("validation",))
+    text = one_line(caught.value)
+    assert "'validation'" in text and "('train', 'eval')" in text and "eval_splits" in text
+    files = write_records(tmp_path / "data")
+    with pytest.raises(ValueError) as caught:  # one whose build_inputs raises KeyError
+        make_trainer(model_dir, RecordsTask(files[0]), eval_splits=("eval", "validation"))
+    text = one_line(caught.value)
+    assert "'validation'" in text and "RecordsTask" in text and "eval_splits" in text
+    assert not model_dir.exists()
+
+
+class NarrowEvalTask(TinyTask):
+    """Its eval features have 6 columns where the train features (and model) have 8."""
+
+    def build_inputs(self, split, input_context):
+        dataset = super().build_inputs(split, input_context)
+        if split == "train":
+            return dataset
+        return dataset.map(lambda features, labels: ({"x": features["x"][:, :6]}, labels))
+
+
+def test_eval_features_of_another_shape_are_one_line_before_anything_is_written(tmp_path):
+    """Issue 50.6: eval features shaped unlike the model's inputs failed at the first
+    evaluation with a 102-line Keras traceback, after training had begun."""
+    model_dir = tmp_path / "model"
+    with pytest.raises(ValueError) as caught:
+        make_trainer(model_dir, NarrowEvalTask(), eval_every=2)
+    text = one_line(caught.value)
+    assert "'x'" in text and "eval" in text and "(6,)" in text and "(8,)" in text, text
+    assert not model_dir.exists()
+
+
+def test_training_on_a_truncated_only_checkpoint_is_one_line_and_exit_2(tmp_path, capsys):
+    """Issue 50.6: the good message came inside a 33-line traceback (eval, export and
+    predict already said it in one line)."""
+    from tputrain.cli.run import _train
+
+    model_dir = tmp_path / "model"
+    make_trainer(model_dir).train()
+    (data,) = (model_dir / "checkpoints").glob("ckpt-2.data-*")
+    data.write_bytes(data.read_bytes()[:len(data.read_bytes()) // 2])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as caught:
+        _train(make_trainer(model_dir, train_steps=4))
+    error = capsys.readouterr().err
+    lines = [line for line in error.splitlines() if line.startswith("tputrain: error:")]
+    assert caught.value.code == 2 and len(lines) == 1 and "Traceback" not in error, error
+    assert "ckpt-2" in lines[0], error

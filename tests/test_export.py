@@ -375,6 +375,33 @@ def test_a_failed_write_is_one_line_and_leaves_no_temp_folder(trained, tmp_path,
     assert temps(tmp_path / "run" / "export") == []
 
 
+def test_a_full_disk_at_the_final_export_is_one_line_and_the_rerun_exports(
+        tmp_path, monkeypatch, capsys):
+    """Issue 50.6: a full disk at the end-of-run export was a 40-line traceback (the
+    rerun completed the export); now one line, exit 1 as a full disk at a save."""
+    from tputrain.cli.run import _train
+
+    def trainer():
+        return tputrain.Trainer(TinyTask(), str(tmp_path / "run"), strategy=strategy_for(1),
+                                train_steps=4, steps_per_loop=2, global_batch_size=16,
+                                eval_steps=2, checkpoint_every=4, report_mfu=False,
+                                actions=[tputrain.Export()])
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tputrain.export, "save_serving_model",
+                      failing_save(OSError(errno.ENOSPC, "No space left on device")))
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as caught:
+            _train(trainer())
+    error = capsys.readouterr().err
+    lines = [line for line in error.splitlines() if line.startswith("tputrain: error:")]
+    assert caught.value.code == 1 and len(lines) == 1 and "Traceback" not in error, error
+    assert "free some space" in lines[0] and "rerun" in lines[0], lines
+    assert temps(tmp_path / "run" / "export") == []
+    trainer().train()  # room again: the rerun trains nothing and exports
+    assert (tmp_path / "run" / "export" / "4" / "saved_model.pb").exists()
+
+
 @pytest.mark.same_worker("export_trained")
 def test_an_export_dir_that_is_a_file_is_named(trained, tmp_path):
     trainer = copy_of(trained, tmp_path)

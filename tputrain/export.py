@@ -44,7 +44,7 @@ from absl import logging
 from tputrain import goodput, tracing
 from tputrain.actions import Action
 from tputrain.best import BestCheckpoint, best_record
-from tputrain.checkpointing.files import list_checkpoints
+from tputrain.checkpointing.files import first_line, list_checkpoints
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.recovery import UNREADABLE_ERRORS, read_newest
 from tputrain.checks import check_bool
@@ -55,6 +55,7 @@ from tputrain.ema import load_averages
 from tputrain.precision.layers import override_layer_dtypes
 from tputrain.loop.step import ensure_built
 from tputrain.tasks.digits import FEATURES as DIGITS_FEATURES, DigitsTask
+from tputrain.validate import ModelDirError
 
 if TYPE_CHECKING:  # annotations only: the Trainer imports the actions
     from tputrain.task import Task
@@ -465,8 +466,13 @@ class Export(Action):
             self.path = path
             return
         with goodput.timed(context, "export"):
-            self.path = export_checkpoint(context, export_dir=self.export_dir,
-                                          examples=self.examples)
+            try:
+                self.path = export_checkpoint(context, export_dir=self.export_dir,
+                                              examples=self.examples)
+            except OSError as error:  # a full disk, a read-only folder: the run is trained
+                raise ModelDirError(
+                    f"{first_line(error)}; training is done (step {step} is saved): then rerun "
+                    "the same command, which trains nothing and writes the export") from None
 
 
 def _exported(context: ActionContext, path: str, step: int) -> bool:

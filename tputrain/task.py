@@ -89,6 +89,12 @@ class Task:
 
     probe_train_inputs = True
 
+    # The split names `build_inputs` knows ("train", "eval", named eval sets), when the
+    # Task can list them: `Trainer.eval_splits` is checked against them at start-up and
+    # an unknown name is refused listing them. None: not listed (a KeyError from
+    # `build_inputs` naming an eval set is still one line).
+    splits: tuple[str, ...] | None = None
+
     def build_model(self) -> keras.Model:
         """Returns the Keras model (strategy scope, precision policy already set)."""
         raise NotImplementedError("Task.build_model must return a keras.Model")

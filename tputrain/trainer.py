@@ -54,8 +54,9 @@ from tputrain.preemption import PreemptionWatcher
 from tputrain.predict import predict as predict_outputs
 from tputrain.preflight import preflight
 from tputrain.progress import Progress, summary_root
-from tputrain.task import Task, overrides_train_step
-from tputrain.validate import check_splits
+from tputrain.task import Task, overrides, overrides_train_step
+from tputrain.validate import (check_eval_features, check_split_names, check_splits,
+                               named_splits)
 
 
 def _planned(name: str) -> property:
@@ -139,12 +140,17 @@ class Trainer:
         self._max_over_hosts = MaxOverHosts(self.strategy, self.num_hosts)
         keras.utils.set_random_seed(self.seed)
         compile_cache.report()  # set when tputrain was imported
-        self.inputs = Inputs(task, self.strategy, self.plan)
+        check_split_names(task, self.eval_splits)  # (and a KeyError naming one, below)
+        with named_splits(task, self.eval_splits):
+            self.inputs = Inputs(task, self.strategy, self.plan)
         self.startup.mark("data", check_splits(self.inputs, self.eval_splits, self.eval_steps))
         self.model, self.optimizer, self.train_metrics, self.eval_metrics, self.step, \
             self.guard = self.startup.mark("model", build_model_state(
                 task, self.strategy, self.inputs.micro_batch_spec()[0],
                 self.options.precision.keep_float32_layers, guard, self.options.remat))
+        if not overrides(task, "eval_step"):  # the default eval feeds the model the features
+            check_eval_features(self.model, self.inputs.micro_batch_spec()[0], {
+                split: self.inputs.dataset(split).element_spec[0] for split in self.eval_splits})
         self.ema = build_average(self.strategy, self.model, self.options.ema_decay)  # ema.py
         self._build_checkpointer()
         self._steps = StepBuilder(task, self.model, self.optimizer, self.train_metrics,

@@ -8,12 +8,14 @@ a gs:// bucket exists and accepts writes.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import re
 import shutil
 import uuid
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+import keras
 import tensorflow as tf
 from absl import logging
 
@@ -90,6 +92,75 @@ def check_splits(inputs: Any, eval_splits: Sequence[str], eval_steps: int | None
         probe_inputs(inputs.dataset(split), split)
     for split in eval_splits:
         check_eval_split(inputs.dataset(split), eval_steps, split)
+
+
+def _unknown_split(task: Any, eval_splits: Sequence[str], name: str,
+                   known: Sequence[str] | None) -> ValueError:
+    task_name = type(task).__name__
+    fix = (f"its splits are {tuple(known)}" if known is not None else
+           f"{task_name}.build_inputs({name!r}) raised KeyError: name a split it builds "
+           f"(a Task lists them in `{task_name}.splits`)")
+    return ValueError(f"Trainer.eval_splits={tuple(eval_splits)} names {name!r}, which "
+                      f"{task_name} has no data for: {fix}")
+
+
+def check_split_names(task: Any, eval_splits: Sequence[str]) -> None:
+    """A Task that lists its splits (`Task.splits`): each eval set must be one of them."""
+    known = getattr(task, "splits", None)
+    for name in eval_splits if known is not None else ():
+        if name not in known:
+            raise _unknown_split(task, eval_splits, name, known)
+
+
+@contextlib.contextmanager
+def named_splits(task: Any, eval_splits: Sequence[str]) -> Iterator[None]:
+    """Around building the inputs: a KeyError naming an eval set (a Task's dict of
+    splits has no such key) is one line naming the set, not a traceback."""
+    try:
+        yield
+    except KeyError as error:
+        name = error.args[0] if len(error.args) == 1 else None
+        if not isinstance(name, str) or name not in eval_splits:
+            raise
+        raise _unknown_split(task, eval_splits, name, getattr(task, "splits", None)) from None
+
+
+def _shapes(structure: Any) -> dict[str, tuple]:
+    """{feature path: shape past the batch axis} of a nest of specs or Keras inputs."""
+    return {"/".join(map(str, path)): tuple(tf.TensorShape(leaf.shape)[1:])
+            for path, leaf in keras.tree.flatten_with_path(structure)}
+
+
+def _model_inputs(model: Any, train_features: Any) -> tuple[dict[str, tuple], str, bool]:
+    """(shapes the model takes by feature path, where from, whether a missing feature
+    is an error): a functional model's inputs (by name for a list of them, as Keras
+    matches a dict of features), else the train features the model was built on."""
+    try:
+        structure = model.input
+    except (AttributeError, ValueError, TypeError):  # a subclassed model declares none
+        return _shapes(train_features), "the train features", False
+    if isinstance(structure, (list, tuple)) and isinstance(train_features, Mapping):
+        structure = {getattr(t, "name", str(i)): t for i, t in enumerate(structure)}
+    return _shapes(structure), "the model's input", isinstance(structure, Mapping)
+
+
+def check_eval_features(model: Any, train_features: Any, eval_features: Mapping[str, Any]
+                        ) -> None:
+    """Each eval set's features against what the model takes, before anything is
+    written: a mismatch was a long Keras traceback at the first evaluation."""
+    expected, source, named = _model_inputs(model, train_features)
+    for split, features in eval_features.items():
+        shapes = _shapes(features)
+        for path, shape in expected.items():
+            label = repr(path) if path else "features"
+            if path not in shapes and named:
+                raise ValueError(f"the {split} split has no feature {label}, which {source} "
+                                 f"has (shaped {shape} an example): make build_inputs"
+                                 f"({split!r}) yield the train split's features")
+            if path in shapes and not tf.TensorShape(shapes[path]).is_compatible_with(shape):
+                raise ValueError(f"the {split} split's feature {label} is shaped "
+                                 f"{shapes[path]} an example, but {source} is {shape}: make "
+                                 f"build_inputs({split!r}) yield the train split's shapes")
 
 
 def _feature_spec_error(error: tf.errors.InvalidArgumentError, split: str) -> Exception:

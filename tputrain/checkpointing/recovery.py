@@ -23,6 +23,11 @@ _ITERATOR_FAILURE = "Failed to restore dataset iterator"  # TF's words
 UNREADABLE_ERRORS = (tf.errors.OpError, ValueError, IndexError)
 
 
+class UnreadableCheckpointError(RuntimeError):
+    """No checkpoint in the directory could be read: bad input, named with its fix
+    (the CLI says it in one line and exits 2)."""
+
+
 def unreadable_message(directory: str, failures: list[tuple[str, BaseException]]) -> str:
     """Why no checkpoint was restored, and what to do about it."""
     details = "; ".join(f"{p}: {type(e).__name__}: {first_line(e)}" for p, e in failures)
@@ -61,11 +66,11 @@ def first_readable(candidates: Sequence[str], read: Callable[[str], Any], verb: 
 
 def newest_readable(candidates: Sequence[str], read: Callable[[str], Any], verb: str,
                     directory: str) -> tuple[str | None, Any, list[tuple[str, BaseException]]]:
-    """`first_readable`, raising `unreadable_message`'s RuntimeError when there were
+    """`first_readable`, raising `UnreadableCheckpointError` when there were
     candidates and none could be read; (None, None, []) when there were none."""
     path, value, failures = first_readable(candidates, read, verb)
     if path is None and failures:
-        raise RuntimeError(unreadable_message(directory, failures))
+        raise UnreadableCheckpointError(unreadable_message(directory, failures))
     return path, value, failures
 
 
@@ -74,11 +79,10 @@ def read_newest(paths: Sequence[str], read: Callable[[str], Any], directory: str
     """(path, what `read` returned) for the newest of `paths` (oldest first) that
     `read` can read, for readers that are not the run's `Checkpointer` (export,
     eval): a truncated or damaged one is skipped for the older one, with the
-    warning `restore_latest` logs; none readable is `unreadable_message`'s
-    RuntimeError."""
+    warning `restore_latest` logs; none readable is `UnreadableCheckpointError`."""
     path, value, failures = first_readable(list(reversed(list(paths))), read, "read")
     if path is None:
-        raise RuntimeError(unreadable_message(directory, failures))
+        raise UnreadableCheckpointError(unreadable_message(directory, failures))
     return path, value
 
 

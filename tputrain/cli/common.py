@@ -60,9 +60,11 @@ def list_in_help(names: Sequence[str], flag_values: flags.FlagValues = FLAGS) ->
 
 
 def reject_arguments(argv: Sequence[str]) -> None:
-    """absl passes positional arguments through; none of the commands takes any."""
+    """absl passes positional arguments through; none of the commands takes any. Bad
+    configuration: one line and exit 2 (absl's UsageError exits 1 with a usage dump)."""
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+        fail(f"unexpected arguments: {' '.join(argv[1:])}: every setting is a --flag "
+             "(a value with spaces must be quoted; see --help)")
 
 
 def parse_flags(argv: Sequence[str], flag_values: flags.FlagValues = FLAGS) -> list[str]:

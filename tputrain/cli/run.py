@@ -17,6 +17,7 @@ import tensorflow as tf
 from absl import flags, logging
 
 from tputrain.checkpointing.integrity import CheckpointMismatchError, NonFiniteStateError
+from tputrain.checkpointing.recovery import UnreadableCheckpointError
 from tputrain.cli.common import (EXIT_BAD_INPUT, EXIT_TRAINING_FAILED, GIN_FLAGS, build_trainer,
                                  define_gin_flags, error_message, fail, list_in_help,
                                  parse_gin_flags, reject_arguments, run_command)
@@ -50,8 +51,8 @@ def _train(trainer: Trainer) -> dict[str, float]:
     """Runs training; known failures end in one line (preemption exits 42 by itself)."""
     try:
         return trainer.train()
-    except CheckpointMismatchError as error:  # found at restore, before any step
-        fail(error_message(error), EXIT_BAD_INPUT)
+    except (CheckpointMismatchError, UnreadableCheckpointError) as error:  # at restore,
+        fail(error_message(error), EXIT_BAD_INPUT)  # before any step
     except (CorruptRecordError, InputDataError, FeatureSpecError, ModelDirError,
             NonFiniteError, NonFiniteStateError) as error:  # found mid-run
         fail(error_message(error), EXIT_TRAINING_FAILED)

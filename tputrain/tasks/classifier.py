@@ -39,6 +39,7 @@ class MLPClassifierTask(Task):
                 raise TypeError(f"MLPClassifierTask.{name} must be an input builder such as "
                                 f"@train/TFDSInput(), got {builder!r}")
         self.inputs = {"train": train_input, "eval": eval_input}
+        self.splits = tuple(self.inputs)
         self.num_classes = num_classes
         self.hidden_units = tuple(hidden_units)
         self.image_key = image_key

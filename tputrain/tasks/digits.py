@@ -49,6 +49,8 @@ def prepare_digits(cache_dir: str, train_shards: int = 8, eval_shards: int = 2) 
 class DigitsTask(Task):
     """An MLP classifier on scikit-learn's 8x8 digits (1477 train / 320 eval)."""
 
+    splits = ("train", "eval")
+
     def __init__(self, hidden_units: Sequence[int] = (256, 128), dropout: float = 0.1,
                  cache_dir: str | None = None, shuffle_buffer: int = 2048, seed: int = 0,
                  cache: bool | str = "memory"):

@@ -1,7 +1,8 @@
 """What the chief checks before a run's first write to model_dir.
 
-A run that cannot finish should fail before it writes anything: the checkpoint
-already there must be this model's, each action's own sources must be there
+A run that cannot finish should fail before it writes anything: each eval set's
+features must be what the model takes, the checkpoint already there must be this
+model's, each action's own sources must be there
 (`Action.preflight`), and model_dir must be writable with room for the kept
 checkpoints (the iterator state included) and a best copy, and the kept
 best checkpoint must be whole (copied again from checkpoints/ if not). Then the directory is
@@ -13,11 +14,17 @@ from __future__ import annotations
 from tputrain.best import BestCheckpoint, tidy_best
 from tputrain.context import ActionContext
 from tputrain.lock import lock_model_dir
-from tputrain.validate import check_model_dir, iterator_state_bytes, variable_bytes
+from tputrain.task import overrides
+from tputrain.validate import (check_eval_features, check_model_dir, iterator_state_bytes,
+                               variable_bytes)
 
 
 def preflight(context: ActionContext) -> None:
     """Runs the checks above on the chief (inputs were checked before), then locks."""
+    if not overrides(context.task, "eval_step"):  # the default eval feeds the model them
+        inputs = context.inputs
+        check_eval_features(context.model, inputs.micro_batch_spec()[0], {
+            split: inputs.dataset(split).element_spec[0] for split in context.options.eval_splits})
     context.checkpointer.check_compatible()
     for action in context.actions:  # e.g. InitCheckpoint: its source and shapes
         action.preflight(context)

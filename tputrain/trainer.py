@@ -54,9 +54,8 @@ from tputrain.preemption import PreemptionWatcher
 from tputrain.predict import predict as predict_outputs
 from tputrain.preflight import preflight
 from tputrain.progress import Progress, summary_root
-from tputrain.task import Task, overrides, overrides_train_step
-from tputrain.validate import (check_eval_features, check_split_names, check_splits,
-                               named_splits)
+from tputrain.task import Task, overrides_train_step
+from tputrain.validate import check_split_names, check_splits, named_splits
 
 
 def _planned(name: str) -> property:
@@ -85,6 +84,15 @@ def _check_arguments(task: Task, model_dir: str) -> None:
     if not model_dir:
         raise ValueError("Trainer.model_dir is empty: pass --model_dir or bind Trainer.model_dir")
 
+
+
+def _build_inputs(task: Task, strategy: tf.distribute.Strategy, plan: Any) -> Inputs:
+    """The host's inputs; an eval set the Task has no data for is one line (the Task's
+    `splits`, or a KeyError naming the set while they are built)."""
+    eval_splits = plan.options.eval_splits
+    check_split_names(task, eval_splits)
+    with named_splits(task, eval_splits):
+        return Inputs(task, strategy, plan)
 
 class Trainer:
     """Trains a `Task` under a distribution strategy, with exact-resume checkpoints.
@@ -140,17 +148,12 @@ class Trainer:
         self._max_over_hosts = MaxOverHosts(self.strategy, self.num_hosts)
         keras.utils.set_random_seed(self.seed)
         compile_cache.report()  # set when tputrain was imported
-        check_split_names(task, self.eval_splits)  # (and a KeyError naming one, below)
-        with named_splits(task, self.eval_splits):
-            self.inputs = Inputs(task, self.strategy, self.plan)
+        self.inputs = _build_inputs(task, self.strategy, self.plan)
         self.startup.mark("data", check_splits(self.inputs, self.eval_splits, self.eval_steps))
         self.model, self.optimizer, self.train_metrics, self.eval_metrics, self.step, \
             self.guard = self.startup.mark("model", build_model_state(
                 task, self.strategy, self.inputs.micro_batch_spec()[0],
                 self.options.precision.keep_float32_layers, guard, self.options.remat))
-        if not overrides(task, "eval_step"):  # the default eval feeds the model the features
-            check_eval_features(self.model, self.inputs.micro_batch_spec()[0], {
-                split: self.inputs.dataset(split).element_spec[0] for split in self.eval_splits})
         self.ema = build_average(self.strategy, self.model, self.options.ema_decay)  # ema.py
         self._build_checkpointer()
         self._steps = StepBuilder(task, self.model, self.optimizer, self.train_metrics,

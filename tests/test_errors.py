@@ -456,3 +456,61 @@ def test_training_on_a_truncated_only_checkpoint_is_one_line_and_exit_2(tmp_path
     lines = [line for line in error.splitlines() if line.startswith("tputrain: error:")]
     assert caught.value.code == 2 and len(lines) == 1 and "Traceback" not in error, error
     assert "ckpt-2" in lines[0], error
+
+
+_FINISHED_SCRIPT = """
+import os, shutil, sys
+import tputrain
+from faults import FaultTask
+from tiny import strategy_for
+
+model_dir = sys.argv[1]
+
+
+def trainer():
+    return tputrain.Trainer(FaultTask(dropout=0.0, ballast_floats=100_000), model_dir,
+                            strategy=strategy_for(1), train_steps=4, steps_per_loop=2,
+                            checkpoint_every=2, global_batch_size=8, eval_steps=1,
+                            actions=[tputrain.Export()])
+
+
+trainer().train()
+filler = os.path.join(os.path.dirname(model_dir), "filler")  # someone else's file
+with open(filler, "wb", buffering=0) as f:
+    try:
+        while True:
+            f.write(b"\\\\0" * 4096)
+    except OSError:
+        pass
+os.truncate(filler, os.path.getsize(filler) - 128 * 1024)  # 128 KiB left: not a checkpoint
+print("FREE", shutil.disk_usage(model_dir).free, flush=True)
+try:
+    rerun = trainer()
+    rerun.train()
+    print("RERUN DONE", int(rerun.step.numpy()), flush=True)
+except OSError as error:
+    print("RERUN", type(error).__name__, str(error).splitlines()[0], flush=True)
+"""
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for private mounts")
+def test_a_finished_run_rerun_on_a_nearly_full_disk_has_nothing_to_train(tmp_path):
+    """Issue 50.7 on a real tmpfs: a scheduler's retry of a finished, exported job on a
+    disk with less room than a checkpoint failed pre-flight ("model_dir is full",
+    exit 2); it has nothing to train or save, so it says so and ends."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = tmp_path / "finished.py"
+    script.write_text(_FINISHED_SCRIPT)
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare -rm is not permitted here: {probe.stderr.decode().strip()}")
+    shell = f"mount -t tmpfs -o size=16m tmpfs {disk} && exec {sys.executable} {script} {disk}/model"
+    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", shell], capture_output=True,
+                            text=True, env=env, timeout=240)
+    text = result.stdout + result.stderr[-3000:]
+    assert result.returncode == 0 and "FREE" in result.stdout, text
+    assert "RERUN DONE 4" in result.stdout, text
+    assert "nothing to train" in result.stderr, text

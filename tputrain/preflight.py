@@ -4,7 +4,8 @@ A run that cannot finish should fail before it writes anything: each eval set's
 features must be what the model takes, the checkpoint already there must be this
 model's, each action's own sources must be there
 (`Action.preflight`), and model_dir must be writable with room for the kept
-checkpoints (the iterator state included) and a best copy, and the kept
+checkpoints (the iterator state included) and a best copy (not for a finished
+run's rerun, which saves none), and the kept
 best checkpoint must be whole (copied again from checkpoints/ if not). Then the directory is
 locked: one run per model_dir.
 """
@@ -28,12 +29,7 @@ def preflight(context: ActionContext) -> None:
     context.checkpointer.check_compatible()
     for action in context.actions:  # e.g. InitCheckpoint: its source and shapes
         action.preflight(context)
-    size = variable_bytes(context.model.variables) + variable_bytes(context.optimizer.variables)
-    inputs = context.inputs
-    if context.plan.input_mode == "host" and inputs.task.probe_train_inputs:
-        # The iterator is checkpointed, shuffle buffers and all (measured, unless the
-        # Task's train data must not be read before training: Task.probe_train_inputs).
-        size += iterator_state_bytes(inputs.fetch_groups(inputs.train_dataset))
+    size = 0 if finished(context) else checkpoint_bytes(context)
     kept_best = [a for a in context.actions if isinstance(a, BestCheckpoint)]
     for action in kept_best:  # a copy a kill or a full disk cut short takes no room
         tidy_best(action.directory_of(context))
@@ -41,3 +37,22 @@ def preflight(context: ActionContext) -> None:
     check_model_dir(context.model_dir, size, keep=context.checkpointer.keep,
                     best_copy=bool(kept_best))
     lock_model_dir(context.model_dir)  # one run per model_dir, until this process ends
+
+
+def finished(context: ActionContext) -> bool:
+    """The latest checkpoint is at `train_steps` or past it: a rerun (a scheduler's retry
+    of a job that succeeded) trains and saves nothing, so it needs no room for
+    checkpoints (each save checks the room again, should one come)."""
+    latest = context.checkpointer.latest
+    return latest is not None and int(latest.rsplit("-", 1)[-1]) >= context.options.train_steps
+
+
+def checkpoint_bytes(context: ActionContext) -> int:
+    """The size of one checkpoint: the variables, and with `input_mode="host"` the data
+    iterator's state (shuffle buffers and all), measured, unless the Task's train data
+    must not be read before training (`Task.probe_train_inputs`)."""
+    size = variable_bytes(context.model.variables) + variable_bytes(context.optimizer.variables)
+    inputs = context.inputs
+    if context.plan.input_mode == "host" and inputs.task.probe_train_inputs:
+        size += iterator_state_bytes(inputs.fetch_groups(inputs.train_dataset))
+    return size

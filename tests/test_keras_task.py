@@ -126,3 +126,124 @@ def test_a_model_train_step_the_task_would_drop_is_refused_with_the_port(tmp_pat
     assert "task=Ported" in message
     assert "In call to configurable" not in message and "\n" not in message
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ------------------------------------------------------------ several outputs
+
+EPOCH_STEPS, LR = 6, 0.1
+
+
+def two_output_data(examples: int, seed: int, weighted: bool) -> tuple:
+    """One input; a 3-class label and a 1-unit value; uneven sample weights per output."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(examples, 5)).astype(np.float32)
+    y = {"label": np.argmax(x[:, :3], -1).astype(np.int64),
+         "value": (x[:, 3:4] * 2.0 - x[:, 4:5]).astype(np.float32)}
+    if not weighted:
+        return x, y
+    weights = {"label": rng.uniform(0.0, 2.0, size=examples).astype(np.float32),
+               "value": rng.uniform(0.5, 1.5, size=examples).astype(np.float32)}
+    weights["label"][::4] = 0.0
+    return x, y, weights
+
+
+def as_list(data: tuple, kind: type = list) -> tuple:
+    """`two_output_data` with labels and sample weights as lists (or tuples, for
+    `from_tensor_slices`), in the outputs' order."""
+    return tuple(part if i == 0 else kind([part["label"], part["value"]])
+                 for i, part in enumerate(data))
+
+
+def list_output_model() -> keras.Model:
+    """The same heads as a list of outputs (named by their layers), compiled with lists:
+    one loss function object, weights, metrics (one with its own name) by position."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((5,), name="x")
+    hidden = keras.layers.Dense(8, activation="tanh")(x)
+    model = keras.Model(x, [keras.layers.Dense(3, activation="softmax", name="label")(hidden),
+                            keras.layers.Dense(1, name="value")(hidden)])
+    model.compile(optimizer=keras.optimizers.SGD(LR, momentum=0.5),
+                  loss=[keras.losses.SparseCategoricalCrossentropy(), "mse"],
+                  loss_weights=[0.7, 0.3],
+                  metrics=["acc", [keras.metrics.MeanSquaredError(name="mse_of_value")]],
+                  weighted_metrics=["acc", None], jit_compile=False)
+    return model
+
+
+def two_output_model() -> keras.Model:
+    """A classification head and a 1-unit regression head, compiled as Keras users do:
+    a dict of losses, `loss_weights`, per-output metrics and a weighted metric."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((5,), name="x")
+    hidden = keras.layers.Dense(8, activation="tanh")(x)
+    model = keras.Model(x, {"label": keras.layers.Dense(3, activation="softmax")(hidden),
+                            "value": keras.layers.Dense(1)(hidden)})
+    model.compile(optimizer=keras.optimizers.SGD(LR, momentum=0.5),
+                  loss={"label": "sparse_categorical_crossentropy", "value": "mse"},
+                  loss_weights={"label": 1.0, "value": 0.5},
+                  metrics={"label": ["accuracy"], "value": ["mae"]},
+                  weighted_metrics={"value": ["mae"]}, jit_compile=False)
+    return model
+
+
+def two_output_train() -> tf.data.Dataset:
+    return tf.data.Dataset.from_tensor_slices(
+        two_output_data(BATCH * EPOCH_STEPS, 1, True)).batch(BATCH)
+
+
+TWO_OUTPUT_EVAL = two_output_data(20, 2, False)  # a padded last batch on 2 replicas
+
+
+class EpochLogs(keras.callbacks.Callback):
+    """Keeps each epoch's logs (train and val_ metrics), as `fit`'s history has them."""
+
+    def on_train_begin(self, logs=None):
+        self.epochs = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append(dict(logs))
+
+
+@pytest.mark.parametrize("replicas", [pytest.param(1, marks=pytest.mark.slow), 2])
+def test_a_two_output_model_trains_as_under_keras_fit(tmp_path, replicas):
+    """Losses, loss weights, per-output metrics (named as Keras names them) and per-output
+    sample weights: the weights, and every train and eval metric of every epoch, equal
+    `model.fit`'s within 1e-5."""
+    model, epochs = two_output_model(), EpochLogs()
+    tputrain.fit(model, two_output_train(), TWO_OUTPUT_EVAL, model_dir=str(tmp_path / "run"),
+                 steps=2 * EPOCH_STEPS, eval_every=EPOCH_STEPS, steps_per_loop=EPOCH_STEPS,
+                 callbacks=[epochs], strategy=strategy_for(replicas), report_mfu=False,
+                 jit_compile=False)
+    expected = two_output_model()
+    history = expected.fit(two_output_train(), epochs=2, steps_per_epoch=EPOCH_STEPS,
+                           validation_data=TWO_OUTPUT_EVAL, shuffle=False, verbose=0).history
+    assert {"label_loss", "value_loss", "label_accuracy", "value_mae", "value_weighted_mae",
+            "val_value_weighted_mae"} <= set(history)
+    for epoch, logs in enumerate(epochs.epochs):
+        print(epoch, {name: (logs.get(name), history[name][epoch]) for name in sorted(history)})
+        for name in history:
+            assert logs[name] == pytest.approx(history[name][epoch], abs=1e-5), (epoch, name)
+    assert len(epochs.epochs) == 2
+    for actual, wanted in zip(model.get_weights(), expected.get_weights()):
+        np.testing.assert_allclose(actual, wanted, atol=1e-5)
+
+
+def test_a_list_of_outputs_trains_as_under_keras_fit(tmp_path):
+    """Outputs, losses, loss weights, metrics, labels and sample weights as lists."""
+    train = tf.data.Dataset.from_tensor_slices(
+        as_list(two_output_data(BATCH * EPOCH_STEPS, 1, True), tuple)).batch(BATCH)
+    model, epochs = list_output_model(), EpochLogs()
+    tputrain.fit(model, train, as_list(TWO_OUTPUT_EVAL), model_dir=str(tmp_path / "run"),
+                 steps=EPOCH_STEPS, eval_every=EPOCH_STEPS, steps_per_loop=EPOCH_STEPS,
+                 callbacks=[epochs], strategy=strategy_for(1), report_mfu=False,
+                 jit_compile=False)
+    expected = list_output_model()
+    history = expected.fit(train, epochs=1, validation_data=as_list(TWO_OUTPUT_EVAL),
+                           shuffle=False, verbose=0).history
+    assert {"label_acc", "label_weighted_acc", "value_mse_of_value"} <= set(history)
+    (logs,) = epochs.epochs
+    print({name: (logs.get(name), history[name][0]) for name in sorted(history)})
+    for name in history:
+        assert logs[name] == pytest.approx(history[name][0], abs=1e-5), name
+    for actual, wanted in zip(model.get_weights(), expected.get_weights()):
+        np.testing.assert_allclose(actual, wanted, atol=1e-5)

@@ -4,7 +4,8 @@ The model is rebuilt inside the strategy scope (variables must be created there
 to be mirrored): a compiled model is cloned with `keras.models.clone_model` and
 its weights copied; a model-building function is called there instead (the way
 for subclassed models). Its compile config gives the rest: the loss (made per
-example), metrics and weighted metrics (fresh copies per build) and the optimizer
+example; with several outputs, each output's as `compile` pairs them,
+tputrain/keras_outputs.py), metrics and weighted metrics (fresh copies per build) and the optimizer
 (a fresh copy of its config). See docs/tasks.md, "Bring a Keras model".
 """
 
@@ -19,7 +20,8 @@ from tensorflow.python.data.ops import dataset_ops, map_op
 
 from tputrain.data import InputContext
 from tputrain.data.batching import pad_to_batch
-from tputrain.task import Task
+from tputrain.keras_outputs import CompiledOutputs, resolve_metrics
+from tputrain.task import Task, average_loss, per_example_weights
 
 DEFAULT_BATCH_SIZE = 32  # as `model.fit` for arrays
 _BATCHES = ("_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset")
@@ -86,22 +88,14 @@ def _padded(batch: tuple, rows: int) -> tuple:
     if len(batch) == 2:
         return pad_to_batch(batch, rows)
     features, labels, weights = batch
+    if tf.nest.is_nested(weights):
+        raise ValueError("KerasTask: eval data takes one sample weight per example, not one "
+                         "per output: evaluate with (x, y) or (x, y, sample_weight)")
     features, labels, mask = pad_to_batch((features, labels), rows)
     weights = tf.cast(weights, tf.float32)
     weights = tf.pad(weights, [[0, rows - tf.shape(weights)[0]]]
                      + [[0, 0]] * (weights.shape.rank - 1))
     return features, labels, tf.reshape(mask, [rows] + [1] * (weights.shape.rank - 1)) * weights
-
-
-def _same_rank(labels: tf.Tensor, outputs: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """Keras's rule for a function loss: a trailing axis of 1 is squeezed from the
-    tensor of higher rank when the ranks differ by one."""
-    true_rank, pred_rank = labels.shape.rank, outputs.shape.rank
-    if true_rank == pred_rank + 1 and labels.shape[-1] == 1:
-        labels = tf.squeeze(labels, -1)
-    elif pred_rank == true_rank + 1 and outputs.shape[-1] == 1:
-        outputs = tf.squeeze(outputs, -1)
-    return labels, outputs
 
 
 def _accuracy(name: str, label_spec: tf.TensorSpec, output_last_dim: int | None
@@ -161,6 +155,8 @@ class KerasTask(Task):
         self._eval = (self._train.take(self.global_batch_size) if eval_data is None
                       else _examples(eval_data, batch_size, "eval")[0])
         self._compiled: keras.Model | None = self._source
+        self._resolved: CompiledOutputs | None = None
+        self._resolved_for: keras.Model | None = None
         self._evaluating = False
 
     # ------------------------------------------------------------ Task
@@ -198,29 +194,40 @@ class KerasTask(Task):
         return examples.batch(rows).map(lambda *batch: _padded(batch, rows))
 
     def compute_loss(self, labels: Any, outputs: Any) -> tf.Tensor:
-        """The compiled loss of each example (axes past the batch averaged, as Keras's
-        "sum_over_batch_size" reduction averages them)."""
-        loss = self._compiled.loss
-        labels = tf.cast(labels, outputs.dtype)
-        if isinstance(loss, keras.losses.Loss):
-            per_element = loss.call(labels, outputs)  # no reduction
-        else:
-            per_element = keras.losses.get(loss)(*_same_rank(labels, outputs))
-        rank = per_element.shape.rank
-        return tf.reduce_mean(per_element, axis=list(range(1, rank))) if rank > 1 else per_element
+        """The compiled loss of each example: over the outputs, the sum of loss weight *
+        loss (axes past the batch averaged, as Keras's "sum_over_batch_size" does)."""
+        return self._outputs.combined(labels, outputs)
+
+    def total_loss(self, labels: Any, outputs: Any, model: keras.Model,
+                   global_batch_size: int, micro_batches: int = 1,
+                   sample_weight: Any = None) -> tf.Tensor:
+        """Sample weights per output (a list or dict, as `fit` takes them) weight each
+        output's loss; one sample weight weights them all (the Task's own rule)."""
+        if sample_weight is None or not tf.nest.is_nested(sample_weight):
+            return super().total_loss(labels, outputs, model, global_batch_size,
+                                      micro_batches, sample_weight=sample_weight)
+        weighted = self._outputs.combined(labels, outputs, sample_weight)
+        loss = average_loss(weighted, None, global_batch_size)
+        if model.losses:
+            regularization = tf.add_n([tf.cast(l, tf.float32) for l in model.losses])
+            loss += tf.nn.scale_regularization_loss(regularization) / micro_batches
+        return loss
 
     def build_metrics(self) -> Sequence[keras.metrics.Metric]:
-        """Fresh copies of the compiled `metrics` and `weighted_metrics`; only the
-        weighted ones get training sample weights, as under `fit`."""
-        config = self._compiled.get_compile_config()
-        plain = [self._metric(m) for m in config.get("metrics") or []]
-        weighted = [self._metric(m) for m in config.get("weighted_metrics") or []]
-        names = {m.name for m in plain}
-        for metric in weighted:
-            metric._tputrain_weighted = True  # pylint: disable=protected-access
-            if metric.name in names:
-                metric.name = f"weighted_{metric.name}"
-        return plain + weighted
+        """Fresh copies of the compiled `metrics` and `weighted_metrics`, named as `fit`
+        names them (per output: `<output>_<metric>`), and with several losses a mean of
+        each output's (`<output>_loss`). Only the weighted ones get training sample
+        weights, as under `fit`."""
+        config, names = self._compiled.get_compile_config(), self._outputs.names
+        plain = resolve_metrics(config.get("metrics"), names, self._metric)
+        weighted = resolve_metrics(config.get("weighted_metrics"), names, self._metric)
+        counts: dict[str, int] = {}
+        for (index, metric), is_weighted in [(m, False) for m in plain] + [(m, True) for m in weighted]:
+            metric.name = _keras_name(metric.name, names[index] if names else None,
+                                      is_weighted, counts)
+            metric._tputrain_output = index  # pylint: disable=protected-access
+            metric._tputrain_weighted = is_weighted  # pylint: disable=protected-access
+        return [metric for _, metric in plain + weighted] + self._loss_means()
 
     def build_optimizer(self) -> keras.optimizers.Optimizer:
         optimizer = self._compiled.optimizer
@@ -228,15 +235,26 @@ class KerasTask(Task):
         return type(optimizer).from_config(optimizer.get_config())
 
     def update_metrics(self, metrics: Sequence[keras.metrics.Metric], labels: Any,
-                       outputs: Any, sample_weight: tf.Tensor | None = None) -> None:
-        """Training: sample weights go to the weighted metrics only (Keras's rule). Eval:
-        to every metric, since they also mark the padding of the last batch."""
+                       outputs: Any, sample_weight: Any = None) -> None:
+        """Each metric on its output. Training: sample weights go to the weighted metrics
+        only (Keras's rule). Eval: to every metric, since they also mark the padding of
+        the last batch."""
+        compiled = self._outputs
+        labels_of, outputs_of = compiled.flat(labels), compiled.flat(outputs)
+        weights = ([None] * len(labels_of) if sample_weight is None
+                   else compiled.flat(sample_weight, repeat=True))
+        losses = None
         for metric in metrics:
-            weighted = self._evaluating or getattr(metric, "_tputrain_weighted", False)
-            if weighted and sample_weight is not None:
-                metric.update_state(labels, outputs, sample_weight=sample_weight)
+            index = getattr(metric, "_tputrain_output", 0)
+            weight = weights[index]
+            if getattr(metric, "_tputrain_loss_mean", False):
+                losses = losses or compiled.losses(labels, outputs)
+                self._update_loss_mean(metric, losses[index], weight)
+            elif weight is not None and (self._evaluating
+                                         or getattr(metric, "_tputrain_weighted", False)):
+                metric.update_state(labels_of[index], outputs_of[index], sample_weight=weight)
             else:
-                metric.update_state(labels, outputs)
+                metric.update_state(labels_of[index], outputs_of[index])
 
     def eval_step(self, batch: Any, model: keras.Model, metrics: Sequence[keras.metrics.Metric],
                   global_batch_size: int) -> dict[str, tf.Tensor]:
@@ -258,30 +276,84 @@ class KerasTask(Task):
         spare = examples.take(1).filter(lambda *_: False)
         return examples.concatenate(spare.concatenate(examples).repeat())
 
-    def _metric(self, identifier: Any) -> keras.metrics.Metric:
+    def _metric(self, identifier: Any, index: int = 0) -> keras.metrics.Metric:
+        """A compiled metric of output `index`, resolved and named as `compile` does."""
         if isinstance(identifier, str) and identifier.lower() in ("accuracy", "acc"):
-            label_spec = self._train.element_spec[1]
-            return _accuracy(identifier, label_spec, _output_last_dim(self._compiled))
+            label_spec = self._outputs.flat(self._train.element_spec[1])[index]
+            return _accuracy(identifier, label_spec, _output_last_dim(self._compiled, index))
         metric = keras.metrics.get(identifier)
         if not isinstance(metric, keras.metrics.Metric):  # a function
             metric = keras.metrics.MeanMetricWrapper(metric, name=str(identifier))
+        elif isinstance(identifier, str):
+            metric.name = identifier
         return metric
 
+    def _loss_means(self) -> list[keras.metrics.Metric]:
+        """With several outputs' losses, a mean of each (`<output>_loss`), as `fit` logs."""
+        compiled = self._outputs
+        trained = [out for out in compiled.outputs if out.loss is not None]
+        if len(trained) < 2:
+            return []
+        means = []
+        for out in trained:
+            mean = keras.metrics.Mean(name=f"{out.name}_loss")
+            mean._tputrain_output = out.index  # pylint: disable=protected-access
+            mean._tputrain_loss_mean = True  # pylint: disable=protected-access
+            means.append(mean)
+        return means
 
-def _output_last_dim(model: keras.Model) -> int | None:
+    def _update_loss_mean(self, mean: keras.metrics.Metric, loss: tf.Tensor,
+                          weight: tf.Tensor | None) -> None:
+        """Training: the mean of weight * loss over the examples (`fit`'s batch loss
+        averaged over batches); eval: the weighted mean, as the eval loss."""
+        if weight is None:
+            mean.update_state(loss)
+        elif self._evaluating:
+            mean.update_state(loss, sample_weight=per_example_weights(weight, loss))
+        else:
+            mean.update_state(loss * per_example_weights(weight, loss))
+
+    @property
+    def _outputs(self) -> CompiledOutputs:
+        """The compiled model's outputs with their losses (read once it is built)."""
+        if self._resolved is None or self._resolved_for is not self._compiled:
+            self._resolved, self._resolved_for = CompiledOutputs(self._compiled), self._compiled
+        return self._resolved
+
+
+def _keras_name(name: str, output: str | None, weighted: bool, counts: dict[str, int]) -> str:
+    """A metric's name in `fit`'s logs: prefixed by its output's name when the model has
+    several; a weighted metric of a name already taken is `weighted_<name>`; a name
+    taken again gets `_1`, `_2`..."""
+    def prefixed(base: str) -> str:
+        return f"{output}_{base}" if output else base
+
+    full = prefixed(name)
+    if full not in counts:
+        counts[full] = 1
+        return full
+    if weighted:
+        full = prefixed(f"weighted_{name}")
+        if full not in counts:
+            counts[full] = 1
+            return full
+    index = counts[full]
+    counts[full] += 1
+    return f"{full}_{index}"
+
+
+def _output_last_dim(model: keras.Model, index: int = 0) -> int | None:
     try:
-        return model.outputs[0].shape[-1]
+        return model.outputs[index].shape[-1]
     except (AttributeError, IndexError, TypeError, ValueError):
         return None
 
 
 def _check_compiled(model: keras.Model) -> keras.Model:
-    """A compiled, single-output model with one loss; else a ValueError naming the fix."""
+    """A compiled model with a loss, its losses pairing with its outputs; else a
+    ValueError naming the fix."""
     if not getattr(model, "compiled", False) or model.loss is None:
         raise ValueError(f"{type(model).__name__} is not compiled with a loss: call "
                          "model.compile(optimizer=..., loss=..., metrics=...) first")
-    outputs = getattr(model, "outputs", None) or [model]
-    if isinstance(model.loss, (dict, list, tuple)) or len(outputs) > 1:
-        raise ValueError("KerasTask takes a model with one output and one loss; for several "
-                         "outputs write a tputrain.Task (docs/tasks.md)")
+    CompiledOutputs(model)  # a loss or metric of no output is named now
     return model

@@ -132,20 +132,41 @@ class PauseAtStep(tputrain.Action):
 
 
 @gin.configurable
+class BlockingInputTask(TinyTask):
+    """TinyTask whose train input, once read, prints "tputrain-test: reading input" and
+    never yields: the main thread then waits inside TensorFlow (the Trainer's first read
+    of the train split), where Python signal handlers do not run."""
+
+    def build_inputs(self, split, input_context):
+        dataset = super().build_inputs(split, input_context)
+        if split != "train":
+            return dataset
+
+        def block(x):
+            print("tputrain-test: reading input", flush=True)
+            threading.Event().wait()
+            return x
+        return dataset.map(lambda features, labels: (
+            {"x": tf.ensure_shape(tf.py_function(block, [features["x"]], tf.float32),
+                                  features["x"].shape)}, labels))
+
+
+@gin.configurable
 class RecordsTask(TinyTask):
     """TinyTask read back from TFRecord files: `pattern` (train) and `eval_pattern`."""
 
     def __init__(self, pattern: str, eval_pattern: str | None = None, pad_eval: bool = False,
-                 eval_patterns: dict[str, str] | None = None):
+                 eval_patterns: dict[str, str] | None = None, shuffle: bool = False):
         super().__init__()
         # `eval_patterns`: named eval sets (Trainer.eval_splits), each its own files.
         self.patterns = {"train": pattern, "eval": eval_pattern or pattern, **(eval_patterns or {})}
-        self.pad_eval = pad_eval
+        self.pad_eval, self.shuffle = pad_eval, shuffle  # shuffle: the train split's (seeded)
 
     def build_inputs(self, split, input_context):
         return tputrain.data.TFRecordInput(
             self.patterns[split], {"x": ([8], "float32"), "label": ([], "int64")},
-            label_key="label", shuffle=False, repeat=split == "train",
+            label_key="label", shuffle=self.shuffle and split == "train",
+            repeat=split == "train",
             pad_remainder=self.pad_eval and split != "train")(input_context)
 
 
@@ -724,8 +745,9 @@ class MixtureTask(tputrain.Task):
     """Next-token rows packed from a shuffled 2-source weighted mixture of
     variable-length records (`sources`: the manifests; tests/test_mixture.py)."""
 
-    def __init__(self, sources: tuple[str, ...] = ()):
+    def __init__(self, sources: tuple[str, ...] = (), features: dict | None = None):
         self.sources = list(sources)
+        self.features = features  # the spec of glob sources
 
     def build_model(self):
         inputs = {name: keras.Input((MIXTURE_LENGTH,), dtype="int64", name=name)
@@ -750,7 +772,7 @@ class MixtureTask(tputrain.Task):
 
         train = split == "train"
         return MixtureInput(self.sources, [0.7, 0.3], seed=5, shuffle=train, repeat=train,
-                            label_key="targets",
+                            label_key="targets", features=self.features,
                             to_static=lambda d: PackSequences(MIXTURE_LENGTH)(d).map(targets)
                             )(input_context)
 

@@ -3,6 +3,8 @@
 import logging
 import os
 import re
+import subprocess
+import sys
 
 import gin
 import keras
@@ -11,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tputrain
-
+from faults import child_env
 from tputrain.data import (CorruptRecordError, InputContext, InputOptions, TFRecordInput,
                            explain_data_loss, feature_spec_for, parse_feature_spec,
                            write_tfrecords)
@@ -881,3 +883,64 @@ def test_iterators_made_earlier_do_not_change_the_shuffled_order(tmp_path):
     first_ids(probe)  # 10 epochs of 12 examples
     assert first_ids(iter(probed)) == fresh
     assert fresh[:12] != fresh[12:24]  # and each epoch is still shuffled anew
+
+
+# Empty inputs: one error when the dataset is built, never an endless read.
+
+
+def _empty_shard(directory, name="empty"):
+    directory.mkdir(exist_ok=True)
+    (directory / f"{name}-00000-of-00001.tfrecord").write_bytes(b"")
+    return str(directory / f"{name}-*")
+
+
+@pytest.mark.parametrize("settings", [{"shuffle": True}, {"shuffle": False},
+                                      {"cache": "memory"}, {"to_static": lambda d: d}],
+                         ids=["shuffled", "ordered", "in-memory", "to_static"])
+def test_a_pattern_of_only_empty_shards_is_one_error_when_the_dataset_is_built(tmp_path,
+                                                                               settings):
+    """A seeded shuffle built each epoch from its index and read 2**62 empty epochs."""
+    pattern = _empty_shard(tmp_path)
+    with pytest.raises(ValueError) as caught:
+        TFRecordInput(pattern, FEATURES, **settings)(InputContext(global_batch_size=2))
+    message = str(caught.value)
+    assert type(caught.value).__name__ == "EmptyInputError" and "\n" not in message
+    assert pattern in message and "0-byte" in message and "yields no batch" in message
+
+
+def test_a_pattern_among_several_that_holds_nothing_is_named(tmp_path):
+    good = _write(tmp_path, 8, 2)
+    empty = _empty_shard(tmp_path / "other")
+    with pytest.raises(ValueError, match=re.escape(repr(empty))):
+        TFRecordInput([good, empty], FEATURES)(InputContext(global_batch_size=2))
+
+
+def test_shards_without_records_and_a_filter_that_drops_everything_are_named(tmp_path):
+    (tmp_path / "z").mkdir()
+    with tf.io.TFRecordWriter(str(tmp_path / "z" / "gz-00000.tfrecord"), "GZIP"):
+        pass  # a GZIP file of no records: not 0 bytes
+    with pytest.raises(ValueError, match=r"no records.*yields no batch") as caught:
+        TFRecordInput(str(tmp_path / "z" / "gz-*"), FEATURES, compression_type="GZIP",
+                      seed=3)(InputContext(global_batch_size=2))
+    assert "\n" not in str(caught.value)
+    pattern = _write(tmp_path, 8, 2)
+    with pytest.raises(ValueError, match=r"to_static.*none of the 8 examples") as caught:
+        TFRecordInput(pattern, FEATURES, to_static=lambda d: d.filter(lambda e: e["id"] < 0)
+                      )(InputContext(global_batch_size=2))
+    assert "\n" not in str(caught.value)
+
+
+def test_the_cli_refuses_a_shuffled_empty_shard_in_one_line_and_exit_2(tmp_path):
+    """It spun at 100% CPU, deaf to SIGTERM (the timeout is a hang guard only)."""
+    pattern = _empty_shard(tmp_path)
+    config = tmp_path / "empty.gin"
+    config.write_text(f"Trainer.task = @RecordsTask()\nRecordsTask.pattern = '{pattern}'\n"
+                      "RecordsTask.shuffle = True\nTrainer.train_steps = 2\n"
+                      "Trainer.global_batch_size = 8\nTrainer.eval_steps = 1\n")
+    result = subprocess.run([sys.executable, "-m", "tputrain.run", "--gin_import=faults",
+                             f"--gin_file={config}", f"--model_dir={tmp_path / 'model'}"],
+                            capture_output=True, text=True, timeout=300, env=child_env())
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.count("tputrain: error:") == 1 and "Traceback" not in result.stderr
+    assert pattern in result.stderr and "0-byte" in result.stderr
+    assert not (tmp_path / "model").exists()

@@ -1,12 +1,15 @@
 """Tests for tputrain.data.mixture: weighted mixtures of sources, per host, resumable."""
 
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tputrain
-from faults import write_token_sources
+from faults import child_env, write_token_sources
 from tputrain.data import (InputContext, MixtureInput, PackSequences, PadSequences,
                            TFRecordInput, mix_datasets, source_counts, write_tfrecords)
 
@@ -255,3 +258,33 @@ def test_mixture_weights_are_checked_at_construction_and_quoted_as_given(weights
     with pytest.raises(ValueError, match=r"MixtureInput: .*finite") as caught:
         MixtureInput(["a.manifest.json", "b.manifest.json"], weights)
     assert str(weights[0]) in str(caught.value)
+
+
+def test_a_mixture_with_an_empty_component_is_one_line_and_exit_2(tmp_path):
+    """A shuffled mixture with a component of 0-byte shards hung (timeout: a hang guard)."""
+    good = write_token_sources(tmp_path, {"good": 40}, (2, 9), seed=1)[0]
+    (tmp_path / "empty-00000-of-00001.tfrecord").write_bytes(b"")
+    empty = str(tmp_path / "empty-*")
+    with pytest.raises(ValueError, match=r"source 1 \('empty'\).*0-byte") as caught:
+        MixtureInput([good, empty], [1, 1], features={"tokens": ([None], "int64")},
+                     to_static=PackSequences(8))(InputContext(global_batch_size=2))
+    assert "\n" not in str(caught.value)
+    config = tmp_path / "mixture.gin"
+    config.write_text(f"Trainer.task = @MixtureTask()\nMixtureTask.sources = ['{good}', "
+                      f"'{empty}']\nMixtureTask.features = {{'tokens': ([None], 'int64')}}\n"
+                      "Trainer.train_steps = 2\nTrainer.global_batch_size = 4\n"
+                      "Trainer.eval_steps = 1\n")
+    result = subprocess.run([sys.executable, "-m", "tputrain.run", "--gin_import=faults",
+                             f"--gin_file={config}", f"--model_dir={tmp_path / 'model'}"],
+                            capture_output=True, text=True, timeout=300, env=child_env())
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.count("tputrain: error:") == 1 and "Traceback" not in result.stderr
+    assert "source 1 ('empty')" in result.stderr and not (tmp_path / "model").exists()
+
+
+def test_a_mixture_whose_to_static_keeps_nothing_is_named(tmp_path):
+    sources = write_token_sources(tmp_path, {"a": 10, "b": 10}, (2, 9), seed=2)
+    with pytest.raises(ValueError, match=r"to_static .*keeps none of the 20 examples") as caught:
+        MixtureInput(sources, [1, 1], to_static=lambda d: PackSequences(8)(
+            d.filter(lambda e: e["source_id"] > 5)))(InputContext(global_batch_size=2))
+    assert "\n" not in str(caught.value)

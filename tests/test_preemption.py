@@ -5,6 +5,7 @@
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -15,6 +16,7 @@ import tensorflow as tf
 import tputrain
 from tputrain import goodput
 from tputrain.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatcher
+from faults import Process, child_env
 from tiny import TinyTask, strategy_for, weights
 
 STEPS = 300  # one loop of 300 steps: the signal must land inside it, even under load
@@ -105,3 +107,25 @@ def test_watcher_off_the_main_thread_does_not_install():
 def test_preempted_message_says_how_to_resume():
     text = str(Preempted(7, "/m/checkpoints/ckpt-7"))
     assert "step 7" in text and "rerun the same command" in text and "42" in text
+
+
+def test_sigterm_while_the_input_is_read_before_training_exits_42(tmp_path):
+    """The CLI's pre-training handler ran in Python only, and the main thread waited
+    inside TensorFlow's first read of the train split: SIGTERM was never acted on (a
+    0-byte shuffled shard spun so). The test waits for the read to have started; the
+    timeout is a hang guard only."""
+    config = tmp_path / "blocking.gin"
+    config.write_text("Trainer.task = @BlockingInputTask()\nTrainer.train_steps = 2\n"
+                      "Trainer.global_batch_size = 8\nTrainer.eval_steps = 1\n")
+    process = Process([sys.executable, "-m", "tputrain.run", "--gin_import=faults",
+                       f"--gin_file={config}", f"--model_dir={tmp_path / 'model'}"],
+                      child_env())
+    process.wait_for("tputrain-test: reading input")
+    process.process.send_signal(signal.SIGTERM)
+    try:
+        code = process.finish(timeout=120)
+    finally:
+        process.process.kill()
+    assert code == PREEMPTED_EXIT_CODE, process.log()
+    assert "before training started; nothing to save" in process.text()
+    assert "Traceback" not in process.text()

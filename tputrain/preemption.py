@@ -16,12 +16,19 @@ not enough either: Python runs handlers only between bytecodes, and the main
 thread sits in one compiled call for the whole loop. So the C-level handler's
 wakeup byte (`signal.set_wakeup_fd`) wakes a watcher thread, which sets a
 `tf.Variable` that the running loop reads.
+
+Before training (the CLI builds the Trainer: inputs read, model compiled) there
+is nothing to save, and the main thread may wait inside TensorFlow just as long
+(a slow first read) or for ever (an input that never yields): `ExitOnSignal`,
+the same watcher, exits 42 at once with one line. `tputrain run` installs it
+first; `train()` puts its `PreemptionWatcher` over it and back.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from typing import Sequence
 
@@ -48,37 +55,26 @@ class Preempted(SystemExit):
                 f"command to resume (exit code {PREEMPTED_EXIT_CODE})")
 
 
-class PreemptionWatcher:
-    """Sets `flag` (a host tf.Variable) when one of `signals` arrives.
+class SignalWatcher:
+    """Calls `request(signum)` when one of `signals` arrives, even while the main
+    thread waits inside TensorFlow (a compiled loop, an input read): the C-level
+    handler's wakeup byte wakes a watcher thread, since Python runs its own handlers
+    only between bytecodes of the main thread.
 
-    Create it before tracing the loop that reads `flag`; `install()` it (main
-    thread only: Python's rule for signal handlers) while training and
-    `uninstall()` after, which restores the previous handlers.
+    `install()` it (main thread only: Python's rule for signal handlers) and
+    `uninstall()` after, which restores the previous handlers and wakeup fd.
     """
 
     def __init__(self, signals: Sequence[int] = (signal.SIGTERM,)):
         self.signals = tuple(signals)
-        # Outside any strategy scope: one host variable, read by the loop on the host.
-        with tf.init_scope(), tf.device("/cpu:0"):
-            self.flag = tf.Variable(False, trainable=False, name="tputrain_preempted")
-        self._requested = threading.Event()
         self._previous: dict[int, object] = {}
         self._previous_wakeup_fd: int | None = None
         self._pipe: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
 
-    @property
-    def requested(self) -> bool:
-        return self._requested.is_set()
-
     def request(self, signum: int | None = None) -> None:
-        """Asks the loop to stop at the next step boundary (also callable directly)."""
-        if not self._requested.is_set():
-            name = signal.Signals(signum).name if signum else "a stop request"
-            logging.warning("tputrain: received %s; stopping at the next step boundary to "
-                            "save a checkpoint", name)
-        self._requested.set()
-        self.flag.assign(True)
+        """What a signal does (subclasses)."""
+        raise NotImplementedError
 
     def install(self) -> bool:
         """Installs the handlers; returns False (and does nothing) off the main thread."""
@@ -132,9 +128,65 @@ class PreemptionWatcher:
         self._pipe = None
         self._thread = None
 
-    def __enter__(self) -> "PreemptionWatcher":
+    def __enter__(self) -> "SignalWatcher":
         self.install()
         return self
 
     def __exit__(self, *exc) -> None:
         self.uninstall()
+
+
+class PreemptionWatcher(SignalWatcher):
+    """Sets `flag` (a host tf.Variable) when one of `signals` arrives.
+
+    Create it before tracing the loop that reads `flag`; `install()` it while
+    training and `uninstall()` after (`SignalWatcher`).
+    """
+
+    def __init__(self, signals: Sequence[int] = (signal.SIGTERM,)):
+        super().__init__(signals)
+        # Outside any strategy scope: one host variable, read by the loop on the host.
+        with tf.init_scope(), tf.device("/cpu:0"):
+            self.flag = tf.Variable(False, trainable=False, name="tputrain_preempted")
+        self._requested = threading.Event()
+
+    @property
+    def requested(self) -> bool:
+        return self._requested.is_set()
+
+    def request(self, signum: int | None = None) -> None:
+        """Asks the loop to stop at the next step boundary (also callable directly)."""
+        if not self._requested.is_set():
+            name = signal.Signals(signum).name if signum else "a stop request"
+            logging.warning("tputrain: received %s; stopping at the next step boundary to "
+                            "save a checkpoint", name)
+        self._requested.set()
+        self.flag.assign(True)
+
+
+class ExitOnSignal(SignalWatcher):
+    """Ends the process with `code` and one line when a signal arrives: for the phases
+    with nothing to save (building the Trainer: reading the inputs, compiling), where
+    the main thread may wait inside TensorFlow for as long as a read takes, or for
+    ever (an input that never yields). The exit is immediate (`os._exit`, as a
+    kill would be: every file tputrain writes is written atomically)."""
+
+    def __init__(self, message: str, code: int = PREEMPTED_EXIT_CODE,
+                 signals: Sequence[int] = (signal.SIGTERM,)):
+        super().__init__(signals)
+        self.message, self.code = message, code
+        self._once = threading.Lock()
+
+    def request(self, signum: int | None = None) -> None:
+        """Prints the message (`{signum}` filled in) and exits; the first caller wins."""
+        if not self._once.acquire(blocking=False):
+            return
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        try:
+            os.write(2, (self.message.format(signum=signum) + "\n").encode())
+        finally:
+            os._exit(self.code)

@@ -9,10 +9,6 @@ before any training; 3 when a multi-worker task never joined; 42 when preempted
 
 from __future__ import annotations
 
-import signal
-import sys
-from typing import Any
-
 import tensorflow as tf
 from absl import flags, logging
 
@@ -26,7 +22,7 @@ from tputrain.config import write_operative_config
 from tputrain.data import CorruptRecordError, FeatureSpecError
 from tputrain.guard import NonFiniteError
 from tputrain.distribution.launch import watch_launcher
-from tputrain.preemption import PREEMPTED_EXIT_CODE
+from tputrain.preemption import PREEMPTED_EXIT_CODE, ExitOnSignal
 from tputrain.trainer import Trainer
 from tputrain.validate import InputDataError, ModelDirError
 
@@ -38,13 +34,14 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     list_in_help((*GIN_FLAGS, "model_dir", "deterministic"), flag_values)
 
 
-def _exit_preempted_before_training(signum: int, frame: Any) -> None:
-    """SIGTERM while the Trainer is built: nothing to save yet; exit 42 all the same,
-    so a scheduler sees a preemption (rerun resumes) and not a crash (-15)."""
-    del frame
-    print(f"tputrain: signal {signum} before training started; nothing to save: rerun the "
-          f"same command to resume (exit code {PREEMPTED_EXIT_CODE})", file=sys.stderr)
-    sys.exit(PREEMPTED_EXIT_CODE)
+def _exit_preempted_before_training() -> ExitOnSignal:
+    """SIGTERM while the Trainer is built (the inputs read, the model compiled): nothing
+    to save yet; exit 42 all the same, so a scheduler sees a preemption (rerun resumes)
+    and not a crash (-15). Acted on at once, even while the main thread waits inside
+    TensorFlow for an input (`ExitOnSignal`)."""
+    return ExitOnSignal(f"tputrain: signal {{signum}} before training started; nothing to "
+                        "save: rerun the same command to resume (exit code "
+                        f"{PREEMPTED_EXIT_CODE})")
 
 
 def _train(trainer: Trainer) -> dict[str, float]:
@@ -67,7 +64,7 @@ def _train(trainer: Trainer) -> dict[str, float]:
 def main(argv: list[str]) -> None:
     reject_arguments(argv)
     # Until train() installs its own watcher (and after it restores this one).
-    signal.signal(signal.SIGTERM, _exit_preempted_before_training)
+    _exit_preempted_before_training().install()
     watch_launcher()  # a worker of `tputrain launch` stops when the launcher dies
     parse_gin_flags()
     if FLAGS.deterministic:

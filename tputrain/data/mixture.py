@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from tputrain.data.batching import BatchedInput, split_label
 from tputrain.data.context import InputContext
+from tputrain.data.empty_input import NO_BATCH, EmptyInputError, count, yields
 from tputrain.data.manifest import MANIFEST_SUFFIX
 from tputrain.data.options import InputOptions
 from tputrain.data.packing import LOSS_WEIGHTS, POSITIONS, SEGMENT_IDS
@@ -244,16 +245,37 @@ class MixtureInput(BatchedInput):
         """Returns this pipeline's dataset of per-replica batches (per host)."""
         context = InputContext.from_tf(input_context)
         batch_size = self._per_replica_batch(context)
-        streams = [source.examples(context) for source in self.sources]
+        streams = [self._examples(index, context) for index in range(len(self.sources))]
         seed = None if self.seed is None else self.seed + context.input_pipeline_id
         mixed = mix_datasets(streams, self.weights, seed=seed, source_key=self.source_key)
         if self.to_static is not None:
+            self._check_static(context, seed)
             mixed = self.to_static(mixed)
         batches = mixed.batch(batch_size, drop_remainder=True)
         batches = batches.map(lambda batch: split_label(batch, self.label_key))
         finished = self._finish(batches, context)
         setattr(finished, _SOURCES_ATTRIBUTE, MixtureSources(self.names, self.source_key))
         return finished
+
+    def _examples(self, index: int, context: InputContext) -> tf.data.Dataset:
+        """Source `index`'s examples; one with none is an error that names it: the
+        mixture would draw from it for ever, or silently drop it."""
+        try:
+            return self.sources[index].examples(context)
+        except EmptyInputError as error:
+            raise EmptyInputError(f"MixtureInput: source {index} ({self.names[index]!r}) has "
+                                  f"no examples: {error}") from None
+
+    def _check_static(self, context: InputContext, seed: int | None) -> None:
+        """One pass of the sources, mixed, must give a row through `to_static` (a filter
+        that drops everything would read the repeated mixture for ever)."""
+        once = mix_datasets([source.one_pass(context) for source in self.sources],
+                            self.weights, seed=seed, source_key=self.source_key)
+        if not yields(self.to_static(once)):
+            raise EmptyInputError(
+                f"MixtureInput: to_static {self.to_static!r} keeps none of the {count(once)} "
+                f"examples of its sources {list(self.names)} (a filter that drops "
+                f"everything?), so the input {NO_BATCH}: check what it keeps")
 
     def __repr__(self) -> str:
         return (f"MixtureInput({len(self.sources)} sources {list(self.names)}, "

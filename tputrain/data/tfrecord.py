@@ -51,6 +51,8 @@ from tputrain import tracing
 from tputrain.checks import check_bool, check_int
 from tputrain.data.batching import BatchedInput, in_memory_batches, pad_to_batch, split_label
 from tputrain.data.context import InputContext
+from tputrain.data.empty_input import (NO_BATCH, EmptyInputError, check_not_all_empty, count,
+                                      yields)
 from tputrain.data.epochs import permuted
 from tputrain.data.feature_check import (check_against_manifest, explain_parse_error,
                                          manifests_next_to, register_pipeline)
@@ -477,6 +479,7 @@ class TFRecordInput(BatchedInput):
         context = InputContext.from_tf(input_context)
         per_replica_batch = self._per_replica_batch(context)
         file_list = list_shards(self.file_patterns, self.manifest, self.features)
+        check_yields(self, file_list, context, with_static=True)
         # A padded split takes any batch; to_static makes rows, not examples (packing more).
         if not self.pad_remainder and self.to_static is None:
             check_batch_fits(file_list, self.manifest,
@@ -528,10 +531,18 @@ class TFRecordInput(BatchedInput):
         `MixtureInput` draws from). Variable-length features are rank-1 tensors."""
         context = InputContext.from_tf(input_context)
         file_list = list_shards(self.file_patterns, self.manifest, self.features)
+        check_yields(self, file_list, context, with_static=False)
         register_files(file_list, self.compression_type)
         register_pipeline(file_list, self.features, self.compression_type)
         return self._parsed_examples(
             functools.partial(self._records, file_list, context, False), context)
+
+    def one_pass(self, input_context: tf.distribute.InputContext | None = None
+                 ) -> tf.data.Dataset:
+        """This pipeline's parsed examples, one pass in file order (emptiness checks)."""
+        files = list_shards(self.file_patterns, self.manifest, self.features)
+        return parsed_examples(self._records(files, InputContext.from_tf(input_context), True),
+                               self.features)
 
     def _padded_batches(self, examples: dict[str, tf.Tensor], batch_size: int) -> tf.data.Dataset:
         """One pass over parsed examples held in RAM, the last batch padded. Not a
@@ -548,6 +559,37 @@ class TFRecordInput(BatchedInput):
     def __repr__(self) -> str:
         return (f"TFRecordInput({list(self.file_patterns)!r}, features={sorted(self.features)}, "
                 f"label_key={self.label_key!r}, global_batch_size={self.global_batch_size})")
+
+
+def parsed_examples(records: tf.data.Dataset, features: Mapping[str, Any]) -> tf.data.Dataset:
+    """Serialized records -> single parsed examples (parsed a chunk at a time)."""
+    return records.batch(_PARSE_CHUNK).map(tracing.graph_helper(
+        lambda chunk: tf.io.parse_example(chunk, features))).unbatch()
+
+
+def check_yields(inputs: TFRecordInput, file_list: list[str], context: InputContext,
+                 with_static: bool) -> None:
+    """Refuses a pipeline with no record, or (`with_static`) whose records give no
+    row through `to_static`: read for ever, it would never yield a batch."""
+    records = inputs._records(file_list, context, True)  # one pass, files in order
+    patterns = list(inputs.file_patterns) if inputs.manifest is None else inputs.manifest.location
+    if not yields(records):
+        pipelines = context.num_input_pipelines
+        which = (f"input pipeline {context.input_pipeline_id} of {pipelines} reads no "
+                 f"record of {patterns}" if pipelines > 1 else
+                 f"the {len(file_list)} file(s) of {patterns} hold no records")
+        raise EmptyInputError(f"TFRecordInput: {which}, so it {NO_BATCH}: write the data "
+                              "again (tputrain.data.write_tfrecords) or fix the pattern"
+                              + (f"; write at least {pipelines} non-empty shards"
+                                 if pipelines > 1 else ""))
+    if with_static and inputs.to_static is not None:
+        examples = parsed_examples(records, inputs.features)
+        if not yields(inputs.to_static(examples)):
+            total = count(examples)
+            raise EmptyInputError(
+                f"TFRecordInput: to_static {inputs.to_static!r} keeps none of the {total} "
+                f"examples of {patterns} (a filter that drops everything?), so the "
+                f"input {NO_BATCH}: check what it keeps")
 
 
 def list_shards(file_patterns: Sequence[str], manifest: Manifest | None,
@@ -570,6 +612,7 @@ def list_shards(file_patterns: Sequence[str], manifest: Manifest | None,
     manifests: set[str] = set()
     for pattern in file_patterns:
         matches, skipped = _glob_shards(pattern)
+        check_not_all_empty(pattern, matches)
         files.update(matches)
         manifests.update(path for path in skipped if path.endswith(MANIFEST_SUFFIX))
     files_list = sorted(files)
@@ -603,9 +646,9 @@ def read_all(records: tf.data.Dataset, features: Mapping[str, Any], context: Inp
     try:
         serialized = records.batch(2**31 - 1).get_single_element()
     except tf.errors.InvalidArgumentError:  # "Dataset was empty"
-        raise ValueError(f"TFRecordInput: pipeline {context.input_pipeline_id} of "
-                         f"{context.num_input_pipelines} has no records in "
-                         f"{list(file_patterns)}") from None
+        raise EmptyInputError(f"TFRecordInput: pipeline {context.input_pipeline_id} of "
+                              f"{context.num_input_pipelines} has no records in "
+                              f"{list(file_patterns)}: it {NO_BATCH}") from None
     except tf.errors.DataLossError as error:
         raise explain_data_loss(error) from None
     try:

@@ -58,8 +58,24 @@ def _train(tmp_path, name: str, activation: str, ops_first: bool = False,
     return json.loads(line[len("WEIGHTS "):]), result.stderr
 
 
+def _assert_the_parse_line_is_explained_once(log: str) -> None:
+    """A program read back makes TensorFlow log an error-level line (it tries the entry
+    as text before binary): explained by one tputrain line before it (issue 52)."""
+    lines = log.splitlines()
+    errors = [i for i, line in enumerate(lines) if line.startswith("E0") and PARSE_LINE in line]
+    assert errors, lines
+    explained = [i for i, line in enumerate(lines) if line.startswith("tputrain:")
+                 and PARSE_LINE in line]
+    assert len(explained) == 1 and explained[0] < errors[0] and "harmless" in lines[explained[0]]
+
+
+PARSE_LINE = "Error parsing text-format tensorflow.XlaSerializedCacheEntry"
+
+
 def _entries(directory) -> set[str]:
-    return {name for _, _, names in os.walk(directory) for name in names}
+    """The programs' entries (not tputrain's record of those it checked)."""
+    return {name for _, _, names in os.walk(directory) for name in names
+            if name != compile_cache.CHECKED}
 
 
 def test_a_rerun_reads_the_programs_back_and_a_changed_model_compiles_anew(tmp_path):
@@ -68,8 +84,9 @@ def test_a_rerun_reads_the_programs_back_and_a_changed_model_compiles_anew(tmp_p
     assert f"tputrain: XLA compilation cache {cache}" in log
     written = _entries(cache)
     assert written, "the first run wrote its compiled programs"
-    again, _ = _train(tmp_path, "b", "relu", TPUTRAIN_COMPILE_CACHE=cache)  # read back
+    again, log = _train(tmp_path, "b", "relu", TPUTRAIN_COMPILE_CACHE=cache)  # read back
     assert _entries(cache) == written
+    _assert_the_parse_line_is_explained_once(log)
     assert again == first
     changed, _ = _train(tmp_path, "c", "tanh", TPUTRAIN_COMPILE_CACHE=cache)
     assert _entries(cache) > written  # another program, the same variables
@@ -130,3 +147,154 @@ def test_the_default_folder_is_per_cpu_so_another_cpu_never_reads_a_program(monk
     monkeypatch.setattr(compile_cache, "_cpu_features", lambda: "fpu sse2 avx2 avx512f")
     newer = compile_cache.default_directory()
     assert older != newer and os.path.dirname(older) == os.path.dirname(newer)
+
+
+# ------------------------------------------------------------ damaged caches (issue 50)
+#
+# The cache is an optimisation: a damaged, truncated, foreign or unreadable entry is
+# removed with one warning naming it (its program compiles again and is rewritten),
+# and a cache path that is no writable directory turns the cache off with one warning.
+
+
+def _one_entry(directory) -> str:
+    """The path of a real entry of XLA's cache, copied into `directory`: one program
+    compiled in this process (its cache is the suite's, TF_XLA_FLAGS)."""
+    import tensorflow as tf
+
+    tf.function(lambda x: x * 3.0 + 1.0, jit_compile=True)(tf.ones([5]))
+    source = compile_cache.current()
+    entries = sorted(os.path.join(source, name) for name in os.listdir(source)
+                     if name.endswith(".pb"))
+    assert entries, f"no entry in {source}"
+    os.makedirs(directory, exist_ok=True)
+    target = os.path.join(directory, os.path.basename(entries[0]))
+    with open(entries[0], "rb") as entry, open(target, "wb") as copy:
+        copy.write(entry.read())
+    return target
+
+
+def _foreign_key(entry: bytes) -> bytes:
+    """`entry` with its key's first varint (the signature fingerprint) changed in
+    place: another program's entry under this one's name."""
+    assert entry[0] == 0x0A  # field 1 (the key), length-delimited
+    length_bytes = 1
+    while entry[length_bytes] & 0x80:
+        length_bytes += 1
+    start = 1 + length_bytes
+    assert entry[start] == 0x08  # the key's field 1, a varint
+    damaged = bytearray(entry)
+    damaged[start + 1] ^= 0x01  # in its lowest 7 bits
+    return bytes(damaged)
+
+
+DAMAGES = {
+    "garbage": lambda entry: os.urandom(len(entry)),
+    "truncated": lambda entry: entry[:len(entry) // 2],
+    "foreign": _foreign_key,
+    "empty": lambda entry: b"",
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_damaged_entry_is_removed_with_one_warning_naming_it(tmp_path, damage):
+    entry = _one_entry(tmp_path / "cache")
+    good = _one_entry(tmp_path / "other")
+    with open(entry, "rb") as file:
+        content = file.read()
+    with open(entry, "wb") as file:
+        file.write(DAMAGES[damage](content))
+    os.replace(good, str(tmp_path / "cache" / "xla_compile_cache__1__2__XLA_CPU_JIT.pb"))
+    # `good` holds the real entry under another name: foreign too (its key names another)
+    warnings = compile_cache.check_entries(str(tmp_path / "cache"))
+    assert sorted(warnings) == sorted(
+        f"tputrain: XLA compilation cache entry {path} is damaged or another program's "
+        f"({why}): removed; its program compiles again and is rewritten" for path, why in [
+            (entry, _WHY[damage]),
+            (str(tmp_path / "cache" / "xla_compile_cache__1__2__XLA_CPU_JIT.pb"), "another key")])
+    assert not [name for name in os.listdir(tmp_path / "cache") if name.endswith(".pb")]
+
+
+def test_a_sound_entry_is_kept_and_checked_once(tmp_path):
+    entry = _one_entry(tmp_path / "cache")
+    assert compile_cache.check_entries(str(tmp_path / "cache")) == []
+    assert os.path.exists(entry)
+    checked = json.loads((tmp_path / "cache" / compile_cache.CHECKED).read_text())
+    assert list(checked) == [os.path.basename(entry)]
+    os.remove(entry)  # gone: forgotten
+    assert compile_cache.check_entries(str(tmp_path / "cache")) == []
+    assert json.loads((tmp_path / "cache" / compile_cache.CHECKED).read_text()) == {}
+
+
+def test_an_unreadable_entry_is_removed_with_one_warning(tmp_path):
+    entry = _one_entry(tmp_path / "cache")
+    os.remove(entry)
+    os.makedirs(entry)  # what TensorFlow would fail to read as a file
+    warnings = compile_cache.check_entries(str(tmp_path / "cache"))
+    assert len(warnings) == 1 and entry in warnings[0]
+    assert not os.path.exists(entry)
+
+
+@pytest.mark.parametrize("kind", ["file", "under_a_file"])
+def test_a_cache_path_that_is_no_directory_turns_the_cache_off_with_one_warning(
+        monkeypatch, tmp_path, kind):
+    monkeypatch.setattr(compile_cache, "_state", dict(compile_cache._state))
+    monkeypatch.setenv("TF_XLA_FLAGS", "--xla_x=1")
+    (tmp_path / "file").write_text("not a folder")
+    path = str(tmp_path / "file") if kind == "file" else str(tmp_path / "file" / "xla")
+    monkeypatch.setenv(compile_cache.ENV, path)
+    assert compile_cache.enable() is None
+    assert os.environ["TF_XLA_FLAGS"] == "--xla_x=1"
+    line = compile_cache.report()
+    assert line.startswith(f"tputrain: XLA compilation cache off: {path} ") and "TPUTRAIN_COMPILE_CACHE" in line
+    assert compile_cache.report() is None  # once
+
+
+def _first_entry_of_a_run(tmp_path) -> tuple[str, list]:
+    cache = str(tmp_path / "cache")
+    weights, _ = _train(tmp_path, "first", "relu", TPUTRAIN_COMPILE_CACHE=cache)
+    entries = [name for name in os.listdir(cache) if name.endswith(".pb")]
+    assert len(entries) == 1
+    return os.path.join(cache, entries[0]), weights
+
+
+def _rerun_with_a_damaged_entry(tmp_path, damage: str) -> None:
+    entry, first = _first_entry_of_a_run(tmp_path)
+    with open(entry, "rb") as file:
+        content = file.read()
+    with open(entry, "wb") as file:
+        file.write(DAMAGES[damage](content))
+    again, log = _train(tmp_path, "again", "relu", TPUTRAIN_COMPILE_CACHE=str(tmp_path / "cache"))
+    assert again == first
+    assert [line for line in log.splitlines() if entry in line] == [
+        f"tputrain: XLA compilation cache entry {entry} is damaged or another program's "
+        f"({_WHY[damage]}): removed; its program compiles again and is rewritten"]
+    assert "corrupt" not in log and "Traceback" not in log
+    assert compile_cache.entry_problem(entry) is None  # rewritten
+
+
+_WHY = {"garbage": "not an entry", "truncated": "not an entry", "foreign": "another key",
+        "empty": "not an entry"}
+
+
+def test_garbage_in_an_entry_is_not_a_data_error_and_the_run_trains(tmp_path):
+    _rerun_with_a_damaged_entry(tmp_path, "garbage")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncated", "foreign"])
+def test_a_truncated_or_foreign_entry_is_recompiled_and_the_run_trains(tmp_path, damage):
+    _rerun_with_a_damaged_entry(tmp_path, damage)
+
+
+def test_a_cache_path_that_is_a_file_trains_without_the_cache(tmp_path):
+    (tmp_path / "cache").write_text("not a folder")
+    _, log = _train(tmp_path, "run", "relu", TPUTRAIN_COMPILE_CACHE=str(tmp_path / "cache"))
+    lines = [line for line in log.splitlines() if str(tmp_path / "cache") in line]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"tputrain: XLA compilation cache off: {tmp_path / 'cache'} ")
+    env = child_env()
+    env.pop("TF_XLA_FLAGS", None)
+    env[compile_cache.ENV] = str(tmp_path / "cache")
+    helped = subprocess.run([sys.executable, "-m", "tputrain.cli", "--help"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and "Traceback" not in helped.stderr

@@ -20,21 +20,39 @@ Only XLA programs are cached: the whole step on one replica, the per-device
 update on several (`jit_compile`); TensorFlow's own tracing is not. Entries are
 written to a temporary file and renamed, so processes can share the directory.
 Not measured on TPUs, whose programs the TPU runtime compiles.
+
+The cache is an optimisation and never fatal. TensorFlow fails the step that
+reads a damaged entry (garbage: a DataLossError that reads like damaged input;
+truncated: an OutOfRangeError; another program's entry under this one's name:
+"Serialized cache key does not match"), so before the first step the Trainer
+checks each entry it has not seen sound (`check_entries`) and removes those
+TensorFlow could not load, with one warning each: their programs compile again
+and are rewritten. A path that is no writable directory turns the cache off with
+one warning (`enable` runs at import, where raising would break even `--help`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import os
 import platform
 import re
 import sys
+import tempfile
 from importlib import metadata
+from typing import Any
 
 FLAG = "--tf_xla_persistent_cache_directory"
 ENV = "TPUTRAIN_COMPILE_CACHE"
+# The entries found sound, by name: {name: [size, mtime_ns]}; each is read once.
+CHECKED = ".tputrain-checked.json"
+# What TensorFlow logs for every entry it reads back (it tries text before binary).
+PARSE_LINE = "Error parsing text-format tensorflow.XlaSerializedCacheEntry"
 
-_state = {"directory": None, "too_late": False, "reported": False}
+_state: dict[str, Any] = {"directory": None, "too_late": False, "reported": False,
+                          "off": None}
 
 
 def current() -> str | None:
@@ -89,12 +107,27 @@ def enable(directory: str | None = None) -> str | None:
     if directory is None:
         return None
     if "://" not in directory:
-        os.makedirs(directory, exist_ok=True)
+        problem = _not_a_writable_directory(directory)
+        if problem:
+            _state["off"] = (f"tputrain: XLA compilation cache off: {directory} is not a "
+                             f"writable directory ({problem}); set {ENV} to one, or to off")
+            return None
     flags = os.environ.get("TF_XLA_FLAGS", "")
     os.environ["TF_XLA_FLAGS"] = f"{flags} {FLAG}={directory}".strip()
     _state["directory"] = directory
     _state["too_late"] = _devices_found()
     return directory
+
+
+def _not_a_writable_directory(directory: str) -> str | None:
+    """Why `directory` cannot hold the cache (a file, no permission), or None."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as error:
+        return error.strerror or type(error).__name__
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return "not writable"
+    return None
 
 
 def _devices_found() -> bool:
@@ -107,21 +140,174 @@ def _devices_found() -> bool:
 
 
 def report() -> str | None:
-    """Logs the start-up line about the cache, once a process (the Trainer calls it);
-    returns it (None after the first, or with no cache)."""
-    if _state["reported"] or _state["directory"] is None:
+    """Logs the start-up line about the cache, once a process (the Trainer calls it,
+    before its first step), after removing the damaged entries (`check_entries`: a
+    warning each); returns the line (None after the first, or with no cache)."""
+    if _state["reported"] or (_state["directory"] is None and _state["off"] is None):
         return None
     _state["reported"] = True
-    line = _line()
     from absl import logging  # light; not at import: tputrain's import stays minimal
 
+    if _state["off"] is not None:
+        logging.warning(_state["off"])
+        return _state["off"]
+    directory = _state["directory"]
+    programs = None
+    if "://" not in directory and os.path.isdir(directory):
+        for warning in check_entries(directory):
+            logging.warning(warning)
+        programs = len(_entry_names(directory))
+    line = _line(programs)
     (logging.warning if _state["too_late"] else logging.info)(line)
     return line
 
 
-def _line() -> str:
+def _line(programs: int | None) -> str:
     if _state["too_late"]:
         return (f"tputrain: XLA compilation cache {_state['directory']} may be unused: "
                 "TensorFlow had started before tputrain was imported (import tputrain first, or set "
                 f"TF_XLA_FLAGS={FLAG}=DIR before TensorFlow starts)")
-    return f"tputrain: XLA compilation cache {_state['directory']}"
+    line = f"tputrain: XLA compilation cache {_state['directory']}"
+    if programs == 0:
+        return line
+    held = "" if programs is None else f"{programs} program(s); "
+    return (f"{line} ({held}for each program read back TensorFlow first logs "
+            f"'E... {PARSE_LINE}': harmless, it tries the entry as text before binary)")
+
+
+def _entry_names(directory: str) -> list[str]:
+    """The entries' file names (TensorFlow's temporary files end in .tmp)."""
+    try:
+        return sorted(name for name in os.listdir(directory) if name.endswith(".pb"))
+    except OSError:
+        return []
+
+
+def check_entries(directory: str) -> list[str]:
+    """Removes the entries of `directory` that TensorFlow could not load (unreadable,
+    not an entry, another program's key, no program); returns one warning each.
+    An entry found sound is remembered by size and time (`CHECKED`), not read again."""
+    checked = _read_checked(directory)
+    sound, warnings = {}, []
+    for name in _entry_names(directory):
+        path = os.path.join(directory, name)
+        try:
+            stat = os.stat(path)
+        except OSError:  # removed meanwhile (another process)
+            continue
+        seen = [stat.st_size, stat.st_mtime_ns]
+        problem = None if checked.get(name) == seen else entry_problem(path)
+        if problem is None:
+            sound[name] = seen
+        else:
+            warnings.append(_removed(path, problem))
+    if sound != checked:
+        _write_checked(directory, sound)
+    return warnings
+
+
+def _removed(path: str, problem: str) -> str:
+    """Removes the damaged entry at `path`; the warning that says so."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.rmdir(path)
+        else:
+            os.remove(path)
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        return (f"tputrain: XLA compilation cache entry {path} is damaged or another "
+                f"program's ({problem}) and cannot be removed ({error.strerror}): remove "
+                f"it, or set {ENV}=off; a step that reads it fails")
+    return (f"tputrain: XLA compilation cache entry {path} is damaged or another program's "
+            f"({problem}): removed; its program compiles again and is rewritten")
+
+
+def entry_problem(path: str) -> str | None:
+    """Why TensorFlow could not load the entry at `path` (as its DeviceExecutablePersistor
+    reads one: text or binary proto, the key its file name says, a program), or None."""
+    try:
+        with open(path, "rb") as file:
+            content = file.read()
+    except OSError as error:
+        return f"unreadable: {error.strerror or type(error).__name__}"
+    entry = _entry_class()()
+    try:
+        entry.ParseFromString(content)
+    except Exception:  # noqa: BLE001  (protobuf's DecodeError, or a nested message's)
+        try:
+            from google.protobuf import text_format
+
+            text_format.Parse(content.decode("utf-8"), entry)
+        except Exception:  # noqa: BLE001
+            return "not an entry"
+    if not entry.HasField("key"):
+        return "not an entry"
+    if _file_name(entry.key) != os.path.basename(path):
+        return "another key"
+    if not entry.HasField("hlo_module") or not entry.executable:
+        return "no program"
+    return None
+
+
+def _file_name(key: Any) -> str:
+    """TensorFlow's file name for a key (XlaSerializedCacheKeyToFileName)."""
+    parts = [key.prefix] if key.prefix else []
+    parts += [str(key.signature_fingerprint), str(key.cluster_fingerprint), key.device_type]
+    if key.compiled_using_pjrt:
+        parts.append("pjrt")
+    return "__".join(parts) + ".pb"
+
+
+@functools.lru_cache(maxsize=None)
+def _entry_class() -> type:
+    """tensorflow.XlaSerializedCacheEntry's message (TensorFlow ships no Python module
+    for it; its fields as in xla_compilation_cache.proto), its HLO as XLA's own."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    from tensorflow.compiler.xla.service import hlo_pb2
+
+    field = descriptor_pb2.FieldDescriptorProto
+    proto = descriptor_pb2.FileDescriptorProto(
+        name="tputrain/xla_compilation_cache_entry.proto", package="tputrain.compile_cache",
+        syntax="proto3", dependency=[hlo_pb2.DESCRIPTOR.name])
+    key = proto.message_type.add(name="Key")
+    for name, number, kind in (("signature_fingerprint", 1, field.TYPE_UINT64),
+                               ("cluster_fingerprint", 2, field.TYPE_UINT64),
+                               ("device_type", 3, field.TYPE_STRING),
+                               ("prefix", 4, field.TYPE_STRING),
+                               ("compiled_using_pjrt", 5, field.TYPE_BOOL)):
+        key.field.add(name=name, number=number, type=kind, label=field.LABEL_OPTIONAL)
+    entry = proto.message_type.add(name="Entry")
+    entry.field.add(name="key", number=1, type=field.TYPE_MESSAGE, label=field.LABEL_OPTIONAL,
+                    type_name=".tputrain.compile_cache.Key")
+    entry.field.add(name="hlo_module", number=2, type=field.TYPE_MESSAGE,
+                    label=field.LABEL_OPTIONAL, type_name=".xla.HloModuleProto")
+    entry.field.add(name="executable", number=3, type=field.TYPE_BYTES,
+                    label=field.LABEL_OPTIONAL)
+    pool = descriptor_pool.Default()
+    try:
+        descriptor = pool.FindMessageTypeByName("tputrain.compile_cache.Entry")
+    except KeyError:
+        pool.Add(proto)
+        descriptor = pool.FindMessageTypeByName("tputrain.compile_cache.Entry")
+    return message_factory.GetMessageClass(descriptor)
+
+
+def _read_checked(directory: str) -> dict[str, list[int]]:
+    try:
+        with open(os.path.join(directory, CHECKED), encoding="utf-8") as file:
+            checked = json.load(file)
+        return checked if isinstance(checked, dict) else {}
+    except (OSError, ValueError):  # none yet, or damaged too: every entry is read
+        return {}
+
+
+def _write_checked(directory: str, checked: dict[str, list[int]]) -> None:
+    """Written aside and renamed: processes sharing the cache may write it at once."""
+    try:
+        handle, temporary = tempfile.mkstemp(prefix=CHECKED, suffix=".tmp", dir=directory)
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            json.dump(checked, file)
+        os.replace(temporary, os.path.join(directory, CHECKED))
+    except OSError:  # a read-only cache: checked again next time
+        pass

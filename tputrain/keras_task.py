@@ -222,7 +222,8 @@ class KerasTask(Task):
         plain = resolve_metrics(config.get("metrics"), names, self._metric)
         weighted = resolve_metrics(config.get("weighted_metrics"), names, self._metric)
         counts: dict[str, int] = {}
-        for (index, metric), is_weighted in [(m, False) for m in plain] + [(m, True) for m in weighted]:
+        tagged = [(m, False) for m in plain] + [(m, True) for m in weighted]
+        for (index, metric), is_weighted in tagged:
             metric.name = _keras_name(metric.name, names[index] if names else None,
                                       is_weighted, counts)
             metric._tputrain_output = index  # pylint: disable=protected-access

@@ -42,6 +42,7 @@ from tputrain.precision import policy as precision
 from tputrain.precision.layers import override_layer_dtypes
 from tputrain.tasks.classifier import MLPClassifierTask
 from tputrain.tasks.digits import DigitsTask
+from tputrain.tasks.keras_hub_lm import KerasHubLMTask
 from tputrain.tasks.text_lm import TextLMTask
 from tputrain.tasks.transformer import SyntheticLMTask
 from tputrain.trainer import Trainer
@@ -115,7 +116,7 @@ def _register_aliases() -> None:
 # Classes gin configures in place: `TFRecordInput()` anywhere takes gin's bindings.
 CLASSES = (Trainer, NonFiniteGuard, BestCheckpoint, EarlyStopping, Export, InitCheckpoint,
            InputOptions, TFDSInput, TFRecordInput, MixtureInput, PackSequences, PadSequences,
-           MLPClassifierTask, DigitsTask, SyntheticLMTask, TextLMTask)
+           MLPClassifierTask, DigitsTask, SyntheticLMTask, TextLMTask, KerasHubLMTask)
 
 
 def _register_classes() -> None:

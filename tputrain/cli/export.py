@@ -8,6 +8,11 @@ the config has a `BestCheckpoint` action, else the latest, or `--step`. The
 SavedModel goes to `--export_dir`, else `$AIP_MODEL_DIR` (Vertex AI), else
 `model_dir/export/<step>/`; its path is printed on stdout. Exits 2 when there
 is no such checkpoint or the config is bad.
+
+For a LoRA fine-tuned model (docs/keras_hub.md), `--lora=merge` merges the LoRA
+factors into the kernels, `--keras` also writes a `.keras` file, and
+`--quantize=int8` also writes the int8 model and prints the eval metrics of
+float32 and int8 (`tputrain.keras_saving.export_for_serving`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from tputrain.cli.common import (EXIT_BAD_INPUT, GIN_FLAGS, build_trainer, defau
                                  define_gin_flags, error_message, fail, list_in_help,
                                  parse_gin_flags, reject_arguments, run_command)
 from tputrain.export import export_checkpoint
+from tputrain.keras_saving import LORA_CHOICES, QUANTIZE_CHOICES, export_for_serving
 from tputrain.sidecar import ReadOnlyTrainer
 
 FLAGS = flags.FLAGS
@@ -34,8 +40,17 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                         "when set, else MODEL_DIR/export/STEP.", **fv)
     flags.DEFINE_bool("examples", True, "Also write the serving_examples signature "
                       "(serialized tf.Example) when the Task has a feature spec.", **fv)
-    list_in_help((*GIN_FLAGS, "model_dir", "step", "best", "export_dir", "examples"),
-                 flag_values)
+    flags.DEFINE_enum("lora", None, LORA_CHOICES, "A LoRA model's SavedModel: merge the LoRA "
+                      "factors into the kernels (to MODEL_DIR/export_merged/STEP by default), "
+                      "or keep them apart as trained.", **fv)
+    flags.DEFINE_bool("keras", False, "Also write a .keras file (LoRA merged), "
+                      "MODEL_DIR/keras/STEP.keras by default.", **fv)
+    flags.DEFINE_string("keras_file", None, "The .keras file's path (implies --keras).", **fv)
+    flags.DEFINE_enum("quantize", None, QUANTIZE_CHOICES, "Also write the quantized model "
+                      "(MODEL_DIR/export_int8/STEP, and beside the .keras file) and print the "
+                      "eval metrics of float32 and the quantized model.", **fv)
+    list_in_help((*GIN_FLAGS, "model_dir", "step", "best", "export_dir", "examples", "lora",
+                  "keras", "keras_file", "quantize"), flag_values)
 
 
 def main(argv: list[str]) -> None:
@@ -43,12 +58,18 @@ def main(argv: list[str]) -> None:
     parse_gin_flags(default_operative_config())
     try:
         trainer = build_trainer(FLAGS.model_dir, ReadOnlyTrainer)  # runs beside training
-        path = export_checkpoint(trainer, step=FLAGS.step, export_dir=FLAGS.export_dir,
-                                 best=FLAGS.best, examples=FLAGS.examples)
-    except (ValueError, TypeError, OSError) as error:  # no such checkpoint, bad config
+        if FLAGS.lora or FLAGS.keras or FLAGS.keras_file or FLAGS.quantize:
+            lines = export_for_serving(
+                trainer, step=FLAGS.step, best=FLAGS.best, lora=FLAGS.lora or "keep",
+                export_dir=FLAGS.export_dir, keras_file=FLAGS.keras_file or FLAGS.keras or None,
+                quantize=FLAGS.quantize, examples=FLAGS.examples).report()
+        else:
+            lines = [export_checkpoint(trainer, step=FLAGS.step, export_dir=FLAGS.export_dir,
+                                       best=FLAGS.best, examples=FLAGS.examples)]
+    except (ValueError, TypeError, OSError, ImportError) as error:  # no checkpoint, bad config
         logging.debug("tputrain: export failed", exc_info=True)
         fail(error_message(error), EXIT_BAD_INPUT)
-    print(path)
+    print("\n".join(lines))
 
 
 def console_main() -> None:

@@ -2,7 +2,8 @@
 
 from tputrain.tasks.classifier import MLPClassifierTask
 from tputrain.tasks.digits import DigitsTask
+from tputrain.tasks.keras_hub_lm import KerasHubLMTask
 from tputrain.tasks.text_lm import TextLMTask
 from tputrain.tasks.transformer import SyntheticLMTask
 
-__all__ = ["DigitsTask", "MLPClassifierTask", "SyntheticLMTask", "TextLMTask"]
+__all__ = ["DigitsTask", "KerasHubLMTask", "MLPClassifierTask", "SyntheticLMTask", "TextLMTask"]

@@ -1,0 +1,118 @@
+"""The Keras-Hub fine-tuning path: a GPT-2 built from its config, LoRA enabled, trained by
+the Trainer (trainable set, EMA, exact resume, side-car eval, 1 and 2 replicas)."""
+
+import numpy as np
+import pytest
+
+from hub import latest_values, lora_trainer
+from tputrain.keras_saving import lora_variables
+from tputrain.sidecar import ReadOnlyTrainer
+
+pytestmark = pytest.mark.same_worker("keras_hub_lm")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(trainer, {path: value} of every weight before training, eval logs): 8 steps on
+    1 replica, with the token embedding left trainable beside the LoRA factors."""
+    trainer = lora_trainer(tmp_path_factory.mktemp("lora"), trainable_layers=["token_embedding"])
+    before = {v.path: v.numpy() for v in trainer.model.weights}
+    logs = trainer.train()
+    yield trainer, before, logs
+    trainer.close()
+
+
+def test_the_trainable_weights_are_the_lora_factors_and_what_the_user_left(trained):
+    trainer, before, _ = trained
+    model = trainer.model
+    lora = {v.path for v in lora_variables(model)}
+    assert len(lora) == 2 * 2 * 2  # query and value of 2 layers, a and b factors
+    # enable_lora keeps the adapted layers' biases trainable (Keras's EinsumDense).
+    adapted_biases = {p.replace("lora_kernel_a", "bias") for p in lora if "lora_kernel_a" in p}
+    expected = lora | adapted_biases | {"token_embedding/embeddings"}
+    assert {v.path for v in model.trainable_variables} == expected
+    assert len(trainer.optimizer.variables) > 0
+    for variable in model.weights:  # frozen weights: bitwise as built
+        if variable.path not in expected:
+            np.testing.assert_array_equal(variable.numpy(), before[variable.path],
+                                          err_msg=variable.path)
+    for variable in lora_variables(model):  # b starts at zero: trained, it is not
+        if "lora_kernel_b" in variable.path:
+            assert np.abs(variable.numpy()).max() > 0, variable.path
+
+
+def test_ema_averages_exactly_the_trainable_weights(trained):
+    trainer, _, _ = trained
+    averaged = trainer.ema.averages
+    assert [a.shape for a in averaged] == [v.shape for v in trainer.model.trainable_variables]
+    assert int(trainer.ema.state.updates.numpy()) == 8
+    keys = [k for k in latest_values(trainer.model_dir) if k.startswith("ema/")]
+    assert len([k for k in keys if "averages" in k]) == len(trainer.model.trainable_variables)
+
+
+def test_a_resumed_run_is_bitwise_the_uninterrupted_one(trained, tmp_path):
+    """4 steps, a new Trainer on the same model_dir, 4 more: the checkpoint equals the
+    fixture's 8 uninterrupted steps bitwise (model, LoRA factors, Adam slots, EMA)."""
+    reference, _, _ = trained
+    first = lora_trainer(tmp_path, trainable_layers=["token_embedding"])
+    first.train(num_steps=4)
+    first.close()
+    second = lora_trainer(tmp_path, trainable_layers=["token_embedding"])
+    second.train()
+    expected, actual = latest_values(reference.model_dir), latest_values(tmp_path)
+    assert expected.keys() == actual.keys()
+    for factor in lora_variables(reference.model):  # saved (under the optimizer's keys)
+        assert any(np.array_equal(value, factor.numpy()) for value in expected.values())
+    for key in expected:
+        np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
+
+
+def test_the_side_car_evaluates_the_lora_checkpoint_as_training_did(trained):
+    trainer, _, logs = trained
+    sidecar = ReadOnlyTrainer(trainer.task, trainer.model_dir, strategy=trainer.strategy,
+                              train_steps=8, steps_per_loop=4, checkpoint_every=4,
+                              global_batch_size=8, eval_every=8, ema_decay=0.5,
+                              jit_compile=False, report_mfu=False)
+    assert sidecar.evaluate() == pytest.approx(logs, abs=1e-6)
+
+
+def test_lora_enabled_after_the_trainer_built_the_model_is_refused_with_the_port(tmp_path):
+    """The optimizer, EMA and checkpoints were built for the old trainable set."""
+    trainer = lora_trainer(tmp_path, lora_rank=None)
+    with trainer.strategy.scope():
+        trainer.model.backbone.enable_lora(4)
+    with pytest.raises(ValueError, match=r"enable_lora.*Task.build_model"):
+        trainer.train()
+
+
+@pytest.mark.slow
+def test_two_replicas_train_as_one(tmp_path):
+    one = lora_trainer(tmp_path / "one")
+    one.train()
+    two = lora_trainer(tmp_path / "two", replicas=2)
+    two.train()
+    for a, b in zip(one.model.trainable_variables, two.model.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5, err_msg=a.path)
+
+
+@pytest.mark.slow
+def test_sigkill_midway_resumes_bitwise(tmp_path):
+    """The CLI run of a LoRA config killed (-9) after step 4 and rerun: its last checkpoint
+    is bitwise the uninterrupted run's."""
+    from faults import killed_and_rerun
+
+    config = tmp_path / "lora.gin"
+    config.write_text("\n".join([
+        "Trainer.task = @KerasHubLMTask()", "Trainer.train_steps = 8",
+        "Trainer.steps_per_loop = 2", "Trainer.checkpoint_every = 2",
+        "Trainer.global_batch_size = 8", "Trainer.ema_decay = 0.5",
+        "Trainer.report_mfu = False", "KerasHubLMTask.lora_rank = 4",
+        "KerasHubLMTask.learning_rate = 0.01", "KerasHubLMTask.train_rows = 64",
+        "KerasHubLMTask.eval_rows = 16"]))
+    _, resumed = killed_and_rerun(tmp_path, config, step=4)
+    assert "training from step 4 to 8" in resumed.text(), resumed.log()
+    expected, actual = latest_values(tmp_path / "reference"), latest_values(tmp_path / "interrupted")
+    assert expected.keys() == actual.keys()
+    assert any(k.startswith("ema/") for k in expected)
+    for key in expected:
+        np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)

@@ -1,0 +1,270 @@
+"""LoRA merging, `.keras` files and int8 quantization of a trained checkpoint.
+
+The SavedModel export (`tputrain.export`) serves the model as it trains: a model
+with LoRA enabled (`layer.enable_lora(rank)`, Keras-Hub's
+`backbone.enable_lora(rank)`) computes its frozen kernels and its
+`lora_kernel_a`/`lora_kernel_b` factors apart. This module adds, for serving:
+
+* `merged_copy(model)`: a copy whose kernels hold `kernel + (alpha / rank) * a @ b`
+  and which has no LoRA left (no factors, no `lora_rank` in its config): the base
+  model's size and cost. Made by Keras's own `.keras` format, which writes merged
+  kernels; the copy is read back from it without the LoRA settings.
+* `save_keras_file(model, path)`: a `.keras` file (written whole, then renamed)
+  that `keras.saving.load_model` reads back (Keras-Hub models need `import
+  keras_hub` first; a custom layer needs `keras.saving.register_keras_serializable`).
+* `quantized_copy(model, "int8")`: the merged copy after Keras's
+  `model.quantize("int8")` (int8 kernels with per-channel scales; the inputs are
+  quantized per call), and `evaluate_model` to measure what it costs: the eval
+  split through `Task.eval_step` on one device, for float32 and int8 alike.
+
+`export_for_serving(trainer, ...)` runs them on a checkpoint (the EMA weights
+when the run keeps them); `tputrain export --lora=merge --keras --quantize=int8`
+is its command line. See docs/keras_hub.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import warnings
+import zipfile
+from typing import TYPE_CHECKING, Any, Mapping
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from tputrain.export import (VERTEX_MODEL_DIR, checkpoint_to_export, export_destination,
+                             feature_spec_of, read_for_export, serving_inputs,
+                             write_saved_model)
+from tputrain.task import EVAL_WEIGHT
+
+if TYPE_CHECKING:
+    from tputrain.trainer import Trainer
+
+LORA_CHOICES = ("keep", "merge")
+QUANTIZE_CHOICES = ("int8",)
+KERAS_DIR = "keras"  # model_dir/keras/<step>.keras, <step>-int8.keras
+_LORA_CONFIG_KEYS = ("lora_rank", "lora_alpha")
+
+
+def lora_layers(model: keras.Model) -> list[keras.layers.Layer]:
+    """The layers of `model` with LoRA enabled."""
+    return [layer for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+            if getattr(layer, "lora_enabled", False)]
+
+
+def lora_variables(model: keras.Model) -> list[tf.Variable]:
+    """The LoRA factors of `model` (`lora_kernel_a`, `lora_kernel_b` of each layer)."""
+    return [variable for layer in lora_layers(model)
+            for variable in (layer.lora_kernel_a, layer.lora_kernel_b)]
+
+
+def _without_lora(config: Any) -> Any:
+    """A Keras config with every layer's `lora_rank`/`lora_alpha` removed."""
+    if isinstance(config, dict):
+        return {key: _without_lora(value) for key, value in config.items()
+                if key not in _LORA_CONFIG_KEYS}
+    if isinstance(config, list):
+        return [_without_lora(value) for value in config]
+    return config
+
+
+def save_keras_file(model: keras.Model, path: str) -> str:
+    """Writes `model` as a `.keras` file at `path` (a temp file renamed into place, so
+    a reader never sees half a file); LoRA layers are written merged (Keras's format)."""
+    if not path.endswith(".keras"):
+        raise ValueError(f"a Keras model file must end in .keras, got {path}")
+    parent = os.path.dirname(path)
+    if parent:
+        tf.io.gfile.makedirs(parent)
+    temp = f"{path}.tmp-{os.getpid()}.keras"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "compile() was not called"
+            model.save(temp)
+        tf.io.gfile.rename(temp, path, overwrite=True)
+    finally:
+        if tf.io.gfile.exists(temp):
+            tf.io.gfile.remove(temp)
+    return path
+
+
+def load_keras_file(path: str, without_lora: bool = False) -> keras.Model:
+    """`keras.saving.load_model(path, compile=False)`; `without_lora`: its layers'
+    LoRA settings dropped first, so merged kernels load into plain layers."""
+    if not without_lora:
+        return keras.saving.load_model(path, compile=False)
+    with tempfile.TemporaryDirectory(prefix="tputrain-keras-") as folder:
+        plain = os.path.join(folder, "plain.keras")
+        with zipfile.ZipFile(path) as source, zipfile.ZipFile(plain, "w") as target:
+            for item in source.infolist():
+                data = source.read(item)
+                if item.filename == "config.json":
+                    data = json.dumps(_without_lora(json.loads(data))).encode()
+                target.writestr(item, data)
+        return keras.saving.load_model(plain, compile=False)
+
+
+def merged_copy(model: keras.Model) -> keras.Model:
+    """A copy of `model` with each LoRA layer's factors merged into its kernel and
+    LoRA gone (see the module docstring); `model` itself is unchanged."""
+    with tempfile.TemporaryDirectory(prefix="tputrain-merge-") as folder:
+        path = save_keras_file(model, os.path.join(folder, "model.keras"))
+        return load_keras_file(path, without_lora=True)
+
+
+def quantized_copy(model: keras.Model, mode: str = "int8") -> keras.Model:
+    """The merged copy of `model`, quantized by Keras (`model.quantize(mode)`)."""
+    if mode not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {QUANTIZE_CHOICES}, got {mode!r}")
+    copy = merged_copy(model)
+    with warnings.catch_warnings():  # one per layer without weights to quantize
+        warnings.filterwarnings("ignore", message=".*does not have a `quantize` method.*")
+        copy.quantize(mode)
+    return copy
+
+
+def evaluate_model(trainer: "Trainer", model: keras.Model) -> dict[str, float]:
+    """The eval split's loss and metrics for `model` (any copy: merged, quantized), on
+    one device: each of this host's per-replica batches through `Task.eval_step`,
+    at most `Trainer.eval_steps` global batches; the loss is the mean over real
+    examples (padding rows, weight 0, count for nothing)."""
+    task = trainer.task
+    dataset = trainer.inputs.eval_dataset
+    if trainer.eval_steps is not None:
+        dataset = dataset.take(trainer.eval_steps * trainer.inputs.local_replicas)
+    metrics = list(task.build_metrics())
+
+    @tf.function
+    def step(batch):
+        rows = tf.shape(tf.nest.flatten(batch[0])[0])[0]
+        logs = task.eval_step(batch, model, metrics, rows)
+        share = logs.get(EVAL_WEIGHT, tf.constant(1.0))
+        rows = tf.cast(rows, tf.float32)
+        return tf.cast(logs["loss"], tf.float32) * rows, tf.cast(share, tf.float32) * rows
+
+    loss, weight = 0.0, 0.0
+    for batch in dataset:
+        batch_loss, batch_weight = step(batch)
+        loss, weight = loss + float(batch_loss), weight + float(batch_weight)
+    if weight == 0:
+        raise ValueError("the eval split is empty: nothing to evaluate the model on")
+    return {"loss": loss / weight, **{m.name: float(m.result()) for m in metrics}}
+
+
+@dataclasses.dataclass
+class ServingExport:
+    """What `export_for_serving` wrote (None: not asked for) and measured."""
+
+    step: int
+    checkpoint: str
+    saved_model: str | None = None
+    keras_file: str | None = None
+    quantized_saved_model: str | None = None
+    quantized_keras_file: str | None = None
+    float32_metrics: dict[str, float] | None = None
+    quantized_metrics: dict[str, float] | None = None
+
+    def report(self) -> list[str]:
+        """Human lines: the paths, and float32 against quantized metrics."""
+        lines = [f"{name}: {path}" for name, path in (
+            ("saved_model", self.saved_model), ("keras", self.keras_file),
+            ("quantized saved_model", self.quantized_saved_model),
+            ("quantized keras", self.quantized_keras_file)) if path]
+        if self.float32_metrics and self.quantized_metrics:
+            for name, value in self.float32_metrics.items():
+                quantized = self.quantized_metrics[name]
+                lines.append(f"eval {name}: float32 {value:.6g}, quantized {quantized:.6g} "
+                             f"(difference {quantized - value:+.3g})")
+        return lines
+
+
+def _examples_spec(trainer: "Trainer", inputs: Any, examples: bool) -> Any:
+    """The `serving_examples` feature spec for `inputs`, or None (as `export_checkpoint`)."""
+    spec = feature_spec_of(trainer.task) if examples else None
+    if spec is None or not (isinstance(inputs, Mapping) and set(inputs) <= set(spec)):
+        return None
+    return {name: spec[name] for name in inputs}
+
+
+def _saved_model(trainer: "Trainer", model: keras.Model, path: str, reusable: bool,
+                 examples: bool) -> str:
+    inputs = serving_inputs(trainer, model)
+    write_saved_model(model, inputs, _examples_spec(trainer, inputs, examples), path, reusable)
+    return path
+
+
+def export_for_serving(trainer: "Trainer", step: int | None = None, best: bool | None = None,
+                       lora: str = "merge", saved_model: bool = True,
+                       export_dir: str | None = None, keras_file: str | bool | None = None,
+                       quantize: str | None = None, examples: bool = True) -> ServingExport:
+    """Exports a checkpoint of `trainer` for serving: a SavedModel, a `.keras` file, and
+    their int8 versions with the eval metrics of both, as asked.
+
+    Args:
+      step, best: which checkpoint (`tputrain.export.checkpoint_to_export`).
+        lora: "merge": LoRA factors merged into the kernels; "keep": the SavedModel
+        computes them apart, as trained (a `.keras` file is always merged: Keras's format).
+      saved_model: write the SavedModel: to `export_dir`; else a merged LoRA model to
+        model_dir/export_merged/<step>, any other as `tputrain.Export` does
+        (model_dir/export/<step>, or $AIP_MODEL_DIR).
+      keras_file: a `.keras` path, True for model_dir/keras/<step>.keras, None: none.
+      quantize: "int8": also the quantized model (SavedModel to
+        `model_dir/export_int8/<step>`, `.keras` beside the float one with
+        `-int8`), and the eval split's metrics for float32 and int8.
+      examples: the `serving_examples` signature when the Task has a feature spec.
+    """
+    if lora not in LORA_CHOICES:
+        raise ValueError(f"lora must be one of {LORA_CHOICES}, got {lora!r}")
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {QUANTIZE_CHOICES}, got {quantize!r}")
+    trainer.checkpointer.sync()
+    checkpoint, step, which = checkpoint_to_export(trainer, step, best)
+    model, checkpoint = read_for_export(trainer, checkpoint, which == "latest")
+    step = int(checkpoint.rsplit("-", 1)[-1])
+    result = ServingExport(step=step, checkpoint=checkpoint)
+    serving = merged_copy(model) if lora == "merge" and lora_layers(model) else model
+    if saved_model:
+        result.saved_model = _saved_model(trainer, serving, *_saved_model_path(
+            trainer, step, export_dir, merged=serving is not model), examples)
+    if keras_file:
+        result.keras_file = save_keras_file(serving, keras_file if isinstance(keras_file, str)
+                                            else _keras_path(trainer, step, ""))
+    if quantize:
+        _export_quantized(trainer, serving, result, quantize, saved_model, keras_file, examples)
+    logging.info("tputrain: exported step %d (%s) of %s", step, which, checkpoint)
+    return result
+
+
+def _saved_model_path(trainer: "Trainer", step: int, export_dir: str | None,
+                      merged: bool) -> tuple[str, bool]:
+    """(folder, reusable): `export_dir`; else a merged model's model_dir/export_merged/<step>
+    (model_dir/export/<step> holds the model as trained, `tputrain.Export`'s), else
+    `export_destination`'s. Reusable: a numbered folder of model_dir holding this export."""
+    if export_dir is None and merged:
+        return os.path.join(trainer.model_dir, "export_merged", str(step)), True
+    path = export_destination(trainer, step, export_dir)
+    return path, export_dir is None and not os.environ.get(VERTEX_MODEL_DIR)
+
+
+def _keras_path(trainer: "Trainer", step: int, suffix: str) -> str:
+    return os.path.join(trainer.model_dir, KERAS_DIR, f"{step}{suffix}.keras")
+
+
+def _export_quantized(trainer: "Trainer", model: keras.Model, result: ServingExport,
+                      mode: str, saved_model: bool, keras_file: str | bool | None,
+                      examples: bool) -> None:
+    """The quantized copy's files and the float32 and quantized eval metrics."""
+    quantized = quantized_copy(model, mode)
+    result.float32_metrics = evaluate_model(trainer, model)
+    result.quantized_metrics = evaluate_model(trainer, quantized)
+    if saved_model:
+        path = os.path.join(trainer.model_dir, f"export_{mode}", str(result.step))
+        result.quantized_saved_model = _saved_model(trainer, quantized, path, True, examples)
+    if keras_file:
+        path = (keras_file[:-len(".keras")] + f"-{mode}.keras" if isinstance(keras_file, str)
+                else _keras_path(trainer, result.step, f"-{mode}"))
+        result.quantized_keras_file = save_keras_file(quantized, path)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.same_worker("keras_hub_lm")
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def lora_run(tmp_path_factory):
     """(trainer, {path: value} of every weight before training, eval logs): 8 steps on
     1 replica, with the token embedding left trainable beside the LoRA factors."""
     trainer = lora_trainer(tmp_path_factory.mktemp("lora"), trainable_layers=["token_embedding"])
@@ -22,8 +22,8 @@ def trained(tmp_path_factory):
     trainer.close()
 
 
-def test_the_trainable_weights_are_the_lora_factors_and_what_the_user_left(trained):
-    trainer, before, _ = trained
+def test_the_trainable_weights_are_the_lora_factors_and_what_the_user_left(lora_run):
+    trainer, before, _ = lora_run
     model = trainer.model
     lora = {v.path for v in lora_variables(model)}
     assert len(lora) == 2 * 2 * 2  # query and value of 2 layers, a and b factors
@@ -36,13 +36,13 @@ def test_the_trainable_weights_are_the_lora_factors_and_what_the_user_left(train
         if variable.path not in expected:
             np.testing.assert_array_equal(variable.numpy(), before[variable.path],
                                           err_msg=variable.path)
-    for variable in lora_variables(model):  # b starts at zero: trained, it is not
+    for variable in lora_variables(model):  # b starts at zero: lora_run, it is not
         if "lora_kernel_b" in variable.path:
             assert np.abs(variable.numpy()).max() > 0, variable.path
 
 
-def test_ema_averages_exactly_the_trainable_weights(trained):
-    trainer, _, _ = trained
+def test_ema_averages_exactly_the_trainable_weights(lora_run):
+    trainer, _, _ = lora_run
     averaged = trainer.ema.averages
     assert [a.shape for a in averaged] == [v.shape for v in trainer.model.trainable_variables]
     assert int(trainer.ema.state.updates.numpy()) == 8
@@ -50,10 +50,10 @@ def test_ema_averages_exactly_the_trainable_weights(trained):
     assert len([k for k in keys if "averages" in k]) == len(trainer.model.trainable_variables)
 
 
-def test_a_resumed_run_is_bitwise_the_uninterrupted_one(trained, tmp_path):
+def test_a_resumed_run_is_bitwise_the_uninterrupted_one(lora_run, tmp_path):
     """4 steps, a new Trainer on the same model_dir, 4 more: the checkpoint equals the
     fixture's 8 uninterrupted steps bitwise (model, LoRA factors, Adam slots, EMA)."""
-    reference, _, _ = trained
+    reference, _, _ = lora_run
     first = lora_trainer(tmp_path, trainable_layers=["token_embedding"])
     first.train(num_steps=4)
     first.close()
@@ -67,8 +67,8 @@ def test_a_resumed_run_is_bitwise_the_uninterrupted_one(trained, tmp_path):
         np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
 
 
-def test_the_side_car_evaluates_the_lora_checkpoint_as_training_did(trained):
-    trainer, _, logs = trained
+def test_the_side_car_evaluates_the_lora_checkpoint_as_training_did(lora_run):
+    trainer, _, logs = lora_run
     sidecar = ReadOnlyTrainer(trainer.task, trainer.model_dir, strategy=trainer.strategy,
                               train_steps=8, steps_per_loop=4, checkpoint_every=4,
                               global_batch_size=8, eval_every=8, ema_decay=0.5,

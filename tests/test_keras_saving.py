@@ -19,7 +19,7 @@ INT8_ACCURACY_TOLERANCE = 0.02  # docs/keras_hub.md states it
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def lora_served(tmp_path_factory):
     """(trainer, the trained model's logits for `token_batch()` with its EMA weights, as
     exported): 8 LoRA steps on 2 replicas."""
     trainer = lora_trainer(tmp_path_factory.mktemp("lora"), replicas=2)
@@ -52,8 +52,8 @@ def test_a_merged_copy_has_no_lora_and_the_same_outputs():
     assert lora_layers(model)  # the model itself keeps its LoRA
 
 
-def test_merged_exports_serve_the_trained_outputs(trained):
-    trainer, expected = trained
+def test_merged_exports_serve_the_trained_outputs(lora_served):
+    trainer, expected = lora_served
     result = export_for_serving(trainer, lora="merge", keras_file=True)
     assert result.saved_model.endswith("export_merged/8")
     assert result.keras_file.endswith("keras/8.keras")
@@ -64,16 +64,16 @@ def test_merged_exports_serve_the_trained_outputs(trained):
     assert not any("lora" in key for key in _saved_keys(result.saved_model))
 
 
-def test_a_kept_lora_saved_model_serves_the_factors_apart(trained):
-    trainer, expected = trained
+def test_a_kept_lora_saved_model_serves_the_factors_apart(lora_served):
+    trainer, expected = lora_served
     result = export_for_serving(trainer, lora="keep")
     assert result.saved_model.endswith("export/8")
     assert any("lora_kernel_b" in key for key in _saved_keys(result.saved_model))
     np.testing.assert_allclose(_served(result.saved_model, token_batch()), expected, atol=1e-5)
 
 
-def test_int8_is_measured_against_float32_and_saved(trained, tmp_path):
-    trainer, expected = trained
+def test_int8_is_measured_against_float32_and_saved(lora_served, tmp_path):
+    trainer, expected = lora_served
     result = export_for_serving(trainer, saved_model=False, quantize="int8",
                                 keras_file=str(tmp_path / "lm.keras"))
     assert result.quantized_keras_file == str(tmp_path / "lm-int8.keras")
@@ -93,8 +93,9 @@ def test_quantize_refuses_an_unknown_mode():
         quantized_copy(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), "int3")
 
 
-def test_the_export_command_writes_merged_keras_and_int8_and_reports_accuracy(trained, tmp_path):
-    trainer, expected = trained
+@pytest.mark.slow
+def test_the_export_command_writes_merged_keras_and_int8_and_reports_accuracy(lora_served, tmp_path):
+    trainer, expected = lora_served
     config = tmp_path / "lora.gin"
     config.write_text("\n".join([
         "Trainer.task = @KerasHubLMTask()", "Trainer.train_steps = 8",

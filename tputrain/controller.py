@@ -17,6 +17,7 @@ from tputrain.actions import Action, ProfilerAction
 from tputrain.context import ActionContext, ActionList, learning_rate
 from tputrain.data import explain_parse_error
 from tputrain.loop.host_loop import EXHAUSTED
+from tputrain.model_state import check_trainable_unchanged
 from tputrain.preemption import Preempted
 from tputrain.progress import Stopwatch
 from tputrain.validate import input_data_error
@@ -139,6 +140,7 @@ class Controller:
     def run(self, until: int) -> dict[str, float]:
         """Trains from the current step to `until`; returns the final evaluation."""
         context, hooks = self.context, self.hooks
+        check_trainable_unchanged(context.model)  # enable_lora on trainer.model: refused
         step = context.step
         self.until = until
         # The progress line counts to the job's end: train_steps, or further when

@@ -45,7 +45,7 @@ from tputrain.loop.inputs import Inputs
 from tputrain.loop.replica_stats import ReplicaStatistics
 from tputrain.loop.source_counts import checkpointed, source_logs
 from tputrain.loop.step import StepBuilder
-from tputrain.model_state import build_model_state, check_trainable_unchanged
+from tputrain.model_state import build_model_state
 from tputrain.options import (CheckpointOptions, PrecisionOptions, ProfilingOptions, RematOptions,
                               TrainerOptions)
 from tputrain.plan import RESOLVED, resolve_plan
@@ -299,7 +299,6 @@ class Trainer:
         latest checkpoint in model_dir; evaluates and saves on the configured cadence
         and at the end, and returns the last evaluation's metrics."""
         self._check_open("train")
-        check_trainable_unchanged(self.model)  # model_state.py
         self.checkpointer.restore_latest()
         step = self.current_step
         if num_steps is not None:

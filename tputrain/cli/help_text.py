@@ -203,6 +203,15 @@ HELP = {'run': 'USAGE: tputrain [run] --gin_file=CONFIG [flags]\n'
            '      MODEL_DIR/export/STEP.\n'
            '  --[no]examples: Also write the serving_examples signature (serialized\n'
            "      tf.Example) when the Task has a feature spec. (default: 'true')\n"
+           "  --lora: <keep|merge>: A LoRA model's SavedModel: merge the LoRA factors into\n"
+           '      the kernels (to MODEL_DIR/export_merged/STEP by default), or keep them\n'
+           '      apart as trained.\n'
+           '  --[no]keras: Also write a .keras file (LoRA merged),\n'
+           '      MODEL_DIR/keras/STEP.keras by default.\n'
+           "  --keras_file: The .keras file's path (implies --keras).\n"
+           '  --quantize: <int8>: Also write the quantized model\n'
+           '      (MODEL_DIR/export_int8/STEP, and beside the .keras file) and print the\n'
+           '      eval metrics of float32 and the quantized model.\n'
            '\n'
            "--helpfull also lists absl's own flags (logging, --flagfile).\n",
  'eval': 'USAGE: tputrain eval [flags]\n'

@@ -18,6 +18,12 @@ one would hide in turn. Before a point, only hidden points below its step are
 restated (the point itself covers its step, and writing higher ones would be
 preempted by it again); `close()` restates the rest. The loaders that do not
 preempt then see a restated point twice, at the same step and value.
+
+A point the run already shows as it is (the same step, tags and values: a rerun of
+`tputrain eval --step=N`), below later points, is not written: it would hide them
+and restate them once more, so every rerun added a copy of each (EventAccumulator,
+`--load_fast=false` and pandas exports see them). At the run's last step a new
+evaluation hides nothing and is written as any other.
 """
 
 from __future__ import annotations
@@ -65,6 +71,15 @@ class RunState:
             steps.difference_update({s for s in steps if s >= event.step})  # preempted
             steps.add(event.step)
 
+    def shows_below_later(self, step: int, summary: summary_pb2.Summary) -> bool:
+        """Every value of `summary` is shown at `step` already, as it is (a rerun's
+        evaluation of the same checkpoint), and later points are shown: writing it
+        again would only hide them and restate them, a copy more each time."""
+        shown = all(step in self.visible.get(value.tag, ()) and
+                    self.written[value.tag][step][1] == value for value in summary.value)
+        return shown and any(max(self.visible.get(value.tag) or [step]) > step
+                             for value in summary.value)
+
     def hidden_from(self, below: int | None) -> int | None:
         """The lowest step written but not kept (below `below`, if given), or None."""
         hidden = [step for tag, points in self.written.items() for step in points
@@ -100,9 +115,13 @@ class EvalEventWriter:
         self._writer: EventFileWriter | None = None
 
     def write(self, step: int, summary: summary_pb2.Summary) -> None:
-        """Writes `summary` at `step`, after the hidden points below it."""
+        """Writes `summary` at `step`, after the hidden points below it; nothing if the
+        run shows that point already, below later ones (`RunState.shows_below_later`)."""
+        state = run_state(self.directory)
+        if state.shows_below_later(step, summary):
+            return
         writer = self._open()
-        self._restate(below=step)
+        self._restate(below=step, state=state)
         writer.add_event(event_pb2.Event(step=step, wall_time=time.time(), summary=summary))
         writer.flush()
 
@@ -119,8 +138,8 @@ class EvalEventWriter:
             self._writer = EventFileWriter(self.directory)
         return self._writer
 
-    def _restate(self, below: int | None) -> None:
-        state = run_state(self.directory)
+    def _restate(self, below: int | None, state: RunState | None = None) -> None:
+        state = state or run_state(self.directory)
         first = state.hidden_from(below)
         if first is None:
             return

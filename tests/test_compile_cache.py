@@ -298,3 +298,62 @@ def test_a_cache_path_that_is_a_file_trains_without_the_cache(tmp_path):
     helped = subprocess.run([sys.executable, "-m", "tputrain.cli", "--help"], env=env,
                             capture_output=True, text=True, timeout=120)
     assert helped.returncode == 0 and "Traceback" not in helped.stderr
+
+
+# An entry damaged after the Trainer checked the cache (another process wrote it).
+DAMAGED_AFTER_THE_CHECK = SCRIPT.replace("trainer.train()\n", """
+import os
+cache = os.environ["TPUTRAIN_COMPILE_CACHE"]
+for name in os.listdir(cache):
+    if name.endswith(".pb"):
+        with open(os.path.join(cache, name), "wb") as entry:
+            entry.write(os.urandom(4096))
+try:
+    trainer.train()
+except Exception as error:
+    print(f"FAILED {type(error).__name__}: {error}")
+    sys.exit(1)
+""")
+
+
+@pytest.mark.slow
+def test_a_cache_read_failing_mid_run_is_named_as_the_cache_not_the_data(tmp_path):
+    entry, first = _first_entry_of_a_run(tmp_path)
+    env = child_env()
+    env.pop("TF_XLA_FLAGS", None)
+    env[compile_cache.ENV] = str(tmp_path / "cache")
+    result = subprocess.run([sys.executable, "-c", DAMAGED_AFTER_THE_CHECK,
+                             str(tmp_path / "damaged"), "relu", "0"], env=env,
+                            capture_output=True, encoding="utf-8", errors="replace",
+                            timeout=300)  # TensorFlow's parse line quotes the garbage
+    assert result.returncode == 1
+    failed = [line for line in result.stdout.splitlines() if line.startswith("FAILED ")]
+    assert len(failed) == 1 and "corrupt" not in failed[0], result.stdout + result.stderr[-3000:]
+    assert failed[0].startswith(f"FAILED CompileCacheError: tputrain: XLA compilation cache "
+                                f"entry {entry} ") and "rerun" in failed[0]
+    assert not os.path.exists(entry)  # removed: the rerun compiles it again
+    again, _ = _train(tmp_path, "again", "relu", TPUTRAIN_COMPILE_CACHE=str(tmp_path / "cache"))
+    assert again == first
+
+
+def test_only_a_cache_read_error_is_named_as_the_cache(monkeypatch, tmp_path):
+    import tensorflow as tf
+
+    entry = _one_entry(tmp_path / "cache")
+    with open(entry, "rb") as file:
+        content = file.read()
+    with open(entry, "wb") as file:
+        file.write(_foreign_key(content))
+    monkeypatch.setattr(compile_cache, "_state", dict(compile_cache._state))
+    compile_cache._state["directory"] = str(tmp_path / "cache")
+    data = tf.errors.DataLossError(None, None, "corrupted record at 162")
+    assert compile_cache.read_error(data) is None
+    foreign = tf.errors.InvalidArgumentError(
+        None, None, "Graph execution error:\n\nSerialized cache key does not match.\n\t [[{{node x}}]]")
+    error = compile_cache.read_error(foreign)
+    assert isinstance(error, compile_cache.CompileCacheError)
+    assert str(error) == (
+        f"tputrain: XLA compilation cache entry {entry} could not be read back (Serialized "
+        "cache key does not match.; damaged while this run used the cache): the cache, not "
+        "the data; removed: rerun the same command, its program compiles again")
+    assert not os.path.exists(entry)

@@ -175,6 +175,38 @@ def _line(programs: int | None) -> str:
             f"'E... {PARSE_LINE}': harmless, it tries the entry as text before binary)")
 
 
+# TensorFlow's errors for an entry it read but could not use (DeviceExecutablePersistor);
+# one it could not parse names its path ("Can't parse PATH as binary proto").
+_ENTRY_ERRORS = ("Serialized cache key does not match", "Serialized HLO does not match",
+                 "No binary found in serialized entry")
+
+
+class CompileCacheError(RuntimeError):
+    """A step failed reading a program back from XLA's compilation cache (an entry
+    damaged after the Trainer checked the cache): the cache, not the data."""
+
+
+def read_error(error: Exception) -> CompileCacheError | None:
+    """For a step's error that comes from reading the cache: removes the entries
+    TensorFlow could not load and returns the one-line error that says so; else None
+    (the caller reports `error` as before: a data error, say)."""
+    directory, text = _state["directory"], str(error)
+    if directory is None or not (directory in text or any(m in text for m in _ENTRY_ERRORS)):
+        return None
+    cause = next(line.strip() for line in text.splitlines()
+                 if directory in line or any(m in line for m in _ENTRY_ERRORS))
+    local = "://" not in directory and os.path.isdir(directory)
+    removed = _sweep(directory) if local else []
+    if removed:
+        where = ", ".join(path for path, _ in removed)
+        advice = "removed: rerun the same command, its program compiles again"
+    else:
+        where, advice = directory, f"remove the damaged entry, or set {ENV}=off, and rerun"
+    return CompileCacheError(
+        f"tputrain: XLA compilation cache entry {where} could not be read back ({cause}; "
+        f"damaged while this run used the cache): the cache, not the data; {advice}")
+
+
 def _entry_names(directory: str) -> list[str]:
     """The entries' file names (TensorFlow's temporary files end in .tmp)."""
     try:
@@ -187,6 +219,11 @@ def check_entries(directory: str) -> list[str]:
     """Removes the entries of `directory` that TensorFlow could not load (unreadable,
     not an entry, another program's key, no program); returns one warning each.
     An entry found sound is remembered by size and time (`CHECKED`), not read again."""
+    return [warning for _, warning in _sweep(directory)]
+
+
+def _sweep(directory: str) -> list[tuple[str, str]]:
+    """`check_entries`' work: (path, warning) for each entry removed."""
     checked = _read_checked(directory)
     sound, warnings = {}, []
     for name in _entry_names(directory):
@@ -200,7 +237,7 @@ def check_entries(directory: str) -> list[str]:
         if problem is None:
             sound[name] = seen
         else:
-            warnings.append(_removed(path, problem))
+            warnings.append((path, _removed(path, problem)))
     if sound != checked:
         _write_checked(directory, sound)
     return warnings

@@ -13,6 +13,7 @@ from typing import Protocol, Sequence
 import tensorflow as tf
 from absl import logging
 
+from tputrain import compile_cache
 from tputrain.actions import Action, ProfilerAction
 from tputrain.context import ActionContext, ActionList, learning_rate
 from tputrain.data import explain_parse_error
@@ -73,11 +74,12 @@ class Controller:
         with Stopwatch() as watch:
             try:
                 logs, steps, input_wait = trainer.run_loop(self.next_boundary(step))
-            except tf.errors.DataLossError as error:
-                raise input_data_error(error, "train", f"after step {step}") from None
+            except tf.errors.DataLossError as error:  # the compile cache's, or the data's
+                raise (compile_cache.read_error(error)
+                       or input_data_error(error, "train", f"after step {step}")) from None
             except tf.errors.InvalidArgumentError as error:
                 if EXHAUSTED not in str(error):  # a record unlike its feature spec?
-                    raise explain_parse_error(error) from None
+                    raise (compile_cache.read_error(error) or explain_parse_error(error)) from None
                 logging.warning("tputrain: train input ended at step %d", step)
                 return None
         return logs, steps, watch.seconds, input_wait

@@ -17,6 +17,7 @@ from tputrain.checkpointing.recovery import UnreadableCheckpointError
 from tputrain.cli.common import (EXIT_BAD_INPUT, EXIT_TRAINING_FAILED, GIN_FLAGS, build_trainer,
                                  define_gin_flags, error_message, fail, list_in_help,
                                  parse_gin_flags, reject_arguments, run_command)
+from tputrain.compile_cache import CompileCacheError
 from tputrain.configurables import join_watchdog  # the gin-configurable one
 from tputrain.config import write_operative_config
 from tputrain.data import CorruptRecordError, FeatureSpecError
@@ -51,7 +52,7 @@ def _train(trainer: Trainer) -> dict[str, float]:
     except (CheckpointMismatchError, UnreadableCheckpointError) as error:  # at restore,
         fail(error_message(error), EXIT_BAD_INPUT)  # before any step
     except (CorruptRecordError, InputDataError, FeatureSpecError, ModelDirError,
-            NonFiniteError, NonFiniteStateError) as error:  # found mid-run
+            NonFiniteError, NonFiniteStateError, CompileCacheError) as error:  # found mid-run
         fail(error_message(error), EXIT_TRAINING_FAILED)
     except tf.errors.UnavailableError as error:
         if trainer.num_hosts == 1:

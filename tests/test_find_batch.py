@@ -178,3 +178,28 @@ def test_unknown_rule_names_the_choices():
     assert math.isclose(scale_learning_rate(1.0, 4, 1), 4.0)
     with pytest.raises(ValueError, match="linear.*sqrt"):
         scale_learning_rate(1.0, 4, 1, rule="cubic")
+
+
+@pytest.mark.parametrize("gain", [math.nan, math.inf, -0.5, "5%"])
+def test_a_min_gain_that_is_not_a_fraction_is_refused_as_given(gain):
+    """Issue 50.7: min_gain=nan was accepted (every comparison with it is false: the
+    climb never stopped for it), and is quoted as the user gave it."""
+    with pytest.raises((ValueError, TypeError), match="min_gain") as raised:
+        find_batch(TinyTask(), tf.distribute.OneDeviceStrategy("/cpu:0"), min_gain=gain)
+    assert repr(gain) in str(raised.value), raised.value
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_cli_min_gain_nan_is_one_line_and_exit_2(value, capsys):
+    from absl import flags
+
+    from tputrain.cli import find_batch as command
+    from tputrain.cli.common import parse_flags
+
+    registry = flags.FlagValues()
+    command.define_flags(registry)
+    with pytest.raises(SystemExit) as caught:
+        parse_flags(["tputrain find-batch", f"--min_gain={value}"], registry)
+    error = capsys.readouterr().err
+    assert caught.value.code == 2 and error.count("\n") == 1, error
+    assert f"--min_gain={value}" in error, error

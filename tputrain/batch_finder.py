@@ -23,6 +23,7 @@ formats the table and the suggested gin params.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import shutil
 import tempfile
@@ -213,6 +214,19 @@ def _check(name: str, value: float | None, least: float) -> None:
         raise ValueError(f"find_batch: {name} must be >= {least:g}, got {value}")
 
 
+def _check_gain(min_gain: Any) -> None:
+    """A finite fraction >= 0 or None, quoted as given: every comparison with NaN is
+    false, so `min_gain=nan` silently never stopped the climb."""
+    if min_gain is None:
+        return
+    if isinstance(min_gain, bool) or not isinstance(min_gain, numbers.Real):
+        raise TypeError(f"find_batch: min_gain must be a fraction such as 0.05 (5% more "
+                        f"examples/s a doubling) or None, got {min_gain!r}")
+    if not (math.isfinite(min_gain) and min_gain >= 0):
+        raise ValueError(f"find_batch: min_gain must be a finite fraction >= 0 such as 0.05 "
+                         f"(None: never stop for it), got {min_gain!r}")
+
+
 def find_batch(task: Task, strategy: tf.distribute.Strategy | None = None, *,
                global_batch_size: int = 64, learning_rate: float | None = None,
                start_batch: int | None = None, max_batch: int = 4096,
@@ -243,6 +257,7 @@ def find_batch(task: Task, strategy: tf.distribute.Strategy | None = None, *,
     _check("max_batch", max_batch, 1)
     _check("resolution", resolution, 1)
     _check("seconds", seconds, 1e-9)
+    _check_gain(min_gain)
     strategy = strategy or tputrain.resolve_strategy()
     replicas = strategy.num_replicas_in_sync
     constant = True

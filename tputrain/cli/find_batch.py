@@ -16,6 +16,7 @@ when not even the start batch fits.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -51,6 +52,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
         flags.register_validator(name, lambda value: value is None or value > 0,
                                  "must be a positive number of examples per replica", **fv)
     flags.register_validator("seconds", lambda value: value > 0, "must be > 0 seconds", **fv)
+    flags.register_validator("min_gain", math.isfinite, "must be a fraction such as 0.05, or "
+                             "negative to never stop for it (not nan or inf)", **fv)
     # Not model_dir: the finder only writes temporary directories.
     list_in_help((*GIN_FLAGS, "start_batch", "max_batch", "min_gain", "resolution",
                   "seconds", "lr_rule"), flag_values)

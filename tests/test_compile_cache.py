@@ -276,6 +276,9 @@ _WHY = {"garbage": "not an entry", "truncated": "not an entry", "foreign": "anot
         "empty": "not an entry"}
 
 
+# Two training processes each (tens of seconds on 2 busy cores): the in-process tests
+# above check every damage in the default tier.
+@pytest.mark.slow
 def test_garbage_in_an_entry_is_not_a_data_error_and_the_run_trains(tmp_path):
     _rerun_with_a_damaged_entry(tmp_path, "garbage")
 
@@ -286,12 +289,17 @@ def test_a_truncated_or_foreign_entry_is_recompiled_and_the_run_trains(tmp_path,
     _rerun_with_a_damaged_entry(tmp_path, damage)
 
 
+@pytest.mark.slow
 def test_a_cache_path_that_is_a_file_trains_without_the_cache(tmp_path):
     (tmp_path / "cache").write_text("not a folder")
     _, log = _train(tmp_path, "run", "relu", TPUTRAIN_COMPILE_CACHE=str(tmp_path / "cache"))
     lines = [line for line in log.splitlines() if str(tmp_path / "cache") in line]
     assert len(lines) == 1 and lines[0].startswith(
         f"tputrain: XLA compilation cache off: {tmp_path / 'cache'} ")
+
+
+def test_a_cache_path_that_is_a_file_does_not_stop_help(tmp_path):
+    (tmp_path / "cache").write_text("not a folder")
     env = child_env()
     env.pop("TF_XLA_FLAGS", None)
     env[compile_cache.ENV] = str(tmp_path / "cache")

@@ -61,3 +61,12 @@ def test_a_list_of_metrics_of_another_length_than_the_outputs_is_named():
     with pytest.raises(ValueError, match="3 entries for the model's 2 outputs"):
         tputrain.KerasTask(model, (np.zeros((4, 5), "float32"),
                                    (np.zeros((4, 1)), np.zeros(4)))).build_metrics()
+
+
+def test_a_one_output_model_takes_its_loss_alone_or_in_a_dict_or_list():
+    x = keras.Input((5,), name="x")
+    model = keras.Model(x, keras.layers.Dense(1, name="out")(x))
+    for loss, weights in (("mse", None), ({"out": "mse"}, {"out": 0.5}), (["mse"], [0.5])):
+        model.compile(optimizer="sgd", loss=loss, loss_weights=weights)
+        (output,) = CompiledOutputs(model).outputs
+        assert (output.loss, output.weight) == ("mse", 1.0 if weights is None else 0.5)

@@ -97,6 +97,17 @@ def _output_names(model: keras.Model) -> list[str]:
     return list(model.output_names)
 
 
+def _only(value: Any, model: keras.Model) -> Any:
+    """The one entry of a one-output model's list or dict of losses (or weights)."""
+    if isinstance(value, Mapping) and not _serialized(value) or isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise ValueError(f"{type(model).__name__} has one output (or declares none: a "
+                             "subclassed model) but several losses: KerasTask pairs several "
+                             "losses with the outputs of a functional model")
+        return next(iter(value.values())) if isinstance(value, Mapping) else value[0]
+    return value
+
+
 class CompiledOutputs:
     """The outputs of a compiled model with their losses and loss weights; `flat` puts
     a model's outputs, labels or sample weights in the same order."""
@@ -106,12 +117,7 @@ class CompiledOutputs:
         loss = _plain(model.loss)
         weights = _plain(model.get_compile_config().get("loss_weights"))
         if len(outputs) <= 1:
-            if isinstance(loss, Mapping) or isinstance(loss, (list, tuple)) and len(loss) != 1:
-                raise ValueError(f"{type(model).__name__} has one output (or declares none: a "
-                                 "subclassed model) but several losses: KerasTask pairs "
-                                 "several losses with the outputs of a functional model")
-            loss = loss[0] if isinstance(loss, (list, tuple)) else loss
-            weight = weights[0] if isinstance(weights, (list, tuple)) else weights
+            loss, weight = _only(loss, model), _only(weights, model)
             self.names: list[str] = []
             self.outputs = [Output(None, 0, loss, 1.0 if weight is None else float(weight))]
             return

@@ -110,9 +110,21 @@ def test_sigkill_midway_resumes_bitwise(tmp_path):
         "KerasHubLMTask.learning_rate = 0.01", "KerasHubLMTask.train_rows = 64",
         "KerasHubLMTask.eval_rows = 16"]))
     _, resumed = killed_and_rerun(tmp_path, config, step=4)
-    assert "training from step 4 to 8" in resumed.text(), resumed.log()
+    # Killed before step 4's save: steps 3 and 4 are trained again, from ckpt-2.
+    assert "training from step 2 to 8" in resumed.text(), resumed.log()
     expected, actual = latest_values(tmp_path / "reference"), latest_values(tmp_path / "interrupted")
     assert expected.keys() == actual.keys()
     assert any(k.startswith("ema/") for k in expected)
     for key in expected:
         np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
+
+
+def test_without_lora_biases_the_trainable_weights_are_exactly_the_factors():
+    """Keras's enable_lora leaves the adapted layers' biases trainable; lora_biases=False
+    freezes them too."""
+    from tputrain.tasks.keras_hub_lm import KerasHubLMTask
+
+    model = KerasHubLMTask(lora_rank=2, lora_biases=False).build_model()
+    assert {v.path for v in model.trainable_variables} == {
+        v.path for v in lora_variables(model)}
+    assert len(model.trainable_variables) == 8

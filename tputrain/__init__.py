@@ -72,6 +72,7 @@ _EXPORTS = {
     "EarlyStopping": "tputrain.best",
     "Export": "tputrain.export",
     "export_checkpoint": "tputrain.export",
+    "export_for_serving": "tputrain.keras_saving",
     "InitCheckpoint": "tputrain.init_checkpoint",
     "NoNewCheckpointError": "tputrain.sidecar",
     "ReadOnlyTrainer": "tputrain.sidecar",

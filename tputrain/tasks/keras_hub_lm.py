@@ -53,12 +53,17 @@ def arithmetic_rows(count: int, length: int, vocab: int, strides: Sequence[int],
 
 
 def enable_lora_on(model: keras.Model, rank: int, targets: Sequence[str] | None = None,
-                   trainable_layers: Sequence[str] = ()) -> keras.Model:
-    """`backbone.enable_lora(rank, targets)` on the model's Keras-Hub backbone, then
-    `trainable_layers` (layer names anywhere in the model) made trainable again:
+                   trainable_layers: Sequence[str] = (), lora_biases: bool = True
+                   ) -> keras.Model:
+    """`backbone.enable_lora(rank, targets)` on the model's Keras-Hub backbone (which
+    leaves the adapted layers' biases trainable; `lora_biases=False` freezes them),
+    then `trainable_layers` (layer names anywhere in the model) made trainable again:
     what the user leaves trainable beside the LoRA factors."""
     backbone = getattr(model, "backbone", model)
     backbone.enable_lora(rank, target_layer_names=list(targets) if targets else None)
+    for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+        if getattr(layer, "lora_enabled", False) and getattr(layer, "bias", None) is not None:
+            layer.bias.trainable = lora_biases
     named = {layer.name: layer for layer in model._flatten_layers(include_self=False)}  # pylint: disable=protected-access
     missing = sorted(set(trainable_layers) - set(named))
     if missing:
@@ -81,6 +86,8 @@ class KerasHubLMTask(Task):
       lora_targets: the layer names LoRA applies to (None: the backbone's
         `default_lora_layer_names()`, query and value).
       trainable_layers: layers left trainable beside the LoRA factors (names).
+      lora_biases: keep the adapted layers' biases trainable, as Keras's
+        `enable_lora` does; False: only the LoRA factors (and `trainable_layers`) train.
       sequence_length: tokens a row (at most the backbone's positions).
       strides: the arithmetic data's strides; train_rows, eval_rows: its sizes.
       seed: the weights' and the data's seed.
@@ -93,13 +100,13 @@ class KerasHubLMTask(Task):
                  lora_targets: Sequence[str] | None = None, trainable_layers: Sequence[str] = (),
                  sequence_length: int = 16, strides: Sequence[int] = (1, 2, 3),
                  train_rows: int = 1024, eval_rows: int = 256, seed: int = 0,
-                 learning_rate: float | None = None):
+                 learning_rate: float | None = None, lora_biases: bool = True):
         self.backbone, self.backbone_config = backbone, dict(backbone_config or TINY_GPT2)
         self.lora_rank, self.lora_targets = lora_rank, lora_targets
         self.trainable_layers = tuple(trainable_layers)
         self.sequence_length, self.strides = sequence_length, tuple(strides)
         self.rows = {"train": train_rows, "eval": eval_rows}
-        self.seed, self.learning_rate = seed, learning_rate
+        self.seed, self.learning_rate, self.lora_biases = seed, learning_rate, lora_biases
 
     def build_model(self) -> keras.Model:
         hub = keras_hub_module()
@@ -108,7 +115,8 @@ class KerasHubLMTask(Task):
         keras.utils.set_random_seed(self.seed)  # the same base weights in every process
         model = causal_lm(backbone_class(**self.backbone_config), preprocessor=None)
         if self.lora_rank:
-            enable_lora_on(model, self.lora_rank, self.lora_targets, self.trainable_layers)
+            enable_lora_on(model, self.lora_rank, self.lora_targets, self.trainable_layers,
+                           self.lora_biases)
         return model
 
     def build_inputs(self, split: str, input_context: InputContext) -> tf.data.Dataset:

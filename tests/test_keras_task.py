@@ -247,3 +247,22 @@ def test_a_list_of_outputs_trains_as_under_keras_fit(tmp_path):
         assert logs[name] == pytest.approx(history[name][0], abs=1e-5), name
     for actual, wanted in zip(model.get_weights(), expected.get_weights()):
         np.testing.assert_allclose(actual, wanted, atol=1e-5)
+
+
+def test_eval_data_with_sample_weights_per_output_is_refused_in_one_line(tmp_path):
+    """The eval loss weighs each example once (sum(weight * loss) / sum(weight)), so eval
+    data takes one sample weight per example: one per output is named, not mis-read."""
+    with pytest.raises(ValueError,
+                       match="one sample weight per example, not one per output") as caught:
+        tputrain.fit(two_output_model(), two_output_train(), two_output_data(8, 2, True),
+                     model_dir=str(tmp_path / "run"), steps=1, strategy=strategy_for(1),
+                     report_mfu=False, jit_compile=False)
+    assert "\n" not in str(caught.value)
+
+
+def test_without_eval_data_per_output_sample_weights_still_train(tmp_path):
+    """No eval data: the eval split is the train data's first batch, without its
+    per-output sample weights."""
+    logs = tputrain.fit(two_output_model(), two_output_train(), model_dir=str(tmp_path / "run"),
+                        steps=2, strategy=strategy_for(1), report_mfu=False, jit_compile=False)
+    assert np.isfinite(logs["label_loss"]) and np.isfinite(logs["value_loss"])

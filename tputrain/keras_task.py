@@ -82,15 +82,29 @@ def _batch_size_of(dataset: tf.data.Dataset) -> int | None:
     return None
 
 
+def _eval_examples(train: tf.data.Dataset, eval_data: Any, batch_size: int | None,
+                   global_batch_size: int) -> tf.data.Dataset:
+    """The eval split's examples: `eval_data`'s, or the train data's first global batch
+    (without its sample weights when they are per output: the eval loss weighs each
+    example once, so eval data takes one sample weight per example)."""
+    if eval_data is None:
+        examples = train.take(global_batch_size)
+        if len(examples.element_spec) == 3 and tf.nest.is_nested(examples.element_spec[2]):
+            examples = examples.map(lambda features, labels, _: (features, labels))
+        return examples
+    examples = _examples(eval_data, batch_size, "eval")[0]
+    if len(examples.element_spec) == 3 and tf.nest.is_nested(examples.element_spec[2]):
+        raise ValueError("KerasTask: eval data takes one sample weight per example, not one "
+                         "per output: evaluate with (x, y) or (x, y, sample_weight)")
+    return examples
+
+
 def _padded(batch: tuple, rows: int) -> tuple:
     """An eval batch of up to `rows` examples, padded to `rows` with weight-0 examples
     (a user's sample weights are kept on the real ones)."""
     if len(batch) == 2:
         return pad_to_batch(batch, rows)
     features, labels, weights = batch
-    if tf.nest.is_nested(weights):
-        raise ValueError("KerasTask: eval data takes one sample weight per example, not one "
-                         "per output: evaluate with (x, y) or (x, y, sample_weight)")
     features, labels, mask = pad_to_batch((features, labels), rows)
     weights = tf.cast(weights, tf.float32)
     weights = tf.pad(weights, [[0, rows - tf.shape(weights)[0]]]
@@ -152,8 +166,7 @@ class KerasTask(Task):
                             and epoch_steps is not None
                             and int(train_data.cardinality()) == epoch_steps)
         self._seed = seed
-        self._eval = (self._train.take(self.global_batch_size) if eval_data is None
-                      else _examples(eval_data, batch_size, "eval")[0])
+        self._eval = _eval_examples(self._train, eval_data, batch_size, self.global_batch_size)
         self._compiled: keras.Model | None = self._source
         self._resolved: CompiledOutputs | None = None
         self._resolved_for: keras.Model | None = None

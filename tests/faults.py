@@ -824,3 +824,89 @@ class F1RecordsTask(RecordsTask):
                      x=outputs["x"], labels=outputs["labels"], outputs=outputs["outputs"])
         return {"f1": float(f1_score(outputs["labels"], predicted)),
                 "rows": float(len(outputs["labels"]))}
+
+
+# ------------------------------------------------------------ Keras callbacks over a kill
+
+CALLBACKS_EPOCH_STEPS, CALLBACKS_EPOCHS = 6, 16
+
+
+class PauseAt(tputrain.Action):
+    """Pauses (`PauseAtStep`'s marker and wait) at one instant of a run: "loop:N" after
+    the loop ending at step N (before its evaluation and save), "eval:N" after the
+    evaluation at N (the Keras callbacks, listed before it, have run: CSV row written,
+    rate cut) and before its save, "stop" after the save that follows a stop."""
+
+    def __init__(self, instants: list[str]):
+        self.instants = list(instants)
+
+    def _pause(self, instant: str) -> None:
+        if instant in self.instants:
+            self.instants.remove(instant)
+            print(f"tputrain-test: paused at {instant}", flush=True)
+            _wait_for_fifo()
+
+    def on_loop_end(self, context, step, logs):
+        self._pause(f"loop:{step}")
+
+    def on_eval_end(self, context, step, logs):
+        self._pause(f"eval:{step}")
+
+    def on_save(self, context, step, path):
+        if context.stop_training:
+            self._pause("stop")
+
+
+def callbacks_model() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,), name="x")
+    hidden = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
+    outputs = keras.layers.Dense(3, activation="softmax", name="classes")(hidden)
+    model = keras.Model(inputs, outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.3, momentum=0.5),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                  jit_compile=False)
+    return model
+
+
+def callbacks_data(examples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(examples, 5)).astype(np.float32)
+    noisy = rng.uniform(size=examples) < 0.15  # a plateau comes soon
+    y = np.where(noisy, rng.integers(0, 3, size=examples), np.argmax(x[:, :3], -1))
+    return x, y.astype(np.int64)
+
+
+def keras_callbacks(model_dir: str, restore_best_weights: bool = False) -> list:
+    """ReduceLROnPlateau (cuts with cooldown), EarlyStopping, and a CSVLogger in model_dir."""
+    return [keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=1,
+                                              min_delta=0.01, cooldown=1),
+            keras.callbacks.EarlyStopping(monitor="val_loss", patience=3, min_delta=0.002,
+                                          restore_best_weights=restore_best_weights),
+            keras.callbacks.CSVLogger(os.path.join(model_dir, "epochs.csv"))]
+
+
+def keras_callbacks_run(model_dir: str, replicas: int, instants: list[str] = (),
+                        restore_best_weights: bool = False) -> dict:
+    """`tputrain.fit` with ReduceLROnPlateau, EarlyStopping and CSVLogger on a dataset
+    reshuffled each epoch; pauses at `instants` (`PauseAt`). Writes and returns
+    `result.npz` beside model_dir: the model's weights, its optimizer's rate, the
+    returned logs."""
+    from tiny import strategy_for
+
+    tf.config.experimental.enable_op_determinism()
+    model = callbacks_model()  # first: it sets the global seed the shuffle's derives from
+    train = tf.data.Dataset.from_tensor_slices(
+        callbacks_data(8 * CALLBACKS_EPOCH_STEPS, 1)).shuffle(512, seed=0).batch(8)
+    logs = tputrain.fit(model, train, callbacks_data(40, 2), model_dir=model_dir,
+                        steps=CALLBACKS_EPOCHS * CALLBACKS_EPOCH_STEPS,
+                        eval_every=CALLBACKS_EPOCH_STEPS, steps_per_loop=CALLBACKS_EPOCH_STEPS,
+                        checkpoint_every=CALLBACKS_EPOCH_STEPS, strategy=strategy_for(replicas),
+                        callbacks=keras_callbacks(model_dir, restore_best_weights),
+                        actions=[PauseAt(list(instants))] if instants else [],
+                        report_mfu=False, jit_compile=False)
+    result = {f"weight/{n}": w for n, w in enumerate(model.get_weights())}
+    result["learning_rate"] = np.float32(model.optimizer.learning_rate.numpy())
+    result.update({f"logs/{k}": np.float64(v) for k, v in logs.items()})
+    np.savez(f"{model_dir.rstrip('/')}.result.npz", **result)
+    return result

@@ -238,3 +238,156 @@ def test_a_reshuffling_dataset_gives_fits_batches(tmp_path, replicas):
     gap = close(model.get_weights(), expected.get_weights())
     print(f"replicas={replicas}: largest weight difference to model.fit {gap:.2e}")
     assert gap < 1e-5
+
+
+# ------------------------------------------------------------ callbacks over a kill
+
+class Crash(Exception):
+    """Ends a run at one instant, leaving model_dir as a kill there would."""
+
+
+class CrashAt(tputrain.Action):
+    """Raises `Crash` after the evaluation at `step` (the callbacks before it have run:
+    the CSV row is written, the rate cut) and before its checkpoint."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_eval_end(self, context, step, logs):
+        if step == self.step:
+            raise Crash(step)
+
+
+def callbacks_fit(model_dir, replicas: int = 1, actions=(), restore_best_weights=False,
+                  extra=()):
+    """`faults.keras_callbacks_run` in this process (`extra` callbacks after its three):
+    (model, returned logs)."""
+    import faults
+
+    model = faults.callbacks_model()  # first: it sets the global seed the shuffle's derives from
+    train = tf.data.Dataset.from_tensor_slices(
+        faults.callbacks_data(8 * faults.CALLBACKS_EPOCH_STEPS, 1)).shuffle(512, seed=0).batch(8)
+    logs = tputrain.fit(model, train, faults.callbacks_data(40, 2), model_dir=str(model_dir),
+                        steps=faults.CALLBACKS_EPOCHS * faults.CALLBACKS_EPOCH_STEPS,
+                        eval_every=faults.CALLBACKS_EPOCH_STEPS,
+                        steps_per_loop=faults.CALLBACKS_EPOCH_STEPS,
+                        checkpoint_every=faults.CALLBACKS_EPOCH_STEPS,
+                        strategy=strategy_for(replicas),
+                        callbacks=[*faults.keras_callbacks(str(model_dir), restore_best_weights),
+                                   *extra],
+                        actions=list(actions), report_mfu=False, jit_compile=False)
+    return model, logs
+
+
+def assert_same_rows(actual_csv, expected_csv) -> list[dict[str, float]]:
+    columns, rows = read_csv(actual_csv)
+    expected_columns, expected_rows = read_csv(expected_csv)
+    assert columns == expected_columns
+    assert [r["epoch"] for r in rows] == [r["epoch"] for r in expected_rows]
+    for row, expected in zip(rows, expected_rows):
+        assert row == pytest.approx(expected, abs=1e-6), row["epoch"]
+    return rows
+
+
+def test_callbacks_resume_after_a_crash_between_an_evaluation_and_its_checkpoint(tmp_path):
+    """The fast case of the kill -9 matrix below (in this process, 1 replica): the
+    CSV row and the rate cut of step 30's evaluation are on disk, its checkpoint is
+    not. The resumed run's rows, rates, stop step and weights are the uninterrupted one's."""
+    expected_model, expected_logs = callbacks_fit(tmp_path / "reference")
+    with pytest.raises(Crash):
+        callbacks_fit(tmp_path / "crashed", actions=[CrashAt(30)])
+    model, logs = callbacks_fit(tmp_path / "crashed")
+    rows = assert_same_rows(tmp_path / "crashed" / "epochs.csv",
+                            tmp_path / "reference" / "epochs.csv")
+    rates = [row["learning_rate"] for row in rows]
+    print("rates per epoch", rates, "stopped after epoch", rows[-1]["epoch"])
+    assert len(set(rates)) > 2 and len(rows) < 16  # two cuts and an early stop
+    assert (tf.train.latest_checkpoint(str(tmp_path / "crashed" / "checkpoints"))
+            .endswith(f"ckpt-{len(rows) * 6}"))
+    assert close(model.get_weights(), expected_model.get_weights()) < 1e-6
+    assert logs == pytest.approx(expected_logs, abs=1e-6)
+
+
+class FinalRate(keras.callbacks.Callback):
+    def on_train_end(self, logs=None):
+        self.rate = float(self.model.optimizer.learning_rate.numpy())
+
+
+def test_restore_best_weights_leaves_one_final_model(tmp_path):
+    """EarlyStopping(restore_best_weights=True) with ReduceLROnPlateau: the model fit
+    returns holds the best epoch's weights, the returned metrics are theirs (the best
+    epoch's val_*), model_dir/final.weights.h5 holds them, a rerun returns the same,
+    and the model's optimizer has the rate the callbacks left."""
+    final = FinalRate()
+    model, logs = callbacks_fit(tmp_path / "run", restore_best_weights=True, extra=[final])
+    _, rows = read_csv(tmp_path / "run" / "epochs.csv")
+    best = min(rows, key=lambda row: row["val_loss"])
+    print(f"best epoch {best['epoch']:.0f} of {len(rows)}; returned {logs}; final rate "
+          f"{final.rate}, the model's optimizer "
+          f"{float(model.optimizer.learning_rate.numpy())}")
+    assert best["epoch"] < len(rows) - 1  # the stop came after it: weights went back
+    assert logs["loss"] == pytest.approx(best["val_loss"], abs=1e-6)
+    assert logs["accuracy"] == pytest.approx(best["val_accuracy"], abs=1e-6)
+    assert final.rate < 0.3
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(final.rate)
+    saved = compiled_callbacks_model()
+    saved.load_weights(tmp_path / "run" / "final.weights.h5")
+    assert close(saved.get_weights(), model.get_weights()) == 0.0
+    again, again_logs = callbacks_fit(tmp_path / "run", restore_best_weights=True)
+    assert close(again.get_weights(), model.get_weights()) == 0.0
+    assert again_logs == pytest.approx(logs, abs=1e-6)
+    assert float(again.optimizer.learning_rate.numpy()) == pytest.approx(final.rate)
+
+
+def compiled_callbacks_model() -> keras.Model:
+    import faults
+
+    return faults.callbacks_model()
+
+
+KILL_INSTANTS = ("loop:18", "eval:30", "stop")  # before an eval; between eval and save; the end
+
+
+def callbacks_child(model_dir, replicas: int, instants=()):
+    import sys
+
+    from faults import Process, child_env, pausable_env
+
+    call = f"faults.keras_callbacks_run({str(model_dir)!r}, {replicas}, {list(instants)!r})"
+    env = pausable_env(child_env(cpus=2)) if instants else child_env(cpus=2)
+    return Process([sys.executable, "-c", f"import faults; {call}"], env, stdin=bool(instants))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_callbacks_resume_after_a_kill_at_three_instants(tmp_path, replicas):
+    """ReduceLROnPlateau + EarlyStopping + CSVLogger through `tputrain.fit`: model_dir as
+    a kill -9 leaves it before an evaluation, between an evaluation and its checkpoint,
+    and after the early stop's checkpoint, each run again: the CSV rows, learning
+    rates, stop step, final checkpoint and the model `fit` returns are bitwise the
+    uninterrupted run's."""
+    import re
+
+    import numpy as np
+    from faults import copy_at_pause, final_weights
+
+    reference = callbacks_child(tmp_path / "reference", replicas, KILL_INSTANTS)
+    for n, instant in enumerate(KILL_INSTANTS):
+        copy_at_pause(reference, tmp_path / "reference", tmp_path / f"killed-{n}",
+                      rf"tputrain-test: paused at {re.escape(instant)}$")
+    assert reference.finish() == 0, reference.log()
+    expected = dict(np.load(tmp_path / "reference.result.npz"))
+    expected_weights = final_weights(str(tmp_path / "reference"))
+    expected_csv = (tmp_path / "reference" / "epochs.csv").read_text()
+    for n, instant in enumerate(KILL_INSTANTS):
+        resumed = callbacks_child(tmp_path / f"killed-{n}", replicas)
+        assert resumed.finish() == 0, resumed.log()
+        assert (tmp_path / f"killed-{n}" / "epochs.csv").read_text() == expected_csv, instant
+        weights = final_weights(str(tmp_path / f"killed-{n}"))
+        assert weights.keys() == expected_weights.keys()
+        for key in weights:
+            np.testing.assert_array_equal(weights[key], expected_weights[key], err_msg=key)
+        result = dict(np.load(tmp_path / f"killed-{n}.result.npz"))
+        assert result.keys() == expected.keys()
+        for key in result:
+            np.testing.assert_array_equal(result[key], expected[key], err_msg=f"{instant}: {key}")

@@ -8,15 +8,21 @@ exact-resume checkpoints, guard, progress) and runs Keras callbacks through
 
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import Any, Callable, Sequence
 
 import keras
+import tensorflow as tf
 
 from tputrain.actions import Action
+from tputrain.context import learning_rate
 from tputrain.config import without_gin_notes
 from tputrain.keras_callbacks import KerasCallbacks
 from tputrain.keras_task import KerasTask
 from tputrain.trainer import Trainer
+
+FINAL_WEIGHTS = "final.weights.h5"  # the callbacks' final weights, when not the last step's
 
 
 def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_data: Any = None,
@@ -55,6 +61,36 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
             raise
         raise original from original.__cause__
     logs = trainer.train()
+    if adapters and adapters[0].weights_changed:  # e.g. EarlyStopping(restore_best_weights)
+        logs = trainer.evaluate_weights()  # the metrics of the model returned
+        if trainer.is_chief:
+            save_final_weights(trainer.model, model_dir)
     if isinstance(model, keras.Model):
         model.set_weights(trainer.model.get_weights())
+        carry_optimizer(model.optimizer, trainer.optimizer)
     return logs
+
+
+def save_final_weights(model: keras.Model, model_dir: str) -> str:
+    """`model_dir/final.weights.h5` (`model.load_weights` reads it): the weights the
+    callbacks left at the end when they differ from the last checkpoint's. Written
+    whole, then renamed into place (any `tf.io.gfile` path)."""
+    path = os.path.join(model_dir, FINAL_WEIGHTS)
+    with tempfile.TemporaryDirectory(prefix="tputrain-final-") as local:
+        written = os.path.join(local, FINAL_WEIGHTS)
+        model.save_weights(written)
+        tf.io.gfile.copy(written, f"{path}.partial", overwrite=True)
+    tf.io.gfile.rename(f"{path}.partial", path, overwrite=True)
+    return path
+
+
+def carry_optimizer(user: keras.optimizers.Optimizer, trained: keras.optimizers.Optimizer
+                    ) -> None:
+    """The user's optimizer as `fit` leaves it: the learning rate the run ended with (a
+    callback's cut included; a schedule stays as it is) and the step count."""
+    user = getattr(user, "inner_optimizer", user)
+    try:
+        user.learning_rate = learning_rate(trained)
+    except TypeError:  # built with a LearningRateSchedule: nothing to carry
+        pass
+    user.iterations.assign(int(keras.ops.convert_to_numpy(trained.iterations)))

@@ -45,23 +45,22 @@ def _examples(data: Any, batch_size: int | None, split: str) -> tuple[tf.data.Da
 def _first_batch_size(dataset: tf.data.Dataset, split: str) -> int:
     """The batch size of a batched dataset: static if known, else read from the
     dataset's own `batch` (`_batch_size_of`), else its first batch's. Only the last
-    opens an iterator: `fit` opens one per epoch and none besides, and each iterator
+    opens an iterator: `fit` opens its dataset only to train, and each iterator
     of a dataset that reshuffles each iteration draws the next shuffle."""
     spec = tf.nest.flatten(dataset.element_spec)[0]
     if spec.shape.rank and spec.shape[0] is not None:
         return int(spec.shape[0])
-    if int(dataset.cardinality()) == 0:
-        raise ValueError(f"the {split} dataset is empty")
     size = _batch_size_of(dataset)
-    if size is not None:
-        return size
-    logging.warning("tputrain: read the first batch of the %s dataset for its batch size: a "
-                    "dataset that reshuffles each iteration now gives other batches than "
-                    "model.fit; end it with .batch(n) (then map/prefetch), or pass batch_size "
-                    "with a dataset of single examples", split)
-    for element in dataset.take(1):
-        return int(tf.shape(tf.nest.flatten(element)[0])[0])
-    raise ValueError(f"the {split} dataset is empty")
+    if size is None and int(dataset.cardinality()) != 0:
+        logging.warning("tputrain: read the first batch of the %s dataset for its batch size: "
+                        "a dataset that reshuffles each iteration now gives other batches than "
+                        "model.fit; end it with .batch(n) (then map/prefetch), or pass "
+                        "batch_size with a dataset of single examples", split)
+        size = next((int(tf.shape(tf.nest.flatten(element)[0])[0])
+                     for element in dataset.take(1)), None)
+    if size is None or int(dataset.cardinality()) == 0:
+        raise ValueError(f"the {split} dataset is empty")
+    return size
 
 
 def _batch_size_of(dataset: tf.data.Dataset) -> int | None:

@@ -22,7 +22,8 @@ from absl import logging
 
 import tputrain
 from tputrain.actions import (Action, CommunicationAction, MFUAction, NonFinitePolicyAction,
-                              PreemptionAction, ProfilerAction, check_actions)
+                              PreemptionAction, ProfilerAction, check_actions,
+                              checkpointed_states)
 from tputrain.aggregation import with_aggregates
 from tputrain.checkpointing.manager import Checkpointer
 from tputrain.checkpointing.model_variables import model_trackables
@@ -201,7 +202,7 @@ class Trainer:
             [v for v in self.optimizer.variables if v.name == "learning_rate"],
             keep=self.keep_checkpoints, per_host=per_host, host=(self.host_id, self.num_hosts),
             barrier=lambda: self._max_over_hosts(0), input_layout=self.inputs.layout(),
-            reposition=self._reposition_input,
+            reposition=self._reposition_input, action_state=checkpointed_states(self.actions),
             **model_trackables(self.model), optimizer=self.optimizer,  # "model" first: its keys
             seeds=seed_generator_states(self.model), nonfinite_steps=self.guard.nonfinite_steps,
             **({"ema": self.ema.state} if self.ema else {}), **checkpointed(

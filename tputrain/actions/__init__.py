@@ -10,7 +10,7 @@ One module an action (like Orbit's `orbit/actions/`); every name is importable
 from `tputrain.actions` as before.
 """
 
-from tputrain.actions.base import Action, check_actions
+from tputrain.actions.base import Action, check_actions, checkpointed_states
 from tputrain.actions.communication import CommunicationAction
 from tputrain.actions.mfu import MFUAction, count_flops_per_step
 from tputrain.actions.nonfinite import NonFinitePolicyAction
@@ -18,4 +18,5 @@ from tputrain.actions.preemption import PreemptionAction
 from tputrain.actions.profiler import ProfilerAction
 
 __all__ = ["Action", "CommunicationAction", "MFUAction", "NonFinitePolicyAction",
-           "PreemptionAction", "ProfilerAction", "check_actions", "count_flops_per_step"]
+           "PreemptionAction", "ProfilerAction", "check_actions", "checkpointed_states",
+           "count_flops_per_step"]

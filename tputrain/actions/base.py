@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from tputrain.context import ActionContext
 
@@ -55,6 +55,14 @@ class Action:
         evaluates it again and calls only those actions' `on_eval_end`."""
         return True
 
+    def checkpoint_state(self) -> Any:
+        """A trackable saved inside every checkpoint and restored with it, or None (the
+        default: nothing). E.g. `KerasCallbacks`' callbacks' state: committed with the
+        checkpoint, so a kill between them cannot mismatch. A checkpoint without it
+        (older, or written by a run without this action) restores the rest and leaves
+        it as it is; one holding another run's actions' state is read as well."""
+        return None
+
     def end_done(self, context: ActionContext, step: int) -> bool:
         """Whether this action's end-of-run output for a run that ended at `step` is on
         disk. A rerun of a finished run calls `on_train_end` only where it is not."""
@@ -68,3 +76,17 @@ def check_actions(actions: Sequence[Action]) -> list[Action]:
         raise TypeError("Trainer.actions must be tputrain.Action instances, got "
                         f"{[type(a).__name__ for a in actions]}")
     return actions
+
+
+def checkpointed_states(actions: Sequence[Action]) -> dict[str, Any]:
+    """Each action's `checkpoint_state()`, by class name (a second of a class: `_1`...)."""
+    states: dict[str, Any] = {}
+    seen: dict[str, int] = {}
+    for action in actions:
+        state = action.checkpoint_state()
+        if state is None:
+            continue
+        name = type(action).__name__
+        count = seen[name] = seen.get(name, -1) + 1
+        states[f"{name}_{count}" if count else name] = state
+    return states

@@ -17,7 +17,10 @@ from tputrain.input_layout import KEY as LAYOUT_KEY
 # Keys every TF2 checkpoint has besides the objects it saves (the input layout:
 # older checkpoints lack it, and it describes the run, it is not restored).
 GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"  # a TF2 checkpoint's object graph
-_BOOKKEEPING_KEYS = (GRAPH_KEY, "save_counter/", f"{LAYOUT_KEY}/")
+# The actions' own state (Action.checkpoint_state): restored where both the run and the
+# checkpoint have it, never a reason to call a checkpoint another model's.
+ACTION_STATE = "action_state"
+_BOOKKEEPING_KEYS = (GRAPH_KEY, "save_counter/", f"{LAYOUT_KEY}/", f"{ACTION_STATE}/")
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 SHOW = 6  # mismatches listed in an error message
 
@@ -39,6 +42,11 @@ def object_graph(reader: Any) -> trackable_object_graph_pb2.TrackableObjectGraph
     graph = trackable_object_graph_pb2.TrackableObjectGraph()
     graph.ParseFromString(reader.get_tensor(GRAPH_KEY))
     return graph
+
+
+def root_names(reader: Any) -> set[str]:
+    """The names of the objects a checkpoint's root holds (model, optimizer, step...)."""
+    return {child.local_name for child in object_graph(reader).nodes[0].children}
 
 
 def _is_variable(obj: Any) -> bool:

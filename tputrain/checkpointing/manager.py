@@ -18,8 +18,9 @@ from tputrain.checkpointing.async_writer import AsyncWriter, sync_at_exit
 from tputrain.checkpointing.config_owned import ConfigOwned
 from tputrain.checkpointing.files import check_room, listed, save_failed
 from tputrain.checkpointing.host_state import HostState
-from tputrain.checkpointing.integrity import (SHOW, CheckpointMismatchError, FiniteCheck,
-                                              NonFiniteStateError, describe_mismatch)
+from tputrain.checkpointing.integrity import (ACTION_STATE, SHOW, CheckpointMismatchError,
+                                              FiniteCheck, NonFiniteStateError,
+                                              describe_mismatch, root_names)
 from tputrain.checkpointing.layout import LayoutRecord
 from tputrain.checkpointing.model_variables import ROOT as MODEL_VARIABLES, has_root
 from tputrain.checkpointing.recovery import newest_readable, tidy_after_restore
@@ -57,6 +58,10 @@ class Checkpointer:
         from `input_layout`: the `per_host` state is then not restored, and this moves
         the fresh one past the examples consumed (`LayoutChange.resume_steps`). None:
         such a checkpoint is refused.
+      action_state: the actions' own state by name (`Action.checkpoint_state`), saved
+        under `action_state/` inside every checkpoint and read back where the checkpoint
+        has it (an older one, or one of a run without those actions, restores the rest);
+        never restored by `restore_weights`.
       **trackables: what every host has the same of (model, optimizer, seeds...).
     """
 
@@ -66,7 +71,8 @@ class Checkpointer:
                  per_host: dict[str, Any] | None = None, host: tuple[int, int] = (0, 1),
                  barrier: Callable[[], Any] | None = None,
                  input_layout: InputLayout | None = None,
-                 reposition: Callable[[LayoutChange], None] | None = None, **trackables: Any):
+                 reposition: Callable[[LayoutChange], None] | None = None,
+                 action_state: dict[str, Any] | None = None, **trackables: Any):
         if every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {every}")
         if keep < 1:
@@ -82,7 +88,9 @@ class Checkpointer:
         self._trackables = dict(trackables)
         self.input_layout = input_layout
         self._layout = LayoutRecord(input_layout, per_host or {}, reposition)
-        self.checkpoint = tf.train.Checkpoint(step=step, **trackables, **self._layout.saveables)
+        self._action_state = _holder(action_state or {})
+        self.checkpoint = tf.train.Checkpoint(step=step, **trackables, **self._layout.saveables,
+                                              **self._action_state)
         self._manager: tf.train.CheckpointManager | None = None
         self._saved_step: int | None = None  # the step last saved or restored here
         self.keep = keep
@@ -178,18 +186,21 @@ class Checkpointer:
                                      self._layout.data_keys(change is not None))
         if problems:
             raise CheckpointMismatchError(self._mismatch_message(path, problems))
-        left_out = self._layout.left_out(change, saved) | older
+        left_out = self._layout.left_out(change, saved) | older | set(self._action_state)
+        saved_actions = ACTION_STATE in root_names(reader)
         try:
-            if not left_out:
+            if not left_out and not saved_actions:
                 self.checkpoint.restore(path).assert_consumed()
             else:
                 root = tf.train.Checkpoint(**{name: obj for name, obj in self._saveables().items()
                                               if name not in left_out})
                 status = root.restore(path)
-                if change is not None or saved is not None:  # some of it deliberately unread
+                if change is not None or saved is not None or saved_actions:  # some unread
                     status.expect_partial().assert_existing_objects_matched()
                 else:
                     status.assert_consumed()
+            if self._action_state and saved_actions:  # what of it this run's actions have
+                tf.train.Checkpoint(**self._action_state).read(path).expect_partial()
         except AssertionError as error:  # structure differs in a way we did not list
             raise CheckpointMismatchError(
                 self._mismatch_message(path, str(error).splitlines()[0])) from error
@@ -232,7 +243,8 @@ class Checkpointer:
 
     def _saveables(self) -> dict[str, Any]:
         """What `self.checkpoint` saves, by name (save_counter aside)."""
-        return {"step": self.step, **self._trackables, **self._layout.saveables}
+        return {"step": self.step, **self._trackables, **self._layout.saveables,
+                **self._action_state}
 
     def _after_restore(self, restored: str | None, failed: list[str]) -> None:
         """The config's hyper-parameters back; as the writer, the directory tidied
@@ -305,3 +317,13 @@ class Checkpointer:
         """Waits for a background write in flight (no-op for synchronous saves)."""
         with self._lock:
             self._writer.join()
+
+
+def _holder(states: dict[str, Any]) -> dict[str, Any]:
+    """{ACTION_STATE: an object holding each action's state by name}, or {} for none."""
+    if not states:
+        return {}
+    holder = tf.Module(name=ACTION_STATE)
+    for name, state in states.items():
+        setattr(holder, name, state)
+    return {ACTION_STATE: holder}

@@ -391,3 +391,21 @@ def test_callbacks_resume_after_a_kill_at_three_instants(tmp_path, replicas):
         assert result.keys() == expected.keys()
         for key in result:
             np.testing.assert_array_equal(result[key], expected[key], err_msg=f"{instant}: {key}")
+
+
+@pytest.mark.slow
+def test_callbacks_state_is_optional_in_a_checkpoint(tmp_path):
+    """A checkpoint holding callbacks' state resumes a run without callbacks, and one
+    without it (a run without callbacks) resumes a run with them: they start over."""
+    with_state, without = tmp_path / "with_state", tmp_path / "without"
+    for steps, callbacks in ((EPOCH_STEPS, [plateau()]), (2 * EPOCH_STEPS, [])):
+        tputrain.fit(compiled_model(), train_dataset(), EVAL, model_dir=str(with_state),
+                     steps=steps, eval_every=EPOCH_STEPS, strategy=strategy_for(1),
+                     callbacks=callbacks, report_mfu=False, jit_compile=False)
+    for steps, callbacks in ((EPOCH_STEPS, []), (2 * EPOCH_STEPS, [plateau()])):
+        tputrain.fit(compiled_model(), train_dataset(), EVAL, model_dir=str(without),
+                     steps=steps, eval_every=EPOCH_STEPS, strategy=strategy_for(1),
+                     callbacks=callbacks, report_mfu=False, jit_compile=False)
+    for run in (with_state, without):
+        assert tf.train.latest_checkpoint(str(run / "checkpoints")).endswith(
+            f"ckpt-{2 * EPOCH_STEPS}")

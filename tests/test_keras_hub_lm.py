@@ -106,7 +106,8 @@ def test_sigkill_midway_resumes_bitwise(tmp_path):
         "Trainer.task = @KerasHubLMTask()", "Trainer.train_steps = 8",
         "Trainer.steps_per_loop = 2", "Trainer.checkpoint_every = 2",
         "Trainer.global_batch_size = 8", "Trainer.ema_decay = 0.5",
-        "Trainer.report_mfu = False", "KerasHubLMTask.lora_rank = 4",
+        "Trainer.report_mfu = False", "Trainer.jit_compile = False",
+        "KerasHubLMTask.lora_rank = 4",
         "KerasHubLMTask.learning_rate = 0.01", "KerasHubLMTask.train_rows = 64",
         "KerasHubLMTask.eval_rows = 16"]))
     _, resumed = killed_and_rerun(tmp_path, config, step=4)

@@ -52,6 +52,27 @@ def test_a_merged_copy_has_no_lora_and_the_same_outputs():
     assert lora_layers(model)  # the model itself keeps its LoRA
 
 
+@pytest.mark.slow
+def test_a_gemma_backbone_merges_and_quantizes_too():
+    """Keras-Hub's Gemma (grouped-query attention, no biases): LoRA leaves exactly the
+    factors trainable; its merged copy computes the same logits."""
+    from tputrain.keras_saving import lora_variables
+    from tputrain.tasks.keras_hub_lm import KerasHubLMTask
+
+    config = {"vocabulary_size": 100, "num_layers": 2, "num_query_heads": 2,
+              "num_key_value_heads": 1, "hidden_dim": 16, "intermediate_dim": 32,
+              "head_dim": 8, "dropout": 0.0}
+    model = KerasHubLMTask(backbone="GemmaBackbone", backbone_config=config,
+                           lora_rank=2).build_model()
+    assert {v.path for v in model.trainable_variables} == {v.path for v in lora_variables(model)}
+    for factor in lora_variables(model):
+        factor.assign(np.random.default_rng(0).normal(size=factor.shape) * 0.3)
+    expected = np.asarray(model(token_batch()))
+    np.testing.assert_allclose(np.asarray(merged_copy(model)(token_batch())), expected,
+                               atol=1e-5)
+    assert np.abs(np.asarray(quantized_copy(model)(token_batch())) - expected).max() < 0.1
+
+
 def test_merged_exports_serve_the_trained_outputs(lora_served):
     trainer, expected = lora_served
     result = export_for_serving(trainer, lora="merge", keras_file=True)

@@ -15,12 +15,13 @@ replica), so it shows the three rules of a custom step (docs/tasks.md):
     python examples/custom_train_step.py --model_dir=/tmp/tputrain-runs/denoise --train_steps=300
 """
 
+import tputrain  # first: TensorFlow's start-up lines are then filtered
+
 import keras
 import numpy as np
 import tensorflow as tf
 from absl import app, flags
 
-import tputrain
 from tputrain.precision import to_float32
 
 flags.DEFINE_string("model_dir", "/tmp/tputrain-runs/denoise", "Checkpoints and logs.")

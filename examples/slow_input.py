@@ -19,9 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 import gin
-import tensorflow as tf
 
-from tputrain.data import InputContext
+from tputrain.data import InputContext  # tputrain before TensorFlow: its start-up lines are filtered
+import tensorflow as tf  # noqa: E402
 from tputrain.tasks.digits import DigitsTask
 
 

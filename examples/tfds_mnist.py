@@ -12,11 +12,11 @@ which may be a gs:// path on a TPU VM). The test suite runs it offline under
 `tfds.testing.mock_data`, which serves random images of the right shapes.
 """
 
+import tputrain  # first: TensorFlow's start-up lines are then filtered
+
 import keras
 import tensorflow as tf
 from absl import app, flags
-
-import tputrain
 
 flags.DEFINE_string("model_dir", "/tmp/tputrain-runs/mnist", "Checkpoints and logs.")
 flags.DEFINE_string("tfds_data_dir", None, "TFDS data directory (default ~/tensorflow_datasets).")

@@ -16,12 +16,12 @@ strategy resolves to TPUStrategy and the precision to mixed_bfloat16.
 
 import os
 
+import tputrain  # first: TensorFlow's start-up lines are then filtered
+
 import keras
 import numpy as np
 import tensorflow as tf
 from absl import app, flags
-
-import tputrain
 
 NUM_FEATURES = 512
 NUM_CLASSES = 10

@@ -184,3 +184,21 @@ def test_what_counts_as_the_programs_own_logging_configuration(monkeypatch, tmp_
     assert user_configured_logging()
     monkeypatch.setattr(root, "handlers", [logging.FileHandler(tmp_path / "log.txt", delay=True)])
     assert user_configured_logging()
+
+
+@pytest.mark.parametrize("first", ["keras", "tputrain"])
+def test_tensorflow_imported_first_is_told_once_how_to_silence_its_start_up(first):
+    """Its start-up lines printed before tputrain was imported: the first tputrain line
+    says once to import tputrain first (issue 52); with tputrain first, nothing to say."""
+    imports = "import keras, tputrain" if first == "keras" else "import tputrain, keras"
+    script = (f"{imports}\ntputrain.show_progress()\ntputrain.show_progress()\n"
+              "tputrain.resolve_strategy()\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=child_env(), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours = [line for line in result.stderr.splitlines() if line.startswith("tputrain:")]
+    told = [line for line in ours if "import tputrain before" in line]
+    if first == "keras":
+        assert told == ours[:1], ours
+    else:
+        assert told == [], ours

@@ -370,3 +370,85 @@ def test_readme_names_only_configurables_of_the_reference():
     names = re.findall(r"`([A-Za-z_]\w*)`", line)
     assert names and all(f"## `{name}`" in reference for name in names), names
     assert "set_precision_policy" not in names  # deprecated: Trainer.precision
+
+
+# Import order (issue 52): a snippet or example that imports TensorFlow or Keras
+# before tputrain prints TensorFlow's start-up lines (an E-level cuInit line among
+# them); tputrain first filters them.
+
+LOADS_TENSORFLOW = {"tensorflow", "keras", "tensorflow_datasets", "keras_hub", "tf_keras",
+                    "tensorflow_text"}
+_PYTHON_FENCE = re.compile(r"^(\s*)(`{3,})python\s*$")
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """(line, code) of every fenced Python block, runnable or not."""
+    lines, blocks, i = text.splitlines(), [], 0
+    while i < len(lines):
+        match = _PYTHON_FENCE.match(lines[i])
+        if match:
+            indent, ticks, body, j = len(match.group(1)), match.group(2), [], i + 1
+            while j < len(lines) and lines[j].strip() != ticks:
+                body.append(lines[j][indent:])
+                j += 1
+            blocks.append((i + 2, "\n".join(body)))
+            i = j
+        i += 1
+    return blocks
+
+
+def imported_in_order(code: str) -> list[str]:
+    """Top-level package names `code` imports, in source order ([] if not Python)."""
+    import ast
+
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:  # an excerpt with `...` in place of code
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append((node.lineno, node.module.split(".")[0]))
+    return [name for _, name in sorted(found)]
+
+
+def tensorflow_before_tputrain(names: list[str], tputrain_imported: bool) -> str | None:
+    """The first TensorFlow-loading import that comes before tputrain's, if any."""
+    for name in names:
+        if name == "tputrain":
+            return None
+        if name in LOADS_TENSORFLOW and not tputrain_imported:
+            return name
+    return None
+
+
+def test_import_order_check_follows_the_rule():
+    assert tensorflow_before_tputrain(["os", "keras", "tputrain"], False) == "keras"
+    assert tensorflow_before_tputrain(["tputrain", "keras"], False) is None
+    assert tensorflow_before_tputrain(["keras"], True) is None  # an earlier block imported it
+    assert imported_in_order("import keras, tputrain\nfrom tensorflow import io") == [
+        "keras", "tputrain", "tensorflow"]
+
+
+def test_every_snippet_and_example_imports_tputrain_before_tensorflow():
+    """Python blocks of a page run in order (like a notebook): a block after one that
+    imported tputrain may import TensorFlow. An example that never imports tputrain
+    (the plain Keras script a migration starts from) is not a tputrain program."""
+    wrong = []
+    for path in GUIDES:
+        imported = False
+        for line, code in python_blocks(path.read_text()):
+            names = imported_in_order(code)
+            first = tensorflow_before_tputrain(names, imported)
+            if first:
+                wrong.append(f"{path.relative_to(ROOT)}:{line}: imports {first} before tputrain")
+            imported = imported or "tputrain" in names
+    for path in sorted((ROOT / "examples").glob("*.py")):
+        names = imported_in_order(path.read_text())
+        first = tensorflow_before_tputrain(names, False) if "tputrain" in names else None
+        if first:
+            wrong.append(f"{path.relative_to(ROOT)}: imports {first} before tputrain")
+    assert not wrong, "import tputrain first (its import filters TensorFlow's start-up " \
+                      "lines):\n" + "\n".join(wrong)

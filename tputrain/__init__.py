@@ -24,9 +24,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 from tputrain import compile_cache  # noqa: E402  (imports no TensorFlow)
 from tputrain.console import filter_tensorflow_startup  # noqa: E402  (imports no TensorFlow)
+from tputrain import process_exit  # noqa: E402  (imports no TensorFlow)
 
 compile_cache.enable()  # before TensorFlow finds its devices, when it reads TF_XLA_FLAGS
 filter_tensorflow_startup()  # before anything imports TensorFlow (docs/architecture.md)
+process_exit.install()  # the process ends promptly after its last line
 
 __version__ = "0.1.0"
 

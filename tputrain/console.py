@@ -38,6 +38,12 @@ _CUINIT = "failed call to cuInit"
 
 _handler: pylogging.Handler | None = None
 _quiet = False
+# TensorFlow was imported before tputrain: its start-up lines were out of reach. The first
+# tputrain line says so, once, with the fix.
+_tensorflow_first = False
+_TENSORFLOW_FIRST = ("tputrain: TensorFlow was imported before tputrain, so its start-up lines "
+                     "above were not filtered: import tputrain before TensorFlow and Keras to "
+                     "silence them")
 
 
 def _message(record: pylogging.LogRecord) -> str:
@@ -110,6 +116,15 @@ def show_progress(enabled: bool = True) -> None:
     absl_logger.propagate = False
     if absl_logger.getEffectiveLevel() > pylogging.INFO:
         absl_logger.setLevel(pylogging.INFO)
+    _tell_tensorflow_first()
+
+
+def _tell_tensorflow_first() -> None:
+    """Once, when TensorFlow was imported first (`filter_tensorflow_startup`)."""
+    global _tensorflow_first
+    if _tensorflow_first:
+        _tensorflow_first = False
+        absl_logging.info("%s", _TENSORFLOW_FIRST)
 
 
 def default_progress() -> None:
@@ -231,8 +246,10 @@ def filter_tensorflow_startup() -> None:
     its devices with the start-up noise filtered. Called when tputrain is imported;
     when TensorFlow already was, the lines its import printed are out of reach: only
     its device search (cuInit) and Python log lines are filtered."""
+    global _tensorflow_first
     tf = sys.modules.get("tensorflow")
     if tf is not None and hasattr(tf, "get_logger"):
+        _tensorflow_first = True
         with native_noise_filtered():  # the device search prints, if it has not run yet
             tf.config.list_physical_devices()
         _quiet_tensorflow_logs(tf.get_logger())

@@ -21,6 +21,8 @@ from types import ModuleType
 
 from absl import flags  # light: no TensorFlow
 
+from tputrain.process_exit import end_process
+
 DEFAULT_COMMAND = "run"  # `tputrain --gin_file=...` trains
 
 # One line each for `tputrain --help` (and the CLI reference's table).
@@ -135,4 +137,8 @@ def console_main() -> None:
         sys.exit(0)
     sys.argv[0] = usage_name  # absl's usage line (and --help's flag list) names the command
     _info_lines_without_prefix()
-    command_module(command).console_main()
+    try:
+        command_module(command).console_main()
+    except SystemExit as stop:  # absl's app.run ends every command this way
+        end_process(stop.code)
+    end_process(0)

@@ -1,0 +1,81 @@
+"""A process that used tputrain ends promptly after its last line (issue 52): what it
+guarantees, not how long it takes (benchmarks/exit_time.py measures that)."""
+
+import subprocess
+import sys
+import textwrap
+
+from faults import child_env
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args],
+                          capture_output=True, text=True, env=child_env(), timeout=300)
+
+
+def test_live_tf_data_iterators_are_not_freed_at_interpreter_exit():
+    # Registered before tputrain's import, so it runs after tputrain's hook (atexit
+    # runs last-registered first) and sees what the hook kept.
+    result = run("""
+        import atexit, sys
+        atexit.register(lambda: print("kept", [type(i).__name__ for i in
+                                               sys.modules["tputrain.process_exit"]._kept]))
+        import tputrain
+        import tensorflow as tf
+        dataset = tf.data.Dataset.range(10**6).map(lambda x: x * 2,
+                                                   num_parallel_calls=tf.data.AUTOTUNE)
+        iterator = iter(dataset.prefetch(tf.data.AUTOTUNE))
+        freed = iter(dataset)
+        del freed
+        print("first", int(next(iterator)))
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["first 0", "kept ['OwnedIterator']"]
+
+
+def test_end_process_runs_exit_hooks_and_threads_then_skips_the_teardown(tmp_path):
+    # A __del__ that only the interpreter's teardown would run: end_process skips it.
+    result = run("""
+        import atexit, sys, threading
+        from tputrain.process_exit import end_process
+
+        class Finalized:
+            def __del__(self):
+                print("torn down", flush=True)
+
+        kept = Finalized()
+        atexit.register(lambda: print("atexit hook ran"))
+        thread = threading.Thread(target=lambda: open(sys.argv[1], "w").write("done"))
+        thread.start()
+        print("last line")
+        end_process(int(sys.argv[2]))
+    """, str(tmp_path / "written"), "3")
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["last line", "atexit hook ran"]
+    assert (tmp_path / "written").read_text() == "done"
+
+
+def test_end_process_exits_as_sys_exit_does_with_a_message():
+    result = run("""
+        from tputrain.process_exit import end_process
+        end_process("tputrain: error: a message")
+    """)
+    assert (result.returncode, result.stderr) == (1, "tputrain: error: a message\n")
+
+
+def test_a_tputrain_command_ends_through_end_process(tmp_path):
+    """The CLI's exit code is kept (2: a bad flag) and its teardown is skipped: a
+    module imported with --gin_import holds an object whose __del__ prints."""
+    (tmp_path / "finalized_module.py").write_text(textwrap.dedent("""
+        class Finalized:
+            def __del__(self):
+                print("torn down", flush=True)
+        kept = Finalized()
+    """))
+    env = dict(child_env(), PYTHONPATH=f"{tmp_path}:{child_env()['PYTHONPATH']}")
+    result = subprocess.run([sys.executable, "-m", "tputrain.run", "--gin_import=finalized_module",
+                             "--gin_param=Trainer.train_stepz=1"],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "train_steps" in result.stderr  # the one-line error naming the fix
+    assert "torn down" not in result.stdout

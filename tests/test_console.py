@@ -154,6 +154,7 @@ def test_the_cli_on_two_replicas_prints_plain_lines_once_and_no_noise(tmp_path):
     steps = [line.split(" | ")[0] for line in lines if line.startswith("tputrain: step ")]
     assert steps == ["tputrain: step 2/4", "tputrain: step 4/4"], result.stderr
     assert [line for line in lines if NOISE.search(line) or STARTUP_NOISE.search(line)] == []
+    assert tensorflow_lines(result.stderr) == []
     repeated = [line for line in set(lines) if lines.count(line) > 1]
     assert repeated == [], repeated
 
@@ -202,3 +203,68 @@ def test_tensorflow_imported_first_is_told_once_how_to_silence_its_start_up(firs
         assert told == ours[:1], ours
     else:
         assert told == [], ours
+
+
+# TensorFlow's own lines (C++: "W0000 00:00:... file.cc:39] ...") and E-level lines that
+# a run printed with tputrain imported first (issue 52).
+TENSORFLOW_LINE = re.compile(r"^[IWEF]\d{4} |^E\d|^ERROR|\.(cc|py):\d+\] ")
+
+XLA_SCRIPT = textwrap.dedent("""
+    import sys
+    import tputrain
+    from tiny import TinyTask
+    trainer = tputrain.Trainer(TinyTask(), sys.argv[1], train_steps=4, steps_per_loop=2,
+                               global_batch_size=16, eval_steps=1, report_mfu=False,
+                               jit_compile=True, eval_every=2)
+    trainer.train()
+""")
+
+
+def tensorflow_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if TENSORFLOW_LINE.search(line)]
+
+
+def test_tensorflow_line_pattern_finds_cpp_and_error_lines():
+    assert tensorflow_lines(
+        "W0000 00:00:1.5 185 assert_op.cc:39] Ignoring Assert operator x\n"
+        "I1129 07:00:00.1 1 cross_device_ops.py:634] Gather to /cpu:0 then broadcast\n"
+        "E0000 00:00:3.0 1 x.cc:1] an error\n"
+        "tputrain: step 2/4 | loss 0.5\n") == [
+        "W0000 00:00:1.5 185 assert_op.cc:39] Ignoring Assert operator x",
+        "I1129 07:00:00.1 1 cross_device_ops.py:634] Gather to /cpu:0 then broadcast",
+        "E0000 00:00:3.0 1 x.cc:1] an error"]
+
+
+def test_an_xla_run_prints_no_tensorflow_line(tmp_path):
+    """`Ignoring Assert operator` twice on every XLA compile came from the loss's
+    average (`tf.nn.compute_average_loss`'s checks, which XLA drops)."""
+    script = tmp_path / "train.py"
+    script.write_text(XLA_SCRIPT)
+    env = dict(child_env(), TPUTRAIN_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("TF_CPP_MIN_LOG_LEVEL")  # what a user sees
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "run")],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tputrain: step 4/4" in result.stderr
+    assert tensorflow_lines(result.stderr) == []
+
+
+@pytest.mark.parametrize("message", [
+    "Collective all_reduce tensors: 1 all_reduces, num_devices = 1, group_size = 2, "
+    "implementation = CommunicationImplementation.RING, num_packs = 1",
+    "Check health not enabled.",
+    "Gather to /job:localhost/replica:0/task:0/device:CPU:0 then broadcast to ('/cpu:0',).",
+    "Enabled multi-worker collective ops with available devices: ['/cpu:0']",
+    "MultiWorkerMirroredStrategy with cluster_spec = {}, task_type = 'worker', task_id = 0"])
+def test_tensorflow_distribution_chatter_is_dropped_and_its_warnings_kept(message):
+    """The INFO lines a `tputrain launch` worker or a 2-replica gather printed (issue 52)."""
+    import logging
+
+    from tputrain.console import _DropTensorFlowChatter
+
+    def record(level):
+        return logging.LogRecord("tensorflow", level, "cross_device_ops.py", 634, message,
+                                 None, None)
+
+    assert not _DropTensorFlowChatter().filter(record(logging.INFO))
+    assert _DropTensorFlowChatter().filter(record(logging.WARNING))

@@ -134,20 +134,38 @@ def _scalars(directory, tag):
 # The stall fraction in every training loop.
 
 
+class BlockingInputTask(SleepyTask):
+    """SleepyTask with nothing buffered ahead (no prefetch, injected or tuned): each
+    batch's sleep runs inside the loop's `get_next`, so every loop waits on its input
+    at least `steps x sleep` seconds, however busy the host is."""
+
+    def build_inputs(self, split, input_context):
+        dataset = super().build_inputs(split, input_context)
+        options = tf.data.Options()
+        options.experimental_optimization.inject_prefetch = False
+        options.autotune.enabled = False
+        return dataset.with_options(options)
+
+
 def test_stall_fraction_is_logged_and_summarised_each_loop(tmp_path, caplog):
-    trainer = _trainer(tmp_path, SleepyTask(sleep=0.02), name="slow", train_steps=12,
-                       checkpoint_every=12)
+    sleep, steps_per_loop = 0.02, 4
+    trainer = _trainer(tmp_path, BlockingInputTask(sleep=sleep), name="slow", train_steps=12,
+                       checkpoint_every=12, steps_per_loop=steps_per_loop)
     with caplog.at_level(logging.INFO):
         trainer.train()
     lines = [r.getMessage() for r in caplog.records if "input stall" in r.getMessage()]
     assert len(lines) == 3  # one per loop of 4 steps
     stalls = _scalars(str(tmp_path / "slow"), "input/stall_fraction")
-    assert [step for step, _ in stalls] == [4, 8, 12]
+    rates = _scalars(str(tmp_path / "slow"), "steps_per_second")
+    assert [step for step, _ in stalls] == [step for step, _ in rates] == [4, 8, 12]
     assert all(f"input stall {100 * value:.1f}%" in line for (_, value), line in zip(stalls, lines))
-    # 20 ms of sleep per batch against a sub-millisecond step: mostly waiting (the first
-    # loop's wall time also holds the tracing of the loop, so it is not counted here).
-    assert all(0.5 < value <= 1.0 for _, value in stalls[1:])
-
+    # The share is of the loop's own time (steps / steps_per_second), and the time it
+    # stands for covers every batch's sleep, spent inside get_next by construction:
+    # not a share that depends on how fast the step ran.
+    for (_, fraction), (_, steps_per_second) in zip(stalls, rates):
+        loop_seconds = steps_per_loop / steps_per_second
+        assert fraction * loop_seconds >= steps_per_loop * sleep * 0.999  # float32 events
+        assert fraction < 1.0  # a share of the loop, which also ran its steps
 
 
 # Trainer.steps_per_fetch: several steps' batches per get_next.

@@ -13,24 +13,25 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=child_env(), timeout=300)
 
 
-def test_live_tf_data_iterators_are_not_freed_at_interpreter_exit():
+def test_a_trainers_iterators_are_not_freed_at_interpreter_exit(tmp_path):
     # Registered before tputrain's import, so it runs after tputrain's hook (atexit
-    # runs last-registered first) and sees what the hook kept.
+    # runs last-registered first) and sees what the hook kept: the Trainer's iterator,
+    # not one of the script's own.
     result = run("""
         import atexit, sys
-        atexit.register(lambda: print("kept", [type(i).__name__ for i in
-                                               sys.modules["tputrain.process_exit"]._kept]))
+        atexit.register(lambda: print("kept", sorted(type(i).__name__ for i in
+                                                     sys.modules["tputrain.process_exit"]._kept)))
         import tputrain
         import tensorflow as tf
-        dataset = tf.data.Dataset.range(10**6).map(lambda x: x * 2,
-                                                   num_parallel_calls=tf.data.AUTOTUNE)
-        iterator = iter(dataset.prefetch(tf.data.AUTOTUNE))
-        freed = iter(dataset)
-        del freed
-        print("first", int(next(iterator)))
-    """)
+        from tiny import TinyTask
+        trainer = tputrain.Trainer(TinyTask(), sys.argv[1], train_steps=2, steps_per_loop=2,
+                                   global_batch_size=16, eval_steps=1, report_mfu=False)
+        trainer.train()
+        own = iter(tf.data.Dataset.range(3))
+        print("last line", int(next(own)))
+    """, str(tmp_path / "run"))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.splitlines() == ["first 0", "kept ['OwnedIterator']"]
+    assert result.stdout.splitlines() == ["last line 0", "kept ['OwnedIterator', 'OwnedIterator']"]
 
 
 def test_end_process_runs_exit_hooks_and_threads_then_skips_the_teardown(tmp_path):

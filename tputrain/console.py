@@ -190,8 +190,14 @@ def native_noise_filtered() -> Iterator[None]:
 
 
 # TensorFlow's Python INFO lines that say nothing to a tputrain user: one per checkpoint
-# save (absl), one per exported SavedModel, one per cross-device reduction on 2+ replicas.
-_LOG_NOISE = ("Sharding callback duration", "Writing fingerprint to", "Reduce to ")
+# save (absl), one per exported SavedModel, one per cross-device reduction or gather on
+# 2+ replicas, one per all-reduce built and the set-up of each worker of a multi-worker
+# job (tputrain's own line names the strategy, its devices and workers).
+_LOG_NOISE = ("Sharding callback duration", "Writing fingerprint to", "Reduce to ", "Gather to ",
+              "Collective all_reduce", "Collective batch_all_gather", "batch_all_reduce: ",
+              "Check health not enabled", "Enabled multi-worker collective ops",
+              "MultiWorkerMirroredStrategy with cluster_spec",
+              "Single-worker MultiWorkerMirroredStrategy")
 
 
 class _DropTensorFlowChatter(pylogging.Filter):

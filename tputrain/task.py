@@ -15,6 +15,7 @@ Where each method runs:
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Sequence
 
 import keras
@@ -54,12 +55,16 @@ def per_example_weights(weight: tf.Tensor, per_example: tf.Tensor) -> tf.Tensor:
 @tracing.graph_helper
 def average_loss(per_example: tf.Tensor, sample_weight: tf.Tensor | None,
                  global_batch_size: int | tf.Tensor) -> tf.Tensor:
-    """sum(weight * loss) / global_batch_size: `tf.nn.compute_average_loss`'s sum; a
-    counted denominator (`Task.loss_denominator`, a tensor) divides the same sum
-    without its checks, which XLA would drop with a warning each compile."""
-    if not isinstance(global_batch_size, tf.Tensor):
-        return tf.nn.compute_average_loss(per_example, sample_weight=sample_weight,
-                                          global_batch_size=global_batch_size)
+    """sum(weight * loss) / global_batch_size: `tf.nn.compute_average_loss`'s sum and
+    division, with its checks made here while tracing: its graph checks are Assert ops,
+    which XLA drops with a TensorFlow warning line on every compile. A counted
+    denominator (`Task.loss_denominator`, a tensor) divides the same sum."""
+    if per_example.shape.rank == 0:  # compute_average_loss's own check, and message
+        raise ValueError("Invalid value passed for `per_example_loss`. Expected a tensor with "
+                         f"at least rank 1. Received per_example_loss={per_example} with rank 0")
+    if not isinstance(global_batch_size, tf.Tensor) and (
+            not isinstance(global_batch_size, numbers.Integral) or global_batch_size < 0):
+        raise ValueError(f"global_batch_size must be a non-negative int, got {global_batch_size!r}")
     if sample_weight is not None:
         per_example = per_example * tf.cast(sample_weight, per_example.dtype)
     return tf.math.divide_no_nan(tf.reduce_sum(per_example),
@@ -287,8 +292,7 @@ class Task:
         (weight,) = weights
         per_example = tf.cast(self.compute_loss(labels, outputs), tf.float32)
         weight = per_example_weights(weight, per_example)
-        data_loss = tf.nn.compute_average_loss(per_example, sample_weight=weight,
-                                               global_batch_size=global_batch_size)
+        data_loss = average_loss(per_example, weight, global_batch_size)
         logs = {"loss": data_loss,
                 EVAL_WEIGHT: tf.reduce_sum(weight) / global_batch_size}
         if model.losses:

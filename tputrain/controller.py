@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 import tensorflow as tf
 from absl import logging
 
-from tputrain import compile_cache
+from tputrain import compile_cache, process_exit
 from tputrain.actions import Action, ProfilerAction
 from tputrain.context import ActionContext, ActionList, learning_rate
 from tputrain.data import explain_parse_error
@@ -47,6 +47,7 @@ class Controller:
         self.trainer = trainer
         self.actions = list(actions)
         self.until = trainer.train_steps
+        process_exit.track(trainer)  # its iterators are not freed at exit (a wait on tf.data)
 
     @property
     def hooks(self) -> ActionList:

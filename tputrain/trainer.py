@@ -28,7 +28,7 @@ from tputrain.aggregation import with_aggregates
 from tputrain.checkpointing.manager import Checkpointer
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.seeds import seed_generator_states
-from tputrain import compile_cache, process_exit
+from tputrain import compile_cache
 from tputrain.checks import check_int
 from tputrain.distribution.communication import CommunicationOptions
 from tputrain.config_summary import ConfigSummaryAction
@@ -165,7 +165,6 @@ class Trainer:
         self._evaluator = EvalSets(task, self.model, self.eval_metrics, self.inputs,
                                    self.eval_steps, self._max_over_hosts, self.eval_splits)
         self._launch(self.plan.jit_compile, self.plan.steps_per_program)
-        process_exit.track(self)  # its iterators are not freed at exit (a wait on tf.data)
         logging.info("tputrain: %s, %s, XLA %s", type(self.strategy).__name__,
                      self.plan.summary(), self.plan.xla)
 

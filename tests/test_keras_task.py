@@ -228,8 +228,10 @@ def test_a_two_output_model_trains_as_under_keras_fit(tmp_path, replicas):
         np.testing.assert_allclose(actual, wanted, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_list_of_outputs_trains_as_under_keras_fit(tmp_path):
-    """Outputs, losses, loss weights, metrics, labels and sample weights as lists."""
+    """Outputs, losses, loss weights, metrics, labels and sample weights as lists (the
+    pairing by position is checked fast in tests/test_keras_outputs.py)."""
     train = tf.data.Dataset.from_tensor_slices(
         as_list(two_output_data(BATCH * EPOCH_STEPS, 1, True), tuple)).batch(BATCH)
     model, epochs = list_output_model(), EpochLogs()

@@ -90,9 +90,14 @@ class Task:
     to size the checkpointed iterator state). `KerasTask` sets False: every iterator
     of a user's dataset that reshuffles each iteration draws the next shuffle, so a
     probe would make training read other batches than `model.fit` does.
+
+    `check_labels`: whether the labels of each split's first batch are checked at
+    start-up (`tputrain.loop.labels`: finite, and class ids within the model's
+    classes); False for a loss that masks such labels itself (an ignored class -1).
     """
 
     probe_train_inputs = True
+    check_labels = True
 
     # The split names `build_inputs` knows ("train", "eval", named eval sets), when the
     # Task can list them: `Trainer.eval_splits` is checked against them at start-up and

@@ -46,6 +46,7 @@ from tputrain.loop.inputs import Inputs
 from tputrain.loop.replica_stats import ReplicaStatistics
 from tputrain.loop.source_counts import checkpointed, source_logs
 from tputrain.loop.step import StepBuilder
+from tputrain.loop.labels import check_first_labels
 from tputrain.model_state import build_model_state
 from tputrain.options import (CheckpointOptions, PrecisionOptions, ProfilingOptions, RematOptions,
                               TrainerOptions)
@@ -150,11 +151,12 @@ class Trainer:
         keras.utils.set_random_seed(self.seed)
         compile_cache.report()  # set when tputrain was imported
         self.inputs = _build_inputs(task, self.strategy, self.plan)
-        self.startup.mark("data", check_splits(self.inputs, self.eval_splits, self.eval_steps))
+        first = self.startup.mark("data", check_splits(self.inputs, self.eval_splits, self.eval_steps))
         self.model, self.optimizer, self.train_metrics, self.eval_metrics, self.step, \
             self.guard = self.startup.mark("model", build_model_state(
                 task, self.strategy, self.inputs.micro_batch_spec()[0],
                 self.options.precision.keep_float32_layers, guard, self.options.remat))
+        check_first_labels(first, self.model, task, self.inputs)  # tputrain/loop/labels.py
         self.ema = build_average(self.strategy, self.model, self.options.ema_decay)  # ema.py
         self._build_checkpointer()
         self._steps = StepBuilder(task, self.model, self.optimizer, self.train_metrics,
@@ -165,8 +167,7 @@ class Trainer:
         self._evaluator = EvalSets(task, self.model, self.eval_metrics, self.inputs,
                                    self.eval_steps, self._max_over_hosts, self.eval_splits)
         self._launch(self.plan.jit_compile, self.plan.steps_per_program)
-        logging.info("tputrain: %s, %s, XLA %s", type(self.strategy).__name__,
-                     self.plan.summary(), self.plan.xla)
+        logging.info("tputrain: %s, %s, XLA %s", type(self.strategy).__name__, self.plan.summary(), self.plan.xla)
 
     def _launch(self, jit_compile: bool | str, steps_per_program: int | str) -> None:
         """The plan with what building the step decided (the context sees it too)."""

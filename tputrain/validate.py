@@ -50,8 +50,9 @@ def input_data_error(error: tf.errors.OpError, split: str, where: str) -> Except
     return InputDataError(corrupt_data_message(error, split, where))
 
 
-def probe_inputs(dataset: tf.data.Dataset, split: str) -> None:
-    """Reads one element through a throwaway iterator; raises the input error.
+def probe_inputs(dataset: tf.data.Dataset, split: str) -> Any:
+    """Reads one element through a throwaway iterator and returns it (the first
+    batch, whose labels `tputrain.loop.labels` checks); raises the input error.
 
     Costs one batch of reading at start-up: the price of failing before any
     training (or compilation) time is spent.
@@ -60,7 +61,8 @@ def probe_inputs(dataset: tf.data.Dataset, split: str) -> None:
     file, feature and what the record holds) instead of TF's parse error.
     """
     try:
-        if not any(True for _ in dataset.take(1)):  # training would end in StopIteration
+        first = next(iter(dataset.take(1)), None)
+        if first is None:  # training would end in StopIteration
             raise InputDataError(
                 f"the {split} data yields no batch: its files are empty (0-byte shards?) or "
                 "hold fewer examples than one batch: check the file pattern or manifest, or "
@@ -69,6 +71,7 @@ def probe_inputs(dataset: tf.data.Dataset, split: str) -> None:
         raise input_data_error(error, split, "in its first batch") from None
     except tf.errors.InvalidArgumentError as error:
         raise _feature_spec_error(error, split) from None
+    return first
 
 
 def check_eval_split(dataset: tf.data.Dataset, eval_steps: int | None,
@@ -82,16 +85,18 @@ def check_eval_split(dataset: tf.data.Dataset, eval_steps: int | None,
             "split")
 
 
-def check_splits(inputs: Any, eval_splits: Sequence[str], eval_steps: int | None) -> None:
+def check_splits(inputs: Any, eval_splits: Sequence[str], eval_steps: int | None
+                 ) -> dict[str, Any]:
     """Reads a batch of the train split and of each eval set (`probe_inputs`: corrupt
     records and missing files fail here, before anything is built), and refuses an
     endless eval set that would be counted to its end (`check_eval_split`). The
     train split is left unread for a Task that says so (`Task.probe_train_inputs`)."""
     probe_train = getattr(inputs.task, "probe_train_inputs", True)
-    for split in ("train", *eval_splits) if probe_train else eval_splits:
-        probe_inputs(inputs.dataset(split), split)
+    first = {split: probe_inputs(inputs.dataset(split), split)
+             for split in (("train", *eval_splits) if probe_train else eval_splits)}
     for split in eval_splits:
         check_eval_split(inputs.dataset(split), eval_steps, split)
+    return first
 
 
 def _unknown_split(task: Any, eval_splits: Sequence[str], name: str,

@@ -147,6 +147,21 @@ def dropped_remainder(dataset: tf.data.Dataset) -> tuple[int, int] | None:
     return None
 
 
+# Datasets the builders returned -> their label_key: the feature a label error names.
+_LABEL_KEYS: "weakref.WeakKeyDictionary[tf.data.Dataset, str]" = weakref.WeakKeyDictionary()
+
+
+def label_key_of(dataset: tf.data.Dataset) -> str | None:
+    """The `label_key` of the builder (TFRecordInput, MixtureInput, TFDSInput) under
+    `dataset`, walking tf.data's private `_input_dataset` chain; None if not found."""
+    node = dataset
+    while node is not None:
+        if node in _LABEL_KEYS:
+            return _LABEL_KEYS[node]
+        node = getattr(node, "_input_dataset", None)
+    return None
+
+
 def _lost_batch_fix(shape: tf.TensorShape, per_replica_batch: int,
                     drops: bool | None) -> str:
     """The remedy for an unknown batch dimension, given how the dataset batches."""
@@ -370,4 +385,6 @@ class BatchedInput:
                 tf.data.experimental.AutoShardPolicy.OFF)
         dataset = dataset.with_options(options)
         check_static(type(self).__name__, dataset.element_spec, self.static_fix)
+        if self.label_key is not None:
+            _LABEL_KEYS[dataset] = self.label_key
         return dataset

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -226,3 +227,33 @@ def explain_parse_error(error: Exception) -> Exception:
         if found is not None:
             return FeatureSpecError(_message(*found, features))
     return FeatureSpecError(f"{summary} (tf.io.parse_example): {_FIX_NO_MANIFEST}")
+
+
+_VALUE_BUDGET = 1_000_000  # records read (parsed a chunk at a time) to locate a bad value
+
+
+def locate_value(feature: str, is_bad: Callable[[np.ndarray], np.ndarray]
+                 ) -> tuple[str, int] | None:
+    """(file, record index) of the first record, in file order, whose `feature` holds
+    a value `is_bad` (vectorised, per value) flags, in the files of this process's
+    newest `TFRecordInput` pipeline that parses `feature`; None if none is found
+    within the read budget. Error path only: it reads the files again."""
+    for files, (features, compression) in reversed(list(_PIPELINES.items())):
+        spec = features.get(feature)
+        if spec is None or is_var_len(spec):
+            continue
+        budget = _VALUE_BUDGET
+        for path in files:
+            records = tf.data.TFRecordDataset(path, compression_type=compression)
+            start = 0
+            for chunk in records.take(budget).batch(4096):
+                values = tf.io.parse_example(chunk, {feature: spec})[feature].numpy()
+                bad = np.flatnonzero(is_bad(values).reshape(len(values), -1).any(axis=1))
+                if bad.size:
+                    return path, start + int(bad[0])
+                start += len(values)
+            budget -= start
+            if budget <= 0:
+                return None
+        return None
+    return None

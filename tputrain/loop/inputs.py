@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tputrain import tracing
 from tputrain.data import InputContext
-from tputrain.data.batching import check_static
+from tputrain.data.batching import check_static, label_key_of
 from tputrain.data.external_state import checkpointable
 from tputrain.data.mixture import mixture_sources
 from tputrain.input_layout import InputLayout, LayoutChange
@@ -113,6 +113,8 @@ class Inputs:
         self.class_weight = plan.options.class_weight
         # A mixture's train split: the step strips and counts its sources' examples.
         self.source_counter: SourceCounter | None = None
+        # Each split's builder `label_key` (None if unknown): what a label error names.
+        self.label_keys: dict[str, str | None] = {}
         # Inputs first: bad data fails before anything is built or written.
         self._train_dataset = self.build_dataset("train")
         # The eval sets (`TrainerOptions.eval_splits`), in order: name -> dataset.
@@ -214,6 +216,7 @@ class Inputs:
         if not isinstance(dataset, tf.data.Dataset):
             raise TypeError(f"Task.build_inputs({split!r}) must return a tf.data.Dataset, "
                             f"got {type(dataset).__name__}")
+        self.label_keys[split] = label_key_of(dataset)
         dataset = self.sources_of(dataset, split)
         check_static(f"{split} input", dataset.element_spec,
                      "pad variable-length features to a fixed length",

@@ -4,10 +4,14 @@ no later point in TensorBoard's default view, and reruns do not pile copies up."
 from __future__ import annotations
 
 import collections
+import itertools
+import time
+import types
 
 import pytest
 from tensorboard.compat.proto import summary_pb2
 from tensorboard.plugins.scalar import summary as scalar_summary
+from tensorboard.summary.writer import event_file_writer
 
 import tputrain
 from tiny import TinyTask, strategy_for
@@ -37,28 +41,37 @@ def visible(directory) -> dict[str, list[int]]:
     return {tag: sorted(steps) for tag, steps in state.visible.items()}
 
 
-def write(directory, *points: tuple[int, float]) -> None:
-    """One process's evaluations (a training run, or `tputrain eval --step`)."""
-    writer = EvalEventWriter(str(directory))
-    for step, value in points:
-        writer.write(step, summary(loss=value))
-    writer.close()
+_LATER = itertools.count(1)
 
 
-def test_a_lower_step_is_restated_once_and_its_reruns_write_nothing(tmp_path):
+def write(directory, monkeypatch, *points: tuple[int, float]) -> None:
+    """One process's evaluations (a training run, or `tputrain eval --step`), its event
+    file named for a later second than the ones before, as another process's is (two
+    files made by one process in one second sort by a counter, as text: 10 < 9)."""
+    offset = 10.0 * next(_LATER)
+    with monkeypatch.context() as patch:
+        patch.setattr(event_file_writer, "time",
+                      types.SimpleNamespace(time=lambda: time.time() + offset))
+        writer = EvalEventWriter(str(directory))
+        for step, value in points:
+            writer.write(step, summary(loss=value))
+        writer.close()
+
+
+def test_a_lower_step_is_restated_once_and_its_reruns_write_nothing(tmp_path, monkeypatch):
     """Issue 50.7: each rerun of `tputrain eval --step=4` restated the later points
     again (three copies after two reruns, seen by EventAccumulator, `--load_fast=false`
     and pandas exports); a point already shown as it is is not written again."""
     run = tmp_path / "eval"
-    write(run, (2, 0.9), (4, 0.8), (6, 0.7), (8, 0.6))  # the training run
-    write(run, (4, 0.75))  # an evaluation of step 4 that reads another value
+    write(run, monkeypatch, (2, 0.9), (4, 0.8), (6, 0.7), (8, 0.6))  # the training run
+    write(run, monkeypatch, (4, 0.75))  # an evaluation of step 4 that reads another value
     assert visible(run) == {"loss": [2, 4, 6, 8]}
     once = copies(run)
     assert once == {("loss", 2): 1, ("loss", 4): 2, ("loss", 6): 2, ("loss", 8): 2}
     for _ in range(2):  # reruns: the same evaluation, the same value
-        write(run, (4, 0.75))
+        write(run, monkeypatch, (4, 0.75))
     assert copies(run) == once and visible(run) == {"loss": [2, 4, 6, 8]}
-    write(run, (6, 0.7))  # the training run's own point, as it is shown
+    write(run, monkeypatch, (6, 0.7))  # the training run's own point, as it is shown
     assert copies(run) == once
 
 

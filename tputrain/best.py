@@ -298,7 +298,8 @@ def copy_checkpoint(path: str, directory: str, name: str) -> None:
 def checkpoint_damage(prefix: str) -> str | None:
     """Why the checkpoint at `prefix` cannot be used ("... is missing", "is damaged
     (...)"), or None when every tensor reads back (TensorFlow checks each one's
-    checksum; the data iterator's state, which Python cannot read, is left out)."""
+    checksum; the data iterator's state, a variant NumPy cannot hold, is read as a
+    tensor by the restore op)."""
     name = os.path.basename(prefix)
     if not tf.io.gfile.exists(f"{prefix}.index"):
         return f"is missing its index file {name}.index"
@@ -306,9 +307,17 @@ def checkpoint_damage(prefix: str) -> str | None:
         return f"is missing its data file {name}.data-*"
     try:
         reader = tf.train.load_checkpoint(prefix)
+        variants = []
         for key, dtype in reader.get_variable_to_dtype_map().items():
-            if dtype != tf.variant:
+            if dtype == tf.variant:
+                variants.append(key)
+            else:
                 reader.get_tensor(key)
+        if variants:
+            with tf.device("/cpu:0"):
+                tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=variants,
+                                     shape_and_slices=[""] * len(variants),
+                                     dtypes=[tf.variant] * len(variants))
     except UNREADABLE_ERRORS as error:
         return f"is damaged ({type(error).__name__}: {first_line(error)})"
     return None

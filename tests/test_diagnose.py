@@ -252,8 +252,11 @@ def test_communication_advice_fits_the_case():
 
 def test_diagnose_finds_a_slow_input_pipeline(tmp_path):
     # 100 ms of sleep per batch, as the compute-bound case below: far longer than a busy
-    # host's step (10 ms read a stall of 0.08 at load 7: the tiny step took 23 ms).
-    trainer = _trainer(tmp_path, SleepyTask(sleep=0.1), 2, train_steps=100, steps_per_loop=4)
+    # host's step (10 ms read a stall of 0.08 at load 7: the tiny step took 23 ms). Nothing
+    # is buffered ahead (BlockingInputTask): a prefetch filled while the step ran slowly
+    # under load read a stall of 0.33 at load 10; each fetch now waits for its batch's sleep.
+    trainer = _trainer(tmp_path, BlockingInputTask(sleep=0.1), 2, train_steps=100,
+                       steps_per_loop=4)
     result = diagnose(trainer, seconds=0.4)
     assert result.bottleneck == "input" and result.stall_fraction > 0.5
     assert result.input_only_steps_per_second < result.compute_only_steps_per_second

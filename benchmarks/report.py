@@ -143,10 +143,25 @@ def guard_cost_headlines(report: dict[str, Any]) -> list[str]:
             for setup, result in report["setups"].items()]
 
 
+def exit_time_headlines(report: dict[str, Any]) -> list[str]:
+    """Per case: seconds from the last line to the exit against the bound (Keras
+    `fit`'s own beside them), and the processor kind."""
+    cells = [f"{case} {goal['seconds']:.2f} s (bound {goal['bound']:.2f}: "
+             f"{'met' if goal['met'] else 'not met'})" for case, goal in report["goals"].items()]
+    fit = report["cases"].get("keras_model_fit")
+    if fit:
+        cells.append(f"keras_model_fit {fit['last_line_to_exit_median']:.2f} s")
+    cpu = report.get("machine", {}).get("cpu", {})
+    cells.append("AVX-512" if cpu.get("avx512") else "no AVX-512")
+    return cells
+
+
 def headlines(report: dict[str, Any]) -> list[str]:
     """The few ratios a reader compares across runs, by what the result holds."""
     if report.get("benchmark") == "guard_cost":
         return guard_cost_headlines(report)
+    if report.get("benchmark") == "exit_time":
+        return exit_time_headlines(report)
     goals = report.get("goals", {})
     if any(isinstance(goal, dict) for goal in goals.values()):  # train_loop: measured ratios
         return train_loop_headlines(report)

@@ -155,6 +155,8 @@ def test_the_cli_on_two_replicas_prints_plain_lines_once_and_no_noise(tmp_path):
     assert steps == ["tputrain: step 2/4", "tputrain: step 4/4"], result.stderr
     assert [line for line in lines if NOISE.search(line) or STARTUP_NOISE.search(line)] == []
     assert tensorflow_lines(result.stderr) == []
+    (config,) = [line for line in lines if " replica(s) on " in line]
+    assert ", remat off" in config, config  # the config line names every plan knob (issue 52)
     repeated = [line for line in set(lines) if lines.count(line) > 1]
     assert repeated == [], repeated
 

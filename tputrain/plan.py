@@ -101,7 +101,8 @@ class RunPlan:
                 + (f", micro-batches of {batch.micro_batch}" if batch.accumulation_steps > 1
                    else "")
                 + f"), precision {self.precision}, input mode {self.input_mode} "
-                f"({self.input_mode_reason}), steps per fetch {self.steps_per_fetch}")
+                f"({self.input_mode_reason}), steps per fetch {self.steps_per_fetch}, "
+                f"remat {self.options.remat.mode if self.options.remat else 'off'}")
 
 
 def resolve_plan(options: TrainerOptions, strategy: tf.distribute.Strategy,

@@ -130,3 +130,64 @@ def test_tensorboard_shows_every_eval_step_and_the_configuration(tmp_path):
             assert (value["trainingStep"], value["value"]) == tuple(accuracy[run][1:]), run
     finally:
         board.close()
+
+
+class TopOneTask(TinyTask):
+    """Another task: its own metric, evaluated on two named eval sets."""
+
+    def build_metrics(self):
+        import keras
+
+        return [keras.metrics.SparseTopKCategoricalAccuracy(k=1, name="top1")]
+
+
+def _two_tasks(logdir) -> None:
+    """Two model_dirs under one folder: a gin-configured FaultTask with the default eval
+    set, and a TopOneTask with two named eval sets and other options."""
+    from faults import FaultTask
+
+    options = dict(steps_per_loop=2, global_batch_size=16, eval_every=2, eval_steps=2,
+                   report_mfu=False)
+    gin.clear_config()
+    gin.bind_parameter("FaultTask.dropout", 0.0)
+    tputrain.Trainer(FaultTask(), str(logdir / "fault"), strategy=strategy_for(1),
+                     train_steps=4, **options).train()
+    gin.clear_config()
+    tputrain.Trainer(TopOneTask(), str(logdir / "topone"), strategy=strategy_for(1),
+                     train_steps=6, eval_splits=("validation", "test"), **options).train()
+
+
+@pytest.mark.slow  # two runs and a TensorBoard server
+def test_hparams_over_a_parent_logdir_show_every_runs_hparams_and_metrics(tmp_path):
+    logdir = tmp_path / "sweep"
+    _two_tasks(logdir)
+    board = TensorBoard(logdir)
+    try:
+        board.loaded("topone/eval/test", "top1")  # every run read
+        board.loaded("fault/eval", "accuracy")
+        experiment = board.post("/data/plugin/hparams/experiment", {"experimentName": ""})
+        names = {info["name"] for info in experiment["hparamInfos"]}
+        assert {"FaultTask.dropout", "Trainer.train_steps", "Trainer.eval_every"} <= names
+        metrics = [m["name"] for m in experiment["metricInfos"]]
+        for group, tag in [("eval", "accuracy"), ("eval", "loss"), ("eval/validation", "top1"),
+                           ("eval/test", "top1"), ("eval/test", "loss")]:
+            assert {"group": group, "tag": tag} in metrics, (group, tag, metrics)
+        groups = board.post("/data/plugin/hparams/session_groups", {
+            "experimentName": "", "startIndex": 0, "sliceSize": 100, "colParams": [],
+            "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
+                                "STATUS_RUNNING"]})["sessionGroups"]
+        sessions = {session["name"].rsplit("/", 1)[-1]: group
+                    for group in groups for session in group["sessions"]}
+        assert sorted(sessions) == ["fault", "topone"], groups
+        assert sessions["fault"]["hparams"]["FaultTask.dropout"] == 0.0
+        assert sessions["fault"]["hparams"]["Trainer.train_steps"] == 4
+        assert sessions["topone"]["hparams"]["Trainer.train_steps"] == 6
+        values = {run: {(m["name"]["group"], m["name"]["tag"]): m["value"]
+                        for m in group["metricValues"]} for run, group in sessions.items()}
+        accuracy = board.loaded("fault/eval", "accuracy")[-1][2]
+        assert values["fault"][("eval", "accuracy")] == pytest.approx(accuracy)
+        top1 = board.loaded("topone/eval/validation", "top1")[-1][2]
+        assert values["topone"][("eval/validation", "top1")] == pytest.approx(top1)
+        assert ("eval/test", "loss") in values["topone"]
+    finally:
+        board.close()

@@ -9,11 +9,14 @@ or `$AIP_TENSORBOARD_LOG_DIR`), beside `train/` and `eval/`:
 * an hparams summary (`tensorboard.plugins.hparams`): the scalar-valued bindings
   (bool, int, float, str; a `@reference` as its text) of that config, named as
   in it (`Trainer.train_steps`, `scope/Task.dropout`), and the Trainer's options
-  under the same names; its metrics are the eval scalars (`loss` and the
-  Task's metrics) of the run's `eval/` (of each `eval/<set>/` with named eval
-  sets, `TrainerOptions.eval_splits`). Each model_dir is then one session of
-  TensorBoard's HParams dashboard, started on the folder above a sweep's
-  model_dirs; a run that has no evaluation yet shows no metric value.
+  under the same names. Each model_dir is then one session of TensorBoard's
+  HParams dashboard, started on the folder above a sweep's model_dirs. No
+  experiment summary (`hparams_config`) is written: TensorBoard takes one run's
+  as the whole folder's, so runs of other tasks lost their hparams and metrics.
+  Without it the dashboard lists every run's hparams and, as metrics, every
+  scalar of each run (`eval/loss`, the Task's metrics in `eval/` or
+  `eval/<set>/` with named eval sets, `train/...`); a run that has no
+  evaluation yet shows no eval value.
 
 Both are written at step 0, so a rerun's replace the earlier ones.
 """
@@ -81,23 +84,22 @@ def config_text(context: ActionContext) -> str:
 
 def eval_tags(context: ActionContext) -> list[tuple[str, str]]:
     """(run, tag) of the eval scalars: the loss and the Task's metrics, in `eval/`, or
-    in `eval/<set>/` for each named eval set (`TrainerOptions.eval_splits`)."""
+    in `eval/<set>/` for each named eval set (`TrainerOptions.eval_splits`): the HParams
+    dashboard's metrics of a run, found by TensorBoard from its scalars."""
     tags = ["loss", *(metric.name for metric in context.eval_metrics)]
     splits = context.options.eval_splits
     groups = [EVAL_GROUP] if is_default(splits) else [f"{EVAL_GROUP}/{s}" for s in splits]
     return [(group, tag) for group in groups for tag in tags]
 
 
-def write_config_summary(directory: str, text: str, hparams: Mapping[str, HParamValue],
-                         metrics: list[tuple[str, str]]) -> None:
-    """Writes the config text and the hparams summary into the run at `directory`."""
+def write_config_summary(directory: str, text: str,
+                         hparams: Mapping[str, HParamValue]) -> None:
+    """Writes the config text and the hparams summary into the run at `directory`
+    (no experiment summary: the module docstring)."""
     writer = tf.summary.create_file_writer(directory)
     with writer.as_default(step=0):
         # Indented: Markdown shows it verbatim (no '#' headings, no '_' emphasis).
         tf.summary.text(TEXT_TAG, "\n".join("    " + line for line in text.splitlines()))
-        hp.hparams_config(hparams=[hp.HParam(name) for name in sorted(hparams)],
-                          metrics=[hp.Metric(tag, group=group, display_name=f"{group}/{tag}")
-                                   for group, tag in metrics])
         hp.hparams(dict(hparams))  # runs with the same settings form one group (repeats)
     writer.close()
 
@@ -109,4 +111,4 @@ class ConfigSummaryAction(Action):
     def on_train_begin(self, context: ActionContext, step: int) -> None:
         if context.is_chief and context.progress.summary_dir is not None:
             write_config_summary(context.progress.summary_dir, config_text(context),
-                                 run_hparams(context), eval_tags(context))
+                                 run_hparams(context))

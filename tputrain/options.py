@@ -224,6 +224,9 @@ class TrainerOptions:
         counts the model's FLOPs, not the recomputation). None (the default): off;
         a mode ("full", "activations", "larger_than", "list_of_layers") stands for
         `RematOptions(mode=...)`; or a `RematOptions`. See docs/performance.md.
+      progress_bar: a live bar (step, rate, ETA) between the loop lines: "auto" (the
+        default) on a terminal or in a Jupyter notebook, the plain lines alone in
+        files, pipes and CI; "on" or "off" (`tputrain.progress_bar`).
     """
 
     train_steps: int = 1000
@@ -248,6 +251,7 @@ class TrainerOptions:
     profiling: ProfilingOptions | None = None
     ema_decay: float | None = None
     remat: str | RematOptions | None = None
+    progress_bar: str = "auto"
 
     def __post_init__(self) -> None:
         _fill_parts(self)
@@ -259,6 +263,9 @@ class TrainerOptions:
             check_int("Trainer", name, getattr(self, name), 0 if name == "seed" else 1)
         for name in ("eval_every", "eval_steps", "checkpoint_every"):
             check_int("Trainer", name, getattr(self, name), 1, allow_none=True)
+        if self.progress_bar not in ("auto", "on", "off"):
+            raise ValueError("Trainer.progress_bar must be 'auto', 'on' or 'off', "
+                             f"got {self.progress_bar!r}")
         if self.jit_compile not in (True, False, "auto"):
             raise ValueError(f"Trainer.jit_compile must be True, False or 'auto', "
                              f"got {self.jit_compile!r}")

@@ -154,6 +154,7 @@ class Progress:
         self._first_loop: tuple[int, float] | None = None  # (steps, seconds) until priced
         self._pending_count: Callable[[], None] | None = None
         self._stall_explained = False  # `stall_advice`, once a run
+        self._on_close: list[Callable[[], None]] = []  # e.g. the live bar's end
 
     @property
     def summary_dir(self) -> str | None:
@@ -308,8 +309,15 @@ class Progress:
         for name, (logs, _) in per_set.items():
             self.write_scalars(f"eval/{name}", step, logs)
 
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Calls `callback` at `close` (the end of `train()`, an error's too)."""
+        self._on_close.append(callback)
+
     def close(self) -> None:
         """Closes the event files; the eval run's first restates what its lower steps hid."""
+        callbacks, self._on_close = getattr(self, "_on_close", []), []
+        for callback in callbacks:
+            callback()
         for writer in self._writers.values():
             writer.close()
         self._writers.clear()

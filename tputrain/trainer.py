@@ -56,6 +56,7 @@ from tputrain.preemption import PreemptionWatcher
 from tputrain.predict import predict as predict_outputs
 from tputrain.preflight import preflight
 from tputrain.progress import Progress, summary_root
+from tputrain.progress_bar import ProgressBarAction
 from tputrain.task import Task, overrides_train_step
 from tputrain.validate import check_split_names, check_splits, named_splits
 
@@ -119,7 +120,7 @@ class Trainer:
                  input_mode: str | None = None, jit_compile: bool | str = "auto",
                  accumulation_steps: int = 1, profile_steps: tuple[int, int] | None = None,
                  report_mfu: bool = True, steps_per_fetch: int = 1,
-                 steps_per_program: int | str = "auto",
+                 steps_per_program: int | str = "auto", progress_bar: str = "auto",
                  class_weight: Mapping[int, float] | None = None,
                  guard: NonFiniteGuard | None = None, actions: Sequence[Action] = (),
                  communication: CommunicationOptions | None = None,
@@ -134,7 +135,7 @@ class Trainer:
             precision=precision, seed=seed, input_mode=input_mode, jit_compile=jit_compile,
             accumulation_steps=accumulation_steps, profile_steps=profile_steps,
             report_mfu=report_mfu, steps_per_fetch=steps_per_fetch,
-            steps_per_program=steps_per_program, class_weight=class_weight,
+            steps_per_program=steps_per_program, class_weight=class_weight, progress_bar=progress_bar,
             checkpoint=checkpoint, profiling=profiling, ema_decay=ema_decay, remat=remat)
         _check_arguments(task, model_dir)
         self.actions, self.startup = check_actions(actions), StartupClock()  # goodput.py
@@ -333,7 +334,7 @@ class Trainer:
         if self.profile_steps and self.is_chief:
             logdir = os.path.join(summary_root(self.model_dir), "train")  # beside the events
             built_in.append(ProfilerAction(*self.profile_steps, logdir))
-        return built_in + [NonFinitePolicyAction(), PreemptionAction()] + self.actions
+        return built_in + [NonFinitePolicyAction(), PreemptionAction(), ProgressBarAction()] + self.actions
 
     def evaluate(self) -> dict[str, float]:
         """Restores the latest checkpoint of model_dir, then evaluates it; says so when

@@ -32,7 +32,11 @@ FLAGS = flags.FLAGS
 
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     define_gin_flags(flag_values)
-    list_in_help((*GIN_FLAGS, "model_dir", "deterministic"), flag_values)
+    flags.DEFINE_enum("progress_bar", None, ["auto", "on", "off"], "Overrides "
+                      "Trainer.progress_bar: a live bar between the loop lines on a terminal "
+                      "or in Jupyter (auto), always (on) or never (off).",
+                      flag_values=flag_values)
+    list_in_help((*GIN_FLAGS, "model_dir", "deterministic", "progress_bar"), flag_values)
 
 
 def _exit_preempted_before_training() -> ExitOnSignal:
@@ -67,6 +71,8 @@ def main(argv: list[str]) -> None:
     # Until train() installs its own watcher (and after it restores this one).
     _exit_preempted_before_training().install()
     watch_launcher()  # a worker of `tputrain launch` stops when the launcher dies
+    if FLAGS.progress_bar:  # after the config's bindings: the flag wins
+        FLAGS.gin_param = [*FLAGS.gin_param, f"Trainer.progress_bar = '{FLAGS.progress_bar}'"]
     parse_gin_flags()
     if FLAGS.deterministic:
         tf.config.experimental.enable_op_determinism()

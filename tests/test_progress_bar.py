@@ -120,7 +120,8 @@ def test_output_to_a_file_gets_the_plain_lines_only(tmp_path):
         done = subprocess.run([sys.executable, str(_script(tmp_path)), str(tmp_path / "run"),
                                "auto"], stdout=out, stderr=subprocess.STDOUT,
                               env=dict(child_env(), GATE=str(gate)), timeout=300)
-    text = log.read_text()
+    with open(log, newline="") as logged:  # carriage returns kept
+        text = logged.read()
     assert done.returncode == 0, text[-3000:]
     assert "\r" not in text and "step/s" not in text, text[-3000:]
     assert re.search(r"^tputrain: step 40/40 \| loss", text, re.M), text[-3000:]
@@ -195,7 +196,8 @@ def test_the_cli_flag_turns_the_bar_on_where_auto_would_not(tmp_path):
                                f"--gin_file={config}", f"--model_dir={tmp_path / 'run'}",
                                "--progress_bar=on"], stdout=out, stderr=subprocess.STDOUT,
                               env=child_env(), timeout=300)
-    text = log.read_text()
+    with open(log, newline="") as logged:  # carriage returns kept
+        text = logged.read()
     assert done.returncode == 0, text[-3000:]
     assert re.search(r"\rstep 4/4 .*(step/s|s/step)", text), text[-3000:]
     bad = subprocess.run([sys.executable, "-m", "tputrain.cli", "run", "--progress_bar=yes"],

@@ -126,7 +126,9 @@ def test_tensorboard_shows_every_eval_step_and_the_configuration(tmp_path):
         for run, group in sessions.items():
             assert group["hparams"]["Trainer.train_steps"] == 8
             assert group["hparams"]["Trainer.eval_every"] == 2
-            value = {m["name"]["tag"]: m for m in group["metricValues"]}["accuracy"]
+            # The eval metric (train/ has an `accuracy` too: every scalar is a metric).
+            value = {(m["name"]["group"], m["name"]["tag"]): m
+                     for m in group["metricValues"]}[("eval", "accuracy")]
             assert (value["trainingStep"], value["value"]) == tuple(accuracy[run][1:]), run
     finally:
         board.close()

@@ -4,7 +4,7 @@ Between two loop lines (`Trainer.steps_per_loop` steps, minutes on a large model
 the console would show nothing; on a terminal (stderr a TTY) and in a Jupyter
 kernel the chief shows a bar (tqdm) with the step, the rate and the ETA, redrawn
 in place while the compiled loop runs, and prints the loop lines above it. A
-thread reads the step counter (`ActionContext.step_variable`) a few times a
+thread reads the step counter (`ActionContext.step_variable`) twice a
 second: nothing is added to the compiled step. Where the step is one XLA program
 of several steps, the counter moves once a program; on a TPU the read waits for
 the running program.
@@ -27,8 +27,8 @@ from tputrain.actions.base import Action
 from tputrain.context import ActionContext
 
 SETTINGS = ("auto", "on", "off")
-POLL_SECONDS = 0.25
-DEFAULT_SIZE = (100, 24)  # how often the thread reads the step counter
+POLL_SECONDS = 0.5  # how often the thread reads the step counter and may redraw
+DEFAULT_SIZE = (100, 24)  # columns, lines where the terminal reports no size
 BAR_FORMAT = ("step {n_fmt}/{total_fmt} |{bar}| {percentage:3.0f}% "
               "[{elapsed}<{remaining}, {rate_fmt}]{postfix}")
 

@@ -170,6 +170,8 @@ def test_cli_writes_shards_and_manifest_from_npz(tmp_path):
          "--compression=gzip"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "wrote 20 examples to 2 shard(s)" in result.stdout
+    # The fact once (issue 52): not again as write_tfrecords' own progress line.
+    assert "20 examples" not in result.stderr, result.stderr
     manifest = json.loads((tmp_path / "out" / "train.manifest.json").read_text())
     assert manifest["compression_type"] == "GZIP"
     assert manifest["features"]["image"] == {"shape": [4, 4], "dtype": "float32"}

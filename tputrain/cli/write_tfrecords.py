@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from tputrain.cli.common import list_in_help, reject_arguments, run_command
 from tputrain.data import write_tfrecords
@@ -46,8 +46,14 @@ def main(argv: list[str]) -> None:
     try:
         examples = read_input(FLAGS.input)
         check_output_prefix(FLAGS.output_prefix)
-        paths = write_tfrecords(examples, FLAGS.output_prefix, FLAGS.num_shards, compression,
-                                num_hosts=FLAGS.num_hosts, target_shard_mb=FLAGS.target_shard_mb)
+        verbosity = logging.get_verbosity()
+        logging.set_verbosity(logging.WARNING)  # its own INFO line: the one below says it
+        try:
+            paths = write_tfrecords(examples, FLAGS.output_prefix, FLAGS.num_shards, compression,
+                                    num_hosts=FLAGS.num_hosts,
+                                    target_shard_mb=FLAGS.target_shard_mb)
+        finally:
+            logging.set_verbosity(verbosity)
     except (ValueError, TypeError, OSError) as error:
         print(f"tputrain write-tfrecords: error: {error}", file=sys.stderr)
         sys.exit(2)

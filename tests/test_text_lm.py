@@ -107,3 +107,16 @@ def test_a_packed_text_run_killed_mid_run_resumes_bitwise(tmp_path):
     assert "real tokens/s" in reference.text() and "padding" in reference.text()
     weights = same_final_weights(tmp_path)
     assert len(weights) > 4
+
+
+def test_the_corpus_goes_to_tputrains_cache_folder_as_the_digits_do(monkeypatch, tmp_path):
+    """Not the temp folder (issue 52): `TPUTRAIN_CACHE_DIR`, else ~/.cache/tputrain."""
+    from tputrain.tasks.text_lm_inputs import corpus_directory
+
+    monkeypatch.setenv("TPUTRAIN_CACHE_DIR", str(tmp_path))
+    assert corpus_directory(None, 5) == str(tmp_path / "stdlib-text-5")
+    assert corpus_directory(str(tmp_path / "mine"), 5) == str(tmp_path / "mine")
+    monkeypatch.delenv("TPUTRAIN_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert corpus_directory(None, None) == str(tmp_path / "home" / ".cache" / "tputrain" /
+                                               "stdlib-text-all")

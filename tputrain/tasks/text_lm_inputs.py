@@ -12,7 +12,6 @@ holds the partly filled row and a resume continues bitwise.
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
 import tensorflow as tf
@@ -24,10 +23,13 @@ from tputrain.data.tfrecord import TFRecordInput
 
 
 def corpus_directory(corpus_dir: str | None, max_files: int | None) -> str:
-    """Where the corpus is written once and reused (per file count)."""
+    """Where the corpus is written once and reused (per file count): tputrain's cache
+    folder, as for the digits (`TPUTRAIN_CACHE_DIR`, else ~/.cache/tputrain)."""
     if corpus_dir:
         return corpus_dir
-    return os.path.join(tempfile.gettempdir(), f"tputrain-stdlib-text-{max_files or 'all'}")
+    root = os.environ.get("TPUTRAIN_CACHE_DIR",
+                          os.path.join(os.path.expanduser("~"), ".cache", "tputrain"))
+    return os.path.join(root, f"stdlib-text-{max_files or 'all'}")
 
 
 def shift_for_lm(example: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:

@@ -452,3 +452,49 @@ def test_every_snippet_and_example_imports_tputrain_before_tensorflow():
             wrong.append(f"{path.relative_to(ROOT)}: imports {first} before tputrain")
     assert not wrong, "import tputrain first (its import filters TensorFlow's start-up " \
                       "lines):\n" + "\n".join(wrong)
+
+
+# getting-started.md's "What it prints" against a real run (issue 52: its start-up
+# lines had drifted from what `tputrain --gin_file=digits.gin` prints).
+
+
+def startup_block(text: str) -> list[str]:
+    """The first ```text block after "## What it prints": the start-up lines."""
+    section = text[text.index("## What it prints"):]
+    block = section[section.index("```text\n") + len("```text\n"):]
+    return block[:block.index("```")].strip().splitlines()
+
+
+def line_shape(line: str) -> str:
+    """A line with its numbers and paths abstracted: what any run of it shares (the
+    compile cache's count of programs depends on the runs before)."""
+    if line.startswith("tputrain: XLA compilation cache"):
+        line = re.sub(r" \(.*\)$", "", line)
+    line = re.sub(r"(?<![\w.])/\S+", "PATH", line)
+    return re.sub(r"\d+(\.\d+)?", "N", line)
+
+
+def test_line_shape_keeps_words_and_drops_numbers_and_paths():
+    assert line_shape("tputrain: training from step 0 to 1200") == (
+        "tputrain: training from step N to N")
+    assert line_shape("TFRecordInput: cached 320 parsed examples (0.1 MB) in memory") == (
+        "TFRecordInput: cached N parsed examples (N MB) in memory")
+    assert line_shape("tputrain: XLA compilation cache /root/.cache/x/tf-2.21.0") == (
+        "tputrain: XLA compilation cache PATH")
+
+
+@pytest.mark.slow
+def test_getting_started_shows_the_start_up_lines_a_digits_run_prints(tmp_path):
+    env = dict(os.environ, TPUTRAIN_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "tputrain.run", "--gin_file=digits.gin",
+         f"--model_dir={tmp_path / 'run'}", "--gin_param=Trainer.train_steps=100"],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    end = next(i for i, line in enumerate(lines) if line.startswith("tputrain: training from"))
+    printed = [line_shape(line) for line in lines[:end + 1] if not line.startswith("WARNING")]
+    shown = [line_shape(line) for line in startup_block((DOCS / "getting-started.md").read_text())]
+    assert shown == printed, "update docs/getting-started.md's start-up lines:\n" + "\n".join(
+        lines[:end + 1])

@@ -104,3 +104,17 @@ def test_cli_model_dir_without_a_checkpoint_audits_initial_weights(tmp_path):
     assert result.returncode in (0, 1), result.stderr[-2000:]
     assert f"no checkpoint in {tmp_path / 'never_trained'}/checkpoints" in result.stdout
     assert "initial (untrained) weights" in result.stdout and report["checkpoint"] is None
+
+
+def test_a_dropout_layer_has_no_local_error_at_inference(tmp_path, monkeypatch):
+    """Dropout is the identity at inference: its only 'error' in bf16 was the cast of its
+    input, which the layer before already reports (issue 52)."""
+    from tputrain.tasks.digits import DigitsTask
+
+    monkeypatch.setenv("TPUTRAIN_CACHE_DIR", str(tmp_path))
+    report = tputrain.audit_precision(DigitsTask(dropout=0.1), policy="mixed_bfloat16")
+    dropouts = [layer for layer in report.layers if layer.class_name == "Dropout"]
+    assert dropouts and all(layer.local_error is None for layer in dropouts), dropouts
+    assert all(layer.name not in report.flagged_layers for layer in dropouts)
+    hidden = [layer for layer in report.layers if layer.name.startswith("hidden_")]
+    assert hidden and all(layer.local_error is not None for layer in hidden)

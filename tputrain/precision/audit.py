@@ -52,7 +52,7 @@ class LayerError:
     class_name: str
     compute_dtype: str
     cumulative_error: float
-    local_error: float | None  # None: the layer computes in float32 under the policy
+    local_error: float | None  # None: in float32 under the policy, or the identity at inference
     flagged: bool
 
 
@@ -132,6 +132,12 @@ def relative_error(reference: Any, value: Any) -> float:
         num += float(np.sum((val - ref) ** 2))
         den += float(np.sum(ref ** 2))
     return float(np.sqrt(num / den)) if den > 0 else float(np.sqrt(num))
+
+
+# Layers that compute nothing at inference (dropout, noise): in bf16 their output differs
+# from float32's only by the cast of their input, which the layer before reports.
+INFERENCE_IDENTITY = (keras.layers.Dropout, keras.layers.GaussianNoise,
+                      keras.layers.GaussianDropout, keras.layers.AlphaDropout)
 
 
 def _auditable_layers(model: keras.Model) -> list[keras.layers.Layer]:
@@ -220,7 +226,7 @@ def _measure(task: Task, model: keras.Model, batches: Sequence[Any],
         for index, layer in enumerate(layers):
             nested_low = any(target[id(s)].compute_dtype != "float32" for s in sublayers(layer))
             local = None
-            if nested_low:
+            if nested_low and not isinstance(layer, INFERENCE_IDENTITY):
                 local = relative_error(reference[index], run_with([layer])[index])
             results.append(LayerError(
                 name=layer.name, class_name=type(layer).__name__,

@@ -237,7 +237,9 @@ def test_an_unreadable_entry_is_removed_with_one_warning(tmp_path):
 @pytest.mark.parametrize("kind", ["file", "under_a_file"])
 def test_a_cache_path_that_is_no_directory_turns_the_cache_off_with_one_warning(
         monkeypatch, tmp_path, kind):
-    monkeypatch.setattr(compile_cache, "_state", dict(compile_cache._state))
+    # A fresh process's state: an earlier Trainer in this worker reported already.
+    monkeypatch.setattr(compile_cache, "_state", {"directory": None, "too_late": False,
+                                                  "reported": False, "off": None})
     monkeypatch.setenv("TF_XLA_FLAGS", "--xla_x=1")
     (tmp_path / "file").write_text("not a folder")
     path = str(tmp_path / "file") if kind == "file" else str(tmp_path / "file" / "xla")

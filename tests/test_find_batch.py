@@ -121,6 +121,23 @@ def test_learning_rate_rules_against_hand_computed_values():
         result.learning_rate_for("cubic")
 
 
+def test_no_schedule_is_suggested_when_the_rate_needs_no_warmup():
+    """A suggestion no larger than the configured batch needs no warmup: a constant
+    schedule with warmup_steps = 0 would restate the rate (issue 52 drift)."""
+    same = _result([(32, 100.0), (64, 100.5)], stop="gain")
+    assert same.suggested.global_batch == 32
+    lines = same.suggestion("linear")
+    assert not [line for line in lines if "warmup_schedule" in line], lines
+    assert "build_optimizer.learning_rate = 0.001" not in lines  # unchanged: not restated
+    smaller = _result([(16, 100.0), (32, 60.0, )], stop="gain")
+    smaller.min_gain = None
+    smaller.trials[1].error = "OOM"
+    lines = smaller.suggestion("linear")
+    assert "Trainer.global_batch_size = 16" in lines
+    assert "build_optimizer.learning_rate = 0.0005" in lines
+    assert not [line for line in lines if "warmup_schedule" in line], lines
+
+
 def test_a_doubling_that_buys_less_than_min_gain_is_not_suggested():
     result = _result([(32, 100.0), (64, 180.0), (128, 183.0)], stop="gain")
     assert result.suggested.global_batch == 64

@@ -101,6 +101,9 @@ class FindBatchResult:
             factor = scale_learning_rate(1.0, trial.global_batch, self.global_batch_size, rule)
             return lines + [f"scale your learning rate by {factor:.4g} ({rule} rule)"]
         warmup = math.ceil(WARMUP_FRACTION * steps) if trial.global_batch > self.global_batch_size else 0
+        if warmup == 0 and self.constant_rate:  # a constant rate: the schedule would restate it
+            return lines + ([] if rate == self.learning_rate
+                            else [f"build_optimizer.learning_rate = {rate:.6g}"])
         lines += ["build_optimizer.learning_rate = @warmup_schedule()",
                   f"warmup_schedule.learning_rate = {rate:.6g}",
                   f"warmup_schedule.total_steps = {steps}",

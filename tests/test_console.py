@@ -242,7 +242,10 @@ def test_an_xla_run_prints_no_tensorflow_line(tmp_path):
     average (`tf.nn.compute_average_loss`'s checks, which XLA drops)."""
     script = tmp_path / "train.py"
     script.write_text(XLA_SCRIPT)
-    env = dict(child_env(), TPUTRAIN_CACHE_DIR=str(tmp_path / "cache"))
+    # A first run: its own compile cache, not the suite's (whose reloaded entries print
+    # XLA's cache lines, which this test is not about).
+    env = dict(child_env(), TPUTRAIN_CACHE_DIR=str(tmp_path / "cache"),
+               TPUTRAIN_COMPILE_CACHE=str(tmp_path / "xla"))
     env.pop("TF_CPP_MIN_LOG_LEVEL")  # what a user sees
     result = subprocess.run([sys.executable, str(script), str(tmp_path / "run")],
                             capture_output=True, text=True, env=env, timeout=600)

@@ -82,12 +82,19 @@ def _read_until(fd: int, pattern: str, seen: bytearray, timeout: float = 300) ->
     raise AssertionError(f"no {pattern!r} on the terminal:\n{seen.decode(errors='replace')[-3000:]}")
 
 
+def _terminal_env(**extra: str) -> dict[str, str]:
+    """A person's terminal: not a CI job (a CI variable turns "auto" off), a real TERM."""
+    env = dict(child_env(), TERM="xterm", **extra)
+    env.pop("CI", None)
+    return env
+
+
 def test_a_terminal_gets_a_bar_updated_inside_a_loop_and_the_lines_above_it(tmp_path):
     gate = tmp_path / "gate"
     primary, secondary = pty.openpty()
     child = subprocess.Popen([sys.executable, str(_script(tmp_path)), str(tmp_path / "run"),
                               "auto"], stdin=secondary, stdout=secondary, stderr=secondary,
-                             env=dict(child_env(), GATE=str(gate), COLUMNS="120"))
+                             env=_terminal_env(GATE=str(gate), COLUMNS="120"))
     os.close(secondary)
     seen = bytearray()
     try:
@@ -97,8 +104,12 @@ def test_a_terminal_gets_a_bar_updated_inside_a_loop_and_the_lines_above_it(tmp_
         gate.touch()
         _read_until(primary, r"tputrain-test: trained", seen)
     finally:
-        child.wait(timeout=300)
-        os.close(primary)
+        gate.touch()  # a failed wait above must not leave the child blocked on its input
+        try:
+            child.wait(timeout=300)
+        finally:
+            child.kill()
+            os.close(primary)
     text = seen.decode(errors="replace")
     assert child.returncode == 0, text[-3000:]
     # What the terminal shows: the bar is cleared (a carriage return, blanks and

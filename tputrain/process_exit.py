@@ -34,8 +34,13 @@ _WALK_DEPTH = 8
 
 def track(owner: object) -> None:
     """`owner` (a Trainer) holds tf.data iterators, directly or in its parts: at exit
-    they are kept (`keep_iterators_at_exit`). Holds no reference to it."""
-    _owners.add(owner)
+    they are kept (`keep_iterators_at_exit`). Holds no reference to it; an owner that
+    cannot be referenced weakly (a plain namespace standing in for a Trainer) holds
+    no iterator of tputrain's and is passed over."""
+    try:
+        _owners.add(owner)
+    except TypeError:
+        pass
 
 
 def _iterator_types() -> tuple[type, ...]:

@@ -13,8 +13,9 @@ output, or a dict of each by name):
 * a float label must be finite, whatever the loss (a NaN or inf label makes the
   loss NaN, or a class of its own);
 * labels shaped as class ids of an output with C >= 2 classes on its last axis
-  (the output's shape without that axis, or with 1 there) must be whole numbers
-  in [0, C).
+  (the output's shape without that axis, or with 1 there), integers or floats that
+  are all whole numbers, must lie in [0, C) (other floats are targets of a loss of
+  the Task's own, e.g. weights or regression values).
 
 The error names the feature (the builder's `label_key`, or the label's key) and,
 for data read by `TFRecordInput`, the first record in file order holding such a
@@ -102,7 +103,7 @@ def _check(split: str, name: str, values: np.ndarray, classes: int | None) -> No
     if values.dtype.kind == "f":
         checks.append((lambda v: ~np.isfinite(v),
                        "a non-finite label: the loss becomes NaN or casts it to some class"))
-    if classes is not None:
+    if classes is not None and (values.dtype.kind != "f" or _whole(values)):
         checks.append((lambda v: ~np.isfinite(v) | (v < 0) | (v >= classes) | (v != np.floor(v)),
                        f"not a class id of the model's {classes} outputs (0 to {classes - 1})"))
     for is_bad, why in checks:
@@ -110,6 +111,13 @@ def _check(split: str, name: str, values: np.ndarray, classes: int | None) -> No
         if bad.size:
             value = values.reshape(-1)[bad[0]].item()
             raise LabelError(_message(split, name, value, why, is_bad))
+
+
+def _whole(values: np.ndarray) -> bool:
+    """Whether float labels are all whole numbers (or non-finite), as class ids are:
+    other floats are the targets of a loss of the Task's own, not class ids."""
+    finite = values[np.isfinite(values)]
+    return bool(np.all(finite == np.floor(finite)))
 
 
 def _message(split: str, name: str, value: Any, why: str,

@@ -579,6 +579,21 @@ def child_env(cpus: int | None = None) -> dict[str, str]:
     return env
 
 
+def cli_refusal(tmp_path, config: str) -> str:
+    """Runs `tputrain.run` on a gin `config` that must be refused: exit 2, one
+    `tputrain: error:` line, no traceback, no model_dir written; returns its stderr."""
+    path = tmp_path / "refused.gin"
+    path.write_text(config)
+    model_dir = tmp_path / "model"
+    result = subprocess.run([sys.executable, "-m", "tputrain.run", "--gin_import=faults",
+                             f"--gin_file={path}", f"--model_dir={model_dir}"],
+                            capture_output=True, text=True, timeout=300, env=child_env())
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.count("tputrain: error:") == 1 and "Traceback" not in result.stderr
+    assert not model_dir.exists()
+    return result.stderr
+
+
 class ProcessEnded(AssertionError):
     """The process ended before the awaited line."""
 

@@ -34,9 +34,10 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-import tputrain
 from tputrain.actions import count_flops_per_step
 from tputrain.batch_report import FindBatchResult, Trial
+from tputrain.builders import configured
+from tputrain.distribution.strategy import resolve_strategy
 from tputrain.flops import model_flops_utilization, peak_flops
 from tputrain.schedules import WarmupDecay
 from tputrain.task import Task
@@ -258,7 +259,7 @@ def find_batch(task: Task, strategy: tf.distribute.Strategy | None = None, *,
     _check("resolution", resolution, 1)
     _check("seconds", seconds, 1e-9)
     _check_gain(min_gain)
-    strategy = strategy or tputrain.resolve_strategy()
+    strategy = strategy or configured("resolve_strategy", resolve_strategy)()
     replicas = strategy.num_replicas_in_sync
     constant = True
     if learning_rate is None:

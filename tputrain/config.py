@@ -18,7 +18,6 @@ from typing import Any, Sequence
 import gin
 from absl import logging
 
-import tputrain
 import tputrain.configurables  # noqa: F401  (registers the configurables)
 import tputrain.tasks  # noqa: F401  (registers the built-in Tasks)
 from tputrain import configs  # the repository's configs/ folder, packaged
@@ -136,7 +135,6 @@ def parse_gin(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
     from any directory. `data_files` (a model_dir's operative config) are parsed
     first and never import or include anything (`read_as_data`).
     """
-    tputrain.load_api()  # every public configurable (gin's first parse would, too)
     for module in imports:
         try:
             importlib.import_module(module)

@@ -21,7 +21,7 @@ import gin
 import tensorflow as tf
 from absl import logging
 
-from tputrain import optimizers, schedules
+from tputrain import builders, optimizers, schedules
 from tputrain.best import BestCheckpoint, EarlyStopping
 from tputrain.checkpointing.manager import Checkpointer
 from tputrain.data.mixture import MixtureInput
@@ -167,3 +167,9 @@ def configure_devices() -> None:
             f"TensorFlow ops at import?); move those ops into functions, or call "
             f"split_cpu before any TensorFlow op runs."
         ) from e
+
+
+# The configured builders, for the runs that are passed none (tputrain/builders.py).
+builders.install("resolve_strategy", resolve_strategy)
+builders.install("build_optimizer", build_optimizer)
+builders.install("configure_devices", configure_devices)

@@ -21,7 +21,8 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
-from tputrain import tracing
+from tputrain import optimizers, tracing
+from tputrain.builders import configured
 from tputrain.data import InputContext
 from tputrain.precision import to_float32
 
@@ -154,8 +155,7 @@ class Task:
     def build_optimizer(self) -> keras.optimizers.Optimizer:
         """Returns the optimizer; by default `tputrain.build_optimizer()` (which takes
         gin's `build_optimizer.*` bindings when a config binds them)."""
-        import tputrain  # the public, gin-configured builder (tputrain.configurables)
-        return tputrain.build_optimizer()
+        return configured("build_optimizer", optimizers.build_optimizer)()
 
     # Steps. Override these only for unusual training (GANs, several optimizers).
 

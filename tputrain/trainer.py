@@ -20,11 +20,11 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-import tputrain
 from tputrain.actions import (Action, CommunicationAction, MFUAction, NonFinitePolicyAction,
                               PreemptionAction, ProfilerAction, check_actions,
                               checkpointed_states)
 from tputrain.aggregation import with_aggregates
+from tputrain.builders import configured
 from tputrain.checkpointing.manager import Checkpointer
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.seeds import seed_generator_states
@@ -35,6 +35,7 @@ from tputrain.config_summary import ConfigSummaryAction
 from tputrain.context import ActionContext, ActionList
 from tputrain.console import default_progress
 from tputrain.controller import Controller
+from tputrain.distribution.strategy import resolve_strategy
 from tputrain.ema import averaged_weights, build_average
 from tputrain.goodput import GoodputAction, StartupClock
 from tputrain.guard import NonFiniteGuard
@@ -79,6 +80,12 @@ def _from_context(name: str) -> property:
     """Run state the actions share: read and written through the context."""
     return property(lambda self: getattr(self.context, name),
                     lambda self, value: setattr(self.context, name, value))
+
+
+def _configured_strategy(communication: CommunicationOptions) -> tf.distribute.Strategy:
+    """The gin-configured resolver when the gin registry is loaded (`resolve_strategy.*`
+    bindings apply; tputrain/builders.py), else the plain one."""
+    return configured("resolve_strategy", resolve_strategy)(communication=communication)
 
 
 def _check_arguments(task: Task, model_dir: str) -> None:
@@ -143,8 +150,7 @@ class Trainer:
         default_progress()  # a plain Python script shows progress, as the CLI does
         self.task, self.model_dir = task, model_dir
         self.communication = communication or CommunicationOptions()
-        # The public, gin-configured resolver (`resolve_strategy.*` bindings apply).
-        self.strategy = strategy or tputrain.resolve_strategy(communication=self.communication)
+        self.strategy = strategy or _configured_strategy(self.communication)
         self.plan = self.startup.mark("strategy", resolve_plan(
             self.options, self.strategy, lambda: resolve_precision(self.options.precision.policy, self.strategy),
             overrides_train_step(task), type(task).__name__))

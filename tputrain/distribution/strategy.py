@@ -31,6 +31,7 @@ from typing import Iterator, NamedTuple
 import tensorflow as tf
 from absl import logging
 
+from tputrain.builders import configured
 from tputrain.distribution.cluster import read_tf_config
 from tputrain.distribution.communication import CommunicationOptions
 from tputrain.console import default_progress
@@ -129,9 +130,8 @@ def split_cpu(num_devices: int) -> None:
 def configure_devices() -> None:
     """Applies a parsed gin config's `split_cpu.num_devices`; moved with the rest of
     gin to `tputrain.configurables.configure_devices` (this name keeps working)."""
-    from tputrain.configurables import configure_devices as apply  # imports the Trainer
-
-    apply()
+    # The gin registry installs the configured one when it loads; before, nothing is bound.
+    configured("configure_devices", lambda: None)()
 
 
 def resolve_strategy(

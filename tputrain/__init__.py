@@ -76,6 +76,7 @@ _EXPORTS = {
     "export_checkpoint": "tputrain.export",
     "export_for_serving": "tputrain.keras_saving",
     "InitCheckpoint": "tputrain.init_checkpoint",
+    "MLflowTracker": "tputrain.tracking",
     "NoNewCheckpointError": "tputrain.sidecar",
     "ReadOnlyTrainer": "tputrain.sidecar",
     "evaluate_checkpoints": "tputrain.sidecar",

@@ -45,6 +45,7 @@ from tputrain.tasks.digits import DigitsTask
 from tputrain.tasks.keras_hub_lm import KerasHubLMTask
 from tputrain.tasks.text_lm import TextLMTask
 from tputrain.tasks.transformer import SyntheticLMTask
+from tputrain.tracking import MLflowTracker
 from tputrain.trainer import Trainer
 
 # Options class -> {field: the old binding it replaces}.
@@ -116,7 +117,8 @@ def _register_aliases() -> None:
 # Classes gin configures in place: `TFRecordInput()` anywhere takes gin's bindings.
 CLASSES = (Trainer, NonFiniteGuard, BestCheckpoint, EarlyStopping, Export, InitCheckpoint,
            InputOptions, TFDSInput, TFRecordInput, MixtureInput, PackSequences, PadSequences,
-           MLPClassifierTask, DigitsTask, SyntheticLMTask, TextLMTask, KerasHubLMTask)
+           MLPClassifierTask, DigitsTask, SyntheticLMTask, TextLMTask, KerasHubLMTask,
+           MLflowTracker)
 
 
 def _register_classes() -> None:

@@ -1,0 +1,184 @@
+"""`Tracker`: the action an experiment tracker (MLflow, W&B) is built on.
+
+On the chief only, it sends the run's parameters (the operative config's scalar
+bindings, the Trainer's options and its resolved plan), each progress line's
+figures as `train/<name>` and each evaluation's as `eval/<name>` (`eval/<set>/...`
+with named eval sets) at their step, and at the end goodput's shares as
+`goodput/<bucket>`, the operative config and goodput's account as artifacts, and
+the export and best checkpoint as references (tags; nothing large is copied).
+
+Every call to the tracker runs on a background thread (`Sender`): a tracker that
+is down or slow never stops or slows training; the first failure is one warning
+and the calls are retried. The run's id is kept in `model_dir/tracking/` (record.py),
+so a rerun, a resume after kill -9 and `tputrain eval` continue the same run; a
+metric at a step the run already holds (the steps a resume computes again) is not
+sent twice. A bad tracking URI is refused by `preflight`: one line, before anything
+is written to model_dir.
+
+A subclass connects a tracker: `check`, `open_run`, `logged_steps`, `send_params`,
+`send_metrics`, `send_artifact`, `send_tags`, `finish` (all but `check` run on the
+sender's thread).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import tensorflow as tf
+from absl import logging
+
+from tputrain import goodput
+from tputrain.actions.base import Action
+from tputrain.best import best_record
+from tputrain.config_summary import config_text
+from tputrain.context import ActionContext
+from tputrain.export import EXPORT_DIR
+from tputrain.tracking.record import prefixed, read_record, run_params, write_record
+from tputrain.tracking.sender import Sender
+
+
+class Tracker(Action):
+    """Base class of the trackers (the module docstring). `name` names its record."""
+
+    name = "tracker"
+
+    def __init__(self, flush_seconds: float = 30.0, max_queue: int = 1000):
+        self.flush_seconds, self.max_queue = flush_seconds, max_queue
+        self.sender: Sender | None = None
+        self.run_id: str | None = None
+        self.sent_steps: dict[str, int] = {}  # the run's last step of each metric
+        self._params_sent = False
+
+    # ---------------------------------------------------------- for subclasses
+
+    def check(self, model_dir: str, resuming: bool) -> None:
+        """Raises ValueError naming the fix when the tracker cannot work (a bad URI, the
+        package missing). `resuming`: model_dir already has a run of this tracker."""
+
+    def open_run(self, run_id: str | None, model_dir: str) -> str:
+        """Opens (None: creates) the tracker's run; returns its id."""
+        raise NotImplementedError
+
+    def logged_steps(self) -> dict[str, int]:
+        """The open run's last logged step of each metric."""
+        return {}
+
+    def send_params(self, params: Mapping[str, str]) -> None:
+        raise NotImplementedError
+
+    def send_metrics(self, step: int, values: Mapping[str, float]) -> None:
+        raise NotImplementedError
+
+    def send_artifact(self, name: str, text: str) -> None:
+        raise NotImplementedError
+
+    def send_tags(self, tags: Mapping[str, str]) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """The run ended (it may be continued later)."""
+
+    # ---------------------------------------------------------- the hooks
+
+    def preflight(self, context: ActionContext) -> None:
+        self.check(context.model_dir, read_record(context.model_dir, self.name) is not None)
+
+    def on_train_begin(self, context: ActionContext, step: int) -> None:
+        if context.is_chief and self.sender is None:
+            self.start(context.model_dir, writer=True)
+            self.sender.put(("tags", {"tputrain.model_dir": context.model_dir}))
+
+    def start(self, model_dir: str, writer: bool) -> None:
+        """Starts the sender and opens the run (the record's, else a new one, recorded
+        when `writer`: `tputrain eval` reads it, and does nothing without one)."""
+        record = read_record(model_dir, self.name)
+        if record is None and not writer:
+            logging.warning("tputrain: %s: no run in %s yet (tracking/%s.json): these "
+                            "evaluations are not tracked", type(self).__name__, model_dir,
+                            self.name)
+            return
+        self.sender = Sender(type(self).__name__, self._send, self.max_queue)
+        self.sender.put(("open", record["run_id"] if record else None, model_dir, writer))
+
+    def on_loop_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
+        if self.sender is None:
+            return
+        if not self._params_sent:  # after the first loop: the plan's XLA is decided
+            self._params_sent = True
+            self.sender.put(("params", run_params(context)))
+        self.sender.put(("metrics", step, prefixed("train", logs)))
+
+    def on_eval_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
+        if self.sender is not None:
+            self.sender.put(("metrics", step, prefixed("eval", logs)))
+
+    def on_save(self, context: ActionContext, step: int, path: str | None) -> None:
+        if self.sender is not None and context.stop_reason == "preempted":
+            self.sender.flush(self.flush_seconds)  # the process exits 42 next
+
+    def on_train_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
+        if self.sender is None:
+            return
+        if not self._params_sent:
+            self._params_sent = True
+            self.sender.put(("params", run_params(context)))
+        account = goodput.account(context.model_dir)
+        self.sender.put(("metrics", step, goodput.scalars(account)))
+        self.sender.put(("artifact", "operative_config.gin", config_text(context)))
+        self.sender.put(("artifact", "goodput.txt", goodput.format_account(account) + "\n"))
+        self.sender.put(("tags", references(context.model_dir)))
+        self.sender.put(("finish",))
+        self.close()
+
+    def close(self) -> None:
+        """Sends what is queued (at most `flush_seconds`)."""
+        if self.sender is not None:
+            self.sender.flush(self.flush_seconds)
+
+    # ---------------------------------------------------------- the sender's side
+
+    def _send(self, job: tuple[Any, ...]) -> None:
+        kind, *args = job
+        if kind == "open":
+            self._open(*args)
+        elif kind == "metrics":
+            self._metrics(*args)
+        elif kind == "params":
+            self.send_params(*args)
+        elif kind == "artifact":
+            self.send_artifact(*args)
+        elif kind == "tags":
+            self.send_tags(*args)
+        elif kind == "finish":
+            self.finish()
+
+    def _open(self, run_id: str | None, model_dir: str, writer: bool) -> None:
+        self.run_id = self.open_run(run_id, model_dir)
+        self.sent_steps = self.logged_steps() if self.run_id == run_id else {}
+        if writer and self.run_id != run_id:
+            write_record(model_dir, self.name, {"run_id": self.run_id})
+
+    def _metrics(self, step: int, values: Mapping[str, float]) -> None:
+        """Sends the values the run does not hold at `step` yet (a resume's recomputed
+        steps were logged by the run that first computed them)."""
+        new = {key: value for key, value in values.items()
+               if step > self.sent_steps.get(key, -1)}
+        if new:
+            self.send_metrics(step, new)
+            self.sent_steps.update({key: step for key in new})
+
+
+def references(model_dir: str) -> dict[str, str]:
+    """Where the run's large outputs are (tags, not copies): the newest export, the best
+    checkpoint."""
+    tags = {}
+    exports = [path for path in tf.io.gfile.glob(os.path.join(model_dir, EXPORT_DIR, "*"))
+               if os.path.basename(path).isdigit()]
+    if exports:
+        tags["tputrain.export"] = max(exports, key=lambda path: int(os.path.basename(path)))
+    best = best_record(model_dir)
+    if best is not None:
+        tags["tputrain.best_checkpoint"] = best["checkpoint"]
+        tags["tputrain.best_step"] = str(best["step"])
+    return tags

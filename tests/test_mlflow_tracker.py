@@ -4,12 +4,18 @@ params from the config and the plan, artifacts; a bad URI refused before any wri
 from __future__ import annotations
 
 import os
+import re
+import signal
+import subprocess
+import sys
 
 import pytest
 import tensorflow as tf
 
 import tputrain
 from tputrain.tracking.record import read_record
+from faults import Process, child_env, cli_refusal, pausable_env
+from mlflow_server import MlflowServer
 from tiny import TinyTask
 
 mlflow = pytest.importorskip("mlflow", reason="the mlflow extra: pip install 'tputrain[mlflow]'")
@@ -73,8 +79,91 @@ def test_one_run_across_a_resume_with_no_step_twice(tmp_path, store):
     assert {"operative_config.gin", "goodput.txt"} <= artifacts
 
 
-def test_a_bad_tracking_uri_is_refused_before_model_dir_is_written(tmp_path):
-    model_dir = tmp_path / "run"
-    with pytest.raises(ValueError, match="MLflowTracker: tracking URI http://127.0.0.1:9"):
-        _trainer(model_dir, "http://127.0.0.1:9", 100)
-    assert not model_dir.exists()
+def test_a_bad_tracking_uri_is_one_line_and_exit_2_before_anything_is_written(tmp_path):
+    stderr = cli_refusal(tmp_path, "include 'digits.gin'\n"
+                         "Trainer.actions = [@MLflowTracker()]\n"
+                         "MLflowTracker.tracking_uri = 'http://127.0.0.1:9'\n")
+    assert "MLflowTracker: tracking URI http://127.0.0.1:9 does not work" in stderr
+
+
+# ------------------------------------------------------------ the CLI and a real server
+
+DIGITS = ["--gin_import=faults", "--gin_file=digits.gin", "--gin_param=Trainer.train_steps=600",
+          "--gin_param=Trainer.eval_every=200", "--gin_param=Trainer.checkpoint_every=200",
+          "--gin_param=MLflowTracker.experiment='e2e'"]
+
+
+def _cli(tmp_path, uri, *args, actions="@Export(), @MLflowTracker()"):
+    return [sys.executable, "-m", "tputrain.run", *DIGITS, f"--model_dir={tmp_path / 'model'}",
+            f"--gin_param=MLflowTracker.tracking_uri='{uri}'",
+            f"--gin_param=Trainer.actions=[{actions}]", *args]
+
+
+def _env(tmp_path):
+    return dict(child_env(), TPUTRAIN_CACHE_DIR=str(tmp_path / "cache"))
+
+
+def _done(log: str) -> str:
+    return re.findall(r"done at step 600: (.*)", log)[-1]
+
+
+@pytest.fixture
+def server(tmp_path):
+    server = MlflowServer(tmp_path)
+    server.wait_ready()
+    yield server
+    server.kill()
+
+
+@pytest.mark.slow
+def test_kill_9_resume_and_tputrain_eval_are_one_run(tmp_path, server):
+    """Acceptance 1: killed at step 300 (checkpoint 200), resumed, then `tputrain eval`:
+    one MLflow run, every step once, params, artifacts."""
+    killed = Process(_cli(tmp_path, server.uri, "--gin_param=PauseAtStep.step=300",
+                          actions="@Export(), @MLflowTracker(), @PauseAtStep()"),
+                     _env(tmp_path))
+    killed.wait_for(r"tputrain-test: paused at step 300", timeout=900)
+    assert killed.kill(signal.SIGKILL) == -signal.SIGKILL
+    resumed = subprocess.run(_cli(tmp_path, server.uri), env=_env(tmp_path), text=True,
+                             capture_output=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "restored" in resumed.stderr and "(step 200)" in resumed.stderr
+    evaluated = subprocess.run([sys.executable, "-m", "tputrain.cli", "eval",
+                                f"--model_dir={tmp_path / 'model'}"], env=_env(tmp_path),
+                               text=True, capture_output=True, timeout=600)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+
+    client = mlflow.tracking.MlflowClient(server.uri)
+    runs = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
+    assert [r.info.run_id for r in runs] == [read_record(str(tmp_path / "model"), "mlflow")["run_id"]]
+    run_id = runs[0].info.run_id
+    assert _steps(client, run_id, "train/loss") == [100, 200, 300, 400, 500, 600]
+    assert _steps(client, run_id, "eval/accuracy") == [200, 400, 600]
+    run = client.get_run(run_id)
+    assert run.data.params["DigitsTask.dropout"] == "0.1"
+    assert run.data.params["plan/global_batch_size"] == "64"
+    assert run.data.tags["tputrain.export"].endswith("export/600")
+    assert {"operative_config.gin", "goodput.txt"} <= {
+        a.path for a in client.list_artifacts(run_id)}
+
+
+@pytest.mark.slow
+def test_a_tracking_server_that_dies_mid_run_changes_nothing(tmp_path, server):
+    """Acceptance 3: the server killed at step 300; training ends as without a tracker,
+    with one warning line."""
+    paused = Process(_cli(tmp_path, server.uri, "--gin_param=MLflowTracker.flush_seconds=2",
+                          "--gin_param=PauseAtStep.step=300",
+                          actions="@Export(), @MLflowTracker(), @PauseAtStep()"),
+                     pausable_env(_env(tmp_path)), stdin=True)
+    paused.wait_for(r"tputrain-test: paused at step 300", timeout=900)
+    server.kill()
+    paused.send("go")
+    assert paused.finish(timeout=600) == 0, paused.log()
+    warnings = [line for line in paused.lines if line.startswith("W") and "MLflow" in line]
+    assert len(warnings) == 1, paused.text()[-3000:]
+    assert "MLflowTracker: the tracker failed" in paused.text()
+    alone = subprocess.run([sys.executable, "-m", "tputrain.run", *DIGITS[:5],
+                            f"--model_dir={tmp_path / 'alone'}"], env=_env(tmp_path),
+                           text=True, capture_output=True, timeout=600)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert _done(paused.text()) == _done(alone.stderr)

@@ -59,6 +59,7 @@ from tputrain.preflight import preflight
 from tputrain.progress import Progress, summary_root
 from tputrain.progress_bar import ProgressBarAction
 from tputrain.task import Task, overrides_train_step
+from tputrain.tuning.report import with_trial_report
 from tputrain.validate import check_split_names, check_splits, named_splits
 
 
@@ -145,7 +146,8 @@ class Trainer:
             steps_per_program=steps_per_program, class_weight=class_weight, progress_bar=progress_bar,
             checkpoint=checkpoint, profiling=profiling, ema_decay=ema_decay, remat=remat)
         _check_arguments(task, model_dir)
-        self.actions, self.startup = check_actions(actions), StartupClock()  # goodput.py
+        # goodput.py; and a tuning trial's metric report (tputrain/tuning/report.py)
+        self.actions, self.startup = with_trial_report(check_actions(actions)), StartupClock()
         self._closed, self.context = False, None
         default_progress()  # a plain Python script shows progress, as the CLI does
         self.task, self.model_dir = task, model_dir

@@ -28,6 +28,8 @@ from tputrain.cli.common import (EXIT_BAD_INPUT, EXIT_TRAINING_FAILED, GIN_FLAGS
                                  default_operative_config, define_gin_flags, error_message, fail,
                                  list_in_help, parse_gin_flags, reject_arguments, run_command)
 from tputrain.sidecar import Metrics, NoNewCheckpointError, ReadOnlyTrainer, evaluate_checkpoints
+from tputrain.tracking import Tracker
+from tputrain.trainer import Trainer
 
 FLAGS = flags.FLAGS
 
@@ -56,15 +58,38 @@ def _print(step: int, logs: Metrics) -> None:
     print(json.dumps({"step": step, **logs}), flush=True)
 
 
+def _trackers(trainer: Trainer) -> list[Tracker]:
+    """The config's trackers (tputrain/tracking/), continuing the training's run: its
+    evaluations at steps the run does not hold yet go there too."""
+    trackers = [action for action in trainer.actions if isinstance(action, Tracker)]
+    for tracker in trackers:
+        tracker.start(trainer.model_dir, writer=False)
+    return trackers
+
+
+def _evaluate(trainer: Trainer, timeout: float | None) -> None:
+    """Evaluates as the flags ask; each result printed and sent to the trackers."""
+    trackers = _trackers(trainer)
+
+    def on_result(step: int, logs: Metrics) -> None:
+        _print(step, logs)
+        for tracker in trackers:
+            tracker.on_eval_end(trainer.context, step, logs)
+    try:
+        evaluate_checkpoints(trainer, step=FLAGS.step, continuous=FLAGS.continuous,
+                             poll_seconds=FLAGS.poll_seconds, timeout=timeout,
+                             on_result=on_result)
+    finally:
+        for tracker in trackers:
+            tracker.close()
+
+
 def main(argv: list[str]) -> None:
     reject_arguments(argv)
     parse_gin_flags(default_operative_config())
     timeout = FLAGS.timeout_seconds if FLAGS.timeout_seconds > 0 else None
     try:
-        trainer = build_trainer(FLAGS.model_dir, ReadOnlyTrainer)
-        evaluate_checkpoints(trainer, step=FLAGS.step, continuous=FLAGS.continuous,
-                             poll_seconds=FLAGS.poll_seconds, timeout=timeout,
-                             on_result=_print)
+        _evaluate(build_trainer(FLAGS.model_dir, ReadOnlyTrainer), timeout)
     except NoNewCheckpointError as error:  # the training stopped before train_steps
         fail(str(error), EXIT_TRAINING_FAILED)  # (its lines are printed already)
     except (ValueError, TypeError, OSError, tf.errors.OpError) as error:

@@ -181,6 +181,8 @@ HELP = {'run': 'USAGE: tputrain [run] --gin_file=CONFIG [flags]\n'
                 '  --[no]submit: Create the job with google-cloud-aiplatform.\n'
                 '  --project: GCP project (with --submit).\n'
                 "  --region: Vertex AI region (with --submit). (default: 'us-central1')\n"
+                '  --tune: A tuning spec (YAML, as `tputrain tune` reads): write a\n'
+                '      HyperparameterTuningJob whose trials run this job instead.\n'
                 '\n'
                 "--helpfull also lists absl's own flags (logging, --flagfile).\n",
  'export': 'USAGE: tputrain export [flags]\n'
@@ -263,4 +265,25 @@ HELP = {'run': 'USAGE: tputrain [run] --gin_file=CONFIG [flags]\n'
             '  --step: Predict with the checkpoint of this step; default: the latest.\n'
             "  --log_every: A progress line every this many batches. (default: '100')\n"
             '\n'
-            "--helpfull also lists absl's own flags (logging, --flagfile).\n"}
+            "--helpfull also lists absl's own flags (logging, --flagfile).\n",
+ 'tune': 'USAGE: tputrain tune [flags]\n'
+         '\n'
+         '`tputrain tune --spec=SPEC --gin_file=F --study_dir=DIR`: search a tuning spec with '
+         'Optuna.\n'
+         '\n'
+         'flags:\n'
+         '  --gin_file: Gin config file(s); later files override earlier ones.\n'
+         '      (repeatable)\n'
+         "  --gin_param: Gin binding(s), e.g. 'Trainer.train_steps=100'. (repeatable)\n"
+         '  --gin_search_path: Folder(s) searched for gin files and includes. (repeatable)\n'
+         '  --gin_import: Python module(s) to import before parsing, e.g. a module\n'
+         '      defining your Task. (repeatable)\n'
+         '  --model_dir: Overrides Trainer.model_dir.\n'
+         '  --[no]deterministic: Enable TF op determinism: bitwise reproducible runs and\n'
+         '      resumes, at some speed cost.\n'
+         '  --spec: The tuning spec (YAML): parameters, metric, goal, trials, parallel.\n'
+         "  --study_dir: The study's folder: study.db, and each trial's model_dir and log.\n"
+         "  --trials: Overrides the spec's trial count.\n"
+         "  --parallel: Overrides the spec's trials at once.\n"
+         '\n'
+         "--helpfull also lists absl's own flags (logging, --flagfile).\n"}

@@ -38,6 +38,7 @@ SUMMARIES = {
     "export": "write a checkpoint as a SavedModel for serving (best or latest, or --step)",
     "eval": "evaluate a checkpoint (latest or --step), or --continuous each new one as it appears",
     "predict": "write every example's outputs of a split or TFRecord glob, once and in order",
+    "tune": "search a tuning spec's gin bindings with Optuna, each trial its own run (resumable)",
 }
 _HELP = (["--help"], ["-h"], ["help"])
 _COMMAND_HELP = ("--help", "-h", "--helpshort", "-?")

@@ -9,6 +9,8 @@ before any training; 3 when a multi-worker task never joined; 42 when preempted
 
 from __future__ import annotations
 
+import sys
+
 import tensorflow as tf
 from absl import flags, logging
 
@@ -25,6 +27,7 @@ from tputrain.guard import NonFiniteError
 from tputrain.distribution.launch import watch_launcher
 from tputrain.preemption import PREEMPTED_EXIT_CODE, ExitOnSignal
 from tputrain.trainer import Trainer
+from tputrain.tuning.vertex_job import hyperparameter_args
 from tputrain.validate import InputDataError, ModelDirError
 
 FLAGS = flags.FLAGS
@@ -93,5 +96,7 @@ def main(argv: list[str]) -> None:
 
 def console_main() -> None:
     """`tputrain [run] --gin_file=...`."""
+    # A Vertex AI tuning trial's values come as --<parameterId>=<value> (tuning/vertex_job.py).
+    sys.argv = hyperparameter_args(sys.argv)
     define_flags()
     run_command(main)

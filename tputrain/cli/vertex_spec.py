@@ -6,7 +6,9 @@ whose container runs `python -m tputrain.run` with your gin files, writing to
 accelerator and machine type, the image and bucket names, and the gin config
 itself (parsed here, with `Trainer.task` bound and the global batch divisible by
 the job's replica count). `--submit` sends it with google-cloud-aiplatform, which
-is only needed (and only imported) then.
+is only needed (and only imported) then. With `--tune=SPEC` (a tuning spec, as
+`tputrain tune` reads) it writes a HyperparameterTuningJob whose trials run that
+job, each reporting the spec's metric at every evaluation (docs/tracking.md).
 
     tputrain vertex-spec --gin_file=digits.gin --tpu=v5litepod-8 \\
         --image=us-docker.pkg.dev/my-project/train/tputrain:latest --bucket=gs://my-bucket
@@ -23,6 +25,9 @@ from tputrain.cli.common import define_gin_flags, list_in_help, reject_arguments
 from tputrain.vertex import (Hardware, SpecError, build_job, check_bucket, container_args,
                              default_display_name, gpu_hardware, num_replicas, submit,
                              tpu_hardware, validate_config)
+from tputrain.tuning.spec import SpecError as TuningSpecError
+from tputrain.tuning.spec import TuningSpec, binding_lines, load_spec
+from tputrain.tuning.vertex_job import build_tuning_job, submit_tuning_job
 
 FLAGS = flags.FLAGS
 
@@ -54,6 +59,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     flags.DEFINE_bool("submit", False, "Create the job with google-cloud-aiplatform.", **fv)
     flags.DEFINE_string("project", None, "GCP project (with --submit).", **fv)
     flags.DEFINE_string("region", "us-central1", "Vertex AI region (with --submit).", **fv)
+    flags.DEFINE_string("tune", None, "A tuning spec (YAML, as `tputrain tune` reads): write a "
+                        "HyperparameterTuningJob whose trials run this job instead.", **fv)
     list_in_help([name for name in flag_values if name not in before], flag_values)
 
 
@@ -84,22 +91,40 @@ def _job(hardware: Hardware) -> dict:
                      spot=FLAGS.spot)
 
 
+def _tuning_spec() -> TuningSpec | None:
+    """--tune's spec, read and checked (its errors are the CLI's SpecErrors)."""
+    if not FLAGS.tune:
+        return None
+    if FLAGS.model_dir:
+        raise SpecError("--tune: each trial trains in its own folder under --bucket: "
+                        "leave out --model_dir")
+    try:
+        return load_spec(FLAGS.tune)
+    except TuningSpecError as error:
+        raise SpecError(f"--tune={FLAGS.tune}: {error}") from None
+
+
 def main(argv: list[str]) -> None:
     reject_arguments(argv)
     try:
         if not FLAGS.gin_file:
             raise SpecError("pass --gin_file=CONFIG (e.g. --gin_file=digits.gin)")
-        hardware = _hardware()
+        hardware, tuning = _hardware(), _tuning_spec()
         job = _job(hardware)
         if FLAGS.validate_config:
-            for warning in validate_config(FLAGS.gin_file, FLAGS.gin_param,
+            # A trial's bindings must parse too: checked with each parameter's first value.
+            trial = binding_lines({p.binding: p.values[0] if p.values else p.low
+                                   for p in (tuning.params if tuning else ())})
+            for warning in validate_config(FLAGS.gin_file, [*FLAGS.gin_param, *trial],
                                            FLAGS.gin_search_path, FLAGS.gin_import,
                                            num_replicas(hardware, FLAGS.replica_count),
                                            hardware.kind):
                 print(f"tputrain vertex-spec: warning: {warning}", file=sys.stderr)
+        job = build_tuning_job(tuning, job) if tuning else job
         print(json.dumps(job, indent=2))
         if FLAGS.submit:
-            name = submit(job, FLAGS.project, FLAGS.region)
+            name = (submit_tuning_job(job, FLAGS.project, FLAGS.region) if tuning
+                    else submit(job, FLAGS.project, FLAGS.region))
             print(f"tputrain vertex-spec: submitted {name}", file=sys.stderr)
     except SpecError as error:
         print(f"tputrain vertex-spec: error: {error}", file=sys.stderr)

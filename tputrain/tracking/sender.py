@@ -51,9 +51,11 @@ class Sender:
         waiter = threading.Thread(target=lambda: (self._queue.join(), done.set()), daemon=True)
         waiter.start()
         if not done.wait(timeout):
-            logging.warning("tputrain: %s: %d jobs not sent after %.0f s (the tracker is "
-                            "down or slow): they are lost when this process ends", self.name,
-                            self._queue.qsize(), timeout)
+            # Down: its warning was the one line; slow: this is.
+            log = logging.info if self.failing else logging.warning
+            log("tputrain: %s: %d jobs not sent after %.0f s (the tracker is down or slow): "
+                "they are lost when this process ends", self.name, self._queue.qsize(),
+                timeout)
             return False
         return True
 

@@ -1,0 +1,87 @@
+"""`tputrain tune` end to end: a study of digits.gin, killed mid-study and continued."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from faults import Process, child_env
+
+optuna = pytest.importorskip("optuna", reason="the tune extra: pip install 'tputrain[tune]'")
+
+SPEC = """\
+metric: accuracy
+goal: maximize
+trials: 6
+parallel: 2
+params:
+  build_optimizer.learning_rate: {min: 1.0e-4, max: 0.3, scale: log}
+  DigitsTask.dropout: {min: 0.0, max: 0.6}
+"""
+DIGITS = ["--gin_file=digits.gin", "--gin_param=Trainer.train_steps=400",
+          "--gin_param=Trainer.eval_every=100", "--gin_param=Trainer.checkpoint_every=100",
+          "--gin_param=Trainer.actions=[]"]
+
+
+def _tune(tmp_path, *args):
+    (tmp_path / "spec.yaml").write_text(SPEC)
+    return [sys.executable, "-m", "tputrain.cli", "tune", f"--spec={tmp_path / 'spec.yaml'}",
+            f"--study_dir={tmp_path / 'study'}", *DIGITS, *args]
+
+
+def _env(tmp_path):
+    return dict(child_env(), TPUTRAIN_CACHE_DIR=str(tmp_path / "cache"))
+
+
+@pytest.mark.slow
+def test_a_bad_spec_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "spec.yaml").write_text("metric: accuracy\nparams: {lr: {min: 0, max: 1}}\n")
+    result = subprocess.run([sys.executable, "-m", "tputrain.cli", "tune",
+                             f"--spec={tmp_path / 'spec.yaml'}", "--gin_file=digits.gin",
+                             f"--study_dir={tmp_path / 'study'}"], capture_output=True,
+                            text=True, env=_env(tmp_path), timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        "tputrain: error: params: 'lr' is not a gin binding (write Configurable.parameter, "
+        "e.g. build_optimizer.learning_rate)"]
+    assert not (tmp_path / "study").exists()
+
+
+@pytest.mark.slow
+def test_a_study_killed_midway_continues_and_its_best_trial_reproduces(tmp_path):
+    """Acceptance 4: 6 trials with pruning; killed mid-study and rerun, every trial runs
+    once; the best trial's bindings alone give its metric."""
+    first = Process(_tune(tmp_path), _env(tmp_path))
+    first.wait_for(r"tputrain tune: trial 2 started", timeout=900)
+    assert first.kill(signal.SIGKILL) == -signal.SIGKILL
+    second = subprocess.run(_tune(tmp_path), capture_output=True, text=True,
+                            env=_env(tmp_path), timeout=1500)
+    assert second.returncode == 0, second.stderr[-3000:] + second.stdout[-3000:]
+
+    study = optuna.load_study(study_name="tputrain",
+                              storage=f"sqlite:///{tmp_path / 'study' / 'study.db'}")
+    assert [t.number for t in study.trials] == list(range(6))
+    assert {t.state.name for t in study.trials} <= {"COMPLETE", "PRUNED"}
+    for trial in study.trials:
+        last = max(trial.intermediate_values)
+        assert last == 400 if trial.state.name == "COMPLETE" else last < 400
+    table = second.stdout[second.stdout.index("trial  state"):]
+    assert len(table.splitlines()) >= 7 and "best trial" in table
+    best = study.best_trial
+    bindings = re.findall(r"^(\S+ = \S+)$", table.split("its bindings:")[1], re.M)
+    assert len(bindings) == 2
+
+    alone = subprocess.run([sys.executable, "-m", "tputrain.run", *DIGITS,
+                            *(f"--gin_param={b}" for b in bindings),
+                            f"--model_dir={tmp_path / 'alone'}"], capture_output=True,
+                           text=True, timeout=600,
+                           env=dict(_env(tmp_path), TPUTRAIN_TUNE_METRIC="accuracy",
+                                    CLOUD_ML_HP_METRIC_FILE=str(tmp_path / "alone.metrics")))
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    from tputrain.tuning.report import read_report
+    assert read_report(str(tmp_path / "alone.metrics"), "accuracy")[400] == pytest.approx(
+        best.value, abs=1e-6)

@@ -1,0 +1,75 @@
+"""`tputrain tune --spec=SPEC --gin_file=F --study_dir=DIR`: search a tuning spec with Optuna.
+
+Each trial trains the gin config with the trial's bindings in its own model_dir
+under --study_dir, reporting the spec's metric at each evaluation; the pruner
+stops trials that trail (docs/tracking.md). The study is kept in
+DIR/study.db: run the same command again after a kill and it continues. At the
+end: a table of the trials (state, metric, step, params) and the best trial's
+bindings, ready for a gin file. Needs `pip install 'tputrain[tune]'`.
+Exits 0 when done; 2 for a bad spec or a config every trial refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from absl import flags
+
+from tputrain.cli.common import (GIN_FLAGS, define_gin_flags, fail, list_in_help,
+                                 reject_arguments, run_command)
+from tputrain.tuning.spec import SpecError, load_spec
+
+FLAGS = flags.FLAGS
+
+
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
+    define_gin_flags(flag_values)
+    fv = {"flag_values": flag_values}
+    flags.DEFINE_string("spec", None, "The tuning spec (YAML): parameters, metric, goal, "
+                        "trials, parallel.", **fv)
+    flags.DEFINE_string("study_dir", None, "The study's folder: study.db, and each trial's "
+                        "model_dir and log.", **fv)
+    flags.DEFINE_integer("trials", None, "Overrides the spec's trial count.", **fv)
+    flags.DEFINE_integer("parallel", None, "Overrides the spec's trials at once.", **fv)
+    list_in_help((*GIN_FLAGS, "spec", "study_dir", "trials", "parallel"), flag_values)
+
+
+def _run_args() -> list[str]:
+    """The flags every trial's `tputrain run` gets (its bindings come after)."""
+    args = [f"--gin_file={path}" for path in FLAGS.gin_file]
+    args += [f"--gin_param={binding}" for binding in FLAGS.gin_param]
+    args += [f"--gin_search_path={path}" for path in FLAGS.gin_search_path]
+    args += [f"--gin_import={module}" for module in FLAGS.gin_import]
+    return args + (["--deterministic"] if FLAGS.deterministic else [])
+
+
+def main(argv: list[str]) -> None:
+    reject_arguments(argv)
+    if not FLAGS.spec or not FLAGS.study_dir or not FLAGS.gin_file:
+        fail("pass --spec=SPEC.yaml, --study_dir=DIR and --gin_file=CONFIG")
+    if FLAGS.model_dir:
+        fail("each trial has its own model_dir under --study_dir: pass --study_dir, "
+             "not --model_dir")
+    try:
+        spec = load_spec(FLAGS.spec)
+        import optuna  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    except SpecError as error:
+        fail(str(error))
+    except ImportError:
+        fail("tputrain tune needs Optuna: pip install 'tputrain[tune]'")
+    from tputrain.tuning import study as engine  # pylint: disable=import-outside-toplevel
+    from tputrain.tuning.table import best_lines, trials_table  # pylint: disable=import-outside-toplevel
+    overrides = {"trials": FLAGS.trials, "parallel": FLAGS.parallel}
+    spec = dataclasses.replace(spec, **{k: v for k, v in overrides.items() if v})
+    try:
+        study = engine.StudyRunner(spec, FLAGS.study_dir, _run_args()).run()
+    except engine.TrialConfigError as error:
+        fail(str(error))
+    print(trials_table(study, spec))
+    print("\n".join(best_lines(study, spec)), flush=True)
+
+
+def console_main() -> None:
+    """`tputrain tune`."""
+    define_flags()
+    run_command(main)

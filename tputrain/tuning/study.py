@@ -1,0 +1,193 @@
+"""`tputrain tune`'s engine: a tuning spec searched locally with Optuna.
+
+Each trial is a `tputrain run` subprocess with its own model_dir,
+`<study_dir>/trial-<n>/`, its bindings as `--gin_param`s, and its output in
+`trial-<n>.log`. It reports the spec's metric at each evaluation
+(`tputrain.tuning.report`, the file Vertex AI reads too); the tuner reads it, hands
+it to Optuna as the trial's intermediate value at that step and stops a trial the
+pruner prunes (SIGTERM: it saves and exits 42). The study lives in
+`<study_dir>/study.db` (SQLite): a tuner killed mid-study and started again
+continues it. The trials it was running (stopped through their lifeline, as
+`tputrain launch`'s workers are) resume from their checkpoints under the same
+numbers; none is lost or run twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+from tputrain.distribution.launch import LAUNCHER_FD_ENV
+from tputrain.tuning.report import FILE_ENV, METRIC_ENV, TRIAL_ENV, read_report
+from tputrain.tuning.spec import Param, TuningSpec, gin_literal
+
+STUDY_NAME = "tputrain"
+POLL_SECONDS = 0.5
+ORPHAN_WAIT_SECONDS = 180.0  # a killed tuner's trials save and exit within this
+EXIT_BAD_INPUT = 2
+
+
+class TrialConfigError(RuntimeError):
+    """A trial refused its config (exit 2): every trial would; the study stops."""
+
+
+@dataclasses.dataclass
+class RunningTrial:
+    handle: Any  # optuna.trial.Trial
+    process: subprocess.Popen
+    report: str
+    reported: set[int]
+    pruned: bool = False
+
+
+def open_study(spec: TuningSpec, study_dir: str) -> Any:
+    """The study in `<study_dir>/study.db`, created or loaded."""
+    import optuna  # pylint: disable=import-outside-toplevel  (the `tune` extra)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    os.makedirs(study_dir, exist_ok=True)
+    pruner = (optuna.pruners.MedianPruner(n_startup_trials=2) if spec.pruner == "median"
+              else optuna.pruners.NopPruner())
+    return optuna.create_study(
+        storage=f"sqlite:///{os.path.abspath(study_dir)}/study.db", study_name=STUDY_NAME,
+        direction=spec.goal, sampler=optuna.samplers.TPESampler(seed=spec.seed),
+        pruner=pruner, load_if_exists=True)
+
+
+def suggest(trial: Any, param: Param) -> Any:
+    """The trial's value of `param` (a choice as its gin text: Optuna keeps scalars)."""
+    if param.kind == "float":
+        return trial.suggest_float(param.binding, param.low, param.high, log=param.log)
+    if param.kind == "int":
+        return trial.suggest_int(param.binding, param.low, param.high, log=param.log)
+    return trial.suggest_categorical(param.binding, [gin_literal(v) for v in param.values])
+
+
+def trial_bindings(spec: TuningSpec, values: dict[str, Any]) -> list[str]:
+    """The gin bindings of a trial's values (a choice's value is its gin text)."""
+    kinds = {param.binding: param.kind for param in spec.params}
+    return [f"{name} = {value if kinds.get(name) == 'choice' else gin_literal(value)}"
+            for name, value in values.items()]
+
+
+class StudyRunner:
+    """Runs a spec's trials (`parallel` at once) until the study has `trials` of them."""
+
+    def __init__(self, spec: TuningSpec, study_dir: str, run_args: Sequence[str],
+                 python: str = sys.executable):
+        self.spec, self.study_dir, self.run_args, self.python = spec, study_dir, list(run_args), python
+        self._lifeline_read, self._lifeline = os.pipe()  # EOF when this process dies
+        self.log: list[str] = []
+
+    def path(self, number: int, suffix: str = "") -> str:
+        return os.path.join(self.study_dir, f"trial-{number}{suffix}")
+
+    def run(self) -> Any:
+        """Runs the study to its trial count; returns it."""
+        wait_for_orphans(self.study_dir)
+        study = open_study(self.spec, self.study_dir)
+        import optuna  # pylint: disable=import-outside-toplevel
+        states = optuna.trial.TrialState
+        resumed = [optuna.trial.Trial(study, t._trial_id)  # pylint: disable=protected-access
+                   for t in study.get_trials(states=(states.RUNNING,))]
+        running: list[RunningTrial] = []
+        while True:
+            done = len(study.get_trials(states=(states.COMPLETE, states.PRUNED, states.FAIL)))
+            while len(running) < self.spec.parallel and (
+                    resumed or done + len(running) < self.spec.trials):
+                running.append(self._start(study, resumed.pop(0) if resumed else None))
+            if not running:
+                return study
+            time.sleep(POLL_SECONDS)
+            running = [trial for trial in running if not self._poll(study, trial)]
+
+    def _start(self, study: Any, handle: Any | None) -> RunningTrial:
+        """Starts a trial's run: a new one (`handle` None) or a killed tuner's."""
+        handle = study.ask() if handle is None else handle
+        for param in self.spec.params:  # a killed tuner's trial keeps the values it has
+            suggest(handle, param)
+        number, report = handle.number, self.path(handle.number, ".metrics")
+        bindings = trial_bindings(self.spec, handle.params)
+        env = dict(os.environ, **{METRIC_ENV: self.spec.metric, FILE_ENV: report,
+                                  TRIAL_ENV: str(number),
+                                  LAUNCHER_FD_ENV: str(self._lifeline_read)})
+        with open(self.path(number, ".log"), "a", encoding="utf-8") as log:
+            process = subprocess.Popen(
+                [self.python, "-m", "tputrain.run", *self.run_args,
+                 *(f"--gin_param={line}" for line in bindings),
+                 f"--model_dir={self.path(number)}"],
+                env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(self._lifeline_read,))
+        with open(self.path(number, ".pid"), "w", encoding="utf-8") as f:
+            f.write(f"{process.pid}\n")
+        print(f"tputrain tune: trial {number} started: {'; '.join(bindings)}", flush=True)
+        reported = set(study.trials[number].intermediate_values)
+        return RunningTrial(handle, process, report, reported)
+
+    def _poll(self, study: Any, trial: RunningTrial) -> bool:
+        """Hands new evaluations to Optuna, prunes, and ends a trial whose run exited."""
+        values = read_report(trial.report, self.spec.metric)
+        for step in sorted(set(values) - trial.reported):
+            trial.handle.report(values[step], step)
+            trial.reported.add(step)
+            if not trial.pruned and trial.handle.should_prune():
+                trial.pruned = True
+                trial.process.send_signal(signal.SIGTERM)  # saves, exits 42
+        code = trial.process.poll()
+        if code is None:
+            return False
+        self._finish(study, trial, code, values)
+        return True
+
+    def _finish(self, study: Any, trial: RunningTrial, code: int, values: dict[int, float]
+                ) -> None:
+        import optuna  # pylint: disable=import-outside-toplevel
+        number, states = trial.handle.number, optuna.trial.TrialState
+        if trial.pruned:
+            study.tell(trial.handle, state=states.PRUNED)
+            state = f"pruned at step {max(trial.reported)}"
+        elif code == 0 and values:
+            step = max(values)
+            study.tell(trial.handle, values[step])
+            state = f"{self.spec.metric} {values[step]:.6g} at step {step}"
+        else:
+            study.tell(trial.handle, state=states.FAIL)
+            state = f"failed (exit code {code}; see {self.path(number, '.log')})"
+            if code == EXIT_BAD_INPUT:
+                raise TrialConfigError(f"trial {number} refused its config: "
+                                       f"{last_error(self.path(number, '.log'))}")
+        print(f"tputrain tune: trial {number} {state}", flush=True)
+
+
+def last_error(log_path: str) -> str:
+    """The trial's `tputrain: error:` line, or its last line."""
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    errors = [line for line in lines if "tputrain: error:" in line]
+    return (errors or lines or ["(no output)"])[-1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"tputrain.run" in f.read()
+    except OSError:
+        return False
+
+
+def wait_for_orphans(study_dir: str) -> None:
+    """A killed tuner's trials stop by themselves (their lifeline): waits until they
+    have, so a resumed trial does not find its model_dir still locked."""
+    if not os.path.isdir(study_dir):
+        return
+    pids = []
+    for name in os.listdir(study_dir):
+        if name.endswith(".pid"):
+            with open(os.path.join(study_dir, name), encoding="utf-8") as f:
+                pids.append(int(f.read().strip() or 0))
+    deadline = time.monotonic() + ORPHAN_WAIT_SECONDS
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(POLL_SECONDS)

@@ -81,6 +81,9 @@ _EXPORTS = {
     "ReadOnlyTrainer": "tputrain.sidecar",
     "evaluate_checkpoints": "tputrain.sidecar",
     "averaged_weights": "tputrain.ema",
+    "write_atomically": "tputrain.checkpointing.atomic",
+    "atomic_path": "tputrain.checkpointing.atomic",
+    "RunDirectory": "tputrain.checkpointing.run_directory",
     "ExponentialAverage": "tputrain.ema",
 }
 

@@ -1,0 +1,125 @@
+"""tputrain.write_atomically / atomic_path: a kill at any file event of a write leaves the
+old file or the new one whole; two writers never share a temp file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import tputrain
+from tputrain.checkpointing import atomic
+
+# A writer in a child that stops before each file event of the helper (a write, a
+# close, an fsync, the rename) until told "go" on its stdin.
+CHILD = r"""
+import os, sys
+import tensorflow as tf
+from tputrain.checkpointing import atomic
+
+def paused(what, call):
+    def run(*args, **kwargs):
+        print(f"paused before {what}", flush=True)
+        sys.stdin.readline()
+        return call(*args, **kwargs)
+    return run
+
+GFile = tf.io.gfile.GFile
+GFile.write = paused("write", GFile.write)
+GFile.close = paused("close", GFile.close)
+os.fsync = paused("fsync", os.fsync)
+tf.io.gfile.rename = paused("rename", tf.io.gfile.rename)
+atomic.write_atomically(sys.argv[1], open(sys.argv[2], "rb").read())
+print("written", flush=True)
+"""
+
+
+def test_a_kill_at_any_file_event_leaves_the_old_file_or_the_new_one(tmp_path):
+    from faults import Process, child_env
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    target = folder / "record.json"
+    old, new = b"old " * 1000, np.random.default_rng(0).bytes(3 << 20)
+    target.write_bytes(old)
+    (tmp_path / "new").write_bytes(new)
+    process = Process([sys.executable, "-c", CHILD, str(target), str(tmp_path / "new")],
+                      child_env(), stdin=True)
+    events = []
+    while match := process.next_match(r"^paused before (\w+)$", timeout=300):
+        events.append(match.group(1))
+        state = tmp_path / f"killed-{len(events)}"
+        shutil.copytree(folder, state)  # what a kill now leaves
+        assert (state / target.name).read_bytes() in (old, new), events
+        process.send("go")
+    assert process.finish() == 0, process.text()
+    assert "written" in process.text()
+    assert target.read_bytes() == new and os.listdir(folder) == [target.name]
+    # The data is on disk before the rename, and the rename is on disk after it.
+    rename = events.index("rename")
+    assert "fsync" in events[:rename] and "fsync" in events[rename + 1:], events
+    assert events.index("close") < rename and events[-1] == "fsync", events
+
+
+def test_two_writers_never_share_a_temp_file(tmp_path):
+    """Each of 4 threads writes its own whole file 20 times to one path: each write
+    succeeds, every read in between sees one writer's file whole, no temp is left."""
+    target = tmp_path / "state.bin"
+    contents = [bytes([i]) * (256 << 10) for i in range(4)]
+    errors, reads = [], []
+    start = threading.Barrier(5)
+
+    def write(data):
+        start.wait()
+        try:
+            for _ in range(20):
+                tputrain.write_atomically(str(target), data)
+        except Exception as error:  # noqa: BLE001 - collected for the assertion
+            errors.append(error)
+
+    threads = [threading.Thread(target=write, args=(data,)) for data in contents]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    while any(thread.is_alive() for thread in threads):
+        if target.exists():
+            reads.append(target.read_bytes())
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert all(read in contents for read in reads)
+    assert target.read_bytes() in contents and os.listdir(tmp_path) == [target.name]
+
+
+def test_temp_names_are_the_writers_own_and_recognised(tmp_path):
+    target = str(tmp_path / "best.json")
+    first, second = atomic.temp_path(target), atomic.temp_path(target)
+    assert first != second and os.path.dirname(first) == str(tmp_path)
+    assert atomic.temp_owner(first)[1] == os.getpid() and atomic.is_temp(first)
+    assert not atomic.is_temp(target)
+    assert atomic.temp_path(str(tmp_path / "model.keras"), keep_suffix=True).endswith(".keras")
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
+    target = tmp_path / "final.weights.h5"
+    target.write_text("old")
+    with pytest.raises(RuntimeError, match="writer failed"):
+        with tputrain.atomic_path(str(target)) as temp:
+            with open(temp, "w") as f:
+                f.write("half")
+            raise RuntimeError("writer failed")
+    assert target.read_text() == "old" and os.listdir(tmp_path) == [target.name]
+
+
+def test_a_folder_is_written_whole_and_text_is_text(tmp_path):
+    with tputrain.atomic_path(str(tmp_path / "export" / "8"), overwrite=False) as temp:
+        os.makedirs(os.path.join(temp, "variables"))
+        with open(os.path.join(temp, "saved_model.pb"), "wb") as f:
+            f.write(b"pb")
+    assert (tmp_path / "export" / "8" / "saved_model.pb").read_bytes() == b"pb"
+    assert tputrain.write_atomically(str(tmp_path / "a.gin"), "x = 1\n") == str(tmp_path / "a.gin")
+    assert (tmp_path / "a.gin").read_text() == "x = 1\n"

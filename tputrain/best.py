@@ -37,24 +37,25 @@ from __future__ import annotations
 import json
 import math
 import os
-import uuid
 from typing import Any, Mapping
 
 import tensorflow as tf
 from absl import logging
 
 from tputrain.actions import Action
+from tputrain.checkpointing.atomic import TEMP_MARK, write_atomically
 from tputrain.checkpointing.files import first_line
 from tputrain.checkpointing.recovery import UNREADABLE_ERRORS
+from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.checks import check_int
 from tputrain.context import ActionContext
 from tputrain.loop.eval_sets import is_default, log_keys
 from tputrain.validate import ModelDirError
 
 
-BEST_DIR = "best"
-BEST_FILE = "best.json"
-EARLY_STOPPING_FILE = "early_stopping.json"  # in model_dir/checkpoints/
+BEST_DIR = RunDirectory.BEST
+BEST_FILE = RunDirectory.BEST_RECORD
+EARLY_STOPPING_FILE = RunDirectory.EARLY_STOPPING  # in model_dir/checkpoints/
 
 
 class Watch:
@@ -105,12 +106,7 @@ class Watch:
 def write_json(path: str, record: Mapping[str, Any]) -> None:
     """Writes `record` to a temp file, then renames it over `path`: a kill leaves
     the old file or the new one, never half of one."""
-    directory = os.path.dirname(path)
-    tf.io.gfile.makedirs(directory)
-    temp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with tf.io.gfile.GFile(temp, "w") as f:
-        f.write(json.dumps(record, indent=1) + "\n")
-    tf.io.gfile.rename(temp, path, overwrite=True)
+    write_atomically(path, json.dumps(record, indent=1) + "\n")
 
 
 def read_json(path: str) -> dict[str, Any] | None:
@@ -132,7 +128,7 @@ def best_record(model_dir: str, directory: str | None = None) -> dict[str, Any] 
     """The best checkpoint kept in `directory` (default model_dir/best): the
     `best.json` record ({"step", "value", "metric", "mode", "checkpoint"}) with
     "checkpoint" made a full path, or None if there is none whose files exist."""
-    directory = directory or os.path.join(model_dir, BEST_DIR)
+    directory = directory or RunDirectory(model_dir).best
     record = read_json(os.path.join(directory, BEST_FILE))
     if record is None or "checkpoint" not in record:
         return None
@@ -164,7 +160,7 @@ class BestCheckpoint(Action):
         self.loaded = False
 
     def directory_of(self, context: ActionContext) -> str:
-        return self.directory or os.path.join(context.model_dir, BEST_DIR)
+        return self.directory or RunDirectory(context.model_dir).best
 
     def preflight(self, context: ActionContext) -> None:
         self.watch.check(context)
@@ -242,7 +238,7 @@ class BestCheckpoint(Action):
         damage = checkpoint_damage(os.path.join(directory, name))
         if damage is None:
             return
-        source = os.path.join(context.model_dir, "checkpoints", name)
+        source = os.path.join(RunDirectory(context.model_dir).checkpoints, name)
         what = (f"the best checkpoint {os.path.join(directory, name)} ({record.get('metric')} "
                 f"{record.get('value')} at step {record.get('step')}, named by {BEST_FILE}) "
                 f"{damage}")
@@ -337,7 +333,7 @@ def tidy_best(directory: str) -> None:
     # Index files first: a deletion cut short leaves no index without its data.
     for name in sorted(tf.io.gfile.listdir(directory), key=lambda n: not n.endswith(".index")):
         stray = (name.startswith("ckpt-") and not (keep and name.startswith(keep))) \
-            or name.startswith(f"{BEST_FILE}.tmp-")
+            or name.startswith(f"{BEST_FILE}{TEMP_MARK}")
         if stray:
             logging.info("tputrain: removing %s from %s (not the kept best checkpoint)",
                          name, directory)
@@ -345,7 +341,7 @@ def tidy_best(directory: str) -> None:
 
 
 def early_stopping_path(model_dir: str) -> str:
-    return os.path.join(model_dir, "checkpoints", EARLY_STOPPING_FILE)
+    return RunDirectory(model_dir).early_stopping
 
 
 class EarlyStopping(Action):

@@ -40,7 +40,6 @@ import os
 import platform
 import re
 import sys
-import tempfile
 from importlib import metadata
 from typing import Any
 
@@ -341,10 +340,9 @@ def _read_checked(directory: str) -> dict[str, list[int]]:
 
 def _write_checked(directory: str, checked: dict[str, list[int]]) -> None:
     """Written aside and renamed: processes sharing the cache may write it at once."""
+    from tputrain.checkpointing.atomic import write_atomically  # imports no TensorFlow
+
     try:
-        handle, temporary = tempfile.mkstemp(prefix=CHECKED, suffix=".tmp", dir=directory)
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            json.dump(checked, file)
-        os.replace(temporary, os.path.join(directory, CHECKED))
+        write_atomically(os.path.join(directory, CHECKED), json.dumps(checked), durable=False)
     except OSError:  # a read-only cache: checked again next time
         pass

@@ -210,15 +210,12 @@ def clear_config() -> None:
 
 
 def write_operative_config(model_dir: str) -> str:
-    """Writes the bindings actually used to model_dir/operative_config.gin."""
-    import tensorflow as tf
+    """Writes the bindings actually used to model_dir/operative_config.gin (whole: a
+    temp file of this writer's own, renamed)."""
+    from tputrain.checkpointing.atomic import write_atomically
+    from tputrain.checkpointing.run_directory import RunDirectory
 
-    path = os.path.join(model_dir, "operative_config.gin")
-    tf.io.gfile.makedirs(model_dir)
-    with tf.io.gfile.GFile(path + ".tmp", "w") as f:
-        f.write(gin.operative_config_str())
-    tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
-    return path
+    return write_atomically(RunDirectory(model_dir).operative_config, gin.operative_config_str())
 
 
 def without_gin_notes(error: BaseException) -> BaseException:

@@ -34,7 +34,6 @@ import logging as pylogging
 import os
 import re
 import socket
-import uuid
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import keras
@@ -44,9 +43,11 @@ from absl import logging
 from tputrain import goodput, tracing
 from tputrain.actions import Action
 from tputrain.best import BestCheckpoint, best_record
+from tputrain.checkpointing.atomic import TEMP_MARK, atomic_path, temp_owner
 from tputrain.checkpointing.files import first_line, list_checkpoints
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.recovery import UNREADABLE_ERRORS, read_newest
+from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.checks import check_bool
 from tputrain.context import ActionContext
 from tputrain.data import parse_feature_spec
@@ -61,7 +62,7 @@ if TYPE_CHECKING:  # annotations only: the Trainer imports the actions
     from tputrain.task import Task
     from tputrain.trainer import Trainer
 
-EXPORT_DIR = "export"
+EXPORT_DIR = RunDirectory.EXPORT
 VERTEX_MODEL_DIR = "AIP_MODEL_DIR"  # set by Vertex AI: where the model artifacts go
 
 
@@ -221,11 +222,11 @@ def checkpoint_to_export(trainer: "Trainer", step: int | None = None,
     if step is None and record is not None and (best or action is not None):
         return record["checkpoint"], int(record["step"]), f"best {record['metric']} {record['value']:.4g}"
     if best and step is None:
-        raise ValueError(f"no best checkpoint in {best_dir or os.path.join(trainer.model_dir, 'best')}: "
+        raise ValueError(f"no best checkpoint in {best_dir or RunDirectory(trainer.model_dir).best}: "
                          "train with a BestCheckpoint action, or export the latest (--nobest)")
     if action is not None and best is None and step is None:
         logging.warning("tputrain: BestCheckpoint kept no checkpoint yet: exporting the latest")
-    listed = list_checkpoints(os.path.join(trainer.model_dir, "checkpoints")).paths
+    listed = list_checkpoints(RunDirectory(trainer.model_dir).checkpoints).paths
     if step is None:
         if not listed:
             raise ValueError(f"no checkpoint in {trainer.model_dir}: train first")
@@ -271,7 +272,7 @@ def export_complete(path: str) -> bool:
 def export_destination(trainer: "Trainer", step: int, export_dir: str | None = None) -> str:
     """`export_dir`, else $AIP_MODEL_DIR (Vertex AI), else model_dir/export/<step>."""
     return (export_dir or os.environ.get(VERTEX_MODEL_DIR)
-            or os.path.join(trainer.model_dir, EXPORT_DIR, str(step)))
+            or RunDirectory(trainer.model_dir).export_version(step))
 
 
 def export_checkpoint(trainer: "Trainer", step: int | None = None, export_dir: str | None = None,
@@ -306,19 +307,14 @@ def export_checkpoint(trainer: "Trainer", step: int | None = None, export_dir: s
     return path
 
 
-def _temp_tag() -> str:
-    """`<host>-<pid>-<hex>`: whose temp folder it is, so a later export can tell a
-    killed export's leftovers (this host, pid gone) from a live one's."""
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
 def remove_stale_temps(path: str) -> None:
-    """Removes `path.tmp-*` folders of exports killed on this host (their pid is gone)."""
+    """Removes `path.tmp-*` folders of exports killed on this host (their pid is gone;
+    the temp's name says whose it is: `tputrain.checkpointing.atomic.temp_owner`)."""
     parent, name = os.path.split(path.rstrip("/"))
     host = socket.gethostname()
-    for temp in tf.io.gfile.glob(os.path.join(parent, f"{name}.tmp-{host}-*")):
-        pid = temp.rsplit(".tmp-", 1)[1][len(host) + 1:].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+    for temp in tf.io.gfile.glob(os.path.join(parent, f"{name}{TEMP_MARK}{host}-*")):
+        owner = temp_owner(temp)
+        if owner is not None and owner[0] == host and not _alive(owner[1]):
             logging.warning("tputrain: removing %s, left by an export that was killed", temp)
             tf.io.gfile.rmtree(temp)
 
@@ -362,13 +358,10 @@ def write_saved_model(model: keras.Model, inputs: Any, spec: Any, path: str,
     remove_stale_temps(path)
     if _existing(path, reusable):
         return []
-    temp = f"{path.rstrip('/')}.tmp-{_temp_tag()}"
     try:
-        names = save_serving_model(model, inputs, temp, spec)
-        tf.io.gfile.rename(temp, path)
+        with atomic_path(path, overwrite=False) as temp:
+            names = save_serving_model(model, inputs, temp, spec)
     except (OSError, tf.errors.OpError) as error:
-        if tf.io.gfile.exists(temp):
-            tf.io.gfile.rmtree(temp)
         if reusable and tf.io.gfile.exists(os.path.join(path, "saved_model.pb")):
             return []  # another export of this step renamed first
         raise _write_error(path, error) from None
@@ -478,5 +471,5 @@ class Export(Action):
 def _exported(context: ActionContext, path: str, step: int) -> bool:
     """Whether the export of `step` is whole at `path`; a folder not named by the step
     ($AIP_MODEL_DIR, an `export_dir`) cannot say which step it holds: written again."""
-    return (path == os.path.join(context.model_dir, EXPORT_DIR, str(step))
+    return (path == RunDirectory(context.model_dir).export_version(step)
             and export_complete(path))

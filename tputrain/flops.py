@@ -20,12 +20,10 @@ smaller model.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
 import re
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -34,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tputrain.checkpointing.atomic import write_atomically
 from tputrain.distribution.strategy import worker_devices
 
 # Dense peak FLOP/s per TensorFlow device: (16-bit, float32). On TPUs float32
@@ -301,17 +300,8 @@ def _read_json(path: str) -> dict[str, Any]:
 
 
 def _write_json(path: str, value: dict[str, Any]) -> None:
-    """Atomically, through a temporary file of this writer's own."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as f:
-            json.dump(value, f, indent=1, sort_keys=True)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(temporary)
-        raise
+    """Atomically, through a temporary file of this writer's own (a cache: not fsynced)."""
+    write_atomically(path, json.dumps(value, indent=1, sort_keys=True), durable=False)
 
 
 def _probes_path(path: str) -> str:

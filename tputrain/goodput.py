@@ -58,12 +58,14 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.actions.base import Action
+from tputrain.checkpointing.atomic import write_atomically
+from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.context import ActionContext
 
 from tputrain import process_start
 from tputrain.process_start import process_start_time  # noqa: F401  (public here too)
 
-RECORD_DIR = "goodput"
+RECORD_DIR = RunDirectory.GOODPUT
 VERSION = 1
 # The record's loop buckets; the account adds startup, restart, recomputed, down, other.
 RUN_BUCKETS = ("compile", "steps", "input", "communication", "eval", "checkpoint", "export")
@@ -228,7 +230,8 @@ class RunRecord:
                 time.perf_counter() - self._saved_at < REMOTE_SAVE_SECONDS):
             return
         try:
-            write_atomically(self.path, json.dumps(self.data, indent=1))
+            # Rewritten every loop, a diagnostic: whole, but not fsynced each time.
+            write_atomically(self.path, json.dumps(self.data, indent=1), durable=False)
             self._saved_at = time.perf_counter()
         except (OSError, tf.errors.OpError) as error:
             self._broken = True
@@ -263,19 +266,10 @@ def _at_exit() -> None:
         record.save(force=True)
 
 
-def write_atomically(path: str, text: str) -> None:
-    """Writes a temp file, then renames it over `path` (a reader never sees half)."""
-    tf.io.gfile.makedirs(os.path.dirname(path))
-    temp = f"{path}.tmp-{os.getpid()}"
-    with tf.io.gfile.GFile(temp, "w") as f:
-        f.write(text)
-    tf.io.gfile.rename(temp, path, overwrite=True)
-
-
 def read_records(model_dir: str) -> list[dict[str, Any]]:
     """The run records of model_dir, oldest first; unreadable ones are skipped."""
     records = []
-    for path in tf.io.gfile.glob(os.path.join(model_dir, RECORD_DIR, "run-*.json")):
+    for path in tf.io.gfile.glob(RunDirectory(model_dir).goodput_record("*")):
         match = re.search(r"run-(\d+)\.json$", path)
         try:
             with tf.io.gfile.GFile(path) as f:
@@ -431,7 +425,7 @@ def _run_lines(result: Mapping[str, Any]) -> list[str]:
 def format_account(result: Mapping[str, Any]) -> str:
     """The account as text: the runs, then each bucket's seconds and share (to 100%)."""
     if not result["runs"]:
-        return (f"no goodput records in {os.path.join(result['model_dir'], RECORD_DIR)}: "
+        return (f"no goodput records in {RunDirectory(result['model_dir']).goodput}: "
                 "train there first (records are written by the chief while it trains)")
     lines = [f"goodput of {result['model_dir']}: {100 * result['goodput']:.1f}% of "
              f"{result['wall']:.1f}s wall over {len(result['runs'])} run(s); "
@@ -525,7 +519,7 @@ def _new_record(context: ActionContext, clock: StartupClock, step: int) -> RunRe
     """This process's record, numbered after model_dir's earlier runs (the chief's)."""
     earlier = read_records(context.model_dir) if context.is_chief else []
     run = earlier[-1]["run"] + 1 if earlier else 1
-    path = (os.path.join(context.model_dir, RECORD_DIR, f"run-{run}.json")
+    path = (RunDirectory(context.model_dir).goodput_record(run)
             if context.is_chief else None)
     rates = [r["seconds_per_step"] for r in earlier if r.get("seconds_per_step")]
     global _latest

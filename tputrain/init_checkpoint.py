@@ -36,6 +36,7 @@ from absl import logging
 from tputrain.actions import Action
 from tputrain.checkpointing.files import list_checkpoints
 from tputrain.checkpointing.integrity import GRAPH_KEY, object_graph
+from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.checkpointing.model_variables import ROOT as MODEL_VARIABLES, model_paths
 from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.checks import check_bool
@@ -96,7 +97,7 @@ def resolve_path(path: str) -> str:
     if tf.io.gfile.exists(f"{path}.index"):
         return path
     if tf.io.gfile.isdir(path):
-        inner = os.path.join(path, "checkpoints")
+        inner = RunDirectory(path).checkpoints  # a model_dir
         folder = inner if tf.io.gfile.isdir(inner) else path
         found = _checkpoints_in(folder)
         if found:

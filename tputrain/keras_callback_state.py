@@ -34,6 +34,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tputrain.checkpointing.atomic import write_atomically
+
 # Stock callbacks' attributes their state is made of (those their on_train_begin resets).
 _STOCK: tuple[tuple[type, tuple[str, ...]], ...] = (
     (keras.callbacks.ReduceLROnPlateau, ("wait", "cooldown_counter", "best")),
@@ -122,10 +124,7 @@ def _cut(path: str, size: int) -> None:
         data = f.read()
     if len(data) <= size:
         return
-    temp = f"{path}.tputrain-cut"
-    with tf.io.gfile.GFile(temp, "wb") as f:
-        f.write(data[:size])
-    tf.io.gfile.rename(temp, path, overwrite=True)
+    write_atomically(path, data[:size])
     logging.info("tputrain: %s: rows written after the restored checkpoint removed (they "
                  "are written again)", path)
 

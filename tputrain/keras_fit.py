@@ -16,13 +16,15 @@ import keras
 import tensorflow as tf
 
 from tputrain.actions import Action
+from tputrain.checkpointing.atomic import atomic_path
+from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.context import learning_rate
 from tputrain.config import without_gin_notes
 from tputrain.keras_callbacks import KerasCallbacks
 from tputrain.keras_task import KerasTask
 from tputrain.trainer import Trainer
 
-FINAL_WEIGHTS = "final.weights.h5"  # the callbacks' final weights, when not the last step's
+FINAL_WEIGHTS = RunDirectory.FINAL_WEIGHTS  # the callbacks' final weights, when not the last step's
 
 
 def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_data: Any = None,
@@ -75,12 +77,11 @@ def save_final_weights(model: keras.Model, model_dir: str) -> str:
     """`model_dir/final.weights.h5` (`model.load_weights` reads it): the weights the
     callbacks left at the end when they differ from the last checkpoint's. Written
     whole, then renamed into place (any `tf.io.gfile` path)."""
-    path = os.path.join(model_dir, FINAL_WEIGHTS)
-    with tempfile.TemporaryDirectory(prefix="tputrain-final-") as local:
+    path = RunDirectory(model_dir).final_weights
+    with tempfile.TemporaryDirectory(prefix="tputrain-final-") as local, atomic_path(path) as temp:
         written = os.path.join(local, FINAL_WEIGHTS)
-        model.save_weights(written)
-        tf.io.gfile.copy(written, f"{path}.partial", overwrite=True)
-    tf.io.gfile.rename(f"{path}.partial", path, overwrite=True)
+        model.save_weights(written)  # h5 needs a local file: copied beside `path`, renamed
+        tf.io.gfile.copy(written, temp, overwrite=True)
     return path
 
 

@@ -36,6 +36,8 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tputrain.checkpointing.atomic import atomic_path
+from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.export import (VERTEX_MODEL_DIR, checkpoint_to_export, export_destination,
                              feature_spec_of, read_for_export, serving_inputs,
                              write_saved_model)
@@ -46,7 +48,7 @@ if TYPE_CHECKING:
 
 LORA_CHOICES = ("keep", "merge")
 QUANTIZE_CHOICES = ("int8",)
-KERAS_DIR = "keras"  # model_dir/keras/<step>.keras, <step>-int8.keras
+KERAS_DIR = RunDirectory.KERAS  # model_dir/keras/<step>.keras, <step>-int8.keras
 _LORA_CONFIG_KEYS = ("lora_rank", "lora_alpha")
 
 
@@ -77,18 +79,9 @@ def save_keras_file(model: keras.Model, path: str) -> str:
     a reader never sees half a file); LoRA layers are written merged (Keras's format)."""
     if not path.endswith(".keras"):
         raise ValueError(f"a Keras model file must end in .keras, got {path}")
-    parent = os.path.dirname(path)
-    if parent:
-        tf.io.gfile.makedirs(parent)
-    temp = f"{path}.tmp-{os.getpid()}.keras"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "compile() was not called"
-            model.save(temp)
-        tf.io.gfile.rename(temp, path, overwrite=True)
-    finally:
-        if tf.io.gfile.exists(temp):
-            tf.io.gfile.remove(temp)
+    with atomic_path(path, keep_suffix=True) as temp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "compile() was not called"
+        model.save(temp)
     return path
 
 
@@ -245,13 +238,13 @@ def _saved_model_path(trainer: "Trainer", step: int, export_dir: str | None,
     (model_dir/export/<step> holds the model as trained, `tputrain.Export`'s), else
     `export_destination`'s. Reusable: a numbered folder of model_dir holding this export."""
     if export_dir is None and merged:
-        return os.path.join(trainer.model_dir, "export_merged", str(step)), True
+        return RunDirectory(trainer.model_dir).export_version(step, "merged"), True
     path = export_destination(trainer, step, export_dir)
     return path, export_dir is None and not os.environ.get(VERTEX_MODEL_DIR)
 
 
 def _keras_path(trainer: "Trainer", step: int, suffix: str) -> str:
-    return os.path.join(trainer.model_dir, KERAS_DIR, f"{step}{suffix}.keras")
+    return RunDirectory(trainer.model_dir).keras_file(step, suffix)
 
 
 def _export_quantized(trainer: "Trainer", model: keras.Model, result: ServingExport,
@@ -262,7 +255,7 @@ def _export_quantized(trainer: "Trainer", model: keras.Model, result: ServingExp
     result.float32_metrics = evaluate_model(trainer, model)
     result.quantized_metrics = evaluate_model(trainer, quantized)
     if saved_model:
-        path = os.path.join(trainer.model_dir, f"export_{mode}", str(result.step))
+        path = RunDirectory(trainer.model_dir).export_version(result.step, mode)
         result.quantized_saved_model = _saved_model(trainer, quantized, path, True, examples)
     if keras_file:
         path = (keras_file[:-len(".keras")] + f"-{mode}.keras" if isinstance(keras_file, str)

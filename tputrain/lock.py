@@ -30,7 +30,9 @@ from typing import IO
 
 from absl import logging
 
-LOCK_FILE = ".tputrain.lock"
+from tputrain.checkpointing.run_directory import RunDirectory
+
+LOCK_FILE = RunDirectory.LOCK
 _HELD: dict[str, IO[str]] = {}  # real path of model_dir -> open, flocked lock file
 
 
@@ -50,7 +52,7 @@ def lock_model_dir(model_dir: str) -> None:
     key = os.path.realpath(model_dir)
     if _still_held(key):
         return
-    path = os.path.join(key, LOCK_FILE)
+    path = RunDirectory(key).lock
     try:
         os.makedirs(key, exist_ok=True)
         handle = open(path, "a+", encoding="utf-8")
@@ -84,7 +86,7 @@ def _still_held(key: str) -> bool:
     if handle is None:
         return False
     try:
-        if os.stat(os.path.join(key, LOCK_FILE)).st_ino == os.fstat(handle.fileno()).st_ino:
+        if os.stat(RunDirectory(key).lock).st_ino == os.fstat(handle.fileno()).st_ino:
             return True
     except OSError:
         pass

@@ -34,23 +34,24 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
 from typing import Callable
 
 import tensorflow as tf
 from absl import logging
 
+from tputrain.checkpointing.atomic import write_atomically
 from tputrain.checkpointing.files import list_checkpoints
 from tputrain.checkpointing.integrity import CheckpointMismatchError, describe_mismatch
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.recovery import UNREADABLE_ERRORS, read_newest
+from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.checks import check_int
 from tputrain.lock import ModelDirInUseError, lock_model_dir, release_model_dir
 from tputrain.predict import Outputs, predict_weights
 from tputrain.trainer import Trainer
 
-EVAL_DIR = "eval"
-RECORD_FILE = "evaluated_checkpoints.json"
+EVAL_DIR = RunDirectory.EVAL
+RECORD_FILE = RunDirectory.EVAL_RECORD
 Metrics = dict[str, float]
 
 
@@ -97,7 +98,7 @@ class ReadOnlyTrainer(Trainer):
 
 
 def checkpoint_dir(trainer: Trainer) -> str:
-    return os.path.join(trainer.model_dir, "checkpoints")
+    return RunDirectory(trainer.model_dir).checkpoints
 
 
 def checkpoint_step(path: str) -> int:
@@ -129,7 +130,7 @@ class EvalRecord:
     "skipped": {step: why}}, rewritten atomically (a temp file renamed) after each."""
 
     def __init__(self, model_dir: str):
-        self.path = os.path.join(model_dir, EVAL_DIR, RECORD_FILE)
+        self.path = RunDirectory(model_dir).eval_record
         self.evaluated: dict[int, Metrics] = {}
         self.skipped: dict[int, str] = {}
         if not tf.io.gfile.exists(self.path):
@@ -155,11 +156,7 @@ class EvalRecord:
         text = json.dumps({"evaluated": {str(k): v for k, v in sorted(self.evaluated.items())},
                            "skipped": {str(k): v for k, v in sorted(self.skipped.items())}},
                           indent=1)
-        temporary = f"{self.path}.tmp-{uuid.uuid4().hex[:8]}"
-        tf.io.gfile.makedirs(os.path.dirname(self.path))
-        with tf.io.gfile.GFile(temporary, "w") as f:
-            f.write(text)
-        tf.io.gfile.rename(temporary, self.path, overwrite=True)
+        write_atomically(self.path, text)
 
 
 def evaluate_checkpoints(trainer: Trainer, step: int | None = None, continuous: bool = False,
@@ -185,7 +182,7 @@ def evaluate_checkpoints(trainer: Trainer, step: int | None = None, continuous: 
     _check_arguments(step, continuous, poll_seconds, timeout, until_step)
     trainer.checkpointer.sync()  # an async save in flight in this process lands first
     path = None if continuous else _one_checkpoint(trainer, step)  # nothing written if none
-    eval_dir = os.path.join(trainer.model_dir, EVAL_DIR)
+    eval_dir = RunDirectory(trainer.model_dir).eval
     try:
         lock_model_dir(eval_dir)
     except ModelDirInUseError as error:

@@ -26,6 +26,7 @@ from tputrain.actions import (Action, CommunicationAction, MFUAction, NonFiniteP
 from tputrain.aggregation import with_aggregates
 from tputrain.builders import configured
 from tputrain.checkpointing.manager import Checkpointer
+from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain import compile_cache
@@ -204,8 +205,8 @@ class Trainer:
             self._train_iterator = iter(self.inputs.fetch_groups(self.inputs.train_dataset))
             per_host["iterator"] = self._train_iterator
         self.checkpointer = Checkpointer(
-            os.path.join(self._work_dir, "checkpoints"), self.step, every=self.checkpoint_every,
-            restore_directory=os.path.join(self.model_dir, "checkpoints"),  # the chief's
+            RunDirectory(self._work_dir).checkpoints, self.step, every=self.checkpoint_every,
+            restore_directory=RunDirectory(self.model_dir).checkpoints,  # the chief's
             # A float learning rate is a variable: the config's value wins over the
             # checkpoint's, unless an action sets it (Action.owns_learning_rate).
             config_owned=[] if any(a.owns_learning_rate for a in self.actions) else

@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.data import (FeatureSpecError, InputStateError, explain_data_loss,
                            explain_parse_error)
 from tputrain.gcs import check_bucket_writable  # google-cloud-storage itself loads lazily there
@@ -227,8 +228,6 @@ def iterator_state_bytes(dataset: tf.data.Dataset) -> int:
     return size
 
 
-# What tputrain writes inside model_dir; each existing one must take writes too.
-_WRITTEN_SUBDIRS = ("checkpoints", "train", "eval")
 
 
 def check_model_dir(model_dir: str, checkpoint_bytes: int = 0, keep: int = 2,
@@ -250,7 +249,8 @@ def check_model_dir(model_dir: str, checkpoint_bytes: int = 0, keep: int = 2,
     directory = model_dir
     try:
         tf.io.gfile.makedirs(model_dir)
-        for directory in [model_dir] + [f"{model_dir.rstrip('/')}/{sub}" for sub in _WRITTEN_SUBDIRS]:
+        # model_dir and what tputrain writes inside it; each existing one must take writes.
+        for directory in RunDirectory(model_dir).written():
             if directory == model_dir or tf.io.gfile.isdir(directory):
                 _write_probe(directory, checkpoint_bytes)
     except (tf.errors.OpError, OSError) as error:

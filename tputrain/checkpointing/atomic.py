@@ -30,19 +30,21 @@ import uuid
 from typing import Any, Iterator
 
 TEMP_MARK = ".tmp-"
-_TEMP_NAME = re.compile(r"^(?P<name>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-(?P<token>[0-9a-f]{8})"
+_TEMP_NAME = re.compile(r"^\.?(?P<name>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-(?P<token>[0-9a-f]{8})"
                         r"(?P<suffix>\.[A-Za-z0-9]+)?$")
 
 
-def temp_path(target: str, keep_suffix: bool = False) -> str:
+def temp_path(target: str, keep_suffix: bool = False, hidden: bool = False) -> str:
     """A temp name for `target` in its folder, unique to this writer: host, pid, random.
 
     `keep_suffix`: end it in the target's extension too (writers that check it: Keras'
-    `.keras`, `.weights.h5`)."""
-    target = target.rstrip("/")
-    suffix = os.path.splitext(target)[1] if keep_suffix else ""
+    `.keras`). `hidden`: begin it with a dot, so that a glob of the targets ("train-*",
+    the shards of a TFRecord write) never matches a killed writer's temp."""
+    folder, name = os.path.split(target.rstrip("/"))
+    suffix = os.path.splitext(name)[1] if keep_suffix else ""
     host = socket.gethostname().replace("/", "_")
-    return f"{target}{TEMP_MARK}{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}{suffix}"
+    name = f"{'.' if hidden else ''}{name}{TEMP_MARK}{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return os.path.join(folder, name + suffix) if folder else name + suffix
 
 
 def temp_owner(name: str) -> tuple[str, int] | None:
@@ -130,18 +132,19 @@ def move(source: str, target: str, overwrite: bool = True, durable: bool = True)
 
 @contextlib.contextmanager
 def atomic_path(path: str, overwrite: bool = True, keep_suffix: bool = False,
-                durable: bool = True) -> Iterator[str]:
+                durable: bool = True, hidden: bool = False) -> Iterator[str]:
     """Yields a temp path beside `path` to write a file or a folder at; when the block
     ends without error it is renamed over `path` (see `move`), else removed.
 
     `overwrite=False`: a `path` that exists meanwhile raises `tf.errors.AlreadyExistsError`
     (or `FileExistsError`) and the temp is removed; the caller decides what that means.
-    `durable=False` skips the fsyncs (caches that may be lost)."""
+    `durable=False` skips the fsyncs (caches that may be lost); `keep_suffix`, `hidden`:
+    see `temp_path`."""
     parent = os.path.dirname(path.rstrip("/"))
     if parent:
         gfile = _gfile(parent)
         gfile.makedirs(parent) if gfile is not None else os.makedirs(parent, exist_ok=True)
-    temp = temp_path(path, keep_suffix=keep_suffix)
+    temp = temp_path(path, keep_suffix=keep_suffix, hidden=hidden)
     try:
         yield temp
         move(temp, path.rstrip("/"), overwrite=overwrite, durable=durable)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 from absl import logging
 
+from tputrain.checkpointing.atomic import move
 from tputrain.checkpointing.files import STATE_FILE, files_of, first_line, list_checkpoints
 from tputrain.checkpointing.integrity import CheckpointMismatchError
 
@@ -138,5 +139,5 @@ def quarantine(directory: str, failed: list[str], state_file: bool) -> None:
         sources.append(f"{directory.rstrip('/')}/{STATE_FILE}")
     for source in sources:
         destination = f"{target}/{source.rsplit('/', 1)[-1]}"
-        tf.io.gfile.rename(source, destination, overwrite=True)
+        move(source, destination)
         logging.warning("tputrain: moved damaged %s to %s", source, destination)

@@ -84,7 +84,8 @@ class RunDirectory:
     def goodput(self) -> str:
         return self._join(self.GOODPUT)
 
-    def goodput_record(self, run: int) -> str:
+    def goodput_record(self, run: int | str) -> str:
+        """`goodput/run-<run>.json` (`run="*"`: the glob of them all)."""
         return self._join(self.GOODPUT, f"run-{run}.json")
 
     @property

@@ -22,6 +22,7 @@ import gin
 import tensorflow as tf
 from absl import flags
 
+from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.configurables import audit_precision  # the gin-configured one
 from tputrain.cli.common import (GIN_FLAGS, configured_task, define_gin_flags, fail, list_in_help,
                                  parse_gin_flags, reject_arguments, run_command)
@@ -71,7 +72,7 @@ def _arguments() -> dict[str, Any]:
         kwargs["policy"] = FLAGS.policy
     checkpoint = FLAGS.checkpoint
     if not checkpoint and FLAGS.model_dir:
-        checkpoint = f"{FLAGS.model_dir.rstrip('/')}/checkpoints"
+        checkpoint = RunDirectory(FLAGS.model_dir).checkpoints
         if not tf.train.latest_checkpoint(checkpoint):  # not trained yet: say so, audit anyway
             print(f"tputrain: no checkpoint in {checkpoint}: auditing the initial weights")
             checkpoint = None

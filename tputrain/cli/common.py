@@ -9,6 +9,7 @@ from typing import Callable, NoReturn, Sequence
 import gin
 from absl import app, flags, logging
 
+from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.config import ConfigError, parse_gin, require_bound
 from tputrain.configurables import configure_devices
 from tputrain.task import Task
@@ -132,7 +133,7 @@ def default_operative_config() -> list[str]:
     its `import` lines are not run (pass `parse_gin_flags` what this returns)."""
     if FLAGS.gin_file or not FLAGS.model_dir:
         return []
-    operative = os.path.join(FLAGS.model_dir, "operative_config.gin")
+    operative = RunDirectory(FLAGS.model_dir).operative_config
     if not os.path.isfile(operative):
         fail(f"{operative} does not exist (yet): pass the run's --gin_file")
     return [operative]

@@ -21,12 +21,12 @@ the config is bad.
 from __future__ import annotations
 
 import os
-import uuid
 
 import numpy as np
 import tensorflow as tf
 from absl import flags, logging
 
+from tputrain.checkpointing.atomic import atomic_path
 from tputrain.cli.common import (EXIT_BAD_INPUT, GIN_FLAGS, build_trainer,
                                  default_operative_config, define_gin_flags, error_message, fail,
                                  list_in_help, parse_gin_flags, reject_arguments, run_command)
@@ -70,20 +70,11 @@ def write_outputs(path: str, outputs: Outputs) -> None:
     if os.path.splitext(path)[1] == ".npy" and isinstance(outputs, dict):
         raise ValueError(f"--output={path}: a .npy file holds one output, the model has "
                          f"{len(outputs)} ({', '.join(sorted(outputs))}): write a .npz")
-    folder, name = os.path.split(os.path.abspath(path))
-    temporary = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(temporary, "wb") as file:
-            if path.endswith(".npy"):
-                np.save(file, outputs)
-            else:
-                np.savez(file, **(outputs if isinstance(outputs, dict)
-                                  else {SINGLE_KEY: outputs}))
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
+    with atomic_path(os.path.abspath(path)) as temporary, open(temporary, "wb") as file:
+        if path.endswith(".npy"):
+            np.save(file, outputs)
+        else:
+            np.savez(file, **(outputs if isinstance(outputs, dict) else {SINGLE_KEY: outputs}))
 
 
 def main(argv: list[str]) -> None:

@@ -13,10 +13,11 @@ import dataclasses
 import json
 import os
 import re
-import uuid
 from typing import Any, Mapping
 
 import tensorflow as tf
+
+from tputrain.checkpointing.atomic import atomic_path, is_temp
 
 MANIFEST_SUFFIX = ".manifest.json"
 _FORMAT = "tputrain.tfrecord_manifest"
@@ -26,8 +27,9 @@ _VERSION = 1
 _VAR_LEN_VERSION = 2
 _VERSIONS = (_VERSION, _VAR_LEN_VERSION)
 # Files write_tfrecords makes besides the shards: temp shards and spools of a write in
-# progress or killed (hidden, "<name>.tmp-<hex>" / "<prefix>.spool-<hex>"), and manifest
-# temp files (older versions wrote "<manifest>.tmp").
+# progress or killed (hidden, "<name>.tmp-<host>-<pid>-<hex>", the atomic-write helper's,
+# or from older versions "<name>.tmp-<hex>"; "<prefix>.spool-<hex>"), and manifest temp
+# files (older versions wrote "<manifest>.tmp").
 # A parsed feature: fixed-length, or variable-length (a rank-1 RaggedFeature).
 FeatureSpec = tf.io.FixedLenFeature | tf.io.RaggedFeature
 _TEMP_FILE = re.compile(r"^\..+\.(tmp|spool)-[0-9a-f]{32}$")
@@ -45,7 +47,7 @@ def writer_side_file(path: str) -> str | None:
         return "a tputrain manifest"
     if name.endswith(MANIFEST_SUFFIX + ".tmp"):
         return "a manifest temp file"
-    if _TEMP_FILE.match(name):
+    if _TEMP_FILE.match(name) or is_temp(name):
         return "a temp file of a write in progress or interrupted"
     return None
 
@@ -127,12 +129,9 @@ def write_manifest(path: str, manifest: Manifest) -> str:
     The temp file is hidden and unique, so a glob of the shards never matches it
     and concurrent writers do not share one.
     """
-    directory, name = os.path.split(path)
-    temp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex}")
-    with tf.io.gfile.GFile(temp, "w") as f:
+    with atomic_path(path, hidden=True) as temp, tf.io.gfile.GFile(temp, "w") as f:
         json.dump(manifest.to_json(), f, indent=1)
         f.write("\n")
-    tf.io.gfile.rename(temp, path, overwrite=True)
     return path
 
 

@@ -21,14 +21,14 @@ import dataclasses
 import json
 import os
 import platform
-import shutil
 import sysconfig
-import uuid
 import zlib
 from typing import Iterator
 
 import numpy as np
+import tensorflow as tf
 
+from tputrain.checkpointing.atomic import atomic_path
 from tputrain.data.manifest import manifest_path
 from tputrain.data.writer import write_tfrecords
 
@@ -165,18 +165,12 @@ def write_text_corpus(directory: str, *, max_files: int | None = None,
     if found is not None:
         return found
     files = split_by_file(stdlib_files(max_files), heldout_fraction)
-    parent, name = os.path.split(directory)
-    os.makedirs(parent, exist_ok=True)
-    temp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex}")
     try:
-        info = _write(temp, files, settings)
-        try:
-            os.rename(temp, directory)
-        except OSError:  # another process finished first: keep its corpus
-            found = _existing(directory, settings)
-            if found is None:
-                raise
-            return found
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
+        with atomic_path(directory, overwrite=False, hidden=True) as temp:
+            info = _write(temp, files, settings)
+    except (OSError, tf.errors.OpError):  # another process finished first: keep its corpus
+        found = _existing(directory, settings)
+        if found is None:
+            raise
+        return found
     return _corpus(directory, info)

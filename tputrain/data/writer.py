@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tputrain.checkpointing.atomic import move, temp_path
 from tputrain.checks import check_int
 from tputrain.data.example_codec import encode_example
 from tputrain.data import var_len as vl
@@ -262,11 +263,9 @@ class _ShardWriters:
 
     def __init__(self, paths: list[str], compression_type: str | None, num_workers: int):
         self.paths = paths
-        token = uuid.uuid4().hex
         # Hidden, and not ending in ".tfrecord", so that globs such as "prefix-*" or
         # "*.tfrecord" never pick up a shard left by a killed writer.
-        self.temp_paths = [os.path.join(os.path.dirname(p), f".{os.path.basename(p)}.tmp-{token}")
-                           for p in paths]
+        self.temp_paths = [temp_path(p, hidden=True) for p in paths]
         options = tf.io.TFRecordOptions(compression_type=compression_type or "")
         self.counts = [0] * len(paths)
         self._writers: list[tf.io.TFRecordWriter] = []
@@ -332,7 +331,7 @@ class _ShardWriters:
         for writer in self._writers:
             writer.close()
         for temp, path in zip(self.temp_paths, self.paths):
-            tf.io.gfile.rename(temp, path, overwrite=True)
+            move(temp, path)
         return [tf.io.gfile.stat(path).length for path in self.paths]
 
     def abort(self) -> None:

@@ -52,6 +52,8 @@ Where each part lives: `manager` (`Checkpointer`: cadence, keep-N, restore),
 checkpoint, NaN/Inf), `recovery` (unreadable checkpoints skipped and moved
 aside), `layout` (a checkpoint of another input layout), `host_state` (each
 host's data position), `config_owned` (hyper-parameters the config decides),
-`async_writer` (`async_save=True`) and `seeds` (Keras' seed generators).
+`async_writer` (`async_save=True`) and `seeds` (Keras' seed generators);
+`run_directory` (`RunDirectory`: every path of a model_dir, its layout) and `atomic`
+(`write_atomically`: every file written whole, the package's only rename).
 `tputrain.checkpoint` re-exports the public names.
 """

@@ -22,6 +22,7 @@ class RunDirectory:
           keras/<step>[-<mode>].keras  `.keras` files (export_for_serving)
           final.weights.h5           `tputrain.fit`: the weights the callbacks ended on
           goodput/run-<n>.json       each run's wall-clock record (tputrain goodput)
+          tracking/<tracker>.json    a tracker's run id (MLflowTracker), so a resume continues it
           train/, eval/              TensorBoard events (or under $AIP_TENSORBOARD_LOG_DIR)
           eval/evaluated_checkpoints.json  the side-car evaluator's record
 
@@ -37,6 +38,7 @@ class RunDirectory:
     EXPORT = "export"
     KERAS = "keras"
     GOODPUT = "goodput"
+    TRACKING = "tracking"
     TRAIN = "train"
     EVAL = "eval"
     EVAL_RECORD = "evaluated_checkpoints.json"
@@ -72,8 +74,8 @@ class RunDirectory:
     def export(self) -> str:
         return self._join(self.EXPORT)
 
-    def export_version(self, step: int, mode: str | None = None) -> str:
-        """`export/<step>`; with `mode` ("merged", "int8", ...) `export_<mode>/<step>`."""
+    def export_version(self, step: int | str, mode: str | None = None) -> str:
+        """`export/<step>` (`step="*"`: the glob of them); with `mode` ("merged", "int8", ...) `export_<mode>/<step>`."""
         folder = f"{self.EXPORT}_{mode}" if mode else self.EXPORT
         return self._join(folder, str(step))
 
@@ -87,6 +89,9 @@ class RunDirectory:
     def goodput_record(self, run: int | str) -> str:
         """`goodput/run-<run>.json` (`run="*"`: the glob of them all)."""
         return self._join(self.GOODPUT, f"run-{run}.json")
+
+    def tracking_record(self, tracker: str) -> str:
+        return self._join(self.TRACKING, f"{tracker}.json")
 
     @property
     def eval(self) -> str:

@@ -31,9 +31,9 @@ from absl import logging
 from tputrain import goodput
 from tputrain.actions.base import Action
 from tputrain.best import best_record
+from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.config_summary import config_text
 from tputrain.context import ActionContext
-from tputrain.export import EXPORT_DIR
 from tputrain.tracking.record import prefixed, read_record, run_params, write_record
 from tputrain.tracking.sender import Sender
 
@@ -173,7 +173,7 @@ def references(model_dir: str) -> dict[str, str]:
     """Where the run's large outputs are (tags, not copies): the newest export, the best
     checkpoint."""
     tags = {}
-    exports = [path for path in tf.io.gfile.glob(os.path.join(model_dir, EXPORT_DIR, "*"))
+    exports = [path for path in tf.io.gfile.glob(RunDirectory(model_dir).export_version("*"))
                if os.path.basename(path).isdigit()]
     if exports:
         tags["tputrain.export"] = max(exports, key=lambda path: int(os.path.basename(path)))

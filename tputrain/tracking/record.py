@@ -8,20 +8,20 @@ continue that run instead of opening another.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Mapping
 
 import tensorflow as tf
 
 from tputrain.config_summary import run_hparams
 from tputrain.context import ActionContext
-from tputrain.goodput import write_atomically
+from tputrain.checkpointing.atomic import write_atomically
+from tputrain.checkpointing.run_directory import RunDirectory
 
-TRACKING_DIR = "tracking"
+TRACKING_DIR = RunDirectory.TRACKING
 
 
 def record_path(model_dir: str, name: str) -> str:
-    return os.path.join(model_dir, TRACKING_DIR, f"{name}.json")
+    return RunDirectory(model_dir).tracking_record(name)
 
 
 def read_record(model_dir: str, name: str) -> dict[str, Any] | None:

@@ -54,7 +54,7 @@ from tputrain.data import parse_feature_spec
 from tputrain.data.manifest import is_var_len
 from tputrain.ema import load_averages
 from tputrain.precision.layers import override_layer_dtypes
-from tputrain.loop.step import ensure_built
+from tputrain.model_state import ensure_built
 from tputrain.tasks.digits import FEATURES as DIGITS_FEATURES, DigitsTask
 from tputrain.validate import ModelDirError
 

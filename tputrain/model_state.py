@@ -17,11 +17,12 @@ from tputrain.guard import NonFiniteGuard
 from tputrain.precision.layers import override_layer_dtypes
 from tputrain.loop.replica_seeds import fold_replica_into_seeds
 from tputrain.loop.replica_stats import sum_once
-from tputrain.loop.step import check_model_train_step, ensure_built
+from tputrain.keras_task import KerasTask
+from tputrain.loop.inputs import zeros_of
 from tputrain.options import RematOptions
 from tputrain.precision import wrap_optimizer_for_policy
 from tputrain.remat import build_with_remat
-from tputrain.task import Task
+from tputrain.task import Task, overrides, overrides_train_step
 
 
 # model -> ids of the trainable variables its optimizer, EMA and checkpoints were built for.
@@ -35,6 +36,35 @@ class ModelState(NamedTuple):
     eval_metrics: list[Any]
     step: tf.Variable  # the global step: optimizer updates done
     guard: NonFiniteGuard
+
+
+def ensure_built(model: keras.Model, features_spec: Any) -> None:
+    """Builds subclassed models (no Input layer) by calling them on zeros."""
+    if not (model.built and model.variables):
+        model(zeros_of(features_spec), training=False)
+
+
+def check_model_train_step(model: keras.Model, task: Task) -> None:
+    """Refuses a model that overrides `keras.Model.train_step` when the Task's step is
+    tputrain's own: nothing would call the model's, so it would silently train without
+    it. A Task that overrides `train_step` (or `compute_gradients`) is the port."""
+    if getattr(type(model), "train_step", keras.Model.train_step) is keras.Model.train_step:
+        return
+    if overrides_train_step(task) or overrides(task, "compute_gradients"):
+        return
+    name, task_name = type(model).__name__, type(task).__name__
+    if type(task) is KerasTask:  # tputrain.fit's: the port is a subclass passed as task=
+        raise TypeError(
+            f"tputrain: {name}.train_step overrides keras.Model.train_step, which tputrain "
+            "never calls (the Task's step trains the model): port its body to a KerasTask "
+            "in two lines, `class Ported(tputrain.KerasTask): def train_step(self, batch, "
+            "model, optimizer, metrics, global_batch_size): ...` and `tputrain.fit(model, "
+            "train_data, ..., task=Ported)` (docs/tasks.md, \"Port a model's train_step\")")
+    raise TypeError(
+        f"tputrain: {name}.train_step overrides keras.Model.train_step, which tputrain "
+        f"never calls (the Task's step trains the model): move it to {task_name}.train_step("
+        "batch, model, optimizer, metrics, global_batch_size) (docs/tasks.md, \"Port a "
+        "model's train_step\")")
 
 
 def build_model_state(task: Task, strategy: tf.distribute.Strategy, batch_spec: Any,

@@ -2,8 +2,10 @@
 
 `TrainerOptions` are what the user asked for; `RunPlan` is what the run does:
 the input mode (and why), the precision, the batch split (`BatchPlan`), the
-hosts, steps per fetch, and once the step is built, XLA and steps per program.
-`Inputs`, `HostLoop`, progress and the actions read it; nothing copies it.
+hosts, steps per fetch, whether the Task brings its own step, what XLA compiles
+once the model is built (`with_xla`, `tputrain.loop.xla_plan`), and steps per
+program once the host loop is. `Inputs`, the step, `HostLoop`, progress and the
+actions read it; nothing copies it.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import keras
 import tensorflow as tf
 
 from tputrain.distribution.strategy import check_devices_exist
 from tputrain.loop.hosts import host_topology, is_chief
 from tputrain.loop.inputs import default_input_mode
+from tputrain.loop.random_draws import features_spec
+from tputrain.loop.xla_plan import XLA_OFF, XlaPlan, decide_xla
 from tputrain.options import TrainerOptions
 
 
@@ -51,7 +56,8 @@ class BatchPlan:
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
-    """The options resolved for this strategy (frozen; `launched` fills in XLA).
+    """The options resolved for this strategy (frozen; `with_xla` fills in XLA once
+    the model is built, `launched` the steps per program).
 
     Option fields not listed here (train_steps, eval_every, ...) read through to
     `options`, so `plan.<knob>` is the value the run uses.
@@ -63,8 +69,9 @@ class RunPlan:
     input_mode: str
     input_mode_reason: str
     precision: str
-    jit_compile: bool | str = "auto"  # "auto" until the step is built
-    xla: str = "not built yet"
+    custom_train_step: bool  # the Task overrides Task.train_step (`overrides_train_step`)
+    jit_compile: bool | str = "auto"  # False once XLA refused the step ("auto")
+    xla_plan: XlaPlan | None = None  # None until the model is built (`with_xla`)
     steps_per_program: int | str = "auto"  # a number once the host loop is built
 
     def __getattr__(self, name: str) -> Any:
@@ -88,9 +95,29 @@ class RunPlan:
         """`name` as asked and as planned, for an error message."""
         return f"asked {getattr(self.options, name)!r}, planned {getattr(self, name)!r}"
 
-    def launched(self, jit_compile: bool | str, xla: str, steps_per_program: int) -> "RunPlan":
-        """This plan with what building the step decided."""
-        return dataclasses.replace(self, jit_compile=jit_compile, xla=xla,
+    @property
+    def xla(self) -> str:
+        """What XLA compiles and why, in words (the start-up line's)."""
+        return self.xla_plan.why if self.xla_plan is not None else "not built yet"
+
+    def with_xla(self, strategy: tf.distribute.Strategy, model: keras.Model,
+                 optimizer: keras.optimizers.Optimizer, train_element_spec: Any,
+                 source_key: str | None) -> "RunPlan":
+        """This plan with what `jit_compile` compiles for the built model
+        (`tputrain.loop.xla_plan.decide_xla`); `source_key`: a mixture's source id."""
+        features = features_spec(train_element_spec, self.batch.accumulation_steps, source_key)
+        return dataclasses.replace(self, xla_plan=decide_xla(
+            self.jit_compile, self.precision, self.custom_train_step, strategy, model,
+            optimizer, features))
+
+    def without_xla(self) -> "RunPlan":
+        """This plan once XLA refused the step (jit_compile="auto"): it runs uncompiled."""
+        return dataclasses.replace(self, jit_compile=False, xla_plan=XLA_OFF)
+
+    def launched(self, built: "RunPlan", steps_per_program: int) -> "RunPlan":
+        """This plan with what building the step (`built`, the step's plan) and the host
+        loop decided: XLA, unless refused, and the steps per program."""
+        return dataclasses.replace(self, jit_compile=built.jit_compile, xla_plan=built.xla_plan,
                                    steps_per_program=steps_per_program)
 
     def summary(self) -> str:
@@ -124,4 +151,5 @@ def resolve_plan(options: TrainerOptions, strategy: tf.distribute.Strategy,
                          "input_mode='host'; distributed input prefetches to the devices "
                          "already: set steps_per_fetch=1")
     return RunPlan(options, batch, is_chief(strategy), mode, reason, precision(),
-                   options.jit_compile, steps_per_program=options.steps_per_program)
+                   custom_train_step, options.jit_compile,
+                   steps_per_program=options.steps_per_program)

@@ -49,10 +49,10 @@ from tputrain.loop.replica_stats import ReplicaStatistics
 from tputrain.loop.source_counts import checkpointed, source_logs
 from tputrain.loop.step import StepBuilder
 from tputrain.loop.labels import check_first_labels
-from tputrain.model_state import build_model_state
+from tputrain.model_state import ModelState, build_model_state
 from tputrain.options import (CheckpointOptions, PrecisionOptions, ProfilingOptions, RematOptions,
                               TrainerOptions)
-from tputrain.plan import RESOLVED, resolve_plan
+from tputrain.plan import RESOLVED, RunPlan, resolve_plan
 from tputrain.precision import resolve_precision
 from tputrain.preemption import PreemptionWatcher
 from tputrain.predict import predict as predict_outputs
@@ -106,7 +106,44 @@ def _build_inputs(task: Task, strategy: tf.distribute.Strategy, plan: Any) -> In
     with named_splits(task, eval_splits):
         return Inputs(task, strategy, plan)
 
-class Trainer:
+class RunKnobs:
+    """The Trainer's knobs as the run uses them, read from its plan (`options` are the
+    user's), and the run state the actions share, read through their context."""
+
+    plan: RunPlan
+    context: ActionContext | None
+
+    train_steps = _planned("train_steps")
+    steps_per_loop = _planned("steps_per_loop")
+    global_batch_size = _planned("global_batch_size")
+    eval_every = _planned("eval_every")
+    eval_steps = _planned("eval_steps")
+    checkpoint_every = _planned("checkpoint_every")
+    keep_checkpoints = _planned("keep_checkpoints")
+    seed = _planned("seed")
+    accumulation_steps = _planned("accumulation_steps")
+    profile_steps = _planned("profile_steps")
+    steps_per_fetch = _planned("steps_per_fetch")
+    class_weight = _planned("class_weight")
+    input_mode = _planned("input_mode")
+    precision = _planned("precision")
+    jit_compile = _planned("jit_compile")
+    steps_per_program = _planned("steps_per_program")
+    checkpoint = _planned("checkpoint")
+    profiling = _planned("profiling")
+    ema_decay = _planned("ema_decay")
+    num_hosts = property(lambda self: self.plan.batch.num_hosts)
+    host_id = property(lambda self: self.plan.batch.host_id)
+    local_replicas = property(lambda self: self.plan.batch.local_replicas)
+    is_chief = property(lambda self: self.plan.is_chief)
+    eval_splits = property(lambda self: self.plan.options.eval_splits)  # the eval sets' names
+    stop_training = _from_context("stop_training")
+    stop_reason = _from_context("stop_reason")
+    flops_per_step = _from_context("flops_per_step")
+    report_mfu = _from_context("report_mfu")
+
+
+class Trainer(RunKnobs):
     """Trains a `Task` under a distribution strategy, with exact-resume checkpoints.
 
     Args:
@@ -162,26 +199,36 @@ class Trainer:
         compile_cache.report()  # set when tputrain was imported
         self.inputs = _build_inputs(task, self.strategy, self.plan)
         first = self.startup.mark("data", check_splits(self.inputs, self.eval_splits, self.eval_steps))
-        self.model, self.optimizer, self.train_metrics, self.eval_metrics, self.step, \
-            self.guard = self.startup.mark("model", build_model_state(
-                task, self.strategy, self.inputs.micro_batch_spec()[0],
-                self.options.precision.keep_float32_layers, guard, self.options.remat))
+        state = self.startup.mark("model", build_model_state(
+            task, self.strategy, self.inputs.micro_batch_spec()[0],
+            self.options.precision.keep_float32_layers, guard, self.options.remat))
+        self.model = state.model
+        self.optimizer = state.optimizer
+        self.train_metrics = state.train_metrics
+        self.eval_metrics = state.eval_metrics
+        self.step = state.step
+        self.guard = state.guard
         check_first_labels(first, self.model, task, self.inputs)  # tputrain/loop/labels.py
         self.ema = build_average(self.strategy, self.model, self.options.ema_decay)  # ema.py
         self._build_checkpointer()
-        self._steps = StepBuilder(task, self.model, self.optimizer, self.train_metrics,
-                                  self.guard, self.strategy, self.global_batch_size,
-                                  self.accumulation_steps, self.jit_compile, self.precision,
-                                  self.inputs.train_dataset.element_spec,
-                                  self.communication.allreduce_dtype, self.inputs.source_counter)
+        self._build_step(state)
         self._evaluator = EvalSets(task, self.model, self.eval_metrics, self.inputs,
                                    self.eval_steps, self._max_over_hosts, self.eval_splits)
-        self._launch(self.plan.jit_compile, self.plan.steps_per_program)
         logging.info("tputrain: %s, %s, XLA %s", type(self.strategy).__name__, self.plan.summary(), self.plan.xla)
 
-    def _launch(self, jit_compile: bool | str, steps_per_program: int | str) -> None:
+    def _build_step(self, state: ModelState) -> None:
+        """The plan's XLA decision for the built model, then the step that reads it."""
+        train_spec = self.inputs.train_dataset.element_spec
+        counter = self.inputs.source_counter
+        self.plan = self.plan.with_xla(self.strategy, self.model, self.optimizer, train_spec,
+                                       counter.key if counter is not None else None)
+        self._steps = StepBuilder(self.plan, self.task, state, self.strategy, train_spec,
+                                  self.communication.allreduce_dtype, counter)
+        self._launch(self.plan.steps_per_program)
+
+    def _launch(self, steps_per_program: int | str) -> None:
         """The plan with what building the step decided (the context sees it too)."""
-        self.plan = self.plan.launched(jit_compile, self._steps.xla_plan()[2], steps_per_program)
+        self.plan = self.plan.launched(self._steps.run_plan, steps_per_program)
         self.context.plan = self.plan
 
     def _context(self) -> ActionContext:
@@ -253,26 +300,6 @@ class Trainer:
     def agree(self, value: int) -> int:
         """The largest `value` over all hosts (a collective: every host calls it)."""
         return self._max_over_hosts(value)
-
-    # The knobs, as the run uses them (the plan; `options` are the user's).
-    train_steps, steps_per_loop, global_batch_size, eval_every, eval_steps, checkpoint_every, \
-        keep_checkpoints, seed, accumulation_steps, profile_steps, steps_per_fetch, \
-        class_weight, input_mode, precision, jit_compile, steps_per_program, checkpoint, \
-        profiling, ema_decay = (
-            _planned(name) for name in (
-                "train_steps", "steps_per_loop", "global_batch_size", "eval_every",
-                "eval_steps", "checkpoint_every", "keep_checkpoints", "seed",
-                "accumulation_steps", "profile_steps", "steps_per_fetch", "class_weight",
-                "input_mode", "precision", "jit_compile", "steps_per_program", "checkpoint",
-                "profiling", "ema_decay"))
-    num_hosts, host_id, local_replicas = (
-        property(lambda self, n=name: getattr(self.plan.batch, n))
-        for name in ("num_hosts", "host_id", "local_replicas"))
-    is_chief = property(lambda self: self.plan.is_chief)
-    eval_splits = property(lambda self: self.plan.options.eval_splits)  # the eval sets' names
-    stop_training, stop_reason, flops_per_step, report_mfu = (
-        _from_context(name) for name in ("stop_training", "stop_reason", "flops_per_step",
-                                         "report_mfu"))
 
     def close(self) -> None:
         """Releases this Trainer's input iterators now (freeing a tf.data iterator can block:
@@ -378,7 +405,7 @@ class Trainer:
                 lambda logs: count_step(self.step, self.guard, logs, self.ema)), self.inputs,
                 self.plan, self.step, self.guard, lambda: self.progress.ideal_step_seconds)
             # "auto" -> False if XLA refused it
-            self._launch(self._steps.jit_compile, program.get("program_steps", 1))
+            self._launch(program.get("program_steps", 1))
             self._train_loop_fn = HostLoop(step_fn, self.inputs, count_steps=True, step=self.step,
                                            guard=self.guard, stop_requested=self._stop_requested,
                                            counted_in_step=self._steps.counted_in_step,

@@ -12,7 +12,6 @@ from tputrain.context import ActionContext
 from tputrain.flops import (MEASURED_CPU, count_flops, peak_flops, peak_kind, raise_cpu_peak,
                             specs_of)
 from tputrain.remat import remat_disabled
-from tputrain.task import overrides_train_step
 
 
 class MFUAction(Action):
@@ -60,7 +59,7 @@ def count_flops_per_step(context: ActionContext) -> float:
     analytic = task.flops_per_example()
     if analytic is not None:
         return float(analytic) * context.plan.batch.global_batch_size
-    if overrides_train_step(task):
+    if context.plan.custom_train_step:
         raise ValueError(f"{type(task).__name__} overrides Task.train_step: return an "
                          "analytic count from Task.flops_per_example()")
     with remat_disabled(context.model):  # model FLOPs: not `Trainer.remat`'s recomputation

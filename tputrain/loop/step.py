@@ -7,12 +7,11 @@ Without an overridden `Task.train_step` the step is composed from
 gradients reach the optimizer unsummed; `tputrain.distribution.allreduce` sums them over
 replicas before clipping.
 
-Under a mixed policy on a CPU, `jit_compile="auto"` leaves the matmuls to oneDNN
-(XLA's CPU backend has none for bf16) and compiles only what XLA fuses well and
-oneDNN does not: the optimizer's update, and each exact GELU (`ElementwiseFusion`,
-`exact_gelu`), which TensorFlow otherwise runs as many small kernels; layer
-normalizations get a closed-form gradient, forward and backward each a small XLA
-program (`layer_norm`), for the same reason.
+What XLA compiles is the run plan's decision (`tputrain.loop.xla_plan`). Under a
+mixed policy on a CPU, `jit_compile="auto"` compiles the optimizer's update and
+each exact GELU (`ElementwiseFusion`, `exact_gelu`), which TensorFlow otherwise
+runs as many small kernels; layer normalizations get a closed-form gradient,
+forward and backward each a small XLA program (`layer_norm`), for the same reason.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator
 
 import keras
 import tensorflow as tf
@@ -28,35 +27,15 @@ from absl import logging
 
 from tputrain import tracing
 from tputrain.guard import NonFiniteGuard
-from tputrain.keras_task import KerasTask
 from tputrain.loop.batch_norm import fused_call as fused_batch_norm_call
-from tputrain.loop.convolutions import convolutions_on_onednn, has_convolutions
 from tputrain.loop.inputs import zeros_of
 from tputrain.loop.pipeline import UpdatePipeline
-from tputrain.loop.random_draws import draws_are_costly, features_spec
 from tputrain.loop.replica_stats import forward_state
 from tputrain.loop.source_counts import SourceCounter
-from tputrain.loop.update import refusal as update_refusal
-from tputrain.distribution.strategy import without_gpus
-from tputrain.task import Task, overrides, overrides_train_step, unpack_batch
-
-
-def ensure_built(model: keras.Model, features_spec: Any) -> None:
-    """Builds subclassed models (no Input layer) by calling them on zeros."""
-    if not (model.built and model.variables):
-        model(zeros_of(features_spec), training=False)
-
-
-class XlaPlan(NamedTuple):
-    """What `jit_compile` compiles (`StepBuilder.plan`), and why."""
-
-    whole_step: bool
-    gradients_only: bool
-    why: str
-    apply_only: bool = False  # the optimizer's update alone
-    fuse_elementwise: bool = False  # ElementwiseFusion: GELUs (XLA) and layer norms
-    apply_per_replica: bool = False  # the update as one XLA program a device (loop/update.py)
-    fuse_batch_norm: bool = False  # batch norms as TensorFlow's fused kernel (loop/batch_norm.py)
+from tputrain.loop.xla_plan import XlaPlan
+from tputrain.model_state import ModelState
+from tputrain.plan import RunPlan
+from tputrain.task import Task, overrides, unpack_batch
 
 
 _SQRT_HALF = math.sqrt(0.5)
@@ -273,36 +252,6 @@ def _update_metrics(task: Task, metrics: list[keras.metrics.Metric], batch: Any,
     tracing.user_call(task.update_metrics, metrics, labels, outputs, **extra)
 
 
-def fused_forward(plan: XlaPlan, auto: bool) -> XlaPlan:
-    """`plan`, with batch norms as TensorFlow's fused kernel (`tputrain.loop.batch_norm`)
-    when `auto` (jit_compile="auto", tputrain's own step, not a TPU) leaves the
-    forward pass to TensorFlow's kernels."""
-    return plan._replace(fuse_batch_norm=auto and not (plan.whole_step or plan.gradients_only))
-
-
-def check_model_train_step(model: keras.Model, task: Task) -> None:
-    """Refuses a model that overrides `keras.Model.train_step` when the Task's step is
-    tputrain's own: nothing would call the model's, so it would silently train without
-    it. A Task that overrides `train_step` (or `compute_gradients`) is the port."""
-    if getattr(type(model), "train_step", keras.Model.train_step) is keras.Model.train_step:
-        return
-    if overrides_train_step(task) or overrides(task, "compute_gradients"):
-        return
-    name, task_name = type(model).__name__, type(task).__name__
-    if type(task) is KerasTask:  # tputrain.fit's: the port is a subclass passed as task=
-        raise TypeError(
-            f"tputrain: {name}.train_step overrides keras.Model.train_step, which tputrain "
-            "never calls (the Task's step trains the model): port its body to a KerasTask "
-            "in two lines, `class Ported(tputrain.KerasTask): def train_step(self, batch, "
-            "model, optimizer, metrics, global_batch_size): ...` and `tputrain.fit(model, "
-            "train_data, ..., task=Ported)` (docs/tasks.md, \"Port a model's train_step\")")
-    raise TypeError(
-        f"tputrain: {name}.train_step overrides keras.Model.train_step, which tputrain "
-        f"never calls (the Task's step trains the model): move it to {task_name}.train_step("
-        "batch, model, optimizer, metrics, global_batch_size) (docs/tasks.md, \"Port a "
-        "model's train_step\")")
-
-
 def _computes_in_float16(model: keras.Model) -> bool:
     """Whether any layer computes, or any weight is stored, in float16."""
     layers = model._flatten_layers(include_self=True, recursive=True)  # pylint: disable=protected-access
@@ -323,33 +272,40 @@ def _reason(error: Exception) -> str:
 class StepBuilder:
     """Builds the per-replica train step for `Trainer.jit_compile` and accumulation."""
 
-    def __init__(self, task: Task, model: keras.Model, optimizer: keras.optimizers.Optimizer,
-                 train_metrics: Sequence[keras.metrics.Metric], guard: NonFiniteGuard,
-                 strategy: tf.distribute.Strategy, global_batch_size: int,
-                 accumulation_steps: int, jit_compile: bool | str, precision: str,
-                 train_element_spec: Any, allreduce_dtype: str = "float32",
-                 source_counter: SourceCounter | None = None):
+    def __init__(self, plan: RunPlan, task: Task, state: ModelState,
+                 strategy: tf.distribute.Strategy, train_element_spec: Any,
+                 allreduce_dtype: str = "float32", source_counter: SourceCounter | None = None):
+        """`plan`: the run's, with its XLA decision (`RunPlan.with_xla`); `state`: the
+        model, optimizer, train metrics and guard the step updates."""
+        self.run_plan = plan  # `without_xla` if XLA refuses the step
         self.task = task
         self.source_counter = source_counter  # a mixture: strips and counts the source ids
-        self.model = model
-        self.optimizer = optimizer  # the Task's own, never patched
+        self.model = state.model
+        self.optimizer = state.optimizer  # the Task's own, never patched
         # What the step and the Task's own steps update through (reduce, check, apply).
-        self.update = UpdatePipeline(optimizer, guard, allreduce_dtype)
-        self.train_metrics = list(train_metrics)
-        self.guard = guard
+        self.update = UpdatePipeline(state.optimizer, state.guard, allreduce_dtype)
+        self.train_metrics = list(state.train_metrics)
+        self.guard = state.guard
         self.strategy = strategy
-        self.global_batch_size = global_batch_size
-        self.accumulation_steps = accumulation_steps
-        self.jit_compile = jit_compile  # "auto" becomes False if the step does not compile
-        self.precision = precision
         self.train_element_spec = train_element_spec
-        self._custom_train_step = overrides_train_step(task)
         # Task.compute_gradients as tputrain defines it: gradients of optimizer.scale_loss.
-        self._own_gradients = not (self._custom_train_step
+        self._own_gradients = not (plan.custom_train_step
                                    or overrides(task, "compute_gradients"))
         self.counted_in_step = False  # set by build()
         self._unchecked: Callable | None = None  # built with check=False, not yet lowered
-        self._costly_draws: bool | None = None  # _draws_are_costly, counted once
+
+    @property
+    def jit_compile(self) -> bool | str:
+        """The plan's: "auto" becomes False if the step does not compile."""
+        return self.run_plan.jit_compile
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.run_plan.batch.global_batch_size
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.run_plan.batch.accumulation_steps
 
     def xla_plan(self) -> tuple[bool, bool, str]:
         """(compile the whole step, compile forward/backward only, why): `plan`'s summary;
@@ -357,82 +313,8 @@ class StepBuilder:
         return tuple(self.plan()[:3])
 
     def plan(self) -> XlaPlan:
-        """What `jit_compile` compiles, and why (and `fused_forward`)."""
-        tpu = isinstance(self.strategy, tf.distribute.TPUStrategy)
-        return fused_forward(self._plan(), self.jit_compile == "auto" and not tpu
-                             and not self._custom_train_step)
-
-    def _plan(self) -> XlaPlan:
-        if isinstance(self.strategy, tf.distribute.TPUStrategy):
-            return XlaPlan(False, False, "on (TPU: always compiled)")
-        replicas = self.strategy.num_replicas_in_sync
-        if self.jit_compile is True:
-            if replicas == 1:
-                return XlaPlan(True, False, "on (the whole step)")
-            per_device = self._per_device_refusal(compile_any=True) is None
-            return XlaPlan(False, True, "on (forward and backward; the update on each device)"
-                           if per_device else "on (forward and backward only)",
-                           apply_per_replica=per_device)
-        if self.jit_compile != "auto":
-            return XlaPlan(False, False, "off")
-        on_cpu = without_gpus(self.strategy)
-        if not self._custom_train_step and convolutions_on_onednn(self.model, on_cpu):
-            # bf16 on one replica keeps the GELU and layer-norm programs (no update).
-            return XlaPlan(False, False, "auto: off for convolutions on oneDNN (CPU)",
-                           fuse_elementwise=replicas == 1 and self.precision == "mixed_bfloat16")
-        if replicas > 1:
-            why = self._per_device_refusal(compile_any=False)
-            if why is None and self._compiles_convolutions(on_cpu):
-                # A small ResNet on 2 CPU replicas: 1.5x the steps per CPU-second.
-                return XlaPlan(False, True, "auto: forward and backward (convolutions) and "
-                               f"the optimizer update on each of {replicas} replicas' devices",
-                               apply_per_replica=True)
-            if why is None:
-                return XlaPlan(False, False, f"auto: the optimizer update on each of {replicas} "
-                               "replicas' devices", apply_per_replica=True)
-            return XlaPlan(False, False, f"auto: off on {replicas} replicas ({why})")
-        if on_cpu and self.precision == "mixed_bfloat16" and self._compiles_convolutions(on_cpu):
-            # TensorFlow's bf16 convolutions on a CPU: a small ResNet's step took ~9x the
-            # CPU time uncompiled (matmuls and update under the plan below) as compiled.
-            return XlaPlan(True, False, "auto: the whole step for convolutions in "
-                           f"{self.precision} on CPU")
-        if on_cpu and self.precision == "mixed_bfloat16" and not self._custom_train_step:
-            # XLA's CPU backend has no oneDNN bf16 matmuls (the Transformer's bf16 step
-            # took 320 ms compiled against 250 ms uncompiled), so only the update and
-            # the GELUs compile (docs/performance.md).
-            return XlaPlan(False, False, f"auto: for {self.precision} on CPU the optimizer "
-                           "update and GELUs only (matmuls stay on oneDNN)",
-                           apply_only=True, fuse_elementwise=True)
-        if on_cpu and self.precision != "float32":
-            return XlaPlan(False, False, f"auto: off for {self.precision} on CPU")
-        if on_cpu and self._draws_are_costly():
-            # XLA's CPU random-number generation is slow: a small MLP with Dropout took
-            # 9.3 ms per step compiled against 0.5 ms uncompiled (19x).
-            return XlaPlan(False, False, "auto: off on CPU for a model with random ops (dropout)")
-        return XlaPlan(True, False, "auto: the whole step, if it compiles")
-
-    def _compiles_convolutions(self, on_cpu: bool) -> bool:
-        """With "auto", on CPUs without oneDNN (`plan` handles those first): whether forward
-        and backward compile for a conv net with few random draws (XLA fuses around them)."""
-        return (on_cpu and self.precision in ("float32", "mixed_bfloat16")
-                and not self._custom_train_step
-                and has_convolutions(self.model) and not self._draws_are_costly())
-
-    def _draws_are_costly(self) -> bool:
-        """`random_draws.draws_are_costly` for the model, counted once."""
-        if self._costly_draws is None:
-            key = self.source_counter.key if self.source_counter is not None else None
-            self._costly_draws = draws_are_costly(self.model, features_spec(
-                self.train_element_spec, self.accumulation_steps, key))
-        return self._costly_draws
-
-    def _per_device_refusal(self, compile_any: bool) -> str | None:
-        """Why the update is not one XLA program per device on N replicas, or None."""
-        if self._custom_train_step:
-            return "a Task.train_step override"
-        if self.precision not in ("float32", "mixed_bfloat16"):
-            return f"precision {self.precision}"
-        return update_refusal(self.optimizer, compile_any=compile_any)
+        """What the step compiles, and why: the run plan's decision (`RunPlan.with_xla`)."""
+        return self.run_plan.xla_plan
 
     def build(self, count: Callable[[dict[str, tf.Tensor]], None] | None = None,
               check: bool = True) -> Callable[[Any], dict[str, tf.Tensor]]:
@@ -449,7 +331,7 @@ class StepBuilder:
         # In XLA the guard masks writes by selects, which fuse (NonFiniteGuard.select_updates).
         self.update.set_plan(select=plan.whole_step or plan.apply_only or plan.apply_per_replica,
                              each_device=plan.apply_per_replica)
-        if self._custom_train_step:
+        if self.run_plan.custom_train_step:
             @tracing.step_code
             def step(batch):
                 return tracing.user_call(self.task.train_step, batch, self.model, self.update,
@@ -565,7 +447,7 @@ class StepBuilder:
             return True
         logging.warning("tputrain: jit_compile='auto': the step does not compile with XLA "
                         "(%s); it runs without XLA", why)
-        self.jit_compile = False
+        self.run_plan = self.run_plan.without_xla()
         return False
 
     def zero_batch(self) -> Any:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 import tensorflow as tf
 
+from tputrain.loop.inputs import is_weighted
 from tputrain.predict import gathered_steps, in_input_order
 from tputrain.task import overrides
 
@@ -79,7 +80,7 @@ def eval_examples(dataset: tf.data.Dataset) -> tf.data.Dataset:
                          "or set Trainer.eval_steps")
     examples = dataset.unbatch()
     spec = dataset.element_spec
-    if isinstance(spec, tuple) and len(spec) == 3:
+    if is_weighted(spec):
         examples = examples.filter(lambda f, l, w: tf.reduce_any(tf.not_equal(w, 0)))
     return examples.map(lambda *example: {"batch": example})
 

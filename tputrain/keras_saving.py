@@ -128,7 +128,7 @@ def evaluate_model(trainer: "Trainer", model: keras.Model) -> dict[str, float]:
     task = trainer.task
     dataset = trainer.inputs.eval_dataset
     if trainer.eval_steps is not None:
-        dataset = dataset.take(trainer.eval_steps * trainer.inputs.local_replicas)
+        dataset = dataset.take(trainer.eval_steps * trainer.local_replicas)
     metrics = list(task.build_metrics())
 
     @tf.function

@@ -50,6 +50,11 @@ class BatchPlan:
         return self.per_replica // self.accumulation_steps
 
     @property
+    def global_micro_batch(self) -> int:
+        """Examples per micro-batch over all replicas: what the train input is built with."""
+        return self.global_batch_size // self.accumulation_steps
+
+    @property
     def local_replicas(self) -> int:
         return self.replicas // self.num_hosts
 

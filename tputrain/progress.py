@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import tensorflow as tf
 from absl import logging
@@ -14,6 +14,7 @@ from tensorboard.plugins.scalar import summary_v2 as scalar_summary
 
 from tputrain.eval_events import EvalEventWriter
 from tputrain.flops import model_flops_utilization
+from tputrain.loop.source_counts import TAG_PREFIX
 
 
 VERTEX_TENSORBOARD_DIR = "AIP_TENSORBOARD_LOG_DIR"  # set by Vertex AI (docs/vertex.md)
@@ -105,8 +106,8 @@ def _token_rates(logs: Mapping[str, float], steps_per_second: float,
     return words
 
 
-# Cumulative per-source example counts of a mixture (`tputrain.loop.source_counts`).
-SOURCE_PREFIX = "examples/"
+# Cumulative per-source example counts of a mixture: their log names' prefix.
+SOURCE_PREFIX = TAG_PREFIX
 
 
 def _format_count(count: float) -> str:
@@ -155,6 +156,13 @@ class Progress:
         self._pending_count: Callable[[], None] | None = None
         self._stall_explained = False  # `stall_advice`, once a run
         self._on_close: list[Callable[[], None]] = []  # e.g. the live bar's end
+
+    @classmethod
+    def for_run(cls, summary_dir: str | None, plan: Any) -> "Progress":
+        """A run's progress: its train steps, global batch and steps per fetch as `plan`
+        (the run's `tputrain.plan.RunPlan`) resolved them."""
+        return cls(summary_dir, plan.options.train_steps, plan.batch.global_batch_size,
+                   plan.steps_per_fetch)
 
     @property
     def summary_dir(self) -> str | None:

@@ -268,8 +268,8 @@ class Trainer(RunKnobs):
             check_finite=self.checkpoint.check_finite)  # (a mixture's per-source counts)
         self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
         self._communication = CommunicationAction(self.communication)  # timed once
-        self.progress = Progress(summary_root(self._work_dir) if self.is_chief else None,
-                                 self.train_steps, self.global_batch_size, self.plan.steps_per_fetch)
+        self.progress = Progress.for_run(summary_root(self._work_dir) if self.is_chief else None,
+                                         self.plan)
         self.context = self._context()
         if self.is_chief:  # inputs are checked; nothing has been written yet
             self._preflight()

@@ -25,7 +25,7 @@ from typing import Iterable
 
 import tensorflow as tf
 
-_RECORD_OVERHEAD = 16  # length (8) + length CRC (4) + data CRC (4) bytes per record
+from tputrain.data.manifest import RECORD_OVERHEAD
 _OFFSET = re.compile(r"(?:corrupted|truncated) record at (\d+)")
 _FIX = ("rewrite the file (tputrain.data.write_tfrecords) or set TFRecordInput.skip_corrupt=True "
         "to skip bad records")
@@ -110,7 +110,7 @@ def _count_readable(path: str, compression: str) -> tuple[int, int]:
     count, size = records.reduce(
         (tf.constant(0, tf.int64), tf.constant(0, tf.int64)),
         lambda state, r: (state[0] + 1,
-                          state[1] + tf.cast(tf.strings.length(r), tf.int64) + _RECORD_OVERHEAD))
+                          state[1] + tf.cast(tf.strings.length(r), tf.int64) + RECORD_OVERHEAD))
     return int(count), int(size)
 
 
@@ -224,7 +224,7 @@ def read_skipping_corrupt(path: tf.Tensor, size: tf.Tensor, expected: tf.Tensor,
             step = tf.cast(tf.logical_not(is_end), tf.int64)
             new_state = (count + step,
                          consumed + step * (tf.cast(tf.strings.length(record), tf.int64)
-                                            + _RECORD_OVERHEAD))
+                                            + RECORD_OVERHEAD))
         return new_state, (record, is_end)
 
     checked = marked.scan((tf.constant(0, tf.int64), tf.constant(0, tf.int64)), check)

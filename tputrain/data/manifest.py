@@ -20,6 +20,11 @@ import tensorflow as tf
 from tputrain.checkpointing.atomic import atomic_path, is_temp
 
 MANIFEST_SUFFIX = ".manifest.json"
+# The TFRecord files' format, for their writer and readers: the compressions a
+# manifest may record, and the framing bytes of each record (length (8) + length
+# CRC (4) + data CRC (4)), which sizes and byte offsets count.
+COMPRESSION_TYPES = (None, "", "ZLIB", "GZIP")
+RECORD_OVERHEAD = 16
 _FORMAT = "tputrain.tfrecord_manifest"
 _VERSION = 1
 # Version 2 adds variable-length features (shape [null]); written only when there is one,

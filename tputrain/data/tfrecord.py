@@ -56,13 +56,12 @@ from tputrain.data.empty_input import (NO_BATCH, EmptyInputError, check_not_all_
 from tputrain.data.epochs import permuted
 from tputrain.data.feature_check import (check_against_manifest, explain_parse_error,
                                          manifests_next_to, register_pipeline)
-from tputrain.data.manifest import (MANIFEST_SUFFIX, Manifest, is_var_len, read_manifest,
+from tputrain.data.manifest import (COMPRESSION_TYPES, MANIFEST_SUFFIX, Manifest, is_var_len, read_manifest,
                                      var_len_feature, writer_side_file)
 from tputrain.data.options import InputOptions
 
 # The only dtypes tf.io.parse_example can produce.
 _PARSE_DTYPES = (tf.float32, tf.int64, tf.string)
-_COMPRESSION_TYPES = (None, "", "ZLIB", "GZIP")
 # Files read in parallel when cycle_length is None. A fixed number, not AUTOTUNE
 # (= the machine's core count), so the record order does not depend on the machine.
 _DEFAULT_MAX_CYCLE_LENGTH = 16
@@ -382,7 +381,7 @@ class TFRecordInput(BatchedInput):
         self.skip_corrupt = check_bool("TFRecordInput", "skip_corrupt", skip_corrupt)
         self.read_parallelism = check_int("TFRecordInput", "read_parallelism",
                                           read_parallelism, 1, allow_none=True)
-        if compression_type not in _COMPRESSION_TYPES:
+        if compression_type not in COMPRESSION_TYPES:
             raise ValueError("TFRecordInput: compression_type must be None, 'ZLIB' or "
                              f"'GZIP', got {compression_type!r}")
         self.file_patterns = patterns

@@ -34,11 +34,9 @@ from tputrain.checkpointing.atomic import move, temp_path
 from tputrain.checks import check_int
 from tputrain.data.example_codec import encode_example
 from tputrain.data import var_len as vl
-from tputrain.data.manifest import (Manifest, Shard, manifest_path, var_len_feature,
+from tputrain.data.manifest import (COMPRESSION_TYPES, RECORD_OVERHEAD, Manifest, Shard, manifest_path, var_len_feature,
                                     write_manifest)
 
-_COMPRESSION_TYPES = (None, "", "ZLIB", "GZIP")
-_RECORD_OVERHEAD = 16  # TFRecord framing bytes per record
 _SIZE_SAMPLE = 256  # examples serialized to estimate the data size
 _CHUNK = 256  # records handed to a writer thread at once
 DEFAULT_TARGET_SHARD_MB = 128.0
@@ -349,7 +347,7 @@ def _shard_paths(output_prefix: str, num_shards: int) -> list[str]:
 
 
 def _estimate_bytes(sample: list[bytes], num_examples: int) -> float:
-    return (sum(map(len, sample)) / len(sample) + _RECORD_OVERHEAD) * num_examples
+    return (sum(map(len, sample)) / len(sample) + RECORD_OVERHEAD) * num_examples
 
 
 def write_tfrecords(
@@ -450,7 +448,7 @@ def _check_arguments(examples: Any, output_prefix: Any, num_shards: Any, compres
     num_hosts = check_int("write_tfrecords", "num_hosts", num_hosts, 1)
     if not target_shard_mb or target_shard_mb <= 0:
         raise ValueError(f"target_shard_mb must be > 0, got {target_shard_mb!r}")
-    if compression_type not in _COMPRESSION_TYPES:
+    if compression_type not in COMPRESSION_TYPES:
         raise ValueError(
             f"compression_type must be None, 'ZLIB' or 'GZIP', got {compression_type!r}")
     if not isinstance(output_prefix, str) or not output_prefix:
@@ -593,7 +591,7 @@ def _spool(records: Iterable[bytes], output_prefix: str) -> tuple[str, int, int]
             for record in records:
                 writer.write(record)
                 count += 1
-                total += len(record) + _RECORD_OVERHEAD
+                total += len(record) + RECORD_OVERHEAD
     except BaseException:
         if tf.io.gfile.exists(path):
             tf.io.gfile.remove(path)

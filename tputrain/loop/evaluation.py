@@ -50,12 +50,12 @@ class Evaluator:
     @tracing.step_code
     def _replica_step(self, batch: Any) -> dict[str, tf.Tensor]:
         return tracing.user_call(self.task.eval_step, batch, self.model, self.metrics,
-                                 self.inputs.global_batch_size)
+                                 self.inputs.plan.batch.global_batch_size)
 
     def _build(self) -> None:
         """Agrees on the eval step count across hosts; builds the eval iterator and loop."""
         inputs = self.inputs
-        weighted = inputs.num_hosts > 1 or is_weighted(self.dataset.element_spec)
+        weighted = inputs.plan.batch.num_hosts > 1 or is_weighted(self.dataset.element_spec)
         self._batches = batches = self.max_over_hosts(self._local_steps(weighted))
 
         def prepare(dataset: tf.data.Dataset, replicas: int) -> tf.data.Dataset:
@@ -63,12 +63,12 @@ class Evaluator:
             return padded(with_weights(dataset) if weighted else dataset).take(
                 batches * replicas).repeat()
 
-        if inputs.input_mode == "distributed":
+        if inputs.plan.input_mode == "distributed":
             self._iterator = iter(inputs.strategy.distribute_datasets_from_function(
                 lambda c: prepare(self.task.build_inputs(self.split, inputs.input_context(c)),
                                   replicas_per_pipeline(c))))
         else:
-            self._iterator = iter(prepare(self.dataset, inputs.local_replicas))
+            self._iterator = iter(prepare(self.dataset, inputs.plan.batch.local_replicas))
         self._loop = HostLoop(self._replica_step, inputs, count_steps=False).loop
 
     def _local_steps(self, padded_split: bool) -> int:
@@ -76,10 +76,10 @@ class Evaluator:
         last step topped up with zero-weight batches when `padded_split`)."""
         if self.eval_steps is not None:
             return int(self.eval_steps)
-        local = self.inputs.local_replicas
+        local = self.inputs.plan.batch.local_replicas
         count = int(self.dataset.reduce(tf.constant(0, tf.int64), tracing.graph_helper(lambda n, _: n + 1)))
         steps = -(-count // local) if padded_split else count // local
-        if steps < 1 and self.inputs.num_hosts == 1:
+        if steps < 1 and self.inputs.plan.batch.num_hosts == 1:
             raise ValueError(
                 f"the eval split has {count} per-replica batches, fewer than the "
                 f"{local} local replicas (build_inputs({self.split!r}, ...)): use a smaller "

@@ -82,8 +82,8 @@ class HostLoop:
         self.step, self.guard = step, guard
         self.stop_requested = stop_requested
         # Host-mode training fetches groups (see `Inputs.fetch_groups`), even of one step.
-        self.grouped = count_steps and inputs.input_mode == "host"
-        self.fetch = inputs.steps_per_fetch if self.grouped else 1
+        self.grouped = count_steps and inputs.plan.input_mode == "host"
+        self.fetch = inputs.plan.steps_per_fetch if self.grouped else 1
         self.loop = tracing.loop_function(self._loop)  # the step converts user code
         # The step traced once, called in 3 places; the counting stays in the loop's own
         # graph (in a nested function, a mirrored counter's update also ran for a fetch

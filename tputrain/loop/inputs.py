@@ -19,9 +19,10 @@ from tputrain.data.external_state import checkpointable
 from tputrain.data.mixture import mixture_sources
 from tputrain.input_layout import InputLayout, LayoutChange
 from tputrain.loop.source_counts import SourceCounter, without_source
+from tputrain.options import INPUT_MODES as OPTION_INPUT_MODES
 from tputrain.task import Task
 
-INPUT_MODES = ("host", "distributed")
+INPUT_MODES = OPTION_INPUT_MODES  # Trainer.input_mode's values, defined with the options
 
 
 def default_input_mode(strategy: tf.distribute.Strategy) -> tuple[str, str]:
@@ -103,14 +104,9 @@ class Inputs:
 
     def __init__(self, task: Task, strategy: tf.distribute.Strategy, plan: Any):
         """`plan`: the run's `tputrain.plan.RunPlan` (batch split, hosts, input mode)."""
-        self.task, self.strategy, self.plan = task, strategy, plan
-        batch = plan.batch
-        self.global_batch_size, self.accumulation_steps = (batch.global_batch_size,
-                                                           batch.accumulation_steps)
-        self.num_hosts, self.host_id, self.local_replicas = (batch.num_hosts, batch.host_id,
-                                                             batch.local_replicas)
-        self.steps_per_fetch, self.input_mode = plan.steps_per_fetch, plan.input_mode
-        self.class_weight = plan.options.class_weight
+        self.task = task
+        self.strategy = strategy
+        self.plan = plan  # read, never copied: the batch split, hosts, input mode
         # A mixture's train split: the step strips and counts its sources' examples.
         self.source_counter: SourceCounter | None = None
         # Each split's builder `label_key` (None if unknown): what a label error names.
@@ -137,25 +133,27 @@ class Inputs:
 
     def input_context(self, tf_context: tf.distribute.InputContext | None = None,
                        global_batch_size: int | None = None) -> InputContext:
-        global_batch_size = global_batch_size or self.global_batch_size
+        global_batch_size = global_batch_size or self.plan.batch.global_batch_size
         if tf_context is not None:
             return InputContext.from_tf(tf_context, global_batch_size)
-        return InputContext(num_input_pipelines=self.num_hosts, input_pipeline_id=self.host_id,
+        return InputContext(num_input_pipelines=self.plan.batch.num_hosts,
+                            input_pipeline_id=self.plan.batch.host_id,
                             num_replicas_in_sync=self.strategy.num_replicas_in_sync,
                             global_batch_size=global_batch_size)
 
     def layout(self) -> InputLayout:
         """How a step's global batch is split: what a checkpointed iterator fits."""
-        return InputLayout(replicas=self.strategy.num_replicas_in_sync, hosts=self.num_hosts,
-                           global_batch=self.global_batch_size,
-                           accumulation=self.accumulation_steps,
+        batch = self.plan.batch
+        return InputLayout(replicas=batch.replicas, hosts=batch.num_hosts,
+                           global_batch=batch.global_batch_size,
+                           accumulation=batch.accumulation_steps,
                            fetch="direct" if self.direct_fetch else "stacked")
 
     @property
     def direct_fetch(self) -> bool:
         """One local replica, one step a fetch: the train iterator reads the task's own
         batches, with nothing stacked (see `fetch_groups`)."""
-        return self.local_replicas == 1 and self.steps_per_fetch == 1
+        return self.plan.batch.local_replicas == 1 and self.plan.steps_per_fetch == 1
 
     def advance(self, iterator: Any, steps: int) -> int:
         """Reads a `fetch_groups` iterator past `steps` steps' batches (whole fetches),
@@ -173,39 +171,42 @@ class Inputs:
             done, _ = tf.while_loop(lambda done, more: tf.logical_and(more, done < count),
                                     body, (tf.constant(0, tf.int64), tf.constant(True)))
             return done
-        fetches = tf.constant(steps // self.steps_per_fetch, tf.int64)
-        return int(read(fetches)) * self.steps_per_fetch
+        fetches = tf.constant(steps // self.plan.steps_per_fetch, tf.int64)
+        return int(read(fetches)) * self.plan.steps_per_fetch
 
     def read_past(self, iterator: Any, change: LayoutChange) -> int:
         """Reads a fresh train iterator past the examples a checkpoint written under
         another layout consumed, in whole batches of this run's global batch (each
         host its own share); returns the steps read (`advance`)."""
-        if change.resume_steps % self.steps_per_fetch:
+        steps_per_fetch = self.plan.steps_per_fetch
+        if change.resume_steps % steps_per_fetch:
             raise ValueError(
                 f"checkpoint {change.path} consumed {change.consumed} examples, "
-                f"{change.resume_steps} batches of this run's {self.global_batch_size}: not a "
-                f"multiple of Trainer.steps_per_fetch={self.steps_per_fetch}, in which the "
+                f"{change.resume_steps} batches of this run's {self.plan.batch.global_batch_size}: "
+                f"not a multiple of Trainer.steps_per_fetch={steps_per_fetch}, in which the "
                 "input is read: resume once with steps_per_fetch=1")
         return self.advance(iterator, change.resume_steps)
 
     def input_batch(self, split: str) -> int:
         """The global batch the task's inputs are built with: a micro-batch when training
         with gradient accumulation."""
-        return self.global_batch_size // (self.accumulation_steps if split == "train" else 1)
+        batch = self.plan.batch
+        return batch.global_micro_batch if split == "train" else batch.global_batch_size
 
     def group_micro_batches(self, dataset: tf.data.Dataset, split: str) -> tf.data.Dataset:
         """With accumulation, one element holds a replica's N micro-batches stacked on a
         new leading axis, so one step still takes one element per replica."""
-        if split != "train" or self.accumulation_steps == 1:
+        accumulation = self.plan.batch.accumulation_steps
+        if split != "train" or accumulation == 1:
             return dataset
-        return dataset.batch(self.accumulation_steps, drop_remainder=True)
+        return dataset.batch(accumulation, drop_remainder=True)
 
     def micro_batch_spec(self) -> Any:
         """Element spec of one per-replica (micro-)batch of the train split."""
         spec = self._train_dataset.element_spec
         if self.source_counter is not None:  # the model's features hold no source id
             spec = without_source(spec, self.source_counter.key)
-        if self.accumulation_steps == 1:
+        if self.plan.batch.accumulation_steps == 1:
             return spec
         return tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape[1:], s.dtype), spec)
 
@@ -223,7 +224,7 @@ class Inputs:
                      self.plan.batch.micro_batch if split == "train"
                      else self.plan.batch.per_replica, dataset)
         dataset = self.weighted_by_class(dataset, split)
-        if split == "train" and self.input_mode == "host":  # its iterator is checkpointed
+        if split == "train" and self.plan.input_mode == "host":  # its iterator is checkpointed
             dataset = checkpointable(dataset, split)
         return self.group_micro_batches(dataset, split)
 
@@ -242,9 +243,10 @@ class Inputs:
     def weighted_by_class(self, dataset: tf.data.Dataset, split: str) -> tf.data.Dataset:
         """The train split's `(features, labels)` as `(features, labels, class weights)`
         with `class_weight` (as Keras `fit` does); any other dataset unchanged."""
-        if split != "train" or self.class_weight is None:
+        class_weight = self.plan.options.class_weight
+        if split != "train" or class_weight is None:
             return dataset
-        return with_class_weights(dataset, self.class_weight)
+        return with_class_weights(dataset, class_weight)
 
     def distributed_iterator(self, split: str, skip_steps: int = 0):
         """distribute_datasets_from_function; skips `skip_steps` steps of data."""
@@ -255,7 +257,7 @@ class Inputs:
                 dataset = self.sources_of(dataset, split)
             dataset = self.group_micro_batches(self.weighted_by_class(dataset, split), split)
             # Each pipeline feeds its replicas one batch each per step (a TPU pod has
-            # one client but a pipeline per host: not self.local_replicas).
+            # one client but a pipeline per host: not the plan's local replicas).
             replicas = replicas_per_pipeline(tf_context)
             return dataset.skip(skip_steps * replicas) if skip_steps else dataset
         return iter(self.strategy.distribute_datasets_from_function(dataset_fn))
@@ -267,10 +269,11 @@ class Inputs:
         Host mode takes one per-replica batch for each local replica from the plain
         iterator and places them with `experimental_distribute_values_from_function`.
         """
-        if self.input_mode == "distributed":
+        if self.plan.input_mode == "distributed":
             optional = iterator.get_next_as_optional()
             return optional.has_value(), optional
-        optionals = [iterator.get_next_as_optional() for _ in range(self.local_replicas)]
+        local = self.plan.batch.local_replicas
+        optionals = [iterator.get_next_as_optional() for _ in range(local)]
         has_value = tf.reduce_all(tf.stack([o.has_value() for o in optionals]))
         return has_value, optionals
 
@@ -294,9 +297,9 @@ class Inputs:
         """
         if self.direct_fetch:
             return dataset
-        per_step = dataset.batch(self.local_replicas, drop_remainder=True)
-        grouped = per_step.prefetch(self.steps_per_fetch).batch(self.steps_per_fetch,
-                                                                drop_remainder=True)
+        fetch = self.plan.steps_per_fetch
+        per_step = dataset.batch(self.plan.batch.local_replicas, drop_remainder=True)
+        grouped = per_step.prefetch(fetch).batch(fetch, drop_remainder=True)
         # tf.data would otherwise inject a prefetch after the outer batch, and a
         # checkpoint would then hold whole groups of the old size: resuming with
         # another steps_per_fetch would fail on their shape.
@@ -311,16 +314,16 @@ class Inputs:
         if self.direct_fetch:
             return self.strategy.experimental_distribute_values_from_function(
                 lambda ctx: group)
-        local = self.local_replicas
+        local = self.plan.batch.local_replicas
         batches = [tf.nest.map_structure(lambda t, r=r: t[j, r], group) for r in range(local)]
         return self.strategy.experimental_distribute_values_from_function(
             lambda ctx: batches[ctx.replica_id_in_sync_group % local])
 
     @tracing.graph_helper
     def distribute(self, value) -> Any:
-        if self.input_mode == "distributed":
+        if self.plan.input_mode == "distributed":
             return value.get_value()
         batches = [o.get_value() for o in value]
-        local = self.local_replicas
+        local = self.plan.batch.local_replicas
         return self.strategy.experimental_distribute_values_from_function(
             lambda ctx: batches[ctx.replica_id_in_sync_group % local])

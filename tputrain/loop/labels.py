@@ -49,7 +49,7 @@ def check_first_labels(first_batches: Mapping[str, Any], model: Any, task: Any,
     for split, batch in first_batches.items():
         if not (isinstance(batch, tuple) and len(batch) >= 2):
             continue  # no labels
-        lead = 2 if split == "train" and inputs.accumulation_steps > 1 else 1
+        lead = 2 if split == "train" and inputs.plan.batch.accumulation_steps > 1 else 1
         for name, label, shape in _pairs(batch[1], outputs, inputs.label_keys.get(split)):
             _check(split, name, np.asarray(label), _classes(np.shape(label), shape, lead))
 

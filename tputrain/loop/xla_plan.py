@@ -55,9 +55,8 @@ def decide_xla(jit_compile: bool | str, precision: str, custom_train_step: bool,
     """
     decision = _Decision(jit_compile, precision, custom_train_step, strategy, model,
                          optimizer, features_spec)
-    tpu = isinstance(strategy, tf.distribute.TPUStrategy)
     return fused_forward(decision.plan(),
-                         jit_compile == "auto" and not tpu and not custom_train_step)
+                         jit_compile == "auto" and not decision.on_tpu and not custom_train_step)
 
 
 class _Decision:
@@ -73,10 +72,11 @@ class _Decision:
         self.model = model
         self.optimizer = optimizer
         self.features_spec = features_spec
+        self.on_tpu = isinstance(strategy, tf.distribute.TPUStrategy)
         self._costly_draws: bool | None = None
 
     def plan(self) -> XlaPlan:
-        if isinstance(self.strategy, tf.distribute.TPUStrategy):
+        if self.on_tpu:
             return XlaPlan(False, False, "on (TPU: always compiled)")
         replicas = self.strategy.num_replicas_in_sync
         if self.jit_compile is True:

@@ -74,7 +74,8 @@ def _planned(name: str) -> property:
                                  f"({self.plan.options_note(name)}): build a new Trainer")
         self.options = dataclasses.replace(self.options, **{name: value})
         self.plan = dataclasses.replace(self.plan, options=self.options)
-        self.context.plan, self.context.options = self.plan, self.options
+        self.context.plan = self.plan
+        self.context.options = self.options
     return property(lambda self: getattr(self.plan, name), set_option, doc=f"plan.{name}")
 
 
@@ -184,11 +185,13 @@ class Trainer(RunKnobs):
             steps_per_program=steps_per_program, class_weight=class_weight, progress_bar=progress_bar,
             checkpoint=checkpoint, profiling=profiling, ema_decay=ema_decay, remat=remat)
         _check_arguments(task, model_dir)
-        # goodput.py; and a tuning trial's metric report (tputrain/tuning/report.py)
-        self.actions, self.startup = with_trial_report(check_actions(actions)), StartupClock()
-        self._closed, self.context = False, None
+        self.actions = with_trial_report(check_actions(actions))  # a tuning trial's metric
+        self.startup = StartupClock()  # goodput.py
+        self._closed = False
+        self.context: ActionContext | None = None  # once the checkpointer is built
         default_progress()  # a plain Python script shows progress, as the CLI does
-        self.task, self.model_dir = task, model_dir
+        self.task = task
+        self.model_dir = model_dir
         self.communication = communication or CommunicationOptions()
         self.strategy = strategy or _configured_strategy(self.communication)
         self.plan = self.startup.mark("strategy", resolve_plan(
@@ -246,7 +249,9 @@ class Trainer(RunKnobs):
         """Checkpoints (the chief's; other workers write a temp dir), pre-flight, progress."""
         self._work_dir = (self.model_dir if self.is_chief  # the others take part in saves
                           else tempfile.mkdtemp(prefix="tputrain-worker-"))
-        self._train_iterator, self._train_loop_fn, per_host = None, None, {}
+        self._train_iterator = None
+        self._train_loop_fn = None
+        per_host = {}
         self._replica_stats: ReplicaStatistics | None = None
         if self.input_mode == "host":  # each host's own data position
             self._train_iterator = iter(self.inputs.fetch_groups(self.inputs.train_dataset))
@@ -308,7 +313,9 @@ class Trainer(RunKnobs):
             return
         self.checkpointer.sync()  # an async write of the iterator completes first
         # The checkpointer's tf.train.Checkpoint holds the host iterator: all go now.
-        self._closed, self._train_iterator, self._train_loop_fn = True, None, None
+        self._closed = True
+        self._train_iterator = None
+        self._train_loop_fn = None
         self.checkpointer = self.context.checkpointer = None
         self._evaluator.close()
 

@@ -42,7 +42,7 @@ from tputrain.goodput import GoodputAction, StartupClock
 from tputrain.guard import NonFiniteGuard
 from tputrain.input_layout import LayoutChange
 from tputrain.loop.eval_sets import EvalSets
-from tputrain.loop.host_loop import HostLoop, count_step, plan_steps
+from tputrain.loop.host_loop import train_loop
 from tputrain.loop.hosts import MaxOverHosts
 from tputrain.loop.inputs import Inputs
 from tputrain.loop.replica_stats import ReplicaStatistics
@@ -202,8 +202,18 @@ class Trainer(RunKnobs):
         compile_cache.report()  # set when tputrain was imported
         self.inputs = _build_inputs(task, self.strategy, self.plan)
         first = self.startup.mark("data", check_splits(self.inputs, self.eval_splits, self.eval_steps))
+        state = self._build_model(guard, first)
+        self._build_checkpointer()
+        self._build_step(state)
+        self._evaluator = EvalSets(task, self.model, self.eval_metrics, self.inputs,
+                                   self.eval_steps, self._max_over_hosts, self.eval_splits)
+        logging.info("tputrain: %s, %s, XLA %s", type(self.strategy).__name__, self.plan.summary(), self.plan.xla)
+
+    def _build_model(self, guard: NonFiniteGuard | None, first: Any) -> ModelState:
+        """The model and what updates it, in the strategy's scope (model_state.py); the
+        labels of the splits' `first` batches checked against it; its weights' EMA."""
         state = self.startup.mark("model", build_model_state(
-            task, self.strategy, self.inputs.micro_batch_spec()[0],
+            self.task, self.strategy, self.inputs.micro_batch_spec()[0],
             self.options.precision.keep_float32_layers, guard, self.options.remat))
         self.model = state.model
         self.optimizer = state.optimizer
@@ -211,13 +221,9 @@ class Trainer(RunKnobs):
         self.eval_metrics = state.eval_metrics
         self.step = state.step
         self.guard = state.guard
-        check_first_labels(first, self.model, task, self.inputs)  # tputrain/loop/labels.py
+        check_first_labels(first, self.model, self.task, self.inputs)  # tputrain/loop/labels.py
         self.ema = build_average(self.strategy, self.model, self.options.ema_decay)  # ema.py
-        self._build_checkpointer()
-        self._build_step(state)
-        self._evaluator = EvalSets(task, self.model, self.eval_metrics, self.inputs,
-                                   self.eval_steps, self._max_over_hosts, self.eval_splits)
-        logging.info("tputrain: %s, %s, XLA %s", type(self.strategy).__name__, self.plan.summary(), self.plan.xla)
+        return state
 
     def _build_step(self, state: ModelState) -> None:
         """The plan's XLA decision for the built model, then the step that reads it."""
@@ -405,18 +411,10 @@ class Trainer(RunKnobs):
         """Runs up to `num_steps` train steps in one compiled call (no cadence, no
         actions): (mean logs and train metrics, steps run, seconds waiting for input)."""
         if self._train_loop_fn is None:
-            # A mirrored counter (MirroredStrategy on one device) is written through a
-            # merge_call, which a nested XLA function cannot hold: the loop counts it.
-            mirrored = isinstance(self.step, tf.distribute.DistributedValues)
-            step_fn, program = plan_steps(self._steps, None if mirrored else (
-                lambda logs: count_step(self.step, self.guard, logs, self.ema)), self.inputs,
-                self.plan, self.step, self.guard, lambda: self.progress.ideal_step_seconds)
-            # "auto" -> False if XLA refused it
-            self._launch(program.get("program_steps", 1))
-            self._train_loop_fn = HostLoop(step_fn, self.inputs, count_steps=True, step=self.step,
-                                           guard=self.guard, stop_requested=self._stop_requested,
-                                           counted_in_step=self._steps.counted_in_step,
-                                           ema=self.ema, **program).run
+            self._train_loop_fn, program_steps = train_loop(
+                self._steps, self.inputs, self.plan, self.step, self.guard, self.ema,
+                self._stop_requested, lambda: self.progress.ideal_step_seconds)
+            self._launch(program_steps)  # jit_compile "auto" -> False if XLA refused the step
         for metric in self.train_metrics:
             metric.reset_state()
         if self._replica_stats is None:  # the model is built (ensure_built)

@@ -284,6 +284,23 @@ def plan_steps(builder: StepBuilder, count: Callable[[dict[str, tf.Tensor]], Non
     return builder.checked(step_fn, count), program
 
 
+def train_loop(builder: StepBuilder, inputs: Inputs, plan: Any, step: tf.Variable,
+               guard: NonFiniteGuard, ema: ExponentialAverage | None,
+               stop_requested: Callable[[], Any],
+               ideal_step_seconds: Callable[[], float | None]) -> tuple[Callable, int]:
+    """The Trainer's compiled train loop (`HostLoop.run`, built on its first call) and
+    its steps per XLA program launch (`plan_steps`)."""
+    # A mirrored counter (MirroredStrategy on one device) is written through a
+    # merge_call, which a nested XLA function cannot hold: the loop counts it.
+    mirrored = isinstance(step, tf.distribute.DistributedValues)
+    count = None if mirrored else (lambda logs: count_step(step, guard, logs, ema))
+    step_fn, program = plan_steps(builder, count, inputs, plan, step, guard, ideal_step_seconds)
+    loop = HostLoop(step_fn, inputs, count_steps=True, step=step, guard=guard,
+                    stop_requested=stop_requested, counted_in_step=builder.counted_in_step,
+                    ema=ema, **program)
+    return loop.run, program.get("program_steps", 1)
+
+
 def convolutions_on_cpu(builder: StepBuilder) -> bool:
     """Whether the model has Keras convolution layers and trains on CPUs: XLA's CPU
     convolutions inside a multi-step program's loop ran several times slower than one

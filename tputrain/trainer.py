@@ -185,7 +185,7 @@ class Trainer(RunKnobs):
             steps_per_program=steps_per_program, class_weight=class_weight, progress_bar=progress_bar,
             checkpoint=checkpoint, profiling=profiling, ema_decay=ema_decay, remat=remat)
         _check_arguments(task, model_dir)
-        self.actions = with_trial_report(check_actions(actions))  # a tuning trial's metric
+        self.actions = with_trial_report(check_actions(actions))  # tuning/report.py
         self.startup = StartupClock()  # goodput.py
         self._closed = False
         self.context: ActionContext | None = None  # once the checkpointer is built

@@ -179,10 +179,13 @@ def communication_advice(case: CommunicationCase) -> tuple[str, list[str]]:
     return reason, advice
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    start = time.perf_counter()
+Clock = Callable[[], float]  # seconds, as time.perf_counter
+
+
+def _timed(fn: Callable[[], Any], clock: Clock = time.perf_counter) -> tuple[Any, float]:
+    start = clock()
     result = fn()
-    return result, time.perf_counter() - start
+    return result, clock() - start
 
 
 def _drain_function() -> Callable[[Iterator[Any], tf.Tensor], tf.Tensor]:
@@ -215,8 +218,9 @@ class _Loops:
     """Runs the Trainer's own compiled train loop (`run_loop`) on a chosen iterator:
     what is measured is the very program training runs, only fed differently."""
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Trainer, clock: Clock = time.perf_counter):
         self.trainer = trainer
+        self.clock = clock
         # Several hosts run every collective loop together: they agree on each count
         # (the largest any host asks for) and on whether to run another round.
         self.agree: Callable[[int], int] = trainer.agree
@@ -231,9 +235,9 @@ class _Loops:
         """Traces the loop and fills the pipeline's buffers; sets the loop length:
         `steps`, or what fits a quarter of `seconds`, at most steps_per_loop (slow
         steps, a big model on a busy host, must not stretch the run to minutes)."""
-        _, trace = _timed(lambda: self.trainer.run_loop(self.unit))
+        _, trace = _timed(lambda: self.trainer.run_loop(self.unit), self.clock)
         if steps is None:
-            (_, done, _), elapsed = _timed(lambda: self.trainer.run_loop(self.unit))
+            (_, done, _), elapsed = _timed(lambda: self.trainer.run_loop(self.unit), self.clock)
             per_step = elapsed / max(done, 1)
             steps = min(self.trainer.steps_per_loop,
                         max(1, int(seconds / 4 / max(per_step, 1e-9))))
@@ -243,14 +247,15 @@ class _Loops:
     def more(self, rounds: int, begin: float, seconds: float, least: int, cap: int) -> bool:
         """Another round? At least `least`, until `seconds` have passed, at most `cap`;
         on several hosts, while any host wants one."""
-        wanted = rounds < cap and (rounds < least or time.perf_counter() - begin < seconds)
+        wanted = rounds < cap and (rounds < least or self.clock() - begin < seconds)
         return bool(self.agree(int(wanted)))
 
     def run(self, iterator: Iterator[Any]) -> tuple[float, float, float]:
         """(steps, seconds, seconds waiting on input) of one loop on `iterator`."""
         self.trainer.set_train_iterator(iterator)
         try:
-            (_, done, wait), elapsed = _timed(lambda: self.trainer.run_loop(self.num_steps))
+            (_, done, wait), elapsed = _timed(lambda: self.trainer.run_loop(self.num_steps),
+                                              self.clock)
         finally:
             self.trainer.set_train_iterator(self.real_iterator)
         return done, elapsed, wait
@@ -266,12 +271,12 @@ def _input_only_rates(loops: _Loops, seconds: float) -> tuple[list[float], float
     elements_per_step = 1 / loops.unit if loops.trainer.input_mode == "host" else 1
     drain = _drain_function()
     count = tf.constant(max(1, int(loops.num_steps * elements_per_step)))
-    _, warm = _timed(lambda: drain(loops.real_iterator, count))
-    rates, begin = [], time.perf_counter()
+    _, warm = _timed(lambda: drain(loops.real_iterator, count), loops.clock)
+    rates, begin = [], loops.clock()
     while loops.more(len(rates), begin, seconds, least=3, cap=100):
-        pulled, elapsed = _timed(lambda: int(drain(loops.real_iterator, count)))
+        pulled, elapsed = _timed(lambda: int(drain(loops.real_iterator, count)), loops.clock)
         rates.append(pulled / elements_per_step / max(elapsed, 1e-9))
-    return rates, warm + time.perf_counter() - begin
+    return rates, warm + loops.clock() - begin
 
 
 @dataclasses.dataclass
@@ -294,19 +299,19 @@ def _paired_rates(loops: _Loops, seconds: float) -> _Pairs:
     loops.run(real)
     pairs = _Pairs([], [], [], 0.0, 0.0)
     wait = e2e_time = 0.0
-    begin = time.perf_counter()
+    begin = loops.clock()
     while loops.more(len(pairs.ratios), begin, 2 * seconds, least=4, cap=200):
         rates = {}
         for iterator in (cached, real)[::1 if len(pairs.ratios) % 2 else -1]:
             done, elapsed, waited = loops.run(iterator)
-            rates[iterator is real] = done / elapsed
+            rates[iterator is real] = done / max(elapsed, 1e-9)
             if iterator is real:
                 wait += waited
                 e2e_time += elapsed
         pairs.compute_rates.append(rates[False])
         pairs.end_to_end_rates.append(rates[True])
         pairs.ratios.append(rates[True] / rates[False])
-    pairs.seconds = time.perf_counter() - begin
+    pairs.seconds = loops.clock() - begin
     pairs.wait_fraction = wait / max(e2e_time, 1e-9)
     return pairs
 
@@ -318,7 +323,8 @@ def _allreduce_seconds(loops: _Loops, seconds: float) -> float:
     if trainer.strategy.num_replicas_in_sync <= 1:
         return 0.0
     dtype, variables = trainer.communication.allreduce_dtype, trainer.model.trainable_variables
-    return measure_allreduce(trainer.strategy, variables, dtype, seconds, loops.agree)
+    return measure_allreduce(trainer.strategy, variables, dtype, seconds, loops.agree,
+                             clock=loops.clock)
 
 
 def _explain(trainer: Trainer, bottleneck: str, split: dict[str, float], input_only: float,
@@ -346,7 +352,8 @@ def _explain(trainer: Trainer, bottleneck: str, split: dict[str, float], input_o
     return reason, advice, []
 
 
-def diagnose(trainer: Trainer, seconds: float = 3.0, steps: int | None = None) -> Diagnosis:
+def diagnose(trainer: Trainer, seconds: float = 3.0, steps: int | None = None,
+             clock: Clock = time.perf_counter) -> Diagnosis:
     """Splits a step of `trainer` into input, compute and communication; names the
     bottleneck and the knobs.
 
@@ -355,14 +362,16 @@ def diagnose(trainer: Trainer, seconds: float = 3.0, steps: int | None = None) -
     a quarter of `seconds`, at most the Trainer's steps_per_loop. The trainer's
     weights change (it trains); nothing is saved. On several hosts every host
     must call it (the loops are collectives); each measures its own input.
+    `clock` is the time source: a test's own clock, advanced by its input and
+    step by known amounts, makes every figure exact on a busy host.
     """
-    loops = _Loops(trainer)
+    loops = _Loops(trainer, clock)
     timings = {"trace": loops.warm_up(seconds, steps)}
     input_rates, timings["input_only"] = _input_only_rates(loops, seconds)
     pairs = _paired_rates(loops, seconds)
     timings["compute_and_end_to_end"] = pairs.seconds
     allreduce, timings["communication"] = _timed(
-        lambda: _allreduce_seconds(loops, seconds))
+        lambda: _allreduce_seconds(loops, seconds), clock)
     input_only = statistics.median(input_rates)
     compute_only = statistics.median(pairs.compute_rates)
     # The median of the pairs' ratios follows a shared host's changing load better

@@ -143,15 +143,16 @@ def allreduce_loop(strategy: tf.distribute.Strategy, variables: Sequence[tf.Vari
     return loop
 
 
-def _seconds(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
+def _seconds(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_counter) -> float:
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def measure_allreduce(strategy: tf.distribute.Strategy, variables: Sequence[tf.Variable],
                       dtype: str, seconds: float = 1.0,
-                      agree: Callable[[int], int] = int, repeats: int = 5) -> float:
+                      agree: Callable[[int], int] = int, repeats: int = 5,
+                      clock: Callable[[], float] = time.perf_counter) -> float:
     """Seconds of one all-reduce of `variables`' gradients inside a compiled loop (a
     collective: every host calls it; `agree` makes their loop lengths equal, e.g.
     `tputrain.loop.hosts.MaxOverHosts`). Takes about `1.5 * seconds`.
@@ -160,16 +161,17 @@ def measure_allreduce(strategy: tf.distribute.Strategy, variables: Sequence[tf.V
     the difference of their medians over n - 1 is one all-reduce without the
     call's overhead, which a training loop pays once per loop, not per step. When
     the difference drowns in noise (not above 0), n grows 8x, at most twice.
+    `clock`: the time source (`tputrain.diagnose.diagnose`'s).
     """
     loop, one = allreduce_loop(strategy, variables, dtype), tf.constant(1)
     float(loop(one))  # traced, not timed
-    once = _seconds(lambda: float(loop(one)))
+    once = _seconds(lambda: float(loop(one)), clock)
     n = agree(max(4, min(100, int(seconds / 4 / max(once, 1e-6)))))
     for attempt in range(3):
         short, long = [], []
         for _ in range(repeats):
-            short.append(_seconds(lambda: float(loop(one))))
-            long.append(_seconds(lambda: float(loop(tf.constant(n)))))
+            short.append(_seconds(lambda: float(loop(one)), clock))
+            long.append(_seconds(lambda: float(loop(tf.constant(n))), clock))
         per_step = (statistics.median(long) - statistics.median(short)) / (n - 1)
         if attempt == 2 or not agree(int(per_step <= 0)):  # every host retries, or none
             break

@@ -35,9 +35,9 @@ def in_netns(command: list[str]) -> list[str]:
 class Launch(Process):
     """A `tputrain launch` process in the private network namespace."""
 
-    def __init__(self, args: list[str]):
+    def __init__(self, args: list[str], **env_vars: str):
         super().__init__(in_netns([sys.executable, "-m", "tputrain.run", "launch", *args]),
-                         child_env())
+                         {**child_env(), **env_vars})
 
 
 def listed_steps(model_dir: Path) -> list[int]:

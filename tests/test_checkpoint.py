@@ -489,3 +489,26 @@ def test_input_layouts_old_checkpoints_hosts_and_no_reposition(tmp_path):
     assert [(c.step, c.saved, c.now) for c in changes] == [(2, one, two)]
     first = next(iter(tf.data.Dataset.range(100).shuffle(10, seed=1).batch(4)))
     np.testing.assert_array_equal(next(moved._trackables["iterator"]), first)  # not restored
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_worker_saving_to_scratch_logs_no_temporary_path(tmp_path, caplog, async_save):
+    """A non-chief worker writes its part of each save to a scratch directory that is
+    deleted at its end (issue 52): its log names no such path, and its save returns the
+    chief's checkpoint; the chief's log names the checkpoint."""
+    scratch, chief = tmp_path / "tputrain-worker-x" / "checkpoints", tmp_path / "model" / "checkpoints"
+    with caplog.at_level(logging.INFO):
+        worker = make(scratch, async_save=async_save, data_state=False,
+                      restore_directory=str(chief))
+        path = save_at(worker, 2, 2.0)
+        worker.sync()
+    assert os.listdir(scratch)  # it wrote its part
+    assert path == f"{chief}/ckpt-2"  # the checkpoint (a preemption's line names it)
+    worker_lines = [r.getMessage() for r in caplog.records]
+    assert not [line for line in worker_lines if str(scratch) in line], worker_lines
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        owner = make(chief, async_save=async_save, data_state=False)
+        save_at(owner, 2, 2.0)
+        owner.sync()
+    assert any(f"saved checkpoint {chief}/ckpt-2" in r.getMessage() for r in caplog.records)

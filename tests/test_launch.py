@@ -50,30 +50,35 @@ def test_two_workers_train_chief_checkpoints_fail_together_resume_and_preempt(tm
     args = ["--workers", "2", "--peer_exit_timeout", "90", "--gin_import=faults",
             f"--gin_file={config}", f"--model_dir={model_dir}"]
 
+    # The non-chief's scratch directory (tempfile's, under TMPDIR): never in the log
+    # (issue 52), deleted at its end.
+    temp = tmp_path / "temp"
+    temp.mkdir()
+
     # 1. Train until the chief has a checkpoint, then SIGKILL worker 1.
-    launch = Launch(args)
+    launch = Launch(args, TMPDIR=str(temp))
     pids = launch.wait_for(r"worker 0 pid (\d+), worker 1 pid (\d+)")
     launch.wait_for(rf"\[worker 0\] .*saved checkpoint {re.escape(str(model_dir))}/checkpoints/ckpt-\d+")
-    scratch = launch.wait_for(r"\[worker 1\] .*saved checkpoint (\S+)/checkpoints/ckpt-\d+").group(1)
-    assert not scratch.startswith(str(model_dir)), "only the chief writes to model_dir"
+    launch.wait_for(r"\[worker 1\] .*saving checkpoint at step \d+")
+    (scratch,) = temp.glob("tputrain-worker-*")
+    assert (scratch / "checkpoints").is_dir(), "the non-chief writes its part there"
     os.kill(int(pids.group(2)), signal.SIGKILL)
-    started = time.monotonic()
     code = launch.finish(timeout=150)
     text = launch.text()
     assert code != 0, text[-3000:]
     # Worker 0 noticed the lost peer and exited non-zero by itself (TF's heartbeats),
-    # well before the launcher would have stopped it.
+    # before the launcher stopped it (which it does after --peer_exit_timeout, saying so).
     assert "workers exited with worker 0: code 1, worker 1: signal SIGKILL" in text, text[-3000:]
     assert "stopping worker(s)" not in text
     assert "[worker 0] tputrain: error: lost a worker" in text
-    assert time.monotonic() - started < 90
+    assert "tputrain-worker-" not in text
     shutil.rmtree(scratch, ignore_errors=True)  # a SIGKILLed worker cannot clean up
 
     # 2. Rerun the same command: both workers resume from the chief's latest
     #    checkpoint. Then SIGTERM the launcher: it reaches both workers, which agree
     #    on a step (all-reduce at the loop boundary), checkpoint it and exit 42.
     resume_step = listed_steps(model_dir)[-1]
-    launch = Launch(args)
+    launch = Launch(args, TMPDIR=str(temp))
     launch.wait_for(r"\[worker \d\] .*tputrain: step \d+/")  # both train (collectives)
     launch.process.send_signal(signal.SIGTERM)
     code = launch.finish(timeout=240)
@@ -91,13 +96,15 @@ def test_two_workers_train_chief_checkpoints_fail_together_resume_and_preempt(tm
     assert not re.findall(r".*(?:Collective all_reduce|Check health not enabled|"
                           r"assert_op\.cc|Gather to ).*", text)
     assert tf.io.gfile.glob(str(model_dir / "train" / "events.*")), "the chief wrote summaries"
-    # Each loop's all-reduce: the model's float32 bytes, a measured share above 0.
+    # Each loop's all-reduce: the model's float32 bytes, and its share of the loop, in
+    # [0, 1] (a measured all-reduce that drowns in a busy host's noise counts 0).
     scalars = train_scalars(model_dir)
     assert set(scalars["comm/gradient_bytes"]) == {model_bytes(FaultTask())}, scalars
-    assert all(0 < share <= 1 for share in scalars["comm/allreduce_fraction"]), scalars
-    scratch = re.search(r"\[worker 1\] .*saved checkpoint (\S+)/checkpoints/ckpt-", text).group(1)
-    assert not scratch.startswith(str(model_dir))
-    assert not os.path.exists(scratch), "the non-chief deletes its scratch directory"
+    shares = scalars["comm/allreduce_fraction"]
+    assert len(shares) == len(scalars["steps_per_second"]), scalars  # every loop
+    assert all(0 <= share <= 1 for share in shares), scalars
+    assert "tputrain-worker-" not in text
+    assert not list(temp.glob("tputrain-worker-*")), "the non-chief deletes its scratch directory"
 
 
 @pytest.mark.slow

@@ -29,8 +29,9 @@ from tputrain.validate import ModelDirError
 class AsyncWriter:
     """Writes snapshots of a checkpoint into `directory`, one at a time, keeping `keep`."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, announce: bool = True):
         self.directory = directory
+        self.announce = announce  # log each write's path (not a worker's scratch one)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -62,7 +63,8 @@ class AsyncWriter:
             for old in paths[:-keep]:
                 for path in tf.io.gfile.glob(f"{old}.*"):
                     tf.io.gfile.remove(path)
-            logging.info("tputrain: saved checkpoint %s (async)", prefix)
+            if self.announce:
+                logging.info("tputrain: saved checkpoint %s (async)", prefix)
         except BaseException as error:  # noqa: BLE001 - re-raised on the training thread
             self._error = error
 

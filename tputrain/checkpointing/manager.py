@@ -79,6 +79,9 @@ class Checkpointer:
             raise ValueError(f"keep_checkpoints must be >= 1, got {keep}")
         self.directory = directory
         self.restore_directory = restore_directory or directory
+        # A non-chief worker's part of each save, in a directory deleted at its end: its
+        # saves are not logged (the chief's line names the checkpoint).
+        self.scratch = self.restore_directory != directory
         self.every = every
         self.step = step
         self.check_finite = check_finite
@@ -98,7 +101,7 @@ class Checkpointer:
         self.async_save = async_save
         self._finite = FiniteCheck(trackables.values())
         self._lock = threading.Lock()
-        self._writer = AsyncWriter(directory)
+        self._writer = AsyncWriter(directory, announce=not self.scratch)
         if async_save:
             sync_at_exit(self)
 
@@ -292,7 +295,7 @@ class Checkpointer:
             # Decided in memory, not from the files: on several hosts the chief may
             # still be writing, and all or none of them must reach the barrier below.
             if step == self._saved_step:
-                return latest or f"{self.restore_directory.rstrip('/')}/ckpt-{step}"
+                return latest or self._final(step)
             if self.check_finite and not self.all_finite():
                 bad = self._finite.non_finite()
                 raise NonFiniteStateError(
@@ -304,14 +307,21 @@ class Checkpointer:
             self._hosts.save(step, self.keep)  # every host's own state before the commit
             if self.async_save:
                 self._saved_step = step
-                return self._writer.start(self.checkpoint, step, self.keep)
+                path = self._writer.start(self.checkpoint, step, self.keep)
+                return self._final(step) if self.scratch else path
             try:
                 path = self.manager.save(checkpoint_number=step)
             except (tf.errors.OpError, OSError) as error:
                 raise save_failed(self.directory, step, latest, error) from None
             self._saved_step = step
+            if self.scratch:  # a worker's scratch path is gone when it ends: the chief's
+                return self._final(step)
             logging.info("tputrain: saved checkpoint %s", path)
             return path
+
+    def _final(self, step: int) -> str:
+        """The checkpoint of `step` where the chief writes it."""
+        return f"{self.restore_directory.rstrip('/')}/ckpt-{step}"
 
     def sync(self) -> None:
         """Waits for a background write in flight (no-op for synchronous saves)."""

@@ -3,10 +3,12 @@ clipped and guarded as the default step is, and the optimizer is never patched."
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tputrain
 from tputrain.guard import NonFiniteGuard
+from tputrain.loop.pipeline import UpdatePipeline
 from tputrain.task import overrides_train_step
 from tiny import TinyTask, strategy_for
 
@@ -87,3 +89,99 @@ def test_one_definition_of_a_train_step_override():
     assert overrides_train_step(OwnStepTask())
     task.train_step = lambda *args: {}
     assert overrides_train_step(task)
+
+
+class KeptOptimizerTask(TinyTask):
+    """Builds the optimizer the test keeps, to use it again after the Trainer."""
+
+    def __init__(self, optimizer):
+        super().__init__()
+        self.kept = optimizer
+
+    def build_optimizer(self):
+        return self.kept
+
+
+def _instance_state(optimizer):
+    """What a patch would change: the instance's own attribute names, and the class's
+    methods the Trainer's update depends on."""
+    return (set(vars(optimizer)),
+            {name: getattr(type(optimizer), name) for name in
+             ("apply", "apply_gradients", "scale_loss", "_all_reduce_sum_gradients",
+              "assign", "assign_add", "assign_sub")})
+
+
+def _sgd():
+    return keras.optimizers.SGD(0.05, momentum=0.9, clipnorm=1.0)
+
+
+def test_a_users_optimizer_trained_by_a_trainer_then_keras_fit_keeps_replicas_equal(tmp_path):
+    """Issue 53: after a Trainer on 2 replicas, the same optimizer in Keras `fit` on 2
+    replicas sums the gradients itself again (the Trainer changed nothing of it), so
+    every replica's copy of a weight stays the same."""
+    strategy = strategy_for(2)
+    with strategy.scope():
+        optimizer = _sgd()
+    trainer = tputrain.Trainer(KeptOptimizerTask(optimizer), str(tmp_path / "run"),
+                               strategy=strategy, train_steps=4, steps_per_loop=2,
+                               global_batch_size=16, eval_steps=1, report_mfu=False)
+    trainer.train()
+    trainer.close()
+    assert trainer.optimizer is optimizer
+    task, model = trainer.task, trainer.model
+    with strategy.scope():  # the same optimizer, as Keras alone builds it
+        twin = _sgd()
+        twin.build(model.trainable_variables)
+    names, methods = _instance_state(optimizer)
+    assert names ^ _instance_state(twin)[0] == set()  # nothing added or left behind
+    assert methods == _instance_state(twin)[1]
+
+    rng = np.random.RandomState(1)
+    x, y = rng.randn(64, 8).astype(np.float32), rng.randint(0, 2, 64)
+    with strategy.scope():
+        model.compile(optimizer=optimizer, loss=task.compute_loss)
+    model.fit({"x": x}, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    for weight in model.trainable_variables:
+        copies = [np.array(c) for c in strategy.experimental_local_results(weight.value)]
+        np.testing.assert_array_equal(copies[0], copies[1], err_msg=weight.path)
+
+
+def test_the_pipeline_is_a_keras_optimizer_holding_the_users():
+    """As Keras's LossScaleOptimizer: an Optimizer with `inner_optimizer`, no forwarding."""
+    optimizer = keras.optimizers.SGD(0.1)
+    pipeline = UpdatePipeline(optimizer, NonFiniteGuard())
+    assert isinstance(pipeline, keras.optimizers.Optimizer)
+    assert pipeline.inner_optimizer is optimizer
+    assert not {"__getattr__", "__setattr__"} & set(vars(UpdatePipeline))
+    pipeline.learning_rate = 0.5
+    assert float(optimizer.learning_rate) == 0.5
+    assert pipeline.iterations is optimizer.iterations
+
+
+class FailingSGD(keras.optimizers.SGD):
+    """A user's optimizer whose update fails while the step traces."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        raise RuntimeError("the user's update failed")
+
+
+class FailingOptimizerTask(TinyTask):
+    def __init__(self):
+        super().__init__()
+        self.kept = FailingSGD(0.1)
+
+    def build_optimizer(self):
+        return self.kept
+
+
+def test_an_update_that_fails_while_tracing_leaves_the_optimizer_as_built(tmp_path):
+    task = FailingOptimizerTask()
+    trainer = tputrain.Trainer(task, str(tmp_path / "run"), strategy=strategy_for(2),
+                               train_steps=2, steps_per_loop=2, global_batch_size=16,
+                               eval_steps=1, report_mfu=False)
+    with pytest.raises(Exception, match="the user's update failed"):
+        trainer.train()
+    trainer.close()
+    left = {"_all_reduce_sum_gradients", "assign", "assign_add", "assign_sub"} & set(
+        vars(task.kept))
+    assert left == set()

@@ -466,7 +466,14 @@ def _masked_writes(optimizer: keras.optimizers.Optimizer, bad: tf.Tensor,
                    masked: set[int]) -> Iterator[None]:
     """While the optimizer's apply traces: its `assign`, `assign_add` and `assign_sub`
     write the old value (or add zero) on a bad step, and its weight decay is 0 then.
-    The keys of the variables so written are added to `masked`."""
+    The keys of the variables so written are added to `masked`.
+
+    Why instance attributes, for a while: every write of a Keras optimizer's update
+    goes through these methods, and Keras offers no hook to mask them; they are set
+    on entering this block and put back (or removed) on leaving it by any exit, an
+    error in the user's optimizer included, so the optimizer is as built outside the
+    trace (`tests/test_pipeline.py`). Entered from one thread at a time: the masked
+    update runs in cross-replica context or on one replica (`select_updates`)."""
     def writer(name: str, keep: str):
         write = getattr(optimizer, name)
 

@@ -259,3 +259,29 @@ def test_a_loss_scale_optimizer_keeps_its_own_conditional(tmp_path):
     assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
     plan = trainer._steps.plan()
     assert not plan.apply_per_replica and "mixed_float16" in plan.why
+
+
+class FailingAdamW(keras.optimizers.AdamW):
+    """A user's optimizer whose update fails while the per-device program traces."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        raise RuntimeError("the user's update failed")
+
+
+def test_no_tensorflow_global_stays_changed_after_the_update_traces(tmp_path):
+    """Issue 53: `strategy.extended.update` and `interim.maybe_merge_call` are swapped
+    only while a device's update traces, and restored after it, an error included."""
+    interim = tf.__internal__.distribute.interim
+    merge_call = interim.maybe_merge_call
+    trainer = train(OptimizerTask(OPTIMIZERS["adamw"]), tmp_path / "ok")  # decay merges too
+    assert trainer._steps.plan().apply_per_replica
+    assert interim.maybe_merge_call is merge_call
+    assert "update" not in vars(trainer.strategy.extended)
+
+    failing = make(OptimizerTask(lambda: FailingAdamW(0.01, weight_decay=0.1)),
+                   tmp_path / "failing")
+    with pytest.raises(Exception, match="the user's update failed"):
+        failing.train()
+    failing.close()
+    assert interim.maybe_merge_call is merge_call
+    assert "update" not in vars(failing.strategy.extended)

@@ -82,12 +82,21 @@ def _each_device(strategy: tf.distribute.Strategy, inner_apply: Any, grads: list
 
 @contextlib.contextmanager
 def _this_replica_only(strategy: tf.distribute.Strategy, replica: int) -> Iterator[None]:
-    """While an update traces: `strategy.extended.update` updates only this replica's
-    copy, and merge calls call straight through (the Keras TF backend uses both to
-    reach every replica's copy; here each device updates its own)."""
+    """While one device's update traces: `strategy.extended.update` updates only this
+    replica's copy, and merge calls call straight through.
+
+    Why a swap, and only inside this block: the Keras TF backend reaches every
+    replica's copy of a variable through `extended.update` and the process-global
+    `tf.__internal__.distribute.interim.maybe_merge_call`, with no argument or hook to
+    aim them at one device; here each device's program updates its own copies. Both
+    are set when the block is entered and put back when it is left, by any exit (an
+    error in the user's optimizer included), so no TensorFlow global stays changed
+    after a step is traced (`tests/test_update.py`).
+    """
     extended = strategy.extended
     interim = tf.__internal__.distribute.interim
     saved_merge = interim.maybe_merge_call
+    own_update = vars(extended).get("update")  # an instance attribute before, if any
 
     def update(var, fn, args=(), kwargs=None, group=True):
         del group
@@ -97,11 +106,14 @@ def _this_replica_only(strategy: tf.distribute.Strategy, replica: int) -> Iterat
     def maybe_merge_call(fn, strategy_, *args, **kwargs):
         return fn(strategy_, *args, **kwargs)
 
-    extended.update = update
-    interim.maybe_merge_call = maybe_merge_call
     try:
+        extended.update = update
+        interim.maybe_merge_call = maybe_merge_call
         with distribute_lib.UpdateContext(replica):
             yield
     finally:
-        del extended.update
         interim.maybe_merge_call = saved_merge
+        if own_update is None:
+            vars(extended).pop("update", None)
+        else:
+            extended.update = own_update

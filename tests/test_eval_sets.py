@@ -8,7 +8,6 @@ import json
 import logging
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import keras
 import numpy as np
@@ -20,7 +19,6 @@ from events import last_scalars, scalar_points
 from faults import RecordsTask
 from processes import launched
 from tiny import strategy_for
-from tputrain.config_summary import eval_tags
 from tputrain.sidecar import ReadOnlyTrainer, evaluate_checkpoints
 
 PER_REPLICA = 8
@@ -156,14 +154,6 @@ def test_a_metric_of_no_set_fails_before_training(tmp_path, action, metric):
 def test_bad_eval_splits_are_refused(splits):
     with pytest.raises((ValueError, TypeError), match="eval_splits"):
         tputrain.TrainerOptions(eval_splits=splits)
-
-
-@pytest.mark.parametrize("splits, runs", [(("eval",), ["eval"]),
-                                           (SETS, ["eval/validation", "eval/test"])])
-def test_hparams_metrics_name_each_sets_run(splits, runs):
-    context = SimpleNamespace(options=tputrain.TrainerOptions(eval_splits=splits),
-                              eval_metrics=[keras.metrics.SparseCategoricalAccuracy("accuracy")])
-    assert eval_tags(context) == [(run, tag) for run in runs for tag in ("loss", "accuracy")]
 
 
 @pytest.mark.slow

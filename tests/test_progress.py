@@ -232,42 +232,34 @@ def test_the_line_leaves_out_communication_on_one_replica_and_tensorboard_keeps_
     assert [s for s, _ in tags["comm/allreduce_fraction"]] == [100, 200, 300]
 
 
-def test_an_input_stall_of_fast_steps_is_explained_once_with_the_knob(caplog):
+def _stall_advice(caplog, loops, steps_per_fetch: int = 1) -> list[str]:
+    """The stall explanations a Progress logs over `loops` of 100 steps, each
+    (seconds, input_wait); the first holds compiling."""
     import logging
 
-    p = Progress(None, train_steps=1000, global_batch_size=64)
-    with caplog.at_level(logging.INFO):
-        p.train_loop_done(step=100, steps=100, seconds=10.0, logs={}, input_wait=5.0)  # first
-        p.train_loop_done(step=200, steps=100, seconds=0.1, logs={}, input_wait=0.03)
-        p.train_loop_done(step=300, steps=100, seconds=0.1, logs={}, input_wait=0.04)
-    advice = [r.getMessage() for r in caplog.records if "steps_per_fetch" in r.getMessage()]
-    assert len(advice) == 1, advice  # once, after the first loop (which holds compiling)
-    assert "in-memory" in advice[0] and "tputrain diagnose" in advice[0], advice
-    fetching = Progress(None, train_steps=1000, global_batch_size=64, steps_per_fetch=100)
+    progress = Progress(None, train_steps=1000, global_batch_size=64,
+                        steps_per_fetch=steps_per_fetch)
     caplog.clear()
-    with caplog.at_level(logging.INFO):  # the knob is in use: the input advice instead
-        fetching.train_loop_done(step=100, steps=100, seconds=10.0, logs={})
-        fetching.train_loop_done(step=200, steps=100, seconds=0.1, logs={}, input_wait=0.03)
-    advice = [r.getMessage() for r in caplog.records if "diagnose" in r.getMessage()]
+    with caplog.at_level(logging.INFO):
+        for i, (seconds, wait) in enumerate(loops, 1):
+            progress.train_loop_done(step=100 * i, steps=100, seconds=seconds, logs={},
+                                     input_wait=wait)
+    return [r.getMessage() for r in caplog.records if "tputrain diagnose" in r.getMessage()]
+
+
+def test_an_input_stall_of_fast_steps_is_explained_once_with_the_knob(caplog):
+    advice = _stall_advice(caplog, [(10.0, 5.0), (0.1, 0.03), (0.1, 0.04)])
+    assert len(advice) == 1, advice  # once, after the first loop (which holds compiling)
+    assert "in-memory" in advice[0] and "steps_per_fetch" in advice[0], advice
+    # The knob is in use: the input advice instead.
+    advice = _stall_advice(caplog, [(10.0, 0.0), (0.1, 0.03)], steps_per_fetch=100)
     assert len(advice) == 1 and "steps_per_fetch" not in advice[0], advice
 
 
 def test_a_slow_input_gets_the_input_advice_not_the_fetch_knob(caplog):
-    import logging
-
-    p = Progress(None, train_steps=1000, global_batch_size=64)
-    with caplog.at_level(logging.INFO):
-        p.train_loop_done(step=100, steps=100, seconds=10.0, logs={})
-        p.train_loop_done(step=200, steps=100, seconds=10.0, logs={}, input_wait=5.0)
-    advice = [r.getMessage() for r in caplog.records if "tputrain diagnose" in r.getMessage()]
+    advice = _stall_advice(caplog, [(10.0, 0.0), (10.0, 5.0)])
     assert len(advice) == 1 and "steps_per_fetch" not in advice[0], advice
 
 
 def test_a_quiet_loop_gives_no_advice(caplog):
-    import logging
-
-    p = Progress(None, train_steps=1000, global_batch_size=64)
-    with caplog.at_level(logging.INFO):
-        p.train_loop_done(step=100, steps=100, seconds=10.0, logs={}, input_wait=9.0)
-        p.train_loop_done(step=200, steps=100, seconds=1.0, logs={}, input_wait=0.01)
-    assert not [r for r in caplog.records if "diagnose" in r.getMessage()]
+    assert _stall_advice(caplog, [(10.0, 9.0), (1.0, 0.01)]) == []

@@ -90,6 +90,16 @@ class TensorBoard:
         self.process.kill()
 
 
+def _session_groups(board) -> tuple[list[dict], dict[str, dict]]:
+    """The HParams dashboard's session groups, and each by its run's folder name."""
+    groups = board.post("/data/plugin/hparams/session_groups", {
+        "experimentName": "", "startIndex": 0, "sliceSize": 100, "colParams": [],
+        "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
+                            "STATUS_RUNNING"]})["sessionGroups"]
+    return groups, {session["name"].rsplit("/", 1)[-1]: group
+                    for group in groups for session in group["sessions"]}
+
+
 @pytest.mark.slow  # three CLI processes and a TensorBoard server
 def test_tensorboard_shows_every_eval_step_and_the_configuration(tmp_path):
     logdir = tmp_path / "sweep"
@@ -115,12 +125,7 @@ def test_tensorboard_shows_every_eval_step_and_the_configuration(tmp_path):
         experiment = board.post("/data/plugin/hparams/experiment", {"experimentName": ""})
         assert {"group": "eval", "tag": "accuracy"} in [m["name"]
                                                         for m in experiment["metricInfos"]]
-        groups = board.post("/data/plugin/hparams/session_groups", {
-            "experimentName": "", "startIndex": 0, "sliceSize": 100, "colParams": [],
-            "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
-                                "STATUS_RUNNING"]})["sessionGroups"]
-        sessions = {session["name"].rsplit("/", 1)[-1]: group
-                    for group in groups for session in group["sessions"]}
+        groups, sessions = _session_groups(board)
         assert sorted(sessions) == ["cli", "py"], groups
         accuracy = {run: board.loaded(f"{run}/eval", "accuracy")[-1] for run in sessions}
         for run, group in sessions.items():
@@ -174,12 +179,7 @@ def test_hparams_over_a_parent_logdir_show_every_runs_hparams_and_metrics(tmp_pa
         for group, tag in [("eval", "accuracy"), ("eval", "loss"), ("eval/validation", "top1"),
                            ("eval/test", "top1"), ("eval/test", "loss")]:
             assert {"group": group, "tag": tag} in metrics, (group, tag, metrics)
-        groups = board.post("/data/plugin/hparams/session_groups", {
-            "experimentName": "", "startIndex": 0, "sliceSize": 100, "colParams": [],
-            "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
-                                "STATUS_RUNNING"]})["sessionGroups"]
-        sessions = {session["name"].rsplit("/", 1)[-1]: group
-                    for group in groups for session in group["sessions"]}
+        groups, sessions = _session_groups(board)
         assert sorted(sessions) == ["fault", "topone"], groups
         assert sessions["fault"]["hparams"]["FaultTask.dropout"] == 0.0
         assert sessions["fault"]["hparams"]["Trainer.train_steps"] == 4

@@ -31,12 +31,10 @@ from tensorboard.plugins.hparams import api as hp
 
 from tputrain.actions import Action
 from tputrain.context import ActionContext
-from tputrain.loop.eval_sets import is_default
 
 
 HParamValue = Union[bool, int, float, str]
 TEXT_TAG = "operative_config"
-EVAL_GROUP = "eval"  # the eval run, relative to the root run
 
 
 def _scalar(value: object) -> HParamValue | None:
@@ -80,16 +78,6 @@ def config_text(context: ActionContext) -> str:
         return gin.operative_config_str()
     return "\n".join(f"Trainer.{field} = {value!r}"
                      for field, value in sorted(vars(context.options).items())) + "\n"
-
-
-def eval_tags(context: ActionContext) -> list[tuple[str, str]]:
-    """(run, tag) of the eval scalars: the loss and the Task's metrics, in `eval/`, or
-    in `eval/<set>/` for each named eval set (`TrainerOptions.eval_splits`): the HParams
-    dashboard's metrics of a run, found by TensorBoard from its scalars."""
-    tags = ["loss", *(metric.name for metric in context.eval_metrics)]
-    splits = context.options.eval_splits
-    groups = [EVAL_GROUP] if is_default(splits) else [f"{EVAL_GROUP}/{s}" for s in splits]
-    return [(group, tag) for group in groups for tag in tags]
 
 
 def write_config_summary(directory: str, text: str,

@@ -36,3 +36,22 @@ def token_batch(rows: int = 3, seed: int = 5) -> dict[str, np.ndarray]:
     """A request for the tiny model: random tokens, no padding."""
     tokens = np.random.default_rng(seed).integers(0, 100, (rows, 16)).astype(np.int32)
     return {"token_ids": tokens, "padding_mask": np.ones_like(tokens)}
+
+
+def lora_after_build_run(model_dir: str, pause_at: int | None = None) -> None:
+    """A script's run: the Trainer built without LoRA, LoRA enabled on its model in the
+    strategy's scope, 8 steps (a checkpoint every 2), op determinism on; `pause_at`:
+    waits after that step's loop (faults.PauseAtStep)."""
+    from faults import PauseAtStep
+
+    tf.config.experimental.enable_op_determinism()
+    task = KerasHubLMTask(lora_rank=None, learning_rate=0.01, train_rows=64, eval_rows=16)
+    trainer = tputrain.Trainer(task, model_dir, strategy=strategy_for(1), train_steps=8,
+                               steps_per_loop=2, checkpoint_every=2, global_batch_size=8,
+                               eval_every=8, ema_decay=0.5, jit_compile=False,
+                               report_mfu=False,
+                               actions=[PauseAtStep(pause_at)] if pause_at else [])
+    with trainer.strategy.scope():
+        trainer.model.backbone.enable_lora(4)
+    trainer.train()
+    trainer.close()

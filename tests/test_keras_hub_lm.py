@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from hub import latest_values, lora_trainer
+from tputrain.checkpoint import CheckpointMismatchError
 from tputrain.keras_saving import lora_variables
 from tputrain.sidecar import ReadOnlyTrainer
 
@@ -76,13 +77,93 @@ def test_the_side_car_evaluates_the_lora_checkpoint_as_training_did(lora_run):
     assert sidecar.evaluate() == pytest.approx(logs, abs=1e-6)
 
 
-def test_lora_enabled_after_the_trainer_built_the_model_is_refused_with_the_port(tmp_path):
-    """The optimizer, EMA and checkpoints were built for the old trainable set."""
-    trainer = lora_trainer(tmp_path, lora_rank=None)
+def _lora_after_build(trainer, rank: int = 4) -> None:
+    """What a user does to the Trainer's model: LoRA enabled in the strategy's scope."""
     with trainer.strategy.scope():
-        trainer.model.backbone.enable_lora(4)
-    with pytest.raises(ValueError, match=r"enable_lora.*Task.build_model"):
+        trainer.model.backbone.enable_lora(rank)
+
+
+def test_lora_enabled_after_the_trainer_built_the_model_trains_only_the_factors(tmp_path):
+    """train() adopts the new trainable set: an optimizer with slots for the LoRA weights
+    only, an EMA of them only, checkpoints that hold the factors; the base stays frozen."""
+    trainer = lora_trainer(tmp_path, lora_rank=None, steps=4)
+    _lora_after_build(trainer)
+    before = {v.path: v.numpy() for v in trainer.model.weights}
+    trainer.train()
+    model = trainer.model
+    lora = {v.path for v in lora_variables(model)}
+    adapted_biases = {p.replace("lora_kernel_a", "bias") for p in lora if "lora_kernel_a" in p}
+    trainable = list(model.trainable_variables)
+    assert len(lora) == 8 and {v.path for v in trainable} == lora | adapted_biases
+    # Adam: iterations, learning rate, and two moments of each trainable weight only.
+    assert len(trainer.optimizer.variables) == 2 + 2 * len(trainable)
+    assert [a.shape for a in trainer.ema.averages] == [v.shape for v in trainable]
+    for variable in model.weights:
+        if variable.path not in lora | adapted_biases:
+            np.testing.assert_array_equal(variable.numpy(), before[variable.path],
+                                          err_msg=variable.path)
+    saved = latest_values(tmp_path)
+    for factor in lora_variables(model):
+        assert any(np.array_equal(value, factor.numpy()) for value in saved.values())
+    trainer.close()
+
+
+def test_lora_enabled_outside_the_strategy_scope_is_refused_with_the_fix(tmp_path):
+    trainer = lora_trainer(tmp_path, lora_rank=None)
+    trainer.model.backbone.enable_lora(4)
+    with pytest.raises(ValueError, match=r"trainer\.strategy\.scope\(\)"):
         trainer.train()
+
+
+def test_a_checkpoint_written_before_lora_is_refused_in_one_line_naming_the_fix(tmp_path):
+    """Its optimizer slots are the whole model's: a new model_dir starts from it."""
+    trainer = lora_trainer(tmp_path / "base", lora_rank=None, steps=4)
+    trainer.train()
+    _lora_after_build(trainer)
+    with pytest.raises(CheckpointMismatchError, match=r"before LoRA.*InitCheckpoint") as error:
+        trainer.train()
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_a_lora_checkpoint_read_without_lora_enabled_names_the_fix(tmp_path):
+    """A rerun that forgets enable_lora: the Trainer builds (LoRA may still come), and
+    train() says what is missing."""
+    trainer = lora_trainer(tmp_path, lora_rank=None, steps=4)
+    _lora_after_build(trainer)
+    trainer.train()
+    trainer.close()
+    again = lora_trainer(tmp_path, lora_rank=None, steps=4)
+    with pytest.raises(CheckpointMismatchError, match=r"LoRA.*enable_lora") as error:
+        again.train()
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_lora_enabled_after_build_resumes_bitwise_after_a_kill(tmp_path):
+    """A script that builds the Trainer, enables LoRA on its model and trains, killed (-9)
+    after step 4 and rerun: its last checkpoint is bitwise the uninterrupted run's."""
+    import sys
+
+    from faults import Process, child_env, copy_at_pause, pausable_env
+
+    def child(model_dir, pause_at=None):
+        call = f"hub.lora_after_build_run({str(model_dir)!r}, {pause_at!r})"
+        env = pausable_env(child_env()) if pause_at else child_env()
+        return Process([sys.executable, "-c", f"import hub; {call}"], env,
+                       stdin=bool(pause_at))
+
+    reference = child(tmp_path / "reference", pause_at=4)
+    copy_at_pause(reference, tmp_path / "reference", tmp_path / "interrupted",
+                  r"tputrain-test: paused at step 4")
+    assert reference.finish() == 0, reference.log()
+    resumed = child(tmp_path / "interrupted")
+    assert resumed.finish() == 0, resumed.log()
+    assert "training from step 2 to 8" in resumed.text(), resumed.log()
+    expected, actual = latest_values(tmp_path / "reference"), latest_values(tmp_path / "interrupted")
+    assert expected.keys() == actual.keys() and any(k.startswith("ema/") for k in expected)
+    for key in expected:
+        np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from tputrain.tasks.keras_hub_lm import KerasHubLMTask
 
 
 def lora_trainer(model_dir, replicas: int = 1, steps: int = 8, ema_decay: float | None = 0.5,
-                 **task_args) -> tputrain.Trainer:
+                 actions=(), **task_args) -> tputrain.Trainer:
     """A 2-layer GPT-2 (hidden 16, vocabulary 100, 16 tokens) with LoRA rank 4, global
     batch 8, a checkpoint every 4 steps, EMA."""
     task = KerasHubLMTask(**{"lora_rank": 4, "learning_rate": 0.01, "train_rows": 64,
@@ -19,7 +19,7 @@ def lora_trainer(model_dir, replicas: int = 1, steps: int = 8, ema_decay: float 
     return tputrain.Trainer(task, str(model_dir), strategy=strategy_for(replicas),
                             train_steps=steps, steps_per_loop=4, checkpoint_every=4,
                             global_batch_size=8, eval_every=steps, ema_decay=ema_decay,
-                            jit_compile=False, report_mfu=False)
+                            jit_compile=False, report_mfu=False, actions=actions)
 
 
 def latest_values(model_dir) -> dict[str, np.ndarray]:

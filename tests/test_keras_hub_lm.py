@@ -4,6 +4,8 @@ the Trainer (trainable set, EMA, exact resume, side-car eval, 1 and 2 replicas).
 import numpy as np
 import pytest
 
+import tputrain
+
 from hub import latest_values, lora_trainer
 from tputrain.checkpoint import CheckpointMismatchError
 from tputrain.keras_saving import lora_variables
@@ -118,11 +120,25 @@ def test_lora_enabled_outside_the_strategy_scope_is_refused_with_the_fix(tmp_pat
 def test_a_checkpoint_written_before_lora_is_refused_in_one_line_naming_the_fix(tmp_path):
     """Its optimizer slots are the whole model's: a new model_dir starts from it."""
     trainer = lora_trainer(tmp_path / "base", lora_rank=None, steps=4)
-    trainer.train()
+    trainer.checkpointer.save()  # what a run without LoRA leaves
     _lora_after_build(trainer)
     with pytest.raises(CheckpointMismatchError, match=r"before LoRA.*InitCheckpoint") as error:
         trainer.train()
     assert "\n" not in str(error.value)
+
+
+class _EnableLoraAtStart(tputrain.Action):
+    """Changes the trainable set once training has begun: the step is traced for it."""
+
+    def on_train_begin(self, context, step):
+        with context.strategy.scope():
+            context.model.backbone.enable_lora(4)
+
+
+def test_lora_enabled_by_an_action_during_training_is_refused_with_the_fix(tmp_path):
+    trainer = lora_trainer(tmp_path, lora_rank=None, actions=[_EnableLoraAtStart()])
+    with pytest.raises(ValueError, match=r"during training.*before Trainer\.train\(\)"):
+        trainer.train()
 
 
 @pytest.mark.slow
@@ -210,3 +226,4 @@ def test_without_lora_biases_the_trainable_weights_are_exactly_the_factors():
     assert {v.path for v in model.trainable_variables} == {
         v.path for v in lora_variables(model)}
     assert len(model.trainable_variables) == 8
+

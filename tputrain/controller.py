@@ -143,7 +143,6 @@ class Controller:
     def run(self, until: int) -> dict[str, float]:
         """Trains from the current step to `until`; returns the final evaluation."""
         context, hooks = self.context, self.hooks
-        check_trainable_unchanged(context.model)  # enable_lora on trainer.model: refused
         step = context.step
         self.until = until
         # The progress line counts to the job's end: train_steps, or further when
@@ -163,6 +162,7 @@ class Controller:
             while step < until and not context.stop_training:
                 for profiler in profilers:
                     profiler.update(step)
+                check_trainable_unchanged(context.model)  # an action's enable_lora: refused
                 result = self._loop(step)
                 if result is None:
                     break

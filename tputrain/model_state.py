@@ -93,14 +93,12 @@ def build_model_state(task: Task, strategy: tf.distribute.Strategy, batch_spec: 
 
 def check_trainable_unchanged(model: keras.Model) -> None:
     """A ValueError naming the fix when `model`'s trainable variables are not those
-    `build_model_state` built the optimizer for (LoRA enabled, layers frozen or
-    unfrozen on `trainer.model` afterwards): the optimizer's slots, the EMA
-    averages and the checkpoint's keys would not match them."""
+    the optimizer was built for once training has begun (an action's `enable_lora`):
+    `Trainer.train()` adopts a change made before it (tputrain/trainable_change.py)."""
     built = _BUILT_FOR.get(model)
     if built is None or built == tuple(id(v) for v in model.trainable_variables):
         return
     raise ValueError(
-        "the model's trainable variables changed after the Trainer built its optimizer, EMA "
-        "and checkpoints (enable_lora, or layers frozen or unfrozen, on trainer.model): do it "
-        "in Task.build_model before returning the model (e.g. backbone.enable_lora(rank); "
-        "KerasHubLMTask(lora_rank=...)), then build the Trainer")
+        "the model's trainable variables changed during training (enable_lora, or layers "
+        "frozen or unfrozen, on trainer.model): do it before Trainer.train() (which rebuilds "
+        "the optimizer, EMA and checkpoint for them) or in Task.build_model")

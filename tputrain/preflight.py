@@ -16,6 +16,7 @@ from tputrain.best import BestCheckpoint, tidy_best
 from tputrain.context import ActionContext
 from tputrain.lock import lock_model_dir
 from tputrain.task import overrides
+from tputrain.trainable_change import lora_checkpoint_awaits_lora
 from tputrain.validate import (check_eval_features, check_model_dir, iterator_state_bytes,
                                variable_bytes)
 
@@ -26,7 +27,8 @@ def preflight(context: ActionContext) -> None:
         inputs = context.inputs
         check_eval_features(context.model, inputs.micro_batch_spec()[0], {
             split: inputs.dataset(split).element_spec[0] for split in context.options.eval_splits})
-    context.checkpointer.check_compatible()
+    if not lora_checkpoint_awaits_lora(context.model, context.checkpointer.latest):
+        context.checkpointer.check_compatible()  # else at train(), after enable_lora
     for action in context.actions:  # e.g. InitCheckpoint: its source and shapes
         action.preflight(context)
     size = 0 if finished(context) else checkpoint_bytes(context)

@@ -41,7 +41,6 @@ from tputrain.ema import averaged_weights, build_average
 from tputrain.goodput import GoodputAction, StartupClock
 from tputrain.guard import NonFiniteGuard
 from tputrain.input_layout import LayoutChange
-from tputrain.loop.eval_sets import EvalSets
 from tputrain.loop.host_loop import train_loop
 from tputrain.loop.hosts import MaxOverHosts
 from tputrain.loop.inputs import Inputs
@@ -60,6 +59,7 @@ from tputrain.preflight import preflight
 from tputrain.progress import Progress, summary_root
 from tputrain.progress_bar import ProgressBarAction
 from tputrain.task import Task, overrides_train_step
+from tputrain.trainable_change import TrainableSet
 from tputrain.tuning.report import with_trial_report
 from tputrain.validate import check_split_names, check_splits, named_splits
 
@@ -144,7 +144,7 @@ class RunKnobs:
     report_mfu = _from_context("report_mfu")
 
 
-class Trainer(RunKnobs):
+class Trainer(RunKnobs, TrainableSet):
     """Trains a `Task` under a distribution strategy, with exact-resume checkpoints.
 
     Args:
@@ -205,8 +205,7 @@ class Trainer(RunKnobs):
         state = self._build_model(guard, first)
         self._build_checkpointer()
         self._build_step(state)
-        self._evaluator = EvalSets(task, self.model, self.eval_metrics, self.inputs,
-                                   self.eval_steps, self._max_over_hosts, self.eval_splits)
+        self._build_evaluator()
         logging.info("tputrain: %s, %s, XLA %s", type(self.strategy).__name__, self.plan.summary(), self.plan.xla)
 
     def _build_model(self, guard: NonFiniteGuard | None, first: Any) -> ModelState:
@@ -262,7 +261,18 @@ class Trainer(RunKnobs):
         if self.input_mode == "host":  # each host's own data position
             self._train_iterator = iter(self.inputs.fetch_groups(self.inputs.train_dataset))
             per_host["iterator"] = self._train_iterator
-        self.checkpointer = Checkpointer(
+        self.checkpointer = self._new_checkpointer(per_host)
+        self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
+        self._communication = CommunicationAction(self.communication)  # timed once
+        self.progress = Progress.for_run(summary_root(self._work_dir) if self.is_chief else None,
+                                         self.plan)
+        self.context = self._context()
+        if self.is_chief:  # inputs are checked; nothing has been written yet
+            self._preflight()
+
+    def _new_checkpointer(self, per_host: dict[str, Any]) -> Checkpointer:
+        """The checkpoint of the model, its optimizer, EMA, step and data position."""
+        return Checkpointer(
             RunDirectory(self._work_dir).checkpoints, self.step, every=self.checkpoint_every,
             restore_directory=RunDirectory(self.model_dir).checkpoints,  # the chief's
             # A float learning rate is a variable: the config's value wins over the
@@ -277,13 +287,6 @@ class Trainer(RunKnobs):
             **({"ema": self.ema.state} if self.ema else {}), **checkpointed(
                 self.inputs.source_counter), async_save=self.checkpoint.async_save,
             check_finite=self.checkpoint.check_finite)  # (a mixture's per-source counts)
-        self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
-        self._communication = CommunicationAction(self.communication)  # timed once
-        self.progress = Progress.for_run(summary_root(self._work_dir) if self.is_chief else None,
-                                         self.plan)
-        self.context = self._context()
-        if self.is_chief:  # inputs are checked; nothing has been written yet
-            self._preflight()
 
     def _preflight(self) -> None:
         """The chief's checks and lock before its first write (tputrain/preflight.py);
@@ -351,7 +354,7 @@ class Trainer(RunKnobs):
         latest checkpoint in model_dir; evaluates and saves on the configured cadence
         and at the end, and returns the last evaluation's metrics."""
         self._check_open("train")
-        self.checkpointer.restore_latest()
+        self._restore_latest()
         step = self.current_step
         if num_steps is not None:
             check_int("Trainer.train", "num_steps", num_steps, 1)
@@ -389,7 +392,7 @@ class Trainer(RunKnobs):
         """Restores the latest checkpoint of model_dir, then evaluates it; says so when
         there is none and the weights are the initial ones."""
         self._check_open("evaluate")
-        if self.checkpointer.restore_latest() is None:
+        if self._restore_latest() is None:
             logging.warning("tputrain: no checkpoint in %s: evaluating the initial (untrained) "
                             "weights", self.model_dir)
         logs = self.evaluate_weights()

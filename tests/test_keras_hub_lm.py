@@ -7,6 +7,7 @@ import pytest
 import tputrain
 
 from hub import latest_values, lora_trainer
+from tiny import strategy_for
 from tputrain.checkpoint import CheckpointMismatchError
 from tputrain.keras_saving import lora_variables
 from tputrain.sidecar import ReadOnlyTrainer
@@ -227,3 +228,66 @@ def test_without_lora_biases_the_trainable_weights_are_exactly_the_factors():
         v.path for v in lora_variables(model)}
     assert len(model.trainable_variables) == 8
 
+
+
+def _compiled_lora_lm():
+    """The user's Keras-Hub model: LoRA enabled, compiled as for `model.fit`."""
+    import keras
+
+    from tputrain.tasks.keras_hub_lm import KerasHubLMTask
+
+    model = KerasHubLMTask(lora_rank=4).build_model()
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _token_data(count, seed):
+    """KerasHubLMTask's rows as fit-style arrays: (features, next tokens)."""
+    from tputrain.tasks.keras_hub_lm import arithmetic_rows
+
+    rows = arithmetic_rows(count, 16, 100, (1, 2, 3), seed)
+    return {"token_ids": rows[:, :-1], "padding_mask": np.ones_like(rows[:, :-1])}, rows[:, 1:]
+
+
+def test_a_lora_model_passed_to_keras_task_keeps_its_lora_and_weights():
+    """`tputrain.fit`'s KerasTask clones the user's model: the clone has the same LoRA
+    layers, trainable set and values (the factors included)."""
+    from tputrain.keras_task import KerasTask
+
+    model = _compiled_lora_lm()
+    for index, factor in enumerate(lora_variables(model)):
+        factor.assign(np.random.default_rng(index).normal(size=factor.shape))
+    clone = KerasTask(model, _token_data(16, 0), batch_size=8).build_model()
+    assert [v.path for v in clone.trainable_variables] == [
+        v.path for v in model.trainable_variables]
+    assert len(lora_variables(clone)) == 8
+    values = {v.path: v.numpy() for v in model.weights}
+    assert {v.path for v in clone.weights} == set(values)
+    for variable in clone.weights:
+        np.testing.assert_array_equal(variable.numpy(), values[variable.path],
+                                      err_msg=variable.path)
+
+
+@pytest.mark.slow
+def test_tputrain_fit_trains_a_lora_model_as_the_keras_hub_task_does(tmp_path):
+    """A Keras-Hub model with LoRA enabled by the user, through `tputrain.fit`: only the
+    LoRA weights move, and they equal KerasHubLMTask's run on the same rows (its loss,
+    a mean of row means, is fit's token mean here: every row is 16 tokens)."""
+    model = _compiled_lora_lm()
+    before = {v.path: v.numpy() for v in model.weights}
+    trainable = {v.path for v in model.trainable_variables}
+    tputrain.fit(model, _token_data(64, 0), _token_data(16, 1), model_dir=str(tmp_path / "fit"),
+                 steps=8, batch_size=8, shuffle=False, eval_every=8, steps_per_loop=4,
+                 strategy=strategy_for(1), jit_compile=False, report_mfu=False)
+    reference = lora_trainer(tmp_path / "task", ema_decay=None)
+    reference.train()
+    expected = {v.path: v.numpy() for v in reference.model.weights}
+    for variable in model.weights:
+        if variable.path in trainable:
+            assert not np.array_equal(variable.numpy(), before[variable.path]), variable.path
+            np.testing.assert_allclose(variable.numpy(), expected[variable.path], atol=1e-5,
+                                       err_msg=variable.path)
+        else:
+            np.testing.assert_array_equal(variable.numpy(), before[variable.path],
+                                          err_msg=variable.path)

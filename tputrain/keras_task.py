@@ -1,8 +1,9 @@
 """A Task made of a compiled `keras.Model` and its data, as `model.fit` takes them.
 
 The model is rebuilt inside the strategy scope (variables must be created there
-to be mirrored): a compiled model is cloned with `keras.models.clone_model` and
-its weights copied; a model-building function is called there instead (the way
+to be mirrored): a compiled model is cloned with `keras.models.clone_model` (or
+its own class's `from_config`, Keras-Hub's) and its weights copied, its LoRA layers
+and frozen weights as the user left them (tputrain/keras_clone.py); a model-building function is called there instead (the way
 for subclassed models). Its compile config gives the rest: the loss (made per
 example; with several outputs, each output's as `compile` pairs them,
 tputrain/keras_outputs.py), metrics and weighted metrics (fresh copies per build) and the optimizer
@@ -20,6 +21,7 @@ from tensorflow.python.data.ops import dataset_ops, map_op
 
 from tputrain.data import InputContext
 from tputrain.data.batching import pad_to_batch
+from tputrain.keras_clone import cloned
 from tputrain.keras_outputs import CompiledOutputs, resolve_metrics
 from tputrain.task import Task, average_loss, per_example_weights
 
@@ -182,13 +184,11 @@ class KerasTask(Task):
             self._compiled = _check_compiled(model)
             return model
         try:
-            model = keras.models.clone_model(self._source)
+            return cloned(self._source)  # LoRA and frozen layers as the user left them
         except Exception as error:  # pylint: disable=broad-except  (named, then re-raised)
             raise TypeError(f"KerasTask could not clone {type(self._source).__name__} "
                             f"({error}): pass a function that builds and compiles it "
                             "instead") from error
-        model.set_weights(self._source.get_weights())
-        return model
 
     def build_inputs(self, split: str, input_context: InputContext) -> tf.data.Dataset:
         """Single examples, sharded by host, in per-replica batches: consecutive

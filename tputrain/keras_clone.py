@@ -1,0 +1,69 @@
+"""The user's compiled model rebuilt in the strategy scope (`KerasTask.build_model`).
+
+`keras.models.clone_model` rebuilds a functional or Sequential model from its layers'
+configs. A model class of its own with a `from_config` (Keras-Hub's `GPT2CausalLM`,
+whose backbone makes its layers from a few arguments) is rebuilt by that class
+instead: `clone_model` turns it into a plain functional model of other layers.
+
+Neither config holds what the user did to the built model: LoRA enabled on some
+layers (`backbone.enable_lora(rank)`, `layer.enable_lora(rank)`) and layers or
+weights frozen. `cloned` does the same to the copy (layer by layer, in the same
+order) and then copies every weight, the LoRA factors included, so the copy trains
+exactly the weights the user's model would. See docs/keras_hub.md.
+"""
+
+from __future__ import annotations
+
+import keras
+
+
+def _rebuilt(source: keras.Model) -> keras.Model:
+    """A copy of `source`'s architecture (fresh weights): by its own class's
+    `from_config` where a class outside Keras defines one, else `clone_model`."""
+    owner = next((k for k in type(source).__mro__ if "from_config" in vars(k)), None)
+    if owner is not None and not owner.__module__.startswith("keras."):
+        return type(source).from_config(source.get_config())
+    return keras.models.clone_model(source)
+
+
+def _layers(model: keras.Model) -> list[keras.layers.Layer]:
+    return list(model._flatten_layers(include_self=False))  # pylint: disable=protected-access
+
+
+def _mirror_lora_and_trainable(source: keras.Model, copy: keras.Model) -> None:
+    """`copy`'s layers and weights made trainable or frozen as `source`'s are, with LoRA
+    enabled where `source` has it; a ValueError when their layers do not pair up."""
+    pairs = list(zip(_layers(source), _layers(copy)))
+    if len(_layers(source)) != len(_layers(copy)) or any(  # names: some are made unique
+            type(a) is not type(b) for a, b in pairs):
+        raise ValueError("the copy's layers are not the model's")
+    copy.trainable = source.trainable
+    for theirs, ours in pairs:  # parents first: a child's own flag wins
+        ours.trainable = theirs.trainable
+    for theirs, ours in pairs:
+        if getattr(theirs, "lora_enabled", False) and not getattr(ours, "lora_enabled", False):
+            ours.enable_lora(theirs.lora_rank, lora_alpha=theirs.lora_alpha)
+    for theirs, ours in zip(source.weights, copy.weights):
+        ours.trainable = theirs.trainable
+
+
+def has_lora(model: keras.Model) -> bool:
+    return any(getattr(layer, "lora_enabled", False) for layer in _layers(model))
+
+
+def cloned(source: keras.Model) -> keras.Model:
+    """`source` rebuilt (in the caller's scope) with its weights, and with its LoRA
+    layers and trainable flags when it has LoRA; a ValueError when the copy cannot be
+    made the same."""
+    copy = _rebuilt(source)
+    if not has_lora(source):
+        copy.set_weights(source.get_weights())
+        return copy
+    _mirror_lora_and_trainable(source, copy)
+    if [v.path for v in copy.weights] != [v.path for v in source.weights]:
+        raise ValueError("the copy's weights are not the model's")
+    copy.set_weights(source.get_weights())
+    if [v.path for v in copy.trainable_variables] != [
+            v.path for v in source.trainable_variables]:
+        raise ValueError("the copy's trainable weights are not the model's")
+    return copy

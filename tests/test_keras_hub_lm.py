@@ -3,12 +3,15 @@ the Trainer (trainable set, EMA, exact resume, side-car eval, 1 and 2 replicas).
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tputrain
 
-from hub import latest_values, lora_trainer
+from hub import latest_values, lora_trainer, token_batch
 from tiny import strategy_for
 from tputrain.checkpoint import CheckpointMismatchError
+from tputrain.ema import averaged_weights
+from tputrain.export import restored_model
 from tputrain.keras_saving import lora_variables
 from tputrain.sidecar import ReadOnlyTrainer
 
@@ -108,6 +111,11 @@ def test_lora_enabled_after_the_trainer_built_the_model_trains_only_the_factors(
     saved = latest_values(tmp_path)
     for factor in lora_variables(model):
         assert any(np.array_equal(value, factor.numpy()) for value in saved.values())
+    # What the exports read: a new model from the Task, with the Trainer model's LoRA.
+    restored = restored_model(trainer, tf.train.latest_checkpoint(f"{tmp_path}/checkpoints"))
+    with averaged_weights(trainer.ema):
+        expected = model(token_batch(), training=False).numpy()
+    np.testing.assert_allclose(restored(token_batch()).numpy(), expected, atol=1e-6)
     trainer.close()
 
 

@@ -53,8 +53,10 @@ from tputrain.context import ActionContext
 from tputrain.data import parse_feature_spec
 from tputrain.data.manifest import is_var_len
 from tputrain.ema import load_averages
+from tputrain.keras_clone import has_lora, mirror_lora_and_trainable
 from tputrain.precision.layers import override_layer_dtypes
 from tputrain.model_state import ensure_built
+from tputrain.trainable_change import checkpoint_has_lora
 from tputrain.tasks.digits import FEATURES as DIGITS_FEATURES, DigitsTask
 from tputrain.validate import ModelDirError
 
@@ -156,6 +158,13 @@ def restored_model(trainer: "Trainer", checkpoint: str) -> keras.Model:
     `Trainer.ema_decay`, its EMA weights (`tputrain.ema`) where it has them."""
     model = trainer.task.build_model()
     ensure_built(model, trainer.inputs.micro_batch_spec()[0])
+    if has_lora(trainer.model) and not has_lora(model):  # enabled on trainer.model
+        mirror_lora_and_trainable(trainer.model, model)
+    elif not has_lora(model) and checkpoint_has_lora(checkpoint):
+        raise ValueError(f"checkpoint {checkpoint} holds LoRA factors and the Task's model has "
+                         "none: export from the Trainer whose model has LoRA enabled "
+                         "(tputrain.keras_saving.export_for_serving(trainer)), or enable it in "
+                         "Task.build_model")
     override_layer_dtypes(model, trainer.options.precision.keep_float32_layers)  # as trained
     tf.train.Checkpoint(**model_trackables(model, checkpoint)).read(checkpoint).expect_partial() \
         .assert_existing_objects_matched()

@@ -30,7 +30,7 @@ def _layers(model: keras.Model) -> list[keras.layers.Layer]:
     return list(model._flatten_layers(include_self=False))  # pylint: disable=protected-access
 
 
-def _mirror_lora_and_trainable(source: keras.Model, copy: keras.Model) -> None:
+def mirror_lora_and_trainable(source: keras.Model, copy: keras.Model) -> None:
     """`copy`'s layers and weights made trainable or frozen as `source`'s are, with LoRA
     enabled where `source` has it; a ValueError when their layers do not pair up."""
     pairs = list(zip(_layers(source), _layers(copy)))
@@ -59,7 +59,7 @@ def cloned(source: keras.Model) -> keras.Model:
     if not has_lora(source):
         copy.set_weights(source.get_weights())
         return copy
-    _mirror_lora_and_trainable(source, copy)
+    mirror_lora_and_trainable(source, copy)
     if [v.path for v in copy.weights] != [v.path for v in source.weights]:
         raise ValueError("the copy's weights are not the model's")
     copy.set_weights(source.get_weights())

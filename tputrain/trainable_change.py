@@ -28,6 +28,7 @@ from absl import logging
 
 from tputrain.checkpointing.integrity import CheckpointMismatchError, object_graph
 from tputrain.ema import build_average
+from tputrain.keras_clone import has_lora
 from tputrain.loop.eval_sets import EvalSets
 from tputrain.model_state import _BUILT_FOR, ModelState
 from tputrain.precision import wrap_optimizer_for_policy
@@ -63,11 +64,6 @@ def rebuilt_optimizer(task: Task, strategy: tf.distribute.Strategy,
     return optimizer
 
 
-def has_lora_layers(model: keras.Model) -> bool:
-    return any(getattr(layer, "lora_enabled", False)
-               for layer in model._flatten_layers(include_self=False))  # pylint: disable=protected-access
-
-
 def checkpoint_has_lora(path: str) -> bool:
     """Whether the checkpoint at `path` holds LoRA factors (its object graph names them)."""
     try:
@@ -84,12 +80,12 @@ def lora_mismatch(error: CheckpointMismatchError, model: keras.Model, adopted: b
     LoRA checkpoint and a model without LoRA."""
     if path is None:
         return error
-    if adopted and has_lora_layers(model) and not checkpoint_has_lora(path):
+    if adopted and has_lora(model) and not checkpoint_has_lora(path):
         return CheckpointMismatchError(
             f"checkpoint {path} was written before LoRA was enabled on the model (its "
             "optimizer slots are the whole model's): train the LoRA model in a new model_dir, "
             f"starting from this one with actions=[tputrain.InitCheckpoint({model_dir!r})]")
-    if not has_lora_layers(model) and checkpoint_has_lora(path):
+    if not has_lora(model) and checkpoint_has_lora(path):
         return CheckpointMismatchError(
             f"checkpoint {path} holds LoRA factors and the model has no LoRA: enable LoRA "
             "on trainer.model before train() (within trainer.strategy.scope(), e.g. "
@@ -100,7 +96,7 @@ def lora_mismatch(error: CheckpointMismatchError, model: keras.Model, adopted: b
 def lora_checkpoint_awaits_lora(model: keras.Model, latest: str | None) -> bool:
     """Whether the latest checkpoint holds LoRA factors the model does not have yet: the
     Trainer's pre-flight leaves the check to `train()`, after the user's `enable_lora`."""
-    return latest is not None and not has_lora_layers(model) and checkpoint_has_lora(latest)
+    return latest is not None and not has_lora(model) and checkpoint_has_lora(latest)
 
 
 

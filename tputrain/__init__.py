@@ -77,6 +77,7 @@ _EXPORTS = {
     "export_for_serving": "tputrain.keras_saving",
     "InitCheckpoint": "tputrain.init_checkpoint",
     "MLflowTracker": "tputrain.tracking",
+    "WandbTracker": "tputrain.tracking",
     "NoNewCheckpointError": "tputrain.sidecar",
     "ReadOnlyTrainer": "tputrain.sidecar",
     "evaluate_checkpoints": "tputrain.sidecar",

@@ -45,7 +45,7 @@ from tputrain.tasks.digits import DigitsTask
 from tputrain.tasks.keras_hub_lm import KerasHubLMTask
 from tputrain.tasks.text_lm import TextLMTask
 from tputrain.tasks.transformer import SyntheticLMTask
-from tputrain.tracking import MLflowTracker
+from tputrain.tracking import MLflowTracker, WandbTracker
 from tputrain.trainer import Trainer
 
 # Options class -> {field: the old binding it replaces}.
@@ -118,7 +118,7 @@ def _register_aliases() -> None:
 CLASSES = (Trainer, NonFiniteGuard, BestCheckpoint, EarlyStopping, Export, InitCheckpoint,
            InputOptions, TFDSInput, TFRecordInput, MixtureInput, PackSequences, PadSequences,
            MLPClassifierTask, DigitsTask, SyntheticLMTask, TextLMTask, KerasHubLMTask,
-           MLflowTracker)
+           MLflowTracker, WandbTracker)
 
 
 def _register_classes() -> None:

@@ -7,5 +7,6 @@ is an optional extra, imported only when a run uses it (`pip install
 
 from tputrain.tracking.base import Tracker
 from tputrain.tracking.mlflow_tracker import MLflowTracker
+from tputrain.tracking.wandb_tracker import WandbTracker
 
-__all__ = ["MLflowTracker", "Tracker"]
+__all__ = ["MLflowTracker", "Tracker", "WandbTracker"]

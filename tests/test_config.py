@@ -3,7 +3,7 @@
 import gin
 import pytest
 
-import tputrain  # noqa: F401  (registers the configurables)
+import tputrain  # noqa: F401
 from tputrain.config import ConfigError, parse_gin, require_bound
 
 
@@ -63,3 +63,58 @@ def test_a_builtin_config_parses_without_error_lines(caplog):
     with caplog.at_level(std_logging.INFO):
         parse_gin(["digits.gin"], finalize=False)
     assert not [r.getMessage() for r in caplog.records if r.levelno >= std_logging.ERROR]
+
+
+GIN_UNCHANGED = r'''
+import gin, gin.config
+
+def functions():
+    return {(module.__name__, name): value for module in (gin, gin.config)
+            for name, value in vars(module).items() if callable(value)}
+
+before = functions()
+import tputrain
+try:  # gin's own parse before the registrations: gin's own error
+    gin.parse_config("Trainer.train_steps = 3")
+except ValueError as error:
+    assert "No configurable matching 'Trainer'" in str(error), error
+else:
+    raise AssertionError("import tputrain registered configurables with gin")
+import tputrain.configurables  # the documented route (docs/configuration.md)
+gin.parse_config("Trainer.train_steps = 3")
+gin.clear_config()
+tputrain.load_api()
+from tputrain.config import parse_gin
+parse_gin(gin_params=["Trainer.train_steps = 3"])
+changed = sorted(name for key, value in functions().items()
+                 if before.get(key, value) is not value for name in [".".join(key)])
+assert changed == [], changed
+assert gin.parse_config is gin.config.parse_config is before[("gin.config", "parse_config")]
+assert gin.bind_parameter is before[("gin", "bind_parameter")]
+print("gin unchanged")
+'''
+
+
+def test_importing_and_using_tputrain_changes_nothing_in_gin():
+    """Issue 53: gin's functions stay as gin defines them (compared with the objects a
+    fresh process holds before `import tputrain`)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", GIN_UNCHANGED], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "gin unchanged" in result.stdout
+
+
+def test_the_options_classes_keep_their_own_init():
+    """The deprecated gin names are read without replacing `__init__` of an options
+    class: only gin's own registration wraps the dataclass's constructor."""
+    import tputrain.configurables
+
+    for cls in tputrain.configurables.LEGACY:
+        files, init = [], cls.__init__
+        while init is not None:
+            files.append(init.__code__.co_filename)
+            init = getattr(init, "__wrapped__", None)
+        assert not [f for f in files if f.endswith("configurables.py")], (cls, files)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import tputrain
+import tputrain.configurables  # noqa: F401  gin's configurables (docs/configuration.md)
 from tputrain.schedules import WarmupDecay, scale_learning_rate, warmup_schedule
 
 

@@ -184,7 +184,7 @@ def gin_reference() -> str:
     other modules (`_GENERATORS` lists it first).
     """
     cli.command_module("run")
-    tputrain.load_api()  # what `parse_gin` (gin's first parse) registers
+    tputrain.load_api()  # what `parse_gin` registers
     builtin = set(_tputrain_configurables())
     failures = _import_all_modules()
     configurables = _tputrain_configurables()

@@ -3,11 +3,12 @@
 The public API is re-exported here; everything else is an implementation detail.
 
 Importing tputrain does not import TensorFlow (`tputrain --help` answers without
-it): the first use of a public name loads the whole API (PEP 562 `__getattr__`),
-registering every gin configurable (`tputrain.configurables`), as the first gin
-parse or binding does, so
-`import tputrain; gin.parse_config_file(...)` works as before. Whoever imports
-TensorFlow first afterwards, it starts with its start-up noise filtered
+it), and changes nothing in gin: the first use of a public name loads the whole API
+(PEP 562 `__getattr__`), registering every gin configurable
+(`tputrain.configurables`). To parse gin yourself, use `tputrain.config.parse_gin`
+(what the CLI calls), or `import tputrain.configurables` before gin's own
+`parse_config_file` (docs/configuration.md). Whoever imports TensorFlow first
+afterwards, it starts with its start-up noise filtered
 (`tputrain.console.filter_tensorflow_startup`).
 """
 
@@ -117,26 +118,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS})
-
-
-def _register_before_gin() -> None:
-    """Loads the API before gin's first parse or binding (gin resolves names then)."""
-    import gin  # light: no TensorFlow
-
-    def loading(original):
-        def wrapper(*args, **kwargs):
-            load_api()
-            return original(*args, **kwargs)
-        wrapper.__wrapped__ = original
-        wrapper.__doc__ = original.__doc__
-        return wrapper
-
-    for name in ("parse_config", "bind_parameter"):
-        original = getattr(gin.config, name)
-        if getattr(original, "__wrapped__", None) is None:
-            setattr(gin.config, name, loading(original))
-        if getattr(gin, name) is original:
-            setattr(gin, name, getattr(gin.config, name))
-
-
-_register_before_gin()

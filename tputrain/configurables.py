@@ -4,24 +4,27 @@ Library code takes its knobs as arguments and options classes (`TrainerOptions`
 and its parts); this module makes those classes, the `Trainer` and the CLI's
 builders gin configurables under their public names, so a gin file says
 `CheckpointOptions.async_save = True` or `Trainer.precision = 'mixed_bfloat16'`.
-`tputrain.load_api()` (run by the first use of a public name, gin's first parse
-and `tputrain.config.parse_gin`) imports it.
+`tputrain.load_api()` (run by the first use of a public name) and `tputrain.config`
+(`parse_gin`, the CLI's) import it; to parse with gin's own functions, import this
+module first.
 
 Old gin names keep working as deprecated aliases of the options fields that
-replaced them (`LEGACY`): an alias fills a field neither the caller nor the new
-binding set, and a warning names the replacement.
+replaced them (`LEGACY`): where a run builds an options part (`TrainerOptions`'s
+parts, the precision audit: `tputrain.options.build_part`), an alias fills a field
+neither the caller nor the new binding set, and a warning names the replacement.
+No class's `__init__` is replaced by tputrain (gin's registration wraps it, as
+`gin.configurable` does for any class), and importing tputrain changes nothing in gin.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Mapping
 
 import gin
 import tensorflow as tf
 from absl import logging
 
-from tputrain import builders, optimizers, schedules
+from tputrain import builders, optimizers, options, schedules
 from tputrain.best import BestCheckpoint, EarlyStopping
 from tputrain.checkpointing.manager import Checkpointer
 from tputrain.data.mixture import MixtureInput
@@ -68,38 +71,36 @@ def _bound(binding: str) -> tuple[bool, Any]:
         return False, None
 
 
-def _with_aliases(cls: type, aliases: Mapping[str, str]) -> None:
-    """Makes `cls.__init__` fill each field left unset from its deprecated binding."""
-    init = cls.__init__
-    fields = list(cls.__dataclass_fields__)
-
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        given = set(fields[:len(args)]) | set(kwargs)
+def _with_aliases(cls: type, aliases: Mapping[str, str]) -> Callable[..., Any]:
+    """A builder of `cls` (`tputrain.options.build_part`) that fills each field neither
+    the caller nor `cls`'s own binding set from its deprecated binding, with a warning
+    naming the replacement. The class and its `__init__` stay as written."""
+    def build(**given: Any) -> Any:
         for field, old in aliases.items():
-            found, value = _bound(old) if field not in given else (False, None)
+            if field in given or _bound(f"{cls.__name__}.{field}")[0]:
+                continue
+            found, value = _bound(old)
             if found:
                 instead = _INSTEAD.get(old, f"{cls.__name__}.{field}")
                 logging.warning("tputrain: %s = %r is deprecated: bind %s instead",
                                 old, value, instead.replace(" (", f" = {value!r} (", 1)
                                 if "(" in instead else f"{instead} = {value!r}")
-                kwargs[field] = value
-        init(self, *args, **kwargs)
+                given[field] = value
+        return cls(**given)
 
-    cls.__init__ = __init__
+    return build
 
 
 def _register_options() -> None:
     """The options classes, in place: `CheckpointOptions()` anywhere takes gin's
-    bindings (then the deprecated aliases, then the defaults)."""
+    bindings (then, as a run builds them, the deprecated aliases, then the defaults)."""
     for cls in (CheckpointOptions, PrecisionOptions, ProfilingOptions, RematOptions,
                 CommunicationOptions):
-        registered = gin.config._INVERSE_REGISTRY.get(cls)  # pylint: disable=protected-access
-        if registered is not None:
-            continue  # imported twice (importlib.reload)
         if cls in LEGACY:
-            _with_aliases(cls, LEGACY[cls])
-        gin.configurable(cls)
+            options.register_part_builder(cls, _with_aliases(cls, LEGACY[cls]))
+        registered = gin.config._INVERSE_REGISTRY.get(cls)  # pylint: disable=protected-access
+        if registered is None:  # not imported twice (importlib.reload)
+            gin.configurable(cls)
 
 
 def _register_aliases() -> None:

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 from absl import logging
 
 from tputrain.checks import check_int, per_replica_batch
+
+# Builders of a part that reads more than its class does: the gin configuration
+# registers ones that fill fields from deprecated gin names (`register_part_builder`).
+_PART_BUILDERS: dict[type, Callable[..., Any]] = {}
 
 INPUT_MODES = ("host", "distributed")
 REMAT_MODES = ("full", "activations", "larger_than", "list_of_layers")
@@ -310,14 +314,34 @@ class TrainerOptions:
                 "instead, or set Trainer.jit_compile=False")
 
 
+def register_part_builder(cls: type, builder: Callable[..., Any] | None) -> None:
+    """How `build_part(cls, ...)` builds `cls` from now on (None: the class itself).
+
+    The gin configuration registers one per options class with deprecated gin names
+    (`tputrain.configurables.LEGACY`); the class and its constructor stay as written.
+    """
+    if builder is None:
+        _PART_BUILDERS.pop(cls, None)
+    else:
+        _PART_BUILDERS[cls] = builder
+
+
+def build_part(cls: type, **given: Any) -> Any:
+    """An options part the caller left unset (or gave only a policy name), as a run
+    builds it: `cls(**given)`, or its registered builder (`register_part_builder`)."""
+    return _PART_BUILDERS.get(cls, cls)(**given)
+
+
 def _fill_parts(options: TrainerOptions) -> None:
     """Each part as its options class (built with its defaults when not given)."""
     precision = options.precision
     if precision is None or isinstance(precision, str):
-        precision = PrecisionOptions() if precision is None else PrecisionOptions(policy=precision)
-    for name, cls, value in (("precision", PrecisionOptions, precision),
-                             ("checkpoint", CheckpointOptions, options.checkpoint or CheckpointOptions()),
-                             ("profiling", ProfilingOptions, options.profiling or ProfilingOptions())):
+        precision = (build_part(PrecisionOptions) if precision is None
+                     else build_part(PrecisionOptions, policy=precision))
+    for name, cls, value in (
+            ("precision", PrecisionOptions, precision),
+            ("checkpoint", CheckpointOptions, options.checkpoint or build_part(CheckpointOptions)),
+            ("profiling", ProfilingOptions, options.profiling or build_part(ProfilingOptions))):
         if not isinstance(value, cls):
             raise TypeError(f"Trainer.{name} must be a tputrain.{cls.__name__}, "
                             f"got {type(value).__name__}")

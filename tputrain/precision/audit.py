@@ -33,7 +33,7 @@ from absl import logging
 from tputrain.data import InputContext
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.precision.layers import override_layer_dtypes, sublayers
-from tputrain.options import PrecisionOptions
+from tputrain.options import PrecisionOptions, build_part
 from tputrain.precision.policy import set_precision_policy, to_float32
 from tputrain.task import Task
 
@@ -270,8 +270,8 @@ def audit_precision(task: Task, policy: str = "mixed_bfloat16", global_batch_siz
                          "smaller audit_precision.global_batch_size")
     if not (model.built and model.variables):
         model(batches[0][0], training=False)
-    # As training would run it: PrecisionOptions() holds the configured float32 layers.
-    override_layer_dtypes(model, PrecisionOptions().keep_float32_layers)
+    # As training would run it: the configured float32 layers (deprecated names included).
+    override_layer_dtypes(model, build_part(PrecisionOptions).keep_float32_layers)
     restored = _restore(model, checkpoint) if checkpoint else None
     if restored:
         logging.info("tputrain: audit weights from %s", restored)

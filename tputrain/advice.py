@@ -12,13 +12,11 @@ every input knob.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from tputrain.data.pipeline_facts import PipelineFacts, pipeline_facts
 from tputrain.precision.policy import _is_tpu_strategy  # pylint: disable=protected-access
+from tputrain.run_view import RunView, view_of
 
-if TYPE_CHECKING:  # annotations only
-    from tputrain.trainer import Trainer
 
 STALL_GOAL = 0.05  # the seeds' rule: input wait under 5% of the step
 DEEP_PREFETCH = 8  # the prefetch depth the advice names
@@ -47,14 +45,15 @@ class Advice:
     in_place: list[str]
 
 
-def run_setup(trainer: "Trainer") -> RunSetup:
+def run_setup(view: RunView) -> RunSetup:
     """The setup of a built Trainer, its train dataset's stages read (not run)."""
-    return RunSetup(pipeline=pipeline_facts(trainer.train_dataset),
-                    input_mode=trainer.input_mode,
-                    steps_per_fetch=int(getattr(trainer, "steps_per_fetch", 1)),
-                    precision=str(trainer.precision), tpu=_is_tpu_strategy(trainer.strategy),
-                    global_batch_size=trainer.global_batch_size,
-                    steps_per_loop=trainer.steps_per_loop)
+    view = view_of(view)  # a Trainer, an action's context or a view
+    return RunSetup(pipeline=pipeline_facts(view.inputs.train_dataset),
+                    input_mode=view.plan.input_mode,
+                    steps_per_fetch=view.plan.steps_per_fetch,
+                    precision=str(view.plan.precision), tpu=_is_tpu_strategy(view.strategy),
+                    global_batch_size=view.plan.batch.global_batch_size,
+                    steps_per_loop=view.plan.options.steps_per_loop)
 
 
 class _Knobs:

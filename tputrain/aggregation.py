@@ -27,46 +27,45 @@ forward over the split, paid only by a Task that overrides the hook.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import tensorflow as tf
 
 from tputrain.loop.inputs import is_weighted
 from tputrain.predict import gathered_steps, in_input_order
+from tputrain.run_view import RunView
 from tputrain.task import overrides
 
-if TYPE_CHECKING:
-    from tputrain.trainer import Trainer
 
 
-def with_aggregates(trainer: "Trainer", logs: dict[str, float], steps: int,
+def with_aggregates(view: RunView, logs: dict[str, float], steps: int,
                     split: str = "eval") -> tuple[dict[str, float], int]:
     """The eval set `split`'s `logs` plus `Task.aggregate_eval`'s metrics over it
     (unchanged, and nothing gathered, when the Task does not override it); `steps`
     passes through."""
-    task = trainer.task
+    task = view.task
     if not overrides(task, "aggregate_eval"):
         return logs, steps
-    metrics = task.aggregate_eval(gather_eval(trainer, split))
+    metrics = task.aggregate_eval(gather_eval(view, split))
     return {**logs, **checked_metrics(metrics, logs)}, steps
 
 
-def gather_eval(trainer: "Trainer", split: str = "eval") -> dict[str, Any]:
+def gather_eval(view: RunView, split: str = "eval") -> dict[str, Any]:
     """`Task.eval_outputs` of every example of the eval set `split`, once, in order, as
     NumPy arrays with one row per example (floating ones float32; a nest keeps its
     structure)."""
-    task, model = trainer.task, trainer.model
-    dataset = trainer.inputs.dataset(split)
-    if trainer.eval_steps is not None:
-        dataset = dataset.take(int(trainer.eval_steps) * trainer.local_replicas)
+    task, model = view.task, view.model
+    dataset = view.inputs.dataset(split)
+    if view.plan.options.eval_steps is not None:
+        dataset = dataset.take(int(view.plan.options.eval_steps) * view.local_replicas)
     gathered, masks = gathered_steps(
-        trainer, eval_examples(dataset),
+        view, eval_examples(dataset),
         lambda example: task.eval_outputs(example["batch"], model),
         log_every=100, what="aggregate_eval", source="the eval split")
     structure = gathered[0]
     leaves = [in_input_order([tf.nest.flatten(step)[i] for step in gathered], masks,
-                             trainer.num_hosts, dtype=None)
+                             view.num_hosts, dtype=None)
               for i in range(len(tf.nest.flatten(structure)))]
     return tf.nest.pack_sequence_as(structure, leaves)
 

@@ -40,8 +40,10 @@ from tputrain.builders import configured
 from tputrain.distribution.strategy import resolve_strategy
 from tputrain.flops import model_flops_utilization, peak_flops
 from tputrain.schedules import WarmupDecay
+from tputrain.context import ActionContext
+from tputrain.run_view import RunView
 from tputrain.task import Task
-from tputrain.trainer import Trainer
+from tputrain.trainer import Trainer  # builds one Trainer per batch tried
 
 __all__ = ["FindBatchResult", "Trial", "find_batch", "is_out_of_memory"]
 
@@ -98,24 +100,24 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return result, time.perf_counter() - start
 
 
-def examples_per_second(trainer: Trainer, seconds: float) -> float:
+def examples_per_second(view: RunView, seconds: float) -> float:
     """The Trainer's compiled train loop, timed for about `seconds` after a compiling
     loop: examples per second (the loop length fits a quarter of `seconds`)."""
-    if trainer.input_mode == "distributed":
-        trainer.set_train_iterator(trainer.inputs.distributed_iterator("train"))
+    if view.plan.input_mode == "distributed":
+        view.set_train_iterator(view.inputs.distributed_iterator("train"))
     # Loops are multiples of a fetch (host mode) and of a program's steps: one trace.
-    program = trainer.steps_per_program if isinstance(trainer.steps_per_program, int) else 1
-    unit = math.lcm(int(trainer.steps_per_fetch), program)
-    trainer.run_loop(unit)  # traces and compiles: an out of memory shows here or next
-    (_, done, _), elapsed = _timed(lambda: trainer.run_loop(unit))
-    longest = max(unit, trainer.steps_per_loop // unit * unit)
+    program = view.plan.steps_per_program if isinstance(view.plan.steps_per_program, int) else 1
+    unit = math.lcm(int(view.plan.steps_per_fetch), program)
+    view.run_loop(unit)  # traces and compiles: an out of memory shows here or next
+    (_, done, _), elapsed = _timed(lambda: view.run_loop(unit))
+    longest = max(unit, view.plan.options.steps_per_loop // unit * unit)
     steps = int(seconds / 4 / max(elapsed / max(done, 1), 1e-9)) // unit * unit
     steps = min(longest, max(unit, steps))
     total_steps, total_seconds, loops = 0, 0.0, 0
     while loops < 2 or total_seconds < seconds:
-        (_, done, _), elapsed = _timed(lambda: trainer.run_loop(steps))
+        (_, done, _), elapsed = _timed(lambda: view.run_loop(steps))
         total_steps, total_seconds, loops = total_steps + done, total_seconds + elapsed, loops + 1
-    return total_steps * trainer.global_batch_size / total_seconds
+    return total_steps * view.plan.batch.global_batch_size / total_seconds
 
 
 class _Finder:
@@ -131,19 +133,19 @@ class _Finder:
         self.train_steps: int | None = None
         self.peak: float | None = None  # FLOP/s, found once
 
-    def _mfu(self, trainer: Trainer, rate: float) -> float | None:
+    def _mfu(self, context: ActionContext, rate: float) -> float | None:
         """MFU at `rate` examples/s where tputrain.flops can count the step."""
-        if not trainer.report_mfu:
+        if not context.report_mfu:
             return None
         try:
             if self.peak is None:
-                self.peak = peak_flops(trainer.precision, self.strategy,
-                                       **vars(trainer.profiling)).flops_per_second
-            flops = count_flops_per_step(trainer.context)
+                self.peak = peak_flops(context.plan.precision, self.strategy,
+                                       **vars(context.plan.options.profiling)).flops_per_second
+            flops = count_flops_per_step(context)
         except Exception as error:  # pylint: disable=broad-except  (a diagnostic column)
             logging.warning("tputrain: no MFU: %s: %s", type(error).__name__, error)
             return None
-        return model_flops_utilization(flops, rate / trainer.global_batch_size, self.peak)
+        return model_flops_utilization(flops, rate / context.plan.batch.global_batch_size, self.peak)
 
     def measure(self, batch: int) -> Trial:
         """One per-replica batch in a Trainer of its own, in a temporary model_dir."""
@@ -157,9 +159,9 @@ class _Finder:
             with self.trainer_class(self.task, model_dir=work_dir, strategy=self.strategy,
                                     **options) as trainer:
                 self.train_steps = self.train_steps or trainer.train_steps
-                rate = examples_per_second(trainer, self.seconds)
+                rate = examples_per_second(trainer.view(), self.seconds)
                 trial = Trial(batch, global_batch, rate, None, _peak_memory(self.device))
-                trial.mfu = self._mfu(trainer, rate)
+                trial.mfu = self._mfu(trainer.context, rate)
         except Exception as error:  # pylint: disable=broad-except  (sorted below)
             if not self.trials and not is_out_of_memory(error):
                 raise  # the start batch: a config or data error, not a limit

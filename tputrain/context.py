@@ -3,24 +3,52 @@ every action's hook in order.
 
 Actions (built-in and the user's) get a context, not the Trainer: the step, the
 strategy, model, optimizer, checkpointer and progress, the resolved plan, a way to
-agree on a number across hosts and a way to stop the run with a reason. The
-Trainer's other public attributes stay readable through it for a deprecation
-period (a DeprecationWarning names the field to use instead).
+agree on a number across hosts and a way to stop the run with a reason. Its fields
+are written out below; nothing reads through to the Trainer. The Trainer's knobs
+an action used to read through it (`REPLACEMENTS`) still answer, with a
+DeprecationWarning naming the field to use instead.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import keras
 import tensorflow as tf
 
-# Trainer attributes a context read falls back to, and the context field to use.
-REPLACEMENTS = {"current_step": "step", "steps_per_loop": "plan.steps_per_loop",
-                "train_steps": "plan.train_steps", "eval_every": "plan.eval_every",
+if TYPE_CHECKING:  # annotations only
+    from tputrain.checkpointing.manager import Checkpointer
+    from tputrain.ema import ExponentialAverage
+    from tputrain.guard import NonFiniteGuard
+    from tputrain.loop.inputs import Inputs
+    from tputrain.options import TrainerOptions
+    from tputrain.plan import RunPlan
+    from tputrain.progress import Progress
+    from tputrain.run_view import RunView
+    from tputrain.task import Task
+
+# Trainer knobs an action read through its context, and the context field to use.
+REPLACEMENTS = {"current_step": "step", "steps_per_loop": "plan.options.steps_per_loop",
+                "train_steps": "plan.options.train_steps",
+                "eval_every": "plan.options.eval_every",
                 "global_batch_size": "plan.batch.global_batch_size",
                 "precision": "plan.precision", "input_mode": "plan.input_mode"}
+
+
+def _deprecated(name: str) -> property:
+    """`context.<name>`, a Trainer knob once read through the context: the value of
+    the field `REPLACEMENTS[name]`, with a warning naming it."""
+    use = REPLACEMENTS[name]
+
+    def read(self: "ActionContext") -> Any:
+        warnings.warn(f"an action read `{name}` of the Trainer through its context: use "
+                      f"context.{use}", DeprecationWarning, stacklevel=2)
+        value: Any = self
+        for part in use.split("."):
+            value = getattr(value, part)
+        return value
+    return property(read, doc=f"Deprecated: `context.{use}`.")
 
 
 class ActionContext:
@@ -28,23 +56,37 @@ class ActionContext:
 
     Attributes:
       strategy, model, optimizer, checkpointer, progress: the run's own objects.
-      plan: the resolved `RunPlan` (batch, hosts, input mode, cadence).
+      plan: the resolved `RunPlan` (batch, hosts, input mode, cadence); options:
+        the user's `TrainerOptions` (`plan.options`).
       task, guard, inputs, train_metrics, eval_metrics, actions (the user's),
-        model_dir, startup: what the built-in actions read.
+        model_dir, startup (`goodput.StartupClock`, whose module imports this one):
+        what the built-in actions read.
       stop_training, stop_reason: set by `stop(reason)`; the Controller ends the
         run after the hook that set them.
       flops_per_step, report_mfu: the MFU action's count, and whether it reports.
       ema: the run's EMA weights (`tputrain.ema.ExponentialAverage`), or None.
+      view: the run's read-only `RunView` (for the jobs an action runs: export).
     """
 
     def __init__(self, *, step_variable: tf.Variable, agree: Callable[[int], int],
-                 preempted: Callable[[], bool], owner: Any = None, **fields: Any):
-        object.__setattr__(self, "_owner", owner)
+                 preempted: Callable[[], bool], strategy: tf.distribute.Strategy,
+                 model: keras.Model, optimizer: keras.optimizers.Optimizer,
+                 checkpointer: Checkpointer | None, progress: Progress, plan: RunPlan,
+                 task: Task, guard: NonFiniteGuard, inputs: Inputs, model_dir: str,
+                 train_metrics: Sequence[keras.metrics.Metric],
+                 eval_metrics: Sequence[keras.metrics.Metric], actions: Sequence[Any],
+                 startup: Any, options: TrainerOptions, report_mfu: bool,
+                 ema: ExponentialAverage | None, view: Callable[[], RunView]):
         self._step_variable, self._agree, self._preempted = step_variable, agree, preempted
+        self.strategy, self.model, self.optimizer = strategy, model, optimizer
+        self.checkpointer, self.progress, self.plan, self.options = (checkpointer, progress,
+                                                                     plan, options)
+        self.task, self.guard, self.inputs, self.model_dir = task, guard, inputs, model_dir
+        self.train_metrics, self.eval_metrics = train_metrics, eval_metrics
+        self.actions, self.startup, self.ema, self.view = actions, startup, ema, view
+        self.report_mfu = report_mfu
         self.stop_training, self.stop_reason = False, None
         self.flops_per_step: float | None = None
-        for name, value in fields.items():
-            setattr(self, name, value)
 
     @property
     def step(self) -> int:
@@ -82,15 +124,14 @@ class ActionContext:
     def reset_stop(self) -> None:
         self.stop_training, self.stop_reason = False, None
 
-    def __getattr__(self, name: str) -> Any:
-        owner = self.__dict__.get("_owner")
-        if name.startswith("_") or owner is None or not hasattr(owner, name):
-            raise AttributeError(f"ActionContext has no attribute {name!r}")
-        use = REPLACEMENTS.get(name)
-        warnings.warn(f"an action read `{name}` of the Trainer through its context: "
-                      + (f"use context.{use}" if use else "pass what the action needs to it"),
-                      DeprecationWarning, stacklevel=2)
-        return getattr(owner, name)
+    # Deprecated: the Trainer's knobs, read through the context (REPLACEMENTS).
+    current_step = _deprecated("current_step")
+    steps_per_loop = _deprecated("steps_per_loop")
+    train_steps = _deprecated("train_steps")
+    eval_every = _deprecated("eval_every")
+    global_batch_size = _deprecated("global_batch_size")
+    precision = _deprecated("precision")
+    input_mode = _deprecated("input_mode")
 
 
 class ActionList:

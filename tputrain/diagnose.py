@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from tputrain.advice import STALL_GOAL, RunSetup, run_setup, step_advice
 from tputrain.distribution.communication import CommunicationOptions, gradient_bytes, measure_allreduce
-from tputrain.trainer import Trainer
+from tputrain.run_view import RunView, view_of
 
 # Communication is the bottleneck when it is the largest share of the step and at
 # least this large: below, shrinking it buys less than the other two could.
@@ -204,13 +204,13 @@ def _drain_function() -> Callable[[Iterator[Any], tf.Tensor], tf.Tensor]:
     return drain
 
 
-def _cached_iterator(trainer: Trainer, real_iterator: Iterator[Any]) -> Iterator[Any]:
+def _cached_iterator(view: RunView, real_iterator: Iterator[Any]) -> Iterator[Any]:
     """An iterator that yields one real element of the train input forever, from memory."""
-    if trainer.input_mode == "host":
+    if view.plan.input_mode == "host":
         element = real_iterator.get_next()
         return iter(tf.data.Dataset.from_tensors(element).repeat())
-    batch = next(iter(trainer.train_dataset))
-    return iter(trainer.strategy.distribute_datasets_from_function(
+    batch = next(iter(view.inputs.train_dataset))
+    return iter(view.strategy.distribute_datasets_from_function(
         lambda _: tf.data.Dataset.from_tensors(batch).repeat()))
 
 
@@ -218,28 +218,29 @@ class _Loops:
     """Runs the Trainer's own compiled train loop (`run_loop`) on a chosen iterator:
     what is measured is the very program training runs, only fed differently."""
 
-    def __init__(self, trainer: Trainer, clock: Clock = time.perf_counter):
-        self.trainer = trainer
+    def __init__(self, view: RunView, clock: Clock = time.perf_counter):
+        self.view = view
         self.clock = clock
         # Several hosts run every collective loop together: they agree on each count
         # (the largest any host asks for) and on whether to run another round.
-        self.agree: Callable[[int], int] = trainer.agree
-        if trainer.input_mode == "distributed":
-            trainer.set_train_iterator(trainer.inputs.distributed_iterator("train"))
+        self.agree: Callable[[int], int] = view.agree
         # The Trainer's own iterator, not a second one (see `_input_only_rates`).
-        self.real_iterator = trainer.train_iterator
-        self.unit = int(getattr(trainer, "steps_per_fetch", 1))  # loops are multiples of this
+        self.real_iterator = view.train_iterator
+        if view.plan.input_mode == "distributed":
+            self.real_iterator = view.inputs.distributed_iterator("train")
+            view.set_train_iterator(self.real_iterator)
+        self.unit = view.plan.steps_per_fetch  # loops are multiples of this
         self.num_steps = self.unit
 
     def warm_up(self, seconds: float, steps: int | None) -> float:
         """Traces the loop and fills the pipeline's buffers; sets the loop length:
         `steps`, or what fits a quarter of `seconds`, at most steps_per_loop (slow
         steps, a big model on a busy host, must not stretch the run to minutes)."""
-        _, trace = _timed(lambda: self.trainer.run_loop(self.unit), self.clock)
+        _, trace = _timed(lambda: self.view.run_loop(self.unit), self.clock)
         if steps is None:
-            (_, done, _), elapsed = _timed(lambda: self.trainer.run_loop(self.unit), self.clock)
+            (_, done, _), elapsed = _timed(lambda: self.view.run_loop(self.unit), self.clock)
             per_step = elapsed / max(done, 1)
-            steps = min(self.trainer.steps_per_loop,
+            steps = min(self.view.plan.options.steps_per_loop,
                         max(1, int(seconds / 4 / max(per_step, 1e-9))))
         self.num_steps = max(self.unit, self.agree(int(steps)) // self.unit * self.unit)
         return trace
@@ -252,12 +253,12 @@ class _Loops:
 
     def run(self, iterator: Iterator[Any]) -> tuple[float, float, float]:
         """(steps, seconds, seconds waiting on input) of one loop on `iterator`."""
-        self.trainer.set_train_iterator(iterator)
+        self.view.set_train_iterator(iterator)
         try:
-            (_, done, wait), elapsed = _timed(lambda: self.trainer.run_loop(self.num_steps),
+            (_, done, wait), elapsed = _timed(lambda: self.view.run_loop(self.num_steps),
                                               self.clock)
         finally:
-            self.trainer.set_train_iterator(self.real_iterator)
+            self.view.set_train_iterator(self.real_iterator)
         return done, elapsed, wait
 
 
@@ -268,7 +269,7 @@ def _input_only_rates(loops: _Loops, seconds: float) -> tuple[list[float], float
     allows no second one, and freeing tf.data iterators can block for seconds).
     In host mode one element holds the batches of `steps_per_fetch` steps.
     """
-    elements_per_step = 1 / loops.unit if loops.trainer.input_mode == "host" else 1
+    elements_per_step = 1 / loops.unit if loops.view.plan.input_mode == "host" else 1
     drain = _drain_function()
     count = tf.constant(max(1, int(loops.num_steps * elements_per_step)))
     _, warm = _timed(lambda: drain(loops.real_iterator, count), loops.clock)
@@ -294,7 +295,7 @@ def _paired_rates(loops: _Loops, seconds: float) -> _Pairs:
     """The same compiled loop on one cached batch and on the real input, in turn, so
     that both see the same load on a shared host; the order alternates so that
     neither always follows the other."""
-    cached, real = _cached_iterator(loops.trainer, loops.real_iterator), loops.real_iterator
+    cached, real = _cached_iterator(loops.view, loops.real_iterator), loops.real_iterator
     loops.run(cached)  # warm-up
     loops.run(real)
     pairs = _Pairs([], [], [], 0.0, 0.0)
@@ -319,21 +320,21 @@ def _paired_rates(loops: _Loops, seconds: float) -> _Pairs:
 def _allreduce_seconds(loops: _Loops, seconds: float) -> float:
     """One all-reduce of the gradients in a compiled loop, in seconds; 0 on one replica
     (the measurement behind every run's comm/allreduce_fraction, given more time)."""
-    trainer = loops.trainer
-    if trainer.strategy.num_replicas_in_sync <= 1:
+    view = loops.view
+    if view.strategy.num_replicas_in_sync <= 1:
         return 0.0
-    dtype, variables = trainer.communication.allreduce_dtype, trainer.model.trainable_variables
-    return measure_allreduce(trainer.strategy, variables, dtype, seconds, loops.agree,
+    dtype, variables = view.communication.allreduce_dtype, view.model.trainable_variables
+    return measure_allreduce(view.strategy, variables, dtype, seconds, loops.agree,
                              clock=loops.clock)
 
 
-def _explain(trainer: Trainer, bottleneck: str, split: dict[str, float], input_only: float,
+def _explain(view: RunView, bottleneck: str, split: dict[str, float], input_only: float,
              compute_only: float, allreduce: float) -> tuple[str, list[str], list[str]]:
     """The reason, the advice for the named bottleneck, and the knobs already turned."""
-    strategy = trainer.strategy
+    strategy = view.strategy
     if bottleneck != "communication":
         result = step_advice(bottleneck, input_only, compute_only, split["input"],
-                             run_setup(trainer))
+                             run_setup(view))
         if strategy.num_replicas_in_sync > 1:
             result.reason += (f"; the all-reduce is {100 * split['communication']:.0f}% of the "
                               f"step (communication is the bottleneck from "
@@ -341,18 +342,18 @@ def _explain(trainer: Trainer, bottleneck: str, split: dict[str, float], input_o
         return result.reason, result.advice, result.in_place
     reason, advice = communication_advice(CommunicationCase(
         split=split, allreduce_seconds=allreduce, step_seconds=1.0 / compute_only,
-        gradient_bytes=gradient_bytes(trainer.model.trainable_variables,
-                                      trainer.communication.allreduce_dtype,
+        gradient_bytes=gradient_bytes(view.model.trainable_variables,
+                                      view.communication.allreduce_dtype,
                                       strategy.num_replicas_in_sync),
-        options=trainer.communication, global_batch_size=trainer.global_batch_size,
-        replicas=strategy.num_replicas_in_sync, accumulation_steps=trainer.accumulation_steps,
-        multi_worker=trainer.num_hosts > 1 or isinstance(
+        options=view.communication, global_batch_size=view.plan.batch.global_batch_size,
+        replicas=strategy.num_replicas_in_sync, accumulation_steps=view.plan.batch.accumulation_steps,
+        multi_worker=view.num_hosts > 1 or isinstance(
             strategy, tf.distribute.MultiWorkerMirroredStrategy),
         gpus=bool(tf.config.list_logical_devices("GPU"))))
     return reason, advice, []
 
 
-def diagnose(trainer: Trainer, seconds: float = 3.0, steps: int | None = None,
+def diagnose(view: RunView, seconds: float = 3.0, steps: int | None = None,
              clock: Clock = time.perf_counter) -> Diagnosis:
     """Splits a step of `trainer` into input, compute and communication; names the
     bottleneck and the knobs.
@@ -365,7 +366,8 @@ def diagnose(trainer: Trainer, seconds: float = 3.0, steps: int | None = None,
     `clock` is the time source: a test's own clock, advanced by its input and
     step by known amounts, makes every figure exact on a busy host.
     """
-    loops = _Loops(trainer, clock)
+    view = view_of(view)  # a Trainer, an action's context or a view
+    loops = _Loops(view, clock)
     timings = {"trace": loops.warm_up(seconds, steps)}
     input_rates, timings["input_only"] = _input_only_rates(loops, seconds)
     pairs = _paired_rates(loops, seconds)
@@ -379,18 +381,18 @@ def diagnose(trainer: Trainer, seconds: float = 3.0, steps: int | None = None,
     stall = min(1.0, max(0.0, 1.0 - statistics.median(pairs.ratios)))
     split = step_split(stall, compute_only, allreduce)
     bottleneck = name_bottleneck(split)
-    reason, advice, in_place = _explain(trainer, bottleneck, split, input_only, compute_only,
+    reason, advice, in_place = _explain(view, bottleneck, split, input_only, compute_only,
                                         allreduce)
-    replicas, dtype = trainer.strategy.num_replicas_in_sync, trainer.communication.allreduce_dtype
+    replicas, dtype = view.strategy.num_replicas_in_sync, view.communication.allreduce_dtype
     return Diagnosis(
         input_only_steps_per_second=input_only, compute_only_steps_per_second=compute_only,
         end_to_end_steps_per_second=statistics.median(pairs.end_to_end_rates),
         stall_fraction=stall, measured_input_wait_fraction=pairs.wait_fraction,
         step_split=split, allreduce_seconds=allreduce,
-        gradient_bytes=gradient_bytes(trainer.model.trainable_variables, dtype, replicas),
+        gradient_bytes=gradient_bytes(view.model.trainable_variables, dtype, replicas),
         allreduce_dtype=dtype, replicas=replicas, bottleneck=bottleneck, reason=reason,
         advice=advice, in_place=in_place, loop_steps=loops.num_steps,
-        global_batch_size=trainer.global_batch_size,
+        global_batch_size=view.plan.batch.global_batch_size,
         seconds={k: round(v, 3) for k, v in timings.items()})
 
 

@@ -57,12 +57,12 @@ from tputrain.keras_clone import has_lora, mirror_lora_and_trainable
 from tputrain.precision.layers import override_layer_dtypes
 from tputrain.model_state import ensure_built
 from tputrain.trainable_change import checkpoint_has_lora
+from tputrain.run_view import RunView, view_of
 from tputrain.tasks.digits import FEATURES as DIGITS_FEATURES, DigitsTask
 from tputrain.validate import ModelDirError
 
 if TYPE_CHECKING:  # annotations only: the Trainer imports the actions
     from tputrain.task import Task
-    from tputrain.trainer import Trainer
 
 EXPORT_DIR = RunDirectory.EXPORT
 VERTEX_MODEL_DIR = "AIP_MODEL_DIR"  # set by Vertex AI: where the model artifacts go
@@ -99,9 +99,10 @@ def feature_spec_of(task: "Task") -> dict[str, tf.io.FixedLenFeature] | None:
 _AUTOMATIC_NAME = re.compile(r"keras_tensor(_\d+)?")  # Keras's name for an unnamed input
 
 
-def serving_inputs(trainer: "Trainer", model: keras.Model) -> Any:
+def serving_inputs(view: RunView, model: keras.Model) -> Any:
     """The signature's inputs: the features the model trains on (`signature_inputs`)."""
-    return signature_inputs(model, trainer.inputs.micro_batch_spec()[0])
+    view = view_of(view)  # a Trainer, an action's context or a view
+    return signature_inputs(model, view.inputs.micro_batch_spec()[0])
 
 
 def signature_inputs(model: keras.Model, features: Any) -> Any:
@@ -152,23 +153,24 @@ def _float32_outputs(outputs: Any) -> dict[str, tf.Tensor]:
             for name, value in items}
 
 
-def restored_model(trainer: "Trainer", checkpoint: str) -> keras.Model:
+def restored_model(view: RunView, checkpoint: str) -> keras.Model:
     """A new model from the Task, built outside any strategy under the training
     precision, holding the weights of `checkpoint` (the optimizer is not read); with
     `Trainer.ema_decay`, its EMA weights (`tputrain.ema`) where it has them."""
-    model = trainer.task.build_model()
-    ensure_built(model, trainer.inputs.micro_batch_spec()[0])
-    if has_lora(trainer.model) and not has_lora(model):  # enabled on trainer.model
-        mirror_lora_and_trainable(trainer.model, model)
+    view = view_of(view)  # a Trainer, an action's context or a view
+    model = view.task.build_model()
+    ensure_built(model, view.inputs.micro_batch_spec()[0])
+    if has_lora(view.model) and not has_lora(model):  # enabled on trainer.model
+        mirror_lora_and_trainable(view.model, model)
     elif not has_lora(model) and checkpoint_has_lora(checkpoint):
         raise ValueError(f"checkpoint {checkpoint} holds LoRA factors and the Task's model has "
                          "none: export from the Trainer whose model has LoRA enabled "
                          "(tputrain.keras_saving.export_for_serving(trainer)), or enable it in "
                          "Task.build_model")
-    override_layer_dtypes(model, trainer.options.precision.keep_float32_layers)  # as trained
+    override_layer_dtypes(model, view.options.precision.keep_float32_layers)  # as trained
     tf.train.Checkpoint(**model_trackables(model, checkpoint)).read(checkpoint).expect_partial() \
         .assert_existing_objects_matched()
-    if trainer.options.ema_decay is not None and load_averages(model, checkpoint):
+    if view.options.ema_decay is not None and load_averages(model, checkpoint):
         logging.info("tputrain: exporting the EMA weights of %s", checkpoint)
     return model
 
@@ -218,53 +220,55 @@ def _step_of(prefix: str) -> int:
     return int(prefix.rsplit("-", 1)[-1])
 
 
-def checkpoint_to_export(trainer: "Trainer", step: int | None = None,
+def checkpoint_to_export(view: RunView, step: int | None = None,
                          best: bool | None = None) -> tuple[str, int, str]:
     """(checkpoint prefix, its step, which: "best"/"latest"/"step N") to export.
 
     `best` None: the best checkpoint if the run has a `BestCheckpoint` action and
     it kept one, else the latest; True: the best one or an error; False: never.
     """
-    action = next((a for a in trainer.actions if isinstance(a, BestCheckpoint)), None)
-    best_dir = action.directory_of(trainer) if action else None
-    record = best_record(trainer.model_dir, best_dir) if best is not False else None
+    view = view_of(view)  # a Trainer, an action's context or a view
+    action = next((a for a in view.actions if isinstance(a, BestCheckpoint)), None)
+    best_dir = action.directory_of(view) if action else None
+    record = best_record(view.model_dir, best_dir) if best is not False else None
     if step is None and record is not None and (best or action is not None):
         return record["checkpoint"], int(record["step"]), f"best {record['metric']} {record['value']:.4g}"
     if best and step is None:
-        raise ValueError(f"no best checkpoint in {best_dir or RunDirectory(trainer.model_dir).best}: "
+        raise ValueError(f"no best checkpoint in {best_dir or RunDirectory(view.model_dir).best}: "
                          "train with a BestCheckpoint action, or export the latest (--nobest)")
     if action is not None and best is None and step is None:
         logging.warning("tputrain: BestCheckpoint kept no checkpoint yet: exporting the latest")
-    listed = list_checkpoints(RunDirectory(trainer.model_dir).checkpoints).paths
+    listed = list_checkpoints(RunDirectory(view.model_dir).checkpoints).paths
     if step is None:
         if not listed:
-            raise ValueError(f"no checkpoint in {trainer.model_dir}: train first")
+            raise ValueError(f"no checkpoint in {view.model_dir}: train first")
         return listed[-1], _step_of(listed[-1]), "latest"
     found = [p for p in listed if _step_of(p) == step]
     if not found and record is not None and int(record["step"]) == step:
         found = [record["checkpoint"]]
     if not found:
-        raise ValueError(f"no checkpoint of step {step} in {trainer.model_dir}: it has steps "
+        raise ValueError(f"no checkpoint of step {step} in {view.model_dir}: it has steps "
                          f"{[_step_of(p) for p in listed]}")
     return found[0], step, f"step {step}"
 
 
-def read_for_export(trainer: "Trainer", checkpoint: str, fall_back: bool
+def read_for_export(view: RunView, checkpoint: str, fall_back: bool
                     ) -> tuple[keras.Model, str]:
     """(model, the checkpoint read): `checkpoint`, or with `fall_back` (the latest
     was asked for) the newest readable one, as training resumes (`read_newest`). A
     checkpoint that cannot be read is a ValueError naming its files."""
+    view = view_of(view)  # a Trainer, an action's context or a view
     directory = os.path.dirname(checkpoint)
     if fall_back:
         older = [p for p in list_checkpoints(directory).paths
                  if _step_of(p) <= _step_of(checkpoint)] or [checkpoint]
         try:
-            path, model = read_newest(older, lambda p: restored_model(trainer, p), directory)
+            path, model = read_newest(older, lambda p: restored_model(view, p), directory)
         except RuntimeError as error:
             raise ValueError(str(error)) from None
         return model, path
     try:
-        return restored_model(trainer, checkpoint), checkpoint
+        return restored_model(view, checkpoint), checkpoint
     except UNREADABLE_ERRORS as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise ValueError(f"cannot read the checkpoint {checkpoint} ({type(error).__name__}: "
@@ -278,31 +282,34 @@ def export_complete(path: str) -> bool:
     return tf.io.gfile.exists(os.path.join(path, "saved_model.pb"))
 
 
-def export_destination(trainer: "Trainer", step: int, export_dir: str | None = None) -> str:
+def export_destination(view: RunView, step: int, export_dir: str | None = None) -> str:
     """`export_dir`, else $AIP_MODEL_DIR (Vertex AI), else model_dir/export/<step>."""
+    view = view_of(view)  # a Trainer, an action's context or a view
     return (export_dir or os.environ.get(VERTEX_MODEL_DIR)
-            or RunDirectory(trainer.model_dir).export_version(step))
+            or RunDirectory(view.model_dir).export_version(step))
 
 
-def export_checkpoint(trainer: "Trainer", step: int | None = None, export_dir: str | None = None,
+def export_checkpoint(view: RunView, step: int | None = None, export_dir: str | None = None,
                       best: bool | None = None, examples: bool = True) -> str:
     """Exports a checkpoint of `trainer`'s model_dir as a SavedModel; returns its path.
 
     Args:
-      trainer: the run (its Task builds the model; its model_dir has the checkpoints).
+      view: the run: a Trainer or its `view()` (its Task builds the model; its
+        model_dir has the checkpoints).
       step: the checkpoint's step; None: the best (see `checkpoint_to_export`) or latest.
       export_dir: the SavedModel's folder; None: $AIP_MODEL_DIR when set (Vertex AI),
         else model_dir/export/<step>.
       best: export the BestCheckpoint's checkpoint (None: when the run keeps one).
       examples: also write `serving_examples` when the Task has a feature spec.
     """
-    trainer.checkpointer.sync()  # an async save of the last step may still be writing
-    checkpoint, step, which = checkpoint_to_export(trainer, step, best)
-    model, checkpoint = read_for_export(trainer, checkpoint, which == "latest")
+    view = view_of(view)  # a Trainer, an action's context or a view
+    view.checkpointer.sync()  # an async save of the last step may still be writing
+    checkpoint, step, which = checkpoint_to_export(view, step, best)
+    model, checkpoint = read_for_export(view, checkpoint, which == "latest")
     step = _step_of(checkpoint)
-    path = export_destination(trainer, step, export_dir)
-    inputs = serving_inputs(trainer, model)
-    spec = feature_spec_of(trainer.task) if examples else None
+    path = export_destination(view, step, export_dir)
+    inputs = serving_inputs(view, model)
+    spec = feature_spec_of(view.task) if examples else None
     if spec is not None and not (isinstance(inputs, Mapping) and set(inputs) <= set(spec)):
         logging.info("tputrain: no serving_examples signature: the feature spec lacks inputs %s",
                      sorted(set(inputs) - set(spec)) if isinstance(inputs, Mapping) else inputs)

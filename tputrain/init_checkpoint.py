@@ -26,7 +26,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import keras
 import numpy as np
@@ -40,9 +40,7 @@ from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.checkpointing.model_variables import ROOT as MODEL_VARIABLES, model_paths
 from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.checks import check_bool
-
-if TYPE_CHECKING:  # annotations only: the Trainer imports the actions
-    from tputrain.trainer import Trainer
+from tputrain.context import ActionContext
 
 # Root objects of a tputrain checkpoint that are not weights.
 _NOT_WEIGHTS = ("optimizer", "step", "save_counter", "iterator", "seeds", "nonfinite_steps")
@@ -498,24 +496,24 @@ class InitCheckpoint(Action):
         self.strict = check_bool("InitCheckpoint", "strict", strict)
         self.report: Report | None = None  # what the last load did
 
-    def preflight(self, trainer: "Trainer") -> None:
+    def preflight(self, context: ActionContext) -> None:
         """Before anything is written to model_dir: a missing path, an unreadable
         checkpoint or a shape mismatch is bad configuration, and fails the Trainer's
         construction (the CLI: one line, exit 2), not the first step after the lock."""
-        if list_checkpoints(trainer.checkpointer.restore_directory).paths:
+        if list_checkpoints(context.checkpointer.restore_directory).paths:
             return  # a resumed run never reads the source
-        optimizer = trainer.optimizer if self.optimizer else None
+        optimizer = context.optimizer if self.optimizer else None
         with self._opened() as source:
-            self._plan(source, trainer.model, optimizer)
+            self._plan(source, context.model, optimizer)
 
-    def on_train_begin(self, trainer: "Trainer", step: int) -> None:
+    def on_train_begin(self, context: ActionContext, step: int) -> None:
         """Loads only into a run that restored nothing from its own model_dir."""
-        if step != 0 or list_checkpoints(trainer.checkpointer.restore_directory).paths:
+        if step != 0 or list_checkpoints(context.checkpointer.restore_directory).paths:
             logging.info("tputrain: InitCheckpoint: %s has its own checkpoint (step %d); not "
-                         "loading %s", trainer.model_dir, step, self.path)
+                         "loading %s", context.model_dir, step, self.path)
             return
-        self.report = self.load(trainer.model, trainer.optimizer if self.optimizer else None,
-                                trainer.strategy)
+        self.report = self.load(context.model, context.optimizer if self.optimizer else None,
+                                context.strategy)
 
     @contextlib.contextmanager
     def _opened(self) -> Iterator[Source]:

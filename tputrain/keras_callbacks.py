@@ -46,22 +46,48 @@ _LOOP_ONLY = ("learning_rate",)  # fit's epoch logs hold only what the metrics s
 
 
 class _CallbackModel:
-    """What callbacks see as `self.model`: the trained model, with the Trainer's
-    optimizer and a `stop_training` flag (the model itself is not compiled)."""
+    """What callbacks see as `self.model`: the Trainer's optimizer, a `stop_training`
+    flag, and what Keras's built-in callbacks read of a model (weights, saving,
+    layers, metrics), from the trained model (`model`, not compiled). What a
+    callback sets on it (`History` sets `history`) stays here: the user's model is
+    left as it is."""
 
     def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer):
-        object.__setattr__(self, "_model", model)
-        object.__setattr__(self, "optimizer", optimizer)
-        object.__setattr__(self, "stop_training", False)
+        self.model, self.optimizer = model, optimizer
+        self.stop_training = False
+        self.history: Any = None
+        self.train_function = None  # no compiled Keras train function (TensorBoard asks)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
+    @property
+    def layers(self) -> list[keras.layers.Layer]:
+        return self.model.layers
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("optimizer", "stop_training"):
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self._model, name, value)
+    @property
+    def metrics(self) -> list[keras.metrics.Metric]:
+        return self.model.metrics
+
+    @property
+    def trainable_variables(self) -> list[keras.Variable]:
+        return self.model.trainable_variables
+
+    @property
+    def built(self) -> bool:
+        return self.model.built
+
+    def get_weights(self) -> list[Any]:
+        return self.model.get_weights()
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        self.model.set_weights(weights)
+
+    def save(self, filepath: str, **kwargs: Any) -> None:
+        self.model.save(filepath, **kwargs)
+
+    def save_weights(self, filepath: str, **kwargs: Any) -> None:
+        self.model.save_weights(filepath, **kwargs)
+
+    def load_weights(self, filepath: str, **kwargs: Any) -> None:
+        self.model.load_weights(filepath, **kwargs)
 
 
 class KerasCallbacks(Action):

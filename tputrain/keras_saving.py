@@ -17,7 +17,7 @@ with LoRA enabled (`layer.enable_lora(rank)`, Keras-Hub's
   quantized per call), and `evaluate_model` to measure what it costs: the eval
   split through `Task.eval_step` on one device, for float32 and int8 alike.
 
-`export_for_serving(trainer, ...)` runs them on a checkpoint (the EMA weights
+`export_for_serving(view, ...)` runs them on a checkpoint (the EMA weights
 when the run keeps them); `tputrain export --lora=merge --keras --quantize=int8`
 is its command line. See docs/keras_hub.md.
 """
@@ -30,7 +30,7 @@ import os
 import tempfile
 import warnings
 import zipfile
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import keras
 import tensorflow as tf
@@ -41,10 +41,9 @@ from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.export import (VERTEX_MODEL_DIR, checkpoint_to_export, export_destination,
                              feature_spec_of, read_for_export, serving_inputs,
                              write_saved_model)
+from tputrain.run_view import RunView, view_of
 from tputrain.task import EVAL_WEIGHT
 
-if TYPE_CHECKING:
-    from tputrain.trainer import Trainer
 
 LORA_CHOICES = ("keep", "merge")
 QUANTIZE_CHOICES = ("int8",)
@@ -120,15 +119,16 @@ def quantized_copy(model: keras.Model, mode: str = "int8") -> keras.Model:
     return copy
 
 
-def evaluate_model(trainer: "Trainer", model: keras.Model) -> dict[str, float]:
+def evaluate_model(view: RunView, model: keras.Model) -> dict[str, float]:
     """The eval split's loss and metrics for `model` (any copy: merged, quantized), on
     one device: each of this host's per-replica batches through `Task.eval_step`,
     at most `Trainer.eval_steps` global batches; the loss is the mean over real
     examples (padding rows, weight 0, count for nothing)."""
-    task = trainer.task
-    dataset = trainer.inputs.eval_dataset
-    if trainer.eval_steps is not None:
-        dataset = dataset.take(trainer.eval_steps * trainer.local_replicas)
+    view = view_of(view)  # a Trainer, an action's context or a view
+    task = view.task
+    dataset = view.inputs.eval_dataset
+    if view.plan.options.eval_steps is not None:
+        dataset = dataset.take(view.plan.options.eval_steps * view.local_replicas)
     metrics = list(task.build_metrics())
 
     @tf.function
@@ -175,22 +175,22 @@ class ServingExport:
         return lines
 
 
-def _examples_spec(trainer: "Trainer", inputs: Any, examples: bool) -> Any:
+def _examples_spec(view: RunView, inputs: Any, examples: bool) -> Any:
     """The `serving_examples` feature spec for `inputs`, or None (as `export_checkpoint`)."""
-    spec = feature_spec_of(trainer.task) if examples else None
+    spec = feature_spec_of(view.task) if examples else None
     if spec is None or not (isinstance(inputs, Mapping) and set(inputs) <= set(spec)):
         return None
     return {name: spec[name] for name in inputs}
 
 
-def _saved_model(trainer: "Trainer", model: keras.Model, path: str, reusable: bool,
+def _saved_model(view: RunView, model: keras.Model, path: str, reusable: bool,
                  examples: bool) -> str:
-    inputs = serving_inputs(trainer, model)
-    write_saved_model(model, inputs, _examples_spec(trainer, inputs, examples), path, reusable)
+    inputs = serving_inputs(view, model)
+    write_saved_model(model, inputs, _examples_spec(view, inputs, examples), path, reusable)
     return path
 
 
-def export_for_serving(trainer: "Trainer", step: int | None = None, best: bool | None = None,
+def export_for_serving(view: RunView, step: int | None = None, best: bool | None = None,
                        lora: str = "merge", saved_model: bool = True,
                        export_dir: str | None = None, keras_file: str | bool | None = None,
                        quantize: str | None = None, examples: bool = True) -> ServingExport:
@@ -210,54 +210,55 @@ def export_for_serving(trainer: "Trainer", step: int | None = None, best: bool |
         `-int8`), and the eval split's metrics for float32 and int8.
       examples: the `serving_examples` signature when the Task has a feature spec.
     """
+    view = view_of(view)  # a Trainer, an action's context or a view
     if lora not in LORA_CHOICES:
         raise ValueError(f"lora must be one of {LORA_CHOICES}, got {lora!r}")
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize must be one of {QUANTIZE_CHOICES}, got {quantize!r}")
-    trainer.checkpointer.sync()
-    checkpoint, step, which = checkpoint_to_export(trainer, step, best)
-    model, checkpoint = read_for_export(trainer, checkpoint, which == "latest")
+    view.checkpointer.sync()
+    checkpoint, step, which = checkpoint_to_export(view, step, best)
+    model, checkpoint = read_for_export(view, checkpoint, which == "latest")
     step = int(checkpoint.rsplit("-", 1)[-1])
     result = ServingExport(step=step, checkpoint=checkpoint)
     serving = merged_copy(model) if lora == "merge" and lora_layers(model) else model
     if saved_model:
-        result.saved_model = _saved_model(trainer, serving, *_saved_model_path(
-            trainer, step, export_dir, merged=serving is not model), examples)
+        result.saved_model = _saved_model(view, serving, *_saved_model_path(
+            view, step, export_dir, merged=serving is not model), examples)
     if keras_file:
         result.keras_file = save_keras_file(serving, keras_file if isinstance(keras_file, str)
-                                            else _keras_path(trainer, step, ""))
+                                            else _keras_path(view, step, ""))
     if quantize:
-        _export_quantized(trainer, serving, result, quantize, saved_model, keras_file, examples)
+        _export_quantized(view, serving, result, quantize, saved_model, keras_file, examples)
     logging.info("tputrain: exported step %d (%s) of %s", step, which, checkpoint)
     return result
 
 
-def _saved_model_path(trainer: "Trainer", step: int, export_dir: str | None,
+def _saved_model_path(view: RunView, step: int, export_dir: str | None,
                       merged: bool) -> tuple[str, bool]:
     """(folder, reusable): `export_dir`; else a merged model's model_dir/export_merged/<step>
     (model_dir/export/<step> holds the model as trained, `tputrain.Export`'s), else
     `export_destination`'s. Reusable: a numbered folder of model_dir holding this export."""
     if export_dir is None and merged:
-        return RunDirectory(trainer.model_dir).export_version(step, "merged"), True
-    path = export_destination(trainer, step, export_dir)
+        return RunDirectory(view.model_dir).export_version(step, "merged"), True
+    path = export_destination(view, step, export_dir)
     return path, export_dir is None and not os.environ.get(VERTEX_MODEL_DIR)
 
 
-def _keras_path(trainer: "Trainer", step: int, suffix: str) -> str:
-    return RunDirectory(trainer.model_dir).keras_file(step, suffix)
+def _keras_path(view: RunView, step: int, suffix: str) -> str:
+    return RunDirectory(view.model_dir).keras_file(step, suffix)
 
 
-def _export_quantized(trainer: "Trainer", model: keras.Model, result: ServingExport,
+def _export_quantized(view: RunView, model: keras.Model, result: ServingExport,
                       mode: str, saved_model: bool, keras_file: str | bool | None,
                       examples: bool) -> None:
     """The quantized copy's files and the float32 and quantized eval metrics."""
     quantized = quantized_copy(model, mode)
-    result.float32_metrics = evaluate_model(trainer, model)
-    result.quantized_metrics = evaluate_model(trainer, quantized)
+    result.float32_metrics = evaluate_model(view, model)
+    result.quantized_metrics = evaluate_model(view, quantized)
     if saved_model:
-        path = RunDirectory(trainer.model_dir).export_version(result.step, mode)
-        result.quantized_saved_model = _saved_model(trainer, quantized, path, True, examples)
+        path = RunDirectory(view.model_dir).export_version(result.step, mode)
+        result.quantized_saved_model = _saved_model(view, quantized, path, True, examples)
     if keras_file:
         path = (keras_file[:-len(".keras")] + f"-{mode}.keras" if isinstance(keras_file, str)
-                else _keras_path(trainer, result.step, f"-{mode}"))
+                else _keras_path(view, result.step, f"-{mode}"))
         result.quantized_keras_file = save_keras_file(quantized, path)

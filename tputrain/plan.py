@@ -11,7 +11,7 @@ actions read it; nothing copies it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import keras
 import tensorflow as tf
@@ -64,8 +64,8 @@ class RunPlan:
     """The options resolved for this strategy (frozen; `with_xla` fills in XLA once
     the model is built, `launched` the steps per program).
 
-    Option fields not listed here (train_steps, eval_every, ...) read through to
-    `options`, so `plan.<knob>` is the value the run uses.
+    The option fields it does not resolve (train_steps, eval_every, ...) are read
+    from `options` by the properties below, so `plan.<knob>` is the value the run uses.
     """
 
     options: TrainerOptions
@@ -79,10 +79,25 @@ class RunPlan:
     xla_plan: XlaPlan | None = None  # None until the model is built (`with_xla`)
     steps_per_program: int | str = "auto"  # a number once the host loop is built
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.options, name)
+    # The options the plan does not resolve, as given.
+    train_steps = property(lambda self: self.options.train_steps)
+    steps_per_loop = property(lambda self: self.options.steps_per_loop)
+    global_batch_size = property(lambda self: self.options.global_batch_size)
+    eval_every = property(lambda self: self.options.eval_every)
+    eval_steps = property(lambda self: self.options.eval_steps)
+    eval_splits = property(lambda self: self.options.eval_splits)
+    checkpoint_every = property(lambda self: self.options.checkpoint_every)
+    keep_checkpoints = property(lambda self: self.options.keep_checkpoints)
+    seed = property(lambda self: self.options.seed)
+    accumulation_steps = property(lambda self: self.options.accumulation_steps)
+    profile_steps = property(lambda self: self.options.profile_steps)
+    report_mfu = property(lambda self: self.options.report_mfu)
+    class_weight = property(lambda self: self.options.class_weight)
+    checkpoint = property(lambda self: self.options.checkpoint)
+    profiling = property(lambda self: self.options.profiling)
+    ema_decay = property(lambda self: self.options.ema_decay)
+    remat = property(lambda self: self.options.remat)
+    progress_bar = property(lambda self: self.options.progress_bar)
 
     @property
     def steps_per_fetch(self) -> int:

@@ -42,7 +42,7 @@ replica r is host `r // local`'s local replica `r % local` (the placement
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -52,47 +52,47 @@ from tputrain.data.batching import dropped_remainder
 from tputrain.data.tfrecord import list_shards
 from tputrain.ema import averaged_weights
 from tputrain.precision import to_float32
-
-if TYPE_CHECKING:
-    from tputrain.trainer import Trainer
+from tputrain.run_view import RunView, view_of
 
 Outputs = np.ndarray | dict[str, np.ndarray]
 SPLITS = ("train", "eval")
 
 
-def predict(trainer: "Trainer", source: Any = "eval", log_every: int = 100) -> Outputs:
+def predict(view: RunView, source: Any = "eval", log_every: int = 100) -> Outputs:
     """`Trainer.predict`: restores the latest checkpoint (as `Trainer.evaluate`), then
     `predict_weights`."""
-    if trainer.checkpointer.restore_latest() is None:
+    view = view_of(view)  # a Trainer, an action's context or a view
+    if view.checkpointer.restore_latest() is None:
         logging.warning("tputrain: no checkpoint in %s: predicting with the initial "
-                        "(untrained) weights", trainer.model_dir)
-    return predict_weights(trainer, source, log_every)
+                        "(untrained) weights", view.model_dir)
+    return predict_weights(view, source, log_every)
 
 
-def predict_weights(trainer: "Trainer", source: Any = "eval", log_every: int = 100) -> Outputs:
+def predict_weights(view: RunView, source: Any = "eval", log_every: int = 100) -> Outputs:
     """Every example of `source` (a split, a TFRecord glob or data in memory, see the
     module docstring) through the weights in memory (their EMA with `Trainer.ema_decay`,
     as evaluation): float32 arrays, one row per example, in order."""
+    view = view_of(view)  # a Trainer, an action's context or a view
     if not isinstance(log_every, int) or log_every < 1:
         raise ValueError(f"predict: log_every must be an int >= 1, got {log_every!r}")
-    with averaged_weights(trainer.ema) as averaged:
+    with averaged_weights(view.ema) as averaged:
         if averaged:
             logging.info("tputrain: predicting with the EMA weights")
-        return _predicted(trainer, source, log_every)
+        return _predicted(view, source, log_every)
 
 
-def _predicted(trainer: "Trainer", source: Any, log_every: int) -> Outputs:
+def _predicted(view: RunView, source: Any, log_every: int) -> Outputs:
     """`predict_weights` with the model's variables as they are."""
-    task, model = trainer.task, trainer.model
-    batches = split_batches(trainer, source)
-    examples = (source_examples(trainer, source) if batches is None
+    task, model = view.task, view.model
+    batches = split_batches(view, source)
+    examples = (source_examples(view, source) if batches is None
                 else split_examples(batches, source))
-    gathered, masks = gathered_steps(trainer, examples,
+    gathered, masks = gathered_steps(view, examples,
                                      lambda features: task.predict_step(features, model),
                                      log_every, "predict", _described(source))
     if batches is not None:
         warn_dropped(batches, source)
-    return _as_outputs(gathered, masks, trainer.num_hosts)
+    return _as_outputs(gathered, masks, view.num_hosts)
 
 
 def warn_dropped(batches: tf.data.Dataset, split: str) -> None:
@@ -117,20 +117,20 @@ def _described(source: Any) -> str:
     return "a tf.data.Dataset" if isinstance(source, tf.data.Dataset) else "arrays in memory"
 
 
-def gathered_steps(trainer: "Trainer", examples: tf.data.Dataset, compute: Callable[[Any], Any],
+def gathered_steps(view: RunView, examples: tf.data.Dataset, compute: Callable[[Any], Any],
                    log_every: int, what: str,
                    source: str) -> tuple[list[Any], list[np.ndarray]]:
     """`compute` (replica context) over this host's single `examples` (of `source`),
     every host running the same steps: each step's outputs and masks, `[replicas, B,
     ...]` NumPy arrays of every replica (all hosts' gathered), for `in_input_order`;
     `what` names the pass in the log ("predict")."""
-    local, hosts = trainer.local_replicas, trainer.num_hosts
-    per_replica = trainer.plan.batch.per_replica
+    local, hosts = view.local_replicas, view.num_hosts
+    per_replica = view.plan.batch.per_replica
     steps = None
     if hosts > 1:  # every host runs the most steps any host needs
         count = int(examples.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
-        steps = trainer.agree(-(-count // (local * per_replica)))
-    run = _step_function(trainer, compute)
+        steps = view.agree(-(-count // (local * per_replica)))
+    run = _step_function(view, compute)
     gathered, masks, seen, start = [], [], 0, time.monotonic()
     for number, (group, mask) in enumerate(step_batches(examples, per_replica, local, steps), 1):
         outputs, step_mask = run(group, mask)
@@ -172,11 +172,11 @@ def in_input_order(steps: Sequence[np.ndarray], masks: Sequence[np.ndarray],
     return np.ascontiguousarray(rows[mask], dtype=dtype)
 
 
-def _step_function(trainer: "Trainer", compute: Callable[[Any], Any]) -> Any:
+def _step_function(view: RunView, compute: Callable[[Any], Any]) -> Any:
     """A compiled step: a group `[local, B, ...]` in, (`compute`'s outputs, masks) of
     every replica out, `[replicas, B, ...]` (this host's, or all hosts' gathered)."""
-    strategy = trainer.strategy
-    local, gather = trainer.local_replicas, trainer.num_hosts > 1
+    strategy = view.strategy
+    local, gather = view.local_replicas, view.num_hosts > 1
 
     def replica_step(batch: tuple[Any, tf.Tensor]) -> tuple[Any, tf.Tensor]:
         features, mask = batch  # int32: a collective gather takes no bool
@@ -229,32 +229,32 @@ def _blank(spec: Any) -> Any:
         else tf.zeros(s.shape, s.dtype), spec)
 
 
-def source_examples(trainer: "Trainer", source: Any) -> tf.data.Dataset:
+def source_examples(view: RunView, source: Any) -> tf.data.Dataset:
     """This host's single examples (features only) of a split, a TFRecord glob, NumPy
     arrays or a dataset of batches."""
-    splits = _splits(trainer)
+    splits = _splits(view)
     if isinstance(source, (tf.data.Dataset, np.ndarray, dict, list, tuple)):
-        return memory_examples(source, trainer.num_hosts, trainer.host_id)
+        return memory_examples(source, view.num_hosts, view.host_id)
     if not isinstance(source, str) or not source:
         raise ValueError(f"predict: the input must be a split {splits}, a TFRecord glob, "
                          f"NumPy arrays or a tf.data.Dataset of batches, got {source!r}")
     if source in splits:
-        return split_examples(split_batches(trainer, source), source)
-    return tfrecord_examples(source, trainer.inputs.eval_dataset.element_spec,
-                             trainer.num_hosts, trainer.host_id)
+        return split_examples(split_batches(view, source), source)
+    return tfrecord_examples(source, view.inputs.eval_dataset.element_spec,
+                             view.num_hosts, view.host_id)
 
 
-def split_batches(trainer: "Trainer", source: Any) -> tf.data.Dataset | None:
+def split_batches(view: RunView, source: Any) -> tf.data.Dataset | None:
     """This host's batches of the split `source` names, as the task builds them;
     None when `source` names no split."""
-    if not isinstance(source, str) or source not in _splits(trainer):
+    if not isinstance(source, str) or source not in _splits(view):
         return None
-    return trainer.task.build_inputs(source, trainer.inputs.input_context())
+    return view.task.build_inputs(source, view.inputs.input_context())
 
 
-def _splits(trainer: "Trainer") -> tuple[str, ...]:
+def _splits(view: RunView) -> tuple[str, ...]:
     """The split names predict reads: train, eval and the named eval sets."""
-    return tuple(dict.fromkeys((*SPLITS, *trainer.eval_splits)))
+    return tuple(dict.fromkeys((*SPLITS, *view.plan.options.eval_splits)))
 
 
 def memory_examples(source: Any, hosts: int, host: int) -> tf.data.Dataset:

@@ -48,7 +48,8 @@ from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.checks import check_int
 from tputrain.lock import ModelDirInUseError, lock_model_dir, release_model_dir
 from tputrain.predict import Outputs, predict_weights
-from tputrain.trainer import Trainer
+from tputrain.run_view import RunView, view_of
+from tputrain.trainer import Trainer  # ReadOnlyTrainer is one
 
 EVAL_DIR = RunDirectory.EVAL
 RECORD_FILE = RunDirectory.EVAL_RECORD
@@ -80,9 +81,9 @@ class ReadOnlyTrainer(Trainer):
 
     def evaluate(self) -> Metrics:
         """Evaluates the latest listed checkpoint (no actions run, nothing tidied)."""
-        listed = list_checkpoints(checkpoint_dir(self)).paths
+        listed = list_checkpoints(checkpoint_dir(self.view())).paths
         if listed:
-            read_checkpoint(self, listed[-1])
+            read_checkpoint(self.view(), listed[-1])
         else:
             logging.warning("tputrain: no checkpoint in %s: evaluating the initial (untrained) "
                             "weights", self.model_dir)
@@ -93,12 +94,13 @@ class ReadOnlyTrainer(Trainer):
         """`Trainer.predict` of the checkpoint of `step` (None: the latest readable);
         ValueError if there is none (nothing tidied, nothing written)."""
         check_int("ReadOnlyTrainer.predict", "step", step, 0, allow_none=True)
-        _read_one(self, _one_checkpoint(self, step), fall_back=step is None)
-        return predict_weights(self, source, log_every)
+        view = self.view()
+        _read_one(view, _one_checkpoint(view, step), fall_back=step is None)
+        return predict_weights(view, source, log_every)
 
 
-def checkpoint_dir(trainer: Trainer) -> str:
-    return RunDirectory(trainer.model_dir).checkpoints
+def checkpoint_dir(view: RunView) -> str:
+    return RunDirectory(view.model_dir).checkpoints
 
 
 def checkpoint_step(path: str) -> int:
@@ -106,18 +108,19 @@ def checkpoint_step(path: str) -> int:
     return int(path.rsplit("-", 1)[-1])
 
 
-def read_checkpoint(trainer: Trainer, path: str) -> None:
-    """Reads the weights and the step of checkpoint `path` into `trainer`, and
+def read_checkpoint(view: RunView, path: str) -> None:
+    """Reads the weights and the step of checkpoint `path` into `view`'s run, and
     nothing else: the optimizer, data position and RNG are the training's, and
     the directory is left as it is (see the module docstring). With
     `Trainer.ema_decay`, the EMA weights too, which evaluation and predict use."""
-    ema = {"ema": trainer.ema.state} if trainer.ema is not None else {}
+    view = view_of(view)  # a Trainer or a view
+    ema = {"ema": view.ema.state} if view.ema is not None else {}
     try:
-        model = model_trackables(trainer.model, path)
-        tf.train.Checkpoint(step=trainer.step, **model, **ema).read(path) \
+        model = model_trackables(view.model, path)
+        tf.train.Checkpoint(step=view.step, **model, **ema).read(path) \
             .expect_partial().assert_existing_objects_matched()
     except (AssertionError, ValueError) as error:  # another model's, or damaged?
-        problems = describe_mismatch(trainer.checkpointer.checkpoint, path)
+        problems = describe_mismatch(view.checkpointer.checkpoint, path)
         if not problems:
             raise
         raise CheckpointMismatchError(
@@ -159,7 +162,7 @@ class EvalRecord:
         write_atomically(self.path, text)
 
 
-def evaluate_checkpoints(trainer: Trainer, step: int | None = None, continuous: bool = False,
+def evaluate_checkpoints(view: RunView, step: int | None = None, continuous: bool = False,
                          poll_seconds: float = 10.0, timeout: float | None = 3600.0,
                          until_step: int | None = None,
                          on_result: Callable[[int, Metrics], None] | None = None
@@ -167,7 +170,7 @@ def evaluate_checkpoints(trainer: Trainer, step: int | None = None, continuous: 
     """Evaluates checkpoints of `trainer.model_dir`; returns {step: metrics}.
 
     Args:
-      trainer: a `ReadOnlyTrainer` beside a training process; a `Trainer` in the
+      view: a `ReadOnlyTrainer` beside a training process; a `Trainer` in the
         process that trains (its weights and step are then the last checkpoint read).
       step: the checkpoint of this step; None: the latest (not with `continuous`).
       continuous: evaluate each new checkpoint once, in step order, until one at
@@ -179,26 +182,27 @@ def evaluate_checkpoints(trainer: Trainer, step: int | None = None, continuous: 
       on_result: called with (step, metrics) as each checkpoint is evaluated, so a
         side-car's output appears per checkpoint, not at its end (the CLI prints).
     """
+    view = view_of(view)  # a Trainer or a view
     _check_arguments(step, continuous, poll_seconds, timeout, until_step)
-    trainer.checkpointer.sync()  # an async save in flight in this process lands first
-    path = None if continuous else _one_checkpoint(trainer, step)  # nothing written if none
-    eval_dir = RunDirectory(trainer.model_dir).eval
+    view.checkpointer.sync()  # an async save in flight in this process lands first
+    path = None if continuous else _one_checkpoint(view, step)  # nothing written if none
+    eval_dir = RunDirectory(view.model_dir).eval
     try:
         lock_model_dir(eval_dir)
     except ModelDirInUseError as error:
         raise ModelDirInUseError(f"another evaluation writes {eval_dir}: {error}") from None
     try:
-        record = EvalRecord(trainer.model_dir)
+        record = EvalRecord(view.model_dir)
         if path is None:
-            last = trainer.train_steps if until_step is None else until_step
-            return _follow(trainer, record, poll_seconds, timeout, last, on_result)
-        path = _read_one(trainer, path, fall_back=step is None)
-        logs = _evaluate_read(trainer, path, record)
+            last = view.plan.options.train_steps if until_step is None else until_step
+            return _follow(view, record, poll_seconds, timeout, last, on_result)
+        path = _read_one(view, path, fall_back=step is None)
+        logs = _evaluate_read(view, path, record)
         if on_result is not None:
             on_result(checkpoint_step(path), logs)
         return {checkpoint_step(path): logs}
     finally:
-        trainer.progress.close()  # restates the later eval points a lower step hid
+        view.progress.close()  # restates the later eval points a lower step hid
         release_model_dir(eval_dir)
 
 
@@ -214,34 +218,34 @@ def _check_arguments(step: int | None, continuous: bool, poll_seconds: float,
         raise ValueError(f"evaluate_checkpoints.timeout must be > 0 or None, got {timeout}")
 
 
-def _one_checkpoint(trainer: Trainer, step: int | None) -> str:
+def _one_checkpoint(view: RunView, step: int | None) -> str:
     """The listed checkpoint of `step` (None: the latest); ValueError if there is none."""
-    listed = list_checkpoints(checkpoint_dir(trainer)).paths
+    listed = list_checkpoints(checkpoint_dir(view)).paths
     if not listed:
-        raise ValueError(f"no checkpoint in {checkpoint_dir(trainer)}: train first")
+        raise ValueError(f"no checkpoint in {checkpoint_dir(view)}: train first")
     if step is None:
         return listed[-1]
     found = [p for p in listed if checkpoint_step(p) == step]
     if not found:
-        raise ValueError(f"no checkpoint of step {step} in {checkpoint_dir(trainer)}: it has "
+        raise ValueError(f"no checkpoint of step {step} in {checkpoint_dir(view)}: it has "
                          f"steps {[checkpoint_step(p) for p in listed]}")
     return found[0]
 
 
-def _read_one(trainer: Trainer, path: str, fall_back: bool) -> str:
+def _read_one(view: RunView, path: str, fall_back: bool) -> str:
     """Reads `path`, or with `fall_back` (the latest was asked for) the newest
     readable checkpoint up to it, as training resumes; returns the one read. An
     unreadable checkpoint is a ValueError naming it."""
-    directory = checkpoint_dir(trainer)
+    directory = checkpoint_dir(view)
     if fall_back:
         older = [p for p in list_checkpoints(directory).paths
                  if checkpoint_step(p) <= checkpoint_step(path)] or [path]
         try:
-            return read_newest(older, lambda p: read_checkpoint(trainer, p), directory)[0]
+            return read_newest(older, lambda p: read_checkpoint(view, p), directory)[0]
         except RuntimeError as error:
             raise ValueError(str(error)) from None
     try:
-        read_checkpoint(trainer, path)
+        read_checkpoint(view, path)
     except UNREADABLE_ERRORS as error:
         if isinstance(error, CheckpointMismatchError):
             raise
@@ -252,21 +256,21 @@ def _read_one(trainer: Trainer, path: str, fall_back: bool) -> str:
     return path
 
 
-def _evaluate_read(trainer: Trainer, path: str, record: EvalRecord) -> Metrics:
+def _evaluate_read(view: RunView, path: str, record: EvalRecord) -> Metrics:
     """Evaluates the weights just read (summaries at their step) and records them."""
-    logs = trainer.evaluate_weights()
+    logs = view.evaluate_weights()
     record.add(checkpoint_step(path), logs)
     return logs
 
 
-def _evaluate_if_readable(trainer: Trainer, path: str, record: EvalRecord) -> Metrics | None:
+def _evaluate_if_readable(view: RunView, path: str, record: EvalRecord) -> Metrics | None:
     """Evaluates `path`; a checkpoint gone or unreadable is skipped (warned, recorded)."""
     try:
-        read_checkpoint(trainer, path)
+        read_checkpoint(view, path)
     except CheckpointMismatchError:
         raise
     except (tf.errors.OpError, ValueError, IndexError) as error:  # as restore_latest
-        if path not in list_checkpoints(checkpoint_dir(trainer)).paths:
+        if path not in list_checkpoints(checkpoint_dir(view)).paths:
             why = ("no longer listed when read: deleted by keep-N rotation "
                    "(Trainer.keep_checkpoints) or moved aside as damaged")
         else:
@@ -274,14 +278,14 @@ def _evaluate_if_readable(trainer: Trainer, path: str, record: EvalRecord) -> Me
         logging.warning("tputrain: skipped checkpoint %s: %s", path, why)
         record.add(checkpoint_step(path), skipped=why)
         return None
-    return _evaluate_read(trainer, path, record)
+    return _evaluate_read(view, path, record)
 
 
-def _follow(trainer: Trainer, record: EvalRecord, poll_seconds: float,
+def _follow(view: RunView, record: EvalRecord, poll_seconds: float,
             timeout: float | None, until_step: int,
             on_result: Callable[[int, Metrics], None] | None = None) -> dict[int, Metrics]:
     """Continuous mode: each new listed checkpoint once, in step order, to `until_step`."""
-    directory, results = checkpoint_dir(trainer), {}
+    directory, results = checkpoint_dir(view), {}
     logging.info("tputrain: evaluating each new checkpoint in %s until step %d", directory,
                  until_step)
     last_new = time.monotonic()
@@ -290,7 +294,7 @@ def _follow(trainer: Trainer, record: EvalRecord, poll_seconds: float,
         pending = [p for p in list_checkpoints(directory).paths
                    if checkpoint_step(p) not in done]
         for path in sorted(pending, key=checkpoint_step):
-            logs = _evaluate_if_readable(trainer, path, record)
+            logs = _evaluate_if_readable(view, path, record)
             if logs is not None:
                 results[checkpoint_step(path)] = logs
                 if on_result is not None:

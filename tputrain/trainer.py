@@ -58,6 +58,7 @@ from tputrain.predict import predict as predict_outputs
 from tputrain.preflight import preflight
 from tputrain.progress import Progress, summary_root
 from tputrain.progress_bar import ProgressBarAction
+from tputrain.run_view import RunView
 from tputrain.task import Task, overrides_train_step
 from tputrain.trainable_change import TrainableSet
 from tputrain.tuning.report import with_trial_report
@@ -144,7 +145,20 @@ class RunKnobs:
     report_mfu = _from_context("report_mfu")
 
 
+def _run_view(trainer: "Trainer") -> RunView:
+    """What a job reads of this run (tputrain/run_view.py), as it is now."""
+    return RunView(
+        task=trainer.task, model=trainer.model, optimizer=trainer.optimizer,
+        strategy=trainer.strategy, inputs=trainer.inputs, plan=trainer.plan,
+        model_dir=trainer.model_dir, checkpointer=trainer.checkpointer,
+        progress=trainer.progress, ema=trainer.ema, actions=trainer.actions,
+        communication=trainer.communication, step=trainer.step, agree=trainer.agree,
+        evaluate_weights=trainer.evaluate_weights, run_loop=trainer.run_loop,
+        set_train_iterator=trainer.set_train_iterator, train_iterator=trainer.train_iterator)
+
+
 class Trainer(RunKnobs, TrainableSet):
+
     """Trains a `Task` under a distribution strategy, with exact-resume checkpoints.
 
     Args:
@@ -243,12 +257,12 @@ class Trainer(RunKnobs, TrainableSet):
         """What the actions see of this run (tputrain/context.py)."""
         return ActionContext(
             step_variable=self.step, agree=self._max_over_hosts, preempted=self.preempted,
-            owner=self, strategy=self.strategy, model=self.model, optimizer=self.optimizer,
+            strategy=self.strategy, model=self.model, optimizer=self.optimizer,
             checkpointer=self.checkpointer, progress=self.progress, plan=self.plan,
             task=self.task, guard=self.guard, inputs=self.inputs, model_dir=self.model_dir,
             train_metrics=self.train_metrics, eval_metrics=self.eval_metrics,
             actions=self.actions, startup=self.startup, options=self.options,
-            report_mfu=self.options.report_mfu, ema=self.ema)
+            report_mfu=self.options.report_mfu, ema=self.ema, view=self.view)
 
     def _build_checkpointer(self) -> None:
         """Checkpoints (the chief's; other workers write a temp dir), pre-flight, progress."""
@@ -311,6 +325,8 @@ class Trainer(RunKnobs, TrainableSet):
         """The iterator the next loop reads (None before train() in distributed mode)."""
         return self._train_iterator
 
+    view = _run_view  # what a job (predict, export, diagnose...) reads of this run
+
     def agree(self, value: int) -> int:
         """The largest `value` over all hosts (a collective: every host calls it)."""
         return self._max_over_hosts(value)
@@ -341,9 +357,8 @@ class Trainer(RunKnobs, TrainableSet):
             raise RuntimeError(f"Trainer.{what}: this Trainer is closed (Trainer.close or the "
                                "end of its `with` block): build a new Trainer")
 
-    @property
-    def train_dataset(self) -> tf.data.Dataset:  # this host's, as build_inputs returned it
-        return self.inputs.train_dataset
+    # This host's train dataset, as build_inputs returned it.
+    train_dataset = property(lambda self: self.inputs.train_dataset)
 
     def set_train_iterator(self, iterator: Any) -> None:
         """Trains from `iterator` instead of the Task's (not checkpointed; for tools)."""
@@ -402,13 +417,13 @@ class Trainer(RunKnobs, TrainableSet):
     def predict(self, source: Any = "eval", log_every: int = 100) -> Any:
         """The latest checkpoint's float32 outputs, each example once, in order: a split,
         a TFRecord glob, NumPy arrays or a dataset of batches (predict.py)."""
-        return predict_outputs(self, source, log_every)
+        return predict_outputs(self.view(), source, log_every)
 
     def evaluate_weights(self) -> dict[str, float]:
         """Evaluates the weights in memory (their EMA with `ema_decay`): {"loss": ...}."""
         with averaged_weights(self.ema) as averaged:  # every eval set (loop/eval_sets.py)
             return self._evaluator.run(self.progress, self.current_step, averaged,
-                                       lambda split, result: with_aggregates(self, *result, split))
+                                       lambda split, result: with_aggregates(self.view(), *result, split))
 
     def run_loop(self, num_steps: int) -> tuple[dict[str, float], int, float]:
         """Runs up to `num_steps` train steps in one compiled call (no cadence, no

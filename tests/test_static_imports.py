@@ -154,7 +154,7 @@ def a_cycle(graph: dict[str, set[str]], component: list[str]) -> list[str]:
                     path = [node]
                     while path[-1] != start:
                         path.append(parents[path[-1]])
-                    return [start] + path[::-1][1:] + [start] if len(path) > 1 else [start, node, start]
+                    return [start, *path[::-1][1:], start]
                 if target not in parents:
                     parents[target] = node
                     following.append(target)

@@ -145,7 +145,8 @@ class _Finder:
         except Exception as error:  # pylint: disable=broad-except  (a diagnostic column)
             logging.warning("tputrain: no MFU: %s: %s", type(error).__name__, error)
             return None
-        return model_flops_utilization(flops, rate / context.plan.batch.global_batch_size, self.peak)
+        per_step = context.plan.batch.global_batch_size
+        return model_flops_utilization(flops, rate / per_step, self.peak)
 
     def measure(self, batch: int) -> Trial:
         """One per-replica batch in a Trainer of its own, in a temporary model_dir."""

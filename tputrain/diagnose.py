@@ -346,7 +346,8 @@ def _explain(view: RunView, bottleneck: str, split: dict[str, float], input_only
                                       view.communication.allreduce_dtype,
                                       strategy.num_replicas_in_sync),
         options=view.communication, global_batch_size=view.plan.batch.global_batch_size,
-        replicas=strategy.num_replicas_in_sync, accumulation_steps=view.plan.batch.accumulation_steps,
+        replicas=strategy.num_replicas_in_sync,
+        accumulation_steps=view.plan.batch.accumulation_steps,
         multi_worker=view.num_hosts > 1 or isinstance(
             strategy, tf.distribute.MultiWorkerMirroredStrategy),
         gpus=bool(tf.config.list_logical_devices("GPU"))))

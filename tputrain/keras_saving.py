@@ -17,7 +17,7 @@ with LoRA enabled (`layer.enable_lora(rank)`, Keras-Hub's
   quantized per call), and `evaluate_model` to measure what it costs: the eval
   split through `Task.eval_step` on one device, for float32 and int8 alike.
 
-`export_for_serving(view, ...)` runs them on a checkpoint (the EMA weights
+`export_for_serving(trainer, ...)` runs them on a checkpoint (the EMA weights
 when the run keeps them); `tputrain export --lora=merge --keras --quantize=int8`
 is its command line. See docs/keras_hub.md.
 """
@@ -194,8 +194,9 @@ def export_for_serving(view: RunView, step: int | None = None, best: bool | None
                        lora: str = "merge", saved_model: bool = True,
                        export_dir: str | None = None, keras_file: str | bool | None = None,
                        quantize: str | None = None, examples: bool = True) -> ServingExport:
-    """Exports a checkpoint of `trainer` for serving: a SavedModel, a `.keras` file, and
-    their int8 versions with the eval metrics of both, as asked.
+    """Exports a checkpoint of `view` (a Trainer or its view) for serving: a
+    SavedModel, a `.keras` file, and their int8 versions with the eval metrics of
+    both, as asked.
 
     Args:
       step, best: which checkpoint (`tputrain.export.checkpoint_to_export`).

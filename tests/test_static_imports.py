@@ -244,11 +244,6 @@ def test_the_trainer_check_sees_an_annotation_and_an_import():
     assert takes_a_trainer("def f(view: RunView, o: TrainerOptions) -> None: ...\n") == []
 
 
-# Forwarding classes still to remove, by the engineer who owns them (issue 53):
-# the update pipeline becomes a real Optimizer wrapper.
-REMAINING_FORWARDING = {"loop/pipeline.py": ["UpdatePipeline"]}
-
-
 def forwarding_classes(source: str) -> list[str]:
     """Classes defining `__getattr__`: a read that neither a reader nor an IDE can follow."""
     return [node.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ClassDef)
@@ -261,7 +256,7 @@ def test_no_class_defines_getattr():
     moved module) is not a class's and is allowed."""
     found = {str(path.relative_to(PACKAGE)): forwarding_classes(path.read_text())
              for path in sorted(PACKAGE.rglob("*.py"))}
-    assert {name: classes for name, classes in found.items() if classes} == REMAINING_FORWARDING
+    assert {name: classes for name, classes in found.items() if classes} == {}
 
 
 def test_the_getattr_check_sees_a_class_and_allows_a_module():

@@ -58,18 +58,14 @@ def _train(tmp_path, name: str, activation: str, ops_first: bool = False,
     return json.loads(line[len("WEIGHTS "):]), result.stderr
 
 
-def _assert_the_parse_line_is_explained_once(log: str) -> None:
-    """A program read back makes TensorFlow log an error-level line (it tries the entry
-    as text before binary): explained by one tputrain line before it (issue 52)."""
+def _assert_no_read_back_error_line(log: str, cache: str) -> None:
+    """A program read back made TensorFlow log error-level lines (it tries the entry as
+    text before binary; XLA:CPU names its own tuning flags as features the host lacks):
+    none reaches the console (issue 52); the cache's one tputrain line does."""
     lines = log.splitlines()
-    errors = [i for i, line in enumerate(lines) if line.startswith("E0") and PARSE_LINE in line]
-    assert errors, lines
-    explained = [i for i, line in enumerate(lines) if line.startswith("tputrain:")
-                 and PARSE_LINE in line]
-    assert len(explained) == 1 and explained[0] < errors[0] and "harmless" in lines[explained[0]]
-
-
-PARSE_LINE = "Error parsing text-format tensorflow.XlaSerializedCacheEntry"
+    assert not [line for line in lines if line.startswith("E0")], lines
+    assert len([line for line in lines if line.startswith("tputrain: XLA compilation cache "
+                                                          f"{cache} (1 program(s))")]) == 1, lines
 
 
 def _entries(directory) -> set[str]:
@@ -86,7 +82,7 @@ def test_a_rerun_reads_the_programs_back_and_a_changed_model_compiles_anew(tmp_p
     assert written, "the first run wrote its compiled programs"
     again, log = _train(tmp_path, "b", "relu", TPUTRAIN_COMPILE_CACHE=cache)  # read back
     assert _entries(cache) == written
-    _assert_the_parse_line_is_explained_once(log)
+    _assert_no_read_back_error_line(log, cache)
     assert again == first
     changed, _ = _train(tmp_path, "c", "tanh", TPUTRAIN_COMPILE_CACHE=cache)
     assert _entries(cache) > written  # another program, the same variables

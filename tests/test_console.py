@@ -274,3 +274,49 @@ def test_tensorflow_distribution_chatter_is_dropped_and_its_warnings_kept(messag
 
     assert not _DropTensorFlowChatter().filter(record(logging.INFO))
     assert _DropTensorFlowChatter().filter(record(logging.WARNING))
+
+
+# While a program is read back from the compile cache (`compile_cache.reading`).
+READ_BACK = textwrap.dedent("""
+    import os, sys
+    from tputrain.compile_cache import READ_BACK_LINES
+    from tputrain.console import native_lines_dropped
+    lines = [
+        "E0000 00:00:1.0 1 text_format.cc:378] Error parsing text-format "
+        "tensorflow.XlaSerializedCacheEntry: 2:1: Expected identifier, got: 5",
+        "E0000 00:00:1.1 1 cpu_aot_loader.cc:220] Loading XLA:CPU AOT result. Target "
+        "machine feature +prefer-no-scatter is not  supported on the host machine. Machine",
+        "E0000 00:00:1.2 1 cpu_aot_loader.cc:220] Loading XLA:CPU AOT result. Target "
+        "machine feature +avx512f is not  supported on the host machine. Machine",
+        "E0000 00:00:1.3 1 something.cc:1] a real error"]
+    with native_lines_dropped(READ_BACK_LINES):
+        for line in lines:
+            os.write(2, (line + "\\n").encode())
+        os.write(2, b"\\rbar 1/4")  # a partial line: at once
+        sys.stderr.write("tputrain: a line from Python\\n")
+        if sys.argv[1] == "abort":
+            os.write(2, b"F0000 00:00:1.4 1 x.cc:1] Check failed: a fatal error\\n")
+            os.abort()
+    os.write(2, b"after\\n")
+""")
+
+
+@pytest.mark.parametrize("end", ["return", "abort"])
+def test_read_back_error_lines_are_dropped_and_real_errors_kept_even_in_a_crash(end):
+    """The compile cache's harmless E-lines go; a real error, a missing instruction set,
+    Python's lines, a partial line and a crash's last line all reach stderr in order."""
+    result = subprocess.run([sys.executable, "-c", READ_BACK, end], capture_output=True,
+                            env=child_env(), timeout=120)
+    kept = result.stderr.decode().split("\n")  # bytes: the partial line keeps its `\r`
+    assert not [line for line in kept if "XlaSerializedCacheEntry" in line or
+                "prefer-no-scatter" in line], kept
+    assert kept[:3] == [
+        "E0000 00:00:1.2 1 cpu_aot_loader.cc:220] Loading XLA:CPU AOT result. Target machine "
+        "feature +avx512f is not  supported on the host machine. Machine",
+        "E0000 00:00:1.3 1 something.cc:1] a real error",
+        "\rbar 1/4tputrain: a line from Python"], kept
+    if end == "abort":
+        assert result.returncode != 0 and kept[3:] == [
+            "F0000 00:00:1.4 1 x.cc:1] Check failed: a fatal error", ""], kept
+    else:
+        assert result.returncode == 0 and kept[3:] == ["after", ""], kept

@@ -33,6 +33,7 @@ one warning (`enable` runs at import, where raising would break even `--help`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -40,6 +41,7 @@ import os
 import platform
 import re
 import sys
+import weakref
 from importlib import metadata
 from typing import Any
 
@@ -49,6 +51,13 @@ ENV = "TPUTRAIN_COMPILE_CACHE"
 CHECKED = ".tputrain-checked.json"
 # What TensorFlow logs for every entry it reads back (it tries text before binary).
 PARSE_LINE = "Error parsing text-format tensorflow.XlaSerializedCacheEntry"
+# XLA:CPU's error-level line for each tuning flag it compiled with (prefer-no-scatter,
+# prefer-no-gather) when it loads the program back: flags, not instructions, that the
+# host's feature list never names. A missing instruction set is still shown.
+TUNING_LINE = (r"Loading XLA:CPU AOT result\. Target machine feature "
+               r"\+prefer-no-(?:scatter|gather) is not\s+supported on the host machine")
+# Those lines, dropped from the console while programs are read back (`reading`).
+READ_BACK_LINES = rf"^E\d{{4}} .*\] (?:{re.escape(PARSE_LINE)}:|{TUNING_LINE})"
 
 _state: dict[str, Any] = {"directory": None, "too_late": False, "reported": False,
                           "off": None}
@@ -167,11 +176,24 @@ def _line(programs: int | None) -> str:
                 "TensorFlow had started before tputrain was imported (import tputrain first, or set "
                 f"TF_XLA_FLAGS={FLAG}=DIR before TensorFlow starts)")
     line = f"tputrain: XLA compilation cache {_state['directory']}"
-    if programs == 0:
-        return line
-    held = "" if programs is None else f"{programs} program(s); "
-    return (f"{line} ({held}for each program read back TensorFlow first logs "
-            f"'E... {PARSE_LINE}': harmless, it tries the entry as text before binary)")
+    return line if not programs else f"{line} ({programs} program(s))"
+
+
+_read: "weakref.WeakKeyDictionary[Any, set[str]]" = weakref.WeakKeyDictionary()
+
+
+def reading(owner: Any, program: str) -> contextlib.AbstractContextManager:
+    """Wraps the first call of `owner`'s `program` (the one that compiles it, or reads
+    it back): with the cache on, TensorFlow's error-level lines for a program read back
+    soundly (`READ_BACK_LINES`) are dropped from the console, every other line kept
+    (`tputrain.console.native_lines_dropped`)."""
+    done = _read.setdefault(owner, set())
+    if program in done or _state["directory"] is None:
+        return contextlib.nullcontext()
+    done.add(program)
+    from tputrain.console import native_lines_dropped  # pylint: disable=import-outside-toplevel
+
+    return native_lines_dropped(READ_BACK_LINES)
 
 
 # TensorFlow's errors for an entry it read but could not use (DeviceExecutablePersistor);

@@ -261,3 +261,66 @@ def filter_tensorflow_startup() -> None:
         _quiet_tensorflow_logs(tf.get_logger())
     elif not any(isinstance(f, _FilteredImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _FilteredImport())
+
+
+# The filter process of `native_lines_dropped`: copies its stdin to its stdout as it
+# comes, less the whole lines that match the pattern in argv[1]; a partial line goes
+# through at once unless it may be a TF log line (a live bar's `\r` updates have none).
+# It ignores the terminal's and a launcher's signals: it ends when the pipe closes.
+_FILTER = r"""
+import os, re, signal, sys
+for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGPIPE"):
+    signal.signal(getattr(signal, name), signal.SIG_IGN)
+drop, held = re.compile(sys.argv[1].encode()), re.compile(rb"[IWEF](\d{0,4}( |$))?$|[IWEF]\d{4} ")
+pending = b""
+while True:
+    chunk = os.read(0, 1 << 16)
+    if not chunk:
+        break
+    *lines, pending = (pending + chunk).split(b"\n")
+    out = b"".join(line + b"\n" for line in lines if not drop.search(line))
+    if pending and not held.match(pending):
+        out, pending = out + pending, b""
+    try:
+        if out:
+            os.write(1, out)
+    except OSError:
+        pass
+if pending and not drop.search(pending):
+    os.write(1, pending)
+"""
+
+
+@contextlib.contextmanager
+def native_lines_dropped(pattern: str) -> Iterator[None]:
+    """While inside, the lines written to fd 2 (TF's C++ logging, Python's too) that
+    match `pattern` (a regular expression) are dropped; every other byte reaches the
+    real stderr as it is written, through a small filter process that outlives this
+    one, so a crash inside still shows its last lines."""
+    import subprocess  # pylint: disable=import-outside-toplevel
+
+    try:
+        saved = os.dup(2)
+    except OSError:  # no fd 2
+        yield
+        return
+    read, write = os.pipe()
+    try:
+        child = subprocess.Popen([sys.executable, "-I", "-S", "-c", _FILTER, pattern],
+                                 stdin=read, stdout=saved, start_new_session=True)
+    except OSError:
+        os.close(read), os.close(write), os.close(saved)
+        yield
+        return
+    os.close(read)
+    sys.stderr.flush()
+    os.dup2(write, 2)
+    os.close(write)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # closes this process's end of the pipe: the filter drains, ends
+        os.close(saved)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=10)  # not longer: a subprocess may hold the pipe open

@@ -421,7 +421,7 @@ class Trainer(RunKnobs, TrainableSet):
 
     def evaluate_weights(self) -> dict[str, float]:
         """Evaluates the weights in memory (their EMA with `ema_decay`): {"loss": ...}."""
-        with averaged_weights(self.ema) as averaged:  # every eval set (loop/eval_sets.py)
+        with averaged_weights(self.ema) as averaged, compile_cache.reading(self, "eval"):
             return self._evaluator.run(self.progress, self.current_step, averaged,
                                        lambda split, result: with_aggregates(self.view(), *result, split))
 
@@ -438,7 +438,8 @@ class Trainer(RunKnobs, TrainableSet):
         if self._replica_stats is None:  # the model is built (ensure_built)
             self._replica_stats = ReplicaStatistics(self.strategy, self.model)
         self._replica_stats.begin()
-        totals, steps, input_wait = self._train_loop_fn(self._train_iterator, num_steps)
+        with compile_cache.reading(self, "train"):
+            totals, steps, input_wait = self._train_loop_fn(self._train_iterator, num_steps)
         self._replica_stats.average()  # copies made one (or refused) before a save or eval
         steps = int(steps)
         logs = {name: float(value) / steps for name, value in totals.items()}

@@ -19,7 +19,9 @@ imported (an op ran), the flag comes too late: the Trainer says so once.
 Only XLA programs are cached: the whole step on one replica, the per-device
 update on several (`jit_compile`); TensorFlow's own tracing is not. Entries are
 written to a temporary file and renamed, so processes can share the directory.
-Not measured on TPUs, whose programs the TPU runtime compiles.
+Not measured on TPUs, whose programs the TPU runtime compiles. TensorFlow's
+harmless error-level lines for a program read back are kept off the console
+(`reading`, `READ_BACK_LINES`).
 
 The cache is an optimisation and never fatal. TensorFlow fails the step that
 reads a damaged entry (garbage: a DataLossError that reads like damaged input;

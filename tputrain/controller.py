@@ -72,7 +72,7 @@ class Controller:
     def _loop(self, step: int) -> tuple[dict[str, float], int, float, float] | None:
         """One compiled loop from `step`; None when the train input ended."""
         trainer = self.trainer
-        with Stopwatch() as watch:
+        with Stopwatch() as watch, compile_cache.reading(trainer, "train"):
             try:
                 logs, steps, input_wait = trainer.run_loop(self.next_boundary(step))
             except tf.errors.DataLossError as error:  # the compile cache's, or the data's

@@ -438,8 +438,7 @@ class Trainer(RunKnobs, TrainableSet):
         if self._replica_stats is None:  # the model is built (ensure_built)
             self._replica_stats = ReplicaStatistics(self.strategy, self.model)
         self._replica_stats.begin()
-        with compile_cache.reading(self, "train"):
-            totals, steps, input_wait = self._train_loop_fn(self._train_iterator, num_steps)
+        totals, steps, input_wait = self._train_loop_fn(self._train_iterator, num_steps)
         self._replica_stats.average()  # copies made one (or refused) before a save or eval
         steps = int(steps)
         logs = {name: float(value) / steps for name, value in totals.items()}

@@ -93,6 +93,21 @@ def test_a_kept_lora_saved_model_serves_the_factors_apart(lora_served):
     np.testing.assert_allclose(_served(result.saved_model, token_batch()), expected, atol=1e-5)
 
 
+def test_a_kept_lora_keras_file_is_the_base_beside_keras_hubs_factor_file(lora_served, tmp_path):
+    """keras_lora="keep": the `.keras` file holds the base (kernels without the factors)
+    and Keras-Hub's `.lora.h5` the factors; loading both gives the trained outputs."""
+    trainer, expected = lora_served
+    result = export_for_serving(trainer, saved_model=False, keras_file=str(tmp_path / "lm.keras"),
+                                keras_lora="keep")
+    assert result.lora_file == str(tmp_path / "lm.lora.h5")
+    loaded = keras.saving.load_model(result.keras_file)
+    assert lora_layers(loaded) == []
+    loaded.backbone.load_lora_weights(result.lora_file)
+    assert len(lora_layers(loaded)) == 4
+    np.testing.assert_allclose(loaded(token_batch()).numpy(), expected, atol=1e-5)
+    assert any(line.startswith("lora factors: ") for line in result.report())
+
+
 def test_int8_is_measured_against_float32_and_saved(lora_served, tmp_path):
     trainer, expected = lora_served
     result = export_for_serving(trainer, saved_model=False, quantize="int8",

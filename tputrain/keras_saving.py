@@ -9,6 +9,9 @@ with LoRA enabled (`layer.enable_lora(rank)`, Keras-Hub's
   and which has no LoRA left (no factors, no `lora_rank` in its config): the base
   model's size and cost. Made by Keras's own `.keras` format, which writes merged
   kernels; the copy is read back from it without the LoRA settings.
+* `save_base_and_factors(model, path)`: a Keras-Hub LoRA model's base as a `.keras`
+  file and its factors in Keras-Hub's `.lora.h5` beside it (Keras's format itself
+  writes merged kernels and no factors).
 * `save_keras_file(model, path)`: a `.keras` file (written whole, then renamed)
   that `keras.saving.load_model` reads back (Keras-Hub models need `import
   keras_hub` first; a custom layer needs `keras.saving.register_keras_serializable`).
@@ -108,6 +111,36 @@ def merged_copy(model: keras.Model) -> keras.Model:
         return load_keras_file(path, without_lora=True)
 
 
+def save_base_and_factors(model: keras.Model, path: str) -> tuple[str, str]:
+    """A Keras-Hub LoRA model as two files: `path`, the `.keras` file of its base (each
+    LoRA layer's kernel without its factors: the factor b is zero while it is written),
+    and `<path minus .keras>.lora.h5`, Keras-Hub's file of the factors
+    (`backbone.save_lora_weights`). `load_model(path)`, then
+    `model.backbone.load_lora_weights(factors)` gives the trained model back, factors
+    trainable."""
+    backbone = getattr(model, "backbone", None)
+    if not hasattr(backbone, "save_lora_weights") or not getattr(
+            backbone, "_lora_enabled_layers", None):
+        raise ValueError("a .keras file with the LoRA factors kept needs a Keras-Hub model with "
+                         "backbone.enable_lora(rank): use keras_lora='merge' (--lora=merge)")
+    factors = [layer.lora_kernel_b for layer in lora_layers(model)]
+    values = [tf.identity(tf.convert_to_tensor(b)) for b in factors]
+    try:
+        for factor in factors:
+            factor.assign(tf.zeros(factor.shape, factor.dtype))
+        save_keras_file(model, path)
+    finally:
+        for factor, value in zip(factors, values):
+            factor.assign(value)
+    lora_path = path[:-len(".keras")] + ".lora.h5"
+    with tempfile.TemporaryDirectory(prefix="tputrain-lora-") as folder, \
+            atomic_path(lora_path) as temp:  # Keras-Hub wants the name to end in .lora.h5
+        local = os.path.join(folder, "factors.lora.h5")
+        backbone.save_lora_weights(local)
+        tf.io.gfile.copy(local, temp, overwrite=True)
+    return path, lora_path
+
+
 def quantized_copy(model: keras.Model, mode: str = "int8") -> keras.Model:
     """The merged copy of `model`, quantized by Keras (`model.quantize(mode)`)."""
     if mode not in QUANTIZE_CHOICES:
@@ -156,6 +189,7 @@ class ServingExport:
     checkpoint: str
     saved_model: str | None = None
     keras_file: str | None = None
+    lora_file: str | None = None
     quantized_saved_model: str | None = None
     quantized_keras_file: str | None = None
     float32_metrics: dict[str, float] | None = None
@@ -165,6 +199,7 @@ class ServingExport:
         """Human lines: the paths, and float32 against quantized metrics."""
         lines = [f"{name}: {path}" for name, path in (
             ("saved_model", self.saved_model), ("keras", self.keras_file),
+            ("lora factors", self.lora_file),
             ("quantized saved_model", self.quantized_saved_model),
             ("quantized keras", self.quantized_keras_file)) if path]
         if self.float32_metrics and self.quantized_metrics:
@@ -193,7 +228,8 @@ def _saved_model(view: RunView, model: keras.Model, path: str, reusable: bool,
 def export_for_serving(view: RunView, step: int | None = None, best: bool | None = None,
                        lora: str = "merge", saved_model: bool = True,
                        export_dir: str | None = None, keras_file: str | bool | None = None,
-                       quantize: str | None = None, examples: bool = True) -> ServingExport:
+                       quantize: str | None = None, examples: bool = True,
+                       keras_lora: str = "merge") -> ServingExport:
     """Exports a checkpoint of `view` (a Trainer or its view) for serving: a
     SavedModel, a `.keras` file, and their int8 versions with the eval metrics of
     both, as asked.
@@ -201,19 +237,23 @@ def export_for_serving(view: RunView, step: int | None = None, best: bool | None
     Args:
       step, best: which checkpoint (`tputrain.export.checkpoint_to_export`).
         lora: "merge": LoRA factors merged into the kernels; "keep": the SavedModel
-        computes them apart, as trained (a `.keras` file is always merged: Keras's format).
+        computes them apart, as trained (the `.keras` file: `keras_lora`).
       saved_model: write the SavedModel: to `export_dir`; else a merged LoRA model to
         model_dir/export_merged/<step>, any other as `tputrain.Export` does
         (model_dir/export/<step>, or $AIP_MODEL_DIR).
       keras_file: a `.keras` path, True for model_dir/keras/<step>.keras, None: none.
+      keras_lora: "merge": the `.keras` file holds the merged model; "keep": a Keras-Hub
+        LoRA model's base, with Keras-Hub's `.lora.h5` of the factors beside it
+        (`save_base_and_factors`).
       quantize: "int8": also the quantized model (SavedModel to
         `model_dir/export_int8/<step>`, `.keras` beside the float one with
         `-int8`), and the eval split's metrics for float32 and int8.
       examples: the `serving_examples` signature when the Task has a feature spec.
     """
     view = view_of(view)  # a Trainer, an action's context or a view
-    if lora not in LORA_CHOICES:
-        raise ValueError(f"lora must be one of {LORA_CHOICES}, got {lora!r}")
+    for name, value in (("lora", lora), ("keras_lora", keras_lora)):
+        if value not in LORA_CHOICES:
+            raise ValueError(f"{name} must be one of {LORA_CHOICES}, got {value!r}")
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize must be one of {QUANTIZE_CHOICES}, got {quantize!r}")
     view.checkpointer.sync()
@@ -226,8 +266,11 @@ def export_for_serving(view: RunView, step: int | None = None, best: bool | None
         result.saved_model = _saved_model(view, serving, *_saved_model_path(
             view, step, export_dir, merged=serving is not model), examples)
     if keras_file:
-        result.keras_file = save_keras_file(serving, keras_file if isinstance(keras_file, str)
-                                            else _keras_path(view, step, ""))
+        path = keras_file if isinstance(keras_file, str) else _keras_path(view, step, "")
+        if keras_lora == "keep" and lora_layers(model):
+            result.keras_file, result.lora_file = save_base_and_factors(model, path)
+        else:
+            result.keras_file = save_keras_file(serving, path)
     if quantize:
         _export_quantized(view, serving, result, quantize, saved_model, keras_file, examples)
     logging.info("tputrain: exported step %d (%s) of %s", step, which, checkpoint)

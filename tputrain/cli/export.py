@@ -43,7 +43,8 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
     flags.DEFINE_enum("lora", None, LORA_CHOICES, "A LoRA model's SavedModel: merge the LoRA "
                       "factors into the kernels (to MODEL_DIR/export_merged/STEP by default), "
                       "or keep them apart as trained.", **fv)
-    flags.DEFINE_bool("keras", False, "Also write a .keras file (LoRA merged), "
+    flags.DEFINE_bool("keras", False, "Also write a .keras file (LoRA merged; with --lora=keep "
+                      "a Keras-Hub model's base and its factors' STEP.lora.h5 beside it), "
                       "MODEL_DIR/keras/STEP.keras by default.", **fv)
     flags.DEFINE_string("keras_file", None, "The .keras file's path (implies --keras).", **fv)
     flags.DEFINE_enum("quantize", None, QUANTIZE_CHOICES, "Also write the quantized model "
@@ -61,7 +62,8 @@ def main(argv: list[str]) -> None:
         if FLAGS.lora or FLAGS.keras or FLAGS.keras_file or FLAGS.quantize:
             lines = export_for_serving(
                 trainer, step=FLAGS.step, best=FLAGS.best, lora=FLAGS.lora or "keep",
-                export_dir=FLAGS.export_dir, keras_file=FLAGS.keras_file or FLAGS.keras or None,
+                keras_lora=FLAGS.lora or "merge", export_dir=FLAGS.export_dir,
+                keras_file=FLAGS.keras_file or FLAGS.keras or None,
                 quantize=FLAGS.quantize, examples=FLAGS.examples).report()
         else:
             lines = [export_checkpoint(trainer, step=FLAGS.step, export_dir=FLAGS.export_dir,

@@ -211,7 +211,8 @@ HELP = {'run': 'USAGE: tputrain [run] --gin_file=CONFIG [flags]\n'
            "  --lora: <keep|merge>: A LoRA model's SavedModel: merge the LoRA factors into\n"
            '      the kernels (to MODEL_DIR/export_merged/STEP by default), or keep them\n'
            '      apart as trained.\n'
-           '  --[no]keras: Also write a .keras file (LoRA merged),\n'
+           '  --[no]keras: Also write a .keras file (LoRA merged; with --lora=keep a Keras-\n'
+           "      Hub model's base and its factors' STEP.lora.h5 beside it),\n"
            '      MODEL_DIR/keras/STEP.keras by default.\n'
            "  --keras_file: The .keras file's path (implies --keras).\n"
            '  --quantize: <int8>: Also write the quantized model\n'

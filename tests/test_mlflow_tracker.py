@@ -167,3 +167,29 @@ def test_a_tracking_server_that_dies_mid_run_changes_nothing(tmp_path, server):
                            text=True, capture_output=True, timeout=600)
     assert alone.returncode == 0, alone.stderr[-3000:]
     assert _done(paused.text()) == _done(alone.stderr)
+
+
+@pytest.mark.slow
+def test_on_two_workers_only_the_chief_logs(tmp_path, store, monkeypatch):
+    """Acceptance 1: `tputrain launch --workers=2` with the tracker is one MLflow run."""
+    from processes import launched
+    config = tmp_path / "two.gin"
+    config.write_text(f"""
+Trainer.task = @FaultTask()
+FaultTask.dropout = 0.0
+Trainer.train_steps = 4
+Trainer.steps_per_loop = 2
+Trainer.eval_every = 2
+Trainer.checkpoint_every = 4
+Trainer.global_batch_size = 16
+Trainer.report_mfu = False
+Trainer.actions = [@MLflowTracker()]
+MLflowTracker.tracking_uri = '{store}'
+MLflowTracker.experiment = 'two'
+""")
+    launched(config, tmp_path / "model")
+    client = mlflow.tracking.MlflowClient(store)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r.info.run_id for r in runs] == [read_record(str(tmp_path / "model"), "mlflow")["run_id"]]
+    assert _steps(client, runs[0].info.run_id, "train/loss") == [2, 4]
+    assert runs[0].data.params["plan/hosts"] == "2"

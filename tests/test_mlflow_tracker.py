@@ -51,12 +51,14 @@ def _steps(client, run_id, key):
 
 def test_one_run_across_a_resume_with_no_step_twice(tmp_path, store):
     model_dir = tmp_path / "run"
-    first = _trainer(model_dir, store, 300).train()
+    with _trainer(model_dir, store, 300) as trainer:
+        first = trainer.train()
     run_id = read_record(str(model_dir), "mlflow")["run_id"]
     client = mlflow.tracking.MlflowClient(store)
     at_300 = client.get_metric_history(run_id, "train/loss")[-1].value
     _forget_latest(str(model_dir), 300, keep=200)
-    _trainer(model_dir, store, 400).train()  # recomputes 201-300, then 301-400
+    with _trainer(model_dir, store, 400) as trainer:
+        trainer.train()  # recomputes 201-300, then 301-400
 
     assert read_record(str(model_dir), "mlflow")["run_id"] == run_id
     assert [r.info.run_id for r in client.search_runs(
@@ -79,6 +81,15 @@ def test_one_run_across_a_resume_with_no_step_twice(tmp_path, store):
     assert {"operative_config.gin", "goodput.txt"} <= artifacts
 
 
+def test_a_bad_tracking_uri_is_refused_before_model_dir_is_written(tmp_path):
+    model_dir = tmp_path / "run"
+    with pytest.raises(ValueError, match="MLflowTracker: tracking URI http://127.0.0.1:9 "
+                                         "does not work"):
+        _trainer(model_dir, "http://127.0.0.1:9", 100)
+    assert not model_dir.exists()
+
+
+@pytest.mark.slow
 def test_a_bad_tracking_uri_is_one_line_and_exit_2_before_anything_is_written(tmp_path):
     stderr = cli_refusal(tmp_path, "include 'digits.gin'\n"
                          "Trainer.actions = [@MLflowTracker()]\n"

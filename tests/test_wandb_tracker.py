@@ -50,10 +50,12 @@ def _config(files_dir, run_id):
 def test_offline_run_is_one_run_across_a_resume_with_no_step_twice(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     model_dir = tmp_path / "run"
-    _trainer(model_dir, 300).train()
+    with _trainer(model_dir, 300) as trainer:
+        trainer.train()
     run_id = read_record(str(model_dir), "wandb")["run_id"]
     _forget_latest(str(model_dir), 300, keep=200)
-    _trainer(model_dir, 400).train()  # recomputes 201-300, then 301-400
+    with _trainer(model_dir, 400) as trainer:
+        trainer.train()  # recomputes 201-300, then 301-400
 
     assert read_record(str(model_dir), "wandb")["run_id"] == run_id
     files = str(model_dir / "tracking")

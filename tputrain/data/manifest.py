@@ -38,6 +38,7 @@ _VERSIONS = (_VERSION, _VAR_LEN_VERSION)
 # A parsed feature: fixed-length, or variable-length (a rank-1 RaggedFeature).
 FeatureSpec = tf.io.FixedLenFeature | tf.io.RaggedFeature
 _TEMP_FILE = re.compile(r"^\..+\.(tmp|spool)-[0-9a-f]{32}$")
+_BLOCKS_CACHE = re.compile(r"^\..+\.blocks-\d+\.json$")  # tputrain.data.blocks' scan cache
 _SHARD_FILE = re.compile(r"^(.+)-\d{5}-of-\d{5}\.tfrecord$")
 
 
@@ -54,6 +55,8 @@ def writer_side_file(path: str) -> str | None:
         return "a manifest temp file"
     if _TEMP_FILE.match(name) or is_temp(name):
         return "a temp file of a write in progress or interrupted"
+    if _BLOCKS_CACHE.match(name):
+        return "a cache of a shard's block offsets"
     return None
 
 
@@ -71,6 +74,16 @@ class Shard:
     path: str
     num_examples: int
     num_bytes: int
+    # Byte offset of every `Manifest.block_records`-th record (uncompressed shards
+    # written by write_tfrecords; None otherwise): where a positional reader seeks.
+    block_offsets: tuple[int, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        entry = {"path": self.path, "num_examples": self.num_examples,
+                 "num_bytes": self.num_bytes}
+        if self.block_offsets is not None:
+            entry["block_offsets"] = list(self.block_offsets)
+        return entry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +95,7 @@ class Manifest:
     shards: tuple[Shard, ...]
     compression_type: str | None = None
     location: str | None = None
+    block_records: int | None = None  # records a block (`Shard.block_offsets`), if recorded
 
     def files(self) -> list[str]:
         """Shard paths, resolved against the manifest's directory."""
@@ -91,6 +105,10 @@ class Manifest:
 
     def examples_per_file(self) -> dict[str, int]:
         return dict(zip(self.files(), (shard.num_examples for shard in self.shards)))
+
+    def shard_at(self, path: str) -> Shard | None:
+        """The shard read at `path` (a resolved path, as `files` gives), or None."""
+        return dict(zip(self.files(), self.shards)).get(path)
 
     def to_json(self) -> dict[str, Any]:
         var_len = any(is_var_len(spec) for spec in self.features.values())
@@ -102,7 +120,8 @@ class Manifest:
             "features": {name: {"shape": [None] if is_var_len(spec) else list(spec.shape),
                                 "dtype": tf.as_dtype(spec.dtype).name}
                          for name, spec in self.features.items()},
-            "shards": [dataclasses.asdict(shard) for shard in self.shards],
+            "shards": [shard.to_json() for shard in self.shards],
+            **({"block_records": self.block_records} if self.block_records else {}),
         }
 
 
@@ -155,8 +174,10 @@ def parse_manifest(data: Mapping[str, Any], location: str | None = None) -> Mani
               f"versions {_VERSION} and {_VAR_LEN_VERSION})")
     try:
         features = {name: _feature_from_json(f) for name, f in data["features"].items()}
-        shards = tuple(Shard(str(s["path"]), int(s["num_examples"]), int(s["num_bytes"]))
+        shards = tuple(Shard(str(s["path"]), int(s["num_examples"]), int(s["num_bytes"]),
+                             _offsets(s.get("block_offsets")))
                        for s in data["shards"])
+        block_records = int(data["block_records"]) if data.get("block_records") else None
         num_examples = int(data["num_examples"])
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         _fail(where, f"bad or missing field ({type(error).__name__}: {error})")
@@ -164,7 +185,12 @@ def parse_manifest(data: Mapping[str, Any], location: str | None = None) -> Mani
         _fail(where, "it lists no shards")
     if sum(s.num_examples for s in shards) != num_examples:
         _fail(where, f"num_examples {num_examples} is not the sum of the shards' counts")
-    return Manifest(num_examples, features, shards, data.get("compression_type") or None, location)
+    return Manifest(num_examples, features, shards, data.get("compression_type") or None, location,
+                    block_records)
+
+
+def _offsets(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else tuple(int(offset) for offset in value)
 
 
 def read_manifest(path: str) -> Manifest:

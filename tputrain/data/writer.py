@@ -34,6 +34,7 @@ from tputrain.checkpointing.atomic import move, temp_path
 from tputrain.checks import check_int
 from tputrain.data.example_codec import encode_example
 from tputrain.data import var_len as vl
+from tputrain.data.blocks import BLOCK_RECORDS
 from tputrain.data.manifest import (COMPRESSION_TYPES, RECORD_OVERHEAD, Manifest, Shard, manifest_path, var_len_feature,
                                     write_manifest)
 
@@ -266,6 +267,11 @@ class _ShardWriters:
         self.temp_paths = [temp_path(p, hidden=True) for p in paths]
         options = tf.io.TFRecordOptions(compression_type=compression_type or "")
         self.counts = [0] * len(paths)
+        # Byte offset of every BLOCK_RECORDS-th record of each shard (uncompressed only:
+        # a compressed file has no offset a reader can seek to).
+        self.offsets: list[list[int]] | None = (None if compression_type else
+                                                [[] for _ in paths])
+        self._bytes = [0] * len(paths)
         self._writers: list[tf.io.TFRecordWriter] = []
         self._pending: list[list[bytes]] = [[] for _ in paths]
         self._error: BaseException | None = None
@@ -308,6 +314,10 @@ class _ShardWriters:
             self._check()
 
     def write(self, shard: int, record: bytes) -> None:
+        if self.offsets is not None:
+            if self.counts[shard] % BLOCK_RECORDS == 0:
+                self.offsets[shard].append(self._bytes[shard])
+            self._bytes[shard] += len(record) + RECORD_OVERHEAD
         self._pending[shard].append(record)
         self.counts[shard] += 1
         if len(self._pending[shard]) >= _CHUNK:
@@ -566,11 +576,14 @@ def _finish(written: _Written, target: _Target, manifest: bool) -> list[str]:
     writers, sizes = written.writers, written.sizes
     paths = writers.paths
     if manifest:
-        shards = tuple(Shard(os.path.basename(path), count, size)
-                       for path, count, size in zip(paths, writers.counts, sizes))
+        offsets = writers.offsets or [None] * len(paths)
+        shards = tuple(Shard(os.path.basename(path), count, size,
+                             None if offset is None else tuple(offset))
+                       for path, count, size, offset in zip(paths, writers.counts, sizes, offsets))
         write_manifest(manifest_path(target.prefix),
                        Manifest(sum(writers.counts), _spec(written.shapes, written.kinds), shards,
-                                target.compression_type or None))
+                                target.compression_type or None,
+                                block_records=None if writers.offsets is None else BLOCK_RECORDS))
     logging.info("write_tfrecords: %d examples in %d shard(s) %s-*, %.1f MB", sum(writers.counts),
                  len(paths), target.prefix, sum(sizes) / 2**20)
     return paths

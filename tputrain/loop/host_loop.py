@@ -109,6 +109,12 @@ class HostLoop:
             self.inputs.source_counter.record(result[0])  # a mixture's per-source counts
         return result
 
+    def traced_programs(self) -> int:
+        """How many train programs (graphs of `loop` or `program_loop`) were traced so far,
+        each of which runs a new executor function and compiles its XLA programs: one
+        serves every loop length (the length is a tensor)."""
+        return sum(f.experimental_get_tracing_count() for f in (self.loop, self.program_loop))
+
     @tracing.step_code
     def replica_logs(self, batch: Any) -> dict[str, tf.Tensor]:
         """The step on every replica; its logs summed over them."""

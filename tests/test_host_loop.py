@@ -1,0 +1,55 @@
+"""tputrain/loop/host_loop.py: one train program serves every loop length.
+
+A loop's length is a run-time tensor of the program, so a last loop shorter than
+`steps_per_loop` (train_steps not a multiple of it, a resume at an odd step) runs
+the program already compiled instead of tracing and compiling a new one.
+"""
+
+import numpy as np
+import pytest
+
+import tputrain
+from tiny import TinyTask, strategy_for, weights
+
+# (replicas, Trainer options): the plain loop, the whole step in XLA one step a
+# launch, several steps an XLA program launch, and XLA on two replicas.
+PATHS = {
+    "plain": (1, dict(jit_compile=False)),
+    "xla": (1, dict(jit_compile=True, steps_per_program=1)),
+    "program": (1, dict(jit_compile=True, steps_per_program=4)),
+    "program_auto": (1, dict(jit_compile=True)),  # 20 steps a launch: the loop's length
+    "plain_2": (2, dict(jit_compile=False)),
+    "xla_2": (2, dict(jit_compile=True)),
+}
+
+
+def _trainer(tmp_path, name: str, path: str, train_steps: int) -> tputrain.Trainer:
+    replicas, options = PATHS[path]
+    return tputrain.Trainer(TinyTask(), str(tmp_path / name), strategy=strategy_for(replicas),
+                            train_steps=train_steps, steps_per_loop=20, global_batch_size=16,
+                            checkpoint_every=10**6, eval_steps=1, **options)
+
+
+def _programs(trainer: tputrain.Trainer) -> int:
+    """The train programs the Trainer's host loop traced (`HostLoop.traced_programs`)."""
+    return trainer._train_loop_fn.__self__.traced_programs()  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("path", [
+    "program", "xla_2",
+    *(pytest.param(p, marks=pytest.mark.slow) for p in ("plain", "xla", "program_auto",
+                                                        "plain_2"))])
+def test_82_steps_in_loops_of_20_compile_one_program_also_after_a_resume_at_41(tmp_path, path):
+    """Loops of 20, 20, 20, 20, 2; then a run stopped at 41 (20, 20, 1) and resumed
+    (20, 20, 1): each process traces one train program, and the resumed weights are
+    the uninterrupted run's."""
+    straight = _trainer(tmp_path, "straight", path, 82)
+    straight.train()
+    assert int(straight.step.numpy()) == 82 and _programs(straight) == 1
+    first = _trainer(tmp_path, "resumed", path, 41)
+    first.train()
+    assert int(first.step.numpy()) == 41 and _programs(first) == 1
+    resumed = _trainer(tmp_path, "resumed", path, 82)
+    resumed.train()
+    assert int(resumed.step.numpy()) == 82 and _programs(resumed) == 1
+    assert all(np.array_equal(a, b) for a, b in zip(weights(straight), weights(resumed)))

@@ -36,9 +36,9 @@ def _programs(trainer: tputrain.Trainer) -> int:
 
 
 @pytest.mark.parametrize("path", [
-    "program", "xla_2",
+    "program",  # the path that compiled a second program (one step a launch) before
     *(pytest.param(p, marks=pytest.mark.slow) for p in ("plain", "xla", "program_auto",
-                                                        "plain_2"))])
+                                                        "plain_2", "xla_2"))])
 def test_82_steps_in_loops_of_20_compile_one_program_also_after_a_resume_at_41(tmp_path, path):
     """Loops of 20, 20, 20, 20, 2; then a run stopped at 41 (20, 20, 1) and resumed
     (20, 20, 1): each process traces one train program, and the resumed weights are

@@ -15,8 +15,12 @@ hand-off cost.
 
 Several steps per XLA program (`program_loop`, `Trainer.steps_per_program`): each
 iteration reads `program_steps` batches and launches one program that runs them
-all, so the launch's host work is paid once for them; `run` picks it for loops
-whose length it divides.
+all, so the launch's host work is paid once for them. A loop whose length it does
+not divide ends with one launch of the same program on fewer batches.
+
+Every loop length runs one traced program: the length is a tensor argument (the
+while loop's trip count, and the last program's step count), so a last loop
+shorter than `steps_per_loop`, or a resume at an odd step, compiles nothing new.
 """
 
 from __future__ import annotations
@@ -93,16 +97,17 @@ class HostLoop:
         # function under the loop's `tf.cond` fails to run (tests/test_tracing.py).
         self._replica_call = (tracing.once(self.replica_logs)
                               if self.strategy.num_replicas_in_sync == 1 else self.replica_logs)
-        # `program` (step.steps_program) runs `program_steps` steps a launch; loops whose
-        # length is not a multiple of it take the step one at a time (`loop`).
+        # `program` (step.steps_program) runs up to `program_steps` steps a launch: it
+        # then serves every loop (`program_loop`), the last launch of a loop on fewer.
         self.program, self.program_steps = program, program_steps
         self.program_loop = tf.function(self._program_loop)
 
     def run(self, iterator, num_steps: int) -> tuple[Any, tf.Tensor, tf.Tensor]:
-        """`loop`, or `program_loop` when a program's steps divide `num_steps`; a
-        training loop adds a mixture's per-source counts to their totals."""
-        if self.program is not None and num_steps % self.program_steps == 0:
-            result = self.program_loop(iterator, tf.constant(num_steps // self.program_steps))
+        """`program_loop` where there is a program of several steps, else `loop`, each
+        given `num_steps` as a tensor (one trace serves every length); a training loop
+        adds a mixture's per-source counts to their totals."""
+        if self.program is not None:
+            result = self.program_loop(iterator, tf.constant(num_steps, tf.int32))
         else:
             result = self.loop(iterator, tf.constant(num_steps, tf.int32))
         if self.count_steps and self.inputs.source_counter is not None:
@@ -225,14 +230,27 @@ class HostLoop:
                                   input_wait))
         return totals, steps, input_wait
 
-    def _fetch_program(self, iterator) -> tuple[tf.Tensor, tuple, tf.Tensor]:
+    def _fetch_program(self, iterator, want: tf.Tensor | None = None
+                       ) -> tuple[tf.Tensor, tuple, tf.Tensor]:
         """One program's batches as read one by one: (how many are real, the batches,
-        seconds waited); past the input's end, zeros stand in (never trained on)."""
+        seconds waited). `want` (a tensor): read only that many (a loop's last, shorter
+        program), zeros in the other places; past the input's end zeros stand in too.
+        A zero batch is never trained on (the program runs the real ones only)."""
         start = tf.timestamp() if not op_determinism() else None
-        optionals = [iterator.get_next_as_optional() for _ in range(self.program_steps)]
-        real = tf.add_n([tf.cast(o.has_value(), tf.int32) for o in optionals])
+        if want is None:
+            real, batches = self._read_all(iterator)
+        else:
+            real, batches = tf.cond(want >= self.program_steps,
+                                    lambda: self._read_all(iterator),
+                                    lambda: self._read_some(iterator, want))
         waited = (tf.constant(0.0, tf.float64) if start is None else
                   _after(real, tf.timestamp) - start)
+        return real, batches, waited
+
+    def _read_all(self, iterator) -> tuple[tf.Tensor, tuple]:
+        """`program_steps` batches (zeros past the input's end) and how many are real."""
+        optionals = [iterator.get_next_as_optional() for _ in range(self.program_steps)]
+        real = tf.add_n([tf.cast(o.has_value(), tf.int32) for o in optionals])
 
         def or_zeros(optional):
             zeros = zeros_of(optional.element_spec)
@@ -240,26 +258,44 @@ class HostLoop:
         batches = tf.cond(real == self.program_steps,
                           lambda: tuple(o.get_value() for o in optionals),
                           lambda: tuple(or_zeros(o) for o in optionals))
-        return real, batches, waited
+        return real, batches
 
-    def _run_program(self, iterator) -> tuple[Any, tf.Tensor, tf.Tensor, tf.Tensor]:
-        """(summed logs, steps run, batches that were real, seconds waited)."""
-        real, batches, waited = self._fetch_program(iterator)
+    def _read_some(self, iterator, want: tf.Tensor) -> tuple[tf.Tensor, tuple]:
+        """The first `want` of a program's places read from `iterator`, zeros in the
+        rest (no batch is taken for them: the data position stays exact)."""
+        zeros = zeros_of(iterator.element_spec)
+
+        def take():
+            optional = iterator.get_next_as_optional()
+            return (tf.cast(optional.has_value(), tf.int32),
+                    tf.cond(optional.has_value(), optional.get_value, lambda: zeros))
+        places = [tf.cond(k < want, take, lambda: (tf.constant(0), zeros))
+                  for k in range(self.program_steps)]
+        return tf.add_n([real for real, _ in places]), tuple(batch for _, batch in places)
+
+    def _run_program(self, iterator, want: tf.Tensor | None = None
+                     ) -> tuple[Any, tf.Tensor, tf.Tensor, tf.Tensor]:
+        """(summed logs, steps run, batches that were real, seconds waited) of one
+        program launch on `want` batches (None: `program_steps`)."""
+        real, batches, waited = self._fetch_program(iterator, want)
         totals, ran = self.strategy.run(self.program, args=(batches, real))
         totals = {name: self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
                   for name, value in totals.items()}
         ran = self.strategy.reduce(tf.distribute.ReduceOp.SUM, ran, axis=None)
         return totals, ran, real, waited
 
-    def _program_loop(self, iterator, programs: tf.Tensor):
-        """`programs` launches of `program` (one replica, whole-step XLA), each on
-        `program_steps` batches read as built; stops early as `_loop` does."""
-        totals, steps, real, input_wait = self._run_program(iterator)
+    def _program_loop(self, iterator, num_steps: tf.Tensor):
+        """`num_steps` steps in launches of `program`, each on `program_steps` batches
+        read as built, the last on fewer if `program_steps` does not divide `num_steps`
+        (the same program: its step count is a tensor); stops early as `_loop` does."""
+        full, rest = num_steps // self.program_steps, num_steps % self.program_steps
+        totals, steps, real, input_wait = self._run_program(
+            iterator, tf.minimum(num_steps, self.program_steps))
         with tf.control_dependencies([tf.debugging.Assert(real > 0, [EXHAUSTED])]):
             steps = tf.identity(steps)
 
-        def more(i, real, totals, steps, input_wait):
-            return tf.logical_and(tf.logical_and(i < programs, real == self.program_steps),
+        def go_on(real):  # the input did not end and no stop was asked for
+            return tf.logical_and(real == self.program_steps,
                                   tf.logical_not(self.stop_requested()))
 
         def body(i, real, totals, steps, input_wait):
@@ -267,9 +303,16 @@ class HostLoop:
             return (i + 1, real, tf.nest.map_structure(tf.add, totals, more_totals),
                     steps + ran, input_wait + waited)
 
-        _, _, totals, steps, input_wait = tf.while_loop(
-            more, body, (tf.constant(1, programs.dtype), real, totals, steps, input_wait))
-        return totals, steps, input_wait
+        _, real, totals, steps, input_wait = tf.while_loop(
+            lambda i, real, *_: tf.logical_and(i < full, go_on(real)), body,
+            (tf.constant(1, num_steps.dtype), real, totals, steps, input_wait))
+
+        def last():  # the loop's shorter last program
+            more_totals, ran, _, waited = self._run_program(iterator, rest)
+            return (tf.nest.map_structure(tf.add, totals, more_totals), steps + ran,
+                    input_wait + waited)
+        return tf.cond(tf.logical_and(tf.logical_and(full > 0, rest > 0), go_on(real)), last,
+                       lambda: (totals, steps, input_wait))
 
 
 def _after(value: tf.Tensor, op: Callable[[], tf.Tensor]) -> tf.Tensor:

@@ -37,7 +37,8 @@ def _forget_latest(model_dir, step: int, keep: int) -> None:
 def _config(files_dir, run_id):
     from wandb.proto import wandb_internal_pb2
     config = {}
-    for path in glob.glob(os.path.join(files_dir, "wandb", f"*-{run_id}", f"run-{run_id}.wandb")):
+    for path in sorted(glob.glob(os.path.join(files_dir, "wandb", f"*-{run_id}",
+                                              f"run-{run_id}.wandb"))):  # oldest first
         for data in raw_records(path):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(data)
@@ -56,18 +57,21 @@ def test_offline_run_is_one_run_across_a_resume_with_no_step_twice(tmp_path, mon
     _forget_latest(str(model_dir), 300, keep=200)
     with _trainer(model_dir, 400) as trainer:
         trainer.train()  # recomputes 201-300, then 301-400
+        trainer.train_steps = 500  # a notebook's next train() after the run's end
+        trainer.train()
 
     assert read_record(str(model_dir), "wandb")["run_id"] == run_id
     files = str(model_dir / "tracking")
     rows = history(files, run_id)
     steps = {key: [step for step, values in rows if key in values]
              for key in ("train/loss", "eval/loss", "goodput/steps")}
-    assert steps["train/loss"] == [100, 200, 300, 400]
-    assert steps["eval/loss"] == [200, 300, 400]
-    assert steps["goodput/steps"] == [300, 400]
-    assert len(glob.glob(os.path.join(files, "wandb", f"offline-run-*-{run_id}"))) == 2
+    assert steps["train/loss"] == [100, 200, 300, 400, 500]
+    assert steps["eval/loss"] == [200, 300, 400, 500]
+    assert steps["goodput/steps"] == [300, 400, 500]
+    # One folder each time the run was opened: two Trainers, and the third train().
+    assert len(glob.glob(os.path.join(files, "wandb", f"offline-run-*-{run_id}"))) == 3
     config = _config(files, run_id)
     assert '"1"' in config["plan/replicas"] and "OneDeviceStrategy" in config["plan/strategy"]
-    assert "400" in config["Trainer.train_steps"]  # the rerun's value
+    assert "500" in config["Trainer.train_steps"]  # the latest value
     saved = glob.glob(os.path.join(files, "wandb", f"offline-run-*-{run_id}", "files", "*"))
     assert {"operative_config.gin", "goodput.txt"} <= {os.path.basename(p) for p in saved}

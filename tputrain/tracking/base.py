@@ -48,7 +48,7 @@ class Tracker(Action):
         self.sender: Sender | None = None
         self.run_id: str | None = None
         self.sent_steps: dict[str, int] = {}  # the run's last step of each metric
-        self._params_sent = False
+        self._params_sent = self._finished = False
 
     # ---------------------------------------------------------- for subclasses
 
@@ -85,9 +85,16 @@ class Tracker(Action):
         self.check(context.model_dir, read_record(context.model_dir, self.name) is not None)
 
     def on_train_begin(self, context: ActionContext, step: int) -> None:
-        if context.is_chief and self.sender is None:
+        if not context.is_chief:
+            return
+        self._params_sent = False  # each train() sends them (a notebook's may differ)
+        if self.sender is None:
             self.start(context.model_dir, writer=True)
             self.sender.put(("tags", {"tputrain.model_dir": context.model_dir}))
+        elif self._finished:  # another train() of this Trainer after the run's end
+            record = read_record(context.model_dir, self.name)
+            self.sender.put(("open", record and record["run_id"], context.model_dir, True))
+        self._finished = False
 
     def start(self, model_dir: str, writer: bool) -> None:
         """Starts the sender and opens the run (the record's, else a new one, recorded
@@ -129,6 +136,7 @@ class Tracker(Action):
         self.sender.put(("artifact", "goodput.txt", goodput.format_account(account) + "\n"))
         self.sender.put(("tags", references(context.model_dir)))
         self.sender.put(("finish",))
+        self._finished = True
         self.close()
 
     def close(self) -> None:

@@ -12,6 +12,16 @@ import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+# The support modules (tiny, faults, processes, ...) live in tests/support/ and are
+# imported by bare name (`import tiny`, `--gin_import=faults`): here, and in every
+# child process a test starts (the CLI, `tputrain launch` workers), through PYTHONPATH.
+_SUPPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "support")
+if _SUPPORT not in sys.path:
+    sys.path.insert(0, _SUPPORT)
+if _SUPPORT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [_SUPPORT, os.environ.get("PYTHONPATH")]))
+
 # One persistent XLA compilation cache for the whole run: the process that starts
 # pytest makes it, its xdist workers and every child process (launch workers, the
 # CLI) inherit it through TF_XLA_FLAGS, so a program compiled once (the same tiny
@@ -83,15 +93,28 @@ def _marks_in(node) -> list:
             and isinstance(value.func, ast.Attribute) and value.func.attr == "same_worker"]
 
 
+def suite_files(directory: str = _TESTS) -> list[str]:
+    """Every `test_*.py` under `directory` (tests/ and its folders, as tests/loop/), sorted
+    by path. Their base names are unique (pytest's default import mode needs it), so a
+    node id's file name alone names its module."""
+    found = []
+    for folder, subfolders, names in os.walk(directory):
+        subfolders[:] = sorted(name for name in subfolders
+                               if name not in ("support", "__pycache__") and not name.startswith("."))
+        found += [os.path.join(folder, name) for name in names
+                  if name.startswith("test_") and name.endswith(".py")]
+    return sorted(found)
+
+
 def same_worker_groups(directory: str = _TESTS) -> dict[str, str]:
-    """node id prefix (`file.py::` or `file.py::test`) -> group, from the source."""
+    """node id prefix (`file.py::` or `file.py::test`, the file's base name) -> group,
+    from the source of every test file under `directory`."""
     import ast
 
     groups = {}
-    for name in sorted(os.listdir(directory)):
-        if not (name.startswith("test_") and name.endswith(".py")):
-            continue
-        with open(os.path.join(directory, name)) as source:
+    for path in suite_files(directory):
+        name = os.path.basename(path)
+        with open(path) as source:
             tree = ast.parse(source.read())
         for node in tree.body:
             if isinstance(node, ast.Assign) and any(

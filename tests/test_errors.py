@@ -20,7 +20,7 @@ from tputrain.checkpoint import CheckpointMismatchError
 from tputrain.config import ConfigError, parse_gin, require_bound
 from tiny import TinyTask, strategy_for
 
-TESTS = Path(__file__).resolve().parent
+SUPPORT = Path(__file__).resolve().parent / "support"
 
 
 def make_trainer(model_dir, task=None, replicas=1, **kwargs):
@@ -206,7 +206,7 @@ def test_unwritable_and_full_model_dir_are_named_before_training(tmp_path):
         mount -t tmpfs -o size=1m tmpfs {small}
         exec {sys.executable} {script} {ro}/model {full}/model {small}/model
         """)
-    env = dict(os.environ, PYTHONPATH=str(TESTS), TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(os.environ, PYTHONPATH=str(SUPPORT), TF_CPP_MIN_LOG_LEVEL="2")
     probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"unshare -rm is not permitted here: {probe.stderr.decode().strip()}")
@@ -271,7 +271,7 @@ def test_room_counts_the_iterator_and_keep_plus_one_and_checkpoints_must_be_writ
     probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"unshare -rm is not permitted here: {probe.stderr.decode().strip()}")
-    env = dict(os.environ, PYTHONPATH=str(TESTS), TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(os.environ, PYTHONPATH=str(SUPPORT), TF_CPP_MIN_LOG_LEVEL="2")
     result = subprocess.run(["unshare", "-rm", "sh", "-c", shell], capture_output=True,
                             text=True, env=env, timeout=240)
     lines = [l for l in result.stdout.splitlines() if l.startswith(("ModelDirError", "NO ERROR"))]
@@ -506,7 +506,7 @@ def test_a_finished_run_rerun_on_a_nearly_full_disk_has_nothing_to_train(tmp_pat
     if probe.returncode != 0:
         pytest.skip(f"unshare -rm is not permitted here: {probe.stderr.decode().strip()}")
     shell = f"mount -t tmpfs -o size=16m tmpfs {disk} && exec {sys.executable} {script} {disk}/model"
-    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [str(SUPPORT), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path, TF_CPP_MIN_LOG_LEVEL="2")
     result = subprocess.run(["unshare", "-rm", "sh", "-c", shell], capture_output=True,
                             text=True, env=env, timeout=240)

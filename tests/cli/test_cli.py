@@ -11,7 +11,7 @@ from absl import flags
 
 from tputrain.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "tputrain"
 
 _HELP_PROBE = """

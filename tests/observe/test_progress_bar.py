@@ -19,7 +19,7 @@ import pytest
 from faults import child_env
 from tputrain import progress_bar
 
-TESTS = Path(__file__).resolve().parent
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
 # A run of 2 loops of 20 steps whose input waits for a file at its 15th batch (counting
 # the Trainer's probe of the pipeline): the first loop's line cannot be printed before
 # the file exists, so a bar showing a step from 1 to 19 was drawn inside the loop.
@@ -174,7 +174,7 @@ def test_a_jupyter_kernel_gets_the_bar(tmp_path):
     nbclient = pytest.importorskip("nbclient")
     gate = tmp_path / "gate"
     gate.touch()
-    cell = NOTEBOOK_CELL.format(tests=str(TESTS), model_dir=str(tmp_path / "run"),
+    cell = NOTEBOOK_CELL.format(tests=str(SUPPORT), model_dir=str(tmp_path / "run"),
                                 gate=str(gate), script=str(_script(tmp_path)))
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])
     nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",

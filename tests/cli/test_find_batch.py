@@ -19,7 +19,7 @@ from tiny import TinyTask
 from tputrain.batch_finder import FindBatchResult, Trial, find_batch, is_out_of_memory
 from tputrain.schedules import scale_learning_rate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # The climb is what these tests check: tf.function steps compile in a fraction of
 # XLA's time (the CLI test runs the default XLA step).
 QUICK = {"steps_per_loop": 2, "jit_compile": False, "steps_per_program": 1}

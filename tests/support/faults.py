@@ -1,6 +1,6 @@
 """A gin-configurable tiny task for end-to-end fault tests run through the CLI.
 
-Imported by child processes with `--gin_import=faults` (tests/ on PYTHONPATH).
+Imported by child processes with `--gin_import=faults` (tests/support/ on PYTHONPATH).
 In a child with `TPUTRAIN_TEST_CPUS=N` it splits the CPU into N logical devices
 at import, before TensorFlow starts, so `resolve_strategy.strategy='mirrored'`
 gives real replicas. (pytest's own process keeps conftest's 4 devices.)
@@ -565,11 +565,11 @@ def final_weights(model_dir: str) -> dict[str, np.ndarray]:
 
 # ------------------------------------------------------------ child processes
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parent  # tests/support: the modules children import
 
 
 def child_env(cpus: int | None = None) -> dict[str, str]:
-    """Environment of a child: tests/ importable, quiet TF, `cpus` logical CPUs."""
+    """Environment of a child: tests/support/ importable, quiet TF, `cpus` logical CPUs."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"

@@ -34,7 +34,7 @@ from tputrain.progress import STALL_ADVICE
 from tputrain.diagnose import (CommunicationCase, Diagnosis, _advice, communication_advice,
                                diagnose)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class SleepyTask(TinyTask):
@@ -404,8 +404,10 @@ def _diagnose_cli(*args: str, launch_workers: int = 0) -> list[dict]:
     if launch_workers:
         command = in_netns([sys.executable, "-m", "tputrain.run", "launch", "--workers",
                             str(launch_workers), *command[3:]])
+    env = child_env()  # and this folder: a child imports `--gin_import=test_diagnose`
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), env["PYTHONPATH"]])
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                            env=child_env())
+                            env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     if not launch_workers:
         return [json.loads(result.stdout)]

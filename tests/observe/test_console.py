@@ -10,7 +10,7 @@ import pytest
 
 from faults import child_env
 
-TESTS = Path(__file__).parent
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent("""
 
 def run_script(tmp_path, mode):
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT.format(tests=str(TESTS)))
+    script.write_text(SCRIPT.format(tests=str(SUPPORT)))
     result = subprocess.run([sys.executable, str(script), str(tmp_path / mode), mode],
                             capture_output=True, text=True, env=child_env(), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -14,7 +14,7 @@ import tputrain
 from sensitive import SensitiveTask
 from tiny import strategy_for
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+SUPPORT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
 
 
 def test_audit_flags_only_the_sensitive_layer():
@@ -69,7 +69,7 @@ def test_override_reaches_nested_layers_and_rejects_unknown_names():
 
 def run_cli(tmp_path, *extra):
     output = tmp_path / f"report{len(extra)}.json"
-    env = dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    env = dict(os.environ, PYTHONPATH=SUPPORT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                TF_CPP_MIN_LOG_LEVEL="2")
     command = [sys.executable, "-m", "tputrain.run", "audit-precision", "--gin_import=sensitive",
                "--gin_param=audit_precision.task = @SensitiveTask()", f"--output={output}", *extra]

@@ -18,7 +18,7 @@ PATCHES = [
 # Scoped exceptions, where the Keras TF backend offers no hook (issues 35, 53): its own
 # cross-replica sum, off only while the pipeline's apply traces (`summed_already`);
 # and the guard's masked writes: instance attributes set only while the update
-# traces and restored after, on every exit (tests/test_pipeline.py checks both).
+# traces and restored after, on every exit (tests/loop/test_pipeline.py checks both).
 REMAINING = {("allreduce.py", "optimizer._all_reduce_sum_gradients ="),
              ("guard.py", "setattr(optimizer, name, value)"),
              ("guard.py", "setattr(optimizer, name, saved[name])")}

@@ -472,7 +472,7 @@ def _masked_writes(optimizer: keras.optimizers.Optimizer, bad: tf.Tensor,
     goes through these methods, and Keras offers no hook to mask them; they are set
     on entering this block and put back (or removed) on leaving it by any exit, an
     error in the user's optimizer included, so the optimizer is as built outside the
-    trace (`tests/test_pipeline.py`). Entered from one thread at a time: the masked
+    trace (`tests/loop/test_pipeline.py`). Entered from one thread at a time: the masked
     update runs in cross-replica context or on one replica (`select_updates`)."""
     def writer(name: str, keep: str):
         write = getattr(optimizer, name)

@@ -17,7 +17,7 @@ from tputrain.checkpointing import atomic
 # A writer in a child that stops before each file event of the helper (a write, a
 # close, an fsync, the rename) until told "go" on its stdin. It loads no TensorFlow
 # (local files: plain `os` calls); with TensorFlow the same steps go through
-# `tf.io.gfile`, whose events tests/faults.py watches in the best and export tests.
+# `tf.io.gfile`, whose events tests/support/faults.py watches in the best and export tests.
 CHILD = r"""
 import os, sys
 from tputrain.checkpointing import atomic

@@ -82,7 +82,7 @@ def test_two_worker_launch_logs_half_the_model_bytes_with_bf16_all_reduce(tmp_pa
     is half the model's float32 trainable-variable bytes, the all-reduce share over
     gRPC is measured above 0, and the model still learns: eval accuracy >= 0.95 over
     the whole eval split (issue 14's acceptance; the float32 figure on 2 workers is
-    checked by tests/test_launch.py's first test, one replica's 0 above)."""
+    checked by tests/distribution/test_launch.py's first test, one replica's 0 above)."""
     import subprocess
     import sys
 

@@ -1,6 +1,6 @@
 """tputrain/loop/xla_plan.py: the XLA decision is the run plan's, made once.
 
-The plans each model and precision get are pinned by tests/test_step.py,
+The plans each model and precision get are pinned by tests/loop/test_step.py,
 test_random_draws.py and test_update.py through a Trainer; these check where the
 decision lives: in the plan, before any step is built, and what a refusal leaves.
 """

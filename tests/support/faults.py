@@ -253,7 +253,7 @@ INPUT_NORM_MOMENTUM = 0.5
 def input_norm_model() -> keras.Model:
     """TinyTask's classifier with batch norm ("bn") straight on the inputs: its batch
     means are the data's whatever the weights, so its moving mean is known from the
-    data alone (tests/test_replica_stats.py)."""
+    data alone (tests/loop/test_replica_stats.py)."""
     inputs = keras.Input((8,), name="x")
     h = keras.layers.BatchNormalization(momentum=INPUT_NORM_MOMENTUM, name="bn")(inputs)
     h = keras.layers.Dense(16, activation="relu")(h)
@@ -347,7 +347,7 @@ class SaveProbe(tputrain.Action):
 # exactly those of a kill at that instant. TPUTRAIN_TEST_TORN=1 makes a paused copy
 # write the first half of its file first (a copy cut short).
 # With TPUTRAIN_TEST_PAUSE_AT=every (and a FIFO) it stops before *every* event, so one
-# run gives the files of a kill at each (tests/file_events.py snapshots them). The line
+# run gives the files of a kill at each (tests/support/file_events.py snapshots them). The line
 # read from the FIFO says what next: "go" runs the event; "torn" (a copy) writes the
 # first half of its file, prints "tputrain-test: torn before file event <n>" and waits
 # for another line, then removes the half file and runs the event.
@@ -436,7 +436,7 @@ def file_events(text: str) -> list[tuple[int, str]]:
             re.findall(r"tputrain-test: file event (\d+) (.+)", text)]
 
 
-RUNNING_MOMENTUM = INPUT_NORM_MOMENTUM  # tests/test_replica_stats.py: moving_mean
+RUNNING_MOMENTUM = INPUT_NORM_MOMENTUM  # tests/loop/test_replica_stats.py: moving_mean
 
 
 class RunningStats(keras.layers.Layer):
@@ -758,7 +758,7 @@ MIXTURE_LENGTH, MIXTURE_VOCAB = 16, 32
 @gin.configurable
 class MixtureTask(tputrain.Task):
     """Next-token rows packed from a shuffled 2-source weighted mixture of
-    variable-length records (`sources`: the manifests; tests/test_mixture.py)."""
+    variable-length records (`sources`: the manifests; tests/data/test_mixture.py)."""
 
     def __init__(self, sources: tuple[str, ...] = (), features: dict | None = None):
         self.sources = list(sources)

@@ -1,5 +1,5 @@
 """The kill-at-a-file-event harness of the best-checkpoint and end-of-run tests: a CLI
-run that prints its file events (tests/faults.py) and pauses before one, and what a
+run that prints its file events (tests/support/faults.py) and pauses before one, and what a
 run ends with, compared bitwise."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def model_variables(prefix: str) -> dict[str, np.ndarray]:
 
 def event_child(config, model_dir, pause_at: int | str | None = None, torn: bool = False,
                 fifo=None, actions: str = "[@BestCheckpoint(), @EarlyStopping(), @Export()]"):
-    """A CLI run that prints its file events (tests/faults.py), paused before one
+    """A CLI run that prints its file events (tests/support/faults.py), paused before one
     (`pause_at="every"`: before each, told what next on its stdin)."""
     from faults import Process, child_env
 

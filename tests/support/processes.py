@@ -47,7 +47,7 @@ def listed_steps(model_dir: Path) -> list[int]:
 
 
 def launched(config: Path, model_dir: Path, workers: int = 2, timeout: int = 300) -> str:
-    """The output of `tputrain launch` of `config` (with tests/faults.py importable) on
+    """The output of `tputrain launch` of `config` (with tests/support/faults.py importable) on
     `workers` workers, asserted to have exited 0."""
     launch = Launch(["--workers", str(workers), "--gin_import=faults", f"--gin_file={config}",
                      f"--model_dir={model_dir}"])

@@ -91,7 +91,7 @@ def _this_replica_only(strategy: tf.distribute.Strategy, replica: int) -> Iterat
     aim them at one device; here each device's program updates its own copies. Both
     are set when the block is entered and put back when it is left, by any exit (an
     error in the user's optimizer included), so no TensorFlow global stays changed
-    after a step is traced (`tests/test_update.py`).
+    after a step is traced (`tests/loop/test_update.py`).
     """
     extended = strategy.extended
     interim = tf.__internal__.distribute.interim

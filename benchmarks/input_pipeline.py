@@ -220,7 +220,7 @@ def bench_training(configs: dict[str, list[str]]) -> dict:
 def bench_diagnose(configs: list[str]) -> dict:
     results = {}
     for config in configs:
-        result, seconds = run(["-m", "tputrain.diagnose", f"--gin_file={config}", "--json"],
+        result, seconds = run(["-m", "tputrain.jobs.diagnose", f"--gin_file={config}", "--json"],
                               timeout=600)
         if result.returncode:
             raise RuntimeError(f"diagnose {config} failed:\n{result.stderr[-3000:]}")

@@ -63,7 +63,7 @@ def _reset_peak() -> bool:
 def child(mode: str | None, size: dict[str, int], jit_compile: bool) -> dict[str, float]:
     """One measurement, in this (fresh) process."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    from tputrain.model_state import build_model_state  # pylint: disable=import-outside-toplevel
+    from tputrain.runtime.model_state import build_model_state  # pylint: disable=import-outside-toplevel
     from tputrain.options import TrainerOptions  # pylint: disable=import-outside-toplevel
     from tputrain.tasks import SyntheticLMTask  # pylint: disable=import-outside-toplevel
 

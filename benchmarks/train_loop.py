@@ -79,7 +79,7 @@ from absl import logging  # noqa: E402
 import result_file  # noqa: E402  (benchmarks/, this script's folder)
 import tputrain  # noqa: E402
 from tputrain.data import InputContext  # noqa: E402
-from tputrain.flops import _cpu_name  # noqa: E402
+from tputrain.observe.flops import _cpu_name  # noqa: E402
 from tputrain.precision import to_float32  # noqa: E402
 from tputrain.tasks import SyntheticLMTask  # noqa: E402
 
@@ -220,7 +220,7 @@ class ConvTask(tputrain.Task):
 def probe_matmul(dtype: str, size: int = 2048, repeats: int = 8) -> tuple[float, float]:
     """(FLOP/s, FLOP per CPU-second of this process) of the best [size x size] matmul.
 
-    The first is what `tputrain.flops.measure_matmul_peak` caches; the second is
+    The first is what `tputrain.observe.flops.measure_matmul_peak` caches; the second is
     the matmul's efficiency per CPU-second, the denominator of a CPU-time MFU.
     """
     a = tf.cast(tf.random.stateless_normal([size, size], seed=[1, 2]), dtype)

@@ -213,7 +213,7 @@ GUIDES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 _INLINE = re.compile(r"`([^`\n]+)`")
 _SEGMENT_END = {"&&", "||", ";", "|", ")"}
 _MODULES = {"tputrain.run": "run", "tputrain.cli": None, "tputrain": None,
-            "tputrain.diagnose": "diagnose"}
+            "tputrain.jobs.diagnose": "diagnose"}
 
 
 def _code_lines(text: str) -> list[str]:
@@ -321,7 +321,7 @@ def known_commands() -> set[str]:
 
 def test_shown_commands_are_found_in_code():
     text = textwrap.dedent("""\
-        Run `tputrain diagnose --gin_file=F` or `pip install tputrain`; `tputrain.lock`.
+        Run `tputrain diagnose --gin_file=F` or `pip install tputrain`; `tputrain.fault_tolerance.lock`.
         ```bash
         python3 -m venv .venv && .venv/bin/tputrain --gin_file=digits.gin \\
             --model_dir=/tmp/x | tee log

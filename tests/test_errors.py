@@ -17,7 +17,7 @@ import pytest
 import tputrain
 from faults import FaultTask, RecordsTask, write_records
 from tputrain.checkpoint import CheckpointMismatchError
-from tputrain.config import ConfigError, parse_gin, require_bound
+from tputrain.config.parsing import ConfigError, parse_gin, require_bound
 from tiny import TinyTask, strategy_for
 
 SUPPORT = Path(__file__).resolve().parent / "support"

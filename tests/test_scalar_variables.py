@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 import tputrain
-from tputrain.optimizers import _OPTIMIZERS
+from tputrain.optim.optimizers import _OPTIMIZERS
 from tiny import strategy_for
 
 STEPS = 4

@@ -5,7 +5,7 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "tputrain"
 # The modules that may talk to gin: its registrations, parsing and summaries.
-CONFIGURATION = {"configurables.py", "config.py", "config_summary.py"}
+CONFIGURATION = {"config/registry.py", "config/parsing.py", "actions/config_summary.py"}
 
 
 def _library_modules():

@@ -21,10 +21,10 @@ TRAINER_OWNERS = ("trainer.py", "cli/")
 # none (their functions take a `RunView` or an action's context); each still to
 # move beside the Trainer or into the CLI when the package is grouped into wings.
 BUILD_A_TRAINER = {
-    "batch_finder.py": "find_batch builds one Trainer per batch it tries",
+    "jobs/batch_finder.py": "find_batch builds one Trainer per batch it tries",
     "keras_fit.py": "tputrain.fit builds the Trainer of a Keras model",
-    "sidecar.py": "ReadOnlyTrainer is a Trainer",
-    "configurables.py": "the gin registry registers the Trainer",
+    "jobs/sidecar.py": "ReadOnlyTrainer is a Trainer",
+    "config/registry.py": "the gin registry registers the Trainer",
 }
 
 

@@ -5,7 +5,7 @@ import re
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tputrain"
 PRIVATE_READ = re.compile(r"\btrainer\._\w|\._max_over_hosts\b|\._train_iterator\b")
-CYCLE = ("controller.py", "actions", "goodput.py")  # actions: the package, every module
+CYCLE = ("runtime/controller.py", "actions", "observe/goodput.py")  # actions: the package, every module
 
 
 def modules():

@@ -1,7 +1,7 @@
 """What a real TensorBoard server (its default, fast-loading view) shows of a run: every
 eval step after a rerun and an `eval --step` of an earlier checkpoint, the operative
-config as text, and the run's hparams with its eval metrics (tputrain.eval_events,
-tputrain.config_summary)."""
+config as text, and the run's hparams with its eval metrics (tputrain.observe.eval_events,
+tputrain.actions.config_summary)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 import tputrain
 from tiny import TinyTask, strategy_for
-from tputrain.sidecar import ReadOnlyTrainer, evaluate_checkpoints
+from tputrain.jobs.sidecar import ReadOnlyTrainer, evaluate_checkpoints
 
 TINY_GIN = """
 Trainer.task = @FaultTask()

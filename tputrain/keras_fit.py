@@ -18,9 +18,9 @@ import tensorflow as tf
 from tputrain.actions import Action
 from tputrain.checkpointing.atomic import atomic_path
 from tputrain.checkpointing.run_directory import RunDirectory
-from tputrain.context import learning_rate
-from tputrain.config import without_gin_notes
-from tputrain.keras_callbacks import KerasCallbacks
+from tputrain.runtime.context import learning_rate
+from tputrain.config.parsing import without_gin_notes
+from tputrain.actions.keras_callbacks import KerasCallbacks
 from tputrain.keras_task import KerasTask
 from tputrain.trainer import Trainer
 

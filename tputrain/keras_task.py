@@ -3,7 +3,7 @@
 The model is rebuilt inside the strategy scope (variables must be created there
 to be mirrored): a compiled model is cloned with `keras.models.clone_model` (or
 its own class's `from_config`, Keras-Hub's) and its weights copied, its LoRA layers
-and frozen weights as the user left them (tputrain/keras_clone.py); a model-building function is called there instead (the way
+and frozen weights as the user left them (tputrain/runtime/keras_clone.py); a model-building function is called there instead (the way
 for subclassed models). Its compile config gives the rest: the loss (made per
 example; with several outputs, each output's as `compile` pairs them,
 tputrain/keras_outputs.py), metrics and weighted metrics (fresh copies per build) and the optimizer
@@ -21,7 +21,7 @@ from tensorflow.python.data.ops import dataset_ops, map_op
 
 from tputrain.data import InputContext
 from tputrain.data.batching import pad_to_batch
-from tputrain.keras_clone import cloned
+from tputrain.runtime.keras_clone import cloned
 from tputrain.keras_outputs import CompiledOutputs, resolve_metrics
 from tputrain.task import Task, average_loss, per_example_weights
 

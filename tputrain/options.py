@@ -4,7 +4,7 @@
 `Trainer.<name>`, the parts as `CheckpointOptions.<name>`...); `Trainer.options`
 holds the validated, frozen result, so what a run will do is visible in one
 place. Every knob is reachable from Python; gin only fills these classes
-(`tputrain.configurables`).
+(`tputrain.config.registry`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 from absl import logging
 
-from tputrain.checks import check_int, per_replica_batch
+from tputrain.runtime.checks import check_int, per_replica_batch
 
 # Builders of a part that reads more than its class does: the gin configuration
 # registers ones that fill fields from deprecated gin names (`register_part_builder`).
@@ -75,7 +75,7 @@ class ProfilingOptions:
     Attributes:
       device_kind: overrides detection, e.g. "TPU v5e" or "A100".
       peak_flops_per_device: peak FLOP/s of one device, for hardware not in
-        `tputrain.flops.PEAK_FLOPS` (no CPU probe then either).
+        `tputrain.observe.flops.PEAK_FLOPS` (no CPU probe then either).
     """
 
     device_kind: str | None = None
@@ -191,7 +191,7 @@ class TrainerOptions:
       profile_steps: `(start, stop)` captures a TensorBoard profiler trace of steps
         [start, stop) into `model_dir/train` (open TensorBoard's Profile tab).
       report_mfu: count FLOPs per step (or use `Task.flops_per_example`) and log
-        model FLOPs utilization against the device's peak (`tputrain.flops`).
+        model FLOPs utilization against the device's peak (`tputrain.observe.flops`).
       steps_per_fetch: host input mode: take the batches of this many steps with one
         `get_next` (the dataset is batched once more on the host). Each fetch costs a
         thread hand-off whatever the batch size, which is a noticeable share of a
@@ -222,7 +222,7 @@ class TrainerOptions:
         (float32, checkpointed; `average = decay * average + (1 - decay) * weights`
         after each applied step, from the first step's weights), which evaluation,
         `BestCheckpoint`, predict and export use; training continues on the raw
-        weights (`tputrain.ema`). E.g. 0.999; None: no average.
+        weights (`tputrain.optim.ema`). E.g. 0.999; None: no average.
       remat: rematerialization: activations are recomputed in the backward pass
         instead of kept, for less device memory at the cost of compute (MFU still
         counts the model's FLOPs, not the recomputation). None (the default): off;
@@ -230,7 +230,7 @@ class TrainerOptions:
         `RematOptions(mode=...)`; or a `RematOptions`. See docs/performance.md.
       progress_bar: a live bar (step, rate, ETA) between the loop lines: "auto" (the
         default) on a terminal or in a Jupyter notebook, the plain lines alone in
-        files, pipes and CI; "on" or "off" (`tputrain.progress_bar`).
+        files, pipes and CI; "on" or "off" (`tputrain.observe.progress_bar`).
     """
 
     train_steps: int = 1000
@@ -318,7 +318,7 @@ def register_part_builder(cls: type, builder: Callable[..., Any] | None) -> None
     """How `build_part(cls, ...)` builds `cls` from now on (None: the class itself).
 
     The gin configuration registers one per options class with deprecated gin names
-    (`tputrain.configurables.LEGACY`); the class and its constructor stay as written.
+    (`tputrain.config.registry.LEGACY`); the class and its constructor stay as written.
     """
     if builder is None:
         _PART_BUILDERS.pop(cls, None)

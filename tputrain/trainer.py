@@ -23,24 +23,24 @@ from absl import logging
 from tputrain.actions import (Action, CommunicationAction, MFUAction, NonFinitePolicyAction,
                               PreemptionAction, ProfilerAction, check_actions,
                               checkpointed_states)
-from tputrain.aggregation import with_aggregates
-from tputrain.builders import configured
+from tputrain.loop.aggregation import with_aggregates
+from tputrain.config.builders import configured
 from tputrain.checkpointing.manager import Checkpointer
 from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.seeds import seed_generator_states
-from tputrain import compile_cache
-from tputrain.checks import check_int
+from tputrain.loop import compile_cache
+from tputrain.runtime.checks import check_int
 from tputrain.distribution.communication import CommunicationOptions
-from tputrain.config_summary import ConfigSummaryAction
-from tputrain.context import ActionContext, ActionList
-from tputrain.console import default_progress
-from tputrain.controller import Controller
+from tputrain.actions.config_summary import ConfigSummaryAction
+from tputrain.runtime.context import ActionContext, ActionList
+from tputrain.observe.console import default_progress
+from tputrain.runtime.controller import Controller
 from tputrain.distribution.strategy import resolve_strategy
-from tputrain.ema import averaged_weights, build_average
-from tputrain.goodput import GoodputAction, StartupClock
-from tputrain.guard import NonFiniteGuard
-from tputrain.input_layout import LayoutChange
+from tputrain.optim.ema import averaged_weights, build_average
+from tputrain.observe.goodput import GoodputAction, StartupClock
+from tputrain.fault_tolerance.guard import NonFiniteGuard
+from tputrain.checkpointing.input_layout import LayoutChange
 from tputrain.loop.host_loop import train_loop
 from tputrain.loop.hosts import MaxOverHosts
 from tputrain.loop.inputs import Inputs
@@ -48,21 +48,21 @@ from tputrain.loop.replica_stats import ReplicaStatistics
 from tputrain.loop.source_counts import checkpointed, source_logs
 from tputrain.loop.step import StepBuilder
 from tputrain.loop.labels import check_first_labels
-from tputrain.model_state import ModelState, build_model_state
+from tputrain.runtime.model_state import ModelState, build_model_state
 from tputrain.options import (CheckpointOptions, PrecisionOptions, ProfilingOptions, RematOptions,
                               TrainerOptions)
-from tputrain.plan import RESOLVED, RunPlan, resolve_plan
+from tputrain.runtime.plan import RESOLVED, RunPlan, resolve_plan
 from tputrain.precision import resolve_precision
-from tputrain.preemption import PreemptionWatcher
-from tputrain.predict import predict as predict_outputs
-from tputrain.preflight import preflight
-from tputrain.progress import Progress, summary_root
-from tputrain.progress_bar import ProgressBarAction
-from tputrain.run_view import RunView
+from tputrain.fault_tolerance.preemption import PreemptionWatcher
+from tputrain.jobs.predict import predict as predict_outputs
+from tputrain.runtime.preflight import preflight
+from tputrain.observe.progress import Progress, summary_root
+from tputrain.observe.progress_bar import ProgressBarAction
+from tputrain.runtime.run_view import RunView
 from tputrain.task import Task, overrides_train_step
-from tputrain.trainable_change import TrainableSet
+from tputrain.runtime.trainable_change import TrainableSet
 from tputrain.tuning.report import with_trial_report
-from tputrain.validate import check_split_names, check_splits, named_splits
+from tputrain.runtime.validate import check_split_names, check_splits, named_splits
 
 
 def _planned(name: str) -> property:
@@ -88,7 +88,7 @@ def _from_context(name: str) -> property:
 
 def _configured_strategy(communication: CommunicationOptions) -> tf.distribute.Strategy:
     """The gin-configured resolver when the gin registry is loaded (`resolve_strategy.*`
-    bindings apply; tputrain/builders.py), else the plain one."""
+    bindings apply; tputrain/config/builders.py), else the plain one."""
     return configured("resolve_strategy", resolve_strategy)(communication=communication)
 
 
@@ -146,7 +146,7 @@ class RunKnobs:
 
 
 def _run_view(trainer: "Trainer") -> RunView:
-    """What a job reads of this run (tputrain/run_view.py), as it is now."""
+    """What a job reads of this run (tputrain/runtime/run_view.py), as it is now."""
     return RunView(
         task=trainer.task, model=trainer.model, optimizer=trainer.optimizer,
         strategy=trainer.strategy, inputs=trainer.inputs, plan=trainer.plan,
@@ -254,7 +254,7 @@ class Trainer(RunKnobs, TrainableSet):
         self.context.plan = self.plan
 
     def _context(self) -> ActionContext:
-        """What the actions see of this run (tputrain/context.py)."""
+        """What the actions see of this run (tputrain/runtime/context.py)."""
         return ActionContext(
             step_variable=self.step, agree=self._max_over_hosts, preempted=self.preempted,
             strategy=self.strategy, model=self.model, optimizer=self.optimizer,
@@ -303,7 +303,7 @@ class Trainer(RunKnobs, TrainableSet):
             check_finite=self.checkpoint.check_finite)  # (a mixture's per-source counts)
 
     def _preflight(self) -> None:
-        """The chief's checks and lock before its first write (tputrain/preflight.py);
+        """The chief's checks and lock before its first write (tputrain/runtime/preflight.py);
         `sidecar.ReadOnlyTrainer` overrides it: it reads beside the lock's holder."""
         preflight(self.context)
 
@@ -394,7 +394,7 @@ class Trainer(RunKnobs, TrainableSet):
                 shutil.rmtree(self._work_dir, ignore_errors=True)
 
     def _actions(self) -> list[Action]:
-        """The built-in actions (goodput first: tputrain/goodput.py), then the user's."""
+        """The built-in actions (goodput first: tputrain/observe/goodput.py), then the user's."""
         built_in: list[Action] = [GoodputAction(), ConfigSummaryAction(),
                                   self._communication]
         built_in += [MFUAction()] if self.report_mfu else []

@@ -20,8 +20,8 @@ import tputrain
 from file_events import (CONFIG, assert_same_outcome, event_child, kill_states, model_variables,
                          run_outcome)
 from tiny import TinyTask, strategy_for
-from tputrain.best import Watch, early_stopping_path
-from tputrain.validate import ModelDirError
+from tputrain.actions.best import Watch, early_stopping_path
+from tputrain.runtime.validate import ModelDirError
 
 
 class Evals(tputrain.Action):

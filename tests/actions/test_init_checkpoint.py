@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import tputrain
 from tiny import TinyTask, strategy_for
-from tputrain.init_checkpoint import InitCheckpoint, rename, selected
+from tputrain.actions.init_checkpoint import InitCheckpoint, rename, selected
 
 pytestmark = pytest.mark.same_worker("test_init_checkpoint.py")
 

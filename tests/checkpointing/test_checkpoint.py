@@ -15,8 +15,8 @@ import tensorflow as tf
 import tputrain
 from tputrain.checkpoint import (CheckpointMismatchError, Checkpointer, InputLayoutError,
                                  seed_generator_states)
-from tputrain.input_layout import InputLayout
-from tputrain.preemption import Preempted
+from tputrain.checkpointing.input_layout import InputLayout
+from tputrain.fault_tolerance.preemption import Preempted
 from faults import IndexedTask, trained_indices
 from tiny import TinyTask, strategy_for, weights
 

@@ -15,9 +15,9 @@ import tensorflow as tf
 import tputrain
 from tiny import strategy_for
 from tputrain.checkpointing.model_variables import has_root, model_trackables
-from tputrain.export import export_checkpoint, restored_model
-from tputrain.init_checkpoint import read_tf_checkpoint
-from tputrain.sidecar import ReadOnlyTrainer, read_checkpoint
+from tputrain.serving.export import export_checkpoint, restored_model
+from tputrain.actions.init_checkpoint import read_tf_checkpoint
+from tputrain.jobs.sidecar import ReadOnlyTrainer, read_checkpoint
 
 
 class ListedBlocks(keras.Model):

@@ -109,7 +109,7 @@ def _imports_of_cli(tree: ast.Module) -> list[int]:
 def test_no_library_module_imports_the_cli():
     """The CLI imports the library, never the reverse. Two kinds of entry point may
     start it: tputrain/run.py (`python -m tputrain.run`, a documented shim) and a
-    module's `if __name__ == "__main__":` block (`python -m tputrain.diagnose`)."""
+    module's `if __name__ == "__main__":` block (`python -m tputrain.jobs.diagnose`)."""
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(ROOT).as_posix()

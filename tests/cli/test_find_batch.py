@@ -16,8 +16,8 @@ import tensorflow as tf
 
 from faults import child_env
 from tiny import TinyTask
-from tputrain.batch_finder import FindBatchResult, Trial, find_batch, is_out_of_memory
-from tputrain.schedules import scale_learning_rate
+from tputrain.jobs.batch_finder import FindBatchResult, Trial, find_batch, is_out_of_memory
+from tputrain.optim.schedules import scale_learning_rate
 
 ROOT = Path(__file__).resolve().parents[2]
 # The climb is what these tests check: tf.function steps compile in a fraction of

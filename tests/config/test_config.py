@@ -4,7 +4,7 @@ import gin
 import pytest
 
 import tputrain  # noqa: F401
-from tputrain.config import ConfigError, parse_gin, require_bound
+from tputrain.config.parsing import ConfigError, parse_gin, require_bound
 
 
 def test_builtin_configs_parse():
@@ -80,11 +80,11 @@ except ValueError as error:
     assert "No configurable matching 'Trainer'" in str(error), error
 else:
     raise AssertionError("import tputrain registered configurables with gin")
-import tputrain.configurables  # the documented route (docs/configuration.md)
+import tputrain.config.registry  # the documented route (docs/configuration.md)
 gin.parse_config("Trainer.train_steps = 3")
 gin.clear_config()
 tputrain.load_api()
-from tputrain.config import parse_gin
+from tputrain.config.parsing import parse_gin
 parse_gin(gin_params=["Trainer.train_steps = 3"])
 changed = sorted(name for key, value in functions().items()
                  if before.get(key, value) is not value for name in [".".join(key)])
@@ -110,9 +110,9 @@ def test_importing_and_using_tputrain_changes_nothing_in_gin():
 def test_the_options_classes_keep_their_own_init():
     """The deprecated gin names are read without replacing `__init__` of an options
     class: only gin's own registration wraps the dataclass's constructor."""
-    import tputrain.configurables
+    import tputrain.config.registry
 
-    for cls in tputrain.configurables.LEGACY:
+    for cls in tputrain.config.registry.LEGACY:
         files, init = [], cls.__init__
         while init is not None:
             files.append(init.__code__.co_filename)

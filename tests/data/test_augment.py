@@ -17,7 +17,7 @@ import tensorflow as tf
 import tputrain
 from faults import Process, child_env, copy_at_pause, pausable_env, same_final_weights
 from tiny import TinyTask, strategy_for
-from tputrain.validate import iterator_state_bytes
+from tputrain.runtime.validate import iterator_state_bytes
 
 WARNING = "cannot checkpoint"  # the one warning's words
 

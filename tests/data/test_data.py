@@ -618,7 +618,7 @@ def test_prefix_glob_skips_the_writers_manifest_and_temp_files(tmp_path):
 
 
 def test_a_file_that_is_not_a_tfrecord_is_named_with_the_reason(tmp_path):
-    from tputrain.validate import probe_inputs
+    from tputrain.runtime.validate import probe_inputs
 
     _write(tmp_path, 8, 2)
     notes = tmp_path / "data-notes.txt"
@@ -674,7 +674,7 @@ def test_manifest_next_to_the_shards_catches_a_wrong_spec_before_reading(
 ])
 def test_spec_mismatch_without_manifest_names_file_feature_and_data(tmp_path, features, expected):
     from tputrain.data import FeatureSpecError
-    from tputrain.validate import probe_inputs
+    from tputrain.runtime.validate import probe_inputs
 
     _write_shape_3(tmp_path, manifest=False)
     dataset = TFRecordInput(str(tmp_path / "data-*"), features, global_batch_size=4,

@@ -7,7 +7,7 @@ import tensorflow as tf
 tfds = pytest.importorskip("tensorflow_datasets")
 
 import tputrain  # noqa: E402
-from tputrain.config import parse_gin  # noqa: E402
+from tputrain.config.parsing import parse_gin  # noqa: E402
 from tputrain.data import InputContext, TFDSInput  # noqa: E402
 
 pytestmark = [pytest.mark.start_early(10), pytest.mark.same_worker("test_tfds.py")]

@@ -12,7 +12,7 @@ import tensorflow as tf
 from tputrain.data import InputContext, TFRecordInput, read_manifest, write_tfrecords
 from tputrain.data.example_codec import encode_example, varint, varints
 from tputrain.data.writer import _as_array, choose_num_shards
-from tputrain.write_tfrecords_cli import read_csv, read_input
+from tputrain.data.arrays import read_csv, read_input
 
 
 def _reference(example):
@@ -165,7 +165,7 @@ def test_read_csv_types_columns(tmp_path):
 def test_cli_writes_shards_and_manifest_from_npz(tmp_path):
     np.savez(tmp_path / "d.npz", image=np.ones((20, 4, 4), np.float32), label=np.arange(20))
     result = subprocess.run(
-        [sys.executable, "-m", "tputrain.write_tfrecords_cli", f"--input={tmp_path / 'd.npz'}",
+        [sys.executable, "-m", "tputrain.data.arrays", f"--input={tmp_path / 'd.npz'}",
          f"--output_prefix={tmp_path / 'out' / 'train'}", "--num_hosts=2",
          "--compression=gzip"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

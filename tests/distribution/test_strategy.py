@@ -240,7 +240,7 @@ def test_split_cpu_is_a_noop_for_the_same_count_and_explains_a_different_one():
 
 
 def test_strategy_is_gin_configurable():
-    import tputrain.configurables  # noqa: F401  gin's configurables (docs/configuration.md)
+    import tputrain.config.registry  # noqa: F401  gin's configurables (docs/configuration.md)
     gin.clear_config()
     try:
         gin.parse_config("resolve_strategy.strategy = 'mirrored'")
@@ -267,7 +267,7 @@ def test_auto_mirrors_over_a_split_cpu_and_says_why(log_lines):
 
 
 def test_configure_devices_applies_a_bound_split_cpu_and_ignores_an_unbound_one():
-    import tputrain.configurables  # noqa: F401  gin's configurables (docs/configuration.md)
+    import tputrain.config.registry  # noqa: F401  gin's configurables (docs/configuration.md)
     assert strategy_lib.configure_devices() is None  # nothing bound: nothing to do
     gin.parse_config(f"split_cpu.num_devices = {NUM_CPUS}")
     strategy_lib.configure_devices()  # already split in 4: a no-op

@@ -8,7 +8,7 @@ import tensorflow as tf
 import tputrain
 from faults import FaultTask
 from tputrain.checkpoint import NonFiniteStateError
-from tputrain.guard import NonFiniteError, NonFiniteGuard
+from tputrain.fault_tolerance.guard import NonFiniteError, NonFiniteGuard
 from tiny import spy_calls, strategy_for, weights
 
 # Two replicas take per-replica batches 2k and 2k+1 at step k+1: batch 5 is step 3.
@@ -186,7 +186,7 @@ def train_state(tmp_path, name, task, guard, **kwargs):
 
 def spy_checks(monkeypatch) -> dict[str, int]:
     """Counts the traces of each gradient check."""
-    from tputrain import guard as guard_module
+    from tputrain.fault_tolerance import guard as guard_module
 
     return spy_calls(monkeypatch, guard_module,
                      {"_scaled_gradients_finite": "scaled", "_gradients_finite": "exact"})
@@ -380,7 +380,7 @@ def test_under_clipping_the_check_adds_no_pass_over_a_sparse_gradient():
     """Under global-norm clipping the check is clipping's own norm, computed once by XLA,
     for an embedding's sparse gradient (IndexedSlices) too: the program that checks and
     clips squares as many values as the one that only clips."""
-    from tputrain.guard import _gradients_finite
+    from tputrain.fault_tolerance.guard import _gradients_finite
 
     optimizer = keras.optimizers.Adam(global_clipnorm=1.0)
     indices = tf.constant([3, 1, 3, 0, 2, 3, 1, 0])

@@ -12,11 +12,11 @@ import textwrap
 import pytest
 
 from faults import Process, child_env
-from tputrain.lock import LOCK_FILE, ModelDirInUseError, lock_model_dir, release_model_dir
+from tputrain.fault_tolerance.lock import LOCK_FILE, ModelDirInUseError, lock_model_dir, release_model_dir
 
 HOLDER = textwrap.dedent("""
     import sys
-    from tputrain.lock import lock_model_dir
+    from tputrain.fault_tolerance.lock import lock_model_dir
     lock_model_dir(sys.argv[1])
     print("holding", flush=True)
     sys.stdin.readline()

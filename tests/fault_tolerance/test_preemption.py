@@ -14,8 +14,8 @@ import pytest
 import tensorflow as tf
 
 import tputrain
-from tputrain import goodput
-from tputrain.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatcher
+from tputrain.observe import goodput
+from tputrain.fault_tolerance.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatcher
 from faults import Process, child_env
 from tiny import TinyTask, strategy_for, weights
 

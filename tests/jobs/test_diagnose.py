@@ -1,4 +1,4 @@
-"""Tests for tputrain.diagnose, `tputrain diagnose`, and the input-stall measurement.
+"""Tests for tputrain.jobs.diagnose, `tputrain diagnose`, and the input-stall measurement.
 
 The stall each training loop logs (`Progress`) and `Trainer.steps_per_fetch`
 are tested here too: they are what diagnose reports. Slow inputs, slow steps
@@ -30,8 +30,8 @@ from processes import in_netns
 from tiny import TinyTask, devices, model_bytes, strategy_for, weights
 from tputrain.distribution.communication import CommunicationOptions
 from tputrain.data import InputOptions
-from tputrain.progress import STALL_ADVICE
-from tputrain.diagnose import (CommunicationCase, Diagnosis, _advice, communication_advice,
+from tputrain.observe.progress import STALL_ADVICE
+from tputrain.jobs.diagnose import (CommunicationCase, Diagnosis, _advice, communication_advice,
                                diagnose)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -383,10 +383,10 @@ def test_diagnose_on_the_real_clock_reports_what_sleeps_guarantee(tmp_path):
 @pytest.mark.slow
 
 def test_cli_names_the_input_bottleneck_of_slow_input_gin():
-    """As documented: `python -m tputrain.diagnose` from the repository root, where
+    """As documented: `python -m tputrain.jobs.diagnose` from the repository root, where
     slow_input.gin's `import examples.slow_input` finds its task."""
     result = subprocess.run(
-        [sys.executable, "-m", "tputrain.diagnose", "--gin_file=slow_input.gin", "--json",
+        [sys.executable, "-m", "tputrain.jobs.diagnose", "--gin_file=slow_input.gin", "--json",
          "--seconds=0.3", "--gin_param=SlowInputTask.work=4000",  # input-bound at any load
          "--gin_param=Trainer.steps_per_loop=5", "--gin_param=Trainer.eval_every=None"],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -479,7 +479,7 @@ def test_pipeline_facts_read_what_the_pipeline_does(tmp_path):
 
 
 def _advised(bottleneck, input_only, compute_only, **setup):
-    from tputrain.advice import RunSetup, step_advice
+    from tputrain.jobs.advice import RunSetup, step_advice
 
     result = step_advice(bottleneck, input_only, compute_only, 0.2, RunSetup(**setup))
     return " ".join(result.advice), " ".join(result.in_place)
@@ -520,7 +520,7 @@ def test_advice_leaves_out_the_knobs_the_run_already_turns():
 
 def test_digits_setup_gets_no_advice_it_already_follows(tmp_path):
     """digits.gin's Trainer, built (not measured): what diagnose reads of it."""
-    from tputrain.advice import run_setup, step_advice
+    from tputrain.jobs.advice import run_setup, step_advice
     from tputrain.tasks.digits import DigitsTask
 
     trainer = tputrain.Trainer(DigitsTask(cache_dir=str(tmp_path / "digits")),

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import tputrain
 from tiny import TinyTask, strategy_for
-from tputrain import predict as predict_module
+from tputrain.jobs import predict as predict_module
 from tputrain.cli import predict as predict_cli
 from tputrain.data.batching import pad_to_batch
 

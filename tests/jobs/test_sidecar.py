@@ -14,8 +14,8 @@ import tensorflow as tf
 
 import tputrain
 from tiny import TinyTask, strategy_for
-from tputrain import sidecar
-from tputrain.sidecar import (NoNewCheckpointError, ReadOnlyTrainer, evaluate_checkpoints,
+from tputrain.jobs import sidecar
+from tputrain.jobs.sidecar import (NoNewCheckpointError, ReadOnlyTrainer, evaluate_checkpoints,
                               read_checkpoint)
 
 

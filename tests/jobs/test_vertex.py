@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from tputrain import vertex
-from tputrain.vertex import SpecError
+from tputrain.jobs import vertex
+from tputrain.jobs.vertex import SpecError
 
 IMAGE = "us-docker.pkg.dev/my-project/train/tputrain:1"
 BUCKET = "gs://my-bucket/jobs"

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from faults import child_env
-from tputrain import compile_cache
+from tputrain.loop import compile_cache
 
 # A tiny model whose whole step is one XLA program (jit_compile=True, one replica);
 # `activation` changes the program, not the variables. `ops_first`: TensorFlow has

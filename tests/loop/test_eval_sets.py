@@ -19,7 +19,7 @@ from events import last_scalars, scalar_points
 from faults import RecordsTask
 from processes import launched
 from tiny import strategy_for
-from tputrain.sidecar import ReadOnlyTrainer, evaluate_checkpoints
+from tputrain.jobs.sidecar import ReadOnlyTrainer, evaluate_checkpoints
 
 PER_REPLICA = 8
 SETS = ("validation", "test")

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tputrain
-from tputrain.guard import NonFiniteGuard
+from tputrain.fault_tolerance.guard import NonFiniteGuard
 from tputrain.loop.pipeline import UpdatePipeline
 from tputrain.task import overrides_train_step
 from tiny import TinyTask, strategy_for

@@ -12,10 +12,10 @@ import tensorflow as tf
 
 import tputrain
 from tputrain.checkpointing.seeds import seed_generator_states
-from tputrain.flops import count_flops
-from tputrain.model_state import build_model_state
+from tputrain.observe.flops import count_flops
+from tputrain.runtime.model_state import build_model_state
 from tputrain.options import RematOptions, TrainerOptions
-from tputrain.remat import remat_disabled
+from tputrain.loop.remat import remat_disabled
 from tputrain.tasks import SyntheticLMTask
 from tiny import TinyTask, strategy_for
 

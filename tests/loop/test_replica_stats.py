@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tputrain
-from tputrain.export import export_checkpoint
+from tputrain.serving.export import export_checkpoint
 from faults import INPUT_NORM_MOMENTUM as MOMENTUM, input_norm_model, running_stats_model
 from processes import Launch
 from tiny import TinyTask, strategy_for

@@ -14,7 +14,7 @@ from events import scalar_points
 from faults import write_token_sources
 from tiny import strategy_for
 from tputrain.data import InputContext, MixtureInput, PackSequences
-from tputrain.progress import Progress
+from tputrain.observe.progress import Progress
 
 LENGTH, VOCAB, GLOBAL_BATCH, REPLICAS = 16, 32, 4, 2
 

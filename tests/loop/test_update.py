@@ -169,7 +169,7 @@ def test_the_guard_skips_a_bad_step_on_every_device(tmp_path, task):
 def spy_checks(monkeypatch) -> dict[str, int]:
     """Counts the traces of the scaled check and of the exact one made once for every
     device (`NonFiniteGuard.checking_once`)."""
-    from tputrain import guard as guard_module
+    from tputrain.fault_tolerance import guard as guard_module
 
     return spy_calls(monkeypatch, guard_module,
                      {"_scaled_gradients_finite": "scaled", "_square_sum": "once"})

@@ -48,7 +48,7 @@ def test_show_progress_false_silences_it(tmp_path):
 
 
 def test_tensorflow_start_up_noise_is_filtered_and_real_errors_kept():
-    from tputrain.console import _filter_startup
+    from tputrain.observe.console import _filter_startup
 
     text = ("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
             "I0000 00:00:1.0 1 port.cc:153] oneDNN custom operations are on.\n"
@@ -66,7 +66,7 @@ def test_tensorflow_start_up_noise_is_filtered_and_real_errors_kept():
 def test_start_up_lines_below_tf_cpp_min_log_level_are_dropped(monkeypatch, level, kept):
     # TF's C++ lines written before absl's log is initialised ignore the level (the
     # oneDNN line on a CPU with AVX-512 bf16): the capture applies it to them.
-    from tputrain.console import _at_log_level
+    from tputrain.observe.console import _at_log_level
 
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", level)
     text = ("I0000 00:00:1.0 1 port.cc:153] oneDNN custom operations are on.\n"
@@ -168,7 +168,7 @@ def test_what_counts_as_the_programs_own_logging_configuration(monkeypatch, tmp_
 
     from absl import logging as absl_logging
 
-    from tputrain.console import user_configured_logging
+    from tputrain.observe.console import user_configured_logging
 
     root = logging.getLogger()
     bare = logging.StreamHandler(sys.stderr)
@@ -266,7 +266,7 @@ def test_tensorflow_distribution_chatter_is_dropped_and_its_warnings_kept(messag
     """The INFO lines a `tputrain launch` worker or a 2-replica gather printed (issue 52)."""
     import logging
 
-    from tputrain.console import _DropTensorFlowChatter
+    from tputrain.observe.console import _DropTensorFlowChatter
 
     def record(level):
         return logging.LogRecord("tensorflow", level, "cross_device_ops.py", 634, message,
@@ -279,8 +279,8 @@ def test_tensorflow_distribution_chatter_is_dropped_and_its_warnings_kept(messag
 # While a program is read back from the compile cache (`compile_cache.reading`).
 READ_BACK = textwrap.dedent("""
     import os, sys
-    from tputrain.compile_cache import READ_BACK_LINES
-    from tputrain.console import native_lines_dropped
+    from tputrain.loop.compile_cache import READ_BACK_LINES
+    from tputrain.observe.console import native_lines_dropped
     lines = [
         "E0000 00:00:1.0 1 text_format.cc:378] Error parsing text-format "
         "tensorflow.XlaSerializedCacheEntry: 2:1: Expected identifier, got: 5",

@@ -1,4 +1,4 @@
-"""The eval run's events (tputrain.eval_events): an evaluation out of step order hides
+"""The eval run's events (tputrain.observe.eval_events): an evaluation out of step order hides
 no later point in TensorBoard's default view, and reruns do not pile copies up."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from tensorboard.summary.writer import event_file_writer
 
 import tputrain
 from tiny import TinyTask, strategy_for
-from tputrain.eval_events import EvalEventWriter, event_files, read_events, run_state
-from tputrain.sidecar import ReadOnlyTrainer, evaluate_checkpoints
+from tputrain.observe.eval_events import EvalEventWriter, event_files, read_events, run_state
+from tputrain.jobs.sidecar import ReadOnlyTrainer, evaluate_checkpoints
 
 
 def summary(**scalars: float) -> summary_pb2.Summary:

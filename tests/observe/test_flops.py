@@ -7,7 +7,7 @@ import keras
 import pytest
 import tensorflow as tf
 
-from tputrain import flops
+from tputrain.observe import flops
 
 
 def tf_profiler_flops(graph, op_types):

@@ -1,5 +1,5 @@
 """Goodput: the account arithmetic on hand-made records, the record a Trainer keeps,
-and a digits run killed with SIGKILL and resumed (tputrain/goodput.py)."""
+and a digits run killed with SIGKILL and resumed (tputrain/observe/goodput.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import tputrain
 from events import scalar_points
 from faults import Process, child_env
 from tiny import TinyTask, strategy_for
-from tputrain import goodput
+from tputrain.observe import goodput
 
 
 def record(run: int, start: float, updated: float, *, restored: int, last: int,

@@ -1,10 +1,10 @@
-"""Tests for tputrain/progress.py: the per-loop rates, MFU by the one formula."""
+"""Tests for tputrain/observe/progress.py: the per-loop rates, MFU by the one formula."""
 
 import pytest
 import tensorflow as tf
 
-from tputrain import flops, progress
-from tputrain.progress import Progress
+from tputrain.observe import flops, progress
+from tputrain.observe.progress import Progress
 
 
 def test_mfu_is_reported_only_with_flops_and_a_peak():
@@ -20,7 +20,7 @@ def test_mfu_is_reported_only_with_flops_and_a_peak():
 
 
 def test_progress_uses_the_flops_formula(monkeypatch):
-    """One formula: a change to tputrain.flops.model_flops_utilization reaches the log."""
+    """One formula: a change to tputrain.observe.flops.model_flops_utilization reaches the log."""
     calls = []
 
     def recording(flops_per_step, steps_per_second, peak):

@@ -1,4 +1,4 @@
-"""The live progress bar (tputrain/progress_bar.py): in place on a terminal and in a
+"""The live progress bar (tputrain/observe/progress_bar.py): in place on a terminal and in a
 Jupyter kernel, updated inside a loop (between its lines), and the plain lines
 alone where the output is a file; chosen by `Trainer.progress_bar`."""
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from faults import child_env
-from tputrain import progress_bar
+from tputrain.observe import progress_bar
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 # A run of 2 loops of 20 steps whose input waits for a file at its 15th batch (counting

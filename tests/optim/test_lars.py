@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tputrain.lars import LARS
+from tputrain.optim.lars import LARS
 from tiny import TinyTask, strategy_for, weights
 
 

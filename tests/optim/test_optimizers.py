@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tputrain
-from tputrain.lars import LARS
+from tputrain.optim.lars import LARS
 from tiny import TinyTask
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import tputrain
-import tputrain.configurables  # noqa: F401  gin's configurables (docs/configuration.md)
-from tputrain.schedules import WarmupDecay, scale_learning_rate, warmup_schedule
+import tputrain.config.registry  # noqa: F401  gin's configurables (docs/configuration.md)
+from tputrain.optim.schedules import WarmupDecay, scale_learning_rate, warmup_schedule
 
 
 def values(schedule, steps):

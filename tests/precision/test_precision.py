@@ -96,9 +96,9 @@ def test_wrap_optimizer_only_for_float16():
 
 
 def test_policy_is_gin_configurable():
-    """The public (deprecated) name takes gin's binding (tputrain.configurables)."""
+    """The public (deprecated) name takes gin's binding (tputrain.config.registry)."""
     import tputrain
-    import tputrain.configurables  # noqa: F401  gin's configurables (docs/configuration.md)
+    import tputrain.config.registry  # noqa: F401  gin's configurables (docs/configuration.md)
     gin.clear_config()
     try:
         gin.parse_config("set_precision_policy.name = 'mixed_bfloat16'")

@@ -2,7 +2,7 @@
 
 import types
 
-from tputrain.controller import Controller
+from tputrain.runtime.controller import Controller
 
 
 def controller(**knobs):

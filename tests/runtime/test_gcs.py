@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import tputrain
 from gcs_emulator import BUCKET, LocalGCS
-from tputrain.gcs import BucketError, check_bucket_writable, split_gs_path
+from tputrain.runtime.gcs import BucketError, check_bucket_writable, split_gs_path
 from faults import RecordsTask, write_records
 from tiny import strategy_for, weights
 

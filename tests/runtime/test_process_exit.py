@@ -20,7 +20,7 @@ def test_a_trainers_iterators_are_not_freed_at_interpreter_exit(tmp_path):
     result = run("""
         import atexit, sys
         atexit.register(lambda: print("kept", sorted(type(i).__name__ for i in
-                                                     sys.modules["tputrain.process_exit"]._kept)))
+                                                     sys.modules["tputrain.runtime.process_exit"]._kept)))
         import tputrain
         import tensorflow as tf
         from tiny import TinyTask
@@ -38,7 +38,7 @@ def test_end_process_runs_exit_hooks_and_threads_then_skips_the_teardown(tmp_pat
     # A __del__ that only the interpreter's teardown would run: end_process skips it.
     result = run("""
         import atexit, sys, threading
-        from tputrain.process_exit import end_process
+        from tputrain.runtime.process_exit import end_process
 
         class Finalized:
             def __del__(self):
@@ -58,7 +58,7 @@ def test_end_process_runs_exit_hooks_and_threads_then_skips_the_teardown(tmp_pat
 
 def test_end_process_exits_as_sys_exit_does_with_a_message():
     result = run("""
-        from tputrain.process_exit import end_process
+        from tputrain.runtime.process_exit import end_process
         end_process("tputrain: error: a message")
     """)
     assert (result.returncode, result.stderr) == (1, "tputrain: error: a message\n")

@@ -19,8 +19,8 @@ import tensorflow as tf
 
 import tputrain
 from tiny import TinyTask, strategy_for
-from tputrain.export import feature_spec_of, signature_inputs
-from tputrain.sidecar import ReadOnlyTrainer, evaluate_checkpoints
+from tputrain.serving.export import feature_spec_of, signature_inputs
+from tputrain.jobs.sidecar import ReadOnlyTrainer, evaluate_checkpoints
 
 
 class SpecTask(TinyTask):
@@ -367,7 +367,7 @@ def test_a_failed_write_is_one_line_and_leaves_no_temp_folder(trained, tmp_path,
                                                               error, words):
     """A full disk or read-only model_dir gave TF's traceback and a partial *.tmp-* folder."""
     trainer = copy_of(trained, tmp_path)
-    monkeypatch.setattr(tputrain.export, "save_serving_model", failing_save(error))
+    monkeypatch.setattr(tputrain.serving.export, "save_serving_model", failing_save(error))
     with pytest.raises(OSError) as caught:
         tputrain.export_checkpoint(trainer)
     assert "\n" not in str(caught.value) and words in str(caught.value)
@@ -388,7 +388,7 @@ def test_a_full_disk_at_the_final_export_is_one_line_and_the_rerun_exports(
                                 actions=[tputrain.Export()])
 
     with monkeypatch.context() as patch:
-        patch.setattr(tputrain.export, "save_serving_model",
+        patch.setattr(tputrain.serving.export, "save_serving_model",
                       failing_save(OSError(errno.ENOSPC, "No space left on device")))
         capsys.readouterr()
         with pytest.raises(SystemExit) as caught:
@@ -441,7 +441,7 @@ def test_a_concurrent_export_of_the_same_step_is_not_an_error(trained, tmp_path,
     """Two `tputrain export --step=8` at once: the second rename failed (AlreadyExistsError
     traceback) and left a complete export/8.tmp-* behind."""
     trainer = copy_of(trained, tmp_path)
-    real = tputrain.export.save_serving_model
+    real = tputrain.serving.export.save_serving_model
     target = tmp_path / "run" / "export" / "8"
 
     def other_process_renames_first(model, inputs, path, examples=None):
@@ -449,7 +449,7 @@ def test_a_concurrent_export_of_the_same_step_is_not_an_error(trained, tmp_path,
         shutil.copytree(path, target)  # the other export's rename lands first
         return names
 
-    monkeypatch.setattr(tputrain.export, "save_serving_model", other_process_renames_first)
+    monkeypatch.setattr(tputrain.serving.export, "save_serving_model", other_process_renames_first)
     assert tputrain.export_checkpoint(trainer, step=8) == str(target)
     assert temps(tmp_path / "run" / "export") == []
 

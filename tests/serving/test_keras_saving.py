@@ -10,8 +10,8 @@ import pytest
 import tensorflow as tf
 
 from hub import lora_trainer, token_batch
-from tputrain.ema import averaged_weights
-from tputrain.keras_saving import (export_for_serving, load_keras_file, lora_layers,
+from tputrain.optim.ema import averaged_weights
+from tputrain.serving.keras_saving import (export_for_serving, load_keras_file, lora_layers,
                                    merged_copy, quantized_copy)
 
 pytestmark = pytest.mark.same_worker("keras_saving")
@@ -56,7 +56,7 @@ def test_a_merged_copy_has_no_lora_and_the_same_outputs():
 def test_a_gemma_backbone_merges_and_quantizes_too():
     """Keras-Hub's Gemma (grouped-query attention, no biases): LoRA leaves exactly the
     factors trainable; its merged copy computes the same logits."""
-    from tputrain.keras_saving import lora_variables
+    from tputrain.serving.keras_saving import lora_variables
     from tputrain.tasks.keras_hub_lm import KerasHubLMTask
 
     config = {"vocabulary_size": 100, "num_layers": 2, "num_query_heads": 2,

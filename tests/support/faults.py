@@ -419,7 +419,7 @@ def _install_file_events() -> None:
         return manager_save(self, checkpoint_number=checkpoint_number, **kwargs)
 
     tf.train.CheckpointManager.save = save
-    import tputrain.export as export
+    import tputrain.serving.export as export
 
     write = export.save_serving_model
     export.save_serving_model = lambda model, inputs, path, *a, **k: (

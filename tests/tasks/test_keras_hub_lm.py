@@ -10,10 +10,10 @@ import tputrain
 from hub import latest_values, lora_trainer, token_batch
 from tiny import strategy_for
 from tputrain.checkpoint import CheckpointMismatchError
-from tputrain.ema import averaged_weights
-from tputrain.export import restored_model
-from tputrain.keras_saving import lora_variables
-from tputrain.sidecar import ReadOnlyTrainer
+from tputrain.optim.ema import averaged_weights
+from tputrain.serving.export import restored_model
+from tputrain.serving.keras_saving import lora_variables
+from tputrain.jobs.sidecar import ReadOnlyTrainer
 
 pytestmark = pytest.mark.same_worker("keras_hub_lm")
 

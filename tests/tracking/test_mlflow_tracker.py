@@ -153,7 +153,7 @@ def test_kill_9_resume_and_tputrain_eval_are_one_run(tmp_path, server):
     run = client.get_run(run_id)
     assert run.data.params["DigitsTask.dropout"] == "0.1"
     assert run.data.params["plan/global_batch_size"] == "64"
-    assert run.data.tags["tputrain.export"].endswith("export/600")
+    assert run.data.tags["tputrain.serving.export"].endswith("export/600")
     assert {"operative_config.gin", "goodput.txt"} <= {
         a.path for a in client.list_artifacts(run_id)}
 

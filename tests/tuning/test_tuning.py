@@ -94,7 +94,7 @@ def test_the_spec_parses_as_a_vertex_hyperparameter_tuning_job():
     """Acceptance 5: the same spec as the service's message; the trials run the CustomJob
     without a fixed model_dir, naming the metric; a trial's values come back as gin."""
     aiplatform_v1 = pytest.importorskip("google.cloud.aiplatform_v1")
-    from tputrain import vertex
+    from tputrain.jobs import vertex
     from tputrain.tuning.vertex_job import build_tuning_job, hyperparameter_args
 
     custom = vertex.build_job(

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from tputrain.context import ActionContext
+from tputrain.runtime.context import ActionContext
 
 
 class Action:
     """Base class: every hook is a no-op. `logs` are plain floats.
 
-    Each hook gets the run's `ActionContext` first (tputrain/context.py): the step,
+    Each hook gets the run's `ActionContext` first (tputrain/runtime/context.py): the step,
     strategy, model, optimizer, checkpointer, progress and plan, `agree` across
     hosts and `stop(reason)`. Reading other Trainer attributes through it still
     works, with a DeprecationWarning.

@@ -6,12 +6,13 @@ from typing import Mapping
 
 from absl import logging
 
-from tputrain import goodput, tracing
+from tputrain.observe import goodput
+from tputrain.loop import tracing
 from tputrain.actions.base import Action
-from tputrain.context import ActionContext
-from tputrain.flops import (MEASURED_CPU, count_flops, peak_flops, peak_kind, raise_cpu_peak,
+from tputrain.runtime.context import ActionContext
+from tputrain.observe.flops import (MEASURED_CPU, count_flops, peak_flops, peak_kind, raise_cpu_peak,
                             specs_of)
-from tputrain.remat import remat_disabled
+from tputrain.loop.remat import remat_disabled
 
 
 class MFUAction(Action):
@@ -54,7 +55,7 @@ class MFUAction(Action):
 
 
 def count_flops_per_step(context: ActionContext) -> float:
-    """Training FLOPs of one step over all replicas (see `tputrain.flops`)."""
+    """Training FLOPs of one step over all replicas (see `tputrain.observe.flops`)."""
     task = context.task
     analytic = task.flops_per_example()
     if analytic is not None:

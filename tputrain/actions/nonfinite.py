@@ -7,8 +7,8 @@ from typing import Mapping
 from absl import logging
 
 from tputrain.actions.base import Action
-from tputrain.context import ActionContext
-from tputrain.guard import NonFiniteError
+from tputrain.runtime.context import ActionContext
+from tputrain.fault_tolerance.guard import NonFiniteError
 
 
 class NonFinitePolicyAction(Action):

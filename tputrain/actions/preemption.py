@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from tputrain.actions.base import Action
-from tputrain.context import ActionContext
+from tputrain.runtime.context import ActionContext
 
 
 class PreemptionAction(Action):

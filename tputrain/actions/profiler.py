@@ -9,7 +9,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.actions.base import Action
-from tputrain.context import ActionContext
+from tputrain.runtime.context import ActionContext
 from tputrain.distribution.communication import collective_share
 
 

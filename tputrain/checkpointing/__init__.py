@@ -32,7 +32,7 @@ Integrity, in the order things can go wrong:
   stops with `CheckpointMismatchError`, naming the mismatched variables, instead
   of silently falling back or loading half of it.
 * A checkpoint written under another input layout (replicas, hosts, global
-  batch: `tputrain.input_layout`) is not "corrupt" either: its data iterator
+  batch: `tputrain.checkpointing.input_layout`) is not "corrupt" either: its data iterator
   cannot feed this run's batches, so it is left out and `reposition` moves the
   fresh one past the examples consumed (a Checkpointer without `reposition`
   refuses it with `InputLayoutError`). Checkpoints from before layouts were
@@ -45,7 +45,7 @@ Integrity, in the order things can go wrong:
   Everything else (weights, slots, step, data position, RNG) comes from the
   checkpoint.
 * `ckpt-<step>_temp*` folders left by a killed write are removed when the
-  writer restores (one process owns model_dir: see `tputrain.lock`).
+  writer restores (one process owns model_dir: see `tputrain.fault_tolerance.lock`).
 
 Where each part lives: `manager` (`Checkpointer`: cadence, keep-N, restore),
 `files` (the state file and the files on disk), `integrity` (another model's
@@ -55,5 +55,31 @@ host's data position), `config_owned` (hyper-parameters the config decides),
 `async_writer` (`async_save=True`) and `seeds` (Keras' seed generators);
 `run_directory` (`RunDirectory`: every path of a model_dir, its layout) and `atomic`
 (`write_atomically`: every file written whole, the package's only rename).
-`tputrain.checkpoint` re-exports the public names.
+The public names below are importable from here (and from the old path
+`tputrain.checkpoint`), loaded at first use so that the package itself stays light.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Public name -> the module defining it (what `tputrain.checkpoint` exported).
+_NAMES = {
+    "CheckpointList": "files", "list_checkpoints": "files",
+    "CheckpointMismatchError": "integrity", "InputLayoutError": "integrity",
+    "NonFiniteStateError": "integrity", "describe_mismatch": "integrity",
+    "Checkpointer": "manager", "UNREADABLE_ERRORS": "recovery",
+    "first_readable": "recovery", "read_newest": "recovery",
+    "seed_generator_states": "seeds",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NAMES:
+        raise AttributeError(f"module 'tputrain.checkpointing' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"tputrain.checkpointing.{_NAMES[name]}"), name)
+    globals()[name] = value
+    return value

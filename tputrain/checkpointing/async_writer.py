@@ -23,7 +23,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.checkpointing.files import first_line, is_disk_full, listed
-from tputrain.validate import ModelDirError
+from tputrain.runtime.validate import ModelDirError
 
 
 class AsyncWriter:

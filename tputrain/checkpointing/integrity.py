@@ -11,8 +11,8 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
-from tputrain import tracing
-from tputrain.input_layout import KEY as LAYOUT_KEY
+from tputrain.loop import tracing
+from tputrain.checkpointing.input_layout import KEY as LAYOUT_KEY
 
 # Keys every TF2 checkpoint has besides the objects it saves (the input layout:
 # older checkpoints lack it, and it describes the run, it is not restored).
@@ -147,7 +147,7 @@ def _float_variables(trackables: Iterable[Any]) -> list[Any]:
 def _every_value_finite(variables: list[Any]) -> tf.Tensor:
     """Whether every value of every variable is finite, element by element.
 
-    Not the guard's checks (`tputrain.guard`), whose float32 sums (of squares)
+    Not the guard's checks (`tputrain.fault_tolerance.guard`), whose float32 sums (of squares)
     overflow for large finite weights (or one float64 weight above 3.4e38),
     which for a gradient is as bad, but here would refuse to save a good state.
     """

@@ -1,7 +1,7 @@
 """The input layout saved with every checkpoint, and a restore under another one.
 
 A checkpoint written under another input layout (replicas, hosts, global batch:
-`tputrain.input_layout`) is not corrupt: its data iterator cannot feed this
+`tputrain.checkpointing.input_layout`) is not corrupt: its data iterator cannot feed this
 run's batches, so it is left out and `reposition` moves the fresh one past the
 examples consumed (without `reposition` it is refused with `InputLayoutError`).
 Checkpoints from before layouts were recorded restore as before.
@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 from absl import logging
 
 from tputrain.checkpointing.integrity import VARIABLE_SUFFIX, InputLayoutError
-from tputrain.input_layout import KEY, InputLayout, LayoutChange
+from tputrain.checkpointing.input_layout import KEY, InputLayout, LayoutChange
 
 
 class LayoutRecord:

@@ -24,7 +24,7 @@ from tputrain.checkpointing.integrity import (ACTION_STATE, SHOW, CheckpointMism
 from tputrain.checkpointing.layout import LayoutRecord
 from tputrain.checkpointing.model_variables import ROOT as MODEL_VARIABLES, has_root
 from tputrain.checkpointing.recovery import newest_readable, tidy_after_restore
-from tputrain.input_layout import InputLayout, LayoutChange, saved_layout
+from tputrain.checkpointing.input_layout import InputLayout, LayoutChange, saved_layout
 
 
 class Checkpointer:
@@ -51,7 +51,7 @@ class Checkpointer:
         commits the step (after `barrier`), and restores its own.
       host: `(index, count)` of this host.
       barrier: on several hosts, returns once every host has called it.
-      input_layout: how a step's batch is split (`tputrain.input_layout`); saved with
+      input_layout: how a step's batch is split (`tputrain.checkpointing.input_layout`); saved with
         every checkpoint, so that `per_host` state saved under another layout is
         recognised instead of failing to restore (or restoring batches of the old shape).
       reposition: called with the `LayoutChange` when the checkpoint's layout differs

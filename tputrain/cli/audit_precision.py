@@ -23,10 +23,10 @@ import tensorflow as tf
 from absl import flags
 
 from tputrain.checkpointing.run_directory import RunDirectory
-from tputrain.configurables import audit_precision  # the gin-configured one
+from tputrain.config.registry import audit_precision  # the gin-configured one
 from tputrain.cli.common import (GIN_FLAGS, configured_task, define_gin_flags, fail, list_in_help,
                                  parse_gin_flags, reject_arguments, run_command)
-from tputrain.config import ConfigError
+from tputrain.config.parsing import ConfigError
 from tputrain.task import Task
 
 FLAGS = flags.FLAGS

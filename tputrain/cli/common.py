@@ -10,8 +10,8 @@ import gin
 from absl import app, flags, logging
 
 from tputrain.checkpointing.run_directory import RunDirectory
-from tputrain.config import ConfigError, parse_gin, require_bound
-from tputrain.configurables import configure_devices
+from tputrain.config.parsing import ConfigError, parse_gin, require_bound
+from tputrain.config.registry import configure_devices
 from tputrain.task import Task
 from tputrain.trainer import Trainer
 
@@ -144,7 +144,7 @@ def build_trainer(model_dir: str | None = None,
     """The gin-configured Trainer (inputs validated before anything is written) in
     `model_dir`; when None, in Vertex AI's $AIP_CHECKPOINT_DIR if set (a job's output
     must outlive its machine), else in the config's `Trainer.model_dir`. Commands that
-    only read a run pass `trainer_class=tputrain.sidecar.ReadOnlyTrainer`."""
+    only read a run pass `trainer_class=tputrain.jobs.sidecar.ReadOnlyTrainer`."""
     if model_dir is None and os.environ.get(VERTEX_CHECKPOINT_DIR):
         model_dir = os.environ[VERTEX_CHECKPOINT_DIR]
         logging.info("tputrain: model_dir %s (from $%s)", model_dir, VERTEX_CHECKPOINT_DIR)

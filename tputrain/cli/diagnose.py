@@ -22,7 +22,7 @@ largest share and at least 30%; otherwise input if the stall is 5% or more;
 otherwise compute. The advice names the knobs for that case. On several
 workers run it through the launcher (`tputrain launch --workers 2 diagnose
 --gin_file=F`) or on every host: each host prints its own report.
-`python -m tputrain.diagnose` runs the same.
+`python -m tputrain.jobs.diagnose` runs the same.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from absl import flags, logging
 
 from tputrain.cli.common import (GIN_FLAGS, build_trainer, define_gin_flags, list_in_help,
                                  parse_gin_flags, reject_arguments, run_command)
-from tputrain.diagnose import diagnose
+from tputrain.jobs.diagnose import diagnose
 
 FLAGS = flags.FLAGS
 

@@ -3,7 +3,7 @@
 Builds the run's model from its config (by default the `operative_config.gin`
 that `tputrain run` left in model_dir; a side-car started with the training
 passes the run's own --gin_file and --gin_param) as a `ReadOnlyTrainer`, which
-neither locks model_dir nor writes to it except `eval/` (tputrain/sidecar.py),
+neither locks model_dir nor writes to it except `eval/` (tputrain/jobs/sidecar.py),
 and evaluates the latest checkpoint, `--step`'s, or with `--continuous` each new
 one once as it appears, until the one at `Trainer.train_steps`. Eval summaries
 go to `model_dir/eval/` at the checkpoint's step (`eval/<set>/` for each of
@@ -27,7 +27,7 @@ from absl import flags, logging
 from tputrain.cli.common import (EXIT_BAD_INPUT, EXIT_TRAINING_FAILED, GIN_FLAGS, build_trainer,
                                  default_operative_config, define_gin_flags, error_message, fail,
                                  list_in_help, parse_gin_flags, reject_arguments, run_command)
-from tputrain.sidecar import Metrics, NoNewCheckpointError, ReadOnlyTrainer, evaluate_checkpoints
+from tputrain.jobs.sidecar import Metrics, NoNewCheckpointError, ReadOnlyTrainer, evaluate_checkpoints
 from tputrain.tracking import Tracker
 from tputrain.trainer import Trainer
 

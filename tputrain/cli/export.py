@@ -1,9 +1,9 @@
 """`tputrain export --model_dir=DIR [--gin_file=F] [--step=N]`: a checkpoint to a SavedModel.
 
 Builds the run's Trainer from its config (by default the `operative_config.gin`
-that `tputrain run` left in model_dir) as a `ReadOnlyTrainer` (tputrain/sidecar.py),
+that `tputrain run` left in model_dir) as a `ReadOnlyTrainer` (tputrain/jobs/sidecar.py),
 so it also exports beside a running training job; reads a checkpoint into a fresh copy of
-the model and writes a SavedModel (`tputrain.export`): the best checkpoint if
+the model and writes a SavedModel (`tputrain.serving.export`): the best checkpoint if
 the config has a `BestCheckpoint` action, else the latest, or `--step`. The
 SavedModel goes to `--export_dir`, else `$AIP_MODEL_DIR` (Vertex AI), else
 `model_dir/export/<step>/`; its path is printed on stdout. Exits 2 when there
@@ -12,7 +12,7 @@ is no such checkpoint or the config is bad.
 For a LoRA fine-tuned model (docs/keras_hub.md), `--lora=merge` merges the LoRA
 factors into the kernels, `--keras` also writes a `.keras` file, and
 `--quantize=int8` also writes the int8 model and prints the eval metrics of
-float32 and int8 (`tputrain.keras_saving.export_for_serving`).
+float32 and int8 (`tputrain.serving.keras_saving.export_for_serving`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from absl import flags, logging
 from tputrain.cli.common import (EXIT_BAD_INPUT, GIN_FLAGS, build_trainer, default_operative_config,
                                  define_gin_flags, error_message, fail, list_in_help,
                                  parse_gin_flags, reject_arguments, run_command)
-from tputrain.export import export_checkpoint
-from tputrain.keras_saving import LORA_CHOICES, QUANTIZE_CHOICES, export_for_serving
-from tputrain.sidecar import ReadOnlyTrainer
+from tputrain.serving.export import export_checkpoint
+from tputrain.serving.keras_saving import LORA_CHOICES, QUANTIZE_CHOICES, export_for_serving
+from tputrain.jobs.sidecar import ReadOnlyTrainer
 
 FLAGS = flags.FLAGS
 

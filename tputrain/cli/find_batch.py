@@ -26,9 +26,9 @@ from absl import flags, logging
 from tputrain.cli.common import (EXIT_TRAINING_FAILED, GIN_FLAGS, configured_task,
                                  define_gin_flags, fail, list_in_help, parse_gin_flags,
                                  reject_arguments, run_command)
-from tputrain.config import ConfigError
-from tputrain.batch_finder import find_batch
-from tputrain.schedules import LR_RULES
+from tputrain.config.parsing import ConfigError
+from tputrain.jobs.batch_finder import find_batch
+from tputrain.optim.schedules import LR_RULES
 from tputrain.trainer import Trainer
 
 FLAGS = flags.FLAGS

@@ -6,7 +6,7 @@ up to its last loop) and prints, for every run and in total: start-up by phase,
 compilation, productive steps, input stall, communication, evaluation, checkpoint
 saves, the steps recomputed after a restart, restart overhead, the time between
 runs and the rest, as seconds and shares of the wall time that add up to 100%
-(tputrain/goodput.py; docs/performance.md#goodput). Instead of --model_dir, the
+(tputrain/observe/goodput.py; docs/performance.md#goodput). Instead of --model_dir, the
 gin config that trained the job names it (`Trainer.model_dir`).
 """
 
@@ -19,8 +19,8 @@ from absl import app, flags, logging
 
 from tputrain.cli.common import (GIN_FLAGS, define_gin_flags, fail, list_in_help, parse_gin_flags,
                                  reject_arguments, run_command)
-from tputrain.config import ConfigError, require_bound
-from tputrain.goodput import account, format_account
+from tputrain.config.parsing import ConfigError, require_bound
+from tputrain.observe.goodput import account, format_account
 
 FLAGS = flags.FLAGS
 

@@ -21,7 +21,7 @@ from types import ModuleType
 
 from absl import flags  # light: no TensorFlow
 
-from tputrain.process_exit import end_process
+from tputrain.runtime.process_exit import end_process
 
 DEFAULT_COMMAND = "run"  # `tputrain --gin_file=...` trains
 

@@ -4,7 +4,7 @@ Builds the run's model from its config (by default the `operative_config.gin`
 that `tputrain run` left in model_dir) as a `ReadOnlyTrainer`, which neither
 locks model_dir nor writes to it, reads the latest checkpoint (or `--step`'s),
 and writes every example's outputs of `--input` (a split of the task, default
-"eval", or a TFRecord glob: `tputrain.predict`), exactly once and in input
+"eval", or a TFRecord glob: `tputrain.jobs.predict`), exactly once and in input
 order, as float32 whatever the training precision. A line every --log_every
 batches shows the examples/s.
 
@@ -30,8 +30,8 @@ from tputrain.checkpointing.atomic import atomic_path
 from tputrain.cli.common import (EXIT_BAD_INPUT, GIN_FLAGS, build_trainer,
                                  default_operative_config, define_gin_flags, error_message, fail,
                                  list_in_help, parse_gin_flags, reject_arguments, run_command)
-from tputrain.predict import Outputs
-from tputrain.sidecar import ReadOnlyTrainer
+from tputrain.jobs.predict import Outputs
+from tputrain.jobs.sidecar import ReadOnlyTrainer
 
 FLAGS = flags.FLAGS
 FORMATS = (".npz", ".npy")

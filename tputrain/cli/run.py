@@ -19,16 +19,16 @@ from tputrain.checkpointing.recovery import UnreadableCheckpointError
 from tputrain.cli.common import (EXIT_BAD_INPUT, EXIT_TRAINING_FAILED, GIN_FLAGS, build_trainer,
                                  define_gin_flags, error_message, fail, list_in_help,
                                  parse_gin_flags, reject_arguments, run_command)
-from tputrain.compile_cache import CompileCacheError
-from tputrain.configurables import join_watchdog  # the gin-configurable one
-from tputrain.config import write_operative_config
+from tputrain.loop.compile_cache import CompileCacheError
+from tputrain.config.registry import join_watchdog  # the gin-configurable one
+from tputrain.config.parsing import write_operative_config
 from tputrain.data import CorruptRecordError, FeatureSpecError
-from tputrain.guard import NonFiniteError
+from tputrain.fault_tolerance.guard import NonFiniteError
 from tputrain.distribution.launch import watch_launcher
-from tputrain.preemption import PREEMPTED_EXIT_CODE, ExitOnSignal
+from tputrain.fault_tolerance.preemption import PREEMPTED_EXIT_CODE, ExitOnSignal
 from tputrain.trainer import Trainer
 from tputrain.tuning.vertex_job import hyperparameter_args
-from tputrain.validate import InputDataError, ModelDirError
+from tputrain.runtime.validate import InputDataError, ModelDirError
 
 FLAGS = flags.FLAGS
 

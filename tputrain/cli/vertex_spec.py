@@ -22,7 +22,7 @@ import sys
 from absl import flags
 
 from tputrain.cli.common import define_gin_flags, list_in_help, reject_arguments, run_command
-from tputrain.vertex import (Hardware, SpecError, build_job, check_bucket, container_args,
+from tputrain.jobs.vertex import (Hardware, SpecError, build_job, check_bucket, container_args,
                              default_display_name, gpu_hardware, num_replicas, submit,
                              tpu_hardware, validate_config)
 from tputrain.tuning.spec import SpecError as TuningSpecError

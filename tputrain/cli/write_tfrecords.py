@@ -17,7 +17,7 @@ from absl import app, flags, logging
 from tputrain.cli.common import list_in_help, reject_arguments, run_command
 from tputrain.data import write_tfrecords
 from tputrain.data.manifest import manifest_path
-from tputrain.write_tfrecords_cli import check_output_prefix, read_input
+from tputrain.data.arrays import check_output_prefix, read_input
 
 FLAGS = flags.FLAGS
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tputrain.checks import check_int, per_replica_batch
+from tputrain.runtime.checks import check_int, per_replica_batch
 
 
 class InputContext(tf.distribute.InputContext):

@@ -2,7 +2,7 @@
 caches, parallelises its maps, prefetches or uses the tf.data service.
 
 `tputrain diagnose` advises a knob only when the pipeline does not already turn it
-(`tputrain.diagnose`): advice to cache a pipeline that serves its batches from RAM
+(`tputrain.jobs.diagnose`): advice to cache a pipeline that serves its batches from RAM
 misleads. The stages are the dataset objects upstream of the one given
 (`Dataset._inputs()`, as `tputrain.data.external_state` walks them) and the
 dataset ops inside their functions (files read inside an `interleave`).

@@ -31,7 +31,7 @@ file and says why it is not a TFRecord: narrow the glob.
 The records must hold what `features` asks for. When the shards have a
 manifest (given, matched by the glob, or next to writer-named shards) the
 spec is compared with it before anything is read; otherwise a mismatch
-found by `tputrain.validate.probe_inputs` (the Trainer's pre-flight) names
+found by `tputrain.runtime.validate.probe_inputs` (the Trainer's pre-flight) names
 the file, record and feature. Either way it is a `FeatureSpecError`.
 """
 
@@ -47,8 +47,8 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.data.bad_records import explain_data_loss, read_skipping_corrupt, register_files
-from tputrain import tracing
-from tputrain.checks import check_bool, check_int
+from tputrain.loop import tracing
+from tputrain.runtime.checks import check_bool, check_int
 from tputrain.data.batching import BatchedInput, in_memory_batches, pad_to_batch, split_label
 from tputrain.data.context import InputContext
 from tputrain.data.empty_input import (NO_BATCH, EmptyInputError, check_not_all_empty, count,

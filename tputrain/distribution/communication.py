@@ -161,7 +161,7 @@ def measure_allreduce(strategy: tf.distribute.Strategy, variables: Sequence[tf.V
     the difference of their medians over n - 1 is one all-reduce without the
     call's overhead, which a training loop pays once per loop, not per step. When
     the difference drowns in noise (not above 0), n grows 8x, at most twice.
-    `clock`: the time source (`tputrain.diagnose.diagnose`'s).
+    `clock`: the time source (`tputrain.jobs.diagnose.diagnose`'s).
     """
     loop, one = allreduce_loop(strategy, variables, dtype), tf.constant(1)
     float(loop(one))  # traced, not timed

@@ -31,10 +31,10 @@ from typing import Iterator, NamedTuple
 import tensorflow as tf
 from absl import logging
 
-from tputrain.builders import configured
+from tputrain.config.builders import configured
 from tputrain.distribution.cluster import read_tf_config
 from tputrain.distribution.communication import CommunicationOptions
-from tputrain.console import default_progress
+from tputrain.observe.console import default_progress
 
 VALID_STRATEGIES = ("tpu", "multi_worker", "mirrored", "one_device", "cpu")
 
@@ -129,7 +129,7 @@ def split_cpu(num_devices: int) -> None:
 
 def configure_devices() -> None:
     """Applies a parsed gin config's `split_cpu.num_devices`; moved with the rest of
-    gin to `tputrain.configurables.configure_devices` (this name keeps working)."""
+    gin to `tputrain.config.registry.configure_devices` (this name keeps working)."""
     # The gin registry installs the configured one when it loads; before, nothing is bound.
     configured("configure_devices", lambda: None)()
 

@@ -30,10 +30,10 @@ from typing import Any, Callable
 import tensorflow as tf
 from absl import logging
 
-from tputrain import tracing
+from tputrain.loop import tracing
 from tputrain.distribution.strategy import without_gpus
-from tputrain.ema import ExponentialAverage
-from tputrain.guard import NonFiniteGuard
+from tputrain.optim.ema import ExponentialAverage
+from tputrain.fault_tolerance.guard import NonFiniteGuard
 from tputrain.loop.convolutions import has_convolutions
 from tputrain.loop.inputs import Inputs, zeros_of
 from tputrain.loop.step import StepBuilder, steps_program

@@ -12,12 +12,12 @@ from typing import Any, Mapping
 
 import tensorflow as tf
 
-from tputrain import tracing
+from tputrain.loop import tracing
 from tputrain.data import InputContext
 from tputrain.data.batching import check_static, label_key_of
 from tputrain.data.external_state import checkpointable
 from tputrain.data.mixture import mixture_sources
-from tputrain.input_layout import InputLayout, LayoutChange
+from tputrain.checkpointing.input_layout import InputLayout, LayoutChange
 from tputrain.loop.source_counts import SourceCounter, without_source
 from tputrain.options import INPUT_MODES as OPTION_INPUT_MODES
 from tputrain.task import Task
@@ -103,7 +103,7 @@ class Inputs:
     """Builds this host's datasets and iterators, and distributes their batches."""
 
     def __init__(self, task: Task, strategy: tf.distribute.Strategy, plan: Any):
-        """`plan`: the run's `tputrain.plan.RunPlan` (batch split, hosts, input mode)."""
+        """`plan`: the run's `tputrain.runtime.plan.RunPlan` (batch split, hosts, input mode)."""
         self.task = task
         self.strategy = strategy
         self.plan = plan  # read, never copied: the batch split, hosts, input mode

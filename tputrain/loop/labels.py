@@ -3,7 +3,7 @@
 A float label column with a NaN trained without a word: sparse cross-entropy casts
 labels to integers, so the NaN became some class; an id past the model's classes
 fails on a CPU but gathers garbage on accelerators. The pre-flight already reads
-the first batch of each split (`tputrain.validate.probe_inputs`); its labels are
+the first batch of each split (`tputrain.runtime.validate.probe_inputs`); its labels are
 checked here on the host, once the model says how many classes it has: the cost
 is a NumPy pass over one batch of labels, nothing per step.
 

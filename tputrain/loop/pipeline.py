@@ -15,7 +15,7 @@ and under a masked update its writes are the guard's (`NonFiniteGuard.select_app
 In the order the code reads:
 1. reduce: in replica context on N replicas, the gradients are summed once
    (`tputrain.distribution.allreduce`), so clipping, weight decay and the check see the sum;
-2. check: the NaN/Inf guard's verdict (`tputrain.guard`): a conditional around the
+2. check: the NaN/Inf guard's verdict (`tputrain.fault_tolerance.guard`): a conditional around the
    update, or, in an XLA program, a select on each of its writes;
 3. apply: the optimizer's own `apply`, on each device as one XLA program when the
    plan says so (`tputrain.loop.update`).
@@ -28,9 +28,9 @@ from typing import Any, Iterable
 import keras
 import tensorflow as tf
 
-from tputrain import tracing
+from tputrain.loop import tracing
 from tputrain.distribution.allreduce import all_reduce_sum, summed_already
-from tputrain.guard import NonFiniteGuard
+from tputrain.fault_tolerance.guard import NonFiniteGuard
 from tputrain.loop.update import apply_on_each_device
 
 class UpdatePipeline(keras.optimizers.Optimizer):

@@ -17,9 +17,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tputrain import tracing
+from tputrain.loop import tracing
 from tputrain.checkpointing.seeds import seed_generator_states
-from tputrain.flops import count_graph_flops, live_graph_ops
+from tputrain.observe.flops import count_graph_flops, live_graph_ops
 from tputrain.loop.source_counts import without_source
 
 # Above this many random numbers a forward FLOP the step runs without XLA on a CPU.

@@ -25,16 +25,16 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tputrain import tracing
-from tputrain.guard import NonFiniteGuard
+from tputrain.loop import tracing
+from tputrain.fault_tolerance.guard import NonFiniteGuard
 from tputrain.loop.batch_norm import fused_call as fused_batch_norm_call
 from tputrain.loop.inputs import zeros_of
 from tputrain.loop.pipeline import UpdatePipeline
 from tputrain.loop.replica_stats import forward_state
 from tputrain.loop.source_counts import SourceCounter
 from tputrain.loop.xla_plan import XlaPlan
-from tputrain.model_state import ModelState
-from tputrain.plan import RunPlan
+from tputrain.runtime.model_state import ModelState
+from tputrain.runtime.plan import RunPlan
 from tputrain.task import Task, overrides, unpack_batch
 
 

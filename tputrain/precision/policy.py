@@ -23,8 +23,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tputrain import tracing
-from tputrain.console import default_progress
+from tputrain.loop import tracing
+from tputrain.observe.console import default_progress
 
 VALID_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 
@@ -60,7 +60,7 @@ def set_precision_policy(
 
 def resolve_precision(name: str | None, strategy: tf.distribute.Strategy) -> str:
     """The one place a run's precision is set: `PrecisionOptions.policy` (a gin
-    `set_precision_policy.name` is its deprecated alias, `tputrain.configurables`),
+    `set_precision_policy.name` is its deprecated alias, `tputrain.config.registry`),
     else the hardware default."""
     return set_precision_policy(name, strategy=strategy)
 

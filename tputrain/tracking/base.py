@@ -28,12 +28,12 @@ from typing import Any, Mapping
 import tensorflow as tf
 from absl import logging
 
-from tputrain import goodput
+from tputrain.observe import goodput
 from tputrain.actions.base import Action
-from tputrain.best import best_record
+from tputrain.actions.best import best_record
 from tputrain.checkpointing.run_directory import RunDirectory
-from tputrain.config_summary import config_text
-from tputrain.context import ActionContext
+from tputrain.actions.config_summary import config_text
+from tputrain.runtime.context import ActionContext
 from tputrain.tracking.record import prefixed, read_record, run_params, write_record
 from tputrain.tracking.sender import Sender
 
@@ -184,7 +184,7 @@ def references(model_dir: str) -> dict[str, str]:
     exports = [path for path in tf.io.gfile.glob(RunDirectory(model_dir).export_version("*"))
                if os.path.basename(path).isdigit()]
     if exports:
-        tags["tputrain.export"] = max(exports, key=lambda path: int(os.path.basename(path)))
+        tags["tputrain.serving.export"] = max(exports, key=lambda path: int(os.path.basename(path)))
     best = best_record(model_dir)
     if best is not None:
         tags["tputrain.best_checkpoint"] = best["checkpoint"]

@@ -12,8 +12,8 @@ from typing import Any, Mapping
 
 import tensorflow as tf
 
-from tputrain.config_summary import run_hparams
-from tputrain.context import ActionContext
+from tputrain.actions.config_summary import run_hparams
+from tputrain.runtime.context import ActionContext
 from tputrain.checkpointing.atomic import write_atomically
 from tputrain.checkpointing.run_directory import RunDirectory
 

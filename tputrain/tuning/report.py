@@ -20,8 +20,8 @@ import time
 from typing import Mapping
 
 from tputrain.actions.base import Action
-from tputrain.context import ActionContext
-from tputrain.goodput import write_atomically
+from tputrain.runtime.context import ActionContext
+from tputrain.observe.goodput import write_atomically
 from tputrain.loop.eval_sets import log_keys
 
 METRIC_ENV = "TPUTRAIN_TUNE_METRIC"

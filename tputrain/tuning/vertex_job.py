@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from tputrain.tuning.report import METRIC_ENV
 from tputrain.tuning.spec import Param, TuningSpec, gin_literal
-from tputrain.vertex import SpecError as VertexSpecError
+from tputrain.jobs.vertex import SpecError as VertexSpecError
 
 _ARG = re.compile(r"^--([A-Za-z_]\w*__\w+)=(.*)$", re.S)
 SCOPE = "___"  # a gin scope's "/" in a parameter id

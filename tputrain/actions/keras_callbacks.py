@@ -1,0 +1,218 @@
+"""Keras callbacks run by the Trainer: an Action calling them at loop and eval ends.
+
+A multi-step loop has no per-batch host call, so the hooks map as follows (an
+*epoch* is the span between two evaluations, `eval_every` steps; the whole run
+when `eval_every` is None):
+
+- `on_train_begin`: once per `train()`, after the restore;
+- `on_epoch_begin(step // eval_every)`: at the start and after each evaluation;
+- `on_train_batch_end(last step, loop logs)`: after each compiled loop;
+- `on_test_begin`, `on_test_end(eval logs)`: both after each evaluation;
+- `on_epoch_end(epoch, logs)`: after each evaluation, the last loop's train
+  metrics and the eval metrics as `val_*`, as `fit` gives them;
+- `on_train_end(final eval logs)`: when `train()` ends.
+
+Per-batch hooks (`on_train_batch_begin`, `on_test_batch_*`, `on_predict_*`) are
+never called. Setting `model.stop_training` stops the run at the next loop end
+(after its save). `model.optimizer` is the Trainer's optimizer: a learning rate
+a callback sets is read by the compiled step and saved and restored with every
+checkpoint (`owns_learning_rate`).
+
+The callbacks carry on over a resume (a kill -9 included): their state
+(`keras_callback_state`), the last evaluation they were given and whether they
+stopped the run are saved inside every checkpoint and set back after
+`on_train_begin`. An evaluation the restored state has not seen (the final one
+comes after the last save; a kill can fall between an evaluation and its save) is
+given to them again by the Controller (`eval_recorded`); one it has seen is not.
+A rerun of a finished run replays the end (`on_train_end`) from that state, so
+e.g. EarlyStopping's best weights come back into the model again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import keras
+import numpy as np
+from absl import logging
+
+from tputrain.actions import Action
+from tputrain.runtime.context import ActionContext
+from tputrain.actions.keras_callback_state import (CheckpointedState, after_train_begin,
+                                           before_train_begin, state_of)
+
+
+_LOOP_ONLY = ("learning_rate",)  # fit's epoch logs hold only what the metrics say
+
+
+class _CallbackModel:
+    """What callbacks see as `self.model`: the Trainer's optimizer, a `stop_training`
+    flag, and what Keras's built-in callbacks read of a model (weights, saving,
+    layers, metrics), from the trained model (`model`, not compiled). What a
+    callback sets on it (`History` sets `history`) stays here: the user's model is
+    left as it is."""
+
+    def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer):
+        self.model, self.optimizer = model, optimizer
+        self.stop_training = False
+        self.history: Any = None
+        self.train_function = None  # no compiled Keras train function (TensorBoard asks)
+
+    @property
+    def layers(self) -> list[keras.layers.Layer]:
+        return self.model.layers
+
+    @property
+    def metrics(self) -> list[keras.metrics.Metric]:
+        return self.model.metrics
+
+    @property
+    def trainable_variables(self) -> list[keras.Variable]:
+        return self.model.trainable_variables
+
+    @property
+    def built(self) -> bool:
+        return self.model.built
+
+    def get_weights(self) -> list[Any]:
+        return self.model.get_weights()
+
+    def set_weights(self, weights: Sequence[Any]) -> None:
+        self.model.set_weights(weights)
+
+    def save(self, filepath: str, **kwargs: Any) -> None:
+        self.model.save(filepath, **kwargs)
+
+    def save_weights(self, filepath: str, **kwargs: Any) -> None:
+        self.model.save_weights(filepath, **kwargs)
+
+    def load_weights(self, filepath: str, **kwargs: Any) -> None:
+        self.model.load_weights(filepath, **kwargs)
+
+
+class KerasCallbacks(Action):
+    """Runs `keras.callbacks.Callback`s at the Trainer's loop and eval boundaries
+    (the mapping is in this module's docstring and docs/tasks.md)."""
+
+    owns_learning_rate = True  # e.g. ReduceLROnPlateau: its value is the checkpoint's
+
+    def __init__(self, callbacks: Sequence[keras.callbacks.Callback]):
+        self.callbacks = list(callbacks)
+        for callback in self.callbacks:
+            if not isinstance(callback, keras.callbacks.Callback):
+                raise TypeError(f"KerasCallbacks takes keras.callbacks.Callback instances, "
+                                f"got {type(callback).__name__}")
+        self._list: keras.callbacks.CallbackList | None = None
+        self._model: _CallbackModel | None = None
+        self._train_logs: dict[str, float] = {}
+        self._metric_names: set[str] = set()
+        self._last_eval: int | None = None  # the step of the last evaluation given to them
+        self._stopped_at: int | None = None  # the step at which one stopped the run
+        self._state = CheckpointedState(self._gather)
+        self.weights_changed = False  # by the callbacks' on_train_end (see on_train_end)
+
+    def checkpoint_state(self) -> CheckpointedState:
+        return self._state
+
+    def _gather(self) -> dict[str, Any]:
+        """What a checkpoint saves of the callbacks (at the save, on the training thread)."""
+        return {"last_eval": self._last_eval, "stopped_at": self._stopped_at,
+                "train_logs": self._train_logs,  # the epoch's, for an evaluation given again
+                "callbacks": [[type(c).__name__, state_of(c)] for c in self.callbacks]}
+
+    def on_train_begin(self, context: ActionContext, step: int) -> None:
+        self._start(context, step)
+        every = context.plan.eval_every
+        pending = every and step and step % every == 0 and not self._recorded(step)
+        if not (pending or self._model.stop_training):  # else the Controller gives them
+            self._list.on_epoch_begin(step // (every or context.plan.train_steps))  # its eval
+        self._stop_if_asked(context)
+
+    def _start(self, context: ActionContext, step: int) -> None:
+        """The callback list, `on_train_begin`, and the restored state set back after it."""
+        self._model = _CallbackModel(context.model, context.optimizer)
+        every = context.plan.eval_every or context.plan.train_steps
+        self._list = keras.callbacks.CallbackList(
+            self.callbacks, model=self._model, verbose=0, steps=every,
+            epochs=-(-context.plan.train_steps // every))
+        self._metric_names = {"loss", *(m.name for m in context.train_metrics)}
+        states = self._restored(step)
+        kept = [before_train_begin(c, s) for c, s in zip(self.callbacks, states)]
+        self._list.on_train_begin()
+        for callback, state, keep in zip(self.callbacks, states, kept):
+            if state is not None:
+                after_train_begin(callback, state, keep)
+        if self._stopped_at is not None and self._stopped_at <= step:
+            self._model.stop_training = True  # the run had stopped there: it stays stopped
+
+    def _restored(self, step: int) -> list[Any]:
+        """Each callback's state from the restored checkpoint (None where there is none)."""
+        restored = self._state.take()
+        self._last_eval, self._stopped_at = None, None
+        if restored is None:
+            return [None] * len(self.callbacks)
+        self._last_eval, self._stopped_at = restored["last_eval"], restored["stopped_at"]
+        self._train_logs = dict(restored["train_logs"])
+        saved = restored["callbacks"]
+        states = []
+        for n, callback in enumerate(self.callbacks):
+            name, state = saved[n] if n < len(saved) else (None, None)
+            if name != type(callback).__name__:
+                logging.warning("tputrain: the checkpoint at step %d holds no state for Keras "
+                                "callback %d (%s): it starts over", step, n,
+                                type(callback).__name__)
+                state = None
+            states.append(state)
+        return states
+
+    def _recorded(self, step: int) -> bool:
+        return self._last_eval is not None and self._last_eval >= step
+
+    def eval_recorded(self, context: ActionContext, step: int) -> bool:
+        """Whether the callbacks were given the evaluation at `step` (as restored).
+        Asked first at a rerun of a finished run, which calls no `on_train_begin`:
+        the callbacks start here then, to replay the run's end."""
+        if self._list is None:
+            self._start(context, step)
+        return self._recorded(step)
+
+    def end_done(self, context: ActionContext, step: int) -> bool:
+        """Started callbacks are ended (`on_train_end`: files closed, best weights back)."""
+        return self._list is None
+
+    def on_loop_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
+        self._train_logs = {k: v for k, v in logs.items()
+                            if k in self._metric_names and k not in _LOOP_ONLY}
+        self._list.on_train_batch_end(step - 1, dict(logs))
+        self._stop_if_asked(context)
+
+    def on_eval_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
+        if self._list is None or self._recorded(step):
+            return  # Trainer.evaluate() outside train(), or one they were given already
+        every = context.plan.eval_every or context.plan.train_steps
+        self._list.on_test_begin()  # no hook runs before an evaluation: both after it
+        self._list.on_test_end(dict(logs))
+        epoch_logs = dict(self._train_logs)
+        epoch_logs.update({f"val_{k}": v for k, v in logs.items()})
+        self._list.on_epoch_end(max(step - 1, 0) // every, epoch_logs)
+        self._last_eval = step
+        if step < context.plan.train_steps and not self._model.stop_training:
+            self._list.on_epoch_begin(step // every)
+        self._stop_if_asked(context)
+
+    def on_train_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
+        """Ends the callbacks; `weights_changed` says whether one set the model's weights
+        (EarlyStopping's `restore_best_weights`): they then differ from the last step's."""
+        if self._list is None:
+            return
+        before = context.model.get_weights()
+        self._list.on_train_end(dict(logs))
+        self._list = None
+        self.weights_changed = any(not np.array_equal(a, b) for a, b in
+                                   zip(before, context.model.get_weights()))
+
+    def _stop_if_asked(self, context: ActionContext) -> None:
+        if self._model.stop_training:
+            if self._stopped_at is None:
+                self._stopped_at = context.step
+            context.stop()

@@ -1,0 +1,104 @@
+"""What the Trainer builds in strategy scope: the model and everything that updates it.
+
+Built before the first step so that slot variables are mirrored and a restore can
+fill them; the model's layers get the run's precision overrides, a seed per
+replica for random layers and sum-once non-trainable state (tputrain/loop).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple
+
+import keras
+import tensorflow as tf
+
+from tputrain.fault_tolerance.guard import NonFiniteGuard
+from tputrain.precision.layers import override_layer_dtypes
+from tputrain.loop.replica_seeds import fold_replica_into_seeds
+from tputrain.loop.replica_stats import sum_once
+from tputrain.keras_task import KerasTask
+from tputrain.loop.inputs import zeros_of
+from tputrain.options import RematOptions
+from tputrain.precision import wrap_optimizer_for_policy
+from tputrain.loop.remat import build_with_remat
+from tputrain.task import Task, overrides, overrides_train_step
+
+
+# model -> ids of the trainable variables its optimizer, EMA and checkpoints were built for.
+_BUILT_FOR: "weakref.WeakKeyDictionary[keras.Model, tuple[int, ...]]" = weakref.WeakKeyDictionary()
+
+
+class ModelState(NamedTuple):
+    model: keras.Model
+    optimizer: keras.optimizers.Optimizer
+    train_metrics: list[Any]
+    eval_metrics: list[Any]
+    step: tf.Variable  # the global step: optimizer updates done
+    guard: NonFiniteGuard
+
+
+def ensure_built(model: keras.Model, features_spec: Any) -> None:
+    """Builds subclassed models (no Input layer) by calling them on zeros."""
+    if not (model.built and model.variables):
+        model(zeros_of(features_spec), training=False)
+
+
+def check_model_train_step(model: keras.Model, task: Task) -> None:
+    """Refuses a model that overrides `keras.Model.train_step` when the Task's step is
+    tputrain's own: nothing would call the model's, so it would silently train without
+    it. A Task that overrides `train_step` (or `compute_gradients`) is the port."""
+    if getattr(type(model), "train_step", keras.Model.train_step) is keras.Model.train_step:
+        return
+    if overrides_train_step(task) or overrides(task, "compute_gradients"):
+        return
+    name, task_name = type(model).__name__, type(task).__name__
+    if type(task) is KerasTask:  # tputrain.fit's: the port is a subclass passed as task=
+        raise TypeError(
+            f"tputrain: {name}.train_step overrides keras.Model.train_step, which tputrain "
+            "never calls (the Task's step trains the model): port its body to a KerasTask "
+            "in two lines, `class Ported(tputrain.KerasTask): def train_step(self, batch, "
+            "model, optimizer, metrics, global_batch_size): ...` and `tputrain.fit(model, "
+            "train_data, ..., task=Ported)` (docs/tasks.md, \"Port a model's train_step\")")
+    raise TypeError(
+        f"tputrain: {name}.train_step overrides keras.Model.train_step, which tputrain "
+        f"never calls (the Task's step trains the model): move it to {task_name}.train_step("
+        "batch, model, optimizer, metrics, global_batch_size) (docs/tasks.md, \"Port a "
+        "model's train_step\")")
+
+
+def build_model_state(task: Task, strategy: tf.distribute.Strategy, batch_spec: Any,
+                      keep_float32_layers: Any, guard: NonFiniteGuard | None,
+                      remat: RematOptions | None = None) -> ModelState:
+    """Model, optimizer, metrics, step counter and guard, in `strategy`'s scope
+    (the model's layers built in `remat`'s `keras.RematScope`: tputrain/loop/remat.py)."""
+    with strategy.scope():
+        model = build_with_remat(task.build_model, remat)
+        ensure_built(model, batch_spec)
+        override_layer_dtypes(model, keep_float32_layers)
+        fold_replica_into_seeds(model)  # dropout masks differ per replica
+        sum_once(model)  # aggregation="sum" weights add each replica's share once
+        check_model_train_step(model, task)
+        # mixed_float16 wraps any optimizer for Keras 3 loss scaling.
+        optimizer = wrap_optimizer_for_policy(task.build_optimizer())
+        optimizer.build(model.trainable_variables)
+        _BUILT_FOR[model] = tuple(id(v) for v in model.trainable_variables)
+        train_metrics, eval_metrics = list(task.build_metrics()), list(task.build_metrics())
+        step = tf.Variable(0, dtype=tf.int64, trainable=False, name="global_step",
+                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        guard = guard if guard is not None else NonFiniteGuard()
+        guard.build()
+        return ModelState(model, optimizer, train_metrics, eval_metrics, step, guard)
+
+
+def check_trainable_unchanged(model: keras.Model) -> None:
+    """A ValueError naming the fix when `model`'s trainable variables are not those
+    the optimizer was built for once training has begun (an action's `enable_lora`):
+    `Trainer.train()` adopts a change made before it (tputrain/runtime/trainable_change.py)."""
+    built = _BUILT_FOR.get(model)
+    if built is None or built == tuple(id(v) for v in model.trainable_variables):
+        return
+    raise ValueError(
+        "the model's trainable variables changed during training (enable_lora, or layers "
+        "frozen or unfrozen, on trainer.model): do it before Trainer.train() (which rebuilds "
+        "the optimizer, EMA and checkpoint for them) or in Task.build_model")

@@ -24,6 +24,13 @@ class InputContext(tf.distribute.InputContext):
         global_batch_size: examples per step summed over all replicas, or None
             if the input builder gets its batch size some other way. Must be a
             multiple of `num_replicas_in_sync`.
+        examples_consumed: examples (over all pipelines) a resumed run has already
+            trained on: a builder that can start there (`TFRecordInput(positional=True)`)
+            starts its pipeline's share of them in, and says so
+            (`tputrain.data.positional.positioned`); any other builder starts at 0
+            and the Trainer skips them.
+        cache_dir: a writable folder of the run (its model_dir) for a builder's
+            one-time caches (the block offsets of a read-only data folder), or None.
     """
 
     def __init__(
@@ -32,6 +39,8 @@ class InputContext(tf.distribute.InputContext):
         input_pipeline_id: int = 0,
         num_replicas_in_sync: int = 1,
         global_batch_size: int | None = None,
+        examples_consumed: int = 0,
+        cache_dir: str | None = None,
     ):
         check_int("InputContext", "num_input_pipelines", num_input_pipelines, 1)
         check_int("InputContext", "input_pipeline_id", input_pipeline_id, 0)
@@ -49,10 +58,14 @@ class InputContext(tf.distribute.InputContext):
             # Fail here, at construction, rather than when the first input is built.
             self.get_per_replica_batch_size(global_batch_size)
         self.global_batch_size = global_batch_size
+        self.examples_consumed = check_int("InputContext", "examples_consumed",
+                                           examples_consumed, 0)
+        self.cache_dir = cache_dir
 
     @classmethod
     def from_tf(cls, ctx: tf.distribute.InputContext | None,
-                global_batch_size: int | None = None) -> InputContext:
+                global_batch_size: int | None = None, examples_consumed: int | None = None,
+                cache_dir: str | None = None) -> InputContext:
         """Wraps the context `tf.distribute` passes to a dataset function.
 
         Args:
@@ -61,16 +74,20 @@ class InputContext(tf.distribute.InputContext):
                 context, or None for one pipeline feeding one replica.
             global_batch_size: the global batch size to attach. If None and
                 `ctx` already carries one (a tputrain context), it is kept.
+            examples_consumed, cache_dir: the same (None keeps `ctx`'s, if any).
         """
         if ctx is None:
             ctx = tf.distribute.InputContext()
         if global_batch_size is None:
             global_batch_size = getattr(ctx, "global_batch_size", None)
+        if examples_consumed is None:
+            examples_consumed = getattr(ctx, "examples_consumed", 0)
         return cls(
             num_input_pipelines=ctx.num_input_pipelines,
             input_pipeline_id=ctx.input_pipeline_id,
             num_replicas_in_sync=ctx.num_replicas_in_sync,
-            global_batch_size=global_batch_size)
+            global_batch_size=global_batch_size, examples_consumed=examples_consumed,
+            cache_dir=cache_dir or getattr(ctx, "cache_dir", None))
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """Returns `global_batch_size // num_replicas_in_sync`; raises if uneven."""
@@ -81,6 +98,8 @@ class InputContext(tf.distribute.InputContext):
         return (f"InputContext(num_input_pipelines={self.num_input_pipelines}, "
                 f"input_pipeline_id={self.input_pipeline_id}, "
                 f"num_replicas_in_sync={self.num_replicas_in_sync}, "
-                f"global_batch_size={self.global_batch_size})")
+                f"global_batch_size={self.global_batch_size}"
+                + (f", examples_consumed={self.examples_consumed}" if self.examples_consumed
+                   else "") + ")")
 
     __str__ = __repr__  # The base class defines a __str__ without the batch size.

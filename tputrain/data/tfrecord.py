@@ -59,6 +59,8 @@ from tputrain.data.feature_check import (check_against_manifest, explain_parse_e
 from tputrain.data.manifest import (COMPRESSION_TYPES, MANIFEST_SUFFIX, Manifest, is_var_len, read_manifest,
                                      var_len_feature, writer_side_file)
 from tputrain.data.options import InputOptions
+from tputrain.data.blocks import block_table
+from tputrain.data.positional import PositionalRecords, mark_positioned, symbolic_checkpoint
 
 # The only dtypes tf.io.parse_example can produce.
 _PARSE_DTYPES = (tf.float32, tf.int64, tf.string)
@@ -259,6 +261,24 @@ def _glob_shards(pattern: str) -> tuple[list[str], dict[str, str]]:
     return kept, skipped
 
 
+def _compression(compression_type: str | None) -> str | None:
+    if compression_type not in COMPRESSION_TYPES:
+        raise ValueError("TFRecordInput: compression_type must be None, 'ZLIB' or "
+                         f"'GZIP', got {compression_type!r}")
+    return compression_type or None
+
+
+def _positional_options(positional: bool, window_blocks: int, cache: Any) -> tuple[bool, int]:
+    """Checks `positional` and `window_blocks` (a file cache reads everything first)."""
+    check_bool("TFRecordInput", "positional", positional)
+    window_blocks = check_int("TFRecordInput", "window_blocks", window_blocks, 1)
+    if positional and isinstance(cache, str):
+        raise ValueError("TFRecordInput: positional=True reads blocks where they are on "
+                         "disk; a file cache would read them all first: drop cache, or "
+                         "set positional=False")
+    return positional, window_blocks
+
+
 class TFRecordInput(BatchedInput):
     """Builds one host's dataset of per-replica batches from sharded TFRecord files.
 
@@ -315,6 +335,9 @@ class TFRecordInput(BatchedInput):
             `(features, label, weights)` with weight 0 on the padding, so every
             example is evaluated once with static shapes (the Trainer's eval
             weights losses and metrics by it).
+        positional: read blocks at byte offsets, window-shuffled (`tputrain.data.positional`):
+            starts at `InputContext.examples_consumed` at once; no buffer in checkpoints.
+        window_blocks: with `positional`, blocks (256 records each) permuted together.
         to_static: for variable-length features (shape `[None]` in the spec or
             the manifest): a function from the dataset of single parsed
             examples (after shuffle and repeat) to a dataset of statically
@@ -349,6 +372,7 @@ class TFRecordInput(BatchedInput):
         options: InputOptions | None = None,
         pad_remainder: bool = False,
         to_static: Callable[[tf.data.Dataset], tf.data.Dataset] | None = None,
+        positional: bool = False, window_blocks: int = 40,
     ):
         self.manifest, patterns = _sources(file_pattern, manifest)
         if self.manifest is not None:
@@ -381,12 +405,11 @@ class TFRecordInput(BatchedInput):
         self.skip_corrupt = check_bool("TFRecordInput", "skip_corrupt", skip_corrupt)
         self.read_parallelism = check_int("TFRecordInput", "read_parallelism",
                                           read_parallelism, 1, allow_none=True)
-        if compression_type not in COMPRESSION_TYPES:
-            raise ValueError("TFRecordInput: compression_type must be None, 'ZLIB' or "
-                             f"'GZIP', got {compression_type!r}")
         self.file_patterns = patterns
         self.features = spec
-        self.compression_type = compression_type or None
+        self.compression_type = _compression(compression_type)
+        self.positional, self.window_blocks = _positional_options(positional, window_blocks,
+                                                                  self.cache)
 
     def _read_parallelism(self, files: list[str], cycle_length: int) -> int:
         """Files read by parallel threads: remote reads wait on the network, so let
@@ -410,21 +433,6 @@ class TFRecordInput(BatchedInput):
         return tracing.graph_helper(lambda path, size, expected: read_skipping_corrupt(
             path, size, expected, self.compression_type))
 
-    def _file_tensors(self, file_list: list[str]) -> tuple[tf.Tensor, ...]:
-        """Paths (plus size and expected records, to check files when skipping)."""
-        if not self.skip_corrupt:
-            return (tf.constant(file_list, tf.string),)
-        counts = self.manifest.examples_per_file() if self.manifest else {}
-        sizes = []
-        for path in file_list:
-            try:
-                sizes.append(tf.io.gfile.stat(path).length)
-            except tf.errors.OpError:
-                sizes.append(-1)
-        expected = [counts.get(path, -1) for path in file_list]
-        return (tf.constant(file_list, tf.string), tf.constant(sizes, tf.int64),
-                tf.constant(expected, tf.int64))
-
     def _records(self, file_list: list[str], context: InputContext, in_memory: bool,
                  epoch: tf.Tensor | None = None) -> tf.data.Dataset:
         """This pipeline's serialized records: its share of the files (or, with fewer
@@ -438,7 +446,8 @@ class TFRecordInput(BatchedInput):
         # What tf.data.Dataset.list_files(shuffle=False) then shard() give.
         local = file_list[pipeline_id::num_pipelines] if shard_files else file_list
         local_files = len(local)
-        tensors = self._file_tensors(local)
+        tensors = _file_tensors(local, self.manifest if self.skip_corrupt else None,
+                                self.skip_corrupt)
         files = tf.data.Dataset.from_tensor_slices(tensors if len(tensors) > 1 else tensors[0])
         if not shard_files:
             logging.warning(
@@ -486,7 +495,8 @@ class TFRecordInput(BatchedInput):
         register_files(file_list, self.compression_type)
         register_pipeline(file_list, self.features, self.compression_type)
         in_memory = self.cache == "memory" and self.to_static is None
-        epochs = functools.partial(self._records, file_list, context, in_memory)
+        epochs = (_positional(self, file_list, context) if self.positional and not in_memory
+                  else functools.partial(self._records, file_list, context, in_memory))
         if self.to_static is not None:
             dataset = self._static_examples(epochs, per_replica_batch, context)
         elif in_memory and self.pad_remainder:  # a finite (eval) split, its last batch padded
@@ -504,7 +514,16 @@ class TFRecordInput(BatchedInput):
             if self.pad_remainder:
                 dataset = dataset.map(tracing.graph_helper(
                     lambda *batch: pad_to_batch(batch, per_replica_batch)))
+        if isinstance(epochs, PositionalRecords):
+            return mark_positioned(self._finish(symbolic_checkpoint(dataset), context),
+                                   _position(self, context) > 0)
         return self._finish(dataset, context)
+
+    def _shuffled(self, examples: Any, context: InputContext) -> tf.data.Dataset:
+        """Positional records start at the context's position, shuffled by window."""
+        if isinstance(examples, PositionalRecords):
+            return examples.dataset(_position(self, context), repeat=self.repeat)
+        return super()._shuffled(examples, context)
 
     def _static_examples(self, records: Callable[..., tf.data.Dataset], batch_size: int,
                          context: InputContext) -> tf.data.Dataset:
@@ -534,6 +553,7 @@ class TFRecordInput(BatchedInput):
         register_files(file_list, self.compression_type)
         register_pipeline(file_list, self.features, self.compression_type)
         return self._parsed_examples(
+            _positional(self, file_list, context) if self.positional else
             functools.partial(self._records, file_list, context, False), context)
 
     def one_pass(self, input_context: tf.distribute.InputContext | None = None
@@ -558,6 +578,45 @@ class TFRecordInput(BatchedInput):
     def __repr__(self) -> str:
         return (f"TFRecordInput({list(self.file_patterns)!r}, features={sorted(self.features)}, "
                 f"label_key={self.label_key!r}, global_batch_size={self.global_batch_size})")
+
+
+def _file_tensors(file_list: list[str], manifest: Manifest | None,
+                  skip_corrupt: bool) -> tuple[tf.Tensor, ...]:
+    """Paths (plus size and expected records, to check files when skipping)."""
+    if not skip_corrupt:
+        return (tf.constant(file_list, tf.string),)
+    counts = manifest.examples_per_file() if manifest else {}
+    sizes = []
+    for path in file_list:
+        try:
+            sizes.append(tf.io.gfile.stat(path).length)
+        except tf.errors.OpError:
+            sizes.append(-1)
+    expected = [counts.get(path, -1) for path in file_list]
+    return (tf.constant(file_list, tf.string), tf.constant(sizes, tf.int64),
+            tf.constant(expected, tf.int64))
+
+
+def _positional(inputs: TFRecordInput, file_list: list[str],
+                context: InputContext) -> PositionalRecords:
+    """A pipeline's positional records (`tputrain.data.positional`)."""
+    manifests = [inputs.manifest] if inputs.manifest else manifests_next_to(file_list)
+    blocks = block_table(file_list, manifests, compression=inputs.compression_type,
+                         cache_dir=context.cache_dir)
+    seed = inputs.seed if inputs.seed is not None else int(np.random.randint(2**31))
+    return PositionalRecords(
+        blocks, num_hosts=context.num_input_pipelines, host=context.input_pipeline_id,
+        seed=seed, window_blocks=inputs.window_blocks, shuffle=inputs.shuffle,
+        compression=inputs.compression_type,
+        read_parallelism=inputs._read_parallelism(file_list, inputs.window_blocks))
+
+
+def _position(inputs: TFRecordInput, context: InputContext) -> int:
+    """Records a pipeline consumed: its share of the examples consumed. Rows of a
+    `to_static` are not records (packing), so that position is not honoured."""
+    if inputs.to_static is not None:
+        return 0
+    return context.examples_consumed // context.num_input_pipelines
 
 
 def parsed_examples(records: tf.data.Dataset, features: Mapping[str, Any]) -> tf.data.Dataset:

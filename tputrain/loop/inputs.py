@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import tensorflow as tf
+from absl import logging
 
 from tputrain.loop import tracing
 from tputrain.data import InputContext
@@ -18,6 +19,7 @@ from tputrain.data.batching import check_static, label_key_of
 from tputrain.data.external_state import checkpointable
 from tputrain.data.mixture import mixture_sources
 from tputrain.checkpointing.input_layout import InputLayout, LayoutChange
+from tputrain.data.positional import positioned
 from tputrain.loop.source_counts import SourceCounter, without_source
 from tputrain.options import INPUT_MODES as OPTION_INPUT_MODES
 from tputrain.task import Task
@@ -249,17 +251,26 @@ class Inputs:
         return with_class_weights(dataset, class_weight)
 
     def distributed_iterator(self, split: str, skip_steps: int = 0):
-        """distribute_datasets_from_function; skips `skip_steps` steps of data."""
+        """distribute_datasets_from_function, past `skip_steps` steps of data: a
+        positional input starts there (`InputContext.examples_consumed`), any other
+        is read past them (`Dataset.skip`, linear in the steps)."""
+        consumed = skip_steps * self.plan.batch.global_batch_size
+
         def dataset_fn(tf_context):
-            dataset = self.task.build_inputs(
-                split, self.input_context(tf_context, self.input_batch(split)))
+            dataset = self.task.build_inputs(split, InputContext.from_tf(
+                tf_context, self.input_batch(split), examples_consumed=consumed))
+            skip = 0 if positioned(dataset) else skip_steps
+            if skip and tf_context.input_pipeline_id == 0:
+                logging.info("tputrain: the %s input is not positional: it re-reads the %d "
+                             "steps' batches consumed to reach them (TFRecordInput("
+                             "positional=True) starts there at once)", split, skip)
             if split != "train" and mixture_sources(dataset) is not None:
                 dataset = self.sources_of(dataset, split)
             dataset = self.group_micro_batches(self.weighted_by_class(dataset, split), split)
             # Each pipeline feeds its replicas one batch each per step (a TPU pod has
             # one client but a pipeline per host: not the plan's local replicas).
             replicas = replicas_per_pipeline(tf_context)
-            return dataset.skip(skip_steps * replicas) if skip_steps else dataset
+            return dataset.skip(skip * replicas) if skip else dataset
         return iter(self.strategy.distribute_datasets_from_function(dataset_fn))
 
     @tracing.graph_helper

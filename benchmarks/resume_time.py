@@ -2,6 +2,7 @@
 
     python benchmarks/resume_time.py            # ~3-4 minutes on 2 cores
     python benchmarks/resume_time.py --quick    # smoke run (JSON to stdout)
+    python benchmarks/resume_time.py --positions [--quick]   # the input alone (below)
 
 Writes one JSON document to benchmarks/results/<today>-resume_time[-<tag>].json
 (`--out PATH`, `--out -` for stdout; progress on stderr). A run of a small MLP
@@ -15,6 +16,23 @@ the four cases are interleaved; medians are reported.
   resuming costs the same at any step.
 * `distributed`: TensorFlow cannot checkpoint a distributed iterator; a resume
   rebuilds the pipeline and skips the consumed batches, reading them again.
+
+`--positions` (`<today>-resume_time-positions.json`) times the train input alone,
+CPU seconds (`time.process_time`) of building one host's `TFRecordInput` and taking
+its first batch after 1e3, 1e4, 1e5 and 1e6 examples consumed (1e6 is 15 epochs of
+the data), trials interleaved in one process:
+
+* `skip` (the reference: today's distributed-mode resume): the shuffle-buffer
+  pipeline, `Dataset.skip` of the consumed batches;
+* `distributed`: `TFRecordInput(positional=True)` built at the position
+  (`InputContext.examples_consumed`), as distributed mode rebuilds it;
+* `host`: the positional pipeline built at 0 and its iterator restored from a
+  checkpoint written at the position (host mode's resume), plus the checkpoint's size;
+* at 1e9, `distributed` is built there; `host` is ledger-only (`locate`: the
+  position's window), since writing a checkpoint there would read 1e9 examples.
+
+Steady state: CPU seconds an example over 200 batches after the first, positional
+vs the shuffle-buffer pipeline.
 """
 
 from __future__ import annotations
@@ -75,13 +93,40 @@ def trainer(task, model_dir: str, strategy, mode: str, steps: int, loop: int):
                             eval_steps=1, input_mode=mode, report_mfu=False)
 
 
+def cpu_kind() -> str:
+    """The instruction sets that matter to TensorFlow's CPU kernels, from lscpu's flags."""
+    try:
+        flags = open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0].split()
+    except (OSError, IndexError):
+        return platform.processor() or platform.machine()
+    wanted = ("avx512f", "avx512_bf16", "amx_bf16", "avx2")
+    return " ".join(flag for flag in wanted if flag in flags) or "no avx2"
+
+
+def positions_main(args) -> None:
+    """`--positions`: the input's build + first batch at a position (module docstring)."""
+    import resume_positions  # noqa: E402  (benchmarks/, this script's folder)
+    result = resume_positions.run(args.quick, args.repeats, log)
+    result["machine"] = {"cpu": platform.processor() or platform.machine(),
+                         "cpu_kind": cpu_kind(), "cores": os.cpu_count(),
+                         "tensorflow": tf.__version__}
+    result["command"] = "python benchmarks/resume_time.py --positions" + (
+        " --quick" if args.quick else "")
+    result_file.write(result, args.out, "resume_time", args.tag or "positions", args.quick)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+    parser.add_argument("--positions", action="store_true",
+                        help="time the train input alone at 1e3..1e9 examples consumed")
     parser.add_argument("--early", type=int, default=40, help="the early step")
     parser.add_argument("--repeats", type=int, default=5)
     result_file.add_arguments(parser, "resume_time")
     args = parser.parse_args()
+    if args.positions:
+        positions_main(args)
+        return
     if args.quick:
         args.early, args.repeats = 4, 2
     late = 50 * args.early

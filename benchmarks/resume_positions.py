@@ -1,0 +1,146 @@
+"""The train input's resume cost at a position: `resume_time.py --positions` (its
+docstring says what each row is). CPU seconds of this process (`time.process_time`:
+every tf.data thread included), trials interleaved, medians reported."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+
+import tputrain
+from tputrain.data import InputContext
+from tputrain.data.blocks import block_table
+from tputrain.data.positional import PositionalRecords
+
+FEATURES = 128
+BATCH = 64
+LEDGER_ONLY = 10**9
+
+
+def _inputs(manifest: str, positional: bool) -> tputrain.data.TFRecordInput:
+    return tputrain.data.TFRecordInput(manifest=manifest, label_key="label", seed=1,
+                                       positional=positional)
+
+
+def _context(consumed: int = 0) -> InputContext:
+    return InputContext(global_batch_size=BATCH, examples_consumed=consumed)
+
+
+def _cpu(work: Callable[[], object]) -> float:
+    start = time.process_time()
+    work()
+    return time.process_time() - start
+
+
+def _skip(manifest: str, consumed: int) -> None:
+    """Today's distributed-mode resume: the shuffle-buffer pipeline read past the batches."""
+    next(iter(_inputs(manifest, False)(_context()).skip(consumed // BATCH)))
+
+
+def _distributed(manifest: str, consumed: int) -> None:
+    """Positional: built at the position."""
+    next(iter(_inputs(manifest, True)(_context(consumed))))
+
+
+def _host(manifest: str, checkpoint: str) -> None:
+    """Positional, built at 0, its iterator restored from a checkpoint at the position."""
+    iterator = iter(_inputs(manifest, True)(_context()))
+    tf.train.Checkpoint(iterator=iterator).restore(checkpoint).expect_partial()
+    next(iterator)
+
+
+def _save_at(manifest: str, consumed: int, folder: str) -> tuple[str, int]:
+    """A host-mode iterator checkpoint after `consumed` examples; (path, bytes)."""
+    iterator = iter(_inputs(manifest, True)(_context()))
+    for _ in range(consumed // BATCH):
+        next(iterator)
+    path = tf.train.Checkpoint(iterator=iterator).save(os.path.join(folder, f"at{consumed}"))
+    size = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder)
+               if name.startswith(os.path.basename(path)))
+    return path, size
+
+
+def _steady(manifest: str, positional: bool, batches: int) -> float:
+    """CPU seconds an example over `batches` batches after the first."""
+    iterator = iter(_inputs(manifest, positional)(_context()))
+    next(iterator)
+    return _cpu(lambda: [next(iterator) for _ in range(batches)]) / (batches * BATCH)
+
+
+def _ledger(manifest: str) -> None:
+    """Host mode at 1e9: only the position's window (no checkpoint can be written there)."""
+    read = tputrain.data.read_manifest(manifest)
+    PositionalRecords(block_table(read.files(), [read]), seed=1, window_blocks=40
+                      ).locate(LEDGER_ONLY)
+
+
+def _cases(manifest: str, positions: list[int], folder: str, log) -> tuple[dict, dict]:
+    """name -> the work one trial times; and the host checkpoints' sizes."""
+    cases, sizes = {}, {}
+    for consumed in positions:
+        cases[f"skip@{consumed:.0e}"] = lambda c=consumed: _skip(manifest, c)
+        cases[f"distributed@{consumed:.0e}"] = lambda c=consumed: _distributed(manifest, c)
+        log(f"writing the host-mode checkpoint at {consumed} examples")
+        path, sizes[f"{consumed:.0e}"] = _save_at(manifest, consumed, folder)
+        cases[f"host@{consumed:.0e}"] = lambda p=path: _host(manifest, p)
+    cases[f"distributed@{LEDGER_ONLY:.0e}"] = lambda: _distributed(manifest, LEDGER_ONLY)
+    cases[f"host_ledger_only@{LEDGER_ONLY:.0e}"] = lambda: _ledger(manifest)
+    return cases, sizes
+
+
+def _max_over_min(median: dict[str, float], mode: str) -> float:
+    values = [v for k, v in median.items() if k.startswith(mode + "@")]
+    return max(values) / min(values)
+
+
+def run(quick: bool, repeats: int, log) -> dict:
+    """Every case `repeats` times, interleaved (each round starts one case later)."""
+    examples = 16384 if quick else 65536
+    positions = [10**3, 10**4, 10**5] if quick else [10**3, 10**4, 10**5, 10**6]
+    repeats = 1 if quick else repeats
+    root = tempfile.mkdtemp(prefix="tputrain-bench-positions-")
+    rng = np.random.RandomState(0)
+    tputrain.data.write_tfrecords(
+        {"x": rng.randn(examples, FEATURES).astype(np.float32),
+         "label": rng.randint(0, 10, examples).astype(np.int64)}, f"{root}/train", num_shards=8)
+    manifest = f"{root}/train.manifest.json"
+    os.makedirs(f"{root}/ckpt")
+    cases, sizes = _cases(manifest, positions, f"{root}/ckpt", log)
+    _distributed(manifest, 0), _skip(manifest, 0)  # warm: first tracing of each kind
+    cpu: dict[str, list[float]] = {name: [] for name in cases}
+    steady: dict[str, list[float]] = {"positional": [], "shuffle_buffer": []}
+    names = list(cases)
+    for round_ in range(repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            cpu[name].append(_cpu(cases[name]))
+        modes = [("positional", True), ("shuffle_buffer", False)]
+        for mode, positional in modes if round_ % 2 == 0 else modes[::-1]:
+            steady[mode].append(_steady(manifest, positional, 50 if quick else 200))
+        log(f"round {round_ + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.2f}s"
+                                                          for k, v in cpu.items()))
+    shutil.rmtree(root, ignore_errors=True)
+    median = {name: statistics.median(values) for name, values in cpu.items()}
+    steady_median = {mode: statistics.median(v) for mode, v in steady.items()}
+    return {
+        "benchmark": "train input: build + first batch after N examples consumed (CPU s)",
+        "config": {"examples": examples, "global_batch": BATCH, "hosts": 1,
+                   "positions": positions, "repeats": repeats, "block_records": 256,
+                   "window_blocks": 40, "data": f"{examples} examples of {FEATURES} floats "
+                   "+ a label in 8 TFRecord shards written by write_tfrecords"},
+        "cpu_seconds_median": median,
+        "cpu_seconds_all": cpu,
+        "host_checkpoint_bytes": sizes,
+        "max_over_min": {mode: _max_over_min(median, mode)
+                         for mode in ("skip", "distributed", "host")},
+        "steady_cpu_seconds_per_example": steady_median,
+        "steady_positional_vs_shuffle_buffer": (steady_median["positional"]
+                                                / steady_median["shuffle_buffer"]),
+    }

@@ -6,8 +6,12 @@ The built-in profiler and non-finite policy are actions too, so a user action
 sees the same points they do. Hooks run on every host, in the host process,
 between compiled loops: keep them short, or do the work every Nth call.
 
-One module an action (like Orbit's `orbit/actions/`); every name is importable
-from `tputrain.actions` as before.
+One module an action (like Orbit's `orbit/actions/`): `base` (`Action`), `best`
+(`BestCheckpoint`, `EarlyStopping`), `init_checkpoint` (`InitCheckpoint`),
+`config_summary` (the operative config in TensorBoard), `keras_callbacks`
+(`KerasCallbacks`, with `keras_callback_state`), `mfu`, `profiler`, `nonfinite`,
+`preemption`, `communication`. The names imported below are importable from
+`tputrain.actions` as before; the others from their module (or `tputrain`).
 """
 
 from tputrain.actions.base import Action, check_actions, checkpointed_states

@@ -9,11 +9,16 @@
         --contenders tputrain,keras_fit_xla --repeats 5   # a subset
     python benchmarks/train_loop.py --workloads conv --replicas 2 \
         --precision mixed_bfloat16 --tag conv_bf16_2replicas   # the conv net, 2 split-CPU replicas
+    python benchmarks/train_loop.py --workloads mobilenet,efficientnetb0,resnet50v2 \
+        --quick --out -   # keras.applications models, smoke run
 
 Workloads: an MLP, a Transformer LM, and (only when asked: `--workloads conv`) a small
 ResNet with BatchNorm and a Dropout head on 32x32x3 images read from a TFRecord file
-with random flip and crop (`ConvTask`). `--precision` sets every contender's policy,
-`--replicas N` splits the CPU into N logical devices (`split_cpu`) for every process.
+with random flip and crop (`ConvTask`); also only when asked, keras.applications
+models on the same input at 64x64x3 (`--workloads mobilenet,efficientnetb0,resnet50v2`,
+`ApplicationTask`, `weights=None`; MobileNet with alpha 0.5 and its dropout head).
+`--precision` sets every contender's policy, `--replicas N` splits the CPU into N
+logical devices (`split_cpu`) for every process.
 
 Writes one JSON document to benchmarks/results/<today>-train_loop[-<tag>].json
 (`--out PATH`, `--out -` for stdout; progress goes to stderr). Every contender
@@ -215,6 +220,45 @@ class ConvTask(tputrain.Task):
 
     def build_optimizer(self) -> keras.optimizers.Optimizer:
         return tputrain.build_optimizer("sgd", learning_rate=0.05, momentum=0.9)
+
+
+class ApplicationTask(ConvTask):
+    """A keras.applications model (`weights=None`: nothing downloads) on ConvTask's
+    input (random images from a TFRecord file, random flip and crop) at a small size;
+    `options` go to the application (MobileNet's `alpha` and `dropout`, ...)."""
+
+    def __init__(self, application: str, size: int = 64, examples: int = 512,
+                 **options: Any):
+        super().__init__(examples=examples, size=size)
+        self.application, self.options = application, options
+
+    def build_model(self) -> keras.Model:
+        inputs = keras.Input((self.size, self.size, 3), name="image")
+        network = getattr(keras.applications, self.application)(
+            weights=None, input_shape=(self.size, self.size, 3), classes=self.classes,
+            classifier_activation=None, **self.options)
+        logits = keras.layers.Activation("linear", dtype="float32")(network(inputs))
+        return keras.Model({"image": inputs}, logits)
+
+
+# The keras.applications workloads (only when asked, as the conv net): name ->
+# (application, its options, quick size, full size, quick and full global batch).
+APPLICATIONS = {
+    "mobilenet": ("MobileNet", {"alpha": 0.5}, 32, 64, 8, 32),  # its head's Dropout 0.001
+    "efficientnetb0": ("EfficientNetB0", {}, 32, 64, 8, 32),
+    "resnet50v2": ("ResNet50V2", {}, 32, 64, 8, 32),
+}
+
+
+def application_workload(name: str, quick: bool) -> Workload:
+    """A keras.applications model at a small input (`APPLICATIONS`)."""
+    application, options, quick_size, size, quick_batch, batch = APPLICATIONS[name]
+    size, batch = (quick_size, quick_batch) if quick else (size, batch)
+    described = ", ".join([f"{key} {value}" for key, value in options.items()]
+                          + [f"{size}x{size}x3 from TFRecords, random flip + crop"])
+    return Workload(lambda: ApplicationTask(application, size, examples=8 * batch, **options),
+                    batch, 10 if quick else 40, [5] if quick else [10],
+                    f"keras.applications.{application} (weights=None), {described}, SGD momentum")
 
 
 def probe_matmul(dtype: str, size: int = 2048, repeats: int = 8) -> tuple[float, float]:
@@ -601,6 +645,8 @@ def workload(name: str, quick: bool) -> Workload:
         return Workload(lambda: ConvTask(), 32, 40, [10],
                         "ResNet 16-32-64 (1 residual block a stage, BatchNorm, Dropout 0.3 "
                         "head), SGD momentum; 32x32x3 from TFRecords, random flip + crop")
+    if name in APPLICATIONS:
+        return application_workload(name, quick)
     if name == "small_mlp":
         return Workload(lambda: MLPTask(32, (64,), batches=8), 64, 100 if quick else 1000,
                         [1, 50], "MLP 32-64-10, batch 64 (per-call overhead dominates)")
@@ -928,8 +974,8 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny models, one repeat")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--workloads", default="mlp,transformer,small_mlp",
-                        help="comma-separated subset of mlp,transformer,conv,small_mlp "
-                             "(default: all but conv)")
+                        help="comma-separated subset of mlp,transformer,conv,small_mlp,"
+                             f"{','.join(APPLICATIONS)} (default: mlp,transformer,small_mlp)")
     parser.add_argument("--precision", default="float32",
                         choices=["float32", "mixed_bfloat16"],
                         help="every contender's Keras policy (the workloads but small_mlp)")

@@ -10,6 +10,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import tensorflow as tf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,3 +46,18 @@ def test_peers_on_one_replica_take_the_global_batch():
     task = bench.MLPTask(8, (4,), batches=2)
     contender = bench.KerasFitContender(lambda: task, strategy, 16, "float32", 2)
     assert _per_replica_rows(bench.peer_inputs(contender, task), strategy) == [16]
+
+
+@pytest.mark.slow  # building the three models: ~20 s on a busy machine
+def test_the_keras_applications_workloads_build_logits_from_images():
+    """MobileNet, EfficientNetB0 and ResNet50V2 (weights=None: nothing downloads) take
+    the conv net's image input and give one float32 logit a class."""
+    bench = _train_loop()
+    for name in bench.APPLICATIONS:
+        spec = bench.workload(name, quick=True)
+        task = spec.task_factory()
+        model = task.build_model()
+        images = tf.zeros((2, task.size, task.size, 3))
+        logits = model({"image": images}, training=False)
+        assert logits.shape == (2, task.classes) and logits.dtype == tf.float32, name
+        assert spec.model.startswith(f"keras.applications.{bench.APPLICATIONS[name][0]} ")

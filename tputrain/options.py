@@ -207,8 +207,9 @@ class TrainerOptions:
         largest divisor of steps_per_loop up to 32 whose K batches (stacked in the
         program) take at most 64 MiB and whose K steps take at most 0.25 s at the
         device's peak FLOP/s (when counted: `report_mfu`); 1 for large batches or
-        long steps. A loop whose length is not a
-        multiple of it runs one step a launch; the weights are the same either way.
+        long steps. A loop whose length is not a multiple of it ends with one launch
+        of the same program on fewer steps (no new program is compiled); the weights
+        are those of one step a launch.
         SIGTERM is then noticed between programs, and a guard trip stops inside one.
       class_weight: `{class id: weight}`, as Keras `fit`'s: each train example's
         loss (and train metrics) weighted by its label's class, 1.0 for classes

@@ -339,7 +339,7 @@ def _entry_class() -> type:
         key.field.add(name=name, number=number, type=kind, label=field.LABEL_OPTIONAL)
     entry = proto.message_type.add(name="Entry")
     entry.field.add(name="key", number=1, type=field.TYPE_MESSAGE, label=field.LABEL_OPTIONAL,
-                    type_name=".tputrain.compile_cache.Key")
+                    type_name=".tputrain.loop.compile_cache.Key")
     entry.field.add(name="hlo_module", number=2, type=field.TYPE_MESSAGE,
                     label=field.LABEL_OPTIONAL, type_name=".xla.HloModuleProto")
     entry.field.add(name="executable", number=3, type=field.TYPE_BYTES,

@@ -146,7 +146,6 @@ def test_tfrecordinput_starts_at_the_examples_consumed(tmp_path, hosts):
     at a window boundary (512 records: 2 blocks of 256), an epoch boundary and three
     epochs in, each host's batches are the uninterrupted ones from there."""
     from tputrain.data import InputContext
-    from tputrain.data.positional import positioned
     manifest = _write_ids(tmp_path, 2048)
     batch = 32
     for host in range(hosts):
@@ -156,8 +155,9 @@ def test_tfrecordinput_starts_at_the_examples_consumed(tmp_path, hosts):
         whole = _batch_ids(_input(manifest)(context(0)), 3 * 2048 // batch + 4)
         epoch_steps = 2048 // batch
         for step in (0, 3, 512 * hosts // batch, epoch_steps, 3 * epoch_steps):
-            dataset = _input(manifest)(context(step * batch))
-            assert positioned(dataset) is (step > 0)
+            started = context(step * batch)
+            dataset = _input(manifest)(started)
+            assert started.position_honoured is (step > 0)
             assert _batch_ids(dataset, 3) == whole[step:step + 3], (host, step)
 
 
@@ -207,9 +207,10 @@ def test_a_resume_starts_the_input_at_its_position(tmp_path, input_mode):
             if split != "train":
                 return super().build_inputs(split, input_context)
             type(self).contexts.append(input_context.examples_consumed)
-            return tputrain.data.TFRecordInput(
+            dataset = tputrain.data.TFRecordInput(
                 manifest=prefix + ".manifest.json", label_key="y", positional=True, seed=3,
                 window_blocks=1)(input_context)
+            return dataset.map(lambda x, y: (x, y))  # a task's own stage after the input
 
     def trainer(name):
         return tputrain.Trainer(Positional(), str(tmp_path / name), strategy=strategy_for(2),

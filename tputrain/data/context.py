@@ -26,9 +26,8 @@ class InputContext(tf.distribute.InputContext):
             multiple of `num_replicas_in_sync`.
         examples_consumed: examples (over all pipelines) a resumed run has already
             trained on: a builder that can start there (`TFRecordInput(positional=True)`)
-            starts its pipeline's share of them in, and says so
-            (`tputrain.data.positional.positioned`); any other builder starts at 0
-            and the Trainer skips them.
+            starts its pipeline's share of them in and sets `position_honoured`; any
+            other builder starts at 0 and the Trainer skips them.
         cache_dir: a writable folder of the run (its model_dir) for a builder's
             one-time caches (the block offsets of a read-only data folder), or None.
     """
@@ -61,6 +60,7 @@ class InputContext(tf.distribute.InputContext):
         self.examples_consumed = check_int("InputContext", "examples_consumed",
                                            examples_consumed, 0)
         self.cache_dir = cache_dir
+        self.position_honoured = False  # a builder started at examples_consumed
 
     @classmethod
     def from_tf(cls, ctx: tf.distribute.InputContext | None,
@@ -76,6 +76,9 @@ class InputContext(tf.distribute.InputContext):
                 `ctx` already carries one (a tputrain context), it is kept.
             examples_consumed, cache_dir: the same (None keeps `ctx`'s, if any).
         """
+        if isinstance(ctx, cls) and global_batch_size in (None, ctx.global_batch_size) and (
+                examples_consumed in (None, ctx.examples_consumed) and cache_dir is None):
+            return ctx  # the same object: a builder's position_honoured reaches its caller
         if ctx is None:
             ctx = tf.distribute.InputContext()
         if global_batch_size is None:

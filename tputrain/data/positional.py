@@ -37,7 +37,6 @@ from tputrain.data.empty_input import NO_BATCH, EmptyInputError
 _READ_BUFFER = 256 * 1024  # bytes a block reader buffers (tf.data's TFRecord default)
 _ENDLESS = 2**62  # windows of a repeated stream: as good as for ever
 _EPOCH_KEY, _WINDOW_KEY = 0, 1  # which shuffle a stateless seed is for
-_POSITIONED = "_tputrain_positioned"  # set on a finished dataset that starts at its position
 
 
 def symbolic_checkpoint(dataset: tf.data.Dataset) -> tf.data.Dataset:
@@ -46,20 +45,6 @@ def symbolic_checkpoint(dataset: tf.data.Dataset) -> tf.data.Dataset:
     options = tf.data.Options()
     options.experimental_symbolic_checkpoint = True
     return dataset.with_options(options)
-
-
-def mark_positioned(dataset: tf.data.Dataset, started: bool) -> tf.data.Dataset:
-    """Records on a finished positional pipeline whether it started at its
-    `InputContext.examples_consumed` (see `positioned`)."""
-    setattr(dataset, _POSITIONED, started)
-    return dataset
-
-
-def positioned(dataset: tf.data.Dataset) -> bool | None:
-    """True if `dataset` starts at its `InputContext.examples_consumed` (positional
-    input), False if it is positional but was built at 0 (nothing consumed, or a
-    `to_static`), None for any other dataset (the caller skips the consumed batches)."""
-    return getattr(dataset, _POSITIONED, None)
 
 
 def _seed(seed: int, index: tf.Tensor, host: int, hosts: int, kind: int) -> tf.Tensor:

@@ -60,7 +60,7 @@ from tputrain.data.manifest import (COMPRESSION_TYPES, MANIFEST_SUFFIX, Manifest
                                      var_len_feature, writer_side_file)
 from tputrain.data.options import InputOptions
 from tputrain.data.blocks import block_table
-from tputrain.data.positional import PositionalRecords, mark_positioned, symbolic_checkpoint
+from tputrain.data.positional import PositionalRecords, symbolic_checkpoint
 
 # The only dtypes tf.io.parse_example can produce.
 _PARSE_DTYPES = (tf.float32, tf.int64, tf.string)
@@ -515,8 +515,8 @@ class TFRecordInput(BatchedInput):
                 dataset = dataset.map(tracing.graph_helper(
                     lambda *batch: pad_to_batch(batch, per_replica_batch)))
         if isinstance(epochs, PositionalRecords):
-            return mark_positioned(self._finish(symbolic_checkpoint(dataset), context),
-                                   _position(self, context) > 0)
+            context.position_honoured = _position(self, context) > 0
+            dataset = symbolic_checkpoint(dataset)
         return self._finish(dataset, context)
 
     def _shuffled(self, examples: Any, context: InputContext) -> tf.data.Dataset:
@@ -547,7 +547,8 @@ class TFRecordInput(BatchedInput):
         """This pipeline's single parsed examples, unbatched: its share of the files,
         shuffled and repeated as configured, before `to_static` and batching (what
         `MixtureInput` draws from). Variable-length features are rank-1 tensors."""
-        context = InputContext.from_tf(input_context)
+        # From the start: a mixture's sources are not at the mixture's position.
+        context = InputContext.from_tf(input_context, examples_consumed=0)
         file_list = list_shards(self.file_patterns, self.manifest, self.features)
         check_yields(self, file_list, context, with_static=False)
         register_files(file_list, self.compression_type)

@@ -19,7 +19,6 @@ from tputrain.data.batching import check_static, label_key_of
 from tputrain.data.external_state import checkpointable
 from tputrain.data.mixture import mixture_sources
 from tputrain.checkpointing.input_layout import InputLayout, LayoutChange
-from tputrain.data.positional import positioned
 from tputrain.loop.source_counts import SourceCounter, without_source
 from tputrain.options import INPUT_MODES as OPTION_INPUT_MODES
 from tputrain.task import Task
@@ -257,9 +256,10 @@ class Inputs:
         consumed = skip_steps * self.plan.batch.global_batch_size
 
         def dataset_fn(tf_context):
-            dataset = self.task.build_inputs(split, InputContext.from_tf(
-                tf_context, self.input_batch(split), examples_consumed=consumed))
-            skip = 0 if positioned(dataset) else skip_steps
+            context = InputContext.from_tf(tf_context, self.input_batch(split),
+                                           examples_consumed=consumed)
+            dataset = self.task.build_inputs(split, context)
+            skip = 0 if context.position_honoured else skip_steps
             if skip and tf_context.input_pipeline_id == 0:
                 logging.info("tputrain: the %s input is not positional: it re-reads the %d "
                              "steps' batches consumed to reach them (TFRecordInput("

@@ -22,6 +22,10 @@ from tputrain.data.positional import PositionalRecords
 FEATURES = 128
 BATCH = 64
 LEDGER_ONLY = 10**9
+# Every iterator made, kept to the end: TF 2.21 intermittently segfaults when the
+# iterator of a symbolically checkpointed pipeline is destroyed (seen here and in
+# /tmp stress runs), which would end the run; the report says so.
+_KEEP: list = []
 
 
 def _inputs(manifest: str, positional: bool) -> tputrain.data.TFRecordInput:
@@ -41,17 +45,20 @@ def _cpu(work: Callable[[], object]) -> float:
 
 def _skip(manifest: str, consumed: int) -> None:
     """Today's distributed-mode resume: the shuffle-buffer pipeline read past the batches."""
-    next(iter(_inputs(manifest, False)(_context()).skip(consumed // BATCH)))
+    _KEEP.append(iter(_inputs(manifest, False)(_context()).skip(consumed // BATCH)))
+    next(_KEEP[-1])
 
 
 def _distributed(manifest: str, consumed: int) -> None:
     """Positional: built at the position."""
-    next(iter(_inputs(manifest, True)(_context(consumed))))
+    _KEEP.append(iter(_inputs(manifest, True)(_context(consumed))))
+    next(_KEEP[-1])
 
 
 def _host(manifest: str, checkpoint: str) -> None:
     """Positional, built at 0, its iterator restored from a checkpoint at the position."""
     iterator = iter(_inputs(manifest, True)(_context()))
+    _KEEP.append(iterator)
     tf.train.Checkpoint(iterator=iterator).restore(checkpoint).expect_partial()
     next(iterator)
 
@@ -59,6 +66,7 @@ def _host(manifest: str, checkpoint: str) -> None:
 def _save_at(manifest: str, consumed: int, folder: str) -> tuple[str, int]:
     """A host-mode iterator checkpoint after `consumed` examples; (path, bytes)."""
     iterator = iter(_inputs(manifest, True)(_context()))
+    _KEEP.append(iterator)
     for _ in range(consumed // BATCH):
         next(iterator)
     path = tf.train.Checkpoint(iterator=iterator).save(os.path.join(folder, f"at{consumed}"))
@@ -70,6 +78,7 @@ def _save_at(manifest: str, consumed: int, folder: str) -> tuple[str, int]:
 def _steady(manifest: str, positional: bool, batches: int) -> float:
     """CPU seconds an example over `batches` batches after the first."""
     iterator = iter(_inputs(manifest, positional)(_context()))
+    _KEEP.append(iterator)
     next(iterator)
     return _cpu(lambda: [next(iterator) for _ in range(batches)]) / (batches * BATCH)
 

@@ -5,11 +5,18 @@ A loop's length is a run-time tensor of the program, so a last loop shorter than
 the program already compiled instead of tracing and compiling a new one.
 """
 
+import os
+import shutil
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 import tputrain
+from faults import child_env
 from tiny import TinyTask, strategy_for, weights
+from tputrain.loop import compile_cache
 
 # (replicas, Trainer options): the plain loop, the whole step in XLA one step a
 # launch, several steps an XLA program launch, and XLA on two replicas.
@@ -53,3 +60,47 @@ def test_82_steps_in_loops_of_20_compile_one_program_also_after_a_resume_at_41(t
     resumed.train()
     assert int(resumed.step.numpy()) == 82 and _programs(resumed) == 1
     assert all(np.array_equal(a, b) for a, b in zip(weights(straight), weights(resumed)))
+
+
+# Trains TinyTask with 4 steps an XLA program launch in loops of 20 to `train_steps`
+# (resuming from `model_dir`'s checkpoint), with XLA's persistent cache in `cache`.
+SCRIPT = r"""
+import sys
+import tensorflow as tf
+import tputrain
+from tiny import TinyTask
+model_dir, train_steps = sys.argv[1], int(sys.argv[2])
+trainer = tputrain.Trainer(TinyTask(), model_dir, train_steps=train_steps, steps_per_loop=20,
+                           global_batch_size=16, checkpoint_every=10**6, eval_steps=1,
+                           jit_compile=True, steps_per_program=4, report_mfu=False,
+                           strategy=tf.distribute.OneDeviceStrategy("/cpu:0"))
+trainer.train()
+"""
+
+
+@pytest.mark.slow
+def test_a_short_last_loop_compiles_no_xla_program_a_whole_loop_did_not(tmp_path):
+    """XLA's own count, with the compiled programs kept on disk: a run of 82 steps (its
+    last loop 2) and a run of 41 (its last loop 1) write no program a run of 80 (loops
+    of 20 only) did not; resumed at 41, a run to 82 writes none a run from 41 to 81
+    (whole loops) did not."""
+    cache = str(tmp_path / "xla_cache")
+
+    def train(name: str, train_steps: int) -> set[str]:
+        env = child_env()
+        env.pop("TF_XLA_FLAGS", None)  # not the suite's own cache
+        env[compile_cache.ENV] = cache
+        result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / name),
+                                 str(train_steps)], env=env, capture_output=True, text=True,
+                                timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return {name for _, _, names in os.walk(cache) for name in names
+                if name != compile_cache.CHECKED}
+
+    whole_loops = train("eighty", 80)
+    assert whole_loops, "the run of 80 wrote its compiled programs"
+    assert train("straight", 82) == whole_loops
+    assert train("stopped", 41) == whole_loops
+    shutil.copytree(tmp_path / "stopped", tmp_path / "stopped_too")
+    resumed_whole_loops = train("stopped", 81)
+    assert train("stopped_too", 82) == resumed_whole_loops

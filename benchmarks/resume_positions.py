@@ -28,9 +28,12 @@ LEDGER_ONLY = 10**9
 _KEEP: list = []
 
 
-def _inputs(manifest: str, positional: bool) -> tputrain.data.TFRecordInput:
-    return tputrain.data.TFRecordInput(manifest=manifest, label_key="label", seed=1,
-                                       positional=positional)
+def _inputs(manifest: str, positional: bool, symbolic: bool = False
+            ) -> tputrain.data.TFRecordInput:
+    """Host-mode rows checkpoint symbolically (`InputOptions.symbolic_checkpoint`)."""
+    return tputrain.data.TFRecordInput(
+        manifest=manifest, label_key="label", seed=1, positional=positional,
+        options=tputrain.data.InputOptions(symbolic_checkpoint=symbolic))
 
 
 def _context(consumed: int = 0) -> InputContext:
@@ -57,7 +60,7 @@ def _distributed(manifest: str, consumed: int) -> None:
 
 def _host(manifest: str, checkpoint: str) -> None:
     """Positional, built at 0, its iterator restored from a checkpoint at the position."""
-    iterator = iter(_inputs(manifest, True)(_context()))
+    iterator = iter(_inputs(manifest, True, symbolic=True)(_context()))
     _KEEP.append(iterator)
     tf.train.Checkpoint(iterator=iterator).restore(checkpoint).expect_partial()
     next(iterator)
@@ -65,7 +68,7 @@ def _host(manifest: str, checkpoint: str) -> None:
 
 def _save_at(manifest: str, consumed: int, folder: str) -> tuple[str, int]:
     """A host-mode iterator checkpoint after `consumed` examples; (path, bytes)."""
-    iterator = iter(_inputs(manifest, True)(_context()))
+    iterator = iter(_inputs(manifest, True, symbolic=True)(_context()))
     _KEEP.append(iterator)
     for _ in range(consumed // BATCH):
         next(iterator)

@@ -163,13 +163,15 @@ def test_tfrecordinput_starts_at_the_examples_consumed(tmp_path, hosts):
 
 def test_a_positional_iterator_checkpoint_holds_no_buffer(tmp_path):
     """Records of 1 KB: the shuffle buffer's checkpoint holds them, the positional
-    pipeline's holds positions only (under 64 KB), and restores exactly."""
-    from tputrain.data import InputContext
+    pipeline's, checkpointed symbolically, positions only (under 64 KB); both restore
+    exactly."""
+    from tputrain.data import InputContext, InputOptions
     manifest = _write_ids(tmp_path, 3000, payload=256)
     sizes = {}
     for positional in (True, False):
-        dataset = _input(manifest, positional=positional, shuffle_buffer=2000)(
-            InputContext(global_batch_size=8))
+        options = InputOptions(symbolic_checkpoint=positional)
+        dataset = _input(manifest, positional=positional, shuffle_buffer=2000,
+                         options=options)(InputContext(global_batch_size=8))
         iterator = iter(dataset)
         for _ in range(5):
             next(iterator)

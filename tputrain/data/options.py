@@ -56,6 +56,13 @@ class InputOptions:
             the Trainer raises `InputStateError` before training. Without that
             state a resumed run draws other random numbers (and restarts a
             generator); `tputrain.data.stateless_augment` resumes exactly.
+        symbolic_checkpoint: iterator checkpoints hold positions, not buffered
+            elements (`tf.data.Options.experimental_symbolic_checkpoint`): with
+            `TFRecordInput(positional=True)` a host-mode checkpoint shrinks from a
+            window of records to a few KB, but every element then carries its
+            position: CPU per example rose about 13x in benchmarks/resume_time.py's
+            pipeline, and TF 2.21 segfaulted now and then destroying such iterators
+            (docs/input_pipeline.md). Not with a shuffle buffer (it saves its buffer).
     """
 
     threadpool_size: int | None = None
@@ -68,6 +75,7 @@ class InputOptions:
     service_job_name: str | None = None
     service_processing_mode: str = "parallel_epochs"
     external_state_policy: str | None = None
+    symbolic_checkpoint: bool = False
 
     def __post_init__(self):
         for name, minimum in (("threadpool_size", 1), ("max_intra_op_parallelism", 1),
@@ -77,6 +85,7 @@ class InputOptions:
             object.__setattr__(self, name, check_int("InputOptions", name, getattr(self, name),
                                                      minimum, allow_none=True))
         check_bool("InputOptions", "autotune", self.autotune)
+        check_bool("InputOptions", "symbolic_checkpoint", self.symbolic_checkpoint)
         if self.service_processing_mode not in _PROCESSING_MODES:
             raise ValueError(
                 f"InputOptions.service_processing_mode must be one of {_PROCESSING_MODES}, "
@@ -101,6 +110,8 @@ class InputOptions:
         if self.max_intra_op_parallelism is not None:
             options.threading.max_intra_op_parallelism = self.max_intra_op_parallelism
         options.autotune.enabled = self.autotune
+        if self.symbolic_checkpoint:
+            options.experimental_symbolic_checkpoint = True
         if self.autotune_ram_budget is not None:
             options.autotune.ram_budget = self.autotune_ram_budget
         if self.autotune_cpu_budget is not None:

@@ -39,14 +39,6 @@ _ENDLESS = 2**62  # windows of a repeated stream: as good as for ever
 _EPOCH_KEY, _WINDOW_KEY = 0, 1  # which shuffle a stateless seed is for
 
 
-def symbolic_checkpoint(dataset: tf.data.Dataset) -> tf.data.Dataset:
-    """A positional pipeline's iterator checkpoints symbolically: positions only, no
-    buffered records (a window is recomputed from its index on restore)."""
-    options = tf.data.Options()
-    options.experimental_symbolic_checkpoint = True
-    return dataset.with_options(options)
-
-
 def _seed(seed: int, index: tf.Tensor, host: int, hosts: int, kind: int) -> tf.Tensor:
     """The stateless seed of one shuffle: (user seed, index x host x kind)."""
     key = (tf.cast(index, tf.int64) * hosts + host) * 2 + kind

@@ -60,7 +60,7 @@ from tputrain.data.manifest import (COMPRESSION_TYPES, MANIFEST_SUFFIX, Manifest
                                      var_len_feature, writer_side_file)
 from tputrain.data.options import InputOptions
 from tputrain.data.blocks import block_table
-from tputrain.data.positional import PositionalRecords, symbolic_checkpoint
+from tputrain.data.positional import PositionalRecords
 
 # The only dtypes tf.io.parse_example can produce.
 _PARSE_DTYPES = (tf.float32, tf.int64, tf.string)
@@ -516,7 +516,6 @@ class TFRecordInput(BatchedInput):
                     lambda *batch: pad_to_batch(batch, per_replica_batch)))
         if isinstance(epochs, PositionalRecords):
             context.position_honoured = _position(self, context) > 0
-            dataset = symbolic_checkpoint(dataset)
         return self._finish(dataset, context)
 
     def _shuffled(self, examples: Any, context: InputContext) -> tf.data.Dataset:

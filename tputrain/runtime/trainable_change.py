@@ -27,6 +27,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.checkpointing.integrity import CheckpointMismatchError, object_graph
+from tputrain.checkpointing.recovery import UNREADABLE_ERRORS
 from tputrain.optim.ema import build_average
 from tputrain.runtime.keras_clone import has_lora
 from tputrain.loop.eval_sets import EvalSets
@@ -68,7 +69,7 @@ def checkpoint_has_lora(path: str) -> bool:
     """Whether the checkpoint at `path` holds LoRA factors (its object graph names them)."""
     try:
         graph = object_graph(tf.train.load_checkpoint(path))
-    except (tf.errors.OpError, ValueError, KeyError):
+    except UNREADABLE_ERRORS + (KeyError,):  # a damaged one is recovery's to handle
         return False
     return any(child.local_name == LORA_FACTOR for node in graph.nodes for child in node.children)
 

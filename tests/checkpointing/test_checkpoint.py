@@ -341,6 +341,8 @@ def test_resume_on_two_replicas_of_a_one_replica_run_skips_to_its_step(tmp_path,
     assert not (model_dir / "checkpoints" / "damaged").exists()
 
 
+# slow tier: tests/jobs/test_diagnose.py's steps_per_fetch resume covers stacked fetches by default
+@pytest.mark.slow
 def test_changing_between_direct_and_stacked_fetches_resumes_bitwise(tmp_path, caplog):
     """One replica fetching one step at a time reads the task's batches as built
     ("direct"); steps_per_fetch=2 stacks them ("stacked"), another iterator structure.

@@ -39,6 +39,8 @@ class OutOfMemoryTask(TinyTask):
         return super().compute_loss(labels, outputs)
 
 
+# slow tier: the climb's other default tests cover the suggestion
+@pytest.mark.slow
 def test_out_of_memory_ends_the_climb_and_the_largest_batch_that_fit_is_suggested(tmp_path):
     task = OutOfMemoryTask(limit=22, num_examples=512)
     result = find_batch(task, tf.distribute.OneDeviceStrategy("/cpu:0"), global_batch_size=4,

@@ -46,6 +46,8 @@ def test_one_replica_reports_no_communication(tmp_path):
     assert all(loop["comm/allreduce_fraction"] == 0 for loop in loops)
 
 
+# slow tier: the wire dtype itself stays in the default tier
+@pytest.mark.slow
 def test_bf16_all_reduce_trains_close_to_fp32_and_updates_in_float32(tmp_path):
     """Half the bytes, the same model to bf16 precision; weights stay float32."""
     fp32, _ = train(tmp_path, "a", 2)

@@ -105,6 +105,8 @@ def test_the_counts_are_exact_cumulative_global_and_shown(tmp_path, caplog, repl
     assert f"sources: wiki {wiki_share}% ({wiki}) | code {code_share}% ({code})" in line, line
 
 
+# slow tier: the counts' exactness stays in the default tier
+@pytest.mark.slow
 def test_a_resumed_run_continues_the_counts(tmp_path):
     sources = _sources(tmp_path)
     _trainer(tmp_path, sources, "resumed", 4).train()

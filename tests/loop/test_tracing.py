@@ -114,6 +114,8 @@ FaultTask.dropout = 0.3
 """
 
 
+# slow tier: the collective case stays in the default tier
+@pytest.mark.slow
 def test_two_worker_processes_train_with_lean_tracing_as_without(tmp_path, monkeypatch):
     # MultiWorkerMirroredStrategy, one device a worker: its cross-worker all-reduce in
     # a nested step function under the loop's `tf.cond` failed to run ("You must feed

@@ -91,14 +91,18 @@ def test_a_non_finite_state_is_never_checkpointed(tmp_path):
 def one_replica_trainer(tmp_path, name, policy, nan_at_batch):
     """One replica, the whole step one XLA program: the step counter and the guard's
     observation run inside it (`StepBuilder.build(count=...)`). One batch a step:
-    batch b is step b + 1."""
+    batch b is step b + 1. One step a launch (`steps_per_program=1`): since a loop
+    shorter than the program also runs the program (issue 55), "auto" would run these
+    loops as one launch of several steps, whose counter moves past every batch taken
+    (`step.steps_program`; test_raise_stops_inside_a_fetch_of_several_steps covers it)."""
     import gin
 
     gin.bind_parameter("NonFiniteGuard.policy", policy)
     task = FaultTask(dropout=0.0, nan_at_batch=nan_at_batch)
     return tputrain.Trainer(task, str(tmp_path / name), strategy=strategy_for(1),
                             train_steps=8, steps_per_loop=4, global_batch_size=16,
-                            checkpoint_every=2, eval_steps=1, jit_compile=True)
+                            checkpoint_every=2, eval_steps=1, jit_compile=True,
+                            steps_per_program=1)
 
 
 def test_raise_with_the_count_inside_the_xla_step(tmp_path):

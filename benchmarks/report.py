@@ -162,6 +162,9 @@ def headlines(report: dict[str, Any]) -> list[str]:
         return guard_cost_headlines(report)
     if report.get("benchmark") == "exit_time":
         return exit_time_headlines(report)
+    if "max_over_min" in report:  # resume_time --positions: first batch, max/min CPU over positions
+        return [f"first batch max/min CPU, {mode} {value:.2f}"
+                for mode, value in report["max_over_min"].items()]
     goals = report.get("goals", {})
     if any(isinstance(goal, dict) for goal in goals.values()):  # train_loop: measured ratios
         return train_loop_headlines(report)

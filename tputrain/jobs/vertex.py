@@ -226,18 +226,24 @@ def validate_config(gin_files: Sequence[str], gin_params: Sequence[str],
     return warnings
 
 
-def submit(job: dict[str, Any], project: str, region: str) -> str:
-    """Creates the CustomJob with google-cloud-aiplatform; returns its resource name."""
+def job_service(project: str, region: str, guide: str = "docs/vertex.md") -> tuple[Any, Any]:
+    """(the `aiplatform_v1` module, a JobServiceClient for `region`): what `--submit`
+    needs, or a SpecError that names the fix (`guide`: where the printed JSON is explained)."""
     try:
-        from google.cloud import aiplatform_v1
+        from google.cloud import aiplatform_v1  # pylint: disable=import-outside-toplevel
     except ImportError as error:
         raise SpecError("--submit needs google-cloud-aiplatform: pip install "
                         "google-cloud-aiplatform, or submit the printed JSON yourself "
-                        "(see docs/vertex.md)") from error
+                        f"(see {guide})") from error
     if not project:
         raise SpecError("--submit needs --project=YOUR_GCP_PROJECT")
-    client = aiplatform_v1.JobServiceClient(
+    return aiplatform_v1, aiplatform_v1.JobServiceClient(
         client_options={"api_endpoint": f"{region}-aiplatform.googleapis.com"})
+
+
+def submit(job: dict[str, Any], project: str, region: str) -> str:
+    """Creates the CustomJob with google-cloud-aiplatform; returns its resource name."""
+    aiplatform_v1, client = job_service(project, region)
     custom_job = aiplatform_v1.CustomJob.from_json(json.dumps(job))
     created = client.create_custom_job(parent=f"projects/{project}/locations/{region}",
                                        custom_job=custom_job)

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from tputrain.tuning.report import METRIC_ENV
 from tputrain.tuning.spec import Param, TuningSpec, gin_literal
-from tputrain.jobs.vertex import SpecError as VertexSpecError
+from tputrain.jobs.vertex import SpecError as VertexSpecError, job_service
 
 _ARG = re.compile(r"^--([A-Za-z_]\w*__\w+)=(.*)$", re.S)
 SCOPE = "___"  # a gin scope's "/" in a parameter id
@@ -86,16 +86,7 @@ def hyperparameter_args(argv: Sequence[str]) -> list[str]:
 
 def submit_tuning_job(job: dict[str, Any], project: str, region: str) -> str:
     """Creates the job with google-cloud-aiplatform; returns its resource name."""
-    try:
-        from google.cloud import aiplatform_v1  # pylint: disable=import-outside-toplevel
-    except ImportError as error:
-        raise VertexSpecError("--submit needs google-cloud-aiplatform: pip install "
-                              "google-cloud-aiplatform, or submit the printed JSON yourself "
-                              "(see docs/tracking.md)") from error
-    if not project:
-        raise VertexSpecError("--submit needs --project=YOUR_GCP_PROJECT")
-    client = aiplatform_v1.JobServiceClient(
-        client_options={"api_endpoint": f"{region}-aiplatform.googleapis.com"})
+    aiplatform_v1, client = job_service(project, region, guide="docs/tracking.md")
     created = client.create_hyperparameter_tuning_job(
         parent=f"projects/{project}/locations/{region}",
         hyperparameter_tuning_job=aiplatform_v1.HyperparameterTuningJob.from_json(

@@ -85,3 +85,22 @@ def test_a_study_killed_midway_continues_and_its_best_trial_reproduces(tmp_path)
     from tputrain.tuning.report import read_report
     assert read_report(str(tmp_path / "alone.metrics"), "accuracy")[400] == pytest.approx(
         best.value, abs=1e-6)
+
+
+def test_tune_help_lists_only_the_flags_tune_takes():
+    """Each trial has its own model_dir under --study_dir: --model_dir is no tune flag."""
+    from tputrain.cli import help_text, main
+    for text in (main.render_help("tune"), help_text.HELP["tune"]):
+        assert "--study_dir" in text and "--gin_file" in text
+        assert "--model_dir" not in text
+
+
+def test_tune_with_model_dir_is_one_line_naming_study_dir(capsys):
+    from tputrain.cli import tune
+    with pytest.raises(SystemExit) as stop:
+        tune.refuse_model_dir(["tputrain tune", "--spec=s.yaml", "--model_dir=/tmp/x"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "tputrain: error: each trial has its own model_dir under --study_dir: pass "
+        "--study_dir, not --model_dir"]
+    tune.refuse_model_dir(["tputrain tune", "--spec=s.yaml", "--study_dir=/tmp/s"])

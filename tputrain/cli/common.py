@@ -28,8 +28,9 @@ VERTEX_CHECKPOINT_DIR = "AIP_CHECKPOINT_DIR"  # set by Vertex AI (docs/vertex.md
 GIN_FLAGS = ("gin_file", "gin_param", "gin_search_path", "gin_import")
 
 
-def define_gin_flags(flag_values: flags.FlagValues = FLAGS) -> None:
-    """The gin flags shared by every command that reads a gin config."""
+def define_gin_flags(flag_values: flags.FlagValues = FLAGS, model_dir: bool = True) -> None:
+    """The gin flags shared by every command that reads a gin config; `model_dir` False
+    for a command with no model_dir of its own (`tputrain tune`: a study folder)."""
     flags.DEFINE_multi_string("gin_file", [], "Gin config file(s); later files override "
                               "earlier ones.", flag_values=flag_values)
     flags.DEFINE_multi_string("gin_param", [], "Gin binding(s), e.g. "
@@ -38,13 +39,14 @@ def define_gin_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                               "includes.", flag_values=flag_values)
     flags.DEFINE_multi_string("gin_import", [], "Python module(s) to import before parsing, "
                               "e.g. a module defining your Task.", flag_values=flag_values)
-    flags.DEFINE_string("model_dir", None, "Overrides Trainer.model_dir.",
-                        flag_values=flag_values)
-    # `--model_dir=$DIR` with DIR unset would train in the config's model_dir instead.
-    flags.register_validator("model_dir", lambda value: value is None or bool(value.strip()),
-                             "is empty (an unset shell variable?): pass a directory, or leave "
-                             "the flag out to use the config's Trainer.model_dir",
-                             flag_values=flag_values)
+    if model_dir:
+        flags.DEFINE_string("model_dir", None, "Overrides Trainer.model_dir.",
+                            flag_values=flag_values)
+        # `--model_dir=$DIR` with DIR unset would train in the config's model_dir instead.
+        flags.register_validator("model_dir", lambda value: value is None or bool(value.strip()),
+                                 "is empty (an unset shell variable?): pass a directory, or "
+                                 "leave the flag out to use the config's Trainer.model_dir",
+                                 flag_values=flag_values)
     flags.DEFINE_bool("deterministic", False, "Enable TF op determinism: bitwise reproducible "
                       "runs and resumes, at some speed cost.", flag_values=flag_values)
 

@@ -12,6 +12,7 @@ Exits 0 when done; 2 for a bad spec or a config every trial refuses.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from absl import flags
 
@@ -23,7 +24,7 @@ FLAGS = flags.FLAGS
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
-    define_gin_flags(flag_values)
+    define_gin_flags(flag_values, model_dir=False)  # each trial's is under --study_dir
     fv = {"flag_values": flag_values}
     flags.DEFINE_string("spec", None, "The tuning spec (YAML): parameters, metric, goal, "
                         "trials, parallel.", **fv)
@@ -43,13 +44,18 @@ def _run_args() -> list[str]:
     return args + (["--deterministic"] if FLAGS.deterministic else [])
 
 
+def refuse_model_dir(argv: list[str]) -> None:
+    """`--model_dir` (habit from `tputrain run`) named as what tune takes instead, rather
+    than absl's "unknown flag"."""
+    if any(arg == "--model_dir" or arg.startswith("--model_dir=") for arg in argv[1:]):
+        fail("each trial has its own model_dir under --study_dir: pass --study_dir, "
+             "not --model_dir")
+
+
 def main(argv: list[str]) -> None:
     reject_arguments(argv)
     if not FLAGS.spec or not FLAGS.study_dir or not FLAGS.gin_file:
         fail("pass --spec=SPEC.yaml, --study_dir=DIR and --gin_file=CONFIG")
-    if FLAGS.model_dir:
-        fail("each trial has its own model_dir under --study_dir: pass --study_dir, "
-             "not --model_dir")
     try:
         spec = load_spec(FLAGS.spec)
         import optuna  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
@@ -71,5 +77,6 @@ def main(argv: list[str]) -> None:
 
 def console_main() -> None:
     """`tputrain tune`."""
+    refuse_model_dir(sys.argv)
     define_flags()
     run_command(main)

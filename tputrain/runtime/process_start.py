@@ -27,11 +27,14 @@ def process_start_time(pid: int | None = None) -> tuple[float, str]:
     the import of tputrain."""
     pid = os.getpid() if pid is None else pid
     try:
-        with open(f"/proc/{pid}/stat") as stat, open("/proc/uptime") as uptime:
+        with open(f"/proc/{pid}/stat") as stat:
             ticks = int(stat.read().rpartition(")")[2].split()[19])  # field 22: starttime
-            since_boot = float(uptime.read().split()[0])
+        # The boot clock to the nanosecond (/proc/uptime rounds to 10 ms, which put the
+        # start after a shell's first command); the ticks are floored, so the start
+        # read is never later than the true one.
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
         return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK")), "/proc"
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError, AttributeError):  # AttributeError: no CLOCK_BOOTTIME
         pass
     try:
         import psutil  # optional: /proc is read first anyway

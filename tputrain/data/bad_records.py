@@ -149,6 +149,15 @@ def locate_corruption(files: Iterable[str], compression_type: str | None = None,
     return None
 
 
+def _still_readable(path: str) -> bool:
+    """Whether a registered file is there; a file of an older pipeline whose filesystem
+    is gone (a bucket's emulator stopped, no network) is passed over, not raised."""
+    try:
+        return tf.io.gfile.exists(path)
+    except tf.errors.OpError:
+        return False
+
+
 def explain_data_loss(error: Exception) -> Exception:
     """Returns a one-line `CorruptRecordError` for a TF DataLossError, or `error` itself.
 
@@ -162,7 +171,7 @@ def explain_data_loss(error: Exception) -> Exception:
     # train), an older one's file that is also corrupt must not be named instead.
     by_compression: dict[str, list[str]] = {}
     for path, compression in reversed(list(_FILES_READ.items())):
-        if tf.io.gfile.exists(path):
+        if _still_readable(path):
             by_compression.setdefault(compression, []).append(path)
     for compression, files in by_compression.items():
         found = locate_corruption(files, compression, offset)

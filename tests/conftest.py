@@ -152,9 +152,109 @@ def pytest_unconfigure(config):
             shutil.rmtree(own, ignore_errors=True)
 
 
+# The default tier's time budget (12 minutes on 2 cores) leaves out these tests too: each
+# is a costly variant whose promise a sibling in the default tier keeps (named after
+# it), or an end-to-end run of what in-process tests cover. They run with --slow.
+# An entry without "[...]" names every parameter of the test.
+SLOW_TIER = {
+    "serving/test_keras_saving.py::test_merged_exports_serve_the_trained_outputs":
+        "trains a 2-replica LoRA model (module fixture); test_a_merged_copy_has_no_lora_and_the_same_outputs",
+    "serving/test_keras_saving.py::test_a_kept_lora_saved_model_serves_the_factors_apart": "the same fixture",
+    "serving/test_keras_saving.py::test_a_kept_lora_keras_file_is_the_base_beside_keras_hubs_factor_file":
+        "the same fixture",
+    "serving/test_keras_saving.py::test_int8_is_measured_against_float32_and_saved": "the same fixture",
+    "loop/test_compile_cache.py::test_a_rerun_reads_the_programs_back_and_a_changed_model_compiles_anew":
+        "four CLI runs; the suite itself runs on one shared persistent cache",
+    "loop/test_compile_cache.py::test_tensorflow_started_before_tputrain_is_said_once": "a CLI run",
+    "runtime/test_gcs.py::test_gs_model_dir_and_data_save_restore_and_resume_exactly":
+        "an emulated bucket; test_missing_bucket_is_named_before_training",
+    "tracking/test_mlflow_tracker.py::test_one_run_across_a_resume_with_no_step_twice":
+        "three processes against MLflow; the tracker's in-process tests",
+    "observe/test_console.py::test_the_cli_on_two_replicas_prints_plain_lines_once_and_no_noise":
+        "a 2-replica CLI run; test_an_xla_run_prints_no_tensorflow_line",
+    "observe/test_console.py::test_show_progress_false_silences_it": "a script run",
+    "observe/test_console.py::test_tensorflow_imported_first_is_told_once_how_to_silence_its_start_up[tputrain]":
+        "[keras]",
+    "jobs/test_diagnose.py::test_steps_per_fetch_trains_and_resumes_bitwise_the_same":
+        "test_trainer's steps_per_fetch resume",
+    "fault_tolerance/test_guard.py::test_compute_gradients_replaced_on_the_instance_keeps_the_exact_check":
+        "test_the_exact_check_where_the_loss_is_not_scaled[task0-guard_options0]",
+    "fault_tolerance/test_guard.py::test_the_exact_check_where_the_loss_is_not_scaled[task1-guard_options1]":
+        "[task0-guard_options0]",
+    "fault_tolerance/test_guard.py::test_the_exact_check_where_the_loss_is_not_scaled[task2-guard_options2]":
+        "[task0-guard_options0]",
+    "fault_tolerance/test_guard.py::test_the_scaled_check_updates_bit_for_bit_as_without_a_guard[adamw-options7-kwargs7]":
+        "[adam-options0-kwargs0]",
+    "fault_tolerance/test_guard.py::test_a_skipped_step_leaves_batchnorm_statistics_as_they_were[1-auto]": "[2-auto]",
+    "fault_tolerance/test_guard.py::test_raise_stops_inside_a_fetch_of_several_steps[1-2-several2]": "[2-5-several1]",
+    "test_trainer.py::test_profile_steps_write_a_trace": "a profiler trace",
+    "test_trainer.py::test_padded_eval_counts_every_example_once[1-host]": "[2-distributed]",
+    "test_trainer.py::test_jit_compile_matches_uncompiled[1]": "[2]",
+    "test_trainer.py::test_resume_continues_and_matches_uninterrupted":
+        "test_resume.py's kill -9 resumes and test_train_twice_on_one_trainer_continues",
+    "loop/test_remat.py::test_training_with_remat_gives_the_same_weights_and_flops[1-mixed_bfloat16]":
+        "the float32 parameters",
+    "loop/test_remat.py::test_gradients_are_those_without_remat[RematOptions(mode='larger_than', output_size_threshold=1000, layer_names=())-True]":
+        "[activations-False], [full-False]",
+    "loop/test_remat.py::test_gradients_are_those_without_remat[RematOptions(mode='list_of_layers', output_size_threshold=1024, layer_names=('logits', 'dense_1'))-True]":
+        "[activations-False], [full-False]",
+    "loop/test_tracing.py::test_a_users_control_flow_is_converted_and_the_weights_are_those_of_lean_tracing_off[collective]":
+        "[1]",
+    "loop/test_step.py::test_steps_per_program_auto_and_where_it_applies":
+        "test_steps_per_program_trains_bitwise_as_one_step_a_launch",
+    "loop/test_step.py::test_a_guarded_nan_step_under_xla_changes_no_variable[float32-lamb-options3]":
+        "the other optimizers' parameters",
+    "loop/test_step.py::test_a_guarded_nan_step_under_xla_changes_no_variable[float32-adam-options1]":
+        "the other optimizers' parameters",
+    "loop/test_step.py::test_a_guarded_nan_step_under_xla_changes_no_variable[float32-adam-options6]":
+        "the other optimizers' parameters",
+    "loop/test_step.py::test_a_guarded_nan_step_under_xla_changes_no_variable[float32-adam-options5]":
+        "the other optimizers' parameters",
+    "loop/test_update.py::test_each_device_runs_the_scaled_check_in_its_update_bit_for_bit_as_the_exact":
+        "test_guard's test_the_scaled_check_updates_bit_for_bit_as_without_a_guard",
+    "loop/test_update.py::test_a_nonfinite_gradient_of_any_one_variable_skips_the_step[1]": "[0]",
+    "loop/test_update.py::test_a_nonfinite_gradient_of_any_one_variable_skips_the_step[2]": "[0]",
+    "loop/test_update.py::test_a_nonfinite_gradient_of_any_one_variable_skips_the_step[3]": "[0]",
+    "loop/test_update.py::test_the_guard_skips_a_bad_step_on_every_device[<lambda>]": "[HugeTargetTask]",
+    "loop/test_batch_norm.py::test_auto_runs_a_conv_nets_batch_norms_fused_on_onednn_and_trains_as_keras[1]": "[2]",
+    "loop/test_replica_stats.py::test_every_replica_holds_the_global_batches_moving_mean[1]": "[2]",
+    "loop/test_random_draws.py::test_onednn_enabled_follows_tf_enable_onednn_opts": "two subprocesses",
+    "loop/test_aggregation.py::test_each_named_eval_set_gets_its_own_host_side_metric":
+        "test_two_replicas_f1_over_every_eval_example_once_equals_scikit_learn",
+    "test_scalar_variables.py::test_scalar_and_one_element_variables_train_as_without_xla[lamb-update_on_each_device]":
+        "the other plans' parameters",
+    "test_token_loss.py::test_per_token_normalisation_is_the_same_on_1_2_and_4_replicas_and_with_micro_batches":
+        "test_the_loss_is_the_mean_over_the_global_batchs_real_tokens on 1, 2 and 4 replicas",
+    "optim/test_lars.py::test_two_replicas_match_one_device": "test_replica_equivalence (every optimizer option)",
+    "data/test_mixture.py::test_a_mixture_with_an_empty_component_is_one_line_and_exit_2": "a CLI run",
+    "data/test_writer.py::test_an_output_prefix_under_a_file_is_one_line_and_exit_2": "a CLI run",
+    "data/test_data.py::test_the_cli_refuses_a_shuffled_empty_shard_in_one_line_and_exit_2": "a CLI run",
+    "data/test_augment.py::test_random_augmentation_trains_and_resumes_with_one_warning[tf_image_and_random-named1]":
+        "its other parameters",
+}
+
+
+def _mark_slow_tier(config, items) -> None:
+    """Marks SLOW_TIER's tests `slow`. When whole folders were collected (the README's
+    command), an entry that names no collected test is an error: a renamed test or
+    parameter must not leave the list unseen."""
+    matched = set()
+    for item in items:
+        name = item.nodeid.split("tests/", 1)[-1]
+        for key in (name, name.split("[", 1)[0]):
+            if key in SLOW_TIER:
+                item.add_marker(pytest.mark.slow)
+                matched.add(key)
+    whole = all(os.path.isdir(arg) for arg in config.args) and not config.getoption("keyword")
+    if whole and set(SLOW_TIER) - matched:
+        raise pytest.UsageError("conftest.SLOW_TIER names tests that were not collected: "
+                                f"{sorted(set(SLOW_TIER) - matched)}")
+
+
 def pytest_collection_modifyitems(config, items):
     """The default run leaves out the `slow` tier (`--slow`, or any `-m`, keeps it), then
     orders the rest (`_start_rank`)."""
+    _mark_slow_tier(config, items)
     if not config.getoption("--slow") and not config.getoption("markexpr"):
         slow = [item for item in items if item.get_closest_marker("slow")]
         if slow:

@@ -231,6 +231,26 @@ SLOW_TIER = {
     "data/test_data.py::test_the_cli_refuses_a_shuffled_empty_shard_in_one_line_and_exit_2": "a CLI run",
     "data/test_augment.py::test_random_augmentation_trains_and_resumes_with_one_warning[tf_image_and_random-named1]":
         "its other parameters",
+    "observe/test_console.py::test_a_script_that_sets_up_first_shows_the_strategy_each_loop_and_no_noise":
+        "test_a_plain_script_shows_progress_without_absl_prefixes",
+    "actions/test_init_checkpoint.py::test_a_resumed_run_keeps_its_own_weights":
+        "test_b_starts_from_a_backbone_and_the_log_names_what_was_not_loaded",
+    "loop/test_update.py::test_the_guard_raises_with_the_weights_before_the_bad_step":
+        "test_guard's raise tests",
+    "observe/test_goodput.py::test_the_goodput_command_prints_the_account_and_fails_without_records":
+        "the in-process account tests",
+    "test_trainer.py::test_the_default_strategy_trains_like_one_device": "test_replica_equivalence",
+    "test_trainer.py::test_replicas_match_single_device": "test_replica_equivalence (every option)",
+    "checkpointing/test_checkpoint.py::test_a_damaged_state_file_with_no_checkpoint_files_starts_over":
+        "test_a_damaged_state_file_resumes_from_the_files_and_keeps_them",
+    "fault_tolerance/test_guard.py::test_the_scaled_check_skips_a_nan_and_an_overflowing_square[1e+30]":
+        "[nan]",
+    "loop/test_update.py::test_gradients_crossing_in_float16_keep_the_exact_check":
+        "test_guard's test_a_model_computing_in_float16_keeps_the_exact_check[mixed_float16]",
+    "jobs/test_diagnose.py::test_diagnose_on_the_real_clock_reports_what_sleeps_guarantee":
+        "the diagnose tests on a test-owned clock",
+    "serving/test_keras_saving.py::test_the_export_command_refuses_an_unknown_quantization_in_one_line":
+        "test_quantize_refuses_an_unknown_mode",
 }
 
 

@@ -380,8 +380,9 @@ class Trainer(RunKnobs, TrainableSet):
             return Controller(self, self._actions()).complete(step)
         self.plan.check_resume_step(step, self.model_dir)
         if self.input_mode == "distributed":  # skips the examples consumed, in batches
+            layout = self.checkpointer.recorded_layout
             self._train_iterator = self.inputs.distributed_iterator(
-                "train", skip_steps=self.checkpointer.recorded_layout.input_steps(step))
+                "train", skip_steps=layout.input_steps(step), layout_history=layout.history())
         logging.info("tputrain: training from step %d to %d", step, until)
         self._preemption.install()
         try:

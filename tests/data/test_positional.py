@@ -33,19 +33,23 @@ def _stream(table, hosts: int = 1, host: int = 0, **kwargs) -> PositionalRecords
     return PositionalRecords(table, num_hosts=hosts, host=host, seed=7, window_blocks=C, **kwargs)
 
 
-@pytest.mark.parametrize("hosts", [1, 2])
+def _pass_records(stream: PositionalRecords) -> int:
+    """The host's records of epoch 0: its windows h, h + H, ... of the epoch."""
+    windows = stream.windows.per_epoch
+    return stream.ledger().fresh_records(stream.host, -(-(windows - stream.host) // stream.num_hosts))
+
+
+@pytest.mark.parametrize("hosts", [1, 2, 3])
 def test_a_rebuild_at_any_position_reads_what_an_uninterrupted_stream_reads(table, hosts):
     for host in range(hosts):
         stream = _stream(table, hosts, host)
-        epoch = stream.epoch_records
+        epoch, window = _pass_records(stream), stream.window_records
         whole = _ids(stream.dataset(), 3 * epoch + 50)
-        _, first_window_skip = stream.locate(0)
-        window_end = int(sum(table.counts[stream._own[stream.block_order(0).numpy()[:C]]]))
-        for position in (0, 5, window_end - 1, window_end, epoch - 1, epoch, 3 * epoch):
+        assert stream.locate(0).k == stream.locate(0).skip == 0
+        for position in (0, 5, window - 1, window, epoch - 1, epoch, 3 * epoch):
             rebuilt = PositionalRecords(table, num_hosts=hosts, host=host, seed=7,
                                         window_blocks=C).dataset(position)
             assert _ids(rebuilt, 50) == whole[position:position + 50], (host, position)
-        assert first_window_skip == 0
 
 
 def test_every_record_of_an_epoch_once_over_the_hosts_and_epochs_differ(table):
@@ -53,11 +57,13 @@ def test_every_record_of_an_epoch_once_over_the_hosts_and_epochs_differ(table):
         seen = collections.Counter()
         for host in range(hosts):
             stream = _stream(table, hosts, host)
-            first, second = (_ids(stream.dataset(e * stream.epoch_records), stream.epoch_records)
-                             for e in (0, 1))
-            assert sorted(first) == sorted(second) and first != second
-            seen.update(first)
+            one_pass = _ids(stream.dataset(repeat=False), RECORDS)
+            assert one_pass == _ids(stream.dataset(), _pass_records(stream))
+            seen.update(one_pass)
         assert seen == collections.Counter(range(RECORDS)), hosts
+    whole = _ids(_stream(table).dataset(), 2 * RECORDS)
+    first, second = whole[:RECORDS], whole[RECORDS:]
+    assert sorted(first) == sorted(second) and first != second
 
 
 def test_one_pass_in_file_order_without_shuffle(table):
@@ -229,3 +235,45 @@ def test_a_resume_starts_the_input_at_its_position(tmp_path, input_mode):
     assert (3 * 16 in Positional.contexts) is (input_mode == "distributed")
     for a, b in zip(weights(whole), weights(second)):
         np.testing.assert_array_equal(a, b)
+
+
+# Layout changes: the hosts' places through InputContext.layout_history.
+
+def _host_steps(manifest: str, history, hosts: int, batch: int, consumed: int,
+                steps: int) -> list[list[int]]:
+    """Each host's ids over `steps` steps of a global batch `batch`, from `consumed`."""
+    from tputrain.data import InputContext
+    return [[i for step in _batch_ids(_input(manifest, window_blocks=1)(InputContext(
+        hosts, host, hosts, global_batch_size=batch, examples_consumed=consumed,
+        layout_history=history)), steps) for i in step] for host in range(hosts)]
+
+
+def test_every_record_of_an_epoch_once_through_2_3_1_hosts_and_batches_64_48_96(tmp_path):
+    """2400 records in 5 shards (blocks of 256 and 224: windows span blocks; the epoch's
+    last window holds 96): 3 steps of 64 on 2 hosts (each host mid-window), 4 steps of
+    48 on 3 hosts (carried windows beside fresh ones), then 1 host with 96 to the end
+    of the epoch: every record once."""
+    prefix = str(tmp_path / "ids")
+    write_tfrecords({"id": np.arange(2400, dtype=np.int64)}, prefix, num_shards=5)
+    manifest = prefix + ".manifest.json"
+    seen = collections.Counter()
+    history = [(0, 2)]
+    for hosts, batch, steps in ((2, 64, 3), (3, 48, 4), (1, 96, 21)):
+        consumed = sum(seen.values())
+        if history[-1][1] != hosts:
+            history.append((consumed, hosts))
+        for ids in _host_steps(manifest, history, hosts, batch, consumed, steps):
+            assert len(ids) == steps * batch // hosts
+            seen.update(ids)
+    assert seen == collections.Counter(range(2400))
+
+
+def test_another_global_batch_on_the_same_hosts_keeps_each_hosts_order(tmp_path):
+    """2 hosts, 3 steps of 64 then 5 of 32 (no layout_history entry: the hosts did not
+    change) read what 3 + 5/2 steps of 64 read, host by host."""
+    manifest = _write_ids(tmp_path, 2048)
+    whole = _host_steps(manifest, (), 2, 64, 0, 6)
+    first = _host_steps(manifest, (), 2, 64, 0, 3)
+    then = _host_steps(manifest, [(0, 2)], 2, 32, 192, 5)
+    for host in range(2):
+        assert first[host] + then[host] == whole[host][:96 + 80], host

@@ -30,6 +30,9 @@ seed):
   (`Dataset.shard` of examples, before batching: the hosts together then read the
   first `examples` of that order); where hosts read other units (files), the
   position is approximate: examples may be read again or passed over. The log says so.
+  A positional `TFRecordInput` is exact here in distributed mode: the layout
+  records each host count and where it took over (`host_history`), from which every
+  host's windows are replayed (`tputrain.data.ledger`).
 * examples consumed not a multiple of the new global batch: the input goes on to
   the next whole batch; the examples passed over (fewer than one batch) are never
   trained on, and count as consumed.
@@ -64,6 +67,10 @@ class InputLayout:
     fetch: str = "stacked"  # what every checkpoint before this field was written with
     start_step: int = 0  # checkpoints before these two fields: step * global batch
     start_examples: int = 0
+    # The host counts so far and the examples consumed when each took over, as
+    # "examples:hosts,...": what a positional input replays to place every host
+    # (`tputrain.data.ledger`). Empty: these hosts from the start.
+    host_history: str = ""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -81,7 +88,15 @@ class InputLayout:
 
     def split(self) -> InputLayout:
         """The layout without its start: what decides whether a saved iterator fits."""
-        return dataclasses.replace(self, start_step=0, start_examples=0)
+        return dataclasses.replace(self, start_step=0, start_examples=0, host_history="")
+
+    def history(self) -> tuple[tuple[int, int], ...]:
+        """(examples consumed, hosts) at each host count the run had, this one last
+        (`InputContext.layout_history`)."""
+        if not self.host_history:
+            return ((0, self.hosts),)
+        return tuple((int(examples), int(hosts)) for examples, hosts in (
+            entry.split(":") for entry in self.host_history.split(",")))
 
     def examples(self, step: int) -> int:
         """The examples consumed (read past, over all hosts) once `step` steps are done."""
@@ -129,9 +144,15 @@ class LayoutChange(NamedTuple):
         return self.resume_steps * self.now.global_batch - self.consumed
 
     def continued(self) -> InputLayout:
-        """The run's layout, starting where its input resumes."""
-        return dataclasses.replace(self.now.split(), start_step=self.step,
-                                   start_examples=self.resume_steps * self.now.global_batch)
+        """The run's layout, starting where its input resumes (a host count change
+        is added to the host history there)."""
+        start = self.resume_steps * self.now.global_batch
+        history = self.saved.history()
+        if history[-1][1] != self.now.hosts:
+            history += ((start, self.now.hosts),)
+        return dataclasses.replace(
+            self.now.split(), start_step=self.step, start_examples=start,
+            host_history=",".join(f"{examples}:{hosts}" for examples, hosts in history))
 
     def recovered(self, read_steps: int | None = None, rebuilt: str = "") -> str:
         """The one line logged on such a resume: both layouts, the examples consumed,

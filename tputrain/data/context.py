@@ -8,6 +8,8 @@ Trainer, and every input builder reads it from here.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import tensorflow as tf
 
 from tputrain.runtime.checks import check_int, per_replica_batch
@@ -30,6 +32,11 @@ class InputContext(tf.distribute.InputContext):
             other builder starts at 0 and the Trainer skips them.
         cache_dir: a writable folder of the run (its model_dir) for a builder's
             one-time caches (the block offsets of a read-only data folder), or None.
+        layout_history: the host counts the run's input was split over and the
+            examples consumed when each took over, `((0, 2), (192, 3))`: a positional
+            input finds every host's place across them (`tputrain.data.ledger`).
+            Empty: `num_input_pipelines` hosts from the start. The last entry's
+            hosts must be `num_input_pipelines`.
     """
 
     def __init__(
@@ -40,6 +47,7 @@ class InputContext(tf.distribute.InputContext):
         global_batch_size: int | None = None,
         examples_consumed: int = 0,
         cache_dir: str | None = None,
+        layout_history: Sequence[tuple[int, int]] = (),
     ):
         check_int("InputContext", "num_input_pipelines", num_input_pipelines, 1)
         check_int("InputContext", "input_pipeline_id", input_pipeline_id, 0)
@@ -60,12 +68,14 @@ class InputContext(tf.distribute.InputContext):
         self.examples_consumed = check_int("InputContext", "examples_consumed",
                                            examples_consumed, 0)
         self.cache_dir = cache_dir
+        self.layout_history = _checked_history(layout_history, num_input_pipelines)
         self.position_honoured = False  # a builder started at examples_consumed
 
     @classmethod
     def from_tf(cls, ctx: tf.distribute.InputContext | None,
                 global_batch_size: int | None = None, examples_consumed: int | None = None,
-                cache_dir: str | None = None) -> InputContext:
+                cache_dir: str | None = None,
+                layout_history: Sequence[tuple[int, int]] | None = None) -> InputContext:
         """Wraps the context `tf.distribute` passes to a dataset function.
 
         Args:
@@ -74,10 +84,12 @@ class InputContext(tf.distribute.InputContext):
                 context, or None for one pipeline feeding one replica.
             global_batch_size: the global batch size to attach. If None and
                 `ctx` already carries one (a tputrain context), it is kept.
-            examples_consumed, cache_dir: the same (None keeps `ctx`'s, if any).
+            examples_consumed, cache_dir, layout_history: the same (None keeps `ctx`'s,
+                if any).
         """
         if isinstance(ctx, cls) and global_batch_size in (None, ctx.global_batch_size) and (
-                examples_consumed in (None, ctx.examples_consumed) and cache_dir is None):
+                examples_consumed in (None, ctx.examples_consumed) and cache_dir is None
+                and layout_history in (None, ctx.layout_history)):
             return ctx  # the same object: a builder's position_honoured reaches its caller
         if ctx is None:
             ctx = tf.distribute.InputContext()
@@ -90,7 +102,9 @@ class InputContext(tf.distribute.InputContext):
             input_pipeline_id=ctx.input_pipeline_id,
             num_replicas_in_sync=ctx.num_replicas_in_sync,
             global_batch_size=global_batch_size, examples_consumed=examples_consumed,
-            cache_dir=cache_dir or getattr(ctx, "cache_dir", None))
+            cache_dir=cache_dir or getattr(ctx, "cache_dir", None),
+            layout_history=(getattr(ctx, "layout_history", ()) if layout_history is None
+                            else layout_history))
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """Returns `global_batch_size // num_replicas_in_sync`; raises if uneven."""
@@ -106,3 +120,21 @@ class InputContext(tf.distribute.InputContext):
                    else "") + ")")
 
     __str__ = __repr__  # The base class defines a __str__ without the batch size.
+
+
+def _checked_history(history: Sequence[tuple[int, int]], hosts: int
+                     ) -> tuple[tuple[int, int], ...]:
+    """`layout_history` as a tuple of (examples, hosts), checked: examples increasing,
+    hosts positive, the last entry this context's host count."""
+    entries = tuple((int(examples), int(count)) for examples, count in history)
+    if not entries:
+        return ()
+    examples = [e for e, _ in entries]
+    if examples != sorted(examples) or examples[0] < 0 or min(c for _, c in entries) < 1:
+        raise ValueError(f"InputContext: layout_history {history!r} must list (examples "
+                         "consumed, hosts) pairs in order, examples >= 0 and hosts >= 1")
+    if entries[-1][1] != hosts:
+        raise ValueError(f"InputContext: layout_history {history!r} ends with "
+                         f"{entries[-1][1]} host(s), but num_input_pipelines={hosts}: "
+                         "its last entry is the current layout")
+    return entries

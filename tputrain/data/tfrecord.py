@@ -60,6 +60,7 @@ from tputrain.data.manifest import (COMPRESSION_TYPES, MANIFEST_SUFFIX, Manifest
                                      var_len_feature, writer_side_file)
 from tputrain.data.options import InputOptions
 from tputrain.data.blocks import block_table
+from tputrain.data.ledger import Ledger
 from tputrain.data.positional import PositionalRecords
 
 # The only dtypes tf.io.parse_example can produce.
@@ -515,13 +516,16 @@ class TFRecordInput(BatchedInput):
                 dataset = dataset.map(tracing.graph_helper(
                     lambda *batch: pad_to_batch(batch, per_replica_batch)))
         if isinstance(epochs, PositionalRecords):
-            context.position_honoured = _position(self, context) > 0
+            context.position_honoured = self.to_static is None and (
+                context.examples_consumed > 0)
         return self._finish(dataset, context)
 
     def _shuffled(self, examples: Any, context: InputContext) -> tf.data.Dataset:
         """Positional records start at the context's position, shuffled by window."""
         if isinstance(examples, PositionalRecords):
-            return examples.dataset(_position(self, context), repeat=self.repeat)
+            ledger = examples.ledger(context.layout_history)
+            return examples.dataset(_position(self, context, ledger), repeat=self.repeat,
+                                    ledger=ledger)
         return super()._shuffled(examples, context)
 
     def _static_examples(self, records: Callable[..., tf.data.Dataset], batch_size: int,
@@ -547,7 +551,8 @@ class TFRecordInput(BatchedInput):
         shuffled and repeated as configured, before `to_static` and batching (what
         `MixtureInput` draws from). Variable-length features are rank-1 tensors."""
         # From the start: a mixture's sources are not at the mixture's position.
-        context = InputContext.from_tf(input_context, examples_consumed=0)
+        context = InputContext.from_tf(input_context, examples_consumed=0,
+                                       layout_history=())
         file_list = list_shards(self.file_patterns, self.manifest, self.features)
         check_yields(self, file_list, context, with_static=False)
         register_files(file_list, self.compression_type)
@@ -611,12 +616,13 @@ def _positional(inputs: TFRecordInput, file_list: list[str],
         read_parallelism=inputs._read_parallelism(file_list, inputs.window_blocks))
 
 
-def _position(inputs: TFRecordInput, context: InputContext) -> int:
-    """Records a pipeline consumed: its share of the examples consumed. Rows of a
-    `to_static` are not records (packing), so that position is not honoured."""
+def _position(inputs: TFRecordInput, context: InputContext, ledger: Ledger) -> int:
+    """Records a pipeline consumed since its layout took over: its share of the
+    examples consumed since then. Rows of a `to_static` are not records (packing),
+    so that position is not honoured: it starts at its layout's start."""
     if inputs.to_static is not None:
         return 0
-    return context.examples_consumed // context.num_input_pipelines
+    return ledger.host_records(max(context.examples_consumed, ledger.start))
 
 
 def parsed_examples(records: tf.data.Dataset, features: Mapping[str, Any]) -> tf.data.Dataset:

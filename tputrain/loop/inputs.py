@@ -249,15 +249,18 @@ class Inputs:
             return dataset
         return with_class_weights(dataset, class_weight)
 
-    def distributed_iterator(self, split: str, skip_steps: int = 0):
+    def distributed_iterator(self, split: str, skip_steps: int = 0,
+                             layout_history: tuple[tuple[int, int], ...] = ()):
         """distribute_datasets_from_function, past `skip_steps` steps of data: a
-        positional input starts there (`InputContext.examples_consumed`), any other
-        is read past them (`Dataset.skip`, linear in the steps)."""
+        positional input starts there (`InputContext.examples_consumed`; across the
+        host counts of `layout_history`, `InputLayout.history`), any other is read
+        past them (`Dataset.skip`, linear in the steps)."""
         consumed = skip_steps * self.plan.batch.global_batch_size
 
         def dataset_fn(tf_context):
             context = InputContext.from_tf(tf_context, self.input_batch(split),
-                                           examples_consumed=consumed)
+                                           examples_consumed=consumed,
+                                           layout_history=layout_history)
             dataset = self.task.build_inputs(split, context)
             skip = 0 if context.position_honoured else skip_steps
             if skip and tf_context.input_pipeline_id == 0:

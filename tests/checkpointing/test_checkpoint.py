@@ -383,6 +383,21 @@ def test_input_layout_json_without_fetch_is_a_stacked_one():
     assert InputLayout.from_json(started.to_json()) == started and started.examples(5) == 92
 
 
+def test_a_host_count_change_is_added_to_the_layouts_host_history():
+    """What a positional input replays (InputContext.layout_history): each host count
+    and the examples consumed when it took over; a batch change adds nothing."""
+    from tputrain.checkpointing.input_layout import LayoutChange
+    two = InputLayout(2, 2, 64)
+    assert two.history() == ((0, 2),)
+    three = LayoutChange("ckpt-3", 3, two, InputLayout(3, 3, 48)).continued()
+    assert three.history() == ((0, 2), (192, 3)) and three.start_examples == 192
+    one = LayoutChange("ckpt-7", 7, three, InputLayout(1, 1, 96)).continued()
+    assert one.history() == ((0, 2), (192, 3), (384, 1))
+    assert InputLayout.from_json(one.to_json()) == one and one.split() == InputLayout(1, 1, 96)
+    batch = LayoutChange("ckpt-9", 9, one, InputLayout(1, 1, 32)).continued()
+    assert batch.history() == one.history()
+
+
 def indexed_trainer(model_dir, replicas, global_batch_size, train_steps, **kwargs):
     options = dict(steps_per_loop=2, checkpoint_every=2, eval_steps=1, report_mfu=False,
                    jit_compile=False, steps_per_program=1)  # py_function records in the step

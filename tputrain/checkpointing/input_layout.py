@@ -178,8 +178,10 @@ class LayoutChange(NamedTuple):
                 " whose order of examples does not depend on the batch size")
         return (f"the input was split into {self.saved.hosts} host shard(s), now "
                 f"{self.now.hosts}: exact only where each host reads every n-th example "
-                "of one deterministic order (Dataset.shard of examples); otherwise "
-                "approximate, examples may be read again or passed over")
+                "of one deterministic order (Dataset.shard of examples) or, in "
+                "distributed mode, TFRecordInput(positional=True) places every host by "
+                "the layout's host history; otherwise approximate, examples may be read "
+                "again or passed over")
 
     def _schedule(self) -> str:
         if self.saved.global_batch == self.now.global_batch:

@@ -60,7 +60,6 @@ from tputrain.data.manifest import (COMPRESSION_TYPES, MANIFEST_SUFFIX, Manifest
                                      var_len_feature, writer_side_file)
 from tputrain.data.options import InputOptions
 from tputrain.data.blocks import block_table
-from tputrain.data.ledger import Ledger
 from tputrain.data.positional import PositionalRecords
 
 # The only dtypes tf.io.parse_example can produce.
@@ -516,16 +515,13 @@ class TFRecordInput(BatchedInput):
                 dataset = dataset.map(tracing.graph_helper(
                     lambda *batch: pad_to_batch(batch, per_replica_batch)))
         if isinstance(epochs, PositionalRecords):
-            context.position_honoured = self.to_static is None and (
-                context.examples_consumed > 0)
+            context.position_honoured = self.to_static is None and context.examples_consumed > 0
         return self._finish(dataset, context)
 
     def _shuffled(self, examples: Any, context: InputContext) -> tf.data.Dataset:
         """Positional records start at the context's position, shuffled by window."""
         if isinstance(examples, PositionalRecords):
-            ledger = examples.ledger(context.layout_history)
-            return examples.dataset(_position(self, context, ledger), repeat=self.repeat,
-                                    ledger=ledger)
+            return _positioned(self, examples, context)
         return super()._shuffled(examples, context)
 
     def _static_examples(self, records: Callable[..., tf.data.Dataset], batch_size: int,
@@ -616,13 +612,16 @@ def _positional(inputs: TFRecordInput, file_list: list[str],
         read_parallelism=inputs._read_parallelism(file_list, inputs.window_blocks))
 
 
-def _position(inputs: TFRecordInput, context: InputContext, ledger: Ledger) -> int:
-    """Records a pipeline consumed since its layout took over: its share of the
-    examples consumed since then. Rows of a `to_static` are not records (packing),
-    so that position is not honoured: it starts at its layout's start."""
-    if inputs.to_static is not None:
-        return 0
-    return ledger.host_records(max(context.examples_consumed, ledger.start))
+def _positioned(inputs: TFRecordInput, records: PositionalRecords,
+                context: InputContext) -> tf.data.Dataset:
+    """The pipeline's records from its place: the ledger of the context's layout
+    history, and its share of the examples consumed since its layout took over.
+    Rows of a `to_static` are not records (packing), so that position is not
+    honoured: it starts at its layout's start."""
+    ledger = records.ledger(context.layout_history)
+    position = 0 if inputs.to_static is not None else ledger.host_records(
+        max(context.examples_consumed, ledger.start))
+    return records.dataset(position, repeat=inputs.repeat, ledger=ledger)
 
 
 def parsed_examples(records: tf.data.Dataset, features: Mapping[str, Any]) -> tf.data.Dataset:

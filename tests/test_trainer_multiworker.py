@@ -226,4 +226,3 @@ def test_two_workers_then_one_continue_from_the_examples_consumed(tmp_path):
                      r"steps of 16 examples: the 64 examples consumed \(the input was split "
                      r"into 2 host shard\(s\), now 1: exact only where", resumed.text())
     assert line, resumed.log()
-

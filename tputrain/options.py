@@ -184,6 +184,15 @@ class TrainerOptions:
         forward pass uncompiled (not on a TPU), Keras's channels-last batch
         norms run as TensorFlow's fused kernel while the step traces, with
         Keras's maths (`tputrain/loop/batch_norm.py`); False swaps nothing.
+      plan_trial: with jit_compile="auto" on a CPU, time the plausible XLA plans
+        (the rules' above, jit_compile=True's, none) for a few steps each on the
+        real model and a train batch before the first loop, on the run's state
+        written back after each (the weights are those of a run without it), and
+        train with the fastest; the choice is logged as a table and recorded in
+        `model_dir/plan.json`, so a resume or a rerun on the same CPU kind runs it
+        without a trial (`tputrain.loop.plan_trial`, docs/performance.md). Its
+        time is in goodput's compile bucket; a run shorter than 10x the trial's
+        steps skips it (and records the rules' plan). Off by default.
       accumulation_steps: split each step's `global_batch_size` examples into N
         micro-batches, sum their gradients and apply them once: the same update as
         one N-times-larger batch (batch-norm statistics aside) in 1/N the memory.
@@ -246,6 +255,7 @@ class TrainerOptions:
     seed: int = 0
     input_mode: str | None = None
     jit_compile: bool | str = "auto"
+    plan_trial: bool = False
     accumulation_steps: int = 1
     profile_steps: tuple[int, int] | None = None
     report_mfu: bool = True
@@ -291,6 +301,7 @@ class TrainerOptions:
         object.__setattr__(self, "checkpoint_every",
                            self.checkpoint_every or self.eval_every or 1000)
         object.__setattr__(self, "report_mfu", bool(self.report_mfu))
+        object.__setattr__(self, "plan_trial", bool(self.plan_trial))
         object.__setattr__(self, "class_weight", _check_class_weight(self.class_weight))
         object.__setattr__(self, "profile_steps", _check_profile_steps(self.profile_steps))
         object.__setattr__(self, "steps_per_fetch", _check_steps_per_fetch(

@@ -38,10 +38,11 @@ from tputrain.observe.console import default_progress
 from tputrain.runtime.controller import Controller
 from tputrain.distribution.strategy import resolve_strategy
 from tputrain.optim.ema import averaged_weights, build_average
-from tputrain.observe.goodput import GoodputAction, StartupClock
+from tputrain.observe.goodput import GoodputAction, StartupClock, timed
 from tputrain.fault_tolerance.guard import NonFiniteGuard
 from tputrain.checkpointing.input_layout import LayoutChange
 from tputrain.loop.host_loop import train_loop
+from tputrain.loop.plan_trial import TrialRun, chosen_plan
 from tputrain.loop.hosts import MaxOverHosts
 from tputrain.loop.inputs import Inputs
 from tputrain.loop.replica_stats import ReplicaStatistics
@@ -179,6 +180,7 @@ class Trainer(RunKnobs, TrainableSet):
                  checkpoint_every: int | None = None,
                  keep_checkpoints: int = 3, precision: str | PrecisionOptions | None = None, seed: int = 0,
                  input_mode: str | None = None, jit_compile: bool | str = "auto",
+                 plan_trial: bool = False,
                  accumulation_steps: int = 1, profile_steps: tuple[int, int] | None = None,
                  report_mfu: bool = True, steps_per_fetch: int = 1,
                  steps_per_program: int | str = "auto", progress_bar: str = "auto",
@@ -194,6 +196,7 @@ class Trainer(RunKnobs, TrainableSet):
             eval_splits=eval_splits,
             checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
             precision=precision, seed=seed, input_mode=input_mode, jit_compile=jit_compile,
+            plan_trial=plan_trial,
             accumulation_steps=accumulation_steps, profile_steps=profile_steps,
             report_mfu=report_mfu, steps_per_fetch=steps_per_fetch,
             steps_per_program=steps_per_program, class_weight=class_weight, progress_bar=progress_bar,
@@ -270,6 +273,7 @@ class Trainer(RunKnobs, TrainableSet):
                           else tempfile.mkdtemp(prefix="tputrain-worker-"))
         self._train_iterator = None
         self._train_loop_fn = None
+        self._until: int | None = None  # the step train() trains to (the plan trial's)
         per_host = {}
         self._replica_stats: ReplicaStatistics | None = None
         if self.input_mode == "host":  # each host's own data position
@@ -384,6 +388,7 @@ class Trainer(RunKnobs, TrainableSet):
             self._train_iterator = self.inputs.distributed_iterator(
                 "train", skip_steps=layout.input_steps(step), layout_history=layout.history())
         logging.info("tputrain: training from step %d to %d", step, until)
+        self._until = until
         self._preemption.install()
         try:
             return Controller(self, self._actions()).run(until)
@@ -430,9 +435,7 @@ class Trainer(RunKnobs, TrainableSet):
         """Runs up to `num_steps` train steps in one compiled call (no cadence, no
         actions): (mean logs and train metrics, steps run, seconds waiting for input)."""
         if self._train_loop_fn is None:
-            self._train_loop_fn, program_steps = train_loop(
-                self._steps, self.inputs, self.plan, self.step, self.guard, self.ema,
-                self._stop_requested, lambda: self.progress.ideal_step_seconds)
+            self._train_loop_fn, program_steps = self._try_plans() or self._build_loop()
             self._launch(program_steps)  # jit_compile "auto" -> False if XLA refused the step
         for metric in self.train_metrics:
             metric.reset_state()
@@ -445,6 +448,27 @@ class Trainer(RunKnobs, TrainableSet):
         logs = {name: float(value) / steps for name, value in totals.items()}
         logs.update({m.name: float(m.result()) for m in self.train_metrics})
         return {**logs, **source_logs(self.inputs.source_counter)}, steps, float(input_wait)
+
+    def _try_plans(self) -> tuple[Any, int] | None:
+        """plan_trial: the XLA plan model_dir's record or the trial picks, before the
+        loop is built (tputrain/loop/plan_trial.py), and its loop if the trial built it;
+        the trial's time is compile time (goodput)."""
+        remaining = None if self._until is None else self._until - self.current_step
+        trial = TrialRun(self._steps, self._build_loop, lambda: iter(
+            self.inputs.fetch_groups(self.inputs.train_dataset))
+            if self.input_mode == "host" else self.inputs.distributed_iterator("train"),
+            [self.step, *(self.ema.averages + [self.ema.state.updates] if self.ema else [])])
+        choice = chosen_plan(trial, self.inputs.train_dataset.element_spec, self.model_dir,
+                             self.num_hosts, remaining, lambda: timed(self.context, "compile"))
+        if choice is not None:
+            self._steps.run_plan = dataclasses.replace(self._steps.run_plan,
+                                                       xla_plan=choice.plan)
+        return choice.loop if choice is not None else None
+
+    def _build_loop(self) -> tuple[Any, int]:
+        """The compiled train loop for the step's plan, and its steps per program."""
+        return train_loop(self._steps, self.inputs, self.plan, self.step, self.guard, self.ema,
+                          self._stop_requested, lambda: self.progress.ideal_step_seconds)
 
     def _stop_requested(self) -> Any:
         """In the compiled loop: stop before the next step (guard trip or SIGTERM)? Several

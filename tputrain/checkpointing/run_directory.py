@@ -11,6 +11,7 @@ class RunDirectory:
         model_dir/
           .tputrain.lock             the chief's lock: one writer per model_dir (lock.py)
           operative_config.gin       the gin bindings the run used (the CLI writes it)
+          plan.json                  the XLA plan the plan trial chose, by model and machine
           checkpoints/               ckpt-<step>.* (keep-N rotation) and `checkpoint`,
                                      TensorFlow's state file listing them
             damaged/                 unreadable checkpoints moved aside, never restored
@@ -44,6 +45,7 @@ class RunDirectory:
     EVAL_RECORD = "evaluated_checkpoints.json"
     LOCK = ".tputrain.lock"
     OPERATIVE_CONFIG = "operative_config.gin"
+    PLAN_RECORD = "plan.json"
     FINAL_WEIGHTS = "final.weights.h5"
     # The folders a run writes into (the pre-flight checks each is writable).
     WRITTEN = (CHECKPOINTS, TRAIN, EVAL)
@@ -108,6 +110,11 @@ class RunDirectory:
     @property
     def operative_config(self) -> str:
         return self._join(self.OPERATIVE_CONFIG)
+
+    @property
+    def plan_record(self) -> str:
+        """`plan.json`: the plan trial's choices (`tputrain.loop.plan_trial`)."""
+        return self._join(self.PLAN_RECORD)
 
     @property
     def final_weights(self) -> str:

@@ -156,7 +156,10 @@ class RunRecord:
     def add_timed(self, bucket: str, start: float, end: float) -> None:
         """An action's own work from `start` to `end` (perf_counter), into `bucket` (a
         run bucket, else a start-up phase); kept out of the hooks' and loops' time."""
-        if bucket in RUN_BUCKETS:
+        if bucket == "compile":  # the plan trial's, beside the first loop's compile
+            self.data["plan_trial"] = self.data.get("plan_trial", 0.0) + end - start
+            self._split_first_loop()
+        elif bucket in RUN_BUCKETS:
             self.add(bucket, end - start)
         else:
             startup = self.data["startup"]
@@ -215,7 +218,7 @@ class RunRecord:
         later_steps, later = self.data["later_loops"]
         rate = later / later_steps if later_steps else self.fallback_rate
         compile_seconds = first if rate is None else min(first, max(0.0, first - first_steps * rate))
-        self.data["seconds"]["compile"] = compile_seconds
+        self.data["seconds"]["compile"] = compile_seconds + self.data.get("plan_trial", 0.0)
         self.data["seconds"]["steps"] = later + first - compile_seconds
         self.data["seconds_per_step"] = rate
 
@@ -242,7 +245,8 @@ class RunRecord:
 @contextlib.contextmanager
 def timed(context: Any, bucket: str) -> Iterator[None]:
     """Adds the seconds of an action's own work, done after the hook that started it,
-    to `bucket` of this run's record: "export" (the Export action's SavedModel) or the
+    to `bucket` of this run's record: "export" (the Export action's SavedModel),
+    "compile" (the plan trial, `tputrain.loop.plan_trial`: kept as `plan_trial`) or the
     start-up phase "actions" (the MFU action's FLOP count and peak probe, deferred past
     the first loop, or inside it where the XLA plan asks for it). The next hook's bucket
     and a loop around it leave it out: nothing counts twice."""

@@ -1,0 +1,107 @@
+"""tputrain/loop/plan_trial.py: jit_compile="auto" times the plausible plans and keeps
+the fastest, on the run's state written back (the weights are a run's without it),
+records the choice in model_dir, and a resume runs the recorded plan.
+
+Which plan wins is decided by an injected clock (`plan_trial.clock`), never by timing.
+"""
+
+import json
+
+import numpy as np
+import pytest
+from absl import logging
+
+import tputrain
+from tiny import TinyTask, strategy_for, weights
+from tputrain.checkpointing.run_directory import RunDirectory
+from tputrain.loop import plan_trial
+
+# TinyTask on one CPU replica: "auto"'s rules compile the whole step, so the trial
+# times none, then the rules' whole step (the rules' plan last).
+TRIAL_STEPS = 2 * (plan_trial.WARMUP_STEPS + plan_trial.TIMED_STEPS)
+RUN = plan_trial.RUN_SHARE * TRIAL_STEPS  # the shortest run that has a trial
+
+
+def _trainer(model_dir, train_steps: int, **options) -> tputrain.Trainer:
+    return tputrain.Trainer(TinyTask(), str(model_dir), strategy=strategy_for(1),
+                            train_steps=train_steps, steps_per_loop=20, global_batch_size=16,
+                            checkpoint_every=10**6, eval_steps=1, report_mfu=False,
+                            steps_per_program=1, **options)
+
+
+def _readings(*values):
+    """A clock that reads `values` in turn (the trial reads it before and after each
+    plan's timed steps)."""
+    values = iter(values)
+    return lambda: next(values)
+
+
+def _clock_unread():
+    raise AssertionError("the plan trial ran, but the plan was recorded")
+
+
+def test_the_trial_keeps_the_fastest_plan_records_it_and_a_resume_runs_it(
+        tmp_path, monkeypatch):
+    """None is fastest by the clock (the rules would compile the whole step): the run
+    trains without XLA, logs the table, records the plan and its trial's time is in
+    goodput's compile bucket; resumed with a clock that would pick the whole step, it
+    reads the record instead; the weights are bitwise those of jit_compile=False
+    trained straight through (the trial's XLA steps left nothing behind)."""
+    lines = []
+    monkeypatch.setattr(logging, "info", lambda fmt, *args: lines.append(fmt % args))
+    monkeypatch.setattr(plan_trial, "clock", _readings(0.0, 1.0, 1.0, 11.0))
+    first = _trainer(tmp_path / "trial", RUN, plan_trial=True)
+    first.train()
+    assert "none" in first.plan.xla and "plan trial" in first.plan.xla
+    assert not first.plan.xla_plan.whole_step
+    table = [line for line in lines if line.startswith("tputrain: plan trial: ")]
+    assert len(table) == 1 and "whole step: " in table[0] and "-> none" in table[0], lines
+    record = json.loads(open(RunDirectory(str(tmp_path / "trial")).plan_record).read())
+    (entry,) = record["plans"].values()
+    assert entry["plan"]["whole_step"] is False and entry["table"] in table[0]
+    goodput = json.loads(open(RunDirectory(str(tmp_path / "trial")).goodput_record(1)).read())
+    assert goodput["plan_trial"] > 0
+    assert goodput["seconds"]["compile"] >= goodput["plan_trial"]
+
+    monkeypatch.setattr(plan_trial, "clock", _clock_unread)
+    resumed = _trainer(tmp_path / "trial", RUN + 20, plan_trial=True)
+    resumed.train()
+    assert "recorded in" in resumed.plan.xla and not resumed.plan.xla_plan.whole_step
+    straight = _trainer(tmp_path / "straight", RUN + 20, jit_compile=False)
+    straight.train()
+    assert all(np.array_equal(a, b) for a, b in zip(weights(straight), weights(resumed)))
+
+
+@pytest.mark.parametrize("options", [dict(jit_compile=False), dict(jit_compile=True),
+                                     dict()])
+def test_no_trial_when_pinned_or_not_asked(tmp_path, monkeypatch, options):
+    """jit_compile=True/False pin the plan; without plan_trial=True nothing is tried
+    nor recorded."""
+    monkeypatch.setattr(plan_trial, "clock", _clock_unread)
+    trainer = _trainer(tmp_path, 20, **({"plan_trial": "jit_compile" in options} | options))
+    builder = trainer._steps  # pylint: disable=protected-access
+    assert plan_trial.why_not(builder, 1, RUN) is not None
+    assert plan_trial.chosen_plan(plan_trial.TrialRun(builder, None, None, []), None,
+                                  str(tmp_path), 1, RUN) is None
+    assert not (tmp_path / RunDirectory.PLAN_RECORD).exists()
+
+
+def test_a_run_shorter_than_the_trial_records_the_rules_plan(tmp_path, monkeypatch):
+    """No trial for a run under RUN_SHARE x the trial's steps: the rules' plan (the whole
+    step here) is recorded, so a longer resume keeps it rather than trying others."""
+    monkeypatch.setattr(plan_trial, "clock", _clock_unread)
+    trainer = _trainer(tmp_path, 20, plan_trial=True)
+    trainer.train()
+    assert trainer.plan.xla_plan.whole_step
+    resumed = _trainer(tmp_path, RUN + 20, plan_trial=True)
+    assert plan_trial.PlanRecord(str(tmp_path)).read(plan_trial.plan_key(
+        resumed._steps, resumed.inputs.train_dataset.element_spec)).whole_step  # pylint: disable=protected-access
+
+
+def test_the_candidates_are_each_plausible_plan_once_the_rules_last(tmp_path):
+    """On one replica in float32 "auto" and jit_compile=True both compile the whole
+    step: two candidates, not three."""
+    trainer = _trainer(tmp_path, 20, plan_trial=True)
+    spec = trainer.inputs.train_dataset.element_spec
+    plans = plan_trial.candidates(trainer._steps, spec)  # pylint: disable=protected-access
+    assert [plan_trial.describe(p) for p in plans] == ["none (fused batch norms)", "whole step"]

@@ -1,0 +1,319 @@
+"""The plan trial: `jit_compile="auto"` times the plausible XLA plans and keeps the fastest.
+
+`decide_xla`'s rules were each measured on one machine; a user's CPU is another.
+With `Trainer.plan_trial=True`, where more than one plan is plausible for the
+model on a CPU (the rules' plan, `jit_compile=True`'s and none: XLA for the whole
+step against none at least), the first loop of `train()` first builds the run's
+own train loop for each (its steps per XLA program included), runs it for
+`WARMUP_STEPS` untimed steps (its trace and compile) and `TIMED_STEPS` timed ones
+on a fresh iterator of the train split (the run's own is not touched), on the
+run's variables saved before and written back after each (so the weights a run
+trains are bitwise those of a run without the trial), keeps the plan with the
+least CPU time a step (`clock`), logs the table in one line and records the choice
+in `model_dir/plan.json` (`RunDirectory.plan_record`), keyed by the model,
+precision, strategy and CPU kind (`plan_key`). The winner's loop is kept when it
+was built last, else built again (XLA's cache holds its programs). A resume, or a
+rerun on the same kind of machine, runs the recorded plan without a trial
+(bitwise resume kept). Where the trial is skipped because the run is short (fewer
+than `RUN_SHARE` times the trial's steps), the rules' plan is recorded instead, so
+a longer resume keeps it too.
+
+No trial: jit_compile=True or False (a pinned plan), a TPU (the whole step,
+always compiled), a GPU, several hosts (each would choose alone), a Task's own
+`train_step` on several replicas, `run_loop` outside `train()`. The trial's time
+is counted in goodput's compile bucket (`tputrain.observe.goodput.timed`).
+Steps per XLA program are not part of the trial (each count is another compile).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import time
+from typing import Any, Callable, ContextManager, NamedTuple
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from tputrain.checkpointing.atomic import write_atomically
+from tputrain.checkpointing.run_directory import RunDirectory
+from tputrain.checkpointing.seeds import seed_generator_states
+from tputrain.distribution.strategy import without_gpus
+from tputrain.loop.random_draws import features_spec
+from tputrain.loop.source_counts import checkpointed
+from tputrain.loop.step import StepBuilder
+from tputrain.loop.xla_plan import XLA_OFF, XlaPlan, decide_xla, fused_forward
+
+WARMUP_STEPS = 2  # untimed steps a candidate (at least one program launch): its compile
+TIMED_STEPS = 10  # timed steps a candidate (rounded up to whole program launches)
+RUN_SHARE = 10  # no trial for a run of fewer than RUN_SHARE x the trial's steps
+VERSION = 1
+# What the trial times with: the process's CPU seconds (all threads), less swayed by
+# other jobs on the machine than wall time. A test sets its own to decide the winner.
+clock: Callable[[], float] = time.process_time
+
+_FIELDS = tuple(f for f in XlaPlan._fields if f != "why")
+
+
+class Timing(NamedTuple):
+    """One candidate's row of the trial's table."""
+
+    plan: XlaPlan
+    seconds: float | None  # `clock` seconds a timed step; None: XLA refused the plan
+    compile_seconds: float  # wall seconds of its untimed steps (trace, compile, one step)
+
+
+def describe(plan: XlaPlan) -> str:
+    """What `plan` compiles, in a few words (the trial's table)."""
+    parts = []
+    if plan.whole_step:
+        parts.append("whole step")
+    if plan.gradients_only:
+        parts.append("forward/backward")
+    if plan.apply_only or plan.apply_per_replica:
+        parts.append("update" + (" per device" if plan.apply_per_replica else ""))
+    if plan.fuse_elementwise:
+        parts.append("GELUs/layer norms")
+    name = " + ".join(parts) or "none"
+    return name + (" (fused batch norms)" if plan.fuse_batch_norm else "")
+
+
+def _fields(plan: XlaPlan) -> tuple:
+    return tuple(getattr(plan, name) for name in _FIELDS)
+
+
+def candidates(builder: StepBuilder, train_spec: Any) -> list[XlaPlan]:
+    """The plausible plans, each once: jit_compile=True's, none, then the rules'
+    ("auto"'s, last: the winner's loop is kept when it was built last)."""
+    run_plan = builder.run_plan
+    features = features_spec(train_spec, run_plan.batch.accumulation_steps,
+                             builder.source_counter.key if builder.source_counter else None)
+    pinned_on = decide_xla(True, run_plan.precision, run_plan.custom_train_step,
+                           builder.strategy, builder.model, builder.optimizer, features)
+    rules = run_plan.xla_plan
+    plans, seen = [], {_fields(rules)}
+    for plan in (pinned_on, fused_forward(XLA_OFF, True)):
+        if _fields(plan) not in seen:
+            seen.add(_fields(plan))
+            plans.append(plan)
+    return plans + [rules]
+
+
+def why_not(builder: StepBuilder, num_hosts: int, remaining: int | None) -> str | None:
+    """Why this run has no trial (a pinned plan, a TPU, ...), or None."""
+    run_plan = builder.run_plan
+    if not run_plan.options.plan_trial or run_plan.jit_compile != "auto":
+        return "not asked" if not run_plan.options.plan_trial else "jit_compile pinned"
+    if isinstance(builder.strategy, tf.distribute.TPUStrategy):
+        return "a TPU compiles the whole step"
+    if not without_gpus(builder.strategy):
+        return "CPU only"
+    if num_hosts > 1:
+        return "several hosts"
+    if run_plan.custom_train_step and builder.strategy.num_replicas_in_sync > 1:
+        return "a Task.train_step override on several replicas"
+    return "not in train()" if remaining is None else None
+
+
+def cpu_kind() -> str:
+    """The CPU's model name and core count (Linux: /proc/cpuinfo), the machine's key."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} x{os.cpu_count()}"
+
+
+def plan_key(builder: StepBuilder, train_spec: Any) -> str:
+    """What a recorded plan is valid for: the model (its layers' classes and weights'
+    shapes, the input's spec, the optimizer's class), precision, strategy, CPU kind."""
+    model = builder.model
+    layers = [type(layer).__name__ for layer in model._flatten_layers(include_self=True, recursive=True)]  # pylint: disable=protected-access
+    shapes = [(tuple(v.shape), str(v.dtype)) for v in model.variables]
+    fingerprint = json.dumps([layers, shapes, str(train_spec), type(builder.optimizer).__name__,
+                              builder.run_plan.custom_train_step])
+    strategy = builder.strategy
+    return json.dumps({
+        "model": hashlib.sha256(fingerprint.encode()).hexdigest()[:16],
+        "precision": builder.run_plan.precision,
+        "strategy": f"{type(strategy).__name__} x{strategy.num_replicas_in_sync}",
+        "cpu": cpu_kind()}, sort_keys=True)
+
+
+class PlanRecord:
+    """`model_dir/plan.json`: the plan chosen for each key (`plan_key`), written whole."""
+
+    def __init__(self, model_dir: str):
+        self.path = RunDirectory(model_dir).plan_record
+
+    def entries(self) -> dict[str, Any]:
+        """The record's plans by key; {} when there is none (or it is unreadable)."""
+        if not tf.io.gfile.exists(self.path):
+            return {}
+        try:
+            with tf.io.gfile.GFile(self.path) as f:
+                return dict(json.loads(f.read())["plans"])
+        except (ValueError, KeyError, TypeError, tf.errors.OpError) as error:
+            logging.warning("tputrain: ignoring the plan record %s (%s)", self.path, error)
+            return {}
+
+    def read(self, key: str) -> XlaPlan | None:
+        """The plan recorded for `key`, or None."""
+        entry = self.entries().get(key)
+        if entry is None:
+            return None
+        return XlaPlan(**{name: entry["plan"][name] for name in XlaPlan._fields})
+
+    def write(self, key: str, plan: XlaPlan, table: str) -> None:
+        """Records `plan` for `key` (beside the other keys' plans)."""
+        entries = self.entries()
+        entries[key] = {"plan": plan._asdict(), "table": table, "time": time.time()}
+        write_atomically(self.path, json.dumps({"version": VERSION, "plans": entries},
+                                               indent=1, sort_keys=True))
+
+
+class SavedState:
+    """The values of the variables a train step writes, written back by `restore`: the
+    model's (weights, statistics, seed generators), the optimizer's, the guard's and a
+    mixture's counts, and `variables` (the step counter, the EMA); each device's copy of a distributed variable on its own."""
+
+    def __init__(self, builder: StepBuilder, variables: list[Any]):
+        trackables = [*variables, *builder.model.variables, *builder.optimizer.variables,
+                      *seed_generator_states(builder.model),
+                      *(v for v in vars(builder.guard).values() if isinstance(v, tf.Variable)),
+                      *checkpointed(builder.source_counter).values()]
+        self.saved: list[tuple[tf.Variable, tf.Tensor]] = []
+        seen = set()
+        for variable in trackables:
+            for component in _components(variable):
+                if id(component) not in seen:
+                    seen.add(id(component))
+                    self.saved.append((component, tf.identity(component.read_value())))
+
+    def restore(self) -> None:
+        for component, value in self.saved:
+            component.assign(value)
+
+
+def _components(variable: Any) -> list[tf.Variable]:
+    """The tf.Variables holding `variable`: a Keras variable's, each device's copy."""
+    value = variable.value if isinstance(variable, keras.Variable) else variable
+    if isinstance(value, tf.distribute.DistributedValues):
+        return list(value.values)
+    return [value]
+
+
+class TrialRun(NamedTuple):
+    """What the trial runs each plan with: the run's own train loop and state."""
+
+    builder: StepBuilder  # its `run_plan` is set to each candidate's in turn
+    build_loop: Callable[[], tuple[Callable, int]]  # `host_loop.train_loop` for it
+    iterator: Callable[[], Any]  # a fresh train iterator (the run's is not touched)
+    variables: list[Any]  # what the loop writes beyond the step's: counter, EMA
+
+
+def time_plan(trial: TrialRun, plan: XlaPlan) -> tuple[Timing, Any]:
+    """Builds the run's train loop for `plan` (its steps per program included) and
+    times it: (the row, (loop, steps per program)); the caller restores the state."""
+    builder = trial.builder
+    builder.run_plan = dataclasses.replace(builder.run_plan, xla_plan=plan)
+    start = time.perf_counter()
+    loop, program_steps = trial.build_loop()
+    if _fields(builder.plan()) != _fields(plan):  # XLA refused it (`StepBuilder._compiles`)
+        return Timing(plan, None, time.perf_counter() - start), None
+    iterator = trial.iterator()
+    int(loop(iterator, max(WARMUP_STEPS, program_steps))[1])  # traced, compiled, warm
+    compile_seconds = time.perf_counter() - start
+    timed = program_steps * -(-TIMED_STEPS // program_steps)  # whole launches
+    begin = clock()
+    ran = int(loop(iterator, timed)[1])
+    seconds = (clock() - begin) / ran if ran else None
+    return Timing(plan, seconds, compile_seconds), (loop, program_steps)
+
+
+def table(timings: list[Timing], chosen: XlaPlan) -> str:
+    """The trial in one line: each plan's CPU time a step (and its compile's wall time)."""
+    rows = [f"{describe(t.plan)}: " + ("refused by XLA" if t.seconds is None else
+                                        f"{1e3 * t.seconds:.3f} ms/step")
+            + f" (compile {t.compile_seconds:.1f}s)" for t in timings]
+    return f"{' | '.join(rows)} -> {describe(chosen)} (CPU time a step)"
+
+
+def run_trial(trial: TrialRun, plans: list[XlaPlan]) -> tuple[XlaPlan, list[Timing], Any]:
+    """Times each of `plans` on the run's state, written back after each: (the
+    fastest, the table's rows, its loop if it was built last, else None). The
+    rules' plan (the last) if XLA refused every other."""
+    builder = trial.builder
+    original = builder.run_plan
+    saved = SavedState(builder, trial.variables)
+    timings, loops, built = [], {}, []
+    try:
+        for plan in plans:
+            try:
+                timing, loop = time_plan(trial, plan)
+                timings.append(timing)
+                loops[_fields(plan)] = (loop, builder.run_plan)
+                built.append(_fields(plan))
+            finally:
+                saved.restore()
+    finally:
+        builder.run_plan = original
+    timed = [t for t in timings if t.seconds is not None]
+    fastest = min(timed, key=lambda t: t.seconds).plan if timed else plans[-1]
+    if built and built[-1] == _fields(fastest) and loops[built[-1]][0] is not None:
+        loop, builder.run_plan = loops[built[-1]]  # its step's Python state is current
+        return fastest, timings, loop
+    return fastest, timings, None
+
+
+class Choice(NamedTuple):
+    """The plan a run trains with, and its train loop if the trial built it last."""
+
+    plan: XlaPlan
+    loop: tuple[Callable, int] | None = None
+
+
+def chosen_plan(trial: TrialRun, train_spec: Any, model_dir: str, num_hosts: int,
+                remaining: int | None,
+                timing: Callable[[], ContextManager] = contextlib.nullcontext
+                ) -> Choice | None:
+    """The plan this run trains with where the trial decides (`why_not`), else None
+    (the rules' plan stands): model_dir's record for this key, or the trial's choice
+    (`timing()` around it: goodput's compile bucket), or the rules' plan for a run
+    shorter than the trial; each recorded. `remaining`: the steps train() has left."""
+    builder = trial.builder
+    if why_not(builder, num_hosts, remaining) is not None:
+        return None
+    key, record = plan_key(builder, train_spec), PlanRecord(model_dir)
+    recorded = record.read(key)
+    if recorded is not None:
+        logging.info("tputrain: XLA plan %s, recorded in %s (delete it to try the plans "
+                     "again)", describe(recorded), record.path)
+        return Choice(recorded._replace(
+            why=f"auto: {describe(recorded)} (recorded in {record.path})"))
+    plans = candidates(builder, train_spec)
+    if len(plans) == 1:
+        return None
+    trial_steps = len(plans) * (WARMUP_STEPS + TIMED_STEPS)
+    if remaining < RUN_SHARE * trial_steps:
+        rules = builder.run_plan.xla_plan
+        logging.info("tputrain: no plan trial for a run of %d steps (under %d x the trial's "
+                     "%d); the rules' plan (%s) is recorded in %s", remaining, RUN_SHARE,
+                     trial_steps, describe(rules), record.path)
+        record.write(key, rules, "the rules' plan (a run too short for the trial)")
+        return Choice(rules)
+    with timing():
+        chosen, timings, loop = run_trial(trial, plans)
+    line = table(timings, chosen)
+    logging.info("tputrain: plan trial: %s", line)
+    record.write(key, chosen, line)
+    return Choice(chosen._replace(
+        why=f"auto: {describe(chosen)} (fastest in the plan trial: {line})"), loop)

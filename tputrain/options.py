@@ -255,7 +255,6 @@ class TrainerOptions:
     seed: int = 0
     input_mode: str | None = None
     jit_compile: bool | str = "auto"
-    plan_trial: bool = False
     accumulation_steps: int = 1
     profile_steps: tuple[int, int] | None = None
     report_mfu: bool = True
@@ -267,6 +266,7 @@ class TrainerOptions:
     ema_decay: float | None = None
     remat: str | RematOptions | None = None
     progress_bar: str = "auto"
+    plan_trial: bool = False
 
     def __post_init__(self) -> None:
         _fill_parts(self)

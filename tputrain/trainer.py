@@ -109,6 +109,31 @@ def _build_inputs(task: Task, strategy: tf.distribute.Strategy, plan: Any) -> In
     with named_splits(task, eval_splits):
         return Inputs(task, strategy, plan)
 
+def _built_loop(trainer: "Trainer") -> tuple[Any, int]:
+    """The compiled train loop for the step's plan, and its steps per program."""
+    return train_loop(trainer._steps, trainer.inputs, trainer.plan, trainer.step, trainer.guard,
+                      trainer.ema, trainer._stop_requested,
+                      lambda: trainer.progress.ideal_step_seconds)
+
+
+def _tried_plans(trainer: "Trainer") -> tuple[Any, int] | None:
+    """plan_trial: the XLA plan model_dir's record or the trial picks, before the loop
+    is built (tputrain/loop/plan_trial.py), and its loop if the trial built it last;
+    the trial's time is compile time (goodput)."""
+    until, ema, inputs = trainer._until, trainer.ema, trainer.inputs
+    trial = TrialRun(trainer._steps, lambda: _built_loop(trainer), lambda: iter(
+        inputs.fetch_groups(inputs.train_dataset)) if trainer.input_mode == "host"
+        else inputs.distributed_iterator("train"),
+        [trainer.step, *(ema.averages + [ema.state.updates] if ema else [])])
+    choice = chosen_plan(trial, inputs.train_dataset.element_spec, trainer.model_dir,
+                         trainer.num_hosts, None if until is None else until - trainer.current_step,
+                         lambda: timed(trainer.context, "compile"))
+    if choice is None:
+        return None
+    trainer._steps.run_plan = dataclasses.replace(trainer._steps.run_plan, xla_plan=choice.plan)
+    return choice.loop
+
+
 class RunKnobs:
     """The Trainer's knobs as the run uses them, read from its plan (`options` are the
     user's), and the run state the actions share, read through their context."""
@@ -180,7 +205,6 @@ class Trainer(RunKnobs, TrainableSet):
                  checkpoint_every: int | None = None,
                  keep_checkpoints: int = 3, precision: str | PrecisionOptions | None = None, seed: int = 0,
                  input_mode: str | None = None, jit_compile: bool | str = "auto",
-                 plan_trial: bool = False,
                  accumulation_steps: int = 1, profile_steps: tuple[int, int] | None = None,
                  report_mfu: bool = True, steps_per_fetch: int = 1,
                  steps_per_program: int | str = "auto", progress_bar: str = "auto",
@@ -189,18 +213,18 @@ class Trainer(RunKnobs, TrainableSet):
                  communication: CommunicationOptions | None = None,
                  checkpoint: CheckpointOptions | None = None,
                  profiling: ProfilingOptions | None = None, ema_decay: float | None = None,
-                 remat: str | RematOptions | None = None):
+                 remat: str | RematOptions | None = None, plan_trial: bool = False):
         self.options = TrainerOptions(
             train_steps=train_steps, steps_per_loop=steps_per_loop,
             global_batch_size=global_batch_size, eval_every=eval_every, eval_steps=eval_steps,
             eval_splits=eval_splits,
             checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
             precision=precision, seed=seed, input_mode=input_mode, jit_compile=jit_compile,
-            plan_trial=plan_trial,
             accumulation_steps=accumulation_steps, profile_steps=profile_steps,
             report_mfu=report_mfu, steps_per_fetch=steps_per_fetch,
             steps_per_program=steps_per_program, class_weight=class_weight, progress_bar=progress_bar,
-            checkpoint=checkpoint, profiling=profiling, ema_decay=ema_decay, remat=remat)
+            checkpoint=checkpoint, profiling=profiling, ema_decay=ema_decay, remat=remat,
+            plan_trial=plan_trial)
         _check_arguments(task, model_dir)
         self.actions = with_trial_report(check_actions(actions))  # tuning/report.py
         self.startup = StartupClock()  # goodput.py
@@ -435,7 +459,7 @@ class Trainer(RunKnobs, TrainableSet):
         """Runs up to `num_steps` train steps in one compiled call (no cadence, no
         actions): (mean logs and train metrics, steps run, seconds waiting for input)."""
         if self._train_loop_fn is None:
-            self._train_loop_fn, program_steps = self._try_plans() or self._build_loop()
+            self._train_loop_fn, program_steps = _tried_plans(self) or _built_loop(self)
             self._launch(program_steps)  # jit_compile "auto" -> False if XLA refused the step
         for metric in self.train_metrics:
             metric.reset_state()
@@ -448,27 +472,6 @@ class Trainer(RunKnobs, TrainableSet):
         logs = {name: float(value) / steps for name, value in totals.items()}
         logs.update({m.name: float(m.result()) for m in self.train_metrics})
         return {**logs, **source_logs(self.inputs.source_counter)}, steps, float(input_wait)
-
-    def _try_plans(self) -> tuple[Any, int] | None:
-        """plan_trial: the XLA plan model_dir's record or the trial picks, before the
-        loop is built (tputrain/loop/plan_trial.py), and its loop if the trial built it;
-        the trial's time is compile time (goodput)."""
-        remaining = None if self._until is None else self._until - self.current_step
-        trial = TrialRun(self._steps, self._build_loop, lambda: iter(
-            self.inputs.fetch_groups(self.inputs.train_dataset))
-            if self.input_mode == "host" else self.inputs.distributed_iterator("train"),
-            [self.step, *(self.ema.averages + [self.ema.state.updates] if self.ema else [])])
-        choice = chosen_plan(trial, self.inputs.train_dataset.element_spec, self.model_dir,
-                             self.num_hosts, remaining, lambda: timed(self.context, "compile"))
-        if choice is not None:
-            self._steps.run_plan = dataclasses.replace(self._steps.run_plan,
-                                                       xla_plan=choice.plan)
-        return choice.loop if choice is not None else None
-
-    def _build_loop(self) -> tuple[Any, int]:
-        """The compiled train loop for the step's plan, and its steps per program."""
-        return train_loop(self._steps, self.inputs, self.plan, self.step, self.guard, self.ema,
-                          self._stop_requested, lambda: self.progress.ideal_step_seconds)
 
     def _stop_requested(self) -> Any:
         """In the compiled loop: stop before the next step (guard trip or SIGTERM)? Several

@@ -86,6 +86,7 @@ def test_no_trial_when_pinned_or_not_asked(tmp_path, monkeypatch, options):
     assert not (tmp_path / RunDirectory.PLAN_RECORD).exists()
 
 
+@pytest.mark.slow  # the default tier's trial test covers the record; this, the short run
 def test_a_run_shorter_than_the_trial_records_the_rules_plan(tmp_path, monkeypatch):
     """No trial for a run under RUN_SHARE x the trial's steps: the rules' plan (the whole
     step here) is recorded, so a longer resume keeps it rather than trying others."""

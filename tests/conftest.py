@@ -251,6 +251,14 @@ SLOW_TIER = {
         "the diagnose tests on a test-owned clock",
     "serving/test_keras_saving.py::test_the_export_command_refuses_an_unknown_quantization_in_one_line":
         "test_quantize_refuses_an_unknown_mode",
+    "tasks/test_keras_hub_lm.py::test_a_resumed_run_is_bitwise_the_uninterrupted_one":
+        "test_resume.py's kill -9 resumes of the built-in tasks",
+    "test_trainer.py::test_mfu_and_throughput_in_logs_and_tensorboard":
+        "observe/test_goodput.py's test_a_trainer_keeps_a_record_per_process_and_tensorboard_scalars",
+    "checkpointing/test_checkpoint.py::test_a_learning_rate_set_between_train_calls_is_kept":
+        "test_a_changed_learning_rate_wins_over_the_checkpoint",
+    "actions/test_best.py::test_best_checkpoint_resumes_comparing_against_the_kept_best":
+        "test_early_stopping_resumes_from_the_evals_up_to_the_restored_step",
 }
 
 

@@ -11,7 +11,7 @@ of the two switches:
 - `neither`: `TPUTRAIN_COMPILE_CACHE=off`, `TPUTRAIN_LEAN_TRACING=off`;
 - `xla_cache`: a copy of the filled cache (every rerun finds what the first run
   compiled, as a restarted job would), lean tracing off;
-- `lean_tracing`: the cache off, lean tracing on (`tputrain/loop/tracing.py`);
+- `lean_tracing`: the cache off, lean tracing on (`tputrain/core/tracing.py`);
 - `both`: the cache and lean tracing (the default).
 
 Each rerun's goodput record (`model_dir/goodput/run-*.json`) gives its start-up

@@ -17,8 +17,8 @@ SUPPORT = TESTS / "support"
 # place; once it has, no entry matches a file and the tree alone decides. None: an alias
 # file the move deletes (its module already lives in a wing).
 MOVED = {
-    "advice": "jobs/advice", "aggregation": "loop/aggregation", "batch_finder": "jobs/batch_finder",
-    "batch_report": "jobs/batch_report", "best": "actions/best", "checks": "runtime/checks",
+    "advice": "jobs/advice", "aggregation": "jobs/aggregation", "batch_finder": "jobs/batch_finder",
+    "batch_report": "jobs/batch_report", "best": "actions/best", "checks": "core/checks",
     "compile_cache": "loop/compile_cache", "config": "config/parsing",
     "config_summary": "actions/config_summary", "configurables": "config/registry",
     "console": "observe/console", "context": "runtime/context", "controller": "runtime/controller",
@@ -33,7 +33,7 @@ MOVED = {
     "preemption": "fault_tolerance/preemption", "preflight": "runtime/preflight",
     "process_exit": "runtime/process_exit", "process_start": "runtime/process_start",
     "progress": "observe/progress", "progress_bar": "observe/progress_bar", "remat": "loop/remat",
-    "schedules": "optim/schedules", "sidecar": "jobs/sidecar", "tracing": "loop/tracing",
+    "schedules": "optim/schedules", "sidecar": "jobs/sidecar", "tracing": "core/tracing",
     "validate": "runtime/validate", "vertex": "jobs/vertex", "write_tfrecords_cli": "data/arrays",
     **dict.fromkeys(["allreduce", "audit", "cluster", "communication", "launch",
                      "layer_precision", "strategy", "checkpoint"]),

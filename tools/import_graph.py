@@ -126,23 +126,27 @@ def room_of(module: str) -> str:
     return parts[0] if len(parts) > 1 else parts[0] + ".py"
 
 
-def room_graph(modules: Graph, tree: dict[str, str]) -> Graph:
+def room_names(modules: Graph, tree: dict[str, str]) -> dict[str, str]:
+    """Module -> its room (a folder's own `__init__` is the folder's room)."""
     folders = {path.split("/")[1] for path in tree if path.count("/") >= 2}
-    rooms: Graph = {}
+    return {module: (room.removesuffix(".py") if room.removesuffix(".py") in folders else room)
+            for module in modules for room in [room_of(module)]}
+
+
+def room_graph(modules: Graph, tree: dict[str, str]) -> Graph:
+    room = room_names(modules, tree)
+    rooms: Graph = {name: set() for name in room.values()}
     for module, targets in modules.items():
-        room = room_of(module)
-        if room.removesuffix(".py") in folders and room.endswith(".py"):
-            room = room.removesuffix(".py")  # the folder's own __init__ (tputrain.loop)
-        rooms.setdefault(room, set())
-        for target in targets:
-            other = room_of(target)
-            other = other.removesuffix(".py") if other.removesuffix(".py") in folders else other
-            if other != room:
-                rooms[room].add(other)
-    for targets in list(rooms.values()):
-        for target in targets:
-            rooms.setdefault(target, set())
+        rooms[room[module]] |= {room[target] for target in targets} - {room[module]}
     return rooms
+
+
+def arrows_between(modules: Graph, tree: dict[str, str], source: str,
+                   target: str) -> list[tuple[str, str]]:
+    """The module imports behind the room arrow `source` -> `target`."""
+    room = room_names(modules, tree)
+    return sorted((a, b) for a in modules for b in modules[a]
+                  if room[a] == source and room[b] == target)
 
 
 def strongly_connected(graph: Graph) -> list[list[str]]:

@@ -1,6 +1,7 @@
 """Old module paths of moved modules: one table, one import hook.
 
-Modules moved into wings by role (issues 35 and 53). An old path keeps working until
+Modules moved into wings by role (issues 35 and 53), and from one wing to another
+(an old path maps to the module's place now, never to another old path). An old path keeps working until
 the release named in `REMOVED_IN`: importing it warns with a `DeprecationWarning` that
 names the new place, and gives the very module object of the new path
 (`sys.modules[old] is sys.modules[new]`), so a monkeypatch through either name patches
@@ -34,12 +35,12 @@ MOVED = {
     "tputrain.strategy": "tputrain.distribution.strategy",
     # issue 53
     "tputrain.advice": "tputrain.jobs.advice",
-    "tputrain.aggregation": "tputrain.loop.aggregation",
+    "tputrain.aggregation": "tputrain.jobs.aggregation",
     "tputrain.batch_finder": "tputrain.jobs.batch_finder",
     "tputrain.batch_report": "tputrain.jobs.batch_report",
     "tputrain.best": "tputrain.actions.best",
-    "tputrain.builders": "tputrain.config.builders",
-    "tputrain.checks": "tputrain.runtime.checks",
+    "tputrain.builders": "tputrain.core.builders",
+    "tputrain.checks": "tputrain.core.checks",
     "tputrain.compile_cache": "tputrain.loop.compile_cache",
     "tputrain.config_summary": "tputrain.actions.config_summary",
     "tputrain.configurables": "tputrain.config.registry",
@@ -76,11 +77,16 @@ MOVED = {
     "tputrain.run_view": "tputrain.runtime.run_view",
     "tputrain.schedules": "tputrain.optim.schedules",
     "tputrain.sidecar": "tputrain.jobs.sidecar",
-    "tputrain.tracing": "tputrain.loop.tracing",
+    "tputrain.tracing": "tputrain.core.tracing",
     "tputrain.trainable_change": "tputrain.runtime.trainable_change",
     "tputrain.validate": "tputrain.runtime.validate",
     "tputrain.vertex": "tputrain.jobs.vertex",
     "tputrain.write_tfrecords_cli": "tputrain.data.arrays",
+    # issue 53, imports down the wings: shared helpers into the bottom wing
+    "tputrain.config.builders": "tputrain.core.builders",
+    "tputrain.loop.aggregation": "tputrain.jobs.aggregation",
+    "tputrain.loop.tracing": "tputrain.core.tracing",
+    "tputrain.runtime.checks": "tputrain.core.checks",
 }
 
 

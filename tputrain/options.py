@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 from absl import logging
 
-from tputrain.runtime.checks import check_int, per_replica_batch
+from tputrain.core.checks import check_int, per_replica_batch
 
 # Builders of a part that reads more than its class does: the gin configuration
 # registers ones that fill fields from deprecated gin names (`register_part_builder`).

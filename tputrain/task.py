@@ -22,8 +22,8 @@ import keras
 import tensorflow as tf
 
 from tputrain.optim import optimizers
-from tputrain.loop import tracing
-from tputrain.config.builders import configured
+from tputrain.core import tracing
+from tputrain.core.builders import configured
 from tputrain.data import InputContext
 from tputrain.precision import to_float32
 
@@ -275,7 +275,7 @@ class Task:
         arrays, so keep it deterministic. Return {name: number}: reported with the
         eval logs (progress line, TensorBoard eval/, `Trainer.evaluate()`, actions'
         `on_eval_end`, `BestCheckpoint(metric=name)`). Not overridden (the default):
-        nothing is gathered (tputrain/loop/aggregation.py).
+        nothing is gathered (tputrain/jobs/aggregation.py).
         """
         return {}
 

@@ -23,14 +23,14 @@ from absl import logging
 from tputrain.actions import (Action, CommunicationAction, MFUAction, NonFinitePolicyAction,
                               PreemptionAction, ProfilerAction, check_actions,
                               checkpointed_states)
-from tputrain.loop.aggregation import with_aggregates
-from tputrain.config.builders import configured
+from tputrain.jobs.aggregation import with_aggregates
+from tputrain.core.builders import configured
 from tputrain.checkpointing.manager import Checkpointer
 from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.loop import compile_cache
-from tputrain.runtime.checks import check_int
+from tputrain.core.checks import check_int
 from tputrain.distribution.communication import CommunicationOptions
 from tputrain.actions.config_summary import ConfigSummaryAction
 from tputrain.runtime.context import ActionContext, ActionList
@@ -89,7 +89,7 @@ def _from_context(name: str) -> property:
 
 def _configured_strategy(communication: CommunicationOptions) -> tf.distribute.Strategy:
     """The gin-configured resolver when the gin registry is loaded (`resolve_strategy.*`
-    bindings apply; tputrain/config/builders.py), else the plain one."""
+    bindings apply; tputrain/core/builders.py), else the plain one."""
     return configured("resolve_strategy", resolve_strategy)(communication=communication)
 
 

@@ -21,7 +21,7 @@ from file_events import (CONFIG, assert_same_outcome, event_child, kill_states, 
                          run_outcome)
 from tiny import TinyTask, strategy_for
 from tputrain.actions.best import Watch, early_stopping_path
-from tputrain.runtime.validate import ModelDirError
+from tputrain.checkpointing.run_directory import ModelDirError
 
 
 class Evals(tputrain.Action):

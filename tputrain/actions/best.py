@@ -47,10 +47,10 @@ from tputrain.checkpointing.atomic import TEMP_MARK, write_atomically
 from tputrain.checkpointing.files import first_line
 from tputrain.checkpointing.recovery import UNREADABLE_ERRORS
 from tputrain.checkpointing.run_directory import RunDirectory
-from tputrain.runtime.checks import check_int
+from tputrain.core.checks import check_int
 from tputrain.runtime.context import ActionContext
 from tputrain.loop.eval_sets import is_default, log_keys
-from tputrain.runtime.validate import ModelDirError
+from tputrain.checkpointing.run_directory import ModelDirError
 
 
 BEST_DIR = RunDirectory.BEST

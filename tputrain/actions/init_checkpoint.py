@@ -39,7 +39,7 @@ from tputrain.checkpointing.integrity import GRAPH_KEY, object_graph
 from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.checkpointing.model_variables import ROOT as MODEL_VARIABLES, model_paths
 from tputrain.checkpointing.seeds import seed_generator_states
-from tputrain.runtime.checks import check_bool
+from tputrain.core.checks import check_bool
 from tputrain.runtime.context import ActionContext
 
 # Root objects of a tputrain checkpoint that are not weights.

@@ -7,7 +7,7 @@ from typing import Mapping
 from absl import logging
 
 from tputrain.observe import goodput
-from tputrain.loop import tracing
+from tputrain.core import tracing
 from tputrain.actions.base import Action
 from tputrain.runtime.context import ActionContext
 from tputrain.observe.flops import (MEASURED_CPU, count_flops, peak_flops, peak_kind, raise_cpu_peak,

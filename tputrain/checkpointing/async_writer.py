@@ -23,7 +23,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.checkpointing.files import first_line, is_disk_full, listed
-from tputrain.runtime.validate import ModelDirError
+from tputrain.checkpointing.run_directory import ModelDirError
 
 
 class AsyncWriter:

@@ -18,7 +18,7 @@ import tensorflow as tf
 from google.protobuf import text_format
 from tensorflow.python.training.checkpoint_state_pb2 import CheckpointState
 
-from tputrain.runtime.validate import ModelDirError
+from tputrain.checkpointing.run_directory import ModelDirError
 
 STATE_FILE = "checkpoint"  # TensorFlow's name for the list of checkpoints
 INDEX = re.compile(r"^ckpt-(\d+)\.index$")

@@ -11,7 +11,7 @@ import tensorflow as tf
 from absl import logging
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
-from tputrain.loop import tracing
+from tputrain.core import tracing
 from tputrain.checkpointing.input_layout import KEY as LAYOUT_KEY
 
 # Keys every TF2 checkpoint has besides the objects it saves (the input layout:

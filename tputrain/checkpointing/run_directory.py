@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 
 
+class ModelDirError(OSError):
+    """model_dir cannot hold the run's checkpoints and logs."""
+
+
 class RunDirectory:
     """The layout of a model_dir (local or `gs://`); every module names its paths here.
 

@@ -28,7 +28,8 @@ from tputrain.distribution.launch import watch_launcher
 from tputrain.fault_tolerance.preemption import PREEMPTED_EXIT_CODE, ExitOnSignal
 from tputrain.trainer import Trainer
 from tputrain.tuning.vertex_job import hyperparameter_args
-from tputrain.runtime.validate import InputDataError, ModelDirError
+from tputrain.checkpointing.run_directory import ModelDirError
+from tputrain.runtime.validate import InputDataError
 
 FLAGS = flags.FLAGS
 

@@ -3,9 +3,11 @@
 * `registry`: every configurable registered in one place (the library itself takes
   plain arguments), with the deprecated aliases of old names;
 * `parsing`: `parse_gin` (what the CLI calls), errors that name the nearest valid
-  binding, the operative config written to model_dir;
-* `builders`: the configured `resolve_strategy`/`build_optimizer` that
-  `Trainer(strategy=None)` and `Task.build_optimizer` call (installed by `registry`).
+  binding, the operative config written to model_dir.
+
+`registry` installs the configured `resolve_strategy`/`build_optimizer` that
+`Trainer(strategy=None)` and `Task.build_optimizer` call in `tputrain.core.builders`
+(the bottom wing, which the Trainer, the Task and `distribution` import down).
 
 `tputrain.config.parse_gin` and the other public names of `parsing` are importable
 from here as before (`tputrain.config` was one module), loaded at first use so that

@@ -24,7 +24,7 @@ import gin
 import tensorflow as tf
 from absl import logging
 
-from tputrain.config import builders
+from tputrain.core import builders
 from tputrain.optim import optimizers, schedules
 from tputrain import options
 from tputrain.actions.best import BestCheckpoint, EarlyStopping
@@ -174,7 +174,7 @@ def configure_devices() -> None:
         ) from e
 
 
-# The configured builders, for the runs that are passed none (tputrain/config/builders.py).
+# The configured builders, for the runs that are passed none (tputrain/core/builders.py).
 builders.install("resolve_strategy", resolve_strategy)
 builders.install("build_optimizer", build_optimizer)
 builders.install("configure_devices", configure_devices)

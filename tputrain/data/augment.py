@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from tputrain.runtime.checks import check_int
+from tputrain.core.checks import check_int
 from tputrain.data.context import InputContext
 
 Transformation = Callable[[tf.data.Dataset], tf.data.Dataset]

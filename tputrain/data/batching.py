@@ -18,8 +18,8 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tputrain.loop import tracing
-from tputrain.runtime.checks import check_bool, check_int
+from tputrain.core import tracing
+from tputrain.core.checks import check_bool, check_int
 from tputrain.data.context import InputContext
 from tputrain.data.epochs import by_epoch, shuffle_epoch
 from tputrain.data.options import InputOptions

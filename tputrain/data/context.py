@@ -12,7 +12,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from tputrain.runtime.checks import check_int, per_replica_batch
+from tputrain.core.checks import check_int, per_replica_batch
 
 
 class InputContext(tf.distribute.InputContext):

@@ -13,7 +13,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from tputrain.runtime.checks import check_bool, check_int
+from tputrain.core.checks import check_bool, check_int
 
 _PROCESSING_MODES = ("parallel_epochs", "distributed_epoch")
 _EXTERNAL_STATE = {"fail": "FAIL", "warn": "WARN", "ignore": "IGNORE"}

@@ -32,7 +32,7 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from tputrain.loop import tracing
+from tputrain.core import tracing
 from tputrain.data.blocks import Blocks
 from tputrain.data.empty_input import NO_BATCH, EmptyInputError
 from tputrain.data.ledger import Ledger, Position, Windows

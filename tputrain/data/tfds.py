@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 from absl import logging
 
-from tputrain.runtime.checks import check_bool, check_int
+from tputrain.core.checks import check_bool, check_int
 from tputrain.data.batching import (BatchedInput, check_static, in_memory_batches, pad_to_batch,
                                     split_label)
 from tputrain.data.context import InputContext

@@ -47,8 +47,8 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.data.bad_records import explain_data_loss, read_skipping_corrupt, register_files
-from tputrain.loop import tracing
-from tputrain.runtime.checks import check_bool, check_int
+from tputrain.core import tracing
+from tputrain.core.checks import check_bool, check_int
 from tputrain.data.batching import BatchedInput, in_memory_batches, pad_to_batch, split_label
 from tputrain.data.context import InputContext
 from tputrain.data.empty_input import (NO_BATCH, EmptyInputError, check_not_all_empty, count,

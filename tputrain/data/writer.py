@@ -31,7 +31,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.checkpointing.atomic import move, temp_path
-from tputrain.runtime.checks import check_int
+from tputrain.core.checks import check_int
 from tputrain.data.example_codec import encode_example
 from tputrain.data import var_len as vl
 from tputrain.data.blocks import BLOCK_RECORDS

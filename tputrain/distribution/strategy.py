@@ -31,7 +31,7 @@ from typing import Iterator, NamedTuple
 import tensorflow as tf
 from absl import logging
 
-from tputrain.config.builders import configured
+from tputrain.core.builders import configured
 from tputrain.distribution.cluster import read_tf_config
 from tputrain.distribution.communication import CommunicationOptions
 from tputrain.observe.console import default_progress

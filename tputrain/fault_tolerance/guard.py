@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator, Mapping
 import keras
 import tensorflow as tf
 
-from tputrain.loop import tracing
+from tputrain.core import tracing
 
 POLICIES = ("raise", "skip", "rollback", None)
 

@@ -36,7 +36,7 @@ from absl import logging
 
 from tputrain.actions import count_flops_per_step
 from tputrain.jobs.batch_report import FindBatchResult, Trial
-from tputrain.config.builders import configured
+from tputrain.core.builders import configured
 from tputrain.distribution.strategy import resolve_strategy
 from tputrain.observe.flops import model_flops_utilization, peak_flops
 from tputrain.optim.schedules import WarmupDecay

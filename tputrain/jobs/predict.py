@@ -35,8 +35,8 @@ replica r is host `r // local`'s local replica `r % local` (the placement
 `Inputs.distribute` assumes too), so the rows go back in host order:
 [steps, hosts, local, B] -> [hosts, steps, local, B], then the masked rows
 (`in_input_order`, unit-tested; on 2 worker processes through the same steps,
-`gathered_steps`, in tests/loop/test_aggregation.py). The same pass gathers
-`Task.eval_outputs` for `Task.aggregate_eval` (tputrain/loop/aggregation.py).
+`gathered_steps`, in tests/jobs/test_aggregation.py). The same pass gathers
+`Task.eval_outputs` for `Task.aggregate_eval` (tputrain/jobs/aggregation.py).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from tputrain.checkpointing.integrity import CheckpointMismatchError, describe_m
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.recovery import UNREADABLE_ERRORS, read_newest
 from tputrain.checkpointing.run_directory import RunDirectory
-from tputrain.runtime.checks import check_int
+from tputrain.core.checks import check_int
 from tputrain.fault_tolerance.lock import ModelDirInUseError, lock_model_dir, release_model_dir
 from tputrain.jobs.predict import Outputs, predict_weights
 from tputrain.runtime.run_view import RunView, view_of

@@ -10,8 +10,9 @@
 * `hosts`: what several hosts must agree on (topology, a MAX collective).
 
 Beside the flow: `pipeline` and `update` (the optimizer's update, wrapping the user's
-optimizer), `aggregation` (`Task.aggregate_eval` over every eval example), `xla_plan`
-(what XLA compiles), `remat` (rematerialization), `compile_cache` (XLA's persistent
-cache, enabled at `import tputrain`), `tracing` (what runs while a step traces), and
-the replica helpers (`replica_seeds`, `random_draws`, `batch_norm`, `convolutions`).
+optimizer), `xla_plan` (what XLA compiles), `remat` (rematerialization),
+`compile_cache` (XLA's persistent cache, enabled at `import tputrain`), and the
+replica helpers (`replica_seeds`, `random_draws`, `batch_norm`, `convolutions`).
+What runs while a step traces (lean tracing) is `tputrain.core.tracing`, below every
+wing that traces.
 """

@@ -55,7 +55,7 @@ class EvalSets:
 
     def evaluate(self, extra: Extra | None = None) -> dict[str, tuple[dict[str, float], int]]:
         """Each set's (logs, eval steps run), in the order of `eval_splits`; `extra`
-        adds to a set's result (`tputrain.loop.aggregation`: host-side metrics)."""
+        adds to a set's result (`tputrain.jobs.aggregation`: host-side metrics)."""
         extra = extra or (lambda split, result: result)
         return {split: extra(split, evaluator.evaluate())
                 for split, evaluator in self.evaluators.items()}

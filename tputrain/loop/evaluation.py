@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 import keras
 import tensorflow as tf
 
-from tputrain.loop import tracing
+from tputrain.core import tracing
 from tputrain.loop.host_loop import HostLoop
 from tputrain.loop.inputs import Inputs, is_weighted, padded, replicas_per_pipeline, with_weights
 from tputrain.task import EVAL_REGULARIZATION, EVAL_WEIGHT, Task

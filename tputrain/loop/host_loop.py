@@ -30,7 +30,7 @@ from typing import Any, Callable
 import tensorflow as tf
 from absl import logging
 
-from tputrain.loop import tracing
+from tputrain.core import tracing
 from tputrain.distribution.strategy import without_gpus
 from tputrain.optim.ema import ExponentialAverage
 from tputrain.fault_tolerance.guard import NonFiniteGuard

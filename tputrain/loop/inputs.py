@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import tensorflow as tf
 from absl import logging
 
-from tputrain.loop import tracing
+from tputrain.core import tracing
 from tputrain.data import InputContext
 from tputrain.data.batching import check_static, label_key_of
 from tputrain.data.external_state import checkpointable

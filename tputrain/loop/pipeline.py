@@ -28,7 +28,7 @@ from typing import Any, Iterable
 import keras
 import tensorflow as tf
 
-from tputrain.loop import tracing
+from tputrain.core import tracing
 from tputrain.distribution.allreduce import all_reduce_sum, summed_already
 from tputrain.fault_tolerance.guard import NonFiniteGuard
 from tputrain.loop.update import apply_on_each_device

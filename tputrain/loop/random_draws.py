@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tputrain.loop import tracing
+from tputrain.core import tracing
 from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.observe.flops import count_graph_flops, live_graph_ops
 from tputrain.loop.source_counts import without_source

@@ -19,9 +19,10 @@ import tensorflow as tf
 
 from tputrain.data.mixture import MixtureSources
 from tputrain.data.packing import SEGMENT_IDS
+from tputrain.observe.progress import SOURCE_PREFIX
 
 COUNTS_LOG = "source_examples"  # the step's log: int32 [sources], examples of each
-TAG_PREFIX = "examples/"  # the cumulative counts' log and TensorBoard tag: examples/<name>
+TAG_PREFIX = SOURCE_PREFIX  # the cumulative counts' log and TensorBoard tag: examples/<name>
 
 
 def without_source(batch: Any, key: str) -> Any:

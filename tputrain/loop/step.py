@@ -25,7 +25,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tputrain.loop import tracing
+from tputrain.core import tracing
 from tputrain.fault_tolerance.guard import NonFiniteGuard
 from tputrain.loop.batch_norm import fused_call as fused_batch_norm_call
 from tputrain.loop.inputs import zeros_of

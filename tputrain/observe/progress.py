@@ -14,7 +14,6 @@ from tensorboard.plugins.scalar import summary_v2 as scalar_summary
 
 from tputrain.observe.eval_events import EvalEventWriter
 from tputrain.observe.flops import model_flops_utilization
-from tputrain.loop.source_counts import TAG_PREFIX
 
 
 VERTEX_TENSORBOARD_DIR = "AIP_TENSORBOARD_LOG_DIR"  # set by Vertex AI (docs/vertex.md)
@@ -106,8 +105,9 @@ def _token_rates(logs: Mapping[str, float], steps_per_second: float,
     return words
 
 
-# Cumulative per-source example counts of a mixture: their log names' prefix.
-SOURCE_PREFIX = TAG_PREFIX
+# Cumulative per-source example counts of a mixture: their log and TensorBoard tags'
+# prefix (examples/<name>; `loop/source_counts.py` counts them).
+SOURCE_PREFIX = "examples/"
 
 
 def _format_count(count: float) -> str:

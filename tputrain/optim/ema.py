@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import keras
 import tensorflow as tf
 
-from tputrain.loop import tracing
+from tputrain.core import tracing
 
 
 class ExponentialAverage:

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tputrain.loop import tracing
+from tputrain.core import tracing
 from tputrain.observe.console import default_progress
 
 VALID_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")

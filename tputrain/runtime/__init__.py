@@ -7,8 +7,9 @@
 * `run_view`: `RunView`, the read-only view a job (`tputrain.jobs`) takes;
 * `trainable_change` and `keras_clone`: a model whose trainable set changed (LoRA,
   freezing), and the user's Keras model rebuilt in the strategy scope;
-* `preflight`, `validate`, `checks`: what is checked before compute and the first
-  write, in one line that names the fix;
+* `preflight`, `validate`: what is checked before compute and the first write, in
+  one line that names the fix (the argument checks every wing shares are
+  `tputrain.core.checks`);
 * `gcs`: the Cloud Storage operations `tf.io.gfile` lacks;
 * `process_start`, `process_exit`: a process's start-up time, and a prompt exit.
 

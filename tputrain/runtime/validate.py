@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tputrain.checkpointing.run_directory import RunDirectory
+from tputrain.checkpointing.run_directory import ModelDirError, RunDirectory  # noqa: F401  (ModelDirError: its old place)
 from tputrain.data import (FeatureSpecError, InputStateError, explain_data_loss,
                            explain_parse_error)
 from tputrain.runtime.gcs import check_bucket_writable  # google-cloud-storage itself loads lazily there
@@ -29,10 +29,6 @@ _MIB = 1 << 20
 
 class InputDataError(ValueError):
     """The input data cannot be read (corrupt or truncated records)."""
-
-
-class ModelDirError(OSError):
-    """model_dir cannot hold the run's checkpoints and logs."""
 
 
 def corrupt_data_message(error: tf.errors.OpError, split: str, where: str) -> str:

@@ -41,7 +41,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.observe import goodput
-from tputrain.loop import tracing
+from tputrain.core import tracing
 from tputrain.actions import Action
 from tputrain.actions.best import BestCheckpoint, best_record
 from tputrain.checkpointing.atomic import TEMP_MARK, atomic_path, temp_owner
@@ -49,7 +49,7 @@ from tputrain.checkpointing.files import first_line, list_checkpoints
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.recovery import UNREADABLE_ERRORS, read_newest
 from tputrain.checkpointing.run_directory import RunDirectory
-from tputrain.runtime.checks import check_bool
+from tputrain.core.checks import check_bool
 from tputrain.runtime.context import ActionContext
 from tputrain.data import parse_feature_spec
 from tputrain.data.manifest import is_var_len
@@ -60,7 +60,7 @@ from tputrain.runtime.model_state import ensure_built
 from tputrain.runtime.trainable_change import checkpoint_has_lora
 from tputrain.runtime.run_view import RunView, view_of
 from tputrain.tasks.digits import FEATURES as DIGITS_FEATURES, DigitsTask
-from tputrain.runtime.validate import ModelDirError
+from tputrain.checkpointing.run_directory import ModelDirError
 
 if TYPE_CHECKING:  # annotations only: the Trainer imports the actions
     from tputrain.task import Task

@@ -1,9 +1,9 @@
-"""Tests for tputrain/runtime/checks.py: one rule and one wording for every argument check."""
+"""Tests for tputrain/core/checks.py: one rule and one wording for every argument check."""
 
 import numpy as np
 import pytest
 
-from tputrain.runtime.checks import check_bool, check_int, nearest_multiple, per_replica_batch
+from tputrain.core.checks import check_bool, check_int, nearest_multiple, per_replica_batch
 from tputrain.data import InputContext, InputOptions, TFDSInput, TFRecordInput
 
 FEATURES = {"x": ([2], "float32")}

@@ -1,4 +1,4 @@
-"""Lean tracing (tputrain/loop/tracing.py, issue 38): the step traced once per loop, tputrain's
+"""Lean tracing (tputrain/core/tracing.py, issue 38): the step traced once per loop, tputrain's
 own helpers unconverted by AutoGraph, a user's code converted as before, and the
 same weights as with lean tracing off."""
 
@@ -16,7 +16,7 @@ import tputrain
 from faults import child_env, final_weights
 from processes import Launch
 from tiny import TinyTask, strategy_for
-from tputrain.loop import tracing
+from tputrain.core import tracing
 
 
 class CountingTask(TinyTask):
@@ -74,7 +74,7 @@ trainer = tputrain.Trainer(BranchingTask(num_examples=64, dropout=0.25), model_d
                            jit_compile=False, report_mfu=False)
 initial = [w.numpy().tolist() for w in trainer.model.weights]
 trainer.train()
-print("RESULT " + json.dumps({"lean": tputrain.loop.tracing.ENABLED,
+print("RESULT " + json.dumps({"lean": tputrain.core.tracing.ENABLED,
                               "initial": initial,
                               "weights": [w.numpy().tolist() for w in trainer.model.weights]}))
 """
@@ -203,5 +203,6 @@ def test_only_task_methods_and_the_users_code_are_converted(tmp_path, monkeypatc
     assert (tmp_path / "run" / "export").is_dir()
     helpers = ("tputrain.data.", "tputrain.checkpointing.", "tputrain.task.unpack_batch",
                "tputrain.task.per_example_weights", "tputrain.task.average_loss",
-               "tputrain.loop.", "tputrain.actions.", "tputrain.serving.export.")
+               "tputrain.loop.", "tputrain.core.", "tputrain.jobs.aggregation.", "tputrain.actions.",
+               "tputrain.serving.export.")
     assert sorted(set(name for name in converted if name.startswith(helpers))) == []

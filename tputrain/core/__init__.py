@@ -1,0 +1,15 @@
+"""The bottom wing: small helpers every other wing shares, importing no other wing.
+
+* `checks`: the argument checks of the public constructors (one wording, one rule);
+* `tracing`: lean tracing, what runs while a step traces (`once`, `graph_helper`,
+  `user_call`), used by `data/`, `loop/`, `optim/`, `precision/`, the guard and
+  the Task;
+* `builders`: the builders a run calls when its caller passes none, which the gin
+  registry (`tputrain.config.registry`) installs configured.
+
+Each sat in the wing of its first user (`runtime/`, `loop/`, `config/`), which made
+every lower wing that shares it import up; here each import of them runs down
+(docs/architecture.md). A module belongs here only if it imports nothing of tputrain
+and more than one wing needs it. The old paths still import, and warn
+(`tputrain/_compat.py`).
+"""

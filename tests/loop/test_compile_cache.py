@@ -230,6 +230,38 @@ def test_an_unreadable_entry_is_removed_with_one_warning(tmp_path):
     assert not os.path.exists(entry)
 
 
+# Another library put a file of tputrain's entry proto's name into protobuf's default
+# pool first: building the entry's message fails (a TypeError from protobuf, as when the
+# proto named a type that did not resolve), which the check must not pass on.
+_CHECKER_FAILS = r"""
+import json, sys
+from google.protobuf import descriptor_pb2, descriptor_pool
+proto = descriptor_pb2.FileDescriptorProto(name="tputrain/xla_compilation_cache_entry.proto",
+                                           package="another.library", syntax="proto3")
+proto.message_type.add(name="Other")
+descriptor_pool.Default().Add(proto)
+from tputrain.loop import compile_cache
+print("RESULT " + json.dumps(compile_cache.check_entries(sys.argv[1])))
+"""
+
+
+def test_a_check_that_cannot_read_entries_keeps_them_and_says_so_once(tmp_path):
+    """The cache is never fatal: the check itself failing leaves every entry as it is."""
+    (tmp_path / "cache").mkdir()
+    entry = tmp_path / "cache" / "xla_compile_cache__1__2__XLA_CPU_JIT.pb"
+    entry.write_bytes(b"not checked")
+    result = subprocess.run([sys.executable, "-c", _CHECKER_FAILS, str(tmp_path / "cache")],
+                            capture_output=True, text=True, env=child_env())
+    assert result.returncode == 0, result.stderr
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    (warning,) = json.loads(line.removeprefix("RESULT "))
+    assert warning.startswith(f"tputrain: XLA compilation cache {tmp_path / 'cache'}: its "
+                              "entries could not be checked (TypeError: ")
+    assert warning.endswith(f"left as they are; set {compile_cache.ENV}=off if a step "
+                            "fails reading one")
+    assert entry.read_bytes() == b"not checked"
+
+
 @pytest.mark.parametrize("kind", ["file", "under_a_file"])
 def test_a_cache_path_that_is_no_directory_turns_the_cache_off_with_one_warning(
         monkeypatch, tmp_path, kind):

@@ -219,7 +219,7 @@ def read_error(error: Exception) -> CompileCacheError | None:
     cause = next(line.strip() for line in text.splitlines()
                  if directory in line or any(m in line for m in _ENTRY_ERRORS))
     local = "://" not in directory and os.path.isdir(directory)
-    removed = _sweep(directory) if local else []
+    removed = _sweep(directory) if local and _checker_problem() is None else []
     if removed:
         where = ", ".join(path for path, _ in removed)
         advice = "removed: rerun the same command, its program compiles again"
@@ -241,8 +241,25 @@ def _entry_names(directory: str) -> list[str]:
 def check_entries(directory: str) -> list[str]:
     """Removes the entries of `directory` that TensorFlow could not load (unreadable,
     not an entry, another program's key, no program); returns one warning each.
-    An entry found sound is remembered by size and time (`CHECKED`), not read again."""
+    An entry found sound is remembered by size and time (`CHECKED`), not read again.
+    If the check itself cannot run (the entry's message cannot be built), every entry
+    is left as it is, with one warning: the cache is never fatal."""
+    problem = _checker_problem()
+    if problem is not None:
+        return [f"tputrain: XLA compilation cache {directory}: its entries could not be "
+                f"checked ({problem}); left as they are; set {ENV}=off if a step fails "
+                "reading one"]
     return [warning for _, warning in _sweep(directory)]
+
+
+def _checker_problem() -> str | None:
+    """Why the entries' message cannot be built (protobuf raises a TypeError for a
+    name that does not resolve, or a file of the same name already in its pool)."""
+    try:
+        _entry_class()
+    except Exception as error:  # noqa: BLE001  (whatever protobuf raises: the check, not the cache)
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def _sweep(directory: str) -> list[tuple[str, str]]:

@@ -1,6 +1,7 @@
 """Old module paths keep working after the modules moved into wings (issues 35, 53):
 each is the moved module itself, and importing it says once where it went."""
 
+import importlib
 import json
 import subprocess
 import sys
@@ -45,6 +46,23 @@ def test_an_old_module_path_is_the_moved_module_and_warns(probed, old, new):
     assert result["spec"] == new  # the module keeps its own spec
     assert result["warnings"] == [
         f"{old} moved to {new}; the old name will be removed in {_compat.REMOVED_IN}"]
+
+
+@pytest.mark.parametrize("old, new", sorted(_compat.MOVED_NAMES.items()))
+def test_a_name_moved_to_another_module_still_imports_from_its_old_one_and_warns(old, new):
+    module, _, name = old.rpartition(".")
+    with pytest.warns(DeprecationWarning) as caught:
+        found = getattr(importlib.import_module(module), name)
+    assert found is getattr(importlib.import_module(new), name)
+    assert [str(w.message) for w in caught if w.category is DeprecationWarning] == [
+        f"{old} moved to {new}.{name}; the old name will be removed in {_compat.REMOVED_IN}"]
+
+
+def test_a_name_that_never_moved_is_still_an_attribute_error():
+    from tputrain.serving import export
+
+    with pytest.raises(AttributeError, match="has no attribute 'Exporter'"):
+        export.Exporter  # noqa: B018
 
 
 def test_monkeypatching_through_the_old_path_patches_the_one_module(monkeypatch):

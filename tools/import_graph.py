@@ -272,7 +272,10 @@ def layered(graph: Graph) -> tuple[list[tuple[str, str]], dict[str, int]]:
 
 
 def wing_of(module: str) -> str:
+    """A module's wing; `_compat` (old paths, importing nothing of tputrain) is core's."""
     parts = module.split(".")[1:]
+    if parts == ["_compat"]:
+        return "core"
     return parts[0] if len(parts) > 1 or (parts and parts[0] in WING_ORDER[1:]) else ""
 
 

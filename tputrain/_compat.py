@@ -18,7 +18,7 @@ import importlib.util
 import sys
 import warnings
 from types import CodeType, ModuleType
-from typing import Sequence
+from typing import Any, Sequence
 
 REMOVED_IN = "0.3"
 
@@ -88,6 +88,29 @@ MOVED = {
     "tputrain.loop.tracing": "tputrain.core.tracing",
     "tputrain.runtime.checks": "tputrain.core.checks",
 }
+
+
+# Old place of a name that moved to another module (`module.name`) -> its module now.
+# The old module's own `__getattr__` asks `moved_name`, so `from old import Name` works
+# and warns, without the old module importing the new one (which imports it).
+MOVED_NAMES = {
+    # issue 53, one built-in action a module in actions/
+    "tputrain.actions.best.EARLY_STOPPING_FILE": "tputrain.actions.early_stopping",
+    "tputrain.actions.best.EarlyStopping": "tputrain.actions.early_stopping",
+    "tputrain.actions.best.early_stopping_path": "tputrain.actions.early_stopping",
+    "tputrain.serving.export.Export": "tputrain.actions.export",
+}
+
+
+def moved_name(module: str, name: str) -> Any:
+    """`module.name` from where it lives now, with a `DeprecationWarning` naming it;
+    an `AttributeError` for a name that never moved (a module's `__getattr__`)."""
+    old = f"{module}.{name}"
+    if old not in MOVED_NAMES:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    warnings.warn(f"{old} moved to {MOVED_NAMES[old]}.{name}; the old name will be removed "
+                  f"in {REMOVED_IN}", DeprecationWarning, stacklevel=3)
+    return getattr(importlib.import_module(MOVED_NAMES[old]), name)
 
 
 def message(old: str) -> str:

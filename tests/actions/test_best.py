@@ -20,7 +20,8 @@ import tputrain
 from file_events import (CONFIG, assert_same_outcome, event_child, kill_states, model_variables,
                          run_outcome)
 from tiny import TinyTask, strategy_for
-from tputrain.actions.best import Watch, early_stopping_path
+from tputrain.actions.best import Watch
+from tputrain.actions.early_stopping import early_stopping_path
 from tputrain.checkpointing.run_directory import ModelDirError
 
 

@@ -7,7 +7,9 @@ sees the same points they do. Hooks run on every host, in the host process,
 between compiled loops: keep them short, or do the work every Nth call.
 
 One module an action (like Orbit's `orbit/actions/`): `base` (`Action`), `best`
-(`BestCheckpoint`, `EarlyStopping`), `init_checkpoint` (`InitCheckpoint`),
+(`BestCheckpoint`, and the `Watch` of one metric both it and `early_stopping` use),
+`early_stopping` (`EarlyStopping`), `export` (`Export`, through
+`tputrain.serving.export`), `init_checkpoint` (`InitCheckpoint`),
 `config_summary` (the operative config in TensorBoard), `keras_callbacks`
 (`KerasCallbacks`, with `keras_callback_state`), `mfu`, `profiler`, `nonfinite`,
 `preemption`, `communication`. The names imported below are importable from

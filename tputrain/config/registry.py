@@ -27,7 +27,8 @@ from absl import logging
 from tputrain.core import builders
 from tputrain.optim import optimizers, schedules
 from tputrain import options
-from tputrain.actions.best import BestCheckpoint, EarlyStopping
+from tputrain.actions.best import BestCheckpoint
+from tputrain.actions.early_stopping import EarlyStopping
 from tputrain.checkpointing.manager import Checkpointer
 from tputrain.data.mixture import MixtureInput
 from tputrain.data.options import InputOptions
@@ -37,7 +38,7 @@ from tputrain.data.tfds import TFDSInput
 from tputrain.data.tfrecord import TFRecordInput
 from tputrain.distribution import cluster, strategy
 from tputrain.distribution.communication import CommunicationOptions
-from tputrain.serving.export import Export
+from tputrain.actions.export import Export
 from tputrain.observe.flops import peak_flops
 from tputrain.fault_tolerance.guard import NonFiniteGuard
 from tputrain.actions.init_checkpoint import InitCheckpoint

@@ -198,7 +198,7 @@ SLOW_TIER = {
         "[activations-False], [full-False]",
     "loop/test_remat.py::test_gradients_are_those_without_remat[RematOptions(mode='list_of_layers', output_size_threshold=1024, layer_names=('logits', 'dense_1'))-True]":
         "[activations-False], [full-False]",
-    "loop/test_tracing.py::test_a_users_control_flow_is_converted_and_the_weights_are_those_of_lean_tracing_off[collective]":
+    "core/test_tracing.py::test_a_users_control_flow_is_converted_and_the_weights_are_those_of_lean_tracing_off[collective]":
         "[1]",
     "loop/test_step.py::test_steps_per_program_auto_and_where_it_applies":
         "test_steps_per_program_trains_bitwise_as_one_step_a_launch",
@@ -219,7 +219,7 @@ SLOW_TIER = {
     "loop/test_batch_norm.py::test_auto_runs_a_conv_nets_batch_norms_fused_on_onednn_and_trains_as_keras[1]": "[2]",
     "loop/test_replica_stats.py::test_every_replica_holds_the_global_batches_moving_mean[1]": "[2]",
     "loop/test_random_draws.py::test_onednn_enabled_follows_tf_enable_onednn_opts": "two subprocesses",
-    "loop/test_aggregation.py::test_each_named_eval_set_gets_its_own_host_side_metric":
+    "jobs/test_aggregation.py::test_each_named_eval_set_gets_its_own_host_side_metric":
         "test_two_replicas_f1_over_every_eval_example_once_equals_scikit_learn",
     "test_scalar_variables.py::test_scalar_and_one_element_variables_train_as_without_xla[lamb-update_on_each_device]":
         "the other plans' parameters",

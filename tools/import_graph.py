@@ -47,6 +47,9 @@ WING_ORDER = ("", "cli", "config", "tuning", "tracking", "jobs", "serving", "act
               "runtime", "tasks", "precision", "loop", "data", "distribution",
               "fault_tolerance", "optim", "observe", "checkpointing", "core")
 EXACT_UP_TO = 16
+# Modules of the package that live outside tputrain/: configs/ ships as `tputrain.configs`
+# (pyproject.toml), a leaf (else `from tputrain import configs` would read as the package).
+OUTSIDE = ("tputrain.configs",)
 
 Graph = dict[str, set[str]]
 
@@ -112,9 +115,10 @@ def imports_of(name: str, source: str, known: set[str], is_package: bool = False
 def module_graph(tree: dict[str, str]) -> Graph:
     names = {module_name(path): path for path in tree}
     packages = {module_name(path) for path in tree if path.endswith("/__init__.py")}
-    known = set(names)
-    return {name: imports_of(name, tree[path], known, name in packages)
-            for name, path in names.items()}
+    known = set(names) | set(OUTSIDE)
+    graph = {name: imports_of(name, tree[path], known, name in packages)
+             for name, path in names.items()}
+    return {name: targets - set(OUTSIDE) for name, targets in graph.items()}
 
 
 def room_of(module: str) -> str:

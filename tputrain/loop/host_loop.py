@@ -94,7 +94,7 @@ class HostLoop:
         # that had no batch: tests/test_trainer.py::test_finite_train_data_stops_cleanly).
         # With several replicas (local devices or workers) it stays inline: a collective
         # all-reduce (CPU MirroredStrategy's default, MultiWorkerMirrored's) in a nested
-        # function under the loop's `tf.cond` fails to run (tests/loop/test_tracing.py).
+        # function under the loop's `tf.cond` fails to run (tests/core/test_tracing.py).
         self._replica_call = (tracing.once(self.replica_logs)
                               if self.strategy.num_replicas_in_sync == 1 else self.replica_logs)
         # `program` (step.steps_program) runs up to `program_steps` steps a launch: it

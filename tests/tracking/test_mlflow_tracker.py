@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tputrain
+from tputrain.fault_tolerance.preemption import Preempted
 from tputrain.tracking.record import read_record
 from faults import Process, child_env, cli_refusal, pausable_env
 from mlflow_server import MlflowServer
@@ -204,3 +205,63 @@ MLflowTracker.experiment = 'two'
     assert [r.info.run_id for r in runs] == [read_record(str(tmp_path / "model"), "mlflow")["run_id"]]
     assert _steps(client, runs[0].info.run_id, "train/loss") == [2, 4]
     assert runs[0].data.params["plan/hosts"] == "2"
+
+
+# ------------------------------------------------------------ a run that ends early
+
+class _RaiseAtStep(tputrain.Action):
+    """Training fails after the loop to `step` (its figures are queued to the tracker)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_loop_end(self, context, step, logs):
+        if step >= self.step:
+            raise RuntimeError(f"tputrain-test: failed at step {step}")
+
+
+class _SigtermAtStep(_RaiseAtStep):
+    """Sends this process SIGTERM after the loop to `step`: the next loop is preempted."""
+
+    def on_loop_end(self, context, step, logs):
+        if step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _ending(model_dir, store, action):
+    return tputrain.Trainer(TinyTask(), str(model_dir), strategy=tf.distribute.OneDeviceStrategy(
+        "/cpu:0"), train_steps=6, steps_per_loop=2, eval_every=6, checkpoint_every=6,
+        global_batch_size=16, report_mfu=False, jit_compile=False,
+        actions=[tputrain.MLflowTracker(tracking_uri=store, experiment="tests"), action])
+
+
+def test_a_run_that_raises_sends_what_it_logged_and_ends_the_mlflow_run_failed(tmp_path, store):
+    """What was queued when training raised is sent before the error leaves train() (a
+    CLI process ends right after, with the sender's thread), and the run says FAILED."""
+    model_dir = tmp_path / "run"
+    with _ending(model_dir, store, _RaiseAtStep(4)) as trainer:
+        with pytest.raises(RuntimeError, match="failed at step 4"):
+            trainer.train()
+    run_id = read_record(str(model_dir), "mlflow")["run_id"]
+    client = mlflow.tracking.MlflowClient(store)
+    assert _steps(client, run_id, "train/loss") == [2, 4]
+    assert client.get_run(run_id).info.status == "FAILED"
+
+
+def test_a_preempted_run_sends_what_it_logged_and_ends_the_mlflow_run_killed(tmp_path, store):
+    """SIGTERM: the preemption's checkpoint, then what was queued is sent and the run says
+    KILLED; the resume continues it to FINISHED."""
+    model_dir = tmp_path / "run"
+    with _ending(model_dir, store, _SigtermAtStep(2)) as trainer:
+        with pytest.raises(Preempted) as preempted:
+            trainer.train()
+    step = preempted.value.step
+    run_id = read_record(str(model_dir), "mlflow")["run_id"]
+    client = mlflow.tracking.MlflowClient(store)
+    assert _steps(client, run_id, "train/loss") == [2, step]
+    assert client.get_run(run_id).info.status == "KILLED"
+    with _ending(model_dir, store, tputrain.Action()) as trainer:
+        trainer.train()
+    steps = _steps(client, run_id, "train/loss")
+    assert steps[:2] == [2, step] and steps[-1] == 6 and steps == sorted(set(steps))
+    assert client.get_run(run_id).info.status == "FINISHED"

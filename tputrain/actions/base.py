@@ -49,6 +49,12 @@ class Action:
     def on_train_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         """Once, when `train()` returns normally, with the final evaluation's metrics."""
 
+    def on_train_error(self, context: ActionContext, step: int, error: BaseException) -> None:
+        """Once, when `train()` ends by an exception instead (`Preempted` after SIGTERM's
+        checkpoint, a failure, an interrupt), before it leaves `train()`: a command exits
+        right after, so what the action holds in memory is lost unless written now. It
+        must not raise (the original error goes on)."""
+
     def eval_recorded(self, context: ActionContext, step: int) -> bool:
         """Whether this action's record on disk holds the evaluation at `step`. A resume
         at a step whose evaluation some action did not record (killed in between)

@@ -142,7 +142,15 @@ class Controller:
         return logs
 
     def run(self, until: int) -> dict[str, float]:
-        """Trains from the current step to `until`; returns the final evaluation."""
+        """Trains from the current step to `until`; returns the final evaluation. An
+        exception (a preemption's included) reaches every action's `on_train_error` first."""
+        try:
+            return self._run(until)
+        except BaseException as error:
+            self.hooks.call("on_train_error", self.context.step, error)
+            raise
+
+    def _run(self, until: int) -> dict[str, float]:
         context, hooks = self.context, self.hooks
         step = context.step
         self.until = until

@@ -17,7 +17,8 @@ is written to model_dir.
 
 A subclass connects a tracker: `check`, `open_run`, `logged_steps`, `send_params`,
 `send_metrics`, `send_artifact`, `send_tags`, `finish` (all but `check` run on the
-sender's thread).
+sender's thread). When training raises or is preempted, the run is ended FAILED or
+KILLED and the queue is sent before the error leaves `train()` (`on_train_error`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tputrain.observe import goodput
 from tputrain.actions.base import Action
 from tputrain.actions.best import best_record
 from tputrain.checkpointing.run_directory import RunDirectory
+from tputrain.fault_tolerance.preemption import Preempted
 from tputrain.actions.config_summary import config_text
 from tputrain.runtime.context import ActionContext
 from tputrain.tracking.record import prefixed, read_record, run_params, write_record
@@ -76,8 +78,9 @@ class Tracker(Action):
     def send_tags(self, tags: Mapping[str, str]) -> None:
         raise NotImplementedError
 
-    def finish(self) -> None:
-        """The run ended (it may be continued later)."""
+    def finish(self, status: str = "FINISHED") -> None:
+        """The run ended (it may be continued later): FINISHED, or FAILED (training raised)
+        or KILLED (preempted, interrupted)."""
 
     # ---------------------------------------------------------- the hooks
 
@@ -120,10 +123,6 @@ class Tracker(Action):
         if self.sender is not None:
             self.sender.put(("metrics", step, prefixed("eval", logs)))
 
-    def on_save(self, context: ActionContext, step: int, path: str | None) -> None:
-        if self.sender is not None and context.stop_reason == "preempted":
-            self.sender.flush(self.flush_seconds)  # the process exits 42 next
-
     def on_train_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         if self.sender is None:
             return
@@ -136,6 +135,17 @@ class Tracker(Action):
         self.sender.put(("artifact", "goodput.txt", goodput.format_account(account) + "\n"))
         self.sender.put(("tags", references(context.model_dir)))
         self.sender.put(("finish",))
+        self._finished = True
+        self.close()
+
+    def on_train_error(self, context: ActionContext, step: int, error: BaseException) -> None:
+        """Training raised, or stopped on SIGTERM after its checkpoint (`Preempted`): the
+        run is ended KILLED (a preemption, an interrupt) or FAILED, and what is queued is
+        sent now, since a command's process ends right after (the sender's thread with it)."""
+        if self.sender is None or self._finished:
+            return
+        stopped = isinstance(error, (Preempted, KeyboardInterrupt))
+        self.sender.put(("finish", "KILLED" if stopped else "FAILED"))
         self._finished = True
         self.close()
 
@@ -159,7 +169,7 @@ class Tracker(Action):
         elif kind == "tags":
             self.send_tags(*args)
         elif kind == "finish":
-            self.finish()
+            self.finish(*args)
 
     def _open(self, run_id: str | None, model_dir: str, writer: bool) -> None:
         self.run_id = self.open_run(run_id, model_dir)

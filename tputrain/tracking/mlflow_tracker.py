@@ -146,5 +146,5 @@ class MLflowTracker(Tracker):
             self.client().log_batch(self.run_id, tags=[RunTag(_key(k), str(v))
                                                        for k, v in tags.items()])
 
-    def finish(self) -> None:
-        self.client().set_terminated(self.run_id, "FINISHED")
+    def finish(self, status: str = "FINISHED") -> None:
+        self.client().set_terminated(self.run_id, status)

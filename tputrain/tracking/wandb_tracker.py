@@ -17,11 +17,13 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
+from tputrain.fault_tolerance.preemption import PREEMPTED_EXIT_CODE
 from tputrain.tracking.base import Tracker
 from tputrain.tracking.record import TRACKING_DIR
 from tputrain.tracking.wandb_files import logged_steps
 
 MODES = (None, "online", "offline", "disabled")
+EXIT_CODES = {"FINISHED": 0, "FAILED": 1, "KILLED": PREEMPTED_EXIT_CODE}
 
 
 class WandbTracker(Tracker):
@@ -94,5 +96,5 @@ class WandbTracker(Tracker):
     def send_tags(self, tags: Mapping[str, str]) -> None:
         self._run.summary.update(dict(tags))
 
-    def finish(self) -> None:
-        self._run.finish()
+    def finish(self, status: str = "FINISHED") -> None:
+        self._run.finish(exit_code=EXIT_CODES[status])  # W&B: nonzero is a failed run

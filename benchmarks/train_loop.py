@@ -9,10 +9,14 @@
         --contenders tputrain,keras_fit_xla --repeats 5   # a subset
     python benchmarks/train_loop.py --workloads conv --replicas 2 \
         --precision mixed_bfloat16 --tag conv_bf16_2replicas   # the conv net, 2 split-CPU replicas
+    python benchmarks/train_loop.py --workloads mlp_dropout --repeats 5 --tag mlp_dropout \
+        --contenders tputrain,tputrain_no_xla,tputrain_xla,tputrain_xla_keras_draws
     python benchmarks/train_loop.py --workloads mobilenet,efficientnetb0,resnet50v2 \
         --quick --out -   # keras.applications models, smoke run
 
-Workloads: an MLP, a Transformer LM, and (only when asked: `--workloads conv`) a small
+Workloads: an MLP, a Transformer LM, only when asked the MLP with Dropout 0.5 after
+each hidden layer (`--workloads mlp_dropout`; `tputrain_xla_keras_draws` is its XLA
+step with Keras's own draws, as before `tputrain.loop.xla_dropout`), and (only when asked: `--workloads conv`) a small
 ResNet with BatchNorm and a Dropout head on 32x32x3 images read from a TFRecord file
 with random flip and crop (`ConvTask`); also only when asked, keras.applications
 models on the same input at 64x64x3 (`--workloads mobilenet,efficientnetb0,resnet50v2`,
@@ -100,15 +104,18 @@ class MLPTask(tputrain.Task):
     """A dense MLP classifier on a fixed set of random in-memory batches."""
 
     def __init__(self, features: int, hidden: tuple[int, ...], classes: int = 10,
-                 batches: int = 16, optimizer: str = "adam"):
+                 batches: int = 16, optimizer: str = "adam", dropout: float = 0.0):
         self.features, self.hidden, self.classes = features, hidden, classes
         self.batches = batches
         self.optimizer = optimizer
+        self.dropout = dropout  # a Dropout after each hidden layer
 
     def build_model(self) -> keras.Model:
         x = inputs = keras.Input((self.features,), name="x")
         for units in self.hidden:
             x = keras.layers.Dense(units, activation="relu")(x)
+            if self.dropout:
+                x = keras.layers.Dropout(self.dropout)(x)
         logits = keras.layers.Dense(self.classes, dtype="float32")(x)
         return keras.Model({"x": inputs}, logits)
 
@@ -397,6 +404,19 @@ class TputrainXLAContender(TputrainContender):
     jit_compile = True
 
 
+class TputrainXLAKerasDrawsContender(TputrainXLAContender):
+    """`jit_compile=True` with Keras's own dropout draws in the XLA program (the
+    "auto_select" algorithm, whose key XLA's CPU fusion derived once a mask element),
+    as the step drew them before `tputrain.loop.xla_dropout`."""
+
+    name = "tputrain_xla_keras_draws"
+
+    def prepare(self) -> None:
+        from tputrain.loop import xla_dropout  # pylint: disable=import-outside-toplevel
+        xla_dropout._NOISE_SHAPES.clear()  # pylint: disable=protected-access  # this process only
+        super().prepare()
+
+
 class TputrainNoGuardContender(TputrainContender):
     """The default Trainer with the NaN/Inf guard off (`NonFiniteGuard.policy=None`):
     what the guard costs."""
@@ -607,7 +627,8 @@ CONTENDERS: dict[str, type[Contender]] = {kind.name: kind for kind in (
     TputrainNoXLAContender, KerasFitXLAContender, TputrainNoGuardContender,
     TputrainNoXLANoGuardContender, TputrainBF16Contender, KerasFitNoStrategyContender,
     KerasFitXLANoStrategyContender, HandLoopNoStrategyContender,
-    TputrainOneStepAProgramContender, TputrainXLAContender, TputrainNoStrategyContender)}
+    TputrainOneStepAProgramContender, TputrainXLAContender, TputrainNoStrategyContender,
+    TputrainXLAKerasDrawsContender)}
 # Each peer at its best: the best median of its configurations (strategy, XLA).
 BEST_OF = {"keras_fit_best": ("keras_fit", "keras_fit_xla", "keras_fit_no_strategy",
                               "keras_fit_xla_no_strategy"),
@@ -647,6 +668,12 @@ def workload(name: str, quick: bool) -> Workload:
                         "head), SGD momentum; 32x32x3 from TFRecords, random flip + crop")
     if name in APPLICATIONS:
         return application_workload(name, quick)
+    if name == "mlp_dropout":  # issue 55: random layers under XLA
+        if quick:
+            return Workload(lambda: MLPTask(64, (128, 128), dropout=0.5), 64, 40, [10],
+                            "MLP 64-128-128-10, Dropout 0.5")
+        return Workload(lambda: MLPTask(512, (1024, 1024), dropout=0.5), 256, 60, [20],
+                        "MLP 512-1024-1024-10, Dropout 0.5 after each hidden layer, Adam")
     if name == "small_mlp":
         return Workload(lambda: MLPTask(32, (64,), batches=8), 64, 100 if quick else 1000,
                         [1, 50], "MLP 32-64-10, batch 64 (per-call overhead dominates)")
@@ -851,7 +878,9 @@ def _ratios(best: dict[str, float], best_cpu: dict[str, float]) -> dict[str, flo
     if "tputrain_bf16" in best and "tputrain" in best:
         ratios["tputrain_bf16_vs_tputrain"] = best["tputrain_bf16"] / best["tputrain"]
     for on, off in (("tputrain", "tputrain_no_guard"), ("tputrain_no_xla", "tputrain_no_xla_no_guard"),
-                    ("tputrain", "tputrain_program_1"), ("tputrain", "tputrain_xla")):
+                    ("tputrain", "tputrain_program_1"), ("tputrain", "tputrain_xla"),
+                    ("tputrain_xla", "tputrain_xla_keras_draws"),
+                    ("tputrain_xla", "tputrain_no_xla")):
         if on in best and off in best:
             ratios[f"{on}_vs_{off}"] = best[on] / best[off]
     # Each framework at its best configuration (XLA on or off, with or without a strategy).
@@ -974,7 +1003,7 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny models, one repeat")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--workloads", default="mlp,transformer,small_mlp",
-                        help="comma-separated subset of mlp,transformer,conv,small_mlp,"
+                        help="comma-separated subset of mlp,transformer,conv,small_mlp,mlp_dropout,"
                              f"{','.join(APPLICATIONS)} (default: mlp,transformer,small_mlp)")
     parser.add_argument("--precision", default="float32",
                         choices=["float32", "mixed_bfloat16"],
@@ -1002,7 +1031,9 @@ def main() -> None:
     load_before = os.getloadavg()
     peaks: dict[str, list[tuple[float, float]]] = {"float32": [], "bfloat16": []}
     # Every contender; the bf16 one is added to the Transformer workload only.
-    all_kinds = [kind for kind in CONTENDERS.values() if kind is not TputrainBF16Contender]
+    # Keras's draws in XLA only when named (`--contenders`): for `mlp_dropout`.
+    all_kinds = [kind for kind in CONTENDERS.values() if kind is not TputrainBF16Contender
+                 and (kind is not TputrainXLAKerasDrawsContender or args.contenders)]
 
     report: dict[str, Any] = {
         "command": " ".join(["python benchmarks/train_loop.py", *sys.argv[1:]]),

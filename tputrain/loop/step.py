@@ -32,7 +32,9 @@ from tputrain.loop.inputs import zeros_of
 from tputrain.loop.pipeline import UpdatePipeline
 from tputrain.loop.replica_stats import forward_state
 from tputrain.loop.source_counts import SourceCounter
+from tputrain.loop.xla_dropout import ThreeFryDropout
 from tputrain.loop.xla_plan import XlaPlan
+from tputrain.distribution.strategy import without_gpus
 from tputrain.runtime.model_state import ModelState
 from tputrain.runtime.plan import RunPlan
 from tputrain.task import Task, overrides, unpack_batch
@@ -187,6 +189,17 @@ def _counted(step: Callable, count: Callable[[dict[str, tf.Tensor]], None]) -> C
         count(logs)
         return logs
     return counted
+
+
+def _drawing_masks(step: Callable, masks: ThreeFryDropout | None) -> Callable:
+    """`step`, tracing with `masks` active (dropout masks drawn by ThreeFry in XLA)."""
+    if masks is None or not masks.swaps:
+        return step
+
+    def drawing(batch):
+        with masks.active():
+            return step(batch)
+    return drawing
 
 
 def _keeping_state(step: Callable, guard: NonFiniteGuard, variables: list[Any]) -> Callable:
@@ -353,6 +366,7 @@ class StepBuilder:
                         gradients, loss = gradients_of(batch, lambda b: compute(b, denominator))
                     apply(gradients)
                 return {"loss": loss, **logs}
+        step = _drawing_masks(step, self._threefry_dropout(plan))
         step = _keeping_state(step, self.guard, forward_state(self.model))
         if self.source_counter is not None:
             step = self.source_counter.counting(step)
@@ -378,6 +392,12 @@ class StepBuilder:
     def lowered_within(self) -> None:
         """A program holding the step lowered: the step needs no lowering of its own."""
         self._unchecked = None
+
+    def _threefry_dropout(self, plan: XlaPlan) -> ThreeFryDropout | None:
+        """The dropout swap when XLA compiles the forward pass on a CPU (`xla_dropout`)."""
+        if (plan.whole_step or plan.gradients_only) and without_gpus(self.strategy):
+            return ThreeFryDropout(self.model)
+        return None
 
     def _loss_denominator(self, batch: Any) -> tuple[Any, dict[str, tf.Tensor]]:
         """Replica context: what the step's loss sums are divided by, and its logs.

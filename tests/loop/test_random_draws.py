@@ -1,7 +1,7 @@
 """jit_compile="auto" on a CPU and random layers (issue 38): XLA stays off for a model
-whose random draws are many beside its FLOPs (an MLP with Dropout on its hidden
-layer), and compiles the whole step of one whose draws are few (a conv net with
-a Dropout head), drawing the same dropout masks as TensorFlow's kernels."""
+whose slow random draws are many beside its FLOPs (an MLP with GaussianNoise on its
+hidden layer; Dropout's masks are drawn fast in XLA since issue 55), and compiles the
+whole step of one whose draws are few (a conv net with a Dropout head)."""
 
 from __future__ import annotations
 
@@ -91,10 +91,34 @@ def test_auto_compiles_the_whole_step_of_a_conv_net_with_dropout(tmp_path, monke
                for a, b in zip(auto.model.get_weights(), plain.model.get_weights()))
 
 
-def test_auto_keeps_xla_off_for_an_mlp_with_dropout(tmp_path):
+class NoisyTask(TinyTask):
+    """TinyTask with GaussianNoise on its hidden layer: Keras's draws in XLA."""
+
+    def build_model(self) -> keras.Model:
+        inputs = keras.Input((8,), name="x")
+        h = keras.layers.Dense(16, activation="relu")(inputs)
+        h = keras.layers.GaussianNoise(0.1, seed=1)(h)
+        return keras.Model({"x": inputs}, keras.layers.Dense(2, dtype="float32")(h))
+
+
+def test_auto_compiles_the_whole_step_of_an_mlp_with_dropout(tmp_path):
+    """Issue 55: a compiled step draws Dropout's masks with ThreeFry (xla_dropout.py),
+    faster than TensorFlow's kernels, so Dropout no longer keeps XLA off."""
     mlp = trainer(tmp_path, TinyTask(dropout=0.5), "mlp")
-    assert mlp._steps.xla_plan() == (False, False,
-                                     "auto: off on CPU for a model with random ops (dropout)")
+    assert mlp._steps.xla_plan() == (True, False, "auto: the whole step, if it compiles")
+
+
+def test_auto_keeps_xla_off_for_an_mlp_with_gaussian_noise(tmp_path):
+    noisy = trainer(tmp_path, NoisyTask(), "noisy")
+    assert noisy._steps.xla_plan() == (
+        False, False, "auto: off on CPU for a model with random ops (e.g. GaussianNoise)")
+
+
+def test_a_compiled_step_counts_no_dropout_draws():
+    model = TinyTask(dropout=0.5).build_model()
+    spec = {"x": tf.TensorSpec([4, 8], tf.float32)}
+    assert draws_per_flop(model, spec) > COSTLY_DRAWS_PER_FLOP  # what Keras would draw
+    assert draws_per_flop(model, spec, compiled=True) == 0
 
 
 def test_mixed_bfloat16_with_dropout_compiles_the_update_outside_the_draws(tmp_path):

@@ -125,8 +125,9 @@ class _Decision:
         if on_cpu and self.precision != "float32":
             return XlaPlan(False, False, f"auto: off for {self.precision} on CPU")
         if on_cpu and self.draws_are_costly():
-            # XLA's CPU random-number generation is slow (dropout's masks).
-            return XlaPlan(False, False, "auto: off on CPU for a model with random ops (dropout)")
+            # Keras's draws under XLA on a CPU are slow (Dropout's are not: xla_dropout.py).
+            return XlaPlan(False, False, "auto: off on CPU for a model with random ops "
+                           "(e.g. GaussianNoise)")
         return XlaPlan(True, False, "auto: the whole step, if it compiles")
 
     def compiles_convolutions(self, on_cpu: bool) -> bool:

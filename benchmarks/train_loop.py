@@ -880,6 +880,7 @@ def _ratios(best: dict[str, float], best_cpu: dict[str, float]) -> dict[str, flo
     for on, off in (("tputrain", "tputrain_no_guard"), ("tputrain_no_xla", "tputrain_no_xla_no_guard"),
                     ("tputrain", "tputrain_program_1"), ("tputrain", "tputrain_xla"),
                     ("tputrain_xla", "tputrain_xla_keras_draws"),
+                    ("tputrain", "tputrain_xla_keras_draws"),
                     ("tputrain_xla", "tputrain_no_xla")):
         if on in best and off in best:
             ratios[f"{on}_vs_{off}"] = best[on] / best[off]

@@ -241,6 +241,26 @@ class IndexedTask(TinyTask):
         return True
 
 
+@gin.configurable
+class PositionalIndexedTask(IndexedTask):
+    """IndexedTask read from `write_tfrecords` shards (`manifest`: features "x" and
+    "index") with `TFRecordInput(positional=True)`: each train step records the
+    indices it trained on (`trained_indices`)."""
+
+    def __init__(self, record_dir: str, manifest: str, window_blocks: int = 1):
+        super().__init__(record_dir)
+        self.manifest, self.window_blocks = manifest, window_blocks
+
+    def build_inputs(self, split, input_context):
+        train = split == "train"  # eval: one pass in file order, recorded as index -1
+        dataset = tputrain.data.TFRecordInput(
+            manifest=self.manifest, positional=train, seed=5, shuffle=train, repeat=train,
+            window_blocks=self.window_blocks)(input_context)
+        return dataset.map(lambda batch: ({"x": batch["x"]}, {
+            "label": batch["index"] % 2,
+            "index": batch["index"] if train else -tf.ones_like(batch["index"])}))
+
+
 def trained_indices(record_dir: str | Path) -> list[int]:
     """Every index an `IndexedTask` trained on (in any process), sorted."""
     return sorted(int(line) for path in Path(record_dir).glob("seen-*.txt")

@@ -468,10 +468,7 @@ class Trainer(RunKnobs, TrainableSet):
         self._replica_stats.begin()
         totals, steps, input_wait = self._train_loop_fn(self._train_iterator, num_steps)
         self._replica_stats.average()  # copies made one (or refused) before a save or eval
-        steps = int(steps)
-        logs = {name: float(value) / steps for name, value in totals.items()}
-        logs.update({m.name: float(m.result()) for m in self.train_metrics})
-        return {**logs, **source_logs(self.inputs.source_counter)}, steps, float(input_wait)
+        return _loop_logs(self, totals, int(steps)), int(steps), float(input_wait)
 
     def _stop_requested(self) -> Any:
         """In the compiled loop: stop before the next step (guard trip or SIGTERM)? Several
@@ -484,3 +481,10 @@ class Trainer(RunKnobs, TrainableSet):
     def preempted(self) -> bool:
         """Whether any host was asked to stop (a collective: all hosts then stop here)."""
         return self._max_over_hosts(int(self._preemption.requested)) > 0
+
+
+def _loop_logs(trainer: Trainer, totals: dict[str, Any], steps: int) -> dict[str, float]:
+    """A train loop's logs: the step logs' means, the train metrics and the source counts."""
+    logs = {name: float(value) / steps for name, value in totals.items()}
+    logs.update({m.name: float(m.result()) for m in trainer.train_metrics})
+    return {**logs, **source_logs(trainer.inputs.source_counter)}

@@ -150,9 +150,12 @@ class LayoutChange(NamedTuple):
         history = self.saved.history()
         if history[-1][1] != self.now.hosts:
             history += ((start, self.now.hosts),)
+        # One host count since step 0 is the empty history (`history()` reads it back):
+        # a layout that never changed its hosts saves as it did before there was one.
         return dataclasses.replace(
             self.now.split(), start_step=self.step, start_examples=start,
-            host_history=",".join(f"{examples}:{hosts}" for examples, hosts in history))
+            host_history="" if len(history) == 1 else
+            ",".join(f"{examples}:{hosts}" for examples, hosts in history))
 
     def recovered(self, read_steps: int | None = None, rebuilt: str = "") -> str:
         """The one line logged on such a resume: both layouts, the examples consumed,

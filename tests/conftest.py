@@ -259,6 +259,11 @@ SLOW_TIER = {
         "test_a_changed_learning_rate_wins_over_the_checkpoint",
     "actions/test_best.py::test_best_checkpoint_resumes_comparing_against_the_kept_best":
         "test_early_stopping_resumes_from_the_evals_up_to_the_restored_step",
+    "test_trainer.py::test_gradient_accumulation_matches_one_large_batch":
+        "test_replica_equivalence's accumulation option",
+    "data/test_positional.py::test_every_record_of_an_epoch_once_over_the_hosts_and_epochs_differ":
+        "each record once: test_every_record_of_an_epoch_once_through_2_3_1_hosts_and_batches_64_48_96 "
+        "(that epochs differ is checked here only)",
 }
 
 

@@ -1,24 +1,15 @@
 """tools/import_graph.py: its counting on small graphs, and the package's imports that
 point up the wings of docs/architecture.md held at their number (issue 53)."""
 
-import importlib.util
-import sys
-from pathlib import Path
+from docgen_loader import load_tool
 
-ROOT = Path(__file__).resolve().parent.parent
 # Module imports from a wing to one above it in docs/architecture.md's picture
 # (`WING_ORDER`). Lower it when you remove one; never raise it: import down instead.
 ARROWS_UP_THE_WINGS = 51
 
 
 def _tool():
-    module = sys.modules.get("import_graph")
-    if module is None:
-        spec = importlib.util.spec_from_file_location("import_graph", ROOT / "tools" / "import_graph.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["import_graph"] = module
-        spec.loader.exec_module(module)
-    return module
+    return load_tool("import_graph")
 
 
 def test_every_import_counts_but_a_script_block():

@@ -97,48 +97,11 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Tarjan's components with more than one module (each holds a cycle)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    components: list[list[str]] = []
+    """Tarjan's components with more than one module (each holds a cycle): the
+    measuring tool's own (`tools/import_graph.py`), so both count cycles alike."""
+    from docgen_loader import load_tool  # tests/support: on the path under pytest and as a script
 
-    def visit(start: str) -> None:
-        work = [(start, iter(sorted(graph[start])))]
-        index[start] = low[start] = len(index)
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            node, targets = work[-1]
-            for target in targets:
-                if target not in index:
-                    index[target] = low[target] = len(index)
-                    stack.append(target)
-                    on_stack.add(target)
-                    work.append((target, iter(sorted(graph[target]))))
-                    break
-                if target in on_stack:
-                    low[node] = min(low[node], index[target])
-            else:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
-                if low[node] == index[node]:
-                    component = []
-                    while True:
-                        member = stack.pop()
-                        on_stack.discard(member)
-                        component.append(member)
-                        if member == node:
-                            break
-                    if len(component) > 1:
-                        components.append(sorted(component))
-
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-    return components
+    return load_tool("import_graph").cycles(graph)
 
 
 def a_cycle(graph: dict[str, set[str]], component: list[str]) -> list[str]:
@@ -279,5 +242,6 @@ def measures() -> dict[str, object]:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "support"))
     for key, value in measures().items():
         print(f"{key}: {value}", file=sys.stdout)

@@ -244,32 +244,34 @@ Trainer.steps_per_program = 1
 """
 
 
-@pytest.mark.slow  # two launches
-def test_positional_input_reads_every_record_once_through_2_then_1_workers(tmp_path):
-    """Issue 54, acceptance 2, through worker processes in distributed mode: 2400
-    records (5 shards, windows of 256), 3 steps of 64 on 2 workers (each mid-window),
-    then to the end of the epoch (step 26) with 96 on 1: every record trained on once
-    (the layout's host history in the checkpoint places the positional input)."""
+def _positional_launches(tmp_path, layouts) -> list[int]:
+    """2400 records (5 shards, windows of 256) trained through one `tputrain launch` a
+    (workers, global batch, last step) of `layouts`, in one model_dir: the checkpoint's
+    steps; each launch recorded the indices it trained on."""
     from tputrain.data import write_tfrecords
     model_dir, record = tmp_path / "model", tmp_path / "seen"
     prefix = str(tmp_path / "ids")
     indices = np.arange(2400, dtype=np.int64)
     write_tfrecords({"x": np.eye(8, dtype=np.float32)[indices % 8], "index": indices},
                     prefix, num_shards=5)
-
-    def run(workers: int, batch: int, steps: int) -> Launch:
+    for workers, batch, steps in layouts:
         config = tmp_path / f"steps{steps}.gin"
         config.write_text(POSITIONAL_CONFIG.format(
             record=record, manifest=prefix + ".manifest.json", steps=steps, batch=batch))
         launch = Launch(["--workers", str(workers), "--gin_import=faults",
                          f"--gin_file={config}", f"--model_dir={model_dir}"])
         assert launch.finish(timeout=900) == 0, launch.log()
-        return launch
+    return listed_steps(model_dir)
 
-    run(2, 64, 3)
-    run(1, 96, 26)
-    assert listed_steps(model_dir)[-1] == 26
-    assert trained_indices(record) == list(range(2400))
+
+@pytest.mark.slow  # two launches
+def test_positional_input_reads_every_record_once_through_2_then_1_workers(tmp_path):
+    """Issue 54, acceptance 2, through worker processes in distributed mode: 3 steps of
+    64 on 2 workers (each mid-window), then to the end of the epoch (step 26) with 96 on
+    1: every record trained on once (the layout's host history in the checkpoint places
+    the positional input)."""
+    assert _positional_launches(tmp_path, ((2, 64, 3), (1, 96, 26)))[-1] == 26
+    assert trained_indices(tmp_path / "seen") == list(range(2400))
 
 
 @pytest.mark.slow  # three launches
@@ -277,18 +279,5 @@ def test_positional_input_reads_every_record_once_through_2_3_1_workers(tmp_path
     """The same through 2 -> 3 -> 1 workers and global batches 64 -> 48 -> 96: 3 steps
     on 2, to step 7 on 3 (carried windows beside fresh ones), to the end of the epoch
     (step 28) on 1: every record trained on once."""
-    from tputrain.data import write_tfrecords
-    model_dir, record = tmp_path / "model", tmp_path / "seen"
-    prefix = str(tmp_path / "ids")
-    indices = np.arange(2400, dtype=np.int64)
-    write_tfrecords({"x": np.eye(8, dtype=np.float32)[indices % 8], "index": indices},
-                    prefix, num_shards=5)
-    for workers, batch, steps in ((2, 64, 3), (3, 48, 7), (1, 96, 28)):
-        config = tmp_path / f"steps{steps}.gin"
-        config.write_text(POSITIONAL_CONFIG.format(
-            record=record, manifest=prefix + ".manifest.json", steps=steps, batch=batch))
-        launch = Launch(["--workers", str(workers), "--gin_import=faults",
-                         f"--gin_file={config}", f"--model_dir={model_dir}"])
-        assert launch.finish(timeout=900) == 0, launch.log()
-    assert listed_steps(model_dir)[-1] == 28
-    assert trained_indices(record) == list(range(2400))
+    assert _positional_launches(tmp_path, ((2, 64, 3), (3, 48, 7), (1, 96, 28)))[-1] == 28
+    assert trained_indices(tmp_path / "seen") == list(range(2400))

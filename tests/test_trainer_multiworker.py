@@ -237,14 +237,14 @@ Trainer.steps_per_loop = 1
 Trainer.global_batch_size = {batch}
 Trainer.checkpoint_every = 1
 Trainer.eval_steps = 1
-Trainer.input_mode = 'distributed'
+Trainer.input_mode = '{input_mode}'
 Trainer.report_mfu = False
 Trainer.jit_compile = False  # the task records in the step (a py_function)
 Trainer.steps_per_program = 1
 """
 
 
-def _positional_launches(tmp_path, layouts) -> list[int]:
+def _positional_launches(tmp_path, layouts, input_mode: str = "distributed") -> list[int]:
     """2400 records (5 shards, windows of 256) trained through one `tputrain launch` a
     (workers, global batch, last step) of `layouts`, in one model_dir: the checkpoint's
     steps; each launch recorded the indices it trained on."""
@@ -257,7 +257,8 @@ def _positional_launches(tmp_path, layouts) -> list[int]:
     for workers, batch, steps in layouts:
         config = tmp_path / f"steps{steps}.gin"
         config.write_text(POSITIONAL_CONFIG.format(
-            record=record, manifest=prefix + ".manifest.json", steps=steps, batch=batch))
+            record=record, manifest=prefix + ".manifest.json", steps=steps, batch=batch,
+            input_mode=input_mode))
         launch = Launch(["--workers", str(workers), "--gin_import=faults",
                          f"--gin_file={config}", f"--model_dir={model_dir}"])
         assert launch.finish(timeout=900) == 0, launch.log()
@@ -280,4 +281,15 @@ def test_positional_input_reads_every_record_once_through_2_3_1_workers(tmp_path
     on 2, to step 7 on 3 (carried windows beside fresh ones), to the end of the epoch
     (step 28) on 1: every record trained on once."""
     assert _positional_launches(tmp_path, ((2, 64, 3), (3, 48, 7), (1, 96, 28)))[-1] == 28
+    assert trained_indices(tmp_path / "seen") == list(range(2400))
+
+
+@pytest.mark.slow  # three launches
+def test_positional_input_in_host_mode_reads_every_record_once_through_2_3_1_workers(
+        tmp_path):
+    """Host mode, 2 -> 3 -> 1 workers and global batches 64 -> 48 -> 96 as above: no
+    iterator is saved, each resume builds every host's input at its place from the
+    layout's host history; every record trained on once."""
+    assert _positional_launches(tmp_path, ((2, 64, 3), (3, 48, 7), (1, 96, 28)),
+                                input_mode="host")[-1] == 28
     assert trained_indices(tmp_path / "seen") == list(range(2400))

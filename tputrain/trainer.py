@@ -134,6 +134,27 @@ def _tried_plans(trainer: "Trainer") -> tuple[Any, int] | None:
     return choice.loop
 
 
+def _position_input(trainer: "Trainer", step: int) -> None:
+    """The train iterator at `step`'s data position where no saved one restored it,
+    from the recorded layout and its host history: distributed mode's (built there
+    if positional, else skipping the consumed batches), and a positional input's in
+    host mode (built there, unless it already is)."""
+    layout, inputs = trainer.checkpointer.recorded_layout, trainer.inputs
+    if trainer.input_mode == "distributed":
+        trainer._train_iterator = inputs.distributed_iterator(
+            "train", skip_steps=layout.input_steps(step), layout_history=layout.history())
+    elif inputs.positional_train and step != trainer._input_step:
+        trainer._train_iterator = inputs.positioned_iterator(layout, step)
+        trainer._input_step = step
+
+
+def _input_step_after(trainer: "Trainer", steps: int) -> int | None:
+    """The step the host iterator is at after a loop of `steps`: it reads whole
+    fetches, so None (unknown) when a stop cut one short."""
+    known = trainer._input_step is not None and steps % trainer.plan.steps_per_fetch == 0
+    return trainer._input_step + steps if known else None
+
+
 class RunKnobs:
     """The Trainer's knobs as the run uses them, read from its plan (`options` are the
     user's), and the run state the actions share, read through their context."""
@@ -298,12 +319,11 @@ class Trainer(RunKnobs, TrainableSet):
         self._train_iterator = None
         self._train_loop_fn = None
         self._until: int | None = None  # the step train() trains to (the plan trial's)
-        per_host = {}
         self._replica_stats: ReplicaStatistics | None = None
         if self.input_mode == "host":  # each host's own data position
             self._train_iterator = iter(self.inputs.fetch_groups(self.inputs.train_dataset))
-            per_host["iterator"] = self._train_iterator
-        self.checkpointer = self._new_checkpointer(per_host)
+        self._input_step: int | None = 0  # the step the host iterator is at (None: unknown)
+        self.checkpointer = self._new_checkpointer(self.inputs.saved_state(self._train_iterator))
         self._preemption = PreemptionWatcher()  # SIGTERM -> stop at a step boundary
         self._communication = CommunicationAction(self.communication)  # timed once
         self.progress = Progress.for_run(summary_root(self._work_dir) if self.is_chief else None,
@@ -391,6 +411,7 @@ class Trainer(RunKnobs, TrainableSet):
     def set_train_iterator(self, iterator: Any) -> None:
         """Trains from `iterator` instead of the Task's (not checkpointed; for tools)."""
         self._train_iterator = iterator
+        self._input_step = None  # a positional input is built at the step again
 
     def train(self, num_steps: int | None = None) -> dict[str, float]:
         """Trains `num_steps` more steps (None: up to `train_steps`), resuming from the
@@ -407,10 +428,7 @@ class Trainer(RunKnobs, TrainableSet):
                          self.model_dir, step, self.train_steps)
             return Controller(self, self._actions()).complete(step)
         self.plan.check_resume_step(step, self.model_dir)
-        if self.input_mode == "distributed":  # skips the examples consumed, in batches
-            layout = self.checkpointer.recorded_layout
-            self._train_iterator = self.inputs.distributed_iterator(
-                "train", skip_steps=layout.input_steps(step), layout_history=layout.history())
+        _position_input(self, step)
         logging.info("tputrain: training from step %d to %d", step, until)
         self._until = until
         self._preemption.install()
@@ -467,6 +485,7 @@ class Trainer(RunKnobs, TrainableSet):
             self._replica_stats = ReplicaStatistics(self.strategy, self.model)
         self._replica_stats.begin()
         totals, steps, input_wait = self._train_loop_fn(self._train_iterator, num_steps)
+        self._input_step = _input_step_after(self, int(steps))
         self._replica_stats.average()  # copies made one (or refused) before a save or eval
         return _loop_logs(self, totals, int(steps)), int(steps), float(input_wait)
 

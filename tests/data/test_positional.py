@@ -1,6 +1,8 @@
 """Tests for tputrain.data.positional: a host's records as a function of its position."""
 
 import collections
+import glob
+import os
 
 import numpy as np
 import pytest
@@ -198,9 +200,9 @@ def test_positional_and_a_file_cache_are_refused_naming_the_fix(tmp_path):
 @pytest.mark.slow  # three Trainers on 2 replicas
 @pytest.mark.parametrize("input_mode", ["distributed", "host"])
 def test_a_resume_starts_the_input_at_its_position(tmp_path, input_mode):
-    """2 replicas: a distributed-mode resume builds the input at the examples consumed
-    (no batch re-read), a host-mode one restores the symbolic iterator checkpoint;
-    both train to the uninterrupted weights."""
+    """2 replicas: a resume in either input mode builds the input at the examples
+    consumed (no batch re-read; host mode saves no iterator for it) and trains to the
+    uninterrupted weights."""
     import tputrain
     from tiny import TinyTask, strategy_for, weights
 
@@ -232,7 +234,7 @@ def test_a_resume_starts_the_input_at_its_position(tmp_path, input_mode):
     Positional.contexts.clear()
     second = trainer("resumed")
     second.train()
-    assert (3 * 16 in Positional.contexts) is (input_mode == "distributed")
+    assert 3 * 16 in Positional.contexts, Positional.contexts
     for a, b in zip(weights(whole), weights(second)):
         np.testing.assert_array_equal(a, b)
 
@@ -287,3 +289,76 @@ def test_a_layout_history_that_is_not_this_layouts_is_refused_naming_why():
         InputContext(2, 0, 2, layout_history=[(64, 3), (0, 2)])
     context = InputContext(2, 1, 2, layout_history=[(0, 3), (96, 2)])
     assert InputContext.from_tf(context, 32).layout_history == ((0, 3), (96, 2))
+
+
+# Host mode: the Trainer saves no iterator for a positional input and builds it at
+# its position on a resume, on any layout.
+
+def _indexed_records(directory, records: int, payload: int = 0) -> str:
+    """`records` examples with "x" (one-hot of index % 8), "index" and, with `payload`,
+    that many float32 more per record (record size), in 2 shards."""
+    indices = np.arange(records, dtype=np.int64)
+    columns = {"x": np.eye(8, dtype=np.float32)[indices % 8], "index": indices}
+    if payload:
+        columns["payload"] = np.random.default_rng(0).standard_normal(
+            (records, payload)).astype(np.float32)  # random: a saved iterator compresses
+    prefix = str(directory / "indexed")
+    write_tfrecords(columns, prefix, num_shards=2)
+    return prefix + ".manifest.json"
+
+
+def _host_trainer(tmp_path, manifest: str, batch: int, steps: int, replicas: int = 1):
+    import tputrain
+    from faults import PositionalIndexedTask
+    from tiny import strategy_for
+
+    class Recorded(PositionalIndexedTask):
+        contexts: list = []
+
+        def build_inputs(self, split, input_context):
+            if split == "train":
+                type(self).contexts.append(input_context.examples_consumed)
+            return super().build_inputs(split, input_context)
+    task = Recorded(str(tmp_path / "seen"), manifest)
+    return tputrain.Trainer(task, str(tmp_path / "model"), strategy=strategy_for(replicas),
+                            input_mode="host", global_batch_size=batch, train_steps=steps,
+                            steps_per_loop=3, checkpoint_every=3, eval_steps=1,
+                            report_mfu=False, jit_compile=False, steps_per_program=1), task
+
+
+def test_host_mode_builds_a_positional_input_at_its_position_on_another_batch(tmp_path):
+    """Host mode, 240 records (2 windows of 120): 3 steps of 16, then resumed with a
+    global batch of 24 (another layout) to the end of the epoch (step 11): the input
+    is built at the 48 examples consumed (not read past them from the start), and
+    every record of the epoch is trained on once."""
+    from faults import trained_indices
+    manifest = _indexed_records(tmp_path, 240)
+    first, _ = _host_trainer(tmp_path, manifest, 16, 3)
+    first.train()
+    first.close()
+    second, task = _host_trainer(tmp_path, manifest, 24, 11)
+    type(task).contexts.clear()
+    second.train()
+    assert second.current_step == 11 and 48 in type(task).contexts, type(task).contexts
+    assert trained_indices(tmp_path / "seen") == list(range(240))
+
+
+def _checkpoint_bytes(checkpoint: str) -> int:
+    """Bytes of a checkpoint's files (index and data): the tiny model, its optimizer
+    and the data position."""
+    return sum(os.path.getsize(path) for path in glob.glob(checkpoint + ".*"))
+
+
+def test_host_mode_input_state_is_under_64_kb_whatever_the_record_size(tmp_path):
+    """Acceptance 4: records of 4 KB (a saved iterator would hold a window of them:
+    over 64 KB): the whole checkpoint (a model of 180 weights, its optimizer and the
+    data position) is under 64 KB at step 3, and at step 1e5 (the step variable set
+    there: the input state is no function of it)."""
+    manifest = _indexed_records(tmp_path, 600, payload=1024)
+    trainer, _ = _host_trainer(tmp_path, manifest, 8, 3)
+    trainer.train()
+    sizes = {3: _checkpoint_bytes(trainer.checkpointer.latest)}
+    trainer.step.assign(100_000)
+    sizes[100_000] = _checkpoint_bytes(trainer.checkpointer.save())
+    trainer.close()
+    assert 0 < sizes[3] < 64 * 1024 and 0 < sizes[100_000] < 64 * 1024, sizes

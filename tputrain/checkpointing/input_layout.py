@@ -30,9 +30,10 @@ seed):
   (`Dataset.shard` of examples, before batching: the hosts together then read the
   first `examples` of that order); where hosts read other units (files), the
   position is approximate: examples may be read again or passed over. The log says so.
-  A positional `TFRecordInput` is exact here in distributed mode: the layout
+  A positional `TFRecordInput` is exact here in both input modes: the layout
   records each host count and where it took over (`host_history`), from which every
-  host's windows are replayed (`tputrain.data.ledger`).
+  host's windows are replayed (`tputrain.data.ledger`); no iterator is saved for it,
+  and the Trainer builds it at its position on every resume.
 * examples consumed not a multiple of the new global batch: the input goes on to
   the next whole batch; the examples passed over (fewer than one batch) are never
   trained on, and count as consumed.
@@ -181,10 +182,10 @@ class LayoutChange(NamedTuple):
                 " whose order of examples does not depend on the batch size")
         return (f"the input was split into {self.saved.hosts} host shard(s), now "
                 f"{self.now.hosts}: exact only where each host reads every n-th example "
-                "of one deterministic order (Dataset.shard of examples) or, in "
-                "distributed mode, TFRecordInput(positional=True) places every host by "
-                "the layout's host history; otherwise approximate, examples may be read "
-                "again or passed over")
+                "of one deterministic order (Dataset.shard of examples) or "
+                "TFRecordInput(positional=True) places every host by the layout's host "
+                "history; otherwise approximate, examples may be read again or passed "
+                "over")
 
     def _schedule(self) -> str:
         if self.saved.global_batch == self.now.global_batch:

@@ -37,6 +37,12 @@ class InputContext(tf.distribute.InputContext):
             input finds every host's place across them (`tputrain.data.ledger`).
             Empty: `num_input_pipelines` hosts from the start. The last entry's
             hosts must be `num_input_pipelines`.
+
+    Set by a builder (read by the Trainer after it returns):
+        positional: its stream is a function of its position (`examples_consumed`
+            across `layout_history`): in `input_mode="host"` the Trainer then saves no
+            iterator for it and builds it at its position on every resume.
+        position_honoured: it started at a nonzero `examples_consumed`.
     """
 
     def __init__(
@@ -69,6 +75,7 @@ class InputContext(tf.distribute.InputContext):
                                            examples_consumed, 0)
         self.cache_dir = cache_dir
         self.layout_history = _checked_history(layout_history, num_input_pipelines)
+        self.positional = False  # a builder's stream is a function of its position
         self.position_honoured = False  # a builder started at examples_consumed
 
     @classmethod

@@ -514,8 +514,8 @@ class TFRecordInput(BatchedInput):
             if self.pad_remainder:
                 dataset = dataset.map(tracing.graph_helper(
                     lambda *batch: pad_to_batch(batch, per_replica_batch)))
-        if isinstance(epochs, PositionalRecords):
-            context.position_honoured = self.to_static is None and context.examples_consumed > 0
+        if isinstance(epochs, PositionalRecords) and self.to_static is None:  # not rows
+            context.positional, context.position_honoured = True, context.examples_consumed > 0
         return self._finish(dataset, context)
 
     def _shuffled(self, examples: Any, context: InputContext) -> tf.data.Dataset:

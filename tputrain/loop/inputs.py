@@ -110,6 +110,9 @@ class Inputs:
         self.plan = plan  # read, never copied: the batch split, hosts, input mode
         # A mixture's train split: the step strips and counts its sources' examples.
         self.source_counter: SourceCounter | None = None
+        # The train input is a function of its position (`InputContext.positional`):
+        # host mode builds it there on a resume (`positioned_iterator`), saving none.
+        self.positional_train = False
         # Each split's builder `label_key` (None if unknown): what a label error names.
         self.label_keys: dict[str, str | None] = {}
         # Inputs first: bad data fails before anything is built or written.
@@ -211,10 +214,32 @@ class Inputs:
             return spec
         return tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape[1:], s.dtype), spec)
 
-    def build_dataset(self, split: str) -> tf.data.Dataset:
-        """Builds this host's dataset of per-replica batches and checks its shapes."""
+    def saved_state(self, iterator: Any) -> dict[str, Any]:
+        """What each host checkpoints of its input: the train `iterator` in host mode,
+        unless the input is positional (built at its position on a resume: no state)."""
+        saved = self.plan.input_mode == "host" and not self.positional_train
+        return {"iterator": iterator} if saved else {}
+
+    def positioned_iterator(self, layout: InputLayout, step: int) -> Any:
+        """A positional train input built at `step` of `layout` (the examples consumed,
+        across its host history), as a fresh `fetch_groups` iterator: what host mode
+        resumes from, on any layout, instead of a saved iterator. No batch before the
+        position is read (`tputrain.data.ledger`)."""
+        consumed = layout.input_steps(step) * layout.global_batch
+        self._train_dataset = self.build_dataset("train", consumed, layout.history())
+        return iter(self.fetch_groups(self._train_dataset))
+
+    def build_dataset(self, split: str, examples_consumed: int = 0,
+                      layout_history: tuple[tuple[int, int], ...] = ()) -> tf.data.Dataset:
+        """Builds this host's dataset of per-replica batches (a train split that can,
+        at `examples_consumed` across `layout_history`) and checks its shapes."""
         batch = self.input_batch(split)
-        dataset = self.task.build_inputs(split, self.input_context(global_batch_size=batch))
+        context = InputContext.from_tf(self.input_context(global_batch_size=batch),
+                                       examples_consumed=examples_consumed,
+                                       layout_history=layout_history)
+        dataset = self.task.build_inputs(split, context)
+        if split == "train":
+            self.positional_train = context.positional
         if not isinstance(dataset, tf.data.Dataset):
             raise TypeError(f"Task.build_inputs({split!r}) must return a tf.data.Dataset, "
                             f"got {type(dataset).__name__}")
@@ -236,8 +261,8 @@ class Inputs:
         sources = mixture_sources(dataset)
         if sources is None:
             return dataset
-        if split == "train":
-            self.source_counter = SourceCounter(sources)
+        if split == "train":  # a rebuilt input keeps the counter (its counts are saved)
+            self.source_counter = self.source_counter or SourceCounter(sources)
             return dataset
         return dataset.map(lambda *batch: without_source(batch, sources.key))
 

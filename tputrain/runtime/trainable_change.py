@@ -123,8 +123,7 @@ class TrainableSet:
         self.checkpointer.sync()
         self.optimizer = rebuilt_optimizer(self.task, self.strategy, self.model)
         self.ema = build_average(self.strategy, self.model, self.options.ema_decay)
-        per_host = {"iterator": self.train_iterator} if self.input_mode == "host" else {}
-        self.checkpointer = self._new_checkpointer(per_host)
+        self.checkpointer = self._new_checkpointer(self.inputs.saved_state(self.train_iterator))
         context = self.context
         context.optimizer, context.ema, context.checkpointer = (
             self.optimizer, self.ema, self.checkpointer)

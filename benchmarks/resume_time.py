@@ -26,10 +26,11 @@ the data), trials interleaved in one process:
   pipeline, `Dataset.skip` of the consumed batches;
 * `distributed`: `TFRecordInput(positional=True)` built at the position
   (`InputContext.examples_consumed`), as distributed mode rebuilds it;
-* `host`: the positional pipeline built at 0 and its iterator restored from a
-  checkpoint written at the position (host mode's resume), plus the checkpoint's size;
-* at 1e9, `distributed` is built there; `host` is ledger-only (`locate`: the
-  position's window), since writing a checkpoint there would read 1e9 examples.
+* `host`: host mode's resume of a positional input (no iterator is saved for it):
+  built at the recorded layout's position with its host history, as the host
+  iterator's dataset; plus the input state its checkpoint holds (the layout's JSON);
+* at 1e9 both are built there, and `host_ledger_only` times the ledger alone
+  (`locate`: the position's window).
 
 Steady state: CPU seconds an example over 200 batches after the first, positional
 vs the shuffle-buffer pipeline.
@@ -99,8 +100,17 @@ def cpu_kind() -> str:
         flags = open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0].split()
     except (OSError, IndexError):
         return platform.processor() or platform.machine()
-    wanted = ("avx512f", "avx512_bf16", "amx_bf16", "avx2")
+    wanted = ("avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "avx2")
     return " ".join(flag for flag in wanted if flag in flags) or "no avx2"
+
+
+def cpu_model() -> str:
+    """lscpu's model name (/proc/cpuinfo's), or "" where there is none."""
+    try:
+        line = next(line for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return ""
+    return line.split(":", 1)[1].strip()
 
 
 def positions_main(args) -> None:
@@ -108,8 +118,9 @@ def positions_main(args) -> None:
     import resume_positions  # noqa: E402  (benchmarks/, this script's folder)
     result = resume_positions.run(args.quick, args.repeats, log)
     result["machine"] = {"cpu": platform.processor() or platform.machine(),
-                         "cpu_kind": cpu_kind(), "cores": os.cpu_count(),
-                         "tensorflow": tf.__version__}
+                         "cpu_model": cpu_model(), "cpu_kind": cpu_kind(),
+                         "cores": os.cpu_count(), "tensorflow": tf.__version__,
+                         "load_average_before": os.getloadavg()}
     result["command"] = "python benchmarks/resume_time.py --positions" + (
         " --quick" if args.quick else "")
     result_file.write(result, args.out, "resume_time", args.tag or "positions", args.quick)

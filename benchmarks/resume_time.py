@@ -116,11 +116,13 @@ def cpu_model() -> str:
 def positions_main(args) -> None:
     """`--positions`: the input's build + first batch at a position (module docstring)."""
     import resume_positions  # noqa: E402  (benchmarks/, this script's folder)
+    load_before = os.getloadavg()
     result = resume_positions.run(args.quick, args.repeats, log)
     result["machine"] = {"cpu": platform.processor() or platform.machine(),
                          "cpu_model": cpu_model(), "cpu_kind": cpu_kind(),
                          "cores": os.cpu_count(), "tensorflow": tf.__version__,
-                         "load_average_before": os.getloadavg()}
+                         "load_average_before": load_before,
+                         "load_average_after": os.getloadavg()}
     result["command"] = "python benchmarks/resume_time.py --positions" + (
         " --quick" if args.quick else "")
     result_file.write(result, args.out, "resume_time", args.tag or "positions", args.quick)

@@ -21,7 +21,8 @@ record at most that far from its place in the file interleave.
 TF 2.21: `TFRecordDatasetV2` (the reader with `byte_offsets`) works only built
 inside `flat_map`/`interleave`: as the pipeline's top-level source its graph
 serialization drops `byte_offsets` and the iterator fails ("3 inputs specified of
-4 inputs"). Here it is always inside `interleave` (tests/test_positional.py pins it).
+4 inputs"). Here it is always inside `interleave` (`_piece`;
+tests/data/test_positional.py pins the bug: when that test fails, TF has fixed it).
 """
 
 from __future__ import annotations

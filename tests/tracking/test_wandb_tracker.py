@@ -104,10 +104,6 @@ def _run_folders(files_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a known gap (issue 56): after kill -9 at step 300 the "
-                   "killed process's offline .wandb file holds only the run's header records "
-                   "(no config, no history: W&B had not written them), so steps 100 and 200, "
-                   "before the restored checkpoint, are missing from the run")
 def test_kill_9_resume_and_tputrain_eval_are_one_offline_run(tmp_path):
     """Acceptance 2: killed at step 300 (checkpoint 200), resumed, then `tputrain eval`:
     one W&B run (read back from its offline files), every step once, params, files."""

@@ -28,11 +28,14 @@ class RunDirectory:
           final.weights.h5           `tputrain.fit`: the weights the callbacks ended on
           goodput/run-<n>.json       each run's wall-clock record (tputrain goodput)
           tracking/<tracker>.json    a tracker's run id (MLflowTracker), so a resume continues it
+          tracking/<tracker>.spool.jsonl  the metrics it was asked to send (appended), so
+                                     a resume sends those a kill -9 lost
           train/, eval/              TensorBoard events (or under $AIP_TENSORBOARD_LOG_DIR)
           eval/evaluated_checkpoints.json  the side-car evaluator's record
 
-    Every file is written whole (`tputrain.write_atomically`): a temp beside it,
-    `<name>.tmp-<host>-<pid>-<random>`, renamed over it.
+    Every file but the spools (appended a line at a time) is written whole
+    (`tputrain.write_atomically`): a temp beside it, `<name>.tmp-<host>-<pid>-<random>`,
+    renamed over it.
     """
 
     CHECKPOINTS = "checkpoints"
@@ -98,6 +101,9 @@ class RunDirectory:
 
     def tracking_record(self, tracker: str) -> str:
         return self._join(self.TRACKING, f"{tracker}.json")
+
+    def tracking_spool(self, tracker: str) -> str:
+        return self._join(self.TRACKING, f"{tracker}.spool.jsonl")
 
     @property
     def eval(self) -> str:

@@ -12,7 +12,9 @@ is down or slow never stops or slows training; the first failure is one warning
 and the calls are retried. The run's id is kept in `model_dir/tracking/` (record.py),
 so a rerun, a resume after kill -9 and `tputrain eval` continue the same run; a
 metric at a step the run already holds (the steps a resume computes again) is not
-sent twice. A bad tracking URI is refused by `preflight`: one line, before anything
+sent twice. Each metric is also appended to the tracker's spool in model_dir
+(spool.py) before its hook returns: a resume first sends the spool's metrics, up to
+the restored step, that a killed process's queue or tracker client had not written. A bad tracking URI is refused by `preflight`: one line, before anything
 is written to model_dir.
 
 A subclass connects a tracker: `check`, `open_run`, `logged_steps`, `send_params`,
@@ -38,6 +40,7 @@ from tputrain.actions.config_summary import config_text
 from tputrain.runtime.context import ActionContext
 from tputrain.tracking.record import prefixed, read_record, run_params, write_record
 from tputrain.tracking.sender import Sender
+from tputrain.tracking.spool import Spool
 
 
 class Tracker(Action):
@@ -48,6 +51,7 @@ class Tracker(Action):
     def __init__(self, flush_seconds: float = 30.0, max_queue: int = 1000):
         self.flush_seconds, self.max_queue = flush_seconds, max_queue
         self.sender: Sender | None = None
+        self.spool: Spool | None = None
         self.run_id: str | None = None
         self.sent_steps: dict[str, int] = {}  # the run's last step of each metric
         self._params_sent = self._finished = False
@@ -92,24 +96,29 @@ class Tracker(Action):
             return
         self._params_sent = False  # each train() sends them (a notebook's may differ)
         if self.sender is None:
-            self.start(context.model_dir, writer=True)
+            self.start(context.model_dir, writer=True, restored_step=step)
             self.sender.put(("tags", {"tputrain.model_dir": context.model_dir}))
         elif self._finished:  # another train() of this Trainer after the run's end
             record = read_record(context.model_dir, self.name)
-            self.sender.put(("open", record and record["run_id"], context.model_dir, True))
+            self.sender.put(("open", record and record["run_id"], context.model_dir, True,
+                             step))
         self._finished = False
 
-    def start(self, model_dir: str, writer: bool) -> None:
+    def start(self, model_dir: str, writer: bool, restored_step: int | None = None) -> None:
         """Starts the sender and opens the run (the record's, else a new one, recorded
-        when `writer`: `tputrain eval` reads it, and does nothing without one)."""
+        when `writer`: `tputrain eval` reads it, and does nothing without one). With
+        `restored_step` (training), the spool's metrics up to it that the run lacks are
+        sent first: those a kill -9 kept from the tracker (spool.py)."""
         record = read_record(model_dir, self.name)
         if record is None and not writer:
             logging.warning("tputrain: %s: no run in %s yet (tracking/%s.json): these "
                             "evaluations are not tracked", type(self).__name__, model_dir,
                             self.name)
             return
+        self.spool = Spool(model_dir, self.name)
         self.sender = Sender(type(self).__name__, self._send, self.max_queue)
-        self.sender.put(("open", record["run_id"] if record else None, model_dir, writer))
+        self.sender.put(("open", record["run_id"] if record else None, model_dir, writer,
+                         restored_step))
 
     def on_loop_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         if self.sender is None:
@@ -117,11 +126,11 @@ class Tracker(Action):
         if not self._params_sent:  # after the first loop: the plan's XLA is decided
             self._params_sent = True
             self.sender.put(("params", run_params(context)))
-        self.sender.put(("metrics", step, prefixed("train", logs)))
+        self.put_metrics(step, prefixed("train", logs))
 
     def on_eval_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         if self.sender is not None:
-            self.sender.put(("metrics", step, prefixed("eval", logs)))
+            self.put_metrics(step, prefixed("eval", logs))
 
     def on_train_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         if self.sender is None:
@@ -130,7 +139,7 @@ class Tracker(Action):
             self._params_sent = True
             self.sender.put(("params", run_params(context)))
         account = goodput.account(context.model_dir)
-        self.sender.put(("metrics", step, goodput.scalars(account)))
+        self.put_metrics(step, goodput.scalars(account))
         self.sender.put(("artifact", "operative_config.gin", config_text(context)))
         self.sender.put(("artifact", "goodput.txt", goodput.format_account(account) + "\n"))
         self.sender.put(("tags", references(context.model_dir)))
@@ -149,10 +158,17 @@ class Tracker(Action):
         self._finished = True
         self.close()
 
+    def put_metrics(self, step: int, values: Mapping[str, float]) -> None:
+        """Spools the metrics (in model_dir, before this returns), then queues them."""
+        self.spool.append(step, values)
+        self.sender.put(("metrics", step, values))
+
     def close(self) -> None:
         """Sends what is queued (at most `flush_seconds`)."""
         if self.sender is not None:
             self.sender.flush(self.flush_seconds)
+        if self.spool is not None:
+            self.spool.close()
 
     # ---------------------------------------------------------- the sender's side
 
@@ -171,20 +187,35 @@ class Tracker(Action):
         elif kind == "finish":
             self.finish(*args)
 
-    def _open(self, run_id: str | None, model_dir: str, writer: bool) -> None:
+    def _open(self, run_id: str | None, model_dir: str, writer: bool,
+              restored_step: int | None = None) -> None:
         self.run_id = self.open_run(run_id, model_dir)
         self.sent_steps = self.logged_steps() if self.run_id == run_id else {}
         if writer and self.run_id != run_id:
             write_record(model_dir, self.name, {"run_id": self.run_id})
+        if restored_step is not None:
+            self._resend(restored_step)
 
-    def _metrics(self, step: int, values: Mapping[str, float]) -> None:
+    def _resend(self, restored_step: int) -> None:
+        """Sends the spool's metrics at steps up to `restored_step` that the run does not
+        hold (a killed process had them queued, or its tracker client had not written
+        them), in step order; the resumed training sends the later steps again."""
+        jobs = sorted((job for job in self.spool.read() if job[0] <= restored_step),
+                      key=lambda job: job[0])
+        resent = sorted({step for step, values in jobs if self._metrics(step, values)})
+        if resent:
+            logging.info("tputrain: %s: sent again from the spool the metrics of steps %s "
+                         "(the run did not hold them)", type(self).__name__, resent)
+
+    def _metrics(self, step: int, values: Mapping[str, float]) -> bool:
         """Sends the values the run does not hold at `step` yet (a resume's recomputed
-        steps were logged by the run that first computed them)."""
+        steps were logged by the run that first computed them); True if any."""
         new = {key: value for key, value in values.items()
                if step > self.sent_steps.get(key, -1)}
         if new:
             self.send_metrics(step, new)
             self.sent_steps.update({key: step for key in new})
+        return bool(new)
 
 
 def references(model_dir: str) -> dict[str, str]:

@@ -92,11 +92,16 @@ DIGITS = ["--gin_import=faults", "--gin_file=digits.gin", "--gin_param=Trainer.t
 
 
 def _offline_env(tmp_path):
-    """A child's environment: W&B offline (no network, no account), its own folders."""
-    return dict(child_env(), TPUTRAIN_CACHE_DIR=str(tmp_path / "cache"), WANDB_MODE="offline",
-                WANDB_SILENT="true", WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
-                WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"),
-                WANDB_DATA_DIR=str(tmp_path / "wandb-data"))
+    """A child's environment: W&B offline (no network, no account), its own folders and
+    its own W&B service: once a test ran W&B in this process, wandb's $WANDB_SERVICE
+    would have every child share this process's service (which outlives a killed child,
+    holding its run open)."""
+    env = dict(child_env(), TPUTRAIN_CACHE_DIR=str(tmp_path / "cache"), WANDB_MODE="offline",
+               WANDB_SILENT="true", WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
+               WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"),
+               WANDB_DATA_DIR=str(tmp_path / "wandb-data"))
+    env.pop("WANDB_SERVICE", None)
+    return env
 
 
 def _run_folders(files_dir):
@@ -148,6 +153,7 @@ def test_on_two_workers_only_the_chief_logs_offline(tmp_path, monkeypatch):
     for key, value in _offline_env(tmp_path).items():
         if key.startswith("WANDB_"):
             monkeypatch.setenv(key, value)
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)  # (_offline_env says why)
     config = tmp_path / "two.gin"
     config.write_text("""
 Trainer.task = @FaultTask()

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import tensorflow as tf
@@ -157,6 +158,45 @@ def test_kill_9_resume_and_tputrain_eval_are_one_run(tmp_path, server):
     assert run.data.tags["tputrain.serving.export"].endswith("export/600")
     assert {"operative_config.gin", "goodput.txt"} <= {
         a.path for a in client.list_artifacts(run_id)}
+
+
+def _until_exists(path, timeout: float = 300) -> None:
+    """Waits for `path` (a file the code writes) to exist."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {path} within {timeout} s"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_kill_9_while_the_server_is_down_loses_no_step_the_checkpoint_kept(tmp_path, server):
+    """The server dies after the run exists; training is killed with kill -9 at step 300,
+    its metrics of steps 100 and 200 still queued; with the server back, the resume
+    (checkpoint 200) sends them from the spool, and the run holds every step once."""
+    killed = Process(_cli(tmp_path, server.uri, "--gin_param=first/PauseAtStep.step=100",
+                          "--gin_param=second/PauseAtStep.step=300",
+                          actions="@Export(), @MLflowTracker(), @first/PauseAtStep(), "
+                                  "@second/PauseAtStep()"),
+                     pausable_env(_env(tmp_path)), stdin=True)
+    killed.wait_for(r"tputrain-test: paused at step 100", timeout=900)
+    _until_exists(tmp_path / "model" / "tracking" / "mlflow.json")  # the run exists
+    server.kill()
+    killed.send("go")
+    killed.wait_for(r"tputrain-test: paused at step 300", timeout=900)
+    assert killed.kill(signal.SIGKILL) == -signal.SIGKILL
+    again = MlflowServer(tmp_path)  # the same store, back
+    try:
+        again.wait_ready()
+        resumed = subprocess.run(_cli(tmp_path, again.uri), env=_env(tmp_path), text=True,
+                                 capture_output=True, timeout=600)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "restored" in resumed.stderr and "(step 200)" in resumed.stderr
+        client = mlflow.tracking.MlflowClient(again.uri)
+        run_id = read_record(str(tmp_path / "model"), "mlflow")["run_id"]
+        assert _steps(client, run_id, "train/loss") == [100, 200, 300, 400, 500, 600]
+        assert _steps(client, run_id, "eval/accuracy") == [200, 400, 600]
+    finally:
+        again.kill()
 
 
 @pytest.mark.slow

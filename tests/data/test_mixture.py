@@ -279,3 +279,115 @@ def test_a_mixture_whose_to_static_keeps_nothing_is_named(tmp_path):
         MixtureInput(sources, [1, 1], to_static=lambda d: PackSequences(8)(
             d.filter(lambda e: e["source_id"] > 5)))(InputContext(global_batch_size=2))
     assert "\n" not in str(caught.value)
+
+
+# MixtureInput(positional=True): quota choices, every source at its own position.
+
+def _id_sources(directory) -> list[str]:
+    """Two sources of fixed-length examples, "id" 0..599 and 1000..1399, 8 shards each
+    (blocks of 75 and 50: windows of that many with window_blocks=1, 8 an epoch)."""
+    manifests = []
+    for name, first, count in (("a", 0, 600), ("b", 1000, 400)):
+        write_tfrecords({"id": np.arange(first, first + count, dtype=np.int64)},
+                        str(directory / name), num_shards=8)
+        manifests.append(str(directory / f"{name}.manifest.json"))
+    return manifests
+
+
+def _mixture_ids(sources, hosts: int, host: int, batch: int, consumed: int, steps: int,
+                 history=()) -> list[tuple[int, int]]:
+    """(id, source id) of host `host`'s examples over `steps` steps of a global `batch`."""
+    context = InputContext(hosts, host, hosts, global_batch_size=batch,
+                           examples_consumed=consumed, layout_history=history)
+    dataset = MixtureInput(sources, [3, 1], positional=True, window_blocks=1, seed=4)(context)
+    assert context.positional and context.position_honoured is (consumed > 0)
+    return [(int(i), int(s)) for b in dataset.take(steps).as_numpy_iterator()
+            for i, s in zip(b["id"], b["source_id"])]
+
+
+@pytest.mark.slow  # five mixtures built (each traces two positional sources)
+def test_a_positional_mixture_rebuilt_at_a_position_continues_the_uninterrupted_one(
+        tmp_path):
+    """2 hosts, global batch 64: rebuilt at step 3 and at step 33 (past a quota block
+    of 1024 choices, and past source b's epoch: 200 records a host), each host's
+    examples are the uninterrupted ones from there, with their sources."""
+    sources = _id_sources(tmp_path)
+    whole = {host: _mixture_ids(sources, 2, host, 64, 0, 35) for host in range(2)}
+    for step, host in ((3, 1), (33, 0), (33, 1)):
+        assert _mixture_ids(sources, 2, host, 64, step * 64, 2) == \
+            whole[host][step * 32:(step + 2) * 32], (host, step)
+
+
+@pytest.mark.slow  # five mixtures built
+def test_a_positional_mixture_reads_no_example_twice_through_2_then_3_hosts(tmp_path):
+    """3 steps of 48 on 2 hosts, then 4 steps of 48 on 3 (each source's windows carried
+    over by its own ledger): no example of either source read twice (336 examples:
+    under either source's epoch at the weights 3:1), and the sources' shares are the
+    quotas of the choices each host made."""
+    sources = _id_sources(tmp_path)
+    read = [pair for host in range(2) for pair in _mixture_ids(sources, 2, host, 48, 0, 3)]
+    history = ((0, 2), (144, 3))
+    read += [pair for host in range(3)
+             for pair in _mixture_ids(sources, 3, host, 48, 144, 4, history)]
+    ids = [i for i, _ in read]
+    assert len(ids) == 336 and len(set(ids)) == 336
+    assert all((i >= 1000) == (s == 1) for i, s in read)
+
+
+def test_a_positional_mixture_needs_positional_sources():
+    from tputrain.data import TFRecordInput
+    with pytest.raises(ValueError, match="source 0 is a TFRecordInput with positional=False"):
+        MixtureInput([TFRecordInput("/nowhere-*", {"id": ([], "int64")})], [1],
+                     positional=True)
+
+
+class PositionalMixtureTask(tputrain.Task):
+    """A classifier over a positional 2-source mixture of fixed-length examples."""
+
+    def __init__(self, sources):
+        self.sources = sources
+
+    def build_model(self):
+        inputs = keras.Input((8,), name="x")
+        return keras.Model({"x": inputs}, keras.layers.Dense(2)(inputs))
+
+    def build_inputs(self, split, input_context):
+        return MixtureInput(self.sources, [3, 1], label_key="label", seed=5, positional=True,
+                            window_blocks=1)(input_context)
+
+    def compute_loss(self, labels, outputs):
+        return keras.losses.sparse_categorical_crossentropy(labels, outputs, from_logits=True)
+
+    def build_optimizer(self):
+        return keras.optimizers.SGD(0.1)
+
+
+@pytest.mark.slow  # three Trainers
+def test_a_positional_mixture_resumes_bitwise_and_its_source_counts_carry_on(tmp_path):
+    """Host mode: 4 steps, then resumed to 8 (no iterator saved: the mixture is built at
+    the 32 examples consumed) train the weights and per-source counts of 8 steps."""
+    rng = np.random.default_rng(3)
+    sources = []
+    for name, count in (("a", 300), ("b", 200)):
+        write_tfrecords({"x": rng.standard_normal((count, 8)).astype(np.float32),
+                         "label": rng.integers(0, 2, count)}, str(tmp_path / name),
+                        num_shards=4)
+        sources.append(str(tmp_path / f"{name}.manifest.json"))
+
+    def trainer(directory, steps):
+        return tputrain.Trainer(PositionalMixtureTask(sources), str(tmp_path / directory),
+                                strategy=tf.distribute.OneDeviceStrategy("/cpu:0"),
+                                train_steps=steps, steps_per_loop=2, global_batch_size=8,
+                                checkpoint_every=2, eval_steps=1, input_mode="host",
+                                report_mfu=False)
+    straight = trainer("straight", 8)
+    straight.train()
+    half = trainer("resumed", 4)
+    half.train()
+    assert half.inputs.saved_state(half.train_iterator) == {}
+    resumed = trainer("resumed", 8)
+    resumed.train()
+    for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    counts = [t.inputs.source_counter.examples.numpy().tolist() for t in (straight, resumed)]
+    assert counts[0] == counts[1] and sum(counts[0]) == 64, counts

@@ -22,12 +22,14 @@ import os
 import re
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tputrain.data.batching import BatchedInput, split_label
 from tputrain.data.context import InputContext
 from tputrain.data.empty_input import NO_BATCH, EmptyInputError, count, yields
 from tputrain.data.manifest import MANIFEST_SUFFIX
+from tputrain.data.mixture_positions import choices, quotas, source_positions
 from tputrain.data.options import InputOptions
 from tputrain.data.packing import LOSS_WEIGHTS, POSITIONS, SEGMENT_IDS
 from tputrain.data.tfrecord import TFRecordInput
@@ -203,6 +205,12 @@ class MixtureInput(BatchedInput):
         names: one name a source, for the progress line's and TensorBoard's
             per-source counts (`examples/<name>`); None: each manifest's or file
             pattern's stem (`wiki.manifest.json` -> `wiki`).
+        positional, window_blocks: read every source as `TFRecordInput(positional=
+            True)` and draw the sources in blocks of exact quotas, in a stateless
+            order the same on every host (`tputrain.data.mixture_positions`): the
+            mixture then starts at `InputContext.examples_consumed` across its
+            `layout_history`, each source at its own position (not with `to_static`:
+            packed rows are not examples). TFRecordInput sources must be positional.
     """
 
     def __init__(self, sources: Sequence[str | TFRecordInput], weights: Sequence[float], *,
@@ -212,7 +220,8 @@ class MixtureInput(BatchedInput):
                  shuffle: bool = True, shuffle_buffer: int = 10_000, seed: int | None = 0,
                  repeat: bool = True, deterministic: bool | None = True,
                  options: InputOptions | None = None, source_key: str = SOURCE_ID,
-                 names: Sequence[str] | None = None):
+                 names: Sequence[str] | None = None, positional: bool = False,
+                 window_blocks: int = 40):
         self.weights = check_weights("MixtureInput", len(sources), weights)
         self.names = check_names("MixtureInput", sources, names)
         self._set_batching(label_key=label_key, global_batch_size=global_batch_size,
@@ -223,12 +232,17 @@ class MixtureInput(BatchedInput):
             raise TypeError(f"MixtureInput: to_static must be callable, got {to_static!r}")
         self.to_static = to_static
         self.source_key = source_key
+        self.positional, self.window_blocks = positional, window_blocks
         self.sources = [self._source(index, source, features)
                         for index, source in enumerate(sources)]
 
     def _source(self, index: int, source: str | TFRecordInput,
                 features: Mapping[str, Any] | None) -> TFRecordInput:
         if isinstance(source, TFRecordInput):
+            if self.positional and not source.positional:
+                raise ValueError(f"MixtureInput(positional=True): source {index} is a "
+                                 "TFRecordInput with positional=False: build it with "
+                                 "positional=True, or set positional=False here")
             return source
         if not isinstance(source, str) or not source:
             raise TypeError(f"MixtureInput: source {index} must be a manifest path, a glob or "
@@ -238,16 +252,18 @@ class MixtureInput(BatchedInput):
         return TFRecordInput(**where, shuffle=self.shuffle, shuffle_buffer=self.shuffle_buffer,
                              seed=None if self.seed is None else self.seed + index,
                              repeat=self.repeat, deterministic=self.deterministic,
-                             to_static=self.to_static)
+                             to_static=self.to_static, positional=self.positional,
+                             window_blocks=self.window_blocks)
 
     def __call__(self, input_context: tf.distribute.InputContext | None = None
                  ) -> tf.data.Dataset:
         """Returns this pipeline's dataset of per-replica batches (per host)."""
         context = InputContext.from_tf(input_context)
         batch_size = self._per_replica_batch(context)
-        streams = [self._examples(index, context) for index in range(len(self.sources))]
         seed = None if self.seed is None else self.seed + context.input_pipeline_id
-        mixed = mix_datasets(streams, self.weights, seed=seed, source_key=self.source_key)
+        mixed = self._positioned(context) if self.positional else mix_datasets(
+            [self._examples(index, context) for index in range(len(self.sources))],
+            self.weights, seed=seed, source_key=self.source_key)
         if self.to_static is not None:
             self._check_static(context, seed)
             mixed = self.to_static(mixed)
@@ -257,11 +273,29 @@ class MixtureInput(BatchedInput):
         setattr(finished, _SOURCES_ATTRIBUTE, MixtureSources(self.names, self.source_key))
         return finished
 
-    def _examples(self, index: int, context: InputContext) -> tf.data.Dataset:
+    def _positioned(self, context: InputContext) -> tf.data.Dataset:
+        """Positional: every source at its place and the quota choices at the mixture's
+        (`tputrain.data.mixture_positions`); with `to_static`, both at the start."""
+        quota = quotas(self.weights)
+        seed = self.seed if self.seed is not None else int(np.random.randint(2**31))
+        consumed = 0 if self.to_static is not None else context.examples_consumed
+        history = context.layout_history or ((0, context.num_input_pipelines),)
+        places, start = source_positions(seed, quota, history, max(consumed, history[-1][0]))
+        streams = [self._examples(index, InputContext.from_tf(
+            context, examples_consumed=examples, layout_history=layouts), at_position=True)
+            for index, (examples, layouts) in enumerate(places)]
+        if self.to_static is None:
+            context.positional, context.position_honoured = True, consumed > 0
+        return tf.data.Dataset.choose_from_datasets(
+            _tagged(streams, self.source_key), choices(seed, quota, start),
+            stop_on_empty_dataset=False)
+
+    def _examples(self, index: int, context: InputContext,
+                  at_position: bool = False) -> tf.data.Dataset:
         """Source `index`'s examples; one with none is an error that names it: the
         mixture would draw from it for ever, or silently drop it."""
         try:
-            return self.sources[index].examples(context)
+            return self.sources[index].examples(context, at_position)
         except EmptyInputError as error:
             raise EmptyInputError(f"MixtureInput: source {index} ({self.names[index]!r}) has "
                                   f"no examples: {error}") from None

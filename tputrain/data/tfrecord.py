@@ -541,14 +541,14 @@ class TFRecordInput(BatchedInput):
                             num_parallel_calls=tf.data.AUTOTUNE,
                             deterministic=self.deterministic).unbatch()
 
-    def examples(self, input_context: tf.distribute.InputContext | None = None
-                 ) -> tf.data.Dataset:
+    def examples(self, input_context: tf.distribute.InputContext | None = None,
+                 at_position: bool = False) -> tf.data.Dataset:
         """This pipeline's single parsed examples, unbatched: its share of the files,
         shuffled and repeated as configured, before `to_static` and batching (what
-        `MixtureInput` draws from). Variable-length features are rank-1 tensors."""
-        # From the start: a mixture's sources are not at the mixture's position.
-        context = InputContext.from_tf(input_context, examples_consumed=0,
-                                       layout_history=())
+        `MixtureInput` draws from). Variable-length features are rank-1 tensors. From
+        the start, or (`at_position`, positional) at the context's position."""
+        context = InputContext.from_tf(input_context, **({} if at_position else dict(
+            examples_consumed=0, layout_history=())))
         file_list = list_shards(self.file_patterns, self.manifest, self.features)
         check_yields(self, file_list, context, with_static=False)
         register_files(file_list, self.compression_type)

@@ -150,12 +150,13 @@ def _batch_ids(dataset: tf.data.Dataset, batches: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("hosts", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 def test_tfrecordinput_starts_at_the_examples_consumed(tmp_path, hosts):
-    """Steps of a global batch of 32 (16 a host with 2): rebuilt at step 0, mid-window,
-    at a window boundary (512 records: 2 blocks of 256), an epoch boundary and three
-    epochs in, each host's batches are the uninterrupted ones from there."""
+    """Steps of a global batch of 32 (16 a host with 2; 48 with 3, a batch the 3
+    replicas divide): rebuilt at step 0, mid-window, at a window boundary (512
+    records: 2 blocks of 256), an epoch boundary (with 3 hosts: 2016 examples) and
+    three epochs in, each host's batches are the uninterrupted ones from there."""
     from tputrain.data import InputContext
     manifest = _write_ids(tmp_path, 2048)
-    batch = 32
+    batch = 48 if hosts == 3 else 32
     for host in range(hosts):
         def context(consumed):
             return InputContext(hosts, host, hosts, global_batch_size=batch,

@@ -16,7 +16,9 @@
 
 Workloads: an MLP, a Transformer LM, only when asked the MLP with Dropout 0.5 after
 each hidden layer (`--workloads mlp_dropout`; `tputrain_xla_keras_draws` is its XLA
-step with Keras's own draws, as before `tputrain.loop.xla_dropout`), and (only when asked: `--workloads conv`) a small
+step with Keras's own draws, as before `tputrain.loop.xla_dropout`), with GaussianNoise
+0.1 after each (`mlp_noise`), or behind RandomFlip and RandomContrast on 32x32x3
+images (`mlp_augment`), and (only when asked: `--workloads conv`) a small
 ResNet with BatchNorm and a Dropout head on 32x32x3 images read from a TFRecord file
 with random flip and crop (`ConvTask`); also only when asked, keras.applications
 models on the same input at 64x64x3 (`--workloads mobilenet,efficientnetb0,resnet50v2`,
@@ -104,18 +106,29 @@ class MLPTask(tputrain.Task):
     """A dense MLP classifier on a fixed set of random in-memory batches."""
 
     def __init__(self, features: int, hidden: tuple[int, ...], classes: int = 10,
-                 batches: int = 16, optimizer: str = "adam", dropout: float = 0.0):
+                 batches: int = 16, optimizer: str = "adam", dropout: float = 0.0,
+                 noise: float = 0.0, augment: bool = False):
         self.features, self.hidden, self.classes = features, hidden, classes
         self.batches = batches
         self.optimizer = optimizer
         self.dropout = dropout  # a Dropout after each hidden layer
+        self.noise = noise  # a GaussianNoise of this stddev after each hidden layer
+        # RandomFlip and RandomContrast on the features as square RGB images
+        self.augment = augment
 
     def build_model(self) -> keras.Model:
         x = inputs = keras.Input((self.features,), name="x")
+        if self.augment:
+            side = int(round((self.features // 3) ** 0.5))
+            x = keras.layers.Reshape((side, side, 3))(x)
+            x = keras.layers.RandomFlip(seed=1)(x)
+            x = keras.layers.Flatten()(keras.layers.RandomContrast(0.2, seed=2)(x))
         for units in self.hidden:
             x = keras.layers.Dense(units, activation="relu")(x)
             if self.dropout:
                 x = keras.layers.Dropout(self.dropout)(x)
+            if self.noise:
+                x = keras.layers.GaussianNoise(self.noise)(x)
         logits = keras.layers.Dense(self.classes, dtype="float32")(x)
         return keras.Model({"x": inputs}, logits)
 
@@ -405,7 +418,7 @@ class TputrainXLAContender(TputrainContender):
 
 
 class TputrainXLAKerasDrawsContender(TputrainXLAContender):
-    """`jit_compile=True` with Keras's own dropout draws in the XLA program (the
+    """`jit_compile=True` with Keras's own draws in the XLA program (the
     "auto_select" algorithm, whose key XLA's CPU fusion derived once a mask element),
     as the step drew them before `tputrain.loop.xla_dropout`."""
 
@@ -413,7 +426,7 @@ class TputrainXLAKerasDrawsContender(TputrainXLAContender):
 
     def prepare(self) -> None:
         from tputrain.loop import xla_dropout  # pylint: disable=import-outside-toplevel
-        xla_dropout._NOISE_SHAPES.clear()  # pylint: disable=protected-access  # this process only
+        xla_dropout._OURS.clear()  # pylint: disable=protected-access  # this process only
         super().prepare()
 
 
@@ -674,6 +687,18 @@ def workload(name: str, quick: bool) -> Workload:
                             "MLP 64-128-128-10, Dropout 0.5")
         return Workload(lambda: MLPTask(512, (1024, 1024), dropout=0.5), 256, 60, [20],
                         "MLP 512-1024-1024-10, Dropout 0.5 after each hidden layer, Adam")
+    if name == "mlp_noise":  # issue 55: GaussianNoise's normal draws under XLA
+        if quick:
+            return Workload(lambda: MLPTask(64, (128, 128), noise=0.1), 64, 40, [10],
+                            "MLP 64-128-128-10, GaussianNoise 0.1")
+        return Workload(lambda: MLPTask(512, (1024, 1024), noise=0.1), 256, 60, [20],
+                        "MLP 512-1024-1024-10, GaussianNoise 0.1 after each hidden layer, Adam")
+    if name == "mlp_augment":  # issue 55: augmentation layers under XLA
+        if quick:
+            return Workload(lambda: MLPTask(192, (128,), augment=True), 64, 40, [10],
+                            "MLP on 8x8x3, RandomFlip + RandomContrast")
+        return Workload(lambda: MLPTask(3072, (1024, 1024), augment=True), 256, 60, [20],
+                        "MLP 3072-1024-1024-10 on 32x32x3, RandomFlip + RandomContrast, Adam")
     if name == "small_mlp":
         return Workload(lambda: MLPTask(32, (64,), batches=8), 64, 100 if quick else 1000,
                         [1, 50], "MLP 32-64-10, batch 64 (per-call overhead dominates)")
@@ -1005,6 +1030,7 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--workloads", default="mlp,transformer,small_mlp",
                         help="comma-separated subset of mlp,transformer,conv,small_mlp,mlp_dropout,"
+                             "mlp_noise,mlp_augment,"
                              f"{','.join(APPLICATIONS)} (default: mlp,transformer,small_mlp)")
     parser.add_argument("--precision", default="float32",
                         choices=["float32", "mixed_bfloat16"],

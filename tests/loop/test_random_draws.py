@@ -1,7 +1,8 @@
 """jit_compile="auto" on a CPU and random layers (issue 38): XLA stays off for a model
-whose slow random draws are many beside its FLOPs (an MLP with GaussianNoise on its
-hidden layer; Dropout's masks are drawn fast in XLA since issue 55), and compiles the
-whole step of one whose draws are few (a conv net with a Dropout head)."""
+whose slow random draws are many beside its FLOPs (an MLP drawing noise with `tf.random`
+on its hidden layer; Keras's draws, Dropout's and GaussianNoise's, are drawn fast in XLA
+since issue 55), and compiles the whole step of one whose draws are few (a conv net
+with a Dropout head)."""
 
 from __future__ import annotations
 
@@ -101,6 +102,29 @@ class NoisyTask(TinyTask):
         return keras.Model({"x": inputs}, keras.layers.Dense(2, dtype="float32")(h))
 
 
+class RawNoise(keras.layers.Layer):
+    """Gaussian noise drawn with `tf.random` itself, not through Keras's backend."""
+
+    def __init__(self):
+        super().__init__()
+        self.seed_generator = keras.random.SeedGenerator(1)
+
+    def call(self, inputs, training=False):
+        if not training:
+            return inputs
+        seed = tf.cast(self.seed_generator.next(), tf.int32)
+        return inputs + tf.random.stateless_normal(tf.shape(inputs), seed=seed)
+
+
+class RawNoiseTask(TinyTask):
+    """TinyTask with `RawNoise` on its hidden layer: TensorFlow's draws in XLA."""
+
+    def build_model(self) -> keras.Model:
+        inputs = keras.Input((8,), name="x")
+        h = RawNoise()(keras.layers.Dense(16, activation="relu")(inputs))
+        return keras.Model({"x": inputs}, keras.layers.Dense(2, dtype="float32")(h))
+
+
 def test_auto_compiles_the_whole_step_of_an_mlp_with_dropout(tmp_path):
     """Issue 55: a compiled step draws Dropout's masks with ThreeFry (xla_dropout.py),
     faster than TensorFlow's kernels, so Dropout no longer keeps XLA off."""
@@ -108,10 +132,19 @@ def test_auto_compiles_the_whole_step_of_an_mlp_with_dropout(tmp_path):
     assert mlp._steps.xla_plan() == (True, False, "auto: the whole step, if it compiles")
 
 
-def test_auto_keeps_xla_off_for_an_mlp_with_gaussian_noise(tmp_path):
+def test_auto_compiles_the_whole_step_of_an_mlp_with_gaussian_noise(tmp_path):
+    """Issue 55: GaussianNoise's draws go through Keras's backend, which a compiled step
+    swaps for ThreeFry (xla_dropout.py) as it does Dropout's."""
     noisy = trainer(tmp_path, NoisyTask(), "noisy")
-    assert noisy._steps.xla_plan() == (
-        False, False, "auto: off on CPU for a model with random ops (e.g. GaussianNoise)")
+    assert noisy._steps.xla_plan() == (True, False, "auto: the whole step, if it compiles")
+
+
+def test_auto_keeps_xla_off_for_draws_made_with_tf_random(tmp_path):
+    """A layer drawing with `tf.random` itself keeps XLA's slow algorithm: XLA stays off."""
+    raw = trainer(tmp_path, RawNoiseTask(), "raw")
+    assert raw._steps.xla_plan() == (
+        False, False, "auto: off on CPU for random ops drawn outside keras.random "
+                      "(e.g. tf.random)")
 
 
 def test_a_compiled_step_counts_no_dropout_draws():
@@ -226,3 +259,46 @@ def test_auto_leaves_bfloat16_convolutions_to_onednn(tmp_path, monkeypatch):
     assert np.isfinite(one.train()["loss"])
     plan = _bf16_conv(tmp_path, 2, "two")._steps.plan()
     assert (plan.gradients_only, plan.apply_per_replica) == (False, False)
+
+
+class AugmentedTask(ConvDropoutTask):
+    """Random augmentation layers on 16x16x3 images before a Dense(8) and Dense(2)."""
+
+    def __init__(self, *layers: str):
+        super().__init__()
+        self.layers = layers
+
+    def build_model(self) -> keras.Model:
+        inputs = keras.Input((16, 16, 3), name="image")
+        x = inputs
+        for name in self.layers:
+            x = {"RandomFlip": lambda: keras.layers.RandomFlip(seed=1),
+                 "RandomContrast": lambda: keras.layers.RandomContrast(0.2, seed=2),
+                 "RandomRotation": lambda: keras.layers.RandomRotation(0.1, seed=3),
+                 "MixUp": lambda: keras.layers.MixUp(seed=4)}[name]()(x)
+        x = keras.layers.Dense(8, activation="relu")(keras.layers.Flatten()(x))
+        return keras.Model({"image": inputs}, keras.layers.Dense(2, dtype="float32")(x))
+
+
+def test_auto_compiles_the_whole_step_with_augmentation_xla_compiles(tmp_path):
+    """RandomFlip and RandomContrast draw their factors through Keras's backend (ThreeFry
+    in XLA) and run ops XLA compiles: the whole step compiles."""
+    augmented = trainer(tmp_path, AugmentedTask("RandomFlip", "RandomContrast"), "flip")
+    assert augmented._steps.xla_plan() == (True, False, "auto: the whole step, if it compiles")
+    step, batch = augmented._steps.build(), augmented._steps.zero_batch()
+    hlo = augmented.strategy.run(
+        lambda b: step.experimental_get_compiler_ir(b)(stage="hlo"), args=(batch,))
+    assert "rng_three_fry" in hlo and "StatelessRandomGetKeyCounter" not in hlo
+
+
+def test_auto_keeps_xla_off_for_augmentation_xla_cannot_compile(tmp_path):
+    """RandomRotation's image transform and MixUp's gamma draws have no XLA kernel: the
+    plan says so in one line (not a failed lowering of the whole step)."""
+    rotation = trainer(tmp_path, AugmentedTask("RandomFlip", "RandomRotation"), "rotation")
+    assert rotation._steps.xla_plan() == (
+        False, False, "auto: off on CPU: XLA has no kernel for ImageProjectiveTransformV3 "
+                      "(RandomRotation)")
+    mixup = trainer(tmp_path, AugmentedTask("MixUp"), "mixup")
+    assert mixup._steps.plan().why.startswith("auto: off on CPU: XLA has no kernel for "
+                                              "StatelessRandomGamma")
+    assert mixup._steps.plan().why.endswith("(MixUp)")

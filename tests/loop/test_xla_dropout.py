@@ -4,13 +4,16 @@ for every element of the mask; the layer still drops at its rate and scales the 
 
 from __future__ import annotations
 
+import threading
+
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tputrain
 from tiny import TinyTask, strategy_for
-from tputrain.loop.xla_dropout import ThreeFryDropout, dropout
+from tputrain.loop.xla_dropout import ThreeFryDraws, dropout
 
 
 def _trainer(tmp_path, name, jit_compile=True, replicas=1, task=None):
@@ -54,18 +57,20 @@ def test_dropout_draws_a_mask_a_noise_shape_slice():
     assert 0.4 < np.mean(out == 0.0) < 0.6
 
 
-def test_the_swap_covers_dropout_layers_only_while_active():
+def test_the_swap_covers_every_random_layer_only_while_active():
+    from keras.src.backend.tensorflow import random as backend_random
     inputs = keras.Input((8,))
     x = keras.layers.Dropout(0.5, seed=1)(inputs)
     x = keras.layers.SpatialDropout1D(0.5, seed=2)(keras.layers.Reshape((2, 4))(x))
     x = keras.layers.GaussianNoise(0.1, seed=3)(x)
-    model = keras.Model(inputs, x)
-    swap = ThreeFryDropout(model)
-    assert sorted(type(layer).__name__ for layer, _ in swap.swaps) == [
-        "Dropout", "SpatialDropout1D"]
+    model = keras.Model(inputs, keras.layers.Dense(2)(x))
+    swap = ThreeFryDraws(model)
+    assert sorted(type(layer).__name__ for layer in swap.layers) == [
+        "Dropout", "GaussianNoise", "SpatialDropout1D"]
+    keras_draws = backend_random.normal, backend_random.dropout
     with swap.active():
-        assert all("call" in vars(layer) for layer, _ in swap.swaps)
-    assert not any("call" in vars(layer) for layer, _ in swap.swaps)
+        assert (backend_random.normal, backend_random.dropout) != keras_draws
+    assert (backend_random.normal, backend_random.dropout) == keras_draws
 
 
 def test_compiled_steps_draw_new_masks_each_step_and_repeat_on_a_rerun(tmp_path):
@@ -83,4 +88,122 @@ def test_compiled_steps_draw_new_masks_each_step_and_repeat_on_a_rerun(tmp_path)
 
 def test_an_uncompiled_step_keeps_keras_draws(tmp_path):
     plain = _trainer(tmp_path, "plain", jit_compile=False)
-    assert plain._steps._threefry_dropout(plain._steps.plan()) is None
+    assert plain._steps._threefry_draws(plain._steps.plan()) is None
+
+
+# The other random layers Keras ships (issue 55): their normal and uniform draws go
+# through Keras's TensorFlow backend as dropout's masks do, and draw with ThreeFry too.
+
+class RandomLayerTask(TinyTask):
+    """TinyTask with random layers on its hidden layer."""
+
+    def __init__(self, *layers: str):
+        super().__init__()
+        self.layers = layers
+
+    def build_model(self) -> keras.Model:
+        inputs = keras.Input((8,), name="x")
+        h = keras.layers.Dense(16, activation="relu")(inputs)
+        for layer in self.layers:
+            h = random_layer(layer)(h)
+        return keras.Model({"x": inputs}, keras.layers.Dense(2, dtype="float32")(h))
+
+
+def random_layer(name: str) -> keras.layers.Layer:
+    return {"GaussianNoise": lambda: keras.layers.GaussianNoise(0.5, seed=1),
+            "GaussianDropout": lambda: keras.layers.GaussianDropout(0.3, seed=1),
+            "AlphaDropout": lambda: keras.layers.AlphaDropout(0.3, seed=1)}[name]()
+
+
+RANDOM_LAYERS = ["GaussianNoise", "GaussianDropout", "AlphaDropout"]
+
+
+@pytest.mark.parametrize("layer", RANDOM_LAYERS)
+def test_the_compiled_step_draws_other_random_layers_with_threefry(tmp_path, layer):
+    hlo = _step_hlo(_trainer(tmp_path, layer, task=RandomLayerTask(layer)))
+    assert "rng_three_fry" in hlo
+    assert "StatelessRandomGetKeyCounter" not in hlo
+    assert "rng_philox" not in hlo
+
+
+def _compiled_draw(layer: keras.layers.Layer, x: tf.Tensor, model: keras.Model) -> np.ndarray:
+    """`layer`'s training-mode output for `x` in an XLA program traced with the swap."""
+    draw = tf.function(lambda v: layer(v, training=True), jit_compile=True)
+    with ThreeFryDraws(model).active():
+        assert "rng_three_fry" in draw.experimental_get_compiler_ir(x)(stage="hlo")
+        return draw(x).numpy()
+
+
+def _alone(layer: keras.layers.Layer) -> keras.Model:
+    inputs = keras.Input((256,))
+    return keras.Model(inputs, layer(inputs))
+
+
+def test_gaussian_noise_draws_its_stddev():
+    layer = keras.layers.GaussianNoise(0.5, seed=3)
+    noise = _compiled_draw(layer, tf.zeros([512, 256]), _alone(layer))
+    # 131072 draws: the mean's standard error is 0.0014, the std's 0.001.
+    assert abs(noise.mean()) < 0.007
+    assert abs(noise.std() - 0.5) < 0.005
+
+
+def test_gaussian_dropout_draws_mean_one_noise_of_its_rate():
+    layer = keras.layers.GaussianDropout(0.3, seed=3)
+    out = _compiled_draw(layer, tf.ones([512, 256]), _alone(layer))
+    stddev = np.sqrt(0.3 / 0.7)
+    assert abs(out.mean() - 1.0) < 5 * stddev / np.sqrt(out.size)
+    assert abs(out.std() - stddev) < 0.01 * stddev
+
+
+def test_alpha_dropout_drops_at_its_rate_and_keeps_mean_and_variance():
+    layer = keras.layers.AlphaDropout(0.3, seed=3)
+    x = tf.random.stateless_normal([512, 256], seed=[4, 5])
+    out = _compiled_draw(layer, x, _alone(layer))
+    alpha_p = -1.6732632423543772 * 1.0507009873554805  # SELU's negative saturation
+    a = ((1 - 0.3) * (1 + 0.3 * alpha_p**2)) ** -0.5
+    dropped = np.isclose(out, a * alpha_p - a * alpha_p * 0.3)  # a dropped unit's value
+    assert abs(dropped.mean() - 0.3) < 0.01  # the binomial's std is 0.0013
+    assert abs(out.mean()) < 0.02 and abs(out.std() - 1.0) < 0.02  # self-normalizing
+
+
+def test_draws_are_keras_own_outside_the_compiled_step_and_in_other_threads():
+    """The swap covers only the tracing thread while active: Keras's backend is back as
+    it was after, and an uncompiled draw (here, or in another thread meanwhile) is
+    Keras's, bit for bit."""
+    from keras.src.backend.tensorflow import random as backend_random
+    originals = {name: getattr(backend_random, name) for name in
+                 ("normal", "uniform", "truncated_normal", "randint", "dropout")}
+    seed = keras.random.SeedGenerator(7)
+    state = seed.state.numpy()
+    want = keras.random.normal([64], seed=seed).numpy()
+    seed.state.assign(state)
+    layer = keras.layers.GaussianNoise(1.0, seed=1)
+    with ThreeFryDraws(_alone(layer)).active():
+        other: list[np.ndarray] = []
+        thread = threading.Thread(target=lambda: other.append(
+            keras.random.normal([64], seed=seed).numpy()))
+        thread.start()
+        thread.join()
+    assert {name: getattr(backend_random, name) for name in originals} == originals
+    np.testing.assert_array_equal(other[0], want)
+    seed.state.assign(state)
+    np.testing.assert_array_equal(keras.random.normal([64], seed=seed).numpy(), want)
+
+
+def test_compiled_random_layers_repeat_on_a_rerun_and_resume_bitwise(tmp_path):
+    """The draws follow the layers' SeedGenerators: a run stopped at step 2 and resumed
+    ends with the uninterrupted run's weights, bit for bit (its first 2 steps a rerun)."""
+    def run(name, steps):
+        trainer = tputrain.Trainer(RandomLayerTask(*RANDOM_LAYERS), str(tmp_path / name),
+                                   strategy=strategy_for(1), train_steps=4, steps_per_loop=2,
+                                   global_batch_size=8, checkpoint_every=2,
+                                   jit_compile="auto", seed=0, report_mfu=False)
+        trainer.train(steps)
+        return trainer
+    whole = run("whole", 4)
+    assert whole._steps.plan().whole_step
+    run("resumed", 2)
+    resumed = run("resumed", 2)
+    assert resumed.current_step == 4
+    for a, b in zip(whole.model.get_weights(), resumed.model.get_weights()):
+        np.testing.assert_array_equal(a, b)

@@ -1,14 +1,18 @@
-"""Whether a model's random draws make XLA a loss on a CPU: `draws_are_costly`.
+"""Whether a model's random ops make XLA a loss, or impossible, on a CPU: `xla_refusal`.
 
-Keras's draws under XLA on a CPU take far longer than TensorFlow's kernels
-(docs/performance.md), so a step whose forward pass draws as many numbers as it
-has activations (an MLP with GaussianNoise on its hidden layers) runs faster without
-XLA. Dropout and SpatialDropout draw their masks with ThreeFry in a compiled step
-(`tputrain.loop.xla_dropout`), faster than TensorFlow's kernels: their draws are
-not counted against XLA. A model whose draws are few beside its matmuls and convolutions (a conv
+Random numbers drawn under XLA on a CPU with TensorFlow's default algorithm take far
+longer than TensorFlow's kernels (docs/performance.md), so a step whose forward pass
+draws as many numbers as it has activations that way (an MLP adding `tf.random` noise
+to its hidden layers) runs faster without XLA. Every draw made through Keras's backend
+(Dropout, GaussianNoise, GaussianDropout, AlphaDropout, the augmentation layers'
+factors, `keras.random`) is made with ThreeFry in a compiled step
+(`tputrain.loop.xla_dropout`), as fast as TensorFlow's kernels: those draws are not
+counted against XLA. A model whose draws are few beside its matmuls and convolutions (a conv
 net with Dropout on its pooled features) loses almost nothing to them and gains
 what XLA fuses. The count is taken on the traced forward pass (training mode),
-not run: random numbers drawn per FLOP of its matmuls and convolutions.
+not run: random numbers drawn per FLOP of its matmuls and convolutions. Some random
+layers run ops XLA has no kernel for (`NO_XLA_KERNEL`): their step stays uncompiled,
+and the plan's reason names the op and its layer.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from tputrain.core import tracing
 from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.observe.flops import count_graph_flops, live_graph_ops
 from tputrain.loop.source_counts import without_source
-from tputrain.loop.xla_dropout import SCOPE as THREEFRY_SCOPE, ThreeFryDropout
+from tputrain.loop.xla_dropout import SCOPE as THREEFRY_SCOPE, ThreeFryDraws
 
 # Above this many random numbers a forward FLOP the step runs without XLA on a CPU.
 # XLA drew a float32 uniform number in ~700 ns of CPU time against ~8 ns for
@@ -32,6 +36,13 @@ from tputrain.loop.xla_dropout import SCOPE as THREEFRY_SCOPE, ThreeFryDropout
 # this ratio the draws cost about 2.5% of a step (forward and backward ~3x the
 # forward's FLOPs), less than XLA's fusion saved on the conv net.
 COSTLY_DRAWS_PER_FLOP = 5e-6
+
+# Ops of Keras's random layers XLA cannot compile on a CPU (measured on TensorFlow
+# 2.21): the image transform of RandomRotation, RandomZoom, RandomTranslation,
+# RandomShear, RandomPerspective and RandAugment, and the gamma draws of MixUp,
+# CutMix and AugMix.
+NO_XLA_KERNEL = ("ImageProjectiveTransformV2", "ImageProjectiveTransformV3",
+                 "StatelessRandomGammaV2", "StatelessRandomGammaV3")
 
 # Op types that draw (not those that only derive a key or pick an algorithm).
 _NOT_DRAWS = ("StatelessRandomGetKeyCounter", "StatelessRandomGetAlg",
@@ -43,7 +54,7 @@ def _draws(op: tf.Operation) -> int | None:
     """Random numbers one op draws (0 for other ops); None for a dynamic shape."""
     if not ("Random" in op.type or "TruncatedNormal" in op.type) or op.type in _NOT_DRAWS:
         return 0
-    if f"{THREEFRY_SCOPE}/" in op.name:  # a ThreeFry dropout mask: cheap in XLA
+    if f"{THREEFRY_SCOPE}/" in op.name:  # Keras's draw by ThreeFry: cheap in XLA
         return 0
     if not op.outputs:
         return 0
@@ -62,16 +73,22 @@ def features_spec(batch_spec: Any, accumulation_steps: int = 1,
     return spec[0]
 
 
-def draws_per_flop(model: keras.Model, spec: Any, compiled: bool = False) -> float | None:
-    """Random numbers the training-mode forward pass draws per matmul/conv FLOP; None
-    if it cannot be counted (a shape not static, a model that does not trace).
-    `compiled`: those a compiled step draws with Keras's generators (Dropout's
-    ThreeFry masks left out)."""
-    swap = ThreeFryDropout(model) if compiled else None
+def _forward_graph(model: keras.Model, spec: Any, compiled: bool) -> tf.Graph | None:
+    """The training-mode forward pass's graph (traced, not run), with Keras's draws made
+    by ThreeFry if `compiled`; None if the model does not trace."""
+    swap = ThreeFryDraws(model) if compiled else None
     try:
         forward = tracing.graph_helper(lambda f: model(f, training=True))  # Keras: unconverted
         with swap.active() if swap else contextlib.nullcontext():
-            graph = tf.function(forward).get_concrete_function(spec).graph
+            return tf.function(forward).get_concrete_function(spec).graph
+    except (ValueError, TypeError, tf.errors.OpError):
+        return None
+
+
+def _per_flop(graph: tf.Graph | None) -> float | None:
+    if graph is None:
+        return None
+    try:
         flops = count_graph_flops(graph)
         counts = [_draws(op) for op in live_graph_ops(graph)]
     except (ValueError, TypeError, tf.errors.OpError):
@@ -81,11 +98,37 @@ def draws_per_flop(model: keras.Model, spec: Any, compiled: bool = False) -> flo
     return sum(counts) / max(flops, 1)
 
 
-def draws_are_costly(model: keras.Model, spec: Any) -> bool:
-    """Whether XLA's CPU random numbers would cost this model's step more than XLA
-    saves: it has random layers and its compiled step draws more than
-    `COSTLY_DRAWS_PER_FLOP` with Keras's generators, or its draws cannot be counted."""
+def draws_per_flop(model: keras.Model, spec: Any, compiled: bool = False) -> float | None:
+    """Random numbers the training-mode forward pass draws per matmul/conv FLOP; None
+    if it cannot be counted (a shape not static, a model that does not trace).
+    `compiled`: those a compiled step draws with TensorFlow's default algorithm (Keras's
+    draws, made by ThreeFry there, left out)."""
+    return _per_flop(_forward_graph(model, spec, compiled))
+
+
+def _layer_of(op: tf.Operation, model: keras.Model) -> str:
+    """The class of the layer whose name scope holds `op` (its scope, if none is found)."""
+    scopes = op.name.split("/")[:-1]
+    layers = model._flatten_layers(include_self=False, recursive=True)  # pylint: disable=protected-access
+    by_name = {layer.name: type(layer).__name__ for layer in layers}
+    for scope in reversed(scopes):  # the innermost first; TensorFlow may suffix "_1"
+        for name in (scope, scope.rsplit("_", 1)[0]):
+            if name in by_name:
+                return by_name[name]
+    return "/".join(scopes)
+
+
+def xla_refusal(model: keras.Model, spec: Any) -> str | None:
+    """Why "auto" keeps XLA off on a CPU for `model`'s random layers (one line), or None:
+    an op XLA has no kernel for, or a compiled step that draws more than
+    `COSTLY_DRAWS_PER_FLOP` outside Keras's backend, or draws that cannot be counted."""
     if not seed_generator_states(model):
-        return False
-    ratio = draws_per_flop(model, spec, compiled=True)
-    return ratio is None or ratio > COSTLY_DRAWS_PER_FLOP
+        return None
+    graph = _forward_graph(model, spec, compiled=True)
+    for op in live_graph_ops(graph) if graph is not None else ():
+        if op.type in NO_XLA_KERNEL:
+            return f"auto: off on CPU: XLA has no kernel for {op.type} ({_layer_of(op, model)})"
+    ratio = _per_flop(graph)
+    if ratio is None or ratio > COSTLY_DRAWS_PER_FLOP:
+        return "auto: off on CPU for random ops drawn outside keras.random (e.g. tf.random)"
+    return None

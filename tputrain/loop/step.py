@@ -32,7 +32,7 @@ from tputrain.loop.inputs import zeros_of
 from tputrain.loop.pipeline import UpdatePipeline
 from tputrain.loop.replica_stats import forward_state
 from tputrain.loop.source_counts import SourceCounter
-from tputrain.loop.xla_dropout import ThreeFryDropout
+from tputrain.loop.xla_dropout import ThreeFryDraws
 from tputrain.loop.xla_plan import XlaPlan
 from tputrain.distribution.strategy import without_gpus
 from tputrain.runtime.model_state import ModelState
@@ -191,13 +191,13 @@ def _counted(step: Callable, count: Callable[[dict[str, tf.Tensor]], None]) -> C
     return counted
 
 
-def _drawing_masks(step: Callable, masks: ThreeFryDropout | None) -> Callable:
-    """`step`, tracing with `masks` active (dropout masks drawn by ThreeFry in XLA)."""
-    if masks is None or not masks.swaps:
+def _drawing_threefry(step: Callable, draws: ThreeFryDraws | None) -> Callable:
+    """`step`, tracing with `draws` active (Keras's random draws by ThreeFry in XLA)."""
+    if draws is None or not draws.layers:
         return step
 
     def drawing(batch):
-        with masks.active():
+        with draws.active():
             return step(batch)
     return drawing
 
@@ -366,7 +366,7 @@ class StepBuilder:
                         gradients, loss = gradients_of(batch, lambda b: compute(b, denominator))
                     apply(gradients)
                 return {"loss": loss, **logs}
-        step = _drawing_masks(step, self._threefry_dropout(plan))
+        step = _drawing_threefry(step, self._threefry_draws(plan))
         step = _keeping_state(step, self.guard, forward_state(self.model))
         if self.source_counter is not None:
             step = self.source_counter.counting(step)
@@ -393,10 +393,10 @@ class StepBuilder:
         """A program holding the step lowered: the step needs no lowering of its own."""
         self._unchecked = None
 
-    def _threefry_dropout(self, plan: XlaPlan) -> ThreeFryDropout | None:
-        """The dropout swap when XLA compiles the forward pass on a CPU (`xla_dropout`)."""
+    def _threefry_draws(self, plan: XlaPlan) -> ThreeFryDraws | None:
+        """The random draws' swap when XLA compiles the forward pass on a CPU (`xla_dropout`)."""
         if (plan.whole_step or plan.gradients_only) and without_gpus(self.strategy):
-            return ThreeFryDropout(self.model)
+            return ThreeFryDraws(self.model)
         return None
 
     def _loss_denominator(self, batch: Any) -> tuple[Any, dict[str, tf.Tensor]]:

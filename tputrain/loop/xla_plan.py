@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from tputrain.distribution.strategy import without_gpus
 from tputrain.loop.convolutions import convolutions_on_onednn, has_convolutions
-from tputrain.loop.random_draws import draws_are_costly
+from tputrain.loop.random_draws import xla_refusal
 from tputrain.loop.update import refusal as update_refusal
 
 
@@ -73,7 +73,7 @@ class _Decision:
         self.optimizer = optimizer
         self.features_spec = features_spec
         self.on_tpu = isinstance(strategy, tf.distribute.TPUStrategy)
-        self._costly_draws: bool | None = None
+        self._random_refusal: str | None = ""  # "": not yet found
 
     def plan(self) -> XlaPlan:
         if self.on_tpu:
@@ -124,10 +124,9 @@ class _Decision:
                            apply_only=True, fuse_elementwise=True)
         if on_cpu and self.precision != "float32":
             return XlaPlan(False, False, f"auto: off for {self.precision} on CPU")
-        if on_cpu and self.draws_are_costly():
-            # Keras's draws under XLA on a CPU are slow (Dropout's are not: xla_dropout.py).
-            return XlaPlan(False, False, "auto: off on CPU for a model with random ops "
-                           "(e.g. GaussianNoise)")
+        if on_cpu and self.random_refusal():
+            # XLA's CPU draws are slow but for Keras's, made by ThreeFry (xla_dropout.py).
+            return XlaPlan(False, False, self.random_refusal())
         return XlaPlan(True, False, "auto: the whole step, if it compiles")
 
     def compiles_convolutions(self, on_cpu: bool) -> bool:
@@ -135,13 +134,13 @@ class _Decision:
         and backward compile for a conv net with few random draws (XLA fuses around them)."""
         return (on_cpu and self.precision in ("float32", "mixed_bfloat16")
                 and not self.custom_train_step
-                and has_convolutions(self.model) and not self.draws_are_costly())
+                and has_convolutions(self.model) and not self.random_refusal())
 
-    def draws_are_costly(self) -> bool:
-        """`random_draws.draws_are_costly` for the model, counted once."""
-        if self._costly_draws is None:
-            self._costly_draws = draws_are_costly(self.model, self.features_spec)
-        return self._costly_draws
+    def random_refusal(self) -> str | None:
+        """`random_draws.xla_refusal` for the model, found once."""
+        if self._random_refusal == "":
+            self._random_refusal = xla_refusal(self.model, self.features_spec)
+        return self._random_refusal
 
     def per_device_refusal(self, compile_any: bool) -> str | None:
         """Why the update is not one XLA program per device on N replicas, or None."""

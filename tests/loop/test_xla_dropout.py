@@ -1,6 +1,8 @@
-"""Dropout in a compiled step on a CPU (issue 55): the masks are drawn by XLA's ThreeFry,
-not by Keras's default algorithm, whose key derivation XLA's CPU fusion recomputed
-for every element of the mask; the layer still drops at its rate and scales the rest."""
+"""Random layers in a compiled step on a CPU (issue 55): Keras's draws (Dropout's masks,
+GaussianNoise's, GaussianDropout's and AlphaDropout's numbers) are made by XLA's
+ThreeFry, not by Keras's default algorithm, whose key derivation XLA's CPU fusion
+recomputed for every element drawn; each layer still draws what it promises (rate,
+mean, standard deviation), and only in the compiled step's tracing thread."""
 
 from __future__ import annotations
 

@@ -38,6 +38,7 @@ LABELS = {
     "tputrain_bf16": "tputrain, mixed_bfloat16",
     "tputrain_program_1": "tputrain, one step per XLA launch (steps_per_program=1)",
     "tputrain_xla": "tputrain, jit_compile=True",
+    "tputrain_fit": "`tputrain.fit` on the compiled Keras model (its defaults)",
 }
 # The training loop's headline goals: (goal names, the first present wins), label.
 HEADLINE_GOALS = [
@@ -52,6 +53,8 @@ HEADLINE_GOALS = [
     (("conv.tputrain_best_vs_keras_fit_best",), "Conv net vs `fit` at its best"),
     (("conv.tputrain_vs_hand_loop_best", "conv.tputrain_vs_hand_loop"), "Conv net vs hand loop"),
     (("conv.tputrain_vs_orbit",), "Conv net vs Orbit"),
+    (("mobilenet.tputrain_best_vs_keras_fit_best",), "MobileNet vs `fit` at its best"),
+    (("mobilenet.tputrain_fit_vs_keras_fit_best",), "MobileNet `tputrain.fit` vs `fit` at its best"),
 ]
 RESUME_RATIOS = {"exact_resume_vs_skip_resume_cpu": "exact resume on vs off",
                  "guard_on_vs_off_cpu": "guard on vs off",

@@ -45,6 +45,8 @@ in a process of its own, as a user's job would run:
   "hand_loop_best" are the best of each peer's configurations;
 * `tputrain_no_xla`, `tputrain_no_guard`, `tputrain_no_xla_no_guard`: the Trainer
   with XLA off and/or the NaN/Inf guard off, to show what each costs or buys;
+* `tputrain_fit` (only when named in `--contenders`): `tputrain.fit` on the Keras model
+  compiled as `keras_fit`'s, on the same dataset, with its defaults;
 * `tputrain_no_strategy`: the defaults under TensorFlow's default strategy (one
   device), to show what `OneDeviceStrategy` costs tputrain;
 * `tputrain_program_1`: the defaults with one step per XLA program launch
@@ -394,6 +396,55 @@ class TputrainContender(Contender):
         return self.trainer.flops_per_step
 
 
+class TputrainFitContender(Contender):
+    """`tputrain.fit` on a compiled Keras model and the peers' dataset, with its defaults
+    (the Trainer's: jit_compile="auto", guard on), `steps_per_loop` k: what a Keras user
+    switching from `model.fit` runs. Each measurement is one more `fit` call continuing
+    the same model_dir (a new Trainer restores it, outside the timed window)."""
+
+    name = "tputrain_fit"
+
+    def prepare(self) -> None:
+        self._policy()
+        task = self.task_factory()
+        with self.strategy.scope():
+            self.model = task.build_model()
+            self.model.compile(
+                optimizer=task.build_optimizer(),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
+        self.dataset = peer_inputs(self, task)
+        self.model_dir = tempfile.mkdtemp(prefix="tputrain-bench-fit-")
+        self._times: list[tuple[tuple[float, float], int]] = []
+        self.steps = 0
+        self._fit(self.k)
+
+    def _fit(self, steps: int) -> None:
+        times = self._times
+
+        class LoopClock(tputrain.Action):
+            """The time at the end of each loop's host work (as TputrainContender's)."""
+
+            steps = 0
+
+            def loop_metrics(self, trainer, step, steps, seconds):
+                self.steps = steps
+                return {}
+
+            def on_loop_end(self, trainer, step, logs):
+                times.append((_now(), self.steps))
+
+        self.steps += steps
+        tputrain.fit(self.model, self.dataset, model_dir=self.model_dir, steps=self.steps,
+                     strategy=self.strategy, steps_per_loop=self.k, checkpoint_every=10**9,
+                     precision=self.precision, seed=0, actions=[LoopClock()])
+
+    def measure(self, steps: int) -> tuple[float, float]:
+        self._times.clear()
+        self._fit(max(steps, 2 * self.k))
+        return _rate([t for t, _ in self._times], sum(s for _, s in self._times[1:]))
+
+
 class TputrainNoXLAContender(TputrainContender):
     """The same Trainer with `jit_compile=False`: what "auto" bought."""
 
@@ -641,7 +692,7 @@ CONTENDERS: dict[str, type[Contender]] = {kind.name: kind for kind in (
     TputrainNoXLANoGuardContender, TputrainBF16Contender, KerasFitNoStrategyContender,
     KerasFitXLANoStrategyContender, HandLoopNoStrategyContender,
     TputrainOneStepAProgramContender, TputrainXLAContender, TputrainNoStrategyContender,
-    TputrainXLAKerasDrawsContender)}
+    TputrainXLAKerasDrawsContender, TputrainFitContender)}
 # Each peer at its best: the best median of its configurations (strategy, XLA).
 BEST_OF = {"keras_fit_best": ("keras_fit", "keras_fit_xla", "keras_fit_no_strategy",
                               "keras_fit_xla_no_strategy"),
@@ -894,7 +945,7 @@ def _summary(rates: Rates, cpu_rates: Rates, skipped: dict[str, str],
 def _ratios(best: dict[str, float], best_cpu: dict[str, float]) -> dict[str, float]:
     """The reported ratios of best medians; adds the "_best" entries to both dicts."""
     ratios = {}
-    for ours in ("tputrain", "tputrain_no_xla"):
+    for ours in ("tputrain", "tputrain_no_xla", "tputrain_fit"):
         if ours in best:
             ratios.update({f"{ours}_vs_{n}": best[ours] / v for n, v in best.items()
                            if not n.startswith("tputrain")})
@@ -914,11 +965,14 @@ def _ratios(best: dict[str, float], best_cpu: dict[str, float]) -> dict[str, flo
         best["tputrain_best"], best_cpu["tputrain_best"] = best["tputrain"], best_cpu["tputrain"]
     for peer, configurations in BEST_OF.items():
         runs = [n for n in configurations if n in best]
-        if "tputrain" in best and runs:  # one configuration, the best by CPU time
+        if ("tputrain" in best or "tputrain_fit" in best) and runs:  # the best by CPU time
             chosen = max(runs, key=lambda n: best_cpu[n])
             best[peer], best_cpu[peer] = best[chosen], best_cpu[chosen]
-            ours = "tputrain_best" if peer == "keras_fit_best" else "tputrain"
-            ratios[f"{ours}_vs_{peer}"] = best[ours] / best[peer]
+            if "tputrain" in best:
+                ours = "tputrain_best" if peer == "keras_fit_best" else "tputrain"
+                ratios[f"{ours}_vs_{peer}"] = best[ours] / best[peer]
+            if "tputrain_fit" in best and peer == "keras_fit_best":
+                ratios[f"tputrain_fit_vs_{peer}"] = best["tputrain_fit"] / best[peer]
     return ratios
 
 
@@ -995,7 +1049,7 @@ def add_goals(report: dict[str, Any], workloads: dict[str, Any]) -> None:
                     bf16["steps_per_cpu_second"] / no_xla["steps_per_cpu_second"]})
     # tputrain with its defaults against each peer at its best (XLA allowed on both sides).
     goals = {"tputrain_vs_hand_loop": 0.99, "tputrain_vs_hand_loop_best": 0.99,
-             "tputrain_best_vs_keras_fit_best": 1.0,
+             "tputrain_best_vs_keras_fit_best": 1.0, "tputrain_fit_vs_keras_fit_best": 1.0,
              "tputrain_vs_orbit": 1.0, "tputrain_vs_tputrain_no_guard": 0.99,
              "tputrain_no_xla_vs_tputrain_no_xla_no_guard": 0.99}
     report["goals"] = {
@@ -1058,9 +1112,10 @@ def main() -> None:
     load_before = os.getloadavg()
     peaks: dict[str, list[tuple[float, float]]] = {"float32": [], "bfloat16": []}
     # Every contender; the bf16 one is added to the Transformer workload only.
-    # Keras's draws in XLA only when named (`--contenders`): for `mlp_dropout`.
+    # Keras's draws in XLA (for `mlp_dropout`) and `tputrain.fit` only when named (`--contenders`).
     all_kinds = [kind for kind in CONTENDERS.values() if kind is not TputrainBF16Contender
-                 and (kind is not TputrainXLAKerasDrawsContender or args.contenders)]
+                 and (kind not in (TputrainXLAKerasDrawsContender, TputrainFitContender)
+                      or args.contenders)]
 
     report: dict[str, Any] = {
         "command": " ".join(["python benchmarks/train_loop.py", *sys.argv[1:]]),

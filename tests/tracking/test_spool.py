@@ -92,3 +92,26 @@ def test_a_first_run_and_tputrain_eval_send_nothing_from_the_spool(tmp_path):
         assert tracker.sender.flush(timeout=60)  # (the first wrote the run's record)
         tracker.sender.close()
         assert tracker.opened.is_set() and tracker.sent == []
+
+
+class ResumedOnlineTracker(MemoryTracker):
+    """A run whose server took steps up to 299 and takes none below 300 (W&B online's
+    `starting_step`), though the killed process's local files hold none of them."""
+
+    def first_step(self):
+        return 300
+
+
+def test_a_resume_sends_nothing_below_the_first_step_the_run_takes(tmp_path):
+    model_dir = str(tmp_path)
+    write_record(model_dir, "memory", {"run_id": "run-1"})
+    killed = Spool(model_dir, "memory")
+    for step in (100, 200):
+        killed.append(step, {"train/loss": 1.0 / step})
+    killed.close()
+    tracker = ResumedOnlineTracker(held=[])
+    tracker.start(model_dir, writer=True, restored_step=200)
+    tracker.put_metrics(300, {"train/loss": 0.3})
+    assert tracker.sender.flush(timeout=60)
+    tracker.close()
+    assert tracker.sent == [(300, {"train/loss": 0.3})]

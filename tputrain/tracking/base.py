@@ -17,9 +17,9 @@ sent twice. Each metric is also appended to the tracker's spool in model_dir
 the restored step, that a killed process's queue or tracker client had not written. A bad tracking URI is refused by `preflight`: one line, before anything
 is written to model_dir.
 
-A subclass connects a tracker: `check`, `open_run`, `logged_steps`, `send_params`,
-`send_metrics`, `send_artifact`, `send_tags`, `finish` (all but `check` run on the
-sender's thread). When training raises or is preempted, the run is ended FAILED or
+A subclass connects a tracker: `check`, `open_run`, `logged_steps`, `first_step`,
+`send_params`, `send_metrics`, `send_artifact`, `send_tags`, `finish` (all but `check`
+run on the sender's thread). When training raises or is preempted, the run is ended FAILED or
 KILLED and the queue is sent before the error leaves `train()` (`on_train_error`).
 """
 
@@ -54,6 +54,7 @@ class Tracker(Action):
         self.spool: Spool | None = None
         self.run_id: str | None = None
         self.sent_steps: dict[str, int] = {}  # the run's last step of each metric
+        self.step_floor = 0  # the open run takes no step below it
         self._params_sent = self._finished = False
 
     # ---------------------------------------------------------- for subclasses
@@ -69,6 +70,10 @@ class Tracker(Action):
     def logged_steps(self) -> dict[str, int]:
         """The open run's last logged step of each metric."""
         return {}
+
+    def first_step(self) -> int:
+        """The first step the open run takes a metric at (0: any)."""
+        return 0
 
     def send_params(self, params: Mapping[str, str]) -> None:
         raise NotImplementedError
@@ -191,6 +196,7 @@ class Tracker(Action):
               restored_step: int | None = None) -> None:
         self.run_id = self.open_run(run_id, model_dir)
         self.sent_steps = self.logged_steps() if self.run_id == run_id else {}
+        self.step_floor = self.first_step()
         if writer and self.run_id != run_id:
             write_record(model_dir, self.name, {"run_id": self.run_id})
         if restored_step is not None:
@@ -211,7 +217,7 @@ class Tracker(Action):
         """Sends the values the run does not hold at `step` yet (a resume's recomputed
         steps were logged by the run that first computed them); True if any."""
         new = {key: value for key, value in values.items()
-               if step > self.sent_steps.get(key, -1)}
+               if step > self.sent_steps.get(key, -1) and step >= self.step_floor}
         if new:
             self.send_metrics(step, new)
             self.sent_steps.update({key: step for key in new})

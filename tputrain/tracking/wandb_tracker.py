@@ -78,8 +78,12 @@ class WandbTracker(Tracker):
 
     def logged_steps(self) -> dict[str, int]:
         steps = logged_steps(self._folder, self._run.id)
-        resumed_at = int(getattr(self._run, "starting_step", 0) or 0)  # online: the server's
+        resumed_at = self.first_step()
         return {**{key: resumed_at - 1 for key in steps}, **steps} if resumed_at else steps
+
+    def first_step(self) -> int:
+        """A resumed online run's next step on the server (W&B drops a smaller one)."""
+        return int(getattr(self._run, "starting_step", 0) or 0)
 
     def send_params(self, params: Mapping[str, str]) -> None:
         self._run.config.update(dict(params), allow_val_change=True)

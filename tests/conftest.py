@@ -313,6 +313,31 @@ def pytest_xdist_make_scheduler(config, log):
     return SameWorkerScheduling(config, log)
 
 
+# `TPUTRAIN_TEST_CPU_LOG=path` appends each test's CPU seconds (this process and the
+# child processes it waited for), wall seconds and node id to `path`, one line a test:
+# the default tier is CPU-bound on 2 cores, so its time is cut where the CPU goes.
+_CPU_LOG = os.environ.get("TPUTRAIN_TEST_CPU_LOG")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _CPU_LOG:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu() -> float:
+        own, children = (resource.getrusage(who) for who in
+                         (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    cpu0, wall0 = cpu(), time.monotonic()
+    yield
+    with open(_CPU_LOG, "a") as log:
+        log.write(f"{cpu() - cpu0:.1f} {time.monotonic() - wall0:.1f} {item.nodeid}\n")
+
+
 @pytest.fixture(autouse=True)
 def _float32_policy():
     """Each test starts (and leaves) the global Keras precision policy at float32."""

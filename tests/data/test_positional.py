@@ -240,6 +240,54 @@ def test_a_resume_starts_the_input_at_its_position(tmp_path, input_mode):
         np.testing.assert_array_equal(a, b)
 
 
+KILL_CONFIG = """
+Trainer.task = @PositionalRecordsTask()
+PositionalRecordsTask.manifest = '{manifest}'
+Trainer.train_steps = 24
+Trainer.steps_per_loop = 2
+Trainer.global_batch_size = 16
+Trainer.checkpoint_every = 4
+Trainer.eval_steps = 1
+Trainer.input_mode = 'distributed'
+Trainer.report_mfu = False
+resolve_strategy.strategy = 'mirrored'
+"""
+
+
+@pytest.mark.slow  # three CLI processes
+def test_a_kill_9_in_distributed_mode_resumes_bitwise(tmp_path):
+    """Issue 54 acceptance 1: a positional input, distributed input mode, 2 replicas,
+    dropout: SIGKILL after step 10 (checkpoint 8: 128 examples, mid-window), rerun;
+    the resume builds the input at its position (no re-read) and the final weights
+    equal an uninterrupted run's bitwise, past the window boundary at step 16."""
+    import signal
+    import sys
+    from faults import Process, child_env, final_weights, write_labelled_records
+
+    config = tmp_path / "kill.gin"
+    config.write_text(KILL_CONFIG.format(manifest=write_labelled_records(tmp_path, 600)))
+
+    def child(name: str, *params: str) -> Process:
+        return Process([sys.executable, "-m", "tputrain.run", "--gin_import=faults",
+                        f"--gin_file={config}", f"--model_dir={tmp_path / name}",
+                        "--deterministic", *params], child_env(cpus=2))
+    reference = child("reference")
+    killed = child("model", "--gin_param=Trainer.actions=[@PauseAtStep()]",
+                   "--gin_param=PauseAtStep.step=10")
+    killed.wait_for(r"tputrain-test: paused at step 10")
+    assert killed.kill() == -signal.SIGKILL
+    resumed = child("model")
+    assert resumed.finish() == 0, resumed.log()
+    assert reference.finish() == 0, reference.log()
+    assert "ckpt-8 (step 8)" in resumed.text(), resumed.log()
+    assert "not positional" not in resumed.text(), resumed.log()
+    expected, actual = final_weights(str(tmp_path / "reference")), final_weights(
+        str(tmp_path / "model"))
+    assert expected.keys() == actual.keys() and any(k.startswith("seeds/") for k in expected)
+    for key in expected:
+        np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
+
+
 # Layout changes: the hosts' places through InputContext.layout_history.
 
 def _host_steps(manifest: str, history, hosts: int, batch: int, consumed: int,

@@ -261,6 +261,34 @@ class PositionalIndexedTask(IndexedTask):
             "index": batch["index"] if train else -tf.ones_like(batch["index"])}))
 
 
+@gin.configurable
+class PositionalRecordsTask(FaultTask):
+    """FaultTask (dropout, no shuffle buffer on top) whose train split is
+    `TFRecordInput(positional=True)` of a `write_tfrecords` manifest of "x" and
+    "label": a resume builds it at its position, in either input mode."""
+
+    def __init__(self, manifest: str, window_blocks: int = 1, **kwargs):
+        super().__init__(**kwargs)
+        self.manifest, self.window_blocks = manifest, window_blocks
+
+    def build_inputs(self, split, input_context):
+        if split != "train":
+            return TinyTask.build_inputs(self, split, input_context)
+        return tputrain.data.TFRecordInput(
+            manifest=self.manifest, label_key="label", positional=True, seed=5,
+            window_blocks=self.window_blocks)(input_context)
+
+
+def write_labelled_records(directory: Path, records: int, shards: int = 2) -> str:
+    """`records` examples of "x" (8 floats) and "label" (int64) in `shards` shards
+    (`write_tfrecords`): the manifest's path."""
+    x = np.random.RandomState(0).randn(records, 8).astype(np.float32)
+    prefix = str(Path(directory) / "labelled")
+    tputrain.data.write_tfrecords({"x": x, "label": (x[:, 0] > 0).astype(np.int64)}, prefix,
+                                  num_shards=shards)
+    return prefix + ".manifest.json"
+
+
 def trained_indices(record_dir: str | Path) -> list[int]:
     """Every index an `IndexedTask` trained on (in any process), sorted."""
     return sorted(int(line) for path in Path(record_dir).glob("seen-*.txt")

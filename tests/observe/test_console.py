@@ -34,8 +34,10 @@ def run_script(tmp_path, mode):
     return [line for line in result.stderr.splitlines() if "tputrain:" in line]
 
 
-def test_a_plain_script_shows_progress_without_absl_prefixes(tmp_path):
-    lines = run_script(tmp_path, "loud")
+@pytest.mark.same_worker("console_xla_run")
+def test_a_plain_script_shows_progress_without_absl_prefixes(xla_run):
+    # The XLA script below is such a plain script: one child process serves both tests.
+    lines = [line for line in xla_run.stderr.splitlines() if "tputrain:" in line]
     assert any(line.startswith("tputrain: OneDeviceStrategy") for line in lines), lines
     assert [line for line in lines if line.startswith("tputrain: step ")][-1].startswith(
         "tputrain: step 4/4 | loss ")
@@ -78,11 +80,22 @@ def test_start_up_lines_below_tf_cpp_min_log_level_are_dropped(monkeypatch, leve
     assert lines[-1] == "tputrain: error: flag --x: must be positive"  # not a TF line: kept
 
 
-def test_importing_tputrain_prints_no_error_level_line():
+# A script that imports tputrain first, then TensorFlow and Keras, and logs: one child
+# process for the tests below that ask what such a script prints.
+TPUTRAIN_FIRST = ("import tputrain, tensorflow, keras\ntputrain.show_progress()\n"
+                  "tputrain.show_progress()\ntputrain.resolve_strategy()\n")
+
+
+@pytest.fixture(scope="module")
+def tputrain_first():
+    return subprocess.run([sys.executable, "-c", TPUTRAIN_FIRST], capture_output=True,
+                          text=True, env=child_env(), timeout=300)
+
+
+@pytest.mark.same_worker("console_tputrain_first")
+def test_importing_tputrain_prints_no_error_level_line(tputrain_first):
     # tputrain imports TensorFlow lazily: the start-up filter applies to whoever does.
-    result = subprocess.run([sys.executable, "-c", "import tputrain, tensorflow"],
-                            capture_output=True,
-                            text=True, env=child_env(), timeout=300)
+    result = tputrain_first
     assert result.returncode == 0, result.stderr
     assert not [line for line in result.stderr.splitlines() if line.startswith("E")], result.stderr
 
@@ -189,15 +202,18 @@ def test_what_counts_as_the_programs_own_logging_configuration(monkeypatch, tmp_
     assert user_configured_logging()
 
 
+@pytest.mark.same_worker("console_tputrain_first")
 @pytest.mark.parametrize("first", ["keras", "tputrain"])
-def test_tensorflow_imported_first_is_told_once_how_to_silence_its_start_up(first):
+def test_tensorflow_imported_first_is_told_once_how_to_silence_its_start_up(first, request):
     """Its start-up lines printed before tputrain was imported: the first tputrain line
     says once to import tputrain first (issue 52); with tputrain first, nothing to say."""
-    imports = "import keras, tputrain" if first == "keras" else "import tputrain, keras"
-    script = (f"{imports}\ntputrain.show_progress()\ntputrain.show_progress()\n"
-              "tputrain.resolve_strategy()\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            env=child_env(), timeout=300)
+    if first == "keras":
+        script = ("import keras, tputrain\ntputrain.show_progress()\ntputrain.show_progress()\n"
+                  "tputrain.resolve_strategy()\n")
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                env=child_env(), timeout=300)
+    else:
+        result = request.getfixturevalue("tputrain_first")
     assert result.returncode == 0, result.stderr[-3000:]
     ours = [line for line in result.stderr.splitlines() if line.startswith("tputrain:")]
     told = [line for line in ours if "import tputrain before" in line]
@@ -237,9 +253,10 @@ def test_tensorflow_line_pattern_finds_cpp_and_error_lines():
         "E0000 00:00:3.0 1 x.cc:1] an error"]
 
 
-def test_an_xla_run_prints_no_tensorflow_line(tmp_path):
-    """`Ignoring Assert operator` twice on every XLA compile came from the loss's
-    average (`tf.nn.compute_average_loss`'s checks, which XLA drops)."""
+@pytest.fixture(scope="module")
+def xla_run(tmp_path_factory):
+    """XLA_SCRIPT run once as a user runs it (TensorFlow's lines not silenced)."""
+    tmp_path = tmp_path_factory.mktemp("xla_run")
     script = tmp_path / "train.py"
     script.write_text(XLA_SCRIPT)
     # A first run: its own compile cache, not the suite's (whose reloaded entries print
@@ -251,8 +268,15 @@ def test_an_xla_run_prints_no_tensorflow_line(tmp_path):
     result = subprocess.run([sys.executable, str(script), str(tmp_path / "run")],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "tputrain: step 4/4" in result.stderr
-    assert tensorflow_lines(result.stderr) == []
+    return result
+
+
+@pytest.mark.same_worker("console_xla_run")
+def test_an_xla_run_prints_no_tensorflow_line(xla_run):
+    """`Ignoring Assert operator` twice on every XLA compile came from the loss's
+    average (`tf.nn.compute_average_loss`'s checks, which XLA drops)."""
+    assert "tputrain: step 4/4" in xla_run.stderr
+    assert tensorflow_lines(xla_run.stderr) == []
 
 
 @pytest.mark.parametrize("message", [

@@ -90,6 +90,7 @@ import tensorflow as tf  # noqa: E402
 from absl import logging  # noqa: E402
 
 import result_file  # noqa: E402  (benchmarks/, this script's folder)
+from resume_time import cpu_kind  # noqa: E402  (benchmarks/: lscpu's instruction sets)
 import tputrain  # noqa: E402
 from tputrain.data import InputContext  # noqa: E402
 from tputrain.observe.flops import _cpu_name  # noqa: E402
@@ -1119,7 +1120,7 @@ def main() -> None:
 
     report: dict[str, Any] = {
         "command": " ".join(["python benchmarks/train_loop.py", *sys.argv[1:]]),
-        "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(),
+        "machine": {"cpu": _cpu_name(), "cpu_flags": cpu_kind(), "cores": os.cpu_count(),
                     "strategy": type(strategy).__name__,
                     "replicas": strategy.num_replicas_in_sync, "tensorflow": tf.__version__,
                     "keras": keras.__version__, "load_average_before": load_before},

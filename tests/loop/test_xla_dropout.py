@@ -192,13 +192,32 @@ def test_draws_are_keras_own_outside_the_compiled_step_and_in_other_threads():
     np.testing.assert_array_equal(keras.random.normal([64], seed=seed).numpy(), want)
 
 
+def test_a_compiled_draw_is_a_function_of_the_seed_generator_state():
+    """What resume relies on: from the same SeedGenerator state (as a checkpoint restores
+    it) the compiled draw repeats bit for bit, and each draw advances the state once,
+    as Keras's own draw does."""
+    layer = keras.layers.GaussianNoise(1.0, seed=5)
+    model = _alone(layer)
+    state = layer.seed_generator.state.numpy()
+    first = _compiled_draw(layer, tf.zeros([8, 256]), model)
+    advanced = layer.seed_generator.state.numpy()
+    second = _compiled_draw(layer, tf.zeros([8, 256]), model)
+    assert (first != second).any()  # the next step draws anew
+    layer.seed_generator.state.assign(state)
+    np.testing.assert_array_equal(_compiled_draw(layer, tf.zeros([8, 256]), model), first)
+    layer.seed_generator.state.assign(state)
+    keras.random.normal([4], seed=layer.seed_generator)  # Keras's own draw
+    np.testing.assert_array_equal(layer.seed_generator.state.numpy(), advanced)
+
+
+@pytest.mark.slow  # three Trainers compiling: ~15 s on 2 loaded cores
 def test_compiled_random_layers_repeat_on_a_rerun_and_resume_bitwise(tmp_path):
     """The draws follow the layers' SeedGenerators: a run stopped at step 2 and resumed
     ends with the uninterrupted run's weights, bit for bit (its first 2 steps a rerun)."""
     def run(name, steps):
         trainer = tputrain.Trainer(RandomLayerTask(*RANDOM_LAYERS), str(tmp_path / name),
                                    strategy=strategy_for(1), train_steps=4, steps_per_loop=2,
-                                   global_batch_size=8, checkpoint_every=2,
+                                   global_batch_size=8, checkpoint_every=2, eval_steps=1,
                                    jit_compile="auto", seed=0, report_mfu=False)
         trainer.train(steps)
         return trainer

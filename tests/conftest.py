@@ -268,8 +268,8 @@ SLOW_TIER = {
 
 
 def _mark_slow_tier(config, items) -> None:
-    """Marks SLOW_TIER's tests `slow`. When whole folders were collected (the README's
-    command), an entry that names no collected test is an error: a renamed test or
+    """Marks SLOW_TIER's tests `slow`. When the whole tests/ folder was collected (the
+    README's command), an entry that names no collected test is an error: a renamed test or
     parameter must not leave the list unseen."""
     matched = set()
     for item in items:
@@ -278,7 +278,8 @@ def _mark_slow_tier(config, items) -> None:
             if key in SLOW_TIER:
                 item.add_marker(pytest.mark.slow)
                 matched.add(key)
-    whole = all(os.path.isdir(arg) for arg in config.args) and not config.getoption("keyword")
+    whole = any(os.path.isdir(arg) and os.path.samefile(arg, _TESTS) for arg in config.args
+                ) and not config.getoption("keyword")
     if whole and set(SLOW_TIER) - matched:
         raise pytest.UsageError("conftest.SLOW_TIER names tests that were not collected: "
                                 f"{sorted(set(SLOW_TIER) - matched)}")

@@ -847,6 +847,32 @@ class MixtureTask(tputrain.Task):
         return keras.optimizers.SGD(0.1)
 
 
+@gin.configurable
+class PackedRowsTask(MixtureTask):
+    """MixtureTask's model on one token source (`manifest`) read by
+    `TFRecordInput(positional=True)` (train), packed first-fit over 4 rows within each
+    window: a resume builds each host's rows at its place (`tputrain.data.packed_rows`)."""
+
+    def __init__(self, manifest: str = "", window_blocks: int = 1):
+        super().__init__()
+        self.manifest, self.window_blocks = manifest, window_blocks
+
+    def build_inputs(self, split, input_context):
+        from tputrain.data.packing import PackSequences
+
+        def targets(row):
+            tokens = row["tokens"]
+            return {**row, "targets": tf.concat([tokens[1:], tf.zeros_like(tokens[:1])], 0)}
+        train = split == "train"
+        rows = tputrain.data.TFRecordInput(
+            manifest=self.manifest, positional=train, window_blocks=self.window_blocks, seed=3,
+            shuffle=train, repeat=train,
+            to_static=lambda d: PackSequences(MIXTURE_LENGTH, bins=4)(d).map(targets)
+        )(input_context)
+        return rows.map(lambda row: ({k: v for k, v in row.items() if k != "targets"},
+                                     row["targets"]))
+
+
 def write_token_sources(directory, counts: dict[str, int], lengths: tuple[int, int],
                         seed: int, vocab: int = MIXTURE_VOCAB) -> list[str]:
     """One variable-length token source a name (`counts[name]` records of lengths in

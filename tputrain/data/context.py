@@ -37,6 +37,9 @@ class InputContext(tf.distribute.InputContext):
             input finds every host's place across them (`tputrain.data.ledger`).
             Empty: `num_input_pipelines` hosts from the start. The last entry's
             hosts must be `num_input_pipelines`.
+        row_places: a positional input's rows (`to_static`), per pipeline: (windows
+            of its sequence ended, rows into the next), from the rows trained on
+            (`tputrain.data.packed_rows`). Empty: from the start.
 
     Set by a builder (read by the Trainer after it returns):
         positional: its stream is a function of its position (`examples_consumed`
@@ -54,6 +57,7 @@ class InputContext(tf.distribute.InputContext):
         examples_consumed: int = 0,
         cache_dir: str | None = None,
         layout_history: Sequence[tuple[int, int]] = (),
+        row_places: Sequence[tuple[int, int]] = (),
     ):
         check_int("InputContext", "num_input_pipelines", num_input_pipelines, 1)
         check_int("InputContext", "input_pipeline_id", input_pipeline_id, 0)
@@ -75,6 +79,7 @@ class InputContext(tf.distribute.InputContext):
                                            examples_consumed, 0)
         self.cache_dir = cache_dir
         self.layout_history = _checked_history(layout_history, num_input_pipelines)
+        self.row_places = tuple((int(k), int(r)) for k, r in row_places)
         self.positional = False  # a builder's stream is a function of its position
         self.position_honoured = False  # a builder started at examples_consumed
 
@@ -82,7 +87,8 @@ class InputContext(tf.distribute.InputContext):
     def from_tf(cls, ctx: tf.distribute.InputContext | None,
                 global_batch_size: int | None = None, examples_consumed: int | None = None,
                 cache_dir: str | None = None,
-                layout_history: Sequence[tuple[int, int]] | None = None) -> InputContext:
+                layout_history: Sequence[tuple[int, int]] | None = None,
+                row_places: Sequence[tuple[int, int]] | None = None) -> InputContext:
         """Wraps the context `tf.distribute` passes to a dataset function.
 
         Args:
@@ -91,12 +97,13 @@ class InputContext(tf.distribute.InputContext):
                 context, or None for one pipeline feeding one replica.
             global_batch_size: the global batch size to attach. If None and
                 `ctx` already carries one (a tputrain context), it is kept.
-            examples_consumed, cache_dir, layout_history: the same (None keeps `ctx`'s,
-                if any).
+            examples_consumed, cache_dir, layout_history, row_places: the same (None
+                keeps `ctx`'s, if any).
         """
         if isinstance(ctx, cls) and global_batch_size in (None, ctx.global_batch_size) and (
                 examples_consumed in (None, ctx.examples_consumed) and cache_dir is None
-                and layout_history in (None, ctx.layout_history)):
+                and layout_history in (None, ctx.layout_history)
+                and row_places in (None, ctx.row_places)):
             return ctx  # the same object: a builder's position_honoured reaches its caller
         if ctx is None:
             ctx = tf.distribute.InputContext()
@@ -111,7 +118,8 @@ class InputContext(tf.distribute.InputContext):
             global_batch_size=global_batch_size, examples_consumed=examples_consumed,
             cache_dir=cache_dir or getattr(ctx, "cache_dir", None),
             layout_history=(getattr(ctx, "layout_history", ()) if layout_history is None
-                            else layout_history))
+                            else layout_history),
+            row_places=getattr(ctx, "row_places", ()) if row_places is None else row_places)
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """Returns `global_batch_size // num_replicas_in_sync`; raises if uneven."""

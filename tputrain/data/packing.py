@@ -196,7 +196,10 @@ def pack_sequences(dataset: tf.data.Dataset, length: int,
     pieces = _pieces(dataset, length, sequences, scalars, where)
     spec = pieces.element_spec
     bins = check_bins(where, bins)
-    if dataset.cardinality() != tf.data.INFINITE_CARDINALITY:  # end markers flush each row
+    # End markers flush each row of a finite input (in a graph, e.g. a positional
+    # input's window, the cardinality may be unknown: markers after an endless input
+    # are never read).
+    if tf.get_static_value(dataset.cardinality()) != tf.data.INFINITE_CARDINALITY:
         end = {name: tf.zeros(s.shape, s.dtype) for name, s in spec.items()}
         end[_LENGTH] = tf.constant(length + 1, spec[_LENGTH].dtype)
         pieces = pieces.concatenate(tf.data.Dataset.from_tensors(end).repeat(bins))

@@ -28,7 +28,7 @@ tests/data/test_positional.py pins the bug: when that test fails, TF has fixed i
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -37,6 +37,7 @@ from tputrain.core import tracing
 from tputrain.data.blocks import Blocks
 from tputrain.data.empty_input import NO_BATCH, EmptyInputError
 from tputrain.data.ledger import Ledger, Position, Windows
+from tputrain.data.packed_rows import Place, window_rows
 
 _READ_BUFFER = 256 * 1024  # bytes a block reader buffers (tf.data's TFRecord default)
 _ENDLESS = 2**62  # windows of a repeated stream: as good as for ever
@@ -128,6 +129,22 @@ class PositionalRecords:
             ).concatenate(fresh)
         return fresh.flat_map(tracing.graph_helper(
             lambda window, skip: self._window(window).skip(skip)))
+
+    def rows(self, to_rows: Callable[[tf.data.Dataset], tf.data.Dataset], place: Place = (0, 0),
+             repeat: bool = True, ledger: Ledger | None = None) -> tf.data.Dataset:
+        """This host's rows from `place` (`tputrain.data.packed_rows`): each of its
+        windows' records through `to_rows` (parse and `to_static`) on its own."""
+        ledger = ledger or self.ledger()
+        if ledger.fresh or ledger.start:
+            raise ValueError(
+                "positional input with to_static: the run's input was split over another "
+                "host count before (rows are not records: their places are not carried over "
+                "to other hosts yet): resume on the host count it started with, or set "
+                "positional=False")
+        per_epoch = self.windows.per_epoch
+        in_pass = -(-(per_epoch - self.host) // self.num_hosts)
+        return window_rows(lambda w: to_rows(self._window(w)), self.host, self.num_hosts,
+                           place, repeat, in_pass)
 
     def _pieces(self, index: tf.Tensor) -> tuple[tf.Tensor, ...]:
         """(file, byte offset, first record, records to skip, records to take) of each

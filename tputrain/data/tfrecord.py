@@ -498,7 +498,7 @@ class TFRecordInput(BatchedInput):
         epochs = (_positional(self, file_list, context) if self.positional and not in_memory
                   else functools.partial(self._records, file_list, context, in_memory))
         if self.to_static is not None:
-            dataset = self._static_examples(epochs, per_replica_batch, context)
+            dataset = _static_rows(self, epochs, per_replica_batch, context)
         elif in_memory and self.pad_remainder:  # a finite (eval) split, its last batch padded
             dataset = self._padded_batches(
                 read_all(epochs(), self.features, context, self.file_patterns), per_replica_batch)
@@ -514,8 +514,8 @@ class TFRecordInput(BatchedInput):
             if self.pad_remainder:
                 dataset = dataset.map(tracing.graph_helper(
                     lambda *batch: pad_to_batch(batch, per_replica_batch)))
-        if isinstance(epochs, PositionalRecords) and self.to_static is None:  # not rows
-            context.positional, context.position_honoured = True, context.examples_consumed > 0
+        if isinstance(epochs, PositionalRecords):  # records at examples_consumed, rows at places
+            _mark_positional(context, rows=self.to_static is not None)
         return self._finish(dataset, context)
 
     def _shuffled(self, examples: Any, context: InputContext) -> tf.data.Dataset:
@@ -610,6 +610,36 @@ def _positional(inputs: TFRecordInput, file_list: list[str],
         seed=seed, window_blocks=inputs.window_blocks, shuffle=inputs.shuffle,
         compression=inputs.compression_type,
         read_parallelism=inputs._read_parallelism(file_list, inputs.window_blocks))
+
+
+def _static_rows(inputs: TFRecordInput, epochs: Any, batch_size: int,
+                 context: InputContext) -> tf.data.Dataset:
+    """Batches of `to_static` rows: positional ones each window on its own, from the
+    pipeline's place in the context (`tputrain.data.packed_rows`)."""
+    if not isinstance(epochs, PositionalRecords):
+        return inputs._static_examples(epochs, batch_size, context)
+    records = epochs
+
+    def to_rows(window: tf.data.Dataset) -> tf.data.Dataset:
+        return inputs.to_static(window.batch(_PARSE_CHUNK).map(
+            lambda chunk: tf.io.parse_example(chunk, inputs.features)).unbatch())
+    rows = records.rows(to_rows, _row_place(context), inputs.repeat,
+                        records.ledger(context.layout_history))
+    return rows.batch(batch_size, drop_remainder=True).map(
+        tracing.graph_helper(lambda batch: split_label(batch, inputs.label_key)))
+
+
+def _mark_positional(context: InputContext, rows: bool) -> None:
+    """The builder's stream is a function of its position, honoured if not the start:
+    the examples consumed (records) or the pipeline's row place (`to_static` rows)."""
+    context.positional, context.position_honoured = True, (
+        _row_place(context) != (0, 0) if rows else context.examples_consumed > 0)
+
+
+def _row_place(context: InputContext) -> tuple[int, int]:
+    """The pipeline's place in its rows (`InputContext.row_places`; none: the start)."""
+    places = context.row_places
+    return places[context.input_pipeline_id] if places else (0, 0)
 
 
 def _positioned(inputs: TFRecordInput, records: PositionalRecords,

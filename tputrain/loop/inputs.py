@@ -19,7 +19,7 @@ from tputrain.data.batching import check_static, label_key_of
 from tputrain.data.external_state import checkpointable
 from tputrain.data.mixture import mixture_sources
 from tputrain.checkpointing.input_layout import InputLayout, LayoutChange
-from tputrain.loop.source_counts import SourceCounter, without_source
+from tputrain.loop.source_counts import SourceCounter, has_row_tags, without_source
 from tputrain.options import INPUT_MODES as OPTION_INPUT_MODES
 from tputrain.task import Task
 
@@ -226,17 +226,25 @@ class Inputs:
         resumes from, on any layout, instead of a saved iterator. No batch before the
         position is read (`tputrain.data.ledger`)."""
         consumed = layout.input_steps(step) * layout.global_batch
-        self._train_dataset = self.build_dataset("train", consumed, layout.history())
+        self._train_dataset = self.build_dataset("train", consumed, layout.history(),
+                                                 self.row_places())
         return iter(self.fetch_groups(self._train_dataset))
 
+    def row_places(self) -> tuple[tuple[int, int], ...]:
+        """Each host's place in a positional input's packed rows, from the row sums of
+        the training so far (`SourceCounter.row_places`); none for other inputs."""
+        return self.source_counter.row_places() if self.source_counter else ()
+
     def build_dataset(self, split: str, examples_consumed: int = 0,
-                      layout_history: tuple[tuple[int, int], ...] = ()) -> tf.data.Dataset:
+                      layout_history: tuple[tuple[int, int], ...] = (),
+                      row_places: tuple[tuple[int, int], ...] = ()) -> tf.data.Dataset:
         """Builds this host's dataset of per-replica batches (a train split that can,
-        at `examples_consumed` across `layout_history`) and checks its shapes."""
+        at `examples_consumed` across `layout_history`, or packed rows at
+        `row_places`) and checks its shapes."""
         batch = self.input_batch(split)
         context = InputContext.from_tf(self.input_context(global_batch_size=batch),
                                        examples_consumed=examples_consumed,
-                                       layout_history=layout_history)
+                                       layout_history=layout_history, row_places=row_places)
         dataset = self.task.build_inputs(split, context)
         if split == "train":
             self.positional_train = context.positional
@@ -255,14 +263,17 @@ class Inputs:
         return self.group_micro_batches(dataset, split)
 
     def sources_of(self, dataset: tf.data.Dataset, split: str) -> tf.data.Dataset:
-        """A mixture's train split gets a `source_counter` (the step strips and counts
-        the source ids); its eval split, the source id stripped from the features
-        (nothing counts there). Any other dataset is unchanged."""
+        """A mixture's train split, or a positional input's packed rows, gets a
+        `source_counter` (the step strips and counts the source ids and row tags); a
+        mixture's eval split, the source id stripped from the features (nothing counts
+        there). Any other dataset is unchanged."""
         sources = mixture_sources(dataset)
-        if sources is None:
+        rows = split == "train" and has_row_tags(dataset.element_spec)
+        if sources is None and not rows:
             return dataset
         if split == "train":  # a rebuilt input keeps the counter (its counts are saved)
-            self.source_counter = self.source_counter or SourceCounter(sources)
+            self.source_counter = self.source_counter or SourceCounter(
+                sources, self.plan.batch.num_hosts if rows else 0)
             return dataset
         return dataset.map(lambda *batch: without_source(batch, sources.key))
 
@@ -281,11 +292,13 @@ class Inputs:
         host counts of `layout_history`, `InputLayout.history`), any other is read
         past them (`Dataset.skip`, linear in the steps)."""
         consumed = skip_steps * self.plan.batch.global_batch_size
+        places = self.row_places() if skip_steps else ()
 
         def dataset_fn(tf_context):
             context = InputContext.from_tf(tf_context, self.input_batch(split),
                                            examples_consumed=consumed,
-                                           layout_history=layout_history)
+                                           layout_history=layout_history,
+                                           row_places=places if split == "train" else ())
             dataset = self.task.build_inputs(split, context)
             skip = 0 if context.position_honoured else skip_steps
             if skip and tf_context.input_pipeline_id == 0:

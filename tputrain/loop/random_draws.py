@@ -65,7 +65,7 @@ def _draws(op: tf.Operation) -> int | None:
 
 
 def features_spec(batch_spec: Any, accumulation_steps: int = 1,
-                  source_key: str | None = None) -> Any:
+                  source_key: str | tuple[str, ...] | None = None) -> Any:
     """The features' spec of one (micro-)batch from the train dataset's element spec."""
     spec = without_source(batch_spec, source_key) if source_key else batch_spec
     if accumulation_steps > 1:  # [micro-batches, batch, ...]

@@ -9,6 +9,11 @@ as it sums the step's other logs) and over the loop's steps, and `record` adds
 them to running totals in a variable the checkpoint holds, so a resumed run
 continues them. The progress line and TensorBoard (`examples/<source>`) show
 the totals. A dataset that is no mixture gets no counter: nothing changes.
+
+A positional input's packed rows (`tputrain.data.packed_rows`) carry tags the
+same way: the step strips them and sums, per host, the rows trained on, the
+windows they ended and those windows' rows; the totals (in the checkpoint)
+give each host's place in its rows, where a resume builds the input.
 """
 
 from __future__ import annotations
@@ -18,19 +23,30 @@ from typing import Any, Callable, Mapping
 import tensorflow as tf
 
 from tputrain.data.mixture import MixtureSources
+from tputrain.data.packed_rows import ROW_KEYS, Place, places, row_sums
 from tputrain.data.packing import SEGMENT_IDS
 from tputrain.observe.progress import SOURCE_PREFIX
 
 COUNTS_LOG = "source_examples"  # the step's log: int32 [sources], examples of each
 TAG_PREFIX = SOURCE_PREFIX  # the cumulative counts' log and TensorBoard tag: examples/<name>
+ROWS_LOG = "row_sums"  # the step's log: int32 [hosts, 3], `packed_rows.row_sums`
 
 
-def without_source(batch: Any, key: str) -> Any:
-    """`(features, labels, ...)` (tensors or specs) with `features[key]` left out."""
+def without_source(batch: Any, key: str | tuple[str, ...]) -> Any:
+    """`(features, labels, ...)` (tensors or specs) with `features[key]` (each of a
+    tuple of keys) left out."""
+    keys = (key,) if isinstance(key, str) else tuple(key)
     if not (isinstance(batch, tuple) and batch and isinstance(batch[0], Mapping)
-            and key in batch[0]):
+            and any(k in batch[0] for k in keys)):
         return batch
-    return ({name: value for name, value in batch[0].items() if name != key}, *batch[1:])
+    return ({name: value for name, value in batch[0].items() if name not in keys},
+            *batch[1:])
+
+
+def has_row_tags(element_spec: Any) -> bool:
+    """Batches of a positional input's packed rows (`tputrain.data.packed_rows`)."""
+    return (isinstance(element_spec, tuple) and bool(element_spec)
+            and isinstance(element_spec[0], Mapping) and all(k in element_spec[0] for k in ROW_KEYS))
 
 
 def count_examples(features: Mapping[str, tf.Tensor], key: str, num_sources: int) -> tf.Tensor:
@@ -52,14 +68,19 @@ def count_examples(features: Mapping[str, tf.Tensor], key: str, num_sources: int
 
 
 class SourceCounter:
-    """The running per-source totals of a mixture's training and the step's count."""
+    """The running per-source totals of a mixture's training and the step's count;
+    a positional input's packed rows: the per-host row sums (`row_hosts` hosts)."""
 
-    def __init__(self, sources: MixtureSources):
-        self.names, self.key = sources.names, sources.key
-        # A plain variable (not mirrored): the host adds the global counts after each
+    def __init__(self, sources: MixtureSources | None, row_hosts: int = 0):
+        self.names = sources.names if sources else ()
+        self.source_key = sources.key if sources else None
+        self.key = ((self.source_key,) if sources else ()) + (ROW_KEYS if row_hosts else ())
+        # Plain variables (not mirrored): the host adds the global counts after each
         # loop, the same on every host.
         self.examples = tf.Variable(tf.zeros([len(self.names)], tf.int64), trainable=False,
-                                    name="source_examples")
+                                    name="source_examples") if sources else None
+        self.rows = tf.Variable(tf.zeros([row_hosts, 3], tf.int64), trainable=False,
+                                name="row_sums") if row_hosts else None
 
     def counting(self, step: Callable[[Any], dict[str, tf.Tensor]]
                  ) -> Callable[[Any], dict[str, tf.Tensor]]:
@@ -68,25 +89,41 @@ class SourceCounter:
             stripped = without_source(batch, self.key)
             if stripped is batch:  # no ids (a stand-in batch): nothing to count
                 return step(batch)
-            logs = step(stripped)
-            return {**logs, COUNTS_LOG: count_examples(batch[0], self.key, len(self.names))}
+            logs = dict(step(stripped))
+            if self.examples is not None:
+                logs[COUNTS_LOG] = count_examples(batch[0], self.source_key, len(self.names))
+            if self.rows is not None:
+                logs[ROWS_LOG] = row_sums(batch[0], int(self.rows.shape[0]))
+            return logs
         return counted
 
     def record(self, totals: dict[str, Any]) -> None:
         """Takes a loop's summed counts (`HostLoop.run`) out of `totals` into the totals."""
-        counts = totals.pop(COUNTS_LOG, None)
+        counts, rows = totals.pop(COUNTS_LOG, None), totals.pop(ROWS_LOG, None)
         if counts is not None:
             self.examples.assign_add(tf.cast(counts, tf.int64))
+        if rows is not None:
+            self.rows.assign_add(tf.cast(rows, tf.int64))
+
+    def row_places(self) -> tuple[Place, ...]:
+        """Each host's place in its packed rows (none without them)."""
+        return places(self.rows.numpy()) if self.rows is not None else ()
 
     def logs(self) -> dict[str, float]:
         """The running totals as logs: `examples/<name>`."""
+        if self.examples is None:
+            return {}
         return {f"{TAG_PREFIX}{name}": float(count)
                 for name, count in zip(self.names, self.examples.numpy())}
 
 
 def checkpointed(counter: SourceCounter | None) -> dict[str, tf.Variable]:
-    """The checkpoint's trackables of a mixture's counts: none without a mixture."""
-    return {} if counter is None else {"source_examples": counter.examples}
+    """The checkpoint's trackables of a mixture's counts and packed rows' sums: none
+    without them."""
+    if counter is None:
+        return {}
+    return {name: variable for name, variable in (
+        ("source_examples", counter.examples), ("row_sums", counter.rows)) if variable is not None}
 
 
 def source_logs(counter: SourceCounter | None) -> dict[str, float]:

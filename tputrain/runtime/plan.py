@@ -122,9 +122,10 @@ class RunPlan:
 
     def with_xla(self, strategy: tf.distribute.Strategy, model: keras.Model,
                  optimizer: keras.optimizers.Optimizer, train_element_spec: Any,
-                 source_key: str | None) -> "RunPlan":
+                 source_key: str | tuple[str, ...] | None) -> "RunPlan":
         """This plan with what `jit_compile` compiles for the built model
-        (`tputrain.loop.xla_plan.decide_xla`); `source_key`: a mixture's source id."""
+        (`tputrain.loop.xla_plan.decide_xla`); `source_key`: the features the step
+        strips (a mixture's source id, packed rows' tags)."""
         features = features_spec(train_element_spec, self.batch.accumulation_steps, source_key)
         return dataclasses.replace(self, xla_plan=decide_xla(
             self.jit_compile, self.precision, self.custom_train_step, strategy, model,

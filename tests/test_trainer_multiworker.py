@@ -191,6 +191,21 @@ def test_kill_9_of_a_worker_with_a_positional_input_in_distributed_mode(tmp_path
     assert "not positional" not in rerun.text(), rerun.log()  # built there, nothing re-read
 
 
+def test_kill_9_of_a_worker_with_packed_positional_rows_in_distributed_mode(tmp_path):
+    """Issue 54 acceptance 3 on 2 worker processes: a positional input packed within
+    each window (about 100 rows of 16 a window), distributed input mode, a random
+    worker SIGKILLed after a random checkpoint; the rerun builds each host's rows at
+    the place its checkpointed row sums give (nothing re-read) and ends bitwise where
+    an uninterrupted run does."""
+    from faults import write_token_sources
+    manifest, = write_token_sources(tmp_path, {"tokens": 700}, (0, 12), seed=0)
+    config = tmp_path / "mw.gin"
+    config.write_text(POSITIONAL_KILL_CONFIG.format(manifest=manifest).replace(
+        "PositionalRecordsTask", "PackedRowsTask").replace("PackedRowsTask.dropout = 0.3\n", ""))
+    rerun = _killed_worker_and_rerun(tmp_path, config, [8, 16, 32])
+    assert "not positional" not in rerun.text(), rerun.log()
+
+
 def test_two_workers_resume_from_checkpoint_files_without_a_state_file(tmp_path):
     """Issue 33.1 on 2 worker processes: the chief's `checkpoint` state file deleted
     after step 16; the rerun resumes there on both workers (not from step 0) and ends

@@ -121,3 +121,70 @@ def test_a_packed_positional_resume_trains_the_uninterrupted_weights(manifest, t
     assert reader.get_tensor("row_sums/.ATTRIBUTES/VARIABLE_VALUE")[0, 0] == 16 * 8
     for a, b in zip(whole.model.get_weights(), second.model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def token_sources(tmp_path_factory):
+    """Two token sources of 1 to 4 tokens a record (600 and 400 records, 2 shards):
+    a quota block of 1,024 draws packs into about 170 rows of 16."""
+    from faults import write_token_sources
+    return write_token_sources(tmp_path_factory.mktemp("sources"), {"a": 600, "b": 400},
+                               (1, 5), seed=2)
+
+
+def _mixture_batches(sources, count: int, row_places=()) -> list[dict]:
+    from tputrain.data import MixtureInput
+    context = InputContext(1, 0, 1, global_batch_size=8, row_places=row_places)
+    dataset = MixtureInput(sources, [0.7, 0.3], seed=5, positional=True, window_blocks=1,
+                           to_static=PackSequences(16, bins=4))(context)
+    assert context.positional and context.position_honoured == bool(
+        row_places and row_places[0] != (0, 0))
+    return [{k: v.numpy() for k, v in batch.items()} for batch in dataset.take(count)]
+
+
+@pytest.mark.slow  # two mixtures built and packed: 10 s
+def test_a_packed_positional_mixture_rebuilt_at_its_place_reads_the_uninterrupted_rows(
+        token_sources):
+    """Each block of quota draws packs on its own: rebuilt at the place the row sums of
+    25 batches give (past the first block's end), the rows and their sources continue
+    the uninterrupted ones."""
+    whole = _mixture_batches(token_sources, 30)
+    totals = sum((row_sums(b, 1).numpy() for b in whole[:25]), np.zeros([1, 3], np.int32))
+    assert totals[0, 1] >= 1  # a block ended
+    again = _mixture_batches(token_sources, 5, places(totals))
+    for expected, actual in zip(whole[25:], again):
+        assert expected.keys() == actual.keys() and "source_id" in expected
+        for key in expected:
+            np.testing.assert_array_equal(actual[key], expected[key], err_msg=key)
+
+
+@pytest.mark.slow  # three Trainers on 2 replicas, each mode
+@pytest.mark.parametrize("input_mode", ["distributed", "host"])
+def test_a_packed_positional_mixture_resume_trains_the_uninterrupted_weights_and_counts(
+        token_sources, tmp_path, input_mode):
+    """A packed 2-source positional mixture on 2 replicas: 12 steps of 8 rows, then a
+    resume to step 24 (past the first quota block's rows) builds the rows at each
+    host's place and trains the uninterrupted weights and per-source counts bitwise."""
+    import tputrain
+    from faults import MixtureTask
+    from tiny import strategy_for
+
+    def trainer(name):
+        return tputrain.Trainer(MixtureTask(token_sources, positional=True),
+                                str(tmp_path / name), strategy=strategy_for(2),
+                                input_mode=input_mode, train_steps=24, steps_per_loop=4,
+                                global_batch_size=8, checkpoint_every=12, eval_steps=1,
+                                report_mfu=False)
+    whole = trainer("whole")
+    whole.train()
+    first = trainer("resumed")
+    first.train(num_steps=12)
+    first.close()
+    second = trainer("resumed")
+    second.train()
+    assert second.inputs.row_places()[0][0] >= 1  # a block's rows ended
+    assert second.inputs.saved_state(second.train_iterator) == {}
+    counts = [t.inputs.source_counter.examples.numpy().tolist() for t in (whole, second)]
+    assert counts[0] == counts[1] and min(counts[0]) > 0, counts
+    for a, b in zip(whole.model.get_weights(), second.model.get_weights()):
+        np.testing.assert_array_equal(a, b)

@@ -806,11 +806,14 @@ MIXTURE_LENGTH, MIXTURE_VOCAB = 16, 32
 @gin.configurable
 class MixtureTask(tputrain.Task):
     """Next-token rows packed from a shuffled 2-source weighted mixture of
-    variable-length records (`sources`: the manifests; tests/data/test_mixture.py)."""
+    variable-length records (`sources`: the manifests; tests/data/test_mixture.py).
+    `positional`: the train split is `MixtureInput(positional=True)`, windows of 256."""
 
-    def __init__(self, sources: tuple[str, ...] = (), features: dict | None = None):
+    def __init__(self, sources: tuple[str, ...] = (), features: dict | None = None,
+                 positional: bool = False):
         self.sources = list(sources)
         self.features = features  # the spec of glob sources
+        self.positional = positional
 
     def build_model(self):
         inputs = {name: keras.Input((MIXTURE_LENGTH,), dtype="int64", name=name)
@@ -836,6 +839,7 @@ class MixtureTask(tputrain.Task):
         train = split == "train"
         return MixtureInput(self.sources, [0.7, 0.3], seed=5, shuffle=train, repeat=train,
                             label_key="targets", features=self.features,
+                            positional=train and self.positional, window_blocks=1,
                             to_static=lambda d: PackSequences(MIXTURE_LENGTH)(d).map(targets)
                             )(input_context)
 

@@ -29,7 +29,8 @@ from tputrain.data.batching import BatchedInput, split_label
 from tputrain.data.context import InputContext
 from tputrain.data.empty_input import NO_BATCH, EmptyInputError, count, yields
 from tputrain.data.manifest import MANIFEST_SUFFIX
-from tputrain.data.mixture_positions import choices, quotas, source_positions
+from tputrain.data.mixture_positions import choices, counts_at, quotas, source_positions
+from tputrain.data.packed_rows import tagged
 from tputrain.data.options import InputOptions
 from tputrain.data.packing import LOSS_WEIGHTS, POSITIONS, SEGMENT_IDS
 from tputrain.data.tfrecord import TFRecordInput
@@ -209,8 +210,10 @@ class MixtureInput(BatchedInput):
             True)` and draw the sources in blocks of exact quotas, in a stateless
             order the same on every host (`tputrain.data.mixture_positions`): the
             mixture then starts at `InputContext.examples_consumed` across its
-            `layout_history`, each source at its own position (not with `to_static`:
-            packed rows are not examples). TFRecordInput sources must be positional.
+            `layout_history`, each source at its own position. With `to_static` each
+            block is made static on its own and its rows start at the pipeline's
+            `InputContext.row_places` (`tputrain.data.packed_rows`; one host count).
+            TFRecordInput sources must be positional.
     """
 
     def __init__(self, sources: Sequence[str | TFRecordInput], weights: Sequence[float], *,
@@ -266,7 +269,7 @@ class MixtureInput(BatchedInput):
             self.weights, seed=seed, source_key=self.source_key)
         if self.to_static is not None:
             self._check_static(context, seed)
-            mixed = self.to_static(mixed)
+            mixed = mixed if self.positional else self.to_static(mixed)
         batches = mixed.batch(batch_size, drop_remainder=True)
         batches = batches.map(lambda batch: split_label(batch, self.label_key))
         finished = self._finish(batches, context)
@@ -275,10 +278,12 @@ class MixtureInput(BatchedInput):
 
     def _positioned(self, context: InputContext) -> tf.data.Dataset:
         """Positional: every source at its place and the quota choices at the mixture's
-        (`tputrain.data.mixture_positions`); with `to_static`, both at the start."""
+        (`tputrain.data.mixture_positions`); with `to_static`, rows (`_packed`)."""
         quota = quotas(self.weights)
         seed = self.seed if self.seed is not None else int(np.random.randint(2**31))
-        consumed = 0 if self.to_static is not None else context.examples_consumed
+        if self.to_static is not None:
+            return self._packed(context, seed, quota)
+        consumed = context.examples_consumed
         history = context.layout_history or ((0, context.num_input_pipelines),)
         places, start = source_positions(seed, quota, history, max(consumed, history[-1][0]))
         streams = [self._examples(index, InputContext.from_tf(
@@ -289,6 +294,30 @@ class MixtureInput(BatchedInput):
         return tf.data.Dataset.choose_from_datasets(
             _tagged(streams, self.source_key), choices(seed, quota, start),
             stop_on_empty_dataset=False)
+
+    def _packed(self, context: InputContext, seed: int, quota: np.ndarray) -> tf.data.Dataset:
+        """A positional mixture's rows: each block of quota choices made static on its
+        own (`tputrain.data.packed_rows`). The pipeline's place (blocks ended, rows
+        into the next) gives its choice index, so each source's records it read."""
+        hosts, host = context.num_input_pipelines, context.input_pipeline_id
+        if any(count != hosts for _, count in context.layout_history):
+            raise ValueError(
+                "MixtureInput(positional=True) with to_static: the run's input was split "
+                "over another host count before (rows are not examples: their places are "
+                "not carried over to other hosts yet): resume on the host count it started "
+                "with, or set positional=False")
+        ended, rows = context.row_places[host] if context.row_places else (0, 0)
+        block = int(quota.sum())
+        start = ended * block
+        streams = [self._examples(index, InputContext.from_tf(
+            context, examples_consumed=int(records) * hosts, layout_history=()),
+            at_position=True) for index, records in enumerate(counts_at(seed, quota, start))]
+        mixed = tf.data.Dataset.choose_from_datasets(
+            _tagged(streams, self.source_key), choices(seed, quota, start),
+            stop_on_empty_dataset=False)
+        context.positional, context.position_honoured = True, (ended, rows) != (0, 0)
+        return mixed.window(block).flat_map(lambda window: tagged(
+            self.to_static(tf.data.Dataset.zip(window)), host)).skip(rows)
 
     def _examples(self, index: int, context: InputContext,
                   at_position: bool = False) -> tf.data.Dataset:

@@ -646,11 +646,10 @@ def _positioned(inputs: TFRecordInput, records: PositionalRecords,
                 context: InputContext) -> tf.data.Dataset:
     """The pipeline's records from its place: the ledger of the context's layout
     history, and its share of the examples consumed since its layout took over.
-    Rows of a `to_static` are not records (packing), so that position is not
-    honoured: it starts at its layout's start."""
+    (Rows of a `to_static` are not records: they start at their own place,
+    `_static_rows`.)"""
     ledger = records.ledger(context.layout_history)
-    position = 0 if inputs.to_static is not None else ledger.host_records(
-        max(context.examples_consumed, ledger.start))
+    position = ledger.host_records(max(context.examples_consumed, ledger.start))
     return records.dataset(position, repeat=inputs.repeat, ledger=ledger)
 
 

@@ -326,6 +326,17 @@ class Contender:
         keras.mixed_precision.set_global_policy(self.precision)
         keras.utils.set_random_seed(0)
 
+    def _compiled_keras_model(self, task: tputrain.Task, **compile_options) -> keras.Model:
+        """The task's model compiled as a Keras user compiles it for `fit`, in the scope."""
+        with self.strategy.scope():
+            model = task.build_model()
+            model.compile(
+                optimizer=task.build_optimizer(),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+                **compile_options)
+        return model
+
     def prepare(self) -> None:
         raise NotImplementedError
 
@@ -408,12 +419,7 @@ class TputrainFitContender(Contender):
     def prepare(self) -> None:
         self._policy()
         task = self.task_factory()
-        with self.strategy.scope():
-            self.model = task.build_model()
-            self.model.compile(
-                optimizer=task.build_optimizer(),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
+        self.model = self._compiled_keras_model(task)
         self.dataset = peer_inputs(self, task)
         self.model_dir = tempfile.mkdtemp(prefix="tputrain-bench-fit-")
         self._times: list[tuple[tuple[float, float], int]] = []
@@ -583,13 +589,8 @@ class KerasFitContender(Contender):
     def prepare(self) -> None:
         self._policy()
         task = self.task_factory()
-        with self.strategy.scope():
-            self.model = task.build_model()
-            self.model.compile(
-                optimizer=task.build_optimizer(),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-                steps_per_execution=self.k, jit_compile=self.jit_compile)
+        self.model = self._compiled_keras_model(task, steps_per_execution=self.k,
+                                                jit_compile=self.jit_compile)
         self.dataset = peer_inputs(self, task)
         self._times: list[tuple[float, float]] = []
         times = self._times

@@ -206,6 +206,27 @@ def test_kill_9_of_a_worker_with_packed_positional_rows_in_distributed_mode(tmp_
     assert "not positional" not in rerun.text(), rerun.log()
 
 
+def test_packed_positional_rows_on_another_host_count_are_refused_naming_the_fix(tmp_path):
+    """Packed rows of a positional input trained on 2 workers, resumed on 1: their
+    places are not carried over to other hosts yet, so the resume says so and how to
+    go on (not a checkpoint shape error, not rows read twice)."""
+    from faults import write_token_sources
+    manifest, = write_token_sources(tmp_path, {"tokens": 700}, (0, 12), seed=0)
+    config = tmp_path / "mw.gin"
+    config.write_text(POSITIONAL_KILL_CONFIG.format(manifest=manifest).replace(
+        "PositionalRecordsTask", "PackedRowsTask").replace("PackedRowsTask.dropout = 0.3\n", "")
+        .replace("train_steps = 40", "train_steps = 4"))
+    first = Launch(["--workers", "2", "--gin_import=faults", f"--gin_file={config}",
+                    f"--model_dir={tmp_path / 'model'}"])
+    assert first.finish(timeout=300) == 0, first.log()
+    again = Launch(["--workers", "1", "--gin_import=faults", f"--gin_file={config}",
+                    "--gin_param=Trainer.train_steps=8", f"--model_dir={tmp_path / 'model'}"])
+    assert again.finish(timeout=300) != 0
+    assert "resume on the host count it started with, or set positional=False" in again.text(), \
+        again.log()
+    assert listed_steps(tmp_path / "model")[-1] == 4
+
+
 def test_two_workers_resume_from_checkpoint_files_without_a_state_file(tmp_path):
     """Issue 33.1 on 2 worker processes: the chief's `checkpoint` state file deleted
     after step 16; the rerun resumes there on both workers (not from step 0) and ends

@@ -53,6 +53,12 @@ def _is_variable(obj: Any) -> bool:
     return isinstance(obj, (tf.Variable, keras.Variable))
 
 
+def _fits(saved: tuple[int, ...], shape: tuple[int | None, ...]) -> bool:
+    """A saved shape fits a variable's (a None dimension takes any size: a positional
+    input's per-host row sums, whatever the host count that wrote them)."""
+    return len(saved) == len(shape) and all(d is None or d == s for s, d in zip(saved, shape))
+
+
 def _expected_entries(checkpoint: tf.train.Checkpoint) -> dict[str, tuple[Any, str]] | None:
     """{checkpoint key: (shape or None, readable name)} of what `checkpoint` saves.
 
@@ -107,7 +113,7 @@ def describe_mismatch(checkpoint: tf.train.Checkpoint, path: str,
             problems.append(f"{name} {list(shape)} is not in the checkpoint")
             continue
         matched.add(key)
-        if saved[key] != shape:
+        if not _fits(saved[key], shape):
             problems.append(f"{name}: checkpoint has shape {list(saved[key])}, "
                             f"this model {list(shape)}")
     extra = [k for k in saved if k not in matched]

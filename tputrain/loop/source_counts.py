@@ -79,7 +79,11 @@ class SourceCounter:
         # loop, the same on every host.
         self.examples = tf.Variable(tf.zeros([len(self.names)], tf.int64), trainable=False,
                                     name="source_examples") if sources else None
+        # Of any host count: a checkpoint of another one restores, and the input says
+        # what it cannot do there (rows are not carried over to other hosts yet).
+        self.row_hosts = row_hosts
         self.rows = tf.Variable(tf.zeros([row_hosts, 3], tf.int64), trainable=False,
+                                shape=tf.TensorShape([None, 3]),
                                 name="row_sums") if row_hosts else None
 
     def counting(self, step: Callable[[Any], dict[str, tf.Tensor]]
@@ -93,7 +97,7 @@ class SourceCounter:
             if self.examples is not None:
                 logs[COUNTS_LOG] = count_examples(batch[0], self.source_key, len(self.names))
             if self.rows is not None:
-                logs[ROWS_LOG] = row_sums(batch[0], int(self.rows.shape[0]))
+                logs[ROWS_LOG] = row_sums(batch[0], self.row_hosts)
             return logs
         return counted
 

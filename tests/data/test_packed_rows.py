@@ -73,6 +73,18 @@ def test_each_window_packs_on_its_own_and_ends_with_its_row_count(manifest):
     assert 0 < segments.max() and (segments[:, 0] == 1).all()  # every row starts a segment
 
 
+@pytest.mark.parametrize("name", [ROW_HOST, ROW_END])
+def test_a_row_feature_named_as_a_tag_is_refused_not_overwritten(name):
+    """The tags ride in the row's features: a user's feature of that name would be
+    replaced by the tag without a word, and the model would train on it."""
+    from tputrain.data.packed_rows import tagged
+
+    rows = tf.data.Dataset.from_tensors({"tokens": tf.zeros([4], tf.int64),
+                                         name: tf.ones([4], tf.int64)})
+    with pytest.raises(ValueError, match=f"{name}.*rename"):
+        tagged(rows, host=0)
+
+
 def test_rows_on_another_host_count_are_refused_naming_the_fix(manifest):
     context = InputContext(1, 0, 1, global_batch_size=8, examples_consumed=64,
                            layout_history=((0, 2), (32, 1)), row_places=((3, 1),))

@@ -38,6 +38,11 @@ def tagged(rows: tf.data.Dataset, host: int) -> tf.data.Dataset:
     if not isinstance(spec, dict):
         raise TypeError("TFRecordInput(positional=True): to_static must give rows as dicts "
                         f"of features (PackSequences does), got {spec}")
+    taken = sorted(set(spec) & set(ROW_KEYS))
+    if taken:
+        raise ValueError(f"TFRecordInput(positional=True): the rows have a feature named "
+                         f"{taken[0]!r}, the name of the tag each packed row carries for its "
+                         f"place: rename the feature (in the parser or to_static)")
     blank = {name: tf.zeros(s.shape, s.dtype) for name, s in spec.items()}
     marked = rows.map(lambda row: (row, False)).concatenate(
         tf.data.Dataset.from_tensors((blank, True)))

@@ -150,23 +150,26 @@ class PackedTask(tputrain.Task):
         return keras.optimizers.SGD(0.1)
 
 
+def _straight_half_resumed(tmp_path, make_task, global_batch_size: int) -> tuple:
+    """Host-mode Trainers of `make_task()`: 8 steps straight, and 4 steps then a resume
+    to 8 in another model_dir (each trained)."""
+    def trainer(directory, steps):
+        return tputrain.Trainer(make_task(), str(tmp_path / directory),
+                                strategy=tf.distribute.OneDeviceStrategy("/cpu:0"),
+                                train_steps=steps, steps_per_loop=2,
+                                global_batch_size=global_batch_size, checkpoint_every=2,
+                                eval_steps=1, input_mode="host", report_mfu=False)
+    runs = []
+    for directory, steps in (("straight", 8), ("resumed", 4), ("resumed", 8)):
+        runs.append(trainer(directory, steps))
+        runs[-1].train()
+    return tuple(runs)
+
+
 @pytest.mark.slow
 def test_a_packed_mixture_resumes_bitwise_through_the_trainer(tmp_path):
     sources = write_token_sources(tmp_path, {"a": 60, "b": 40}, (0, 30), seed=6, vocab=VOCAB)
-
-    def trainer(directory, steps):
-        return tputrain.Trainer(PackedTask(sources), str(tmp_path / directory),
-                                strategy=tf.distribute.OneDeviceStrategy("/cpu:0"),
-                                train_steps=steps, steps_per_loop=2, global_batch_size=4,
-                                checkpoint_every=2, eval_steps=1, input_mode="host",
-                                report_mfu=False)
-
-    straight = trainer("straight", 8)
-    straight.train()
-    half = trainer("resumed", 4)
-    half.train()
-    resumed = trainer("resumed", 8)
-    resumed.train()
+    straight, half, resumed = _straight_half_resumed(tmp_path, lambda: PackedTask(sources), 4)
     for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     # The last 4 steps moved the weights: equality above is not of untrained models.
@@ -373,20 +376,9 @@ def test_a_positional_mixture_resumes_bitwise_and_its_source_counts_carry_on(tmp
                          "label": rng.integers(0, 2, count)}, str(tmp_path / name),
                         num_shards=4)
         sources.append(str(tmp_path / f"{name}.manifest.json"))
-
-    def trainer(directory, steps):
-        return tputrain.Trainer(PositionalMixtureTask(sources), str(tmp_path / directory),
-                                strategy=tf.distribute.OneDeviceStrategy("/cpu:0"),
-                                train_steps=steps, steps_per_loop=2, global_batch_size=8,
-                                checkpoint_every=2, eval_steps=1, input_mode="host",
-                                report_mfu=False)
-    straight = trainer("straight", 8)
-    straight.train()
-    half = trainer("resumed", 4)
-    half.train()
+    straight, half, resumed = _straight_half_resumed(
+        tmp_path, lambda: PositionalMixtureTask(sources), 8)
     assert half.inputs.saved_state(half.train_iterator) == {}
-    resumed = trainer("resumed", 8)
-    resumed.train()
     for a, b in zip(straight.model.get_weights(), resumed.model.get_weights()):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     counts = [t.inputs.source_counter.examples.numpy().tolist() for t in (straight, resumed)]

@@ -52,10 +52,14 @@ def open_study(spec: TuningSpec, study_dir: str) -> Any:
     os.makedirs(study_dir, exist_ok=True)
     pruner = (optuna.pruners.MedianPruner(n_startup_trials=2) if spec.pruner == "median"
               else optuna.pruners.NopPruner())
-    return optuna.create_study(
+    study = optuna.create_study(
         storage=f"sqlite:///{os.path.abspath(study_dir)}/study.db", study_name=STUDY_NAME,
         direction=spec.goal, sampler=optuna.samplers.TPESampler(seed=spec.seed),
         pruner=pruner, load_if_exists=True)
+    # The sampler's state is not in the study: a continued study seeded as its first run
+    # was would propose that run's points again. Its trials so far move the seed on.
+    study.sampler = optuna.samplers.TPESampler(seed=spec.seed + len(study.trials))
+    return study
 
 
 def suggest(trial: Any, param: Param) -> Any:
@@ -129,14 +133,18 @@ class StudyRunner:
 
     def _poll(self, study: Any, trial: RunningTrial) -> bool:
         """Hands new evaluations to Optuna, prunes, and ends a trial whose run exited."""
+        # Asked first: a run that has exited wrote all its reports, and is not pruned
+        # after the fact (a short run can end between two polls).
+        code = trial.process.poll()
         values = read_report(trial.report, self.spec.metric)
+        last = final_step(study)
         for step in sorted(set(values) - trial.reported):
             trial.handle.report(values[step], step)
             trial.reported.add(step)
-            if not trial.pruned and trial.handle.should_prune():
+            if (code is None and not trial.pruned and (last is None or step < last)
+                    and trial.handle.should_prune()):
                 trial.pruned = True
                 trial.process.send_signal(signal.SIGTERM)  # saves, exits 42
-        code = trial.process.poll()
         if code is None:
             return False
         self._finish(study, trial, code, values)
@@ -146,7 +154,7 @@ class StudyRunner:
                 ) -> None:
         import optuna  # pylint: disable=import-outside-toplevel
         number, states = trial.handle.number, optuna.trial.TrialState
-        if trial.pruned:
+        if trial.pruned and code != 0:  # exit 0: it ended before the signal
             study.tell(trial.handle, state=states.PRUNED)
             state = f"pruned at step {max(trial.reported)}"
         elif code == 0 and values:
@@ -160,6 +168,15 @@ class StudyRunner:
                 raise TrialConfigError(f"trial {number} refused its config: "
                                        f"{last_error(self.path(number, '.log'))}")
         print(f"tputrain tune: trial {number} {state}", flush=True)
+
+
+def final_step(study: Any) -> int | None:
+    """The last step the completed trials report (their runs' end): a trial that has
+    reached it has finished, and is not pruned there; None before any completes."""
+    import optuna  # pylint: disable=import-outside-toplevel
+    ends = [max(t.intermediate_values) for t in study.get_trials(
+        states=(optuna.trial.TrialState.COMPLETE,)) if t.intermediate_values]
+    return max(ends, default=None)
 
 
 def last_error(log_path: str) -> str:

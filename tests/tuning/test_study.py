@@ -1,0 +1,50 @@
+"""The study `tputrain tune` keeps (tputrain/tuning/study.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tputrain.tuning.spec import parse_spec
+
+optuna = pytest.importorskip("optuna", reason="the tune extra: pip install 'tputrain[tune]'")
+
+SPEC = {"metric": "accuracy", "goal": "maximize", "trials": 6,
+        "params": {"build_optimizer.learning_rate": {"min": 1e-4, "max": 0.3, "scale": "log"},
+                   "DigitsTask.dropout": {"min": 0.0, "max": 0.6}}}
+
+
+def _asked(study, spec) -> tuple:
+    from tputrain.tuning.study import suggest
+
+    trial = study.ask()
+    values = tuple(suggest(trial, param) for param in spec.params)
+    study.tell(trial, 0.5)
+    return values
+
+
+def test_a_continued_study_does_not_propose_the_points_it_already_tried(tmp_path):
+    """A study killed and run again opens its sampler anew: seeded as the first run was,
+    it proposed the first run's points again (trials 3-5 repeated 0-2's params)."""
+    from tputrain.tuning.study import open_study
+
+    spec = parse_spec(SPEC)
+    first = [_asked(open_study(spec, str(tmp_path)), spec) for _ in range(3)]
+    again = [_asked(open_study(spec, str(tmp_path)), spec) for _ in range(3)]
+    assert not set(first) & set(again), (first, again)
+    fresh = [_asked(open_study(spec, str(tmp_path / "other")), spec) for _ in range(3)]
+    assert fresh[0] == first[0]  # the spec's seed still fixes a new study's first point
+
+
+def test_a_trial_at_the_completed_trials_last_step_has_finished_and_is_not_pruned(tmp_path):
+    """The median pruner judged a trial's last report too: one that trained to the end
+    but below the median was told PRUNED at step 400, as if stopped early."""
+    from tputrain.tuning.study import final_step, open_study
+
+    study = open_study(parse_spec(SPEC), str(tmp_path))
+    assert final_step(study) is None
+    for value in (0.9, 0.8):
+        trial = study.ask()
+        for step in (100, 200):
+            trial.report(value, step)
+        study.tell(trial, value)
+    assert final_step(study) == 200

@@ -79,6 +79,28 @@ def test_a_trial_writes_its_metric_where_vertex_reads_it_at_each_evaluation(tmp_
     assert seen == {20: {}, 40: {20: evaluated[20]}, 60: {20: evaluated[20], 40: evaluated[40]}}
 
 
+def test_a_trial_resumed_at_its_end_reports_its_last_evaluation_beside_the_earlier(
+        tmp_path, monkeypatch):
+    """`tputrain tune` killed as a trial saved its last checkpoint, before that step's
+    evaluation reached the report: the rerun has nothing to train, and the trial's
+    value was the step before's. Its evaluation at the end must reach the report, and
+    a new process must keep the steps the file already holds."""
+    path = tmp_path / "report.metrics"
+    monkeypatch.setenv("TPUTRAIN_TUNE_METRIC", "accuracy")
+    monkeypatch.setenv("CLOUD_ML_HP_METRIC_FILE", str(path))
+
+    def train():
+        tputrain.Trainer(TinyTask(), str(tmp_path / "model"),
+                         strategy=tf.distribute.OneDeviceStrategy("/cpu:0"), train_steps=40,
+                         steps_per_loop=20, eval_every=20, global_batch_size=16,
+                         report_mfu=False).train()
+    train()
+    first = path.read_text().splitlines()
+    path.write_text(first[0] + "\n")  # step 40's line never written: the kill came first
+    train()
+    assert sorted(read_report(str(path), "accuracy")) == [20, 40]
+
+
 def test_a_tuning_metric_the_run_does_not_have_is_refused_before_training(tmp_path,
                                                                           monkeypatch):
     monkeypatch.setenv("TPUTRAIN_TUNE_METRIC", "accuracy_top5")

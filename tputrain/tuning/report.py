@@ -60,9 +60,16 @@ class TrialReport(Action):
             raise ValueError(f"the tuning metric {self.metric!r} is not one of this run's eval "
                              f"metrics {names}: fix `metric` in the tuning spec")
 
+    def eval_recorded(self, context: ActionContext, step: int) -> bool:
+        """Whether the report holds `step`: a rerun of a trial killed between its last
+        checkpoint and that evaluation's line evaluates again for it."""
+        return not context.is_chief or step in read_report(self.path, self.metric)
+
     def on_eval_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         if not context.is_chief or self.metric not in logs:
             return
+        if not self.entries:  # a resumed trial's process keeps what the file holds
+            self.entries = _entries(self.path)
         self.entries = [e for e in self.entries if int(e["global_step"]) != step][-(KEEP - 1):]
         self.entries.append({"global_step": str(step), self.metric: str(float(logs[self.metric])),
                              "timestamp": time.time(), "trial": self.trial})
@@ -76,17 +83,29 @@ def with_trial_report(actions: list[Action]) -> list[Action]:
     return actions + [report] if report else actions
 
 
-def read_report(path: str, metric: str) -> dict[int, float]:
-    """{step: value} of a report file (missing or half-written: what is there)."""
+def _entries(path: str) -> list[dict[str, object]]:
+    """The entries of a report file with a step (missing or half-written: what is there)."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except FileNotFoundError:
-        return {}
-    values = {}
+        return []
+    entries = []
     for line in lines:
         try:
             entry = json.loads(line)
+            int(entry["global_step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        entries.append(entry)
+    return entries
+
+
+def read_report(path: str, metric: str) -> dict[int, float]:
+    """{step: value} of a report file (missing or half-written: what is there)."""
+    values = {}
+    for entry in _entries(path):
+        try:
             values[int(entry["global_step"])] = float(entry[metric])
         except (ValueError, KeyError, TypeError):
             continue

@@ -137,8 +137,9 @@ class StudyRunner:
         # after the fact (a short run can end between two polls).
         code = trial.process.poll()
         values = read_report(trial.report, self.spec.metric)
-        last = final_step(study)
-        for step in sorted(set(values) - trial.reported):
+        new = sorted(set(values) - trial.reported)
+        last = final_step(study) if new else None  # a study query only for new reports
+        for step in new:
             trial.handle.report(values[step], step)
             trial.reported.add(step)
             if (code is None and not trial.pruned and (last is None or step < last)

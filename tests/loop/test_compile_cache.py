@@ -145,6 +145,22 @@ def test_the_default_folder_is_per_cpu_so_another_cpu_never_reads_a_program(monk
     assert older != newer and os.path.dirname(older) == os.path.dirname(newer)
 
 
+def test_an_instruction_set_cap_in_xla_flags_gets_a_folder_of_its_own(monkeypatch, tmp_path):
+    # XLA_FLAGS=--xla_cpu_max_isa=AVX2 compiles AVX2 programs on an AVX-512 host; the
+    # cache's key ignores XLA_FLAGS, so the host's folder would hand AVX-512 ones back.
+    monkeypatch.delenv(compile_cache.ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    uncapped = compile_cache.default_directory()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=AVX2")
+    capped = compile_cache.default_directory()
+    assert capped != uncapped and os.path.dirname(capped) == os.path.dirname(uncapped)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x --xla_cpu_max_isa=AVX2")
+    assert compile_cache.default_directory() == capped  # the cap alone decides
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    assert compile_cache.default_directory() == uncapped
+
+
 # ------------------------------------------------------------ damaged caches (issue 50)
 #
 # The cache is an optimisation: a damaged, truncated, foreign or unreadable entry is

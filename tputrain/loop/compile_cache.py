@@ -83,12 +83,18 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
+def _isa_cap() -> list[str]:
+    """XLA_FLAGS's cap on the instruction set XLA compiles for (`--xla_cpu_max_isa=AVX2`):
+    TensorFlow's cache key leaves XLA_FLAGS out, so a capped run needs a folder of its own."""
+    return re.findall(r"--xla_cpu_max_isa=\S+", os.environ.get("XLA_FLAGS", ""))
+
+
 def cpu_key() -> str:
     """A short name for the host CPU's instruction set: the cache's subfolder, because
     XLA compiles CPU programs for the host (AVX-512, say) and a cache shared with a
     machine without it (a home folder on a network file system) must not hand them over."""
-    digest = hashlib.sha256(" ".join(sorted(_cpu_features().split())).encode()).hexdigest()
-    return f"{platform.machine() or 'cpu'}-{digest[:10]}"
+    digest = hashlib.sha256(" ".join(sorted(_cpu_features().split()) + _isa_cap()).encode())
+    return f"{platform.machine() or 'cpu'}-{digest.hexdigest()[:10]}"
 
 
 def default_directory() -> str | None:

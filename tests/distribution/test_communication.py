@@ -192,6 +192,7 @@ def test_a_second_train_call_reuses_the_measured_all_reduce(tmp_path, monkeypatc
     # A notebook's train() calls on one Trainer: the gradients' all-reduce is timed once
     # (it takes about 1.5x CommunicationAction.seconds of every core), not per call.
     from tputrain.actions import communication as action_module
+    monkeypatch.setattr(action_module, "_MEASURED", {})  # not timed by an earlier test
     calls = []
     measure = action_module.measure_allreduce
     monkeypatch.setattr(action_module, "measure_allreduce",
@@ -207,3 +208,41 @@ def test_a_second_train_call_reuses_the_measured_all_reduce(tmp_path, monkeypatc
     first, second = recorder.loops
     assert second["comm/gradient_bytes"] == first["comm/gradient_bytes"] > 0
     assert 0 < second["comm/allreduce_fraction"] <= 1
+
+
+class WideTask(TinyTask):
+    """TinyTask with other gradient shapes: an all-reduce of other bytes."""
+
+    def build_model(self):
+        import keras
+        inputs = keras.Input((8,), name="x")
+        logits = keras.layers.Dense(2, dtype="float32")(keras.layers.Dense(32)(inputs))
+        return keras.Model({"x": inputs}, logits)
+
+
+def test_trainers_of_one_process_time_an_all_reduce_of_the_same_gradients_once(
+        tmp_path, monkeypatch):
+    # A sweep or notebook builds Trainer after Trainer on the same devices: the same
+    # gradients' all-reduce is timed once a process (about 1.5x CommunicationAction.seconds
+    # of every core each time), a new shape, dtype or device set again.
+    from tputrain.actions import communication as action_module
+    monkeypatch.setattr(action_module, "_MEASURED", {})
+    calls = []
+    measure = action_module.measure_allreduce
+    monkeypatch.setattr(action_module, "measure_allreduce",
+                        lambda *a, **k: calls.append(1) or measure(*a, **k))
+
+    def fraction(name, task, **communication):
+        recorder = Recorder()
+        tputrain.Trainer(task, str(tmp_path / name), strategy=strategy_for(2), train_steps=2,
+                         steps_per_loop=2, global_batch_size=16, eval_steps=1,
+                         report_mfu=False, actions=[recorder],
+                         communication=CommunicationOptions(**communication)).train()
+        return recorder.loops[0]["comm/allreduce_fraction"]
+
+    assert 0 < fraction("a", TinyTask()) <= 1
+    assert 0 < fraction("b", TinyTask()) <= 1
+    assert len(calls) == 1
+    fraction("c", WideTask())
+    fraction("d", TinyTask(), allreduce_dtype="bfloat16")
+    assert len(calls) == 3

@@ -55,7 +55,17 @@ HEADLINE_GOALS = [
     (("conv.tputrain_vs_orbit",), "Conv net vs Orbit"),
     (("mobilenet.tputrain_best_vs_keras_fit_best",), "MobileNet vs `fit` at its best"),
     (("mobilenet.tputrain_fit_vs_keras_fit_best",), "MobileNet `tputrain.fit` vs `fit` at its best"),
+    (("efficientnetb0.tputrain_best_vs_keras_fit_best",), "EfficientNetB0 vs `fit` at its best"),
+    (("efficientnetb0.tputrain_fit_vs_keras_fit_best",),
+     "EfficientNetB0 `tputrain.fit` vs `fit` at its best"),
 ]
+# Issue 55's grid (`grid`): these workloads' training-loop results from this date on,
+# the latest a (CPU, emulation, workload, replicas, precision).
+GRID_WORKLOADS = ("mobilenet", "efficientnetb0", "conv", "mlp", "transformer")
+GRID_SINCE = "2026-11-29"
+FIT_CONFIGURATIONS = {"keras_fit": "strategy", "keras_fit_xla": "strategy, XLA",
+                      "keras_fit_no_strategy": "no strategy",
+                      "keras_fit_xla_no_strategy": "no strategy, XLA"}
 RESUME_RATIOS = {"exact_resume_vs_skip_resume_cpu": "exact resume on vs off",
                  "guard_on_vs_off_cpu": "guard on vs off",
                  "update_on_each_device_vs_tensorflow_kernels_cpu":
@@ -217,6 +227,43 @@ def table(folder: pathlib.Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
+def _grid_cells(path: pathlib.Path, report: dict[str, Any]) -> dict[tuple, str]:
+    """One grid row a workload of the file: keyed (CPU, workload, replicas, precision)."""
+    machine, goals, cells = report.get("machine", {}), report.get("goals", {}), {}
+    cpu = machine.get("cpu", "-") + (f", emulating {machine['emulation']}"
+                                     if machine.get("emulation") else "")
+    for name in GRID_WORKLOADS:
+        result = report.get("workloads", {}).get(name)
+        if not result or f"{name}.tputrain_best_vs_keras_fit_best" not in goals:
+            continue
+        ratios = [goals.get(f"{name}.{key}_vs_keras_fit_best", {}).get("measured_cpu_time_paired")
+                  for key in ("tputrain_best", "tputrain_fit")]
+        fits = {n: result[n] for n in FIT_CONFIGURATIONS if "steps_per_cpu_second" in result.get(n, {})}
+        best = max(fits, key=lambda n: fits[n]["steps_per_cpu_second"])
+        key = (cpu, GRID_WORKLOADS.index(name), result["replicas"], result["precision"])
+        cells[key] = " | ".join([
+            cpu, name, str(result["replicas"]), result["precision"],
+            *[f"{r:.2f}" + ("" if r >= 1.0 else " (loss)") if r else "-" for r in ratios],
+            f"{FIT_CONFIGURATIONS[best]}, {fits[best]['best_steps_per_call']} steps a call "
+            f"(of {len(fits)})", result.get("tputrain_xla_plan", "-"), str(result["repeats"]),
+            load_average(report), f"`{path.name}`"])
+    return cells
+
+
+def grid(folder: pathlib.Path = RESULTS) -> str:
+    """Issue 55's grid: tputrain's defaults and `tputrain.fit` over Keras `fit` at its best
+    (CPU time, paired: the median over rounds of the within-round ratio)."""
+    cells: dict[tuple, str] = {}
+    for path, report in result_files(folder):
+        date, benchmark, _ = parse_name(path)
+        if benchmark == "train_loop" and date >= GRID_SINCE:
+            cells.update(_grid_cells(path, report))  # a later file replaces the cell
+    lines = ["| CPU | workload | replicas | precision | tputrain / `fit` at its best | "
+             "`tputrain.fit` / `fit` at its best | `fit`'s best | tputrain's XLA plan | rounds "
+             "| load average | file |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    return "\n".join(lines + [f"| {cells[key]} |" for key in sorted(cells)])
+
+
 def contender_rows(workload: dict[str, Any]) -> list[str]:
     rows = []
     for name, label in LABELS.items():
@@ -266,6 +313,7 @@ def replace_between(text: str, marker: str, body: str) -> str:
 def render(text: str, folder: pathlib.Path = RESULTS) -> str:
     """`text` (the page) with the table and the latest training-loop detail regenerated."""
     text = replace_between(text, "results", table(folder))
+    text = replace_between(text, "grid", grid(folder))
     loops = [(path, report) for path, report in result_files(folder)
              if parse_name(path)[1].startswith("train_loop")]
     return replace_between(text, "train_loop_latest", detail(*loops[-1])) if loops else text

@@ -93,6 +93,7 @@ import result_file  # noqa: E402  (benchmarks/, this script's folder)
 from resume_time import cpu_kind  # noqa: E402  (benchmarks/: lscpu's instruction sets)
 import tputrain  # noqa: E402
 from tputrain.data import InputContext  # noqa: E402
+from tputrain.loop.convolutions import onednn_enabled  # noqa: E402
 from tputrain.observe.flops import _cpu_name  # noqa: E402
 from tputrain.precision import to_float32  # noqa: E402
 from tputrain.tasks import SyntheticLMTask  # noqa: E402
@@ -406,6 +407,11 @@ class TputrainContender(Contender):
     @property
     def flops_per_step(self) -> float | None:
         return self.trainer.flops_per_step
+
+    @property
+    def xla_plan(self) -> str:
+        """Why the step runs as it does (the start-up line's `XLA ...`)."""
+        return self.trainer._steps.run_plan.xla_plan.why  # pylint: disable=protected-access
 
 
 class TputrainFitContender(Contender):
@@ -787,7 +793,8 @@ def serve(conn, workload_name: str, quick: bool, kind_name: str, ks: list[int],
         conn.send(("error", message if len(message) <= 800 else
                    f"{message[:300]} ... {message[-500:]}"))
         return
-    conn.send(("ready", getattr(contenders[ks[0]], "flops_per_step", None)))
+    conn.send(("ready", {key: getattr(contenders[ks[0]], key, None)
+                         for key in ("flops_per_step", "xla_plan")}))
     while True:
         request = conn.recv()
         if request[0] == "stop":
@@ -810,6 +817,7 @@ class ContenderProcess:
         self._process.start()
         child.close()
         self.flops_per_step: float | None = None
+        self.xla_plan: str | None = None
 
     def wait_ready(self) -> None:
         """Raises RuntimeError with the child's error if it could not prepare."""
@@ -820,7 +828,7 @@ class ContenderProcess:
         if status != "ready":
             self.close()
             raise RuntimeError(value)
-        self.flops_per_step = value
+        self.flops_per_step, self.xla_plan = value["flops_per_step"], value["xla_plan"]
 
     def measure(self, k: int, steps: int) -> tuple[float, float]:
         try:
@@ -873,6 +881,7 @@ def run_workload(name: str, quick: bool, precision: str, kinds: list[type[Conten
             cpu_rates.setdefault((process.name, k), []).append(cpu)
         if process.name == "tputrain":
             flops.setdefault("per_step", process.flops_per_step)
+            flops.setdefault("xla_plan", process.xla_plan)
 
     def start(kind: type[Contender]) -> ContenderProcess | None:
         process = ContenderProcess(name, quick, kind, ks, precision, replicas)
@@ -911,6 +920,8 @@ def run_workload(name: str, quick: bool, precision: str, kinds: list[type[Conten
                     "repeats": repeats, "fresh_process_each_round": fresh})
     if flops.get("per_step"):
         results["flops_per_step"] = flops["per_step"]
+    if flops.get("xla_plan"):
+        results["tputrain_xla_plan"] = flops["xla_plan"]
     return results
 
 
@@ -1080,6 +1091,18 @@ def add_goals(report: dict[str, Any], workloads: dict[str, Any]) -> None:
                 "measured_cpu_time": lm_result[key]["value_cpu_time"]}
 
 
+# Environment variables that make TensorFlow run as on a lesser CPU (an AVX2-only one
+# emulated on an AVX-512 machine): oneDNN off, oneDNN's and XLA's instruction sets capped.
+ISA_LIMITS = ("TF_ENABLE_ONEDNN_OPTS", "ONEDNN_MAX_CPU_ISA", "XLA_FLAGS")
+
+
+def isa_limits() -> dict[str, str]:
+    """{"emulation": the limiting variables as set} when any is set, else {}: a run
+    under them is named as an emulation in its JSON (`docs/performance.md`'s grid)."""
+    found = [f"{name}={os.environ[name]}" for name in ISA_LIMITS if os.environ.get(name)]
+    return {"emulation": " ".join(found)} if found else {}
+
+
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny models, one repeat")
@@ -1122,6 +1145,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "command": " ".join(["python benchmarks/train_loop.py", *sys.argv[1:]]),
         "machine": {"cpu": _cpu_name(), "cpu_flags": cpu_kind(), "cores": os.cpu_count(),
+                    "onednn": onednn_enabled(), **isa_limits(),
                     "strategy": type(strategy).__name__,
                     "replicas": strategy.num_replicas_in_sync, "tensorflow": tf.__version__,
                     "keras": keras.__version__, "load_average_before": load_before},

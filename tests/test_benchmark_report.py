@@ -111,3 +111,36 @@ def test_a_guard_cost_row_gives_each_setups_paired_ratio_against_the_goal(tmp_pa
     assert row == ("| 2030-01-01 | guard_cost | - | replica_1.mlp guard on vs off (CPU, paired) "
                    "0.996 (goal 0.99: met)<br>workers_2.mlp guard on vs off (CPU, paired) "
                    "0.981 (goal 0.99: not met) | 2.0-4.5 |")
+
+
+def _grid_result(ours: float, fit: float | None, load: float, emulation: str = "") -> dict:
+    """A train_loop result of the MobileNet on 2 replicas in bf16, as the grid reads it."""
+    goals = {"mobilenet.tputrain_best_vs_keras_fit_best": {"measured_cpu_time_paired": ours}}
+    if fit is not None:
+        goals["mobilenet.tputrain_fit_vs_keras_fit_best"] = {"measured_cpu_time_paired": fit}
+    machine = {"cpu": "Xeon", "load_average_before": [load, 1, 1],
+               "load_average_after": [load, 1, 1], **({"emulation": emulation} if emulation else {})}
+    fits = {"keras_fit": {"steps_per_cpu_second": 2.0, "best_steps_per_call": 10},
+            "keras_fit_xla": {"steps_per_cpu_second": 3.0, "best_steps_per_call": 20}}
+    return {"machine": machine, "goals": goals, "workloads": {"mobilenet": {
+        "replicas": 2, "precision": "mixed_bfloat16", "repeats": 5,
+        "tputrain_xla_plan": "auto: off", **fits}}}
+
+
+def test_the_grid_has_the_latest_cell_per_cpu_with_fits_best_and_losses_marked(tmp_path):
+    for name, result in (("2030-01-01-train_loop-old", _grid_result(0.5, 0.5, 9.0)),
+                         ("2030-01-02-train_loop-new", _grid_result(1.234, 0.987, 2.0)),
+                         ("2030-01-02-train_loop-emu", _grid_result(1.1, None, 3.0, "X=1")),
+                         ("2020-01-02-train_loop-before", _grid_result(2.0, 2.0, 1.0))):
+        (tmp_path / f"{name}.json").write_text(json.dumps(result))
+    report = load("report")
+    original, report.GRID_SINCE = report.GRID_SINCE, "2030-01-01"
+    try:
+        rows = report.grid(tmp_path).splitlines()[2:]
+    finally:
+        report.GRID_SINCE = original
+    assert rows == [
+        "| Xeon | mobilenet | 2 | mixed_bfloat16 | 1.23 | 0.99 (loss) | strategy, XLA, 20 steps "
+        "a call (of 2) | auto: off | 5 | 2.0 / 2.0 | `2030-01-02-train_loop-new.json` |",
+        "| Xeon, emulating X=1 | mobilenet | 2 | mixed_bfloat16 | 1.10 | - | strategy, XLA, 20 "
+        "steps a call (of 2) | auto: off | 5 | 3.0 / 3.0 | `2030-01-02-train_loop-emu.json` |"]

@@ -61,3 +61,14 @@ def test_the_keras_applications_workloads_build_logits_from_images():
         logits = model({"image": images}, training=False)
         assert logits.shape == (2, task.classes) and logits.dtype == tf.float32, name
         assert spec.model.startswith(f"keras.applications.{bench.APPLICATIONS[name][0]} ")
+
+
+def test_a_run_under_instruction_set_caps_names_them_as_an_emulation(monkeypatch):
+    bench = _train_loop()
+    for name in bench.ISA_LIMITS:
+        monkeypatch.delenv(name, raising=False)
+    assert bench.isa_limits() == {}
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "0")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=AVX2")
+    assert bench.isa_limits() == {
+        "emulation": "TF_ENABLE_ONEDNN_OPTS=0 XLA_FLAGS=--xla_cpu_max_isa=AVX2"}

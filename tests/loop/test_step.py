@@ -380,8 +380,27 @@ def test_steps_per_program_trains_bitwise_as_one_step_a_launch(tmp_path):
     assert int(mixed.step.numpy()) == 14
     assert same(trained("one14", steps_per_program=1, train_steps=14), mixed)
 
-@pytest.mark.slow
+def test_a_program_of_several_steps_traces_the_step_once(tmp_path):
+    """The program's while loop sums the step's logs from zeros shaped by a trace of
+    the step; that same trace runs in the loop (a second trace cost every run's
+    start-up as much again)."""
+    from tiny import TinyTask
 
+    class CountingTask(TinyTask):
+        traces = 0
+
+        def compute_gradients(self, *args, **kwargs):
+            CountingTask.traces += 1
+            return super().compute_gradients(*args, **kwargs)
+
+    trainer = program_trainer(tmp_path, "counted", task=CountingTask(), steps_per_program=4,
+                              train_steps=8, report_mfu=False)
+    trainer.train()
+    assert trainer.steps_per_program == 4 and int(trainer.step.numpy()) == 8
+    assert CountingTask.traces == 1
+
+
+@pytest.mark.slow
 def test_a_resume_between_programs_is_bitwise(tmp_path):
     """Stopped at step 4 and resumed to 12 (4 a launch) = 12 uninterrupted steps."""
     first = program_trainer(tmp_path, "resumed", steps_per_program=4, train_steps=4)

@@ -216,12 +216,12 @@ def _keeping_state(step: Callable, guard: NonFiniteGuard, variables: list[Any]) 
     return keeping
 
 
-def _log_zeros(step: Callable, batch_spec: Any) -> Any:
-    """Zeros shaped like the logs `step` returns, from a trace of it that never runs
-    (sums over a while loop need their structure before the first step)."""
+def _traced_step(step: Callable, batch_spec: Any) -> tf.types.experimental.ConcreteFunction:
+    """`step` traced once for `batch_spec`: the program's loop calls this trace, and
+    sums its logs from zeros shaped like them (a while loop needs the sums' structure
+    before its first step), so the step is not traced a second time inline."""
     traced = step if hasattr(step, "get_concrete_function") else tf.function(step)
-    logs = traced.get_concrete_function(batch_spec).structured_outputs
-    return zeros_of(logs)
+    return traced.get_concrete_function(batch_spec)
 
 
 def steps_program(step: Callable, steps: int, counter: tf.Variable,
@@ -235,12 +235,11 @@ def steps_program(step: Callable, steps: int, counter: tf.Variable,
     (docs/performance.md). Once `stop()` says so (the guard tripped) no further step
     trains; the counter still moves past the batches taken, where the data is.
     """
-    one_step = getattr(step, "python_function", step)
-
     @tf.function(jit_compile=True)
     def run(batches: tuple, n: tf.Tensor) -> tuple[Any, tf.Tensor]:
         group = tf.nest.map_structure(lambda *parts: tf.stack(parts), *batches)
         spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), group)
+        one_step = _traced_step(step, spec)
 
         def body(j, totals, stopped):
             del stopped
@@ -249,7 +248,7 @@ def steps_program(step: Callable, steps: int, counter: tf.Variable,
 
         ran, totals, _ = tf.while_loop(
             lambda j, totals, stopped: tf.logical_and(j < n, tf.logical_not(stopped)), body,
-            (tf.constant(0), _log_zeros(step, spec), tf.constant(False)),
+            (tf.constant(0), zeros_of(one_step.structured_outputs), tf.constant(False)),
             maximum_iterations=steps)
         counter.assign_add(tf.cast(n - ran, counter.dtype))
         return totals, ran

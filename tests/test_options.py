@@ -77,6 +77,7 @@ def test_old_gin_names_fill_the_options_with_a_warning_naming_the_replacement(ca
     import gin
 
     import tputrain
+    import tputrain.config.registry  # noqa: F401  before gin's own parse (docs/configuration.md)
 
     gin.clear_config()
     try:

@@ -38,11 +38,16 @@ def assert_masks_differ_at_every_step(first: np.ndarray, second: np.ndarray) -> 
         assert (first[step] != second[step]).any(), f"step {step}: the same dropout mask"
 
 
-def test_two_replicas_draw_different_dropout_masks_at_every_step(tmp_path):
+@pytest.mark.parametrize("jit_compile", ["auto", pytest.param(True, marks=pytest.mark.slow)])
+def test_two_replicas_draw_different_dropout_masks_at_every_step(tmp_path, jit_compile):
+    # Under XLA the masks are ThreeFry draws (loop/xla_dropout.py), seeded as without it.
     trainer = tputrain.Trainer(MaskProbeTask(), str(tmp_path), strategy=strategy_for(2),
                                train_steps=STEPS, steps_per_loop=2, global_batch_size=BATCH,
-                               checkpoint_every=STEPS, eval_steps=1, report_mfu=False)
+                               checkpoint_every=STEPS, eval_steps=1, report_mfu=False,
+                               jit_compile=jit_compile)
     trainer.train()
+    if jit_compile is True:  # the masks were drawn inside XLA, on each device
+        assert trainer.plan.xla_plan.gradients_only
     assert_masks_differ_at_every_step(*trainer.model.get_layer("probe").local_masks())
 
 

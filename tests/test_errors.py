@@ -252,6 +252,7 @@ for model_dir in sys.argv[1:]:
 """
 
 
+@pytest.mark.start_early(5)
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for private mounts")
 def test_room_counts_the_iterator_and_keep_plus_one_and_checkpoints_must_be_writable(tmp_path):
     """Issue 10.5 on real mounts: a 2 MiB disk passed the old estimate (2 x 0.4 MiB of
@@ -493,6 +494,7 @@ except OSError as error:
 """
 
 
+@pytest.mark.start_early(2)
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for private mounts")
 def test_a_finished_run_rerun_on_a_nearly_full_disk_has_nothing_to_train(tmp_path):
     """Issue 50.7 on a real tmpfs: a scheduler's retry of a finished, exported job on a

@@ -16,6 +16,7 @@ from tiny import strategy_for
 
 pytestmark = pytest.mark.same_worker("replica_equivalence")
 
+@pytest.mark.start_early(0)
 @pytest.mark.parametrize("replicas", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_replicas_equal_one_replica_with_every_option(one_replica, tmp_path, replicas):
     strategy = strategy_for(replicas)

@@ -91,6 +91,7 @@ def _train(tmp_path, name: str, lean: str, replicas: int | str) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+@pytest.mark.start_early(1)
 @pytest.mark.parametrize("replicas", [1, pytest.param(2, marks=pytest.mark.slow), "collective"])
 def test_a_users_control_flow_is_converted_and_the_weights_are_those_of_lean_tracing_off(
         tmp_path, replicas):  # one device; MirroredStrategy over two, reduced on one

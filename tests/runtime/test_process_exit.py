@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from faults import child_env
 
 
@@ -13,6 +15,7 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=child_env(), timeout=300)
 
 
+@pytest.mark.start_early(3)
 def test_a_trainers_iterators_are_not_freed_at_interpreter_exit(tmp_path):
     # Registered before tputrain's import, so it runs after tputrain's hook (atexit
     # runs last-registered first) and sees what the hook kept: the Trainer's iterator,

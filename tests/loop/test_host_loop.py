@@ -104,3 +104,33 @@ def test_a_short_last_loop_compiles_no_xla_program_a_whole_loop_did_not(tmp_path
     shutil.copytree(tmp_path / "stopped", tmp_path / "stopped_too")
     resumed_whole_loops = train("stopped", 81)
     assert train("stopped_too", 82) == resumed_whole_loops
+
+
+def _matmuls(trainer: tputrain.Trainer) -> int:
+    """MatMul ops in the host loop's traced graph, its function library included."""
+    loop = trainer._train_loop_fn.__self__.loop  # pylint: disable=protected-access
+    count = 0
+    for function in loop._list_all_concrete_functions():  # pylint: disable=protected-access
+        graph = function.graph.as_graph_def()
+        count += sum(node.op == "MatMul" for node in graph.node)
+        count += sum(node.op == "MatMul" for f in graph.library.function for node in f.node_def)
+    return count
+
+
+@pytest.mark.parametrize("steps_per_fetch", [1, 2])
+def test_the_loop_holds_the_step_once_a_replica_on_two_replicas(tmp_path, steps_per_fetch):
+    """Compile time on N replicas (issue 55): the step is inlined on several replicas,
+    so the loop's graph (traced, optimized and instantiated before the first step)
+    holds it once a replica, as one replica's loop holds its one traced step, not once
+    for a peeled first step and again for the steps after it."""
+    matmuls = {}
+    for replicas in (1, 2):
+        trainer = tputrain.Trainer(TinyTask(), str(tmp_path / str(replicas)),
+                                   strategy=strategy_for(replicas), train_steps=4,
+                                   steps_per_loop=4, steps_per_fetch=steps_per_fetch,
+                                   global_batch_size=16, jit_compile=False, report_mfu=False)
+        trainer.run_loop(4)
+        matmuls[replicas] = _matmuls(trainer)
+        trainer.close()
+    assert matmuls[1] > 0
+    assert matmuls[2] == 2 * matmuls[1]

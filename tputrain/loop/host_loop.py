@@ -1,9 +1,12 @@
 """Many steps in one `tf.function`: the host loop.
 
 The host pays Python and dispatch overhead once per loop of `num_steps` steps
-(a `tf.while_loop`) instead of once per step. The first step is peeled so the
-accumulators get the step's log structure; later steps stop cleanly when the
-data ends (`get_next_as_optional`), so a partial loop is never replayed.
+(a `tf.while_loop`) instead of once per step. Every step, the first too, runs
+from the one call in the loop, its sums started at zeros of the step's logs
+(`HostLoop.log_zeros`): on several replicas, where the step is inlined, the
+loop's graph holds it once a replica. Steps stop cleanly when the data ends
+(`get_next_as_optional`), so a partial loop is never replayed; a loop whose
+first fetch finds none fails ("input exhausted").
 
 Input wait: one fetch (`get_next`) per step, or per `steps_per_fetch` steps when
 training, bracketed by two timestamps. The loop body of the previous step has
@@ -89,7 +92,7 @@ class HostLoop:
         self.grouped = count_steps and inputs.plan.input_mode == "host"
         self.fetch = inputs.plan.steps_per_fetch if self.grouped else 1
         self.loop = tracing.loop_function(self._loop)  # the step converts user code
-        # The step traced once, called in 3 places; the counting stays in the loop's own
+        # The step traced once (`log_zeros` and the loop); the counting stays in the loop's own
         # graph (in a nested function, a mirrored counter's update also ran for a fetch
         # that had no batch: tests/test_trainer.py::test_finite_train_data_stops_cleanly).
         # With several replicas (local devices or workers) it stays inline: a collective
@@ -159,37 +162,55 @@ class HostLoop:
             return value.get_value() if self.grouped else self.inputs.distribute(value)
 
     @tracing.graph_helper
-    def first_step(self, batches: Any) -> dict[str, tf.Tensor]:
-        return self.one_step(self.inputs.distribute_from_group(batches, tf.constant(0))
-                             if self.grouped else batches)
+    def step_batch(self, batches: Any, j: tf.Tensor) -> Any:
+        """Step `j`'s batch of a fetched group (host training), else the step's batch."""
+        return self.inputs.distribute_from_group(batches, j) if self.grouped else batches
 
-    def steps_on(self, batches: Any, totals: Any, steps: tf.Tensor, first: int):
-        """Runs the steps of one fetch from step `first` on; returns the new sums."""
+    def log_zeros(self, iterator) -> Any:
+        """Zeros shaped like the summed logs of a step, for the loop's sums to start from
+        (0 + x is x: the sums are bitwise those started from the first step's logs).
+
+        From a trace of a fetch and a step that never runs: on one replica (lean tracing)
+        the loop's own call of the step reuses that trace; on several, where the step is
+        inlined, it is traced again in the loop, but the loop's graph, which is
+        optimized and instantiated before the first step, holds it once.
+        """
+        @tracing.graph_helper
+        def fetch_and_step(iterator):
+            has_value, value = self._next_value(iterator)
+            return self._replica_call(self.step_batch(self.batches_of(value, has_value),
+                                                      tf.constant(0)))
+        # Converted by AutoGraph as the loop is (with lean tracing off, the step's code).
+        traced = tracing.loop_function(fetch_and_step).get_concrete_function(iterator)
+        return zeros_of(traced.structured_outputs)
+
+    def steps_on(self, batches: Any, totals: Any, steps: tf.Tensor):
+        """Runs the steps of one fetch; returns the new sums."""
         if self.fetch == 1:
-            if first == 0:
-                totals = tf.nest.map_structure(tf.add, totals, self.first_step(batches))
-                steps += 1
-            return totals, steps
+            totals = tf.nest.map_structure(tf.add, totals,
+                                           self.one_step(self.step_batch(batches, tf.constant(0))))
+            return totals, steps + 1
         # An explicit while loop, not AutoGraph's `for j in tf.range`: the loop is
         # traced without AutoGraph (`tracing.loop_function`).
         def body(j, totals, steps):
             totals, steps = self.unless_tripped(
-                lambda: (tf.nest.map_structure(
-                    tf.add, totals, self.one_step(self.inputs.distribute_from_group(batches, j))),
+                j, lambda: (tf.nest.map_structure(
+                    tf.add, totals, self.one_step(self.step_batch(batches, j))),
                     steps + 1),
                 totals, steps)
             return j + 1, totals, steps
         _, totals, steps = tf.while_loop(lambda j, totals, steps: j < self.fetch, body,
-                                         (tf.constant(first, tf.int32), totals, steps))
+                                         (tf.constant(0, tf.int32), totals, steps))
         return totals, steps
 
     @tracing.graph_helper
-    def unless_tripped(self, run: Callable, totals: Any, steps: tf.Tensor):
-        """`run()` for a step inside a fetch, unless the guard tripped on an earlier one.
+    def unless_tripped(self, j: tf.Tensor, run: Callable, totals: Any, steps: tf.Tensor):
+        """`run()` for step `j` > 0 of a fetch, unless the guard tripped on an earlier one.
 
         The loop checks `stop_requested` between fetches only; a guard that stops
         (raise, rollback) must also stop inside one. The step's batch was taken, so
         the counter still advances (as for a skipped step) and stays where the data is.
+        A fetch's first step runs: the loop checked before taking the fetch.
         """
         if self.guard is None or self.guard.policy in (None, "skip"):
             return run()
@@ -197,23 +218,26 @@ class HostLoop:
         def untrained():
             with tf.control_dependencies([self.step.assign_add(1)]):
                 return tf.nest.map_structure(tf.identity, (totals, steps))
-        return tf.cond(self.guard.should_stop(), untrained, run)
+        return tf.cond(tf.logical_and(j > 0, self.guard.should_stop()), untrained, run)
+
+    @tracing.graph_helper
+    def exhausted_unless_later(self, i: tf.Tensor, totals: Any, steps: tf.Tensor):
+        """The sums of a fetch that found no batch: an error on a loop's first fetch."""
+        with tf.control_dependencies([tf.debugging.Assert(i > 0, [EXHAUSTED])]):
+            return tf.nest.map_structure(tf.identity, (totals, steps))
 
     def _loop(self, iterator, num_steps: tf.Tensor):
-        has_value, value, input_wait, ready = self.timed_next(iterator)
-        with tf.control_dependencies([tf.debugging.Assert(has_value, [EXHAUSTED])]):
-            batches = self.batches_of(value, ready)
-            totals = self.first_step(batches)
-            steps = tf.constant(1, tf.int32)
-            totals, steps = self.steps_on(batches, totals, steps, first=1)
-        fetches = num_steps // self.fetch - 1
+        """Every fetch, the first too, in one while loop: the loop's graph holds the
+        step once (inlined on several replicas, where it is traced per replica)."""
+        fetches = tf.maximum(num_steps // self.fetch, 1)
 
         # A plain while loop, not autograph's `break`s: those nest a conditional per
         # break in every iteration, each a function call for the executor.
         def more(i, had_value, totals, steps, input_wait):
             go = tf.logical_and(i < fetches, had_value)
-            if self.count_steps:  # checked before the next batch is taken
-                go = tf.logical_and(go, tf.logical_not(self.stop_requested()))
+            if self.count_steps:  # checked before the next batch is taken, from the second
+                go = tf.logical_and(go, tf.logical_or(tf.equal(i, 0),
+                                                      tf.logical_not(self.stop_requested())))
             return go
 
         def fetch_and_run(i, had_value, totals, steps, input_wait):
@@ -221,13 +245,14 @@ class HostLoop:
             has_value, value, waited, ready = self.timed_next(iterator)
             totals, steps = tf.cond(
                 has_value,
-                lambda: self.steps_on(self.batches_of(value, ready), totals, steps, first=0),
-                lambda: (totals, steps))
+                lambda: self.steps_on(self.batches_of(value, ready), totals, steps),
+                lambda: self.exhausted_unless_later(i, totals, steps))
             return i + 1, has_value, totals, steps, input_wait + waited
 
         _, _, totals, steps, input_wait = tf.while_loop(
-            more, fetch_and_run, (tf.constant(0, tf.int32), tf.constant(True), totals, steps,
-                                  input_wait))
+            more, fetch_and_run, (tf.constant(0, tf.int32), tf.constant(True),
+                                  self.log_zeros(iterator), tf.constant(0, tf.int32),
+                                  tf.constant(0.0, tf.float64)))
         return totals, steps, input_wait
 
     def _fetch_program(self, iterator, want: tf.Tensor | None = None

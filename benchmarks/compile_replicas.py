@@ -59,7 +59,8 @@ with open(record) as f:
 print("RESULT " + json.dumps({
     "compile": data["seconds"]["compile"], "first_loop": data["first_loop"],
     "seconds_per_step": data["seconds_per_step"], "train_wall": wall, "train_cpu": seconds,
-    "loop_graph_ops": ops, "jit_compile": str(trainer.jit_compile)}))
+    "loop_graph_ops": ops, "jit_compile": str(trainer.jit_compile),
+    "tputrain": os.path.dirname(tputrain.__file__)}))
 """
 
 
@@ -76,7 +77,8 @@ def case(replicas: int, onednn: bool, args: argparse.Namespace) -> dict:
         done = subprocess.run(
             [sys.executable, "-c", CHILD, os.path.dirname(os.path.abspath(__file__)),
              str(replicas), str(args.size), str(args.batch), str(args.steps),
-             str(args.steps_per_loop), model_dir], env=env, capture_output=True, text=True)
+             str(args.steps_per_loop), model_dir], env=env, capture_output=True, text=True,
+            cwd=model_dir)  # not the checkout: PYTHONPATH says which tputrain runs
     if done.returncode:
         raise RuntimeError(f"{replicas} replicas, oneDNN {onednn}:\n{done.stderr[-3000:]}")
     line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))

@@ -7,9 +7,9 @@ AutoGraph's conversion of the Python it traces, is most of the time from process
 start to the first trained step. This module makes it cheaper, without changing
 the graph's ops:
 
-- `once`: a training loop calls its step in three places (the peeled first step,
-  the rest of the first fetch, later fetches); the step as its own `tf.function`
-  is traced once and called three times.
+- `once`: a training loop's step is traced for its logs' structure (the loop's
+  sums start at zeros of it, `HostLoop.log_zeros`) and called in the loop; the
+  step as its own `tf.function` is traced once for both.
 - `graph_helper`: tputrain's own graph-building helpers that have no Python
   control flow on tensors and call no user code are left unconverted by AutoGraph
   (a user's Task, loss and metrics are converted as before).

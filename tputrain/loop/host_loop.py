@@ -3,8 +3,9 @@
 The host pays Python and dispatch overhead once per loop of `num_steps` steps
 (a `tf.while_loop`) instead of once per step. Every step, the first too, runs
 from the one call in the loop, its sums started at zeros of the step's logs
-(`HostLoop.log_zeros`): on several replicas, where the step is inlined, the
-loop's graph holds it once a replica. Steps stop cleanly when the data ends
+(`HostLoop.log_zeros`) or, where the step is inlined (several replicas), carried
+from empty (`log_sums.CarriedSums`): the loop's graph holds the step once a
+replica, traced once. Steps stop cleanly when the data ends
 (`get_next_as_optional`), so a partial loop is never replayed; a loop whose
 first fetch finds none fails ("input exhausted").
 
@@ -39,6 +40,7 @@ from tputrain.optim.ema import ExponentialAverage
 from tputrain.fault_tolerance.guard import NonFiniteGuard
 from tputrain.loop.convolutions import has_convolutions
 from tputrain.loop.inputs import Inputs, zeros_of
+from tputrain.loop.log_sums import CarriedSums
 from tputrain.loop.step import StepBuilder, steps_program
 from tputrain.options import program_steps
 
@@ -100,6 +102,10 @@ class HostLoop:
         # function under the loop's `tf.cond` fails to run (tests/core/test_tracing.py).
         self._replica_call = (tracing.once(self.replica_logs)
                               if self.strategy.num_replicas_in_sync == 1 else self.replica_logs)
+        # An inlined step's sums start empty: a trace for their structure would trace
+        # the model again on every replica (`log_sums.py`).
+        self._carried = (None if hasattr(self._replica_call, "get_concrete_function")
+                         else CarriedSums())
         # `program` (step.steps_program) runs up to `program_steps` steps a launch: it
         # then serves every loop (`program_loop`), the last launch of a loop on fewer.
         self.program, self.program_steps = program, program_steps
@@ -170,10 +176,9 @@ class HostLoop:
         """Zeros shaped like the summed logs of a step, for the loop's sums to start from
         (0 + x is x: the sums are bitwise those started from the first step's logs).
 
-        From a trace of a fetch and a step that never runs: on one replica (lean tracing)
-        the loop's own call of the step reuses that trace; on several, where the step is
-        inlined, it is traced again in the loop, but the loop's graph, which is
-        optimized and instantiated before the first step, holds it once.
+        From a trace of a fetch and a step that never runs, which the loop's own call
+        of the step reuses: the step is its own traced function (one replica, lean
+        tracing). An inlined step's sums are carried instead (`CarriedSums`).
         """
         @tracing.graph_helper
         def fetch_and_step(iterator):
@@ -184,19 +189,23 @@ class HostLoop:
         traced = tracing.loop_function(fetch_and_step).get_concrete_function(iterator)
         return zeros_of(traced.structured_outputs)
 
+    def add_logs(self, totals: Any, logs: dict[str, tf.Tensor]) -> Any:
+        """The sums with a step's logs added."""
+        if self._carried is not None:
+            return self._carried.add(totals, logs)
+        return tf.nest.map_structure(tf.add, totals, logs)
+
     def steps_on(self, batches: Any, totals: Any, steps: tf.Tensor):
         """Runs the steps of one fetch; returns the new sums."""
         if self.fetch == 1:
-            totals = tf.nest.map_structure(tf.add, totals,
-                                           self.one_step(self.step_batch(batches, tf.constant(0))))
+            totals = self.add_logs(totals, self.one_step(self.step_batch(batches, tf.constant(0))))
             return totals, steps + 1
         # An explicit while loop, not AutoGraph's `for j in tf.range`: the loop is
         # traced without AutoGraph (`tracing.loop_function`).
         def body(j, totals, steps):
             totals, steps = self.unless_tripped(
-                j, lambda: (tf.nest.map_structure(
-                    tf.add, totals, self.one_step(self.step_batch(batches, j))),
-                    steps + 1),
+                j, lambda: (self.add_logs(totals, self.one_step(self.step_batch(batches, j))),
+                            steps + 1),
                 totals, steps)
             return j + 1, totals, steps
         _, totals, steps = tf.while_loop(lambda j, totals, steps: j < self.fetch, body,
@@ -251,8 +260,11 @@ class HostLoop:
 
         _, _, totals, steps, input_wait = tf.while_loop(
             more, fetch_and_run, (tf.constant(0, tf.int32), tf.constant(True),
-                                  self.log_zeros(iterator), tf.constant(0, tf.int32),
+                                  self.log_zeros(iterator) if self._carried is None
+                                  else self._carried.start(), tf.constant(0, tf.int32),
                                   tf.constant(0.0, tf.float64)))
+        if self._carried is not None:
+            totals = self._carried.result(totals)
         return totals, steps, input_wait
 
     def _fetch_program(self, iterator, want: tf.Tensor | None = None

@@ -86,6 +86,19 @@ def case(replicas: int, onednn: bool, args: argparse.Namespace) -> dict:
             "load_after": list(os.getloadavg())}
 
 
+def summary(trials: dict[str, list[dict]], replicas: list[int]) -> dict:
+    """The trials, each case's medians and N replicas over 1 (medians), per oneDNN setting."""
+    medians = {name: {key: statistics.median(t[key] for t in values)
+                      for key in ("compile", "train_cpu", "train_wall", "loop_graph_ops")}
+               for name, values in trials.items()}
+    ratios = {f"onednn_{o}-{n}_replicas": {
+        key: medians[f"onednn_{o}-{n}_replicas"][key] / medians[f"onednn_{o}-1_replicas"][key]
+        for key in ("compile", "train_cpu")}
+        for o in ("on", "off") for n in replicas[1:]
+        if f"onednn_{o}-1_replicas" in medians and f"onednn_{o}-{n}_replicas" in medians}
+    return {"trials": trials, "medians": medians, "ratios_n_over_1": ratios}
+
+
 def lscpu_flags() -> str:
     """The CPU's flags (`lscpu`), to name the machine a figure is from."""
     try:
@@ -113,6 +126,7 @@ def main() -> None:
     if args.quick:
         replicas, onednn, args.steps, args.steps_per_loop = [1], onednn[:1], 4, 2
     trials: dict[str, list[dict]] = {}
+    load = os.getloadavg()
     for _ in range(args.repeats):
         for on in onednn:
             for count in replicas:
@@ -121,19 +135,11 @@ def main() -> None:
                 last = trials[name][-1]
                 log(f"{name}: compile {last['compile']:.1f}s, train() CPU "
                     f"{last['train_cpu']:.1f}s, load {last['load_before'][0]:.2f}")
-    medians = {name: {key: statistics.median(t[key] for t in values)
-                      for key in ("compile", "train_cpu", "train_wall", "loop_graph_ops")}
-               for name, values in trials.items()}
-    ratios = {f"onednn_{o}": {key: medians[f"onednn_{o}-{n}_replicas"][key]
-                              / medians[f"onednn_{o}-1_replicas"][key]
-                              for key in ("compile", "train_cpu")}
-              for o in ("on", "off") for n in replicas[1:]
-              if f"onednn_{o}-1_replicas" in medians and f"onednn_{o}-{n}_replicas" in medians}
     report = {"benchmark": "compile_replicas", "model": "MobileNet alpha 0.5",
               "size": args.size, "global_batch": args.batch, "steps": args.steps,
               "steps_per_loop": args.steps_per_loop, "cpu_count": os.cpu_count(),
-              "lscpu_flags": lscpu_flags(), "trials": trials, "medians": medians,
-              "ratios_n_over_1": ratios}
+              "lscpu_flags": lscpu_flags(), "load_before": list(load),
+              "load_after": list(os.getloadavg()), **summary(trials, replicas)}
     result_file.write(report, args.out, "compile_replicas", args.tag, quick=args.quick)
 
 

@@ -196,6 +196,10 @@ def headlines(report: dict[str, Any]) -> list[str]:
         return remat_headlines(report)
     if report.get("benchmark") == "restart_compile":
         return restart_headlines(report)
+    if report.get("benchmark") == "compile_replicas":  # N replicas over 1, medians
+        return [f"{name} N/1 replicas: compile {ratio['compile']:.2f}x, "
+                f"train() CPU {ratio['train_cpu']:.2f}x"
+                for name, ratio in report["ratios_n_over_1"].items()]
     if "ratios_remat_over_none" in report:
         ratios = report["ratios_remat_over_none"]
         return [f"remat / no remat, peak RSS {ratios['peak_rss_mib']:.2f}",

@@ -15,25 +15,13 @@ import tensorflow as tf
 import tputrain
 from faults import child_env, final_weights
 from processes import Launch
-from tiny import TinyTask, strategy_for
+from tiny import TraceCountingTask, strategy_for
 from tputrain.core import tracing
-
-
-class CountingTask(TinyTask):
-    """Counts the traces of its gradient computation (each trace calls it once)."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.traces = 0
-
-    def compute_gradients(self, *args, **kwargs):
-        self.traces += 1
-        return super().compute_gradients(*args, **kwargs)
 
 
 def test_a_training_loop_traces_the_step_once(tmp_path):
     assert tracing.ENABLED  # the suite runs the default
-    task = CountingTask(num_examples=64)
+    task = TraceCountingTask(num_examples=64)
     trainer = tputrain.Trainer(task, str(tmp_path), strategy=strategy_for(1), train_steps=8,
                                steps_per_loop=4, steps_per_fetch=2, global_batch_size=16,
                                jit_compile=False, report_mfu=False)

@@ -15,7 +15,7 @@ import pytest
 
 import tputrain
 from faults import child_env
-from tiny import TinyTask, strategy_for, weights
+from tiny import TinyTask, TraceCountingTask, strategy_for, weights
 from tputrain.loop import compile_cache
 
 # (replicas, Trainer options): the plain loop, the whole step in XLA one step a
@@ -136,23 +136,11 @@ def test_the_loop_holds_the_step_once_a_replica_on_two_replicas(tmp_path, steps_
     assert matmuls[2] == 2 * matmuls[1]
 
 
-class _CountingTask(TinyTask):
-    """Counts the traces of its gradient computation (each trace calls it once)."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.traces = 0
-
-    def compute_gradients(self, *args, **kwargs):
-        self.traces += 1
-        return super().compute_gradients(*args, **kwargs)
-
-
 @pytest.mark.parametrize("steps_per_fetch", [1, 2])
 def test_two_replicas_trace_the_step_once_each(tmp_path, steps_per_fetch):
     """On several replicas the step is inlined, each replica's copy traced in the loop;
     the loop's sums need no other trace of it for their structure (`CarriedSums`)."""
-    task = _CountingTask()
+    task = TraceCountingTask()
     trainer = tputrain.Trainer(task, str(tmp_path), strategy=strategy_for(2), train_steps=4,
                                steps_per_loop=4, steps_per_fetch=steps_per_fetch,
                                global_batch_size=16, jit_compile=False, report_mfu=False)

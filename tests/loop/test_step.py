@@ -384,20 +384,14 @@ def test_a_program_of_several_steps_traces_the_step_once(tmp_path):
     """The program's while loop sums the step's logs from zeros shaped by a trace of
     the step; that same trace runs in the loop (a second trace cost every run's
     start-up as much again)."""
-    from tiny import TinyTask
+    from tiny import TraceCountingTask
 
-    class CountingTask(TinyTask):
-        traces = 0
-
-        def compute_gradients(self, *args, **kwargs):
-            CountingTask.traces += 1
-            return super().compute_gradients(*args, **kwargs)
-
-    trainer = program_trainer(tmp_path, "counted", task=CountingTask(), steps_per_program=4,
+    task = TraceCountingTask()
+    trainer = program_trainer(tmp_path, "counted", task=task, steps_per_program=4,
                               train_steps=8, report_mfu=False)
     trainer.train()
     assert trainer.steps_per_program == 4 and int(trainer.step.numpy()) == 8
-    assert CountingTask.traces == 1
+    assert task.traces == 1
 
 
 @pytest.mark.slow

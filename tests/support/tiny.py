@@ -85,3 +85,16 @@ def spy_calls(monkeypatch, module, keys: dict[str, str]) -> dict[str, int]:
             return original(*args, **kwargs)
         monkeypatch.setattr(module, name, spy)
     return calls
+
+
+class TraceCountingTask(TinyTask):
+    """TinyTask that counts the traces of its gradient computation (each trace calls it
+    once): how many times a loop traced its step."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.traces = 0
+
+    def compute_gradients(self, *args, **kwargs):
+        self.traces += 1
+        return super().compute_gradients(*args, **kwargs)

@@ -56,8 +56,8 @@ tf.config.set_logical_device_configuration(
 
 # ------------------------------------------------------------ scheduling under -n N
 #
-# `pytest -n 3` (CI, on 2 cores: a third worker fills the time the others wait on
-# child processes) balances tests over 3 workers. Two markers decide its wall time:
+# `pytest -n 4` (CI, on 2 cores: a third and fourth worker fill the time the others
+# wait on child processes) balances tests over 4 workers. Two markers decide its wall time:
 # - `@pytest.mark.same_worker("group")` (on a test, or a module's `pytestmark`):
 #   tests that share a module- or session-scoped fixture run on one worker, or each
 #   worker computes the fixture (minutes for the replica-equivalence ones). A group

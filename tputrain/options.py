@@ -189,10 +189,13 @@ class TrainerOptions:
         real model and a train batch before the first loop, on the run's state
         written back after each (the weights are those of a run without it), and
         train with the fastest; the choice is logged as a table and recorded in
-        `model_dir/plan.json`, so a resume or a rerun on the same CPU kind runs it
-        without a trial (`tputrain.loop.plan_trial`, docs/performance.md). Its
-        time is in goodput's compile bucket; a run shorter than 10x the trial's
-        steps skips it (and records the rules' plan). Off by default.
+        `model_dir/plan.json` and for the machine (under `TPUTRAIN_CACHE_DIR`), so
+        a resume, or another run of the model on the same machine, runs it without
+        a trial (`tputrain.loop.plan_trial`, docs/performance.md). Its time is in
+        goodput's compile bucket. "auto" (the default): for runs of at least 10x
+        the trial's steps; a shorter run, or a resume of a run that recorded no
+        plan, keeps the rules' plan and records nothing. True: also on such a
+        resume (a short run records the rules' plan). False: never.
       accumulation_steps: split each step's `global_batch_size` examples into N
         micro-batches, sum their gradients and apply them once: the same update as
         one N-times-larger batch (batch-norm statistics aside) in 1/N the memory.
@@ -266,7 +269,7 @@ class TrainerOptions:
     ema_decay: float | None = None
     remat: str | RematOptions | None = None
     progress_bar: str = "auto"
-    plan_trial: bool = False
+    plan_trial: bool | str = "auto"
 
     def __post_init__(self) -> None:
         _fill_parts(self)
@@ -301,7 +304,7 @@ class TrainerOptions:
         object.__setattr__(self, "checkpoint_every",
                            self.checkpoint_every or self.eval_every or 1000)
         object.__setattr__(self, "report_mfu", bool(self.report_mfu))
-        object.__setattr__(self, "plan_trial", bool(self.plan_trial))
+        object.__setattr__(self, "plan_trial", _check_plan_trial(self.plan_trial))
         object.__setattr__(self, "class_weight", _check_class_weight(self.class_weight))
         object.__setattr__(self, "profile_steps", _check_profile_steps(self.profile_steps))
         object.__setattr__(self, "steps_per_fetch", _check_steps_per_fetch(
@@ -408,6 +411,15 @@ def _check_class_weight(class_weight: Any) -> dict[int, float] | None:
                              f"finite number >= 0, got {value!r}")
         checked[int(key)] = float(value)
     return checked
+
+
+def _check_plan_trial(value: Any) -> bool | str:
+    """True, False or "auto" (0 and 1 as False and True, as before "auto" existed)."""
+    if isinstance(value, str) and value == "auto":
+        return value
+    if isinstance(value, (bool, int)) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"Trainer.plan_trial must be True, False or 'auto', got {value!r}")
 
 
 def _check_ema_decay(decay: Any) -> float | None:

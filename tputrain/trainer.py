@@ -127,7 +127,7 @@ def _tried_plans(trainer: "Trainer") -> tuple[Any, int] | None:
         [trainer.step, *(ema.averages + [ema.state.updates] if ema else [])])
     choice = chosen_plan(trial, inputs.train_dataset.element_spec, trainer.model_dir,
                          trainer.num_hosts, None if until is None else until - trainer.current_step,
-                         lambda: timed(trainer.context, "compile"))
+                         lambda: timed(trainer.context, "compile"), trainer.current_step)
     if choice is None:
         return None
     trainer._steps.run_plan = dataclasses.replace(trainer._steps.run_plan, xla_plan=choice.plan)
@@ -234,7 +234,7 @@ class Trainer(RunKnobs, TrainableSet):
                  communication: CommunicationOptions | None = None,
                  checkpoint: CheckpointOptions | None = None,
                  profiling: ProfilingOptions | None = None, ema_decay: float | None = None,
-                 remat: str | RematOptions | None = None, plan_trial: bool = False):
+                 remat: str | RematOptions | None = None, plan_trial: bool | str = "auto"):
         self.options = TrainerOptions(
             train_steps=train_steps, steps_per_loop=steps_per_loop,
             global_batch_size=global_batch_size, eval_every=eval_every, eval_steps=eval_steps,

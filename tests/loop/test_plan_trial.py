@@ -29,6 +29,13 @@ def _trainer(model_dir, train_steps: int, **options) -> tputrain.Trainer:
                             steps_per_program=1, **options)
 
 
+@pytest.fixture(autouse=True)
+def _own_machine_record(tmp_path, monkeypatch):
+    """Each test its own cache folder: the machine's record of a trial's choice
+    (`plan_trial.MachineRecord`), which a clock set here decides, reaches no other test."""
+    monkeypatch.setenv("TPUTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+
+
 def _readings(*values):
     """A clock that reads `values` in turn (the trial reads it before and after each
     plan's timed steps)."""
@@ -106,3 +113,42 @@ def test_the_candidates_are_each_plausible_plan_once_the_rules_last(tmp_path):
     spec = trainer.inputs.train_dataset.element_spec
     plans = plan_trial.candidates(trainer._steps, spec)  # pylint: disable=protected-access
     assert [plan_trial.describe(p) for p in plans] == ["none (fused batch norms)", "whole step"]
+
+
+def test_by_default_a_long_cpu_run_tries_the_plans_and_a_run_in_another_model_dir_reuses_it(
+        tmp_path, monkeypatch):
+    """plan_trial="auto" (the default) runs the trial on a CPU run long enough for it;
+    its choice is recorded for the machine too, so another run of the same model
+    (another model_dir: a test's reference run beside its resumed one) trains with the
+    same plan, whatever its own timing would say, and records it in its model_dir."""
+    monkeypatch.setattr(plan_trial, "clock", _readings(0.0, 1.0, 1.0, 11.0))
+    first = _trainer(tmp_path / "first", RUN)
+    assert first.options.plan_trial == "auto"
+    first.train()
+    assert "fastest in the plan trial" in first.plan.xla and not first.plan.xla_plan.whole_step
+
+    monkeypatch.setattr(plan_trial, "clock", _clock_unread)  # the same model, another model_dir
+    builder, spec = first._steps, first.inputs.train_dataset.element_spec  # pylint: disable=protected-access
+    choice = plan_trial.chosen_plan(plan_trial.TrialRun(builder, None, None, []), spec,
+                                    str(tmp_path / "second"), 1, RUN)
+    assert "recorded on this machine" in choice.plan.why and not choice.plan.whole_step
+    assert not plan_trial.PlanRecord(str(tmp_path / "second")).read(
+        plan_trial.plan_key(builder, spec)).whole_step
+
+
+def test_by_default_a_short_run_or_its_resume_has_no_trial_and_writes_no_record(
+        tmp_path, monkeypatch):
+    """A run shorter than the trial keeps the rules' plan and writes nothing a run with
+    the trial off does not; resumed for long, it keeps the plan its steps so far ran
+    (the rules'): a model_dir trains with one plan throughout."""
+    monkeypatch.setattr(plan_trial, "clock", _clock_unread)
+    short = _trainer(tmp_path / "run", 20)
+    short.train()
+    assert short.plan.xla_plan.whole_step  # the rules' plan
+    assert not (tmp_path / "run" / RunDirectory.PLAN_RECORD).exists()
+    builder, spec = short._steps, short.inputs.train_dataset.element_spec  # pylint: disable=protected-access
+    assert plan_trial.chosen_plan(  # resumed at step 20 with RUN steps left
+        plan_trial.TrialRun(builder, None, None, []), spec, str(tmp_path / "run"), 1, RUN,
+        step=20) is None
+    assert not (tmp_path / "run" / RunDirectory.PLAN_RECORD).exists()
+    assert not (tmp_path / "cache").exists()

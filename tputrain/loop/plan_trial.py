@@ -1,27 +1,37 @@
 """The plan trial: `jit_compile="auto"` times the plausible XLA plans and keeps the fastest.
 
 `decide_xla`'s rules were each measured on one machine; a user's CPU is another.
-With `Trainer.plan_trial=True`, where more than one plan is plausible for the
-model on a CPU (the rules' plan, `jit_compile=True`'s and none: XLA for the whole
-step against none at least), the first loop of `train()` first builds the run's
-own train loop for each (its steps per XLA program included), runs it for
+With `Trainer.plan_trial` "auto" (the default) or True, where more than one plan is
+plausible for the model on a CPU (the rules' plan, `jit_compile=True`'s and none: XLA
+for the whole step against none at least), the first loop of `train()` first builds
+the run's own train loop for each (its steps per XLA program included), runs it for
 `WARMUP_STEPS` untimed steps (its trace and compile) and `TIMED_STEPS` timed ones
 on a fresh iterator of the train split (the run's own is not touched), on the
 run's variables saved before and written back after each (so the weights a run
 trains are bitwise those of a run without the trial), keeps the plan with the
 least CPU time a step (`clock`), logs the table in one line and records the choice
 in `model_dir/plan.json` (`RunDirectory.plan_record`), keyed by the model,
-precision, strategy and CPU kind (`plan_key`). The winner's loop is kept when it
-was built last, else built again (XLA's cache holds its programs). A resume, or a
-rerun on the same kind of machine, runs the recorded plan without a trial
-(bitwise resume kept). Where the trial is skipped because the run is short (fewer
-than `RUN_SHARE` times the trial's steps), the rules' plan is recorded instead, so
-a longer resume keeps it too.
+precision, strategy and CPU kind (`plan_key`), and for the machine
+(`MachineRecord`, under `TPUTRAIN_CACHE_DIR`). The winner's loop is kept when it
+was built last, else built again (XLA's cache holds its programs). A resume runs
+model_dir's plan without a trial (bitwise resume kept); another run of the same
+model on the same machine runs the machine's plan without a trial, so two runs
+(a test's reference and its resumed chain, each in its own model_dir) never train
+with different plans because two trials timed differently: the machine's first
+record stands, and a trial that finds one written meanwhile trains with it.
 
-No trial: jit_compile=True or False (a pinned plan), a TPU (the whole step,
-always compiled), a GPU, several hosts (each would choose alone), a Task's own
-`train_step` on several replicas, `run_loop` outside `train()`. The trial's time
-is counted in goodput's compile bucket (`tputrain.observe.goodput.timed`).
+A run shorter than `RUN_SHARE` times the trial's steps has no trial. With "auto" it
+records nothing and reads no machine record: it runs the rules' plan as with the
+trial off and leaves model_dir as such a run does (the default suite's short runs,
+and the tests of model_dir's files, see no new file). A resume of a run that
+recorded no plan keeps the rules' plan its steps ran, so a model_dir trains with
+one plan throughout. True forces the trial on such a resume, and a short run
+records the rules' plan in model_dir, so a longer resume keeps it.
+
+No trial: jit_compile=True or False (a pinned plan), plan_trial=False, a TPU (the
+whole step, always compiled), a GPU, several hosts (each would choose alone), a
+Task's own `train_step` on several replicas, `run_loop` outside `train()`. The
+trial's time is counted in goodput's compile bucket (`tputrain.observe.goodput.timed`).
 Steps per XLA program are not part of the trial (each count is another compile).
 """
 
@@ -40,13 +50,15 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tputrain.checkpointing.atomic import write_atomically
+from tputrain.checkpointing.atomic import temp_path, write_atomically
 from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.distribution.strategy import without_gpus
 from tputrain.loop.random_draws import features_spec
 from tputrain.loop.source_counts import checkpointed
 from tputrain.loop.step import StepBuilder
+from tputrain.loop.compile_cache import cpu_key
+from tputrain.loop.convolutions import onednn_enabled
 from tputrain.loop.xla_plan import XLA_OFF, XlaPlan, decide_xla, fused_forward
 
 WARMUP_STEPS = 2  # untimed steps a candidate (at least one program launch): its compile
@@ -107,8 +119,8 @@ def candidates(builder: StepBuilder, train_spec: Any) -> list[XlaPlan]:
 def why_not(builder: StepBuilder, num_hosts: int, remaining: int | None) -> str | None:
     """Why this run has no trial (a pinned plan, a TPU, ...), or None."""
     run_plan = builder.run_plan
-    if not run_plan.options.plan_trial or run_plan.jit_compile != "auto":
-        return "not asked" if not run_plan.options.plan_trial else "jit_compile pinned"
+    if run_plan.options.plan_trial is False or run_plan.jit_compile != "auto":
+        return "not asked" if run_plan.options.plan_trial is False else "jit_compile pinned"
     if isinstance(builder.strategy, tf.distribute.TPUStrategy):
         return "a TPU compiles the whole step"
     if not without_gpus(builder.strategy):
@@ -178,6 +190,62 @@ class PlanRecord:
         entries[key] = {"plan": plan._asdict(), "table": table, "time": time.time()}
         write_atomically(self.path, json.dumps({"version": VERSION, "plans": entries},
                                                indent=1, sort_keys=True))
+
+
+def cache_root() -> str:
+    """tputrain's cache folder for the machine: `TPUTRAIN_CACHE_DIR`, else ~/.cache/tputrain
+    (as the FLOP peak probe's)."""
+    return os.environ.get("TPUTRAIN_CACHE_DIR",
+                          os.path.join(os.path.expanduser("~"), ".cache", "tputrain"))
+
+
+class MachineRecord:
+    """The machine's plans, one file a key under `cache_root()/plans/`: written once (the
+    first trial's choice stands, so runs in other model_dirs train as it did), read by
+    every later run of the key. Its key is `plan_key` and what makes the same CPU kind
+    run other code: its instruction set and any cap on it (`compile_cache.cpu_key`),
+    oneDNN on or off, TensorFlow's version. Delete the folder to try the plans again."""
+
+    def __init__(self, key: str):
+        self.key = json.dumps([key, cpu_key(), onednn_enabled(), tf.__version__])
+        digest = hashlib.sha256(self.key.encode()).hexdigest()[:24]
+        self.path = os.path.join(cache_root(), "plans", f"{digest}.json")
+
+    def read(self) -> tuple[XlaPlan, str] | None:
+        """(the plan recorded for the key, its trial's table), or None."""
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                entry = json.load(f)
+            if entry["key"] != self.key:
+                return None
+            return XlaPlan(**{name: entry["plan"][name] for name in XlaPlan._fields}), entry["table"]
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            logging.warning("tputrain: ignoring the plan record %s (%s)", self.path, error)
+            return None
+
+    def add(self, plan: XlaPlan, table_line: str) -> tuple[XlaPlan, str] | None:
+        """Records `plan` unless a record exists (another process's trial, finished
+        first): the record that stands, or None when the folder is not writable."""
+        text = json.dumps({"version": VERSION, "key": self.key, "plan": plan._asdict(),
+                           "table": table_line, "time": time.time()}, indent=1, sort_keys=True)
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            temp = temp_path(self.path)
+            with open(temp, "w", encoding="utf-8") as f:
+                f.write(text)
+            try:
+                os.link(temp, self.path)  # fails if the key is recorded: the first stands
+            except FileExistsError:
+                pass
+            finally:
+                os.remove(temp)
+        except OSError as error:
+            logging.warning("tputrain: cannot record the plan in %s (%s): a run in another "
+                            "model_dir tries the plans again", self.path, error)
+            return None
+        return self.read()
 
 
 class SavedState:
@@ -281,14 +349,53 @@ class Choice(NamedTuple):
     loop: tuple[Callable, int] | None = None
 
 
+_TIMED = Choice(XLA_OFF)  # `_no_trial`'s answer for a run the trial times
+
+
+def _no_trial(builder: StepBuilder, record: PlanRecord, key: str, remaining: int,
+              step: int, trial_steps: int) -> Choice | None:
+    """`chosen_plan`'s answer for a run the trial does not time (too short, or with
+    plan_trial "auto" a resume of a run that recorded no plan), else `_TIMED`. "auto"
+    records nothing: None, the rules' plan stands as with the trial off; True records
+    the rules' plan of a short run, so a longer resume keeps it."""
+    rules, forced = builder.run_plan.xla_plan, builder.run_plan.options.plan_trial is True
+    if remaining < RUN_SHARE * trial_steps:
+        logging.info("tputrain: no plan trial for a run of %d steps (under %d x the trial's "
+                     "%d): the rules' plan (%s)%s", remaining, RUN_SHARE, trial_steps,
+                     describe(rules), f", recorded in {record.path}" if forced else "")
+        if not forced:
+            return None
+        record.write(key, rules, "the rules' plan (a run too short for the trial)")
+        return Choice(rules)
+    if step > 0 and not forced:
+        logging.info("tputrain: no plan trial at step %d: %s records no plan, so its steps "
+                     "ran the rules' plan (%s), which it keeps (plan_trial=True tries the "
+                     "plans)", step, record.path, describe(rules))
+        return None
+    return _TIMED
+
+
+def _machine_choice(record: PlanRecord, key: str, machine: MachineRecord,
+                    known: tuple[XlaPlan, str]) -> Choice:
+    """The machine's recorded plan for this run, recorded in model_dir too (a resume
+    keeps it even if the machine's record goes)."""
+    plan, line = known
+    logging.info("tputrain: XLA plan %s, recorded on this machine in %s (delete it to try "
+                 "the plans again)", describe(plan), machine.path)
+    record.write(key, plan, line)
+    return Choice(plan._replace(
+        why=f"auto: {describe(plan)} (recorded on this machine in {machine.path}: {line})"))
+
+
 def chosen_plan(trial: TrialRun, train_spec: Any, model_dir: str, num_hosts: int,
                 remaining: int | None,
-                timing: Callable[[], ContextManager] = contextlib.nullcontext
-                ) -> Choice | None:
+                timing: Callable[[], ContextManager] = contextlib.nullcontext,
+                step: int = 0) -> Choice | None:
     """The plan this run trains with where the trial decides (`why_not`), else None
-    (the rules' plan stands): model_dir's record for this key, or the trial's choice
-    (`timing()` around it: goodput's compile bucket), or the rules' plan for a run
-    shorter than the trial; each recorded. `remaining`: the steps train() has left."""
+    (the rules' plan stands): model_dir's record for this key, the rules' plan for a
+    run the trial does not time (`_no_trial`), the machine's record, or the trial's
+    choice (`timing()` around it: goodput's compile bucket), recorded in model_dir
+    and for the machine. `remaining`: the steps train() has left; `step`: its first."""
     builder = trial.builder
     if why_not(builder, num_hosts, remaining) is not None:
         return None
@@ -302,18 +409,23 @@ def chosen_plan(trial: TrialRun, train_spec: Any, model_dir: str, num_hosts: int
     plans = candidates(builder, train_spec)
     if len(plans) == 1:
         return None
-    trial_steps = len(plans) * (WARMUP_STEPS + TIMED_STEPS)
-    if remaining < RUN_SHARE * trial_steps:
-        rules = builder.run_plan.xla_plan
-        logging.info("tputrain: no plan trial for a run of %d steps (under %d x the trial's "
-                     "%d); the rules' plan (%s) is recorded in %s", remaining, RUN_SHARE,
-                     trial_steps, describe(rules), record.path)
-        record.write(key, rules, "the rules' plan (a run too short for the trial)")
-        return Choice(rules)
+    skipped = _no_trial(builder, record, key, remaining, step,
+                        len(plans) * (WARMUP_STEPS + TIMED_STEPS))
+    if skipped is not _TIMED:
+        return skipped
+    machine = MachineRecord(key)
+    known = machine.read()
+    if known is not None:
+        return _machine_choice(record, key, machine, known)
     with timing():
         chosen, timings, loop = run_trial(trial, plans)
     line = table(timings, chosen)
     logging.info("tputrain: plan trial: %s", line)
+    stands = machine.add(chosen, line)
+    if stands is not None and _fields(stands[0]) != _fields(chosen):
+        logging.info("tputrain: another run on this machine recorded its trial first: it "
+                     "stands")
+        return _machine_choice(record, key, machine, stands)
     record.write(key, chosen, line)
     return Choice(chosen._replace(
         why=f"auto: {describe(chosen)} (fastest in the plan trial: {line})"), loop)

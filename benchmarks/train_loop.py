@@ -69,6 +69,10 @@ eval), which a real run pays once, and any cost of switching contenders are
 outside the window for all alike. Per-loop host work (the Trainer's logs and
 TensorBoard summaries, Keras callbacks) is inside it.
 Compare the ratios measured side by side, not absolute numbers across runs.
+`--first_steps N`: the tputrain contenders' first, untimed call trains N steps
+(not k), so a run is long enough for `jit_compile="auto"`'s plan trial
+(`tputrain.loop.plan_trial`: a run of fewer than 10x its steps has none), which
+then picks the plan the timed calls run.
 """
 
 from __future__ import annotations
@@ -362,6 +366,14 @@ def _rate(times: list[tuple[float, float]], steps_between: int) -> tuple[float, 
             steps_between / max(times[-1][1] - times[0][1], 1e-9))
 
 
+FIRST_STEPS = "TPUTRAIN_BENCH_FIRST_STEPS"  # `--first_steps`, for the spawned contenders
+
+
+def _first_steps(k: int) -> int:
+    """The steps of a tputrain contender's first, untimed call: k, or `--first_steps`."""
+    return max(k, int(os.environ.get(FIRST_STEPS) or 0))
+
+
 class TputrainContender(Contender):
     """The Trainer with its defaults (jit_compile="auto", guard on, exact resume on)."""
 
@@ -390,12 +402,13 @@ class TputrainContender(Contender):
         clock = LoopClock()
         guard = tputrain.NonFiniteGuard(policy=self.guard_policy)
         self.trainer = tputrain.Trainer(
-            self.task_factory(), self.model_dir, strategy=self.strategy, train_steps=self.k,
+            self.task_factory(), self.model_dir, strategy=self.strategy,
+            train_steps=_first_steps(self.k),
             steps_per_loop=self.k, global_batch_size=self.global_batch,
             checkpoint_every=10**9, eval_steps=1, precision=self.precision, seed=0,
             jit_compile=self.jit_compile, guard=guard, actions=[clock],
             steps_per_program=self.steps_per_program)
-        self.trainer.train()  # traces the loop, runs k steps, saves, evaluates once
+        self.trainer.train()  # traces the loop, runs k (or --first_steps) steps, saves, evaluates once
         # Later train(num_steps) calls continue from there (their restore of the
         # checkpoint just written is outside the timed window).
 
@@ -430,7 +443,7 @@ class TputrainFitContender(Contender):
         self.model_dir = tempfile.mkdtemp(prefix="tputrain-bench-fit-")
         self._times: list[tuple[tuple[float, float], int]] = []
         self.steps = 0
-        self._fit(self.k)
+        self._fit(_first_steps(self.k))
 
     def _fit(self, steps: int) -> None:
         times = self._times
@@ -1121,12 +1134,16 @@ def _arguments() -> argparse.Namespace:
                         help="a new process for every contender in every round")
     parser.add_argument("--contenders", default="",
                         help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all)")
+    parser.add_argument("--first_steps", type=int, default=0,
+                        help="the tputrain contenders' first (untimed) call trains this many "
+                             "steps, not k: long enough for jit_compile='auto''s plan trial")
     result_file.add_arguments(parser, "train_loop")
     return parser.parse_args()
 
 
 def main() -> None:
     args = _arguments()
+    os.environ[FIRST_STEPS] = str(args.first_steps)  # the spawned contenders read it
     logging.set_verbosity(logging.WARNING)
     quick = args.quick
     repeats = args.repeats or (1 if quick else 5)

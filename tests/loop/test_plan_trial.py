@@ -140,10 +140,14 @@ def test_by_default_a_short_run_or_its_resume_has_no_trial_and_writes_no_record(
         tmp_path, monkeypatch):
     """A run shorter than the trial keeps the rules' plan and writes nothing a run with
     the trial off does not; resumed for long, it keeps the plan its steps so far ran
-    (the rules'): a model_dir trains with one plan throughout."""
+    (the rules'): a model_dir trains with one plan throughout. The short run's log
+    does not mention the trial either."""
+    lines = []
+    monkeypatch.setattr(logging, "info", lambda fmt, *args: lines.append(fmt % args))
     monkeypatch.setattr(plan_trial, "clock", _clock_unread)
     short = _trainer(tmp_path / "run", 20)
     short.train()
+    assert not [line for line in lines if "plan" in line], lines
     assert short.plan.xla_plan.whole_step  # the rules' plan
     assert not (tmp_path / "run" / RunDirectory.PLAN_RECORD).exists()
     builder, spec = short._steps, short.inputs.train_dataset.element_spec  # pylint: disable=protected-access

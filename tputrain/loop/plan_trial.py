@@ -360,11 +360,11 @@ def _no_trial(builder: StepBuilder, record: PlanRecord, key: str, remaining: int
     the rules' plan of a short run, so a longer resume keeps it."""
     rules, forced = builder.run_plan.xla_plan, builder.run_plan.options.plan_trial is True
     if remaining < RUN_SHARE * trial_steps:
-        logging.info("tputrain: no plan trial for a run of %d steps (under %d x the trial's "
-                     "%d): the rules' plan (%s)%s", remaining, RUN_SHARE, trial_steps,
-                     describe(rules), f", recorded in {record.path}" if forced else "")
-        if not forced:
+        if not forced:  # silent: a short run's log is as with the trial off
             return None
+        logging.info("tputrain: no plan trial for a run of %d steps (under %d x the trial's "
+                     "%d): the rules' plan (%s) is recorded in %s", remaining, RUN_SHARE,
+                     trial_steps, describe(rules), record.path)
         record.write(key, rules, "the rules' plan (a run too short for the trial)")
         return Choice(rules)
     if step > 0 and not forced:

@@ -324,32 +324,35 @@ class HostLoop:
     def _program_loop(self, iterator, num_steps: tf.Tensor):
         """`num_steps` steps in launches of `program`, each on `program_steps` batches
         read as built, the last on fewer if `program_steps` does not divide `num_steps`
-        (the same program: its step count is a tensor); stops early as `_loop` does."""
-        full, rest = num_steps // self.program_steps, num_steps % self.program_steps
-        totals, steps, real, input_wait = self._run_program(
-            iterator, tf.minimum(num_steps, self.program_steps))
-        with tf.control_dependencies([tf.debugging.Assert(real > 0, [EXHAUSTED])]):
-            steps = tf.identity(steps)
+        (the same program: its step count is a tensor); stops early as `_loop` does.
+        One while loop holds the one launch (and its reads) for the first, middle and
+        last programs alike: each copy is Python tracing and executor set-up that a
+        Trainer pays at start-up. Its sums are carried from empty (`CarriedSums`)."""
+        launches = (num_steps + self.program_steps - 1) // self.program_steps
+        sums = CarriedSums()
 
-        def go_on(real):  # the input did not end and no stop was asked for
-            return tf.logical_and(real == self.program_steps,
-                                  tf.logical_not(self.stop_requested()))
+        def more(i, real, totals, steps, input_wait):
+            # After the first launch: only if the previous one was full (the input did
+            # not end) and no stop was asked for.
+            go_on = tf.logical_and(real == self.program_steps,
+                                   tf.logical_not(self.stop_requested()))
+            return tf.logical_and(i < launches, tf.logical_or(tf.equal(i, 0), go_on))
 
         def body(i, real, totals, steps, input_wait):
-            more_totals, ran, real, waited = self._run_program(iterator)
-            return (i + 1, real, tf.nest.map_structure(tf.add, totals, more_totals),
-                    steps + ran, input_wait + waited)
-
-        _, real, totals, steps, input_wait = tf.while_loop(
-            lambda i, real, *_: tf.logical_and(i < full, go_on(real)), body,
-            (tf.constant(1, num_steps.dtype), real, totals, steps, input_wait))
-
-        def last():  # the loop's shorter last program
-            more_totals, ran, _, waited = self._run_program(iterator, rest)
-            return (tf.nest.map_structure(tf.add, totals, more_totals), steps + ran,
+            want = tf.minimum(num_steps - i * self.program_steps, self.program_steps)
+            more_totals, ran, real, waited = self._run_program(iterator, want)
+            nothing = tf.logical_and(tf.equal(i, 0), tf.equal(real, 0))
+            with tf.control_dependencies([tf.debugging.Assert(tf.logical_not(nothing),
+                                                              [EXHAUSTED])]):
+                ran = tf.identity(ran)
+            return (i + 1, real, sums.add(totals, more_totals), steps + ran,
                     input_wait + waited)
-        return tf.cond(tf.logical_and(tf.logical_and(full > 0, rest > 0), go_on(real)), last,
-                       lambda: (totals, steps, input_wait))
+
+        _, _, totals, steps, input_wait = tf.while_loop(
+            more, body, (tf.constant(0, num_steps.dtype), tf.constant(0, tf.int32),
+                         sums.start(), tf.constant(0, tf.int32),
+                         tf.constant(0.0, tf.float64)))
+        return sums.result(totals), steps, input_wait
 
 
 def _after(value: tf.Tensor, op: Callable[[], tf.Tensor]) -> tf.Tensor:

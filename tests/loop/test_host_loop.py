@@ -150,3 +150,39 @@ def test_two_replicas_trace_the_step_once_each(tmp_path, steps_per_fetch):
     trainer.run_loop(4)
     assert task.traces == 2
     trainer.close()
+
+
+def _launch_sites(trainer: tputrain.Trainer) -> tuple[int, int]:
+    """(calls of the XLA program, batches read) in the program loop's traced graph,
+    its function library included."""
+    host = trainer._train_loop_fn.__self__  # pylint: disable=protected-access
+    traced = host.program._list_all_concrete_functions()  # pylint: disable=protected-access
+    assert len(traced) == 1
+    program = traced[0].name.decode()
+    calls = reads = 0
+    for function in host.program_loop._list_all_concrete_functions():  # pylint: disable=protected-access
+        graph = function.graph.as_graph_def()
+        nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+        calls += sum(node.op in ("StatefulPartitionedCall", "PartitionedCall")
+                     and node.attr["f"].func.name == program for node in nodes)
+        reads += sum(node.op == "IteratorGetNextAsOptional" for node in nodes)
+    return calls, reads
+
+
+def test_the_program_loop_holds_one_launch_for_every_loop_length(tmp_path):
+    """A Trainer's start-up traces, optimizes and instantiates the program loop's graph:
+    the first, the middle and a loop's shorter last launch are one launch in one while
+    loop (its `want` a tensor), not three copies of the reads and the program call.
+    A length the program does not divide, then a whole one, run that one graph."""
+    trainer = tputrain.Trainer(TinyTask(), str(tmp_path), strategy=strategy_for(1),
+                               train_steps=12, steps_per_loop=4, global_batch_size=16,
+                               jit_compile=True, steps_per_program=4, report_mfu=False)
+    logs, steps, _ = trainer.run_loop(6)
+    assert steps == 6 and np.isfinite(logs["loss"])
+    trainer.run_loop(4)
+    assert trainer._train_loop_fn.__self__.traced_programs() == 1  # pylint: disable=protected-access
+    calls, reads = _launch_sites(trainer)
+    trainer.close()
+    assert calls == 1
+    # a full launch's reads and a shorter one's, once each
+    assert reads == 2 * 4

@@ -249,7 +249,8 @@ def _grid_cells(path: pathlib.Path, report: dict[str, Any]) -> dict[tuple, str]:
             cpu, name, str(result["replicas"]), result["precision"],
             *[f"{r:.2f}" + ("" if r >= 1.0 else " (loss)") if r else "-" for r in ratios],
             f"{FIT_CONFIGURATIONS[best]}, {fits[best]['best_steps_per_call']} steps a call "
-            f"(of {len(fits)})", result.get("tputrain_xla_plan", "-"), str(result["repeats"]),
+            f"(of {len(fits)})", result.get("tputrain_xla_plan", "-").replace("|", "\\|"),  # a trial's table
+            str(result["repeats"]),
             load_average(report), f"`{path.name}`"])
     return cells
 

@@ -185,16 +185,19 @@ class TrainerOptions:
         norms run as TensorFlow's fused kernel while the step traces, with
         Keras's maths (`tputrain/loop/batch_norm.py`); False swaps nothing.
       plan_trial: with jit_compile="auto" on a CPU, time the plausible XLA plans
-        (the rules' above, jit_compile=True's, none) for a few steps each on the
-        real model and a train batch before the first loop, on the run's state
-        written back after each (the weights are those of a run without it), and
-        train with the fastest; the choice is logged as a table and recorded in
-        `model_dir/plan.json` and for the machine (under `TPUTRAIN_CACHE_DIR`), so
-        a resume, or another run of the model on the same machine, runs it without
-        a trial (`tputrain.loop.plan_trial`, docs/performance.md). Its time is in
-        goodput's compile bucket. "auto" (the default): for runs of at least 10x
-        the trial's steps; a shorter run, or a resume of a run that recorded no
-        plan, keeps the rules' plan and records nothing. True: also on such a
+        (the rules' above first, then jit_compile=True's, none) for a few steps
+        each on the real model and a train batch before the first loop, on the
+        run's state written back after each (the weights are those of a run
+        without it), and train with the fastest; the choice is logged as a table
+        and recorded in `model_dir/plan.json` and for the machine (under
+        `TPUTRAIN_CACHE_DIR`), so a resume, or another run of the model on the
+        same machine, runs it without a trial (`tputrain.loop.plan_trial`,
+        docs/performance.md). Its time is in goodput's compile bucket and bounded:
+        it tries no further plan once the next would take it over 10% of the
+        run's estimated time (it trains with the best plan timed so far; its
+        table names those not tried). "auto" (the default): for runs of at least
+        10x the trial's steps; a shorter run, or a resume of a run that recorded
+        no plan, keeps the rules' plan and records nothing. True: also on such a
         resume (a short run records the rules' plan). False: never.
       accumulation_steps: split each step's `global_batch_size` examples into N
         micro-batches, sum their gradients and apply them once: the same update as

@@ -17,7 +17,7 @@ from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.loop import plan_trial
 
 # TinyTask on one CPU replica: "auto"'s rules compile the whole step, so the trial
-# times none, then the rules' whole step (the rules' plan last).
+# times the rules' whole step, then none (the rules' plan first).
 TRIAL_STEPS = 2 * (plan_trial.WARMUP_STEPS + plan_trial.TIMED_STEPS)
 RUN = plan_trial.RUN_SHARE * TRIAL_STEPS  # the shortest run that has a trial
 
@@ -34,6 +34,9 @@ def _own_machine_record(tmp_path, monkeypatch):
     """Each test its own cache folder: the machine's record of a trial's choice
     (`plan_trial.MachineRecord`), which a clock set here decides, reaches no other test."""
     monkeypatch.setenv("TPUTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    # Compiles read as taking no time unless a test sets them: TIME_SHARE never cuts
+    # a trial short by the machine's speed.
+    monkeypatch.setattr(plan_trial, "compile_clock", lambda: 0.0)
 
 
 def _readings(*values):
@@ -56,7 +59,7 @@ def test_the_trial_keeps_the_fastest_plan_records_it_and_a_resume_runs_it(
     trained straight through (the trial's XLA steps left nothing behind)."""
     lines = []
     monkeypatch.setattr(logging, "info", lambda fmt, *args: lines.append(fmt % args))
-    monkeypatch.setattr(plan_trial, "clock", _readings(0.0, 1.0, 1.0, 11.0))
+    monkeypatch.setattr(plan_trial, "clock", _readings(0.0, 10.0, 10.0, 11.0))
     first = _trainer(tmp_path / "trial", RUN, plan_trial=True)
     first.train()
     assert "none" in first.plan.xla and "plan trial" in first.plan.xla
@@ -106,13 +109,62 @@ def test_a_run_shorter_than_the_trial_records_the_rules_plan(tmp_path, monkeypat
         resumed._steps, resumed.inputs.train_dataset.element_spec)).whole_step  # pylint: disable=protected-access
 
 
-def test_the_candidates_are_each_plausible_plan_once_the_rules_last(tmp_path):
+def test_the_candidates_are_each_plausible_plan_once_the_rules_first(tmp_path):
     """On one replica in float32 "auto" and jit_compile=True both compile the whole
     step: two candidates, not three."""
     trainer = _trainer(tmp_path, 20, plan_trial=True)
     spec = trainer.inputs.train_dataset.element_spec
     plans = plan_trial.candidates(trainer._steps, spec)  # pylint: disable=protected-access
-    assert [plan_trial.describe(p) for p in plans] == ["none (fused batch norms)", "whole step"]
+    assert [plan_trial.describe(p) for p in plans] == ["whole step", "none (fused batch norms)"]
+
+
+def _trial_table(lines):
+    (line,) = [line for line in lines if line.startswith("tputrain: plan trial: ")]
+    return line
+
+
+def test_a_trial_that_would_take_over_its_share_of_the_run_keeps_the_rules_plan(
+        tmp_path, monkeypatch):
+    """The rules' whole step, timed first, compiles in 100 s (`compile_clock`) and runs
+    at 1 s a step: a run of RUN steps is estimated at RUN s, and one more compile
+    would take the trial over TIME_SHARE of it. So none is not tried (neither built
+    nor timed: each clock reads only the whole step's), the table says why, and the
+    run trains with the whole step, recorded in model_dir and for the machine."""
+    lines = []
+    monkeypatch.setattr(logging, "info", lambda fmt, *args: lines.append(fmt % args))
+    monkeypatch.setattr(plan_trial, "clock", _readings(0.0, 10.0))  # 10 timed steps
+    monkeypatch.setattr(plan_trial, "compile_clock", _readings(0.0, 100.0))
+    trainer = _trainer(tmp_path / "run", RUN)
+    trainer.train()
+    table = _trial_table(lines)
+    assert table == ("tputrain: plan trial: whole step: 1000.000 ms/step (compile 100.0s) | "
+                     "none (fused batch norms): not tried: over 10% of the run -> whole step "
+                     "(CPU time a step)"), lines
+    assert trainer.plan.xla_plan.whole_step and "fastest in the plan trial" in trainer.plan.xla
+    builder, spec = trainer._steps, trainer.inputs.train_dataset.element_spec  # pylint: disable=protected-access
+    key = plan_trial.plan_key(builder, spec)
+    assert plan_trial.PlanRecord(str(tmp_path / "run")).read(key).whole_step
+    plan, line = plan_trial.MachineRecord(key).read()
+    assert plan.whole_step and "not tried: over 10% of the run" in line
+
+
+@pytest.mark.slow  # the default tier's trial tests time both plans too (compiles read 0 s)
+def test_a_trial_whose_run_leaves_room_times_every_plan_the_rules_first(
+        tmp_path, monkeypatch):
+    """Compiles of 1 s against a run of RUN steps at 1 s a step: the trial's cost stays
+    within TIME_SHARE of the run, so both plans are timed, the rules' first, and the
+    fastest (the whole step) is kept."""
+    lines = []
+    monkeypatch.setattr(logging, "info", lambda fmt, *args: lines.append(fmt % args))
+    monkeypatch.setattr(plan_trial, "clock", _readings(0.0, 10.0, 10.0, 110.0))
+    monkeypatch.setattr(plan_trial, "compile_clock", _readings(0.0, 1.0, 1.0, 2.0))
+    trainer = _trainer(tmp_path / "run", RUN)
+    trainer.train()
+    assert _trial_table(lines) == (
+        "tputrain: plan trial: whole step: 1000.000 ms/step (compile 1.0s) | "
+        "none (fused batch norms): 10000.000 ms/step (compile 1.0s) -> whole step "
+        "(CPU time a step)"), lines
+    assert trainer.plan.xla_plan.whole_step and "fastest in the plan trial" in trainer.plan.xla
 
 
 def test_by_default_a_long_cpu_run_tries_the_plans_and_a_run_in_another_model_dir_reuses_it(
@@ -121,7 +173,7 @@ def test_by_default_a_long_cpu_run_tries_the_plans_and_a_run_in_another_model_di
     its choice is recorded for the machine too, so another run of the same model
     (another model_dir: a test's reference run beside its resumed one) trains with the
     same plan, whatever its own timing would say, and records it in its model_dir."""
-    monkeypatch.setattr(plan_trial, "clock", _readings(0.0, 1.0, 1.0, 11.0))
+    monkeypatch.setattr(plan_trial, "clock", _readings(0.0, 10.0, 10.0, 11.0))
     first = _trainer(tmp_path / "first", RUN)
     assert first.options.plan_trial == "auto"
     first.train()

@@ -12,7 +12,11 @@ trains are bitwise those of a run without the trial), keeps the plan with the
 least CPU time a step (`clock`), logs the table in one line and records the choice
 in `model_dir/plan.json` (`RunDirectory.plan_record`), keyed by the model,
 precision, strategy and CPU kind (`plan_key`), and for the machine
-(`MachineRecord`, under `TPUTRAIN_CACHE_DIR`). The winner's loop is kept when it
+(`MachineRecord`, under `TPUTRAIN_CACHE_DIR`). The rules' plan is timed first;
+the trial stops trying plans when the next would take it over `TIME_SHARE` of the
+run's estimated time (`over_share`): it trains with the best plan timed so far, and
+its table names the plans not tried and why (a cut-short choice is recorded as any).
+The winner's loop is kept when it
 was built last, else built again (XLA's cache holds its programs). A resume runs
 model_dir's plan without a trial (bitwise resume kept); another run of the same
 model on the same machine runs the machine's plan without a trial, so two runs
@@ -64,10 +68,21 @@ from tputrain.loop.xla_plan import XLA_OFF, XlaPlan, decide_xla, fused_forward
 WARMUP_STEPS = 2  # untimed steps a candidate (at least one program launch): its compile
 TIMED_STEPS = 10  # timed steps a candidate (rounded up to whole program launches)
 RUN_SHARE = 10  # no trial for a run of fewer than RUN_SHARE x the trial's steps
+TIME_SHARE = 0.1
+"""The most of a run's time the trial may take. Its cost is mostly compiling, which
+no count of steps bounds: before each candidate after the first, the trial stops
+when its cost so far and the next candidate's (the largest compile and warm-up seen
+so far, plus its timed steps) would exceed this share of the run's estimated time
+(its remaining steps at the best step time measured), and trains with the best plan
+timed so far. The rules' plan is timed first, so a cut-short trial keeps it: a first
+short run of a model pays little more than its own compile."""
 VERSION = 1
 # What the trial times with: the process's CPU seconds (all threads), less swayed by
 # other jobs on the machine than wall time. A test sets its own to decide the winner.
 clock: Callable[[], float] = time.process_time
+# What a candidate's build, compile and warm-up steps are timed with (wall seconds:
+# the table's and TIME_SHARE's). A test sets its own to decide the bound.
+compile_clock: Callable[[], float] = time.perf_counter
 
 _FIELDS = tuple(f for f in XlaPlan._fields if f != "why")
 
@@ -76,8 +91,10 @@ class Timing(NamedTuple):
     """One candidate's row of the trial's table."""
 
     plan: XlaPlan
-    seconds: float | None  # `clock` seconds a timed step; None: XLA refused the plan
+    seconds: float | None  # `clock` seconds a timed step; None: refused by XLA or not tried
     compile_seconds: float  # wall seconds of its untimed steps (trace, compile, one step)
+    timed_steps: int = 0  # the timed steps it ran
+    not_tried: str | None = None  # why the trial stopped before it (TIME_SHARE)
 
 
 def describe(plan: XlaPlan) -> str:
@@ -100,8 +117,8 @@ def _fields(plan: XlaPlan) -> tuple:
 
 
 def candidates(builder: StepBuilder, train_spec: Any) -> list[XlaPlan]:
-    """The plausible plans, each once: jit_compile=True's, none, then the rules'
-    ("auto"'s, last: the winner's loop is kept when it was built last)."""
+    """The plausible plans, each once: the rules' ("auto"'s, first: a trial cut short
+    by TIME_SHARE keeps it), then jit_compile=True's and none."""
     run_plan = builder.run_plan
     features = features_spec(train_spec, run_plan.batch.accumulation_steps,
                              builder.source_counter.key if builder.source_counter else None)
@@ -113,7 +130,7 @@ def candidates(builder: StepBuilder, train_spec: Any) -> list[XlaPlan]:
         if _fields(plan) not in seen:
             seen.add(_fields(plan))
             plans.append(plan)
-    return plans + [rules]
+    return [rules] + plans
 
 
 def why_not(builder: StepBuilder, num_hosts: int, remaining: int | None) -> str | None:
@@ -293,38 +310,60 @@ def time_plan(trial: TrialRun, plan: XlaPlan) -> tuple[Timing, Any]:
     times it: (the row, (loop, steps per program)); the caller restores the state."""
     builder = trial.builder
     builder.run_plan = dataclasses.replace(builder.run_plan, xla_plan=plan)
-    start = time.perf_counter()
+    start = compile_clock()
     loop, program_steps = trial.build_loop()
     if _fields(builder.plan()) != _fields(plan):  # XLA refused it (`StepBuilder._compiles`)
-        return Timing(plan, None, time.perf_counter() - start), None
+        return Timing(plan, None, compile_clock() - start), None
     iterator = trial.iterator()
     int(loop(iterator, max(WARMUP_STEPS, program_steps))[1])  # traced, compiled, warm
-    compile_seconds = time.perf_counter() - start
+    compile_seconds = compile_clock() - start
     timed = program_steps * -(-TIMED_STEPS // program_steps)  # whole launches
     begin = clock()
     ran = int(loop(iterator, timed)[1])
     seconds = (clock() - begin) / ran if ran else None
-    return Timing(plan, seconds, compile_seconds), (loop, program_steps)
+    return Timing(plan, seconds, compile_seconds, ran), (loop, program_steps)
+
+
+def over_share(timings: list[Timing], remaining: int) -> bool:
+    """Whether timing one more plan would take the trial over TIME_SHARE of the run:
+    its cost so far (compiles and warm-ups, timed steps) and the next plan's expected
+    one (the largest compile and warm-up so far, TIMED_STEPS at the slowest step
+    time so far) against `remaining` steps at the best step time so far. False
+    before any plan ran a timed step (nothing to estimate the run by)."""
+    steps = [t.seconds for t in timings if t.seconds is not None]
+    if not steps:
+        return False
+    spent = sum(t.compile_seconds + (t.seconds or 0.0) * t.timed_steps for t in timings)
+    expected = max(t.compile_seconds for t in timings) + TIMED_STEPS * max(steps)
+    return spent + expected > TIME_SHARE * remaining * min(steps)
 
 
 def table(timings: list[Timing], chosen: XlaPlan) -> str:
     """The trial in one line: each plan's CPU time a step (and its compile's wall time)."""
-    rows = [f"{describe(t.plan)}: " + ("refused by XLA" if t.seconds is None else
-                                        f"{1e3 * t.seconds:.3f} ms/step")
+    rows = [f"{describe(t.plan)}: not tried: {t.not_tried}" if t.not_tried else
+            f"{describe(t.plan)}: " + ("refused by XLA" if t.seconds is None else
+                                       f"{1e3 * t.seconds:.3f} ms/step")
             + f" (compile {t.compile_seconds:.1f}s)" for t in timings]
     return f"{' | '.join(rows)} -> {describe(chosen)} (CPU time a step)"
 
 
-def run_trial(trial: TrialRun, plans: list[XlaPlan]) -> tuple[XlaPlan, list[Timing], Any]:
-    """Times each of `plans` on the run's state, written back after each: (the
-    fastest, the table's rows, its loop if it was built last, else None). The
-    rules' plan (the last) if XLA refused every other."""
+def run_trial(trial: TrialRun, plans: list[XlaPlan],
+              remaining: int) -> tuple[XlaPlan, list[Timing], Any]:
+    """Times each of `plans` on the run's state, written back after each, until the
+    next would take the trial over TIME_SHARE of a run of `remaining` steps
+    (`over_share`; the rest are rows "not tried"): (the fastest, the table's rows,
+    its loop if it was built last, else None). The rules' plan (the first) if XLA
+    refused every other."""
     builder = trial.builder
     original = builder.run_plan
     saved = SavedState(builder, trial.variables)
     timings, loops, built = [], {}, []
     try:
         for plan in plans:
+            if over_share(timings, remaining):
+                timings.append(Timing(plan, None, 0.0,
+                                      not_tried=f"over {TIME_SHARE:.0%} of the run"))
+                continue
             try:
                 timing, loop = time_plan(trial, plan)
                 timings.append(timing)
@@ -335,7 +374,7 @@ def run_trial(trial: TrialRun, plans: list[XlaPlan]) -> tuple[XlaPlan, list[Timi
     finally:
         builder.run_plan = original
     timed = [t for t in timings if t.seconds is not None]
-    fastest = min(timed, key=lambda t: t.seconds).plan if timed else plans[-1]
+    fastest = min(timed, key=lambda t: t.seconds).plan if timed else plans[0]
     if built and built[-1] == _fields(fastest) and loops[built[-1]][0] is not None:
         loop, builder.run_plan = loops[built[-1]]  # its step's Python state is current
         return fastest, timings, loop
@@ -418,7 +457,7 @@ def chosen_plan(trial: TrialRun, train_spec: Any, model_dir: str, num_hosts: int
     if known is not None:
         return _machine_choice(record, key, machine, known)
     with timing():
-        chosen, timings, loop = run_trial(trial, plans)
+        chosen, timings, loop = run_trial(trial, plans, remaining)
     line = table(timings, chosen)
     logging.info("tputrain: plan trial: %s", line)
     stands = machine.add(chosen, line)

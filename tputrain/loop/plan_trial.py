@@ -15,7 +15,8 @@ precision, strategy and CPU kind (`plan_key`), and for the machine
 (`MachineRecord`, under `TPUTRAIN_CACHE_DIR`). The rules' plan is timed first;
 the trial stops trying plans when the next would take it over `TIME_SHARE` of the
 run's estimated time (`over_share`): it trains with the best plan timed so far, and
-its table names the plans not tried and why (a cut-short choice is recorded as any).
+its table names the plans not tried and why (a cut-short choice is recorded in
+model_dir only, not for the machine: a longer run here still tries every plan).
 The winner's loop is kept when it
 was built last, else built again (XLA's cache holds its programs). A resume runs
 model_dir's plan without a trial (bitwise resume kept); another run of the same
@@ -434,7 +435,7 @@ def chosen_plan(trial: TrialRun, train_spec: Any, model_dir: str, num_hosts: int
     (the rules' plan stands): model_dir's record for this key, the rules' plan for a
     run the trial does not time (`_no_trial`), the machine's record, or the trial's
     choice (`timing()` around it: goodput's compile bucket), recorded in model_dir
-    and for the machine. `remaining`: the steps train() has left; `step`: its first."""
+    and, unless cut short, for the machine. `remaining`: the steps train() has left; `step`: its first."""
     builder = trial.builder
     if why_not(builder, num_hosts, remaining) is not None:
         return None
@@ -460,7 +461,10 @@ def chosen_plan(trial: TrialRun, train_spec: Any, model_dir: str, num_hosts: int
         chosen, timings, loop = run_trial(trial, plans, remaining)
     line = table(timings, chosen)
     logging.info("tputrain: plan trial: %s", line)
-    stands = machine.add(chosen, line)
+    # Cut short (TIME_SHARE), it did not measure every plan: not the machine's record,
+    # so a longer run of this model here still tries them all.
+    cut_short = any(t.not_tried for t in timings)
+    stands = None if cut_short else machine.add(chosen, line)
     if stands is not None and _fields(stands[0]) != _fields(chosen):
         logging.info("tputrain: another run on this machine recorded its trial first: it "
                      "stands")

@@ -5,7 +5,9 @@
   `user_call`), used by `data/`, `loop/`, `optim/`, `precision/`, the guard and
   the Task;
 * `builders`: the builders a run calls when its caller passes none, which the gin
-  registry (`tputrain.config.registry`) installs configured.
+  registry (`tputrain.config.registry`) installs configured;
+* `cache_dir`: the machine's cache folder (`TPUTRAIN_CACHE_DIR`), shared by the
+  tasks' corpora, the FLOP peak probe and the plan trial.
 
 Each sat in the wing of its first user (`runtime/`, `loop/`, `config/`), which made
 every lower wing that shares it import up; here each import of them runs down

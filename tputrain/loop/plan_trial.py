@@ -58,6 +58,7 @@ from absl import logging
 from tputrain.checkpointing.atomic import temp_path, write_atomically
 from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.checkpointing.seeds import seed_generator_states
+from tputrain.core.cache_dir import cache_root
 from tputrain.distribution.strategy import without_gpus
 from tputrain.loop.random_draws import features_spec
 from tputrain.loop.source_counts import checkpointed
@@ -208,13 +209,6 @@ class PlanRecord:
         entries[key] = {"plan": plan._asdict(), "table": table, "time": time.time()}
         write_atomically(self.path, json.dumps({"version": VERSION, "plans": entries},
                                                indent=1, sort_keys=True))
-
-
-def cache_root() -> str:
-    """tputrain's cache folder for the machine: `TPUTRAIN_CACHE_DIR`, else ~/.cache/tputrain
-    (as the FLOP peak probe's)."""
-    return os.environ.get("TPUTRAIN_CACHE_DIR",
-                          os.path.join(os.path.expanduser("~"), ".cache", "tputrain"))
 
 
 class MachineRecord:

@@ -33,6 +33,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.checkpointing.atomic import write_atomically
+from tputrain.core.cache_dir import cache_root
 from tputrain.distribution.strategy import worker_devices
 
 # Dense peak FLOP/s per TensorFlow device: (16-bit, float32). On TPUs float32
@@ -251,9 +252,7 @@ def _accelerator_kind(strategy: tf.distribute.Strategy) -> tuple[str, str] | Non
 
 
 def _cache_path() -> str:
-    root = os.environ.get("TPUTRAIN_CACHE_DIR",
-                          os.path.join(os.path.expanduser("~"), ".cache", "tputrain"))
-    return os.path.join(root, "peak_flops.json")
+    return os.path.join(cache_root(), "peak_flops.json")
 
 
 def _cpu_name() -> str:

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tputrain.core.cache_dir import cache_root
 from tputrain.data import InputContext, TFRecordInput, write_tfrecords
 from tputrain.task import Task
 
@@ -22,8 +23,7 @@ FEATURES = {"image": ([64], "float32"), "label": ([], "int64")}
 
 
 def default_cache_dir() -> str:
-    root = os.environ.get("TPUTRAIN_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "tputrain"))
-    return os.path.join(root, "digits")
+    return os.path.join(cache_root(), "digits")
 
 
 def prepare_digits(cache_dir: str, train_shards: int = 8, eval_shards: int = 2) -> dict[str, str]:

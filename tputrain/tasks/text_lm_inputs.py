@@ -16,6 +16,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tputrain.core.cache_dir import cache_root
 from tputrain.data import InputContext
 from tputrain.data.packing import LOSS_WEIGHTS, POSITIONS, SEGMENT_IDS, pack_sequences
 from tputrain.data.text_corpus import BOS_ID, HELDOUT, TRAIN, write_text_corpus
@@ -27,9 +28,7 @@ def corpus_directory(corpus_dir: str | None, max_files: int | None) -> str:
     folder, as for the digits (`TPUTRAIN_CACHE_DIR`, else ~/.cache/tputrain)."""
     if corpus_dir:
         return corpus_dir
-    root = os.environ.get("TPUTRAIN_CACHE_DIR",
-                          os.path.join(os.path.expanduser("~"), ".cache", "tputrain"))
-    return os.path.join(root, f"stdlib-text-{max_files or 'all'}")
+    return os.path.join(cache_root(), f"stdlib-text-{max_files or 'all'}")
 
 
 def shift_for_lm(example: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:

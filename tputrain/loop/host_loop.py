@@ -267,19 +267,16 @@ class HostLoop:
             totals = self._carried.result(totals)
         return totals, steps, input_wait
 
-    def _fetch_program(self, iterator, want: tf.Tensor | None = None
-                       ) -> tuple[tf.Tensor, tuple, tf.Tensor]:
+    def _fetch_program(self, iterator, want: tf.Tensor) -> tuple[tf.Tensor, tuple, tf.Tensor]:
         """One program's batches as read one by one: (how many are real, the batches,
-        seconds waited). `want` (a tensor): read only that many (a loop's last, shorter
-        program), zeros in the other places; past the input's end zeros stand in too.
-        A zero batch is never trained on (the program runs the real ones only)."""
+        seconds waited). `want` (a tensor): read only that many (all `program_steps`, or
+        fewer for a loop's last, shorter program), zeros in the other places; past the
+        input's end zeros stand in too. A zero batch is never trained on (the program
+        runs the real ones only)."""
         start = tf.timestamp() if not op_determinism() else None
-        if want is None:
-            real, batches = self._read_all(iterator)
-        else:
-            real, batches = tf.cond(want >= self.program_steps,
-                                    lambda: self._read_all(iterator),
-                                    lambda: self._read_some(iterator, want))
+        real, batches = tf.cond(want >= self.program_steps,
+                                lambda: self._read_all(iterator),
+                                lambda: self._read_some(iterator, want))
         waited = (tf.constant(0.0, tf.float64) if start is None else
                   _after(real, tf.timestamp) - start)
         return real, batches, waited
@@ -310,10 +307,10 @@ class HostLoop:
                   for k in range(self.program_steps)]
         return tf.add_n([real for real, _ in places]), tuple(batch for _, batch in places)
 
-    def _run_program(self, iterator, want: tf.Tensor | None = None
+    def _run_program(self, iterator, want: tf.Tensor
                      ) -> tuple[Any, tf.Tensor, tf.Tensor, tf.Tensor]:
         """(summed logs, steps run, batches that were real, seconds waited) of one
-        program launch on `want` batches (None: `program_steps`)."""
+        program launch on `want` batches (at most `program_steps`)."""
         real, batches, waited = self._fetch_program(iterator, want)
         totals, ran = self.strategy.run(self.program, args=(batches, real))
         totals = {name: self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)

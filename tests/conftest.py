@@ -42,16 +42,6 @@ _OWN_CACHE = None
 if "TPUTRAIN_CACHE_DIR" not in os.environ:
     _OWN_CACHE = os.environ["TPUTRAIN_CACHE_DIR"] = tempfile.mkdtemp(prefix="tputrain-test-cache-")
 
-
-# XLA:CPU compiles the suite's tiny programs faster with its older elemental emitters
-# and without LLVM's optimisation passes: the suite checks tputrain's logic (what is
-# compiled, traced, resumed and equal), not the speed of the code XLA emits, and a
-# fresh Trainer compiles anew (its trace names differ, so neither cache hits in one
-# process). Every process of the run (workers, the CLI, `tputrain launch`) inherits
-# them; a run that sets XLA_FLAGS itself keeps its own.
-_FAST_XLA_COMPILE = "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0"
-if "XLA_FLAGS" not in os.environ:
-    os.environ["XLA_FLAGS"] = _FAST_XLA_COMPILE
 import pytest  # noqa: E402
 
 import tputrain  # noqa: E402,F401  (first: its import of TF drops TF's start-up noise)

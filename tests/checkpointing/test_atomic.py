@@ -131,3 +131,26 @@ def test_a_folder_is_written_whole_and_text_is_text(tmp_path):
     assert (tmp_path / "export" / "8" / "saved_model.pb").read_bytes() == b"pb"
     assert tputrain.write_atomically(str(tmp_path / "a.gin"), "x = 1\n") == str(tmp_path / "a.gin")
     assert (tmp_path / "a.gin").read_text() == "x = 1\n"
+
+
+def test_a_write_that_must_not_overwrite_keeps_a_file_that_appears_at_its_last_step(tmp_path,
+                                                                                     monkeypatch):
+    """`overwrite=False` (the first writer's file stands: a plan record, an export): another
+    writer's file that appears between this writer's check and its last step is kept, and
+    this writer gets FileExistsError and leaves no temp."""
+    target = tmp_path / "record.json"
+
+    def the_other_writer_first(call):
+        def wrapped(source, destination, *args, **kwargs):
+            if os.fspath(destination) == str(target):
+                target.write_text("first")
+            return call(source, destination, *args, **kwargs)
+        return wrapped
+
+    for name in ("rename", "link", "replace"):
+        monkeypatch.setattr(os, name, the_other_writer_first(getattr(os, name)))
+    with pytest.raises(FileExistsError):
+        with tputrain.atomic_path(str(target), overwrite=False) as temp:
+            with open(temp, "w") as f:
+                f.write("second")
+    assert target.read_text() == "first" and os.listdir(tmp_path) == [target.name]

@@ -6,6 +6,7 @@ Which plan wins is decided by an injected clock (`plan_trial.clock`), never by t
 """
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import tputrain
 from tiny import TinyTask, strategy_for, weights
 from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.loop import plan_trial
+from tputrain.loop.xla_plan import XlaPlan
 
 # TinyTask on one CPU replica: "auto"'s rules compile the whole step, so the trial
 # times the rules' whole step, then none (the rules' plan first).
@@ -209,3 +211,14 @@ def test_by_default_a_short_run_or_its_resume_has_no_trial_and_writes_no_record(
         step=20) is None
     assert not (tmp_path / "run" / RunDirectory.PLAN_RECORD).exists()
     assert not (tmp_path / "cache").exists()
+
+
+def test_the_machine_records_the_first_plan_and_keeps_it_against_a_later_trial():
+    """Two trials of one key (two model_dirs, one machine): the first record stands and
+    the second trial gets it back, with no temp file left beside it."""
+    first = XlaPlan(whole_step=True, gradients_only=False, why="first trial")
+    second = XlaPlan(whole_step=False, gradients_only=False, why="second trial")
+    record = plan_trial.MachineRecord("model key")
+    assert record.add(first, "first table") == (first, "first table")
+    assert plan_trial.MachineRecord("model key").add(second, "second table") == (first, "first table")
+    assert os.listdir(os.path.dirname(record.path)) == [os.path.basename(record.path)]

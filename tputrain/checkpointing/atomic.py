@@ -107,6 +107,10 @@ def _remove(path: str) -> None:
 
 
 def _rename(source: str, target: str, overwrite: bool) -> None:
+    if (not overwrite and _is_local(source) and _is_local(target)
+            and not os.path.isdir(source) and _link(source, target)):
+        os.remove(source)
+        return
     gfile = _gfile(source, target)
     if gfile is not None:
         gfile.rename(source, target, overwrite=overwrite)
@@ -114,8 +118,21 @@ def _rename(source: str, target: str, overwrite: bool) -> None:
         os.replace(source, target)
     elif os.path.lexists(target):
         raise FileExistsError(f"{target} already exists")
-    else:
+    else:  # a folder: rename refuses a target folder that has files
         os.rename(source, target)
+
+
+def _link(source: str, target: str) -> bool:
+    """Hard-links `source` at `target`, which fails if `target` exists, however late
+    another writer made it (a check, then a rename, would replace that writer's file).
+    False where the file system has no hard links (the caller checks, then renames)."""
+    try:
+        os.link(source, target)
+    except FileExistsError:
+        raise FileExistsError(f"{target} already exists") from None
+    except OSError:
+        return False
+    return True
 
 
 def move(source: str, target: str, overwrite: bool = True, durable: bool = True) -> None:
@@ -137,7 +154,9 @@ def atomic_path(path: str, overwrite: bool = True, keep_suffix: bool = False,
     ends without error it is renamed over `path` (see `move`), else removed.
 
     `overwrite=False`: a `path` that exists meanwhile raises `tf.errors.AlreadyExistsError`
-    (or `FileExistsError`) and the temp is removed; the caller decides what that means.
+    (or `FileExistsError`) and the temp is removed; the caller decides what that means. A
+    local file is hard-linked into place, so another writer's file stands however late it
+    came (the first record wins); a folder or a `gs://` object is checked, then renamed.
     `durable=False` skips the fsyncs (caches that may be lost); `keep_suffix`, `hidden`:
     see `temp_path`."""
     parent = os.path.dirname(path.rstrip("/"))

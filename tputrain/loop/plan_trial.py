@@ -55,7 +55,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tputrain.checkpointing.atomic import temp_path, write_atomically
+from tputrain.checkpointing.atomic import atomic_path, write_atomically
 from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.core.cache_dir import cache_root
@@ -243,16 +243,11 @@ class MachineRecord:
         text = json.dumps({"version": VERSION, "key": self.key, "plan": plan._asdict(),
                            "table": table_line, "time": time.time()}, indent=1, sort_keys=True)
         try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            temp = temp_path(self.path)
-            with open(temp, "w", encoding="utf-8") as f:
+            with atomic_path(self.path, overwrite=False) as temp, \
+                    open(temp, "w", encoding="utf-8") as f:
                 f.write(text)
-            try:
-                os.link(temp, self.path)  # fails if the key is recorded: the first stands
-            except FileExistsError:
-                pass
-            finally:
-                os.remove(temp)
+        except FileExistsError:
+            pass  # another process's trial recorded the key first: its record stands
         except OSError as error:
             logging.warning("tputrain: cannot record the plan in %s (%s): a run in another "
                             "model_dir tries the plans again", self.path, error)

@@ -98,7 +98,7 @@ from resume_time import cpu_kind  # noqa: E402  (benchmarks/: lscpu's instructio
 import tputrain  # noqa: E402
 from tputrain.data import InputContext  # noqa: E402
 from tputrain.loop.convolutions import onednn_enabled  # noqa: E402
-from tputrain.observe.flops import _cpu_name  # noqa: E402
+from tputrain.core.cpu_info import cpu_name  # noqa: E402
 from tputrain.precision import to_float32  # noqa: E402
 from tputrain.tasks import SyntheticLMTask  # noqa: E402
 
@@ -1161,7 +1161,7 @@ def main() -> None:
 
     report: dict[str, Any] = {
         "command": " ".join(["python benchmarks/train_loop.py", *sys.argv[1:]]),
-        "machine": {"cpu": _cpu_name(), "cpu_flags": cpu_kind(), "cores": os.cpu_count(),
+        "machine": {"cpu": cpu_name(), "cpu_flags": cpu_kind(), "cores": os.cpu_count(),
                     "onednn": onednn_enabled(), **isa_limits(),
                     "strategy": type(strategy).__name__,
                     "replicas": strategy.num_replicas_in_sync, "tensorflow": tf.__version__,

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from faults import child_env
+from tputrain.core import cpu_info
 from tputrain.loop import compile_cache
 
 # A tiny model whose whole step is one XLA program (jit_compile=True, one replica);
@@ -138,9 +139,9 @@ def test_the_default_folder_is_per_cpu_so_another_cpu_never_reads_a_program(monk
     here = compile_cache.default_directory()
     assert here == compile_cache.default_directory()  # stable
     assert os.path.dirname(os.path.dirname(here)) == str(tmp_path / "tputrain" / "xla")
-    monkeypatch.setattr(compile_cache, "_cpu_features", lambda: "fpu sse2 avx2")
+    monkeypatch.setattr(cpu_info, "cpu_flags", lambda: "fpu sse2 avx2")
     older = compile_cache.default_directory()
-    monkeypatch.setattr(compile_cache, "_cpu_features", lambda: "fpu sse2 avx2 avx512f")
+    monkeypatch.setattr(cpu_info, "cpu_flags", lambda: "fpu sse2 avx2 avx512f")
     newer = compile_cache.default_directory()
     assert older != newer and os.path.dirname(older) == os.path.dirname(newer)
 

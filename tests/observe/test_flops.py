@@ -7,6 +7,7 @@ import keras
 import pytest
 import tensorflow as tf
 
+from tputrain.core.cpu_info import cpu_name
 from tputrain.observe import flops
 
 
@@ -124,7 +125,7 @@ def test_a_cpu_peak_probed_on_a_busy_machine_is_raised_by_later_runs(tmp_path, m
 def test_a_peak_cached_by_an_older_tputrain_is_probed_again(tmp_path, monkeypatch):
     """A cache written before probes were counted holds one probe: later runs add theirs."""
     monkeypatch.setenv("TPUTRAIN_CACHE_DIR", str(tmp_path))
-    key = f"{flops._cpu_name()}|{os.cpu_count()} cpus|tf {tf.__version__}|float32"
+    key = f"{cpu_name()}|{os.cpu_count()} cpus|tf {tf.__version__}|float32"
     (tmp_path / "peak_flops.json").write_text(json.dumps({key: 50e9}))
     monkeypatch.setattr(flops, "measure_matmul_peak", lambda dtype: 80e9)
     flops._probed_here.clear()
@@ -135,7 +136,7 @@ def test_a_peak_probed_meanwhile_by_another_process_is_not_lowered(tmp_path, mon
     """Two runs started together: the one that measured less finishes last and must
     not overwrite the other's higher peak (the cache is read again before writing)."""
     monkeypatch.setenv("TPUTRAIN_CACHE_DIR", str(tmp_path))
-    key = f"{flops._cpu_name()}|{os.cpu_count()} cpus|tf {tf.__version__}|float32"
+    key = f"{cpu_name()}|{os.cpu_count()} cpus|tf {tf.__version__}|float32"
 
     def slow_low_probe(dtype):  # meanwhile another process stores a higher peak
         (tmp_path / "peak_flops.json").write_text(json.dumps({key: 400e9}))

@@ -8,6 +8,8 @@
   registry (`tputrain.config.registry`) installs configured;
 * `cache_dir`: the machine's cache folder (`TPUTRAIN_CACHE_DIR`), shared by the
   tasks' corpora, the FLOP peak probe and the plan trial.
+* `cpu_info`: the CPU's model name and instruction-set flags, which key what those
+  keep per kind of machine (and XLA's compile cache folder).
 
 Each sat in the wing of its first user (`runtime/`, `loop/`, `config/`), which made
 every lower wing that shares it import up; here each import of them runs down

@@ -47,6 +47,8 @@ import weakref
 from importlib import metadata
 from typing import Any
 
+from tputrain.core import cpu_info
+
 FLAG = "--tf_xla_persistent_cache_directory"
 ENV = "TPUTRAIN_COMPILE_CACHE"
 # The entries found sound, by name: {name: [size, mtime_ns]}; each is read once.
@@ -71,18 +73,6 @@ def current() -> str | None:
     return found.group(1) if found else None
 
 
-def _cpu_features() -> str:
-    """The host CPU's instruction-set flags (Linux's /proc/cpuinfo), else its name."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith(("flags", "Features")):  # x86, Arm
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _isa_cap() -> list[str]:
     """XLA_FLAGS's cap on the instruction set XLA compiles for (`--xla_cpu_max_isa=AVX2`):
     TensorFlow's cache key leaves XLA_FLAGS out, so a capped run needs a folder of its own."""
@@ -93,7 +83,7 @@ def cpu_key() -> str:
     """A short name for the host CPU's instruction set: the cache's subfolder, because
     XLA compiles CPU programs for the host (AVX-512, say) and a cache shared with a
     machine without it (a home folder on a network file system) must not hand them over."""
-    digest = hashlib.sha256(" ".join(sorted(_cpu_features().split()) + _isa_cap()).encode())
+    digest = hashlib.sha256(" ".join(sorted(cpu_info.cpu_flags().split()) + _isa_cap()).encode())
     return f"{platform.machine() or 'cpu'}-{digest.hexdigest()[:10]}"
 
 

@@ -47,7 +47,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import platform
 import time
 from typing import Any, Callable, ContextManager, NamedTuple
 
@@ -59,6 +58,7 @@ from tputrain.checkpointing.atomic import atomic_path, write_atomically
 from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.core.cache_dir import cache_root
+from tputrain.core.cpu_info import cpu_name
 from tputrain.distribution.strategy import without_gpus
 from tputrain.loop.random_draws import features_spec
 from tputrain.loop.source_counts import checkpointed
@@ -152,15 +152,8 @@ def why_not(builder: StepBuilder, num_hosts: int, remaining: int | None) -> str 
 
 
 def cpu_kind() -> str:
-    """The CPU's model name and core count (Linux: /proc/cpuinfo), the machine's key."""
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("model name")), name)
-    except OSError:
-        pass
-    return f"{name} x{os.cpu_count()}"
+    """The CPU's model name and core count, the machine's key."""
+    return f"{cpu_name()} x{os.cpu_count()}"
 
 
 def plan_key(builder: StepBuilder, train_spec: Any) -> str:

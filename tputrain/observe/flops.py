@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import re
 import time
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from absl import logging
 
 from tputrain.checkpointing.atomic import write_atomically
 from tputrain.core.cache_dir import cache_root
+from tputrain.core.cpu_info import cpu_name
 from tputrain.distribution.strategy import worker_devices
 
 # Dense peak FLOP/s per TensorFlow device: (16-bit, float32). On TPUs float32
@@ -255,17 +255,6 @@ def _cache_path() -> str:
     return os.path.join(cache_root(), "peak_flops.json")
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def measure_matmul_peak(dtype: str = "float32", size: int = 2048, repeats: int = 8) -> float:
     """FLOP/s of the best of `repeats` [size x size] matmuls on the default device.
 
@@ -314,7 +303,7 @@ def _probe_count(cache: dict[str, Any], counts: dict[str, Any], key: str) -> int
 
 def _peak_key(dtype: str) -> str:
     """This CPU's entry in the peak cache: its name, core count, TensorFlow, dtype."""
-    return f"{_cpu_name()}|{os.cpu_count()} cpus|tf {tf.__version__}|{dtype}"
+    return f"{cpu_name()}|{os.cpu_count()} cpus|tf {tf.__version__}|{dtype}"
 
 
 def cpu_peak_flops(dtype: str = "float32", refresh: bool = False) -> float:

@@ -27,6 +27,7 @@ import sys
 import tempfile
 
 import result_file  # noqa: E402  (benchmarks/, this script's folder)
+from tputrain.core.cpu_info import cpu_flags  # noqa: E402
 
 CHILD = r"""
 import glob, json, os, resource, sys, time
@@ -99,16 +100,6 @@ def summary(trials: dict[str, list[dict]], replicas: list[int]) -> dict:
     return {"trials": trials, "medians": medians, "ratios_n_over_1": ratios}
 
 
-def lscpu_flags() -> str:
-    """The CPU's flags (`lscpu`), to name the machine a figure is from."""
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return ""
-    return next((l.split(":", 1)[1].strip() for l in text.splitlines()
-                 if l.startswith("Flags:")), "")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--replicas", default="1,2")
@@ -138,7 +129,7 @@ def main() -> None:
     report = {"benchmark": "compile_replicas", "model": "MobileNet alpha 0.5",
               "size": args.size, "global_batch": args.batch, "steps": args.steps,
               "steps_per_loop": args.steps_per_loop, "cpu_count": os.cpu_count(),
-              "lscpu_flags": lscpu_flags(), "load_before": list(load),
+              "lscpu_flags": cpu_flags(), "load_before": list(load),
               "load_after": list(os.getloadavg()), **summary(trials, replicas)}
     result_file.write(report, args.out, "compile_replicas", args.tag, quick=args.quick)
 

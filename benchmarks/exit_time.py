@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import result_file  # noqa: E402  (benchmarks/, this script's folder)
+from machine import cpu_model, has_flag  # noqa: E402  (benchmarks/: the CPU's kind)
 
 GOAL_SECONDS, GOAL_OVER_FIT = 2.0, 1.0
 
@@ -110,20 +111,10 @@ def time_exit(argv: list[str], env: dict[str, str]) -> dict[str, float]:
 
 def cpu_kind() -> dict[str, Any]:
     """The processor and the vector extensions that change TensorFlow's speed."""
-    flags, model = [], platform.processor()
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        text = ""
-    for line in text.splitlines():
-        if line.startswith("Model name:"):
-            model = line.split(":", 1)[1].strip()
-        if line.startswith("Flags:"):
-            flags = line.split(":", 1)[1].split()
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return {"model": model, "cores": os.cpu_count(),
-            "flags": {flag: flag in flags for flag in wanted},
-            "avx512": "avx512f" in flags}
+    return {"model": cpu_model(), "cores": os.cpu_count(),
+            "flags": {flag: has_flag(flag) for flag in wanted},
+            "avx512": has_flag("avx512f")}
 
 
 def summarise(trials: dict[str, list[dict[str, float]]]) -> dict[str, Any]:

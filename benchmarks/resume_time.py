@@ -55,6 +55,7 @@ import tensorflow as tf  # noqa: E402
 from absl import logging  # noqa: E402
 
 import result_file  # noqa: E402  (benchmarks/, this script's folder)
+from machine import cpu_kind, cpu_model  # noqa: E402,F401  (train_loop.py imports cpu_kind here)
 import tputrain  # noqa: E402
 
 FEATURES = 128
@@ -92,25 +93,6 @@ def trainer(task, model_dir: str, strategy, mode: str, steps: int, loop: int):
     return tputrain.Trainer(task, model_dir, strategy=strategy, train_steps=steps,
                             steps_per_loop=loop, global_batch_size=64, checkpoint_every=steps,
                             eval_steps=1, input_mode=mode, report_mfu=False)
-
-
-def cpu_kind() -> str:
-    """The instruction sets that matter to TensorFlow's CPU kernels, from lscpu's flags."""
-    try:
-        flags = open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0].split()
-    except (OSError, IndexError):
-        return platform.processor() or platform.machine()
-    wanted = ("avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "avx2")
-    return " ".join(flag for flag in wanted if flag in flags) or "no avx2"
-
-
-def cpu_model() -> str:
-    """lscpu's model name (/proc/cpuinfo's), or "" where there is none."""
-    try:
-        line = next(line for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return ""
-    return line.split(":", 1)[1].strip()
 
 
 def positions_main(args) -> None:

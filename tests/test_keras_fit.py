@@ -409,3 +409,96 @@ def test_callbacks_state_is_optional_in_a_checkpoint(tmp_path):
     for run in (with_state, without):
         assert tf.train.latest_checkpoint(str(run / "checkpoints")).endswith(
             f"ckpt-{2 * EPOCH_STEPS}")
+
+
+# ------------------------------------------------------------ a second call on the same model
+
+def counting_task() -> type:
+    """A KerasTask whose train loss counts its Python calls: one per trace of the step."""
+    class Counting(tputrain.KerasTask):
+        traces = 0
+
+        def total_loss(self, *args, **kwargs):
+            Counting.traces += 1
+            return super().total_loss(*args, **kwargs)
+
+    return Counting
+
+
+def test_a_longer_second_call_reuses_the_first_calls_compiled_loop(tmp_path):
+    """fit(steps=4) then fit(steps=8) on the same model, data, callbacks and model_dir
+    traces the train step once in all, and ends bitwise as one fit(steps=8): weights,
+    metrics and the rate ReduceLROnPlateau cut."""
+    task, strategy, train = counting_task(), strategy_for(1), train_dataset()
+    callbacks = [plateau()]
+    options = dict(eval_every=2, strategy=strategy, task=task, report_mfu=False,
+                   jit_compile=False)
+    model = compiled_model()
+    tputrain.fit(model, train, EVAL, model_dir=str(tmp_path / "twice"), steps=4,
+                 callbacks=callbacks, **options)
+    traces = task.traces
+    logs = tputrain.fit(model, train, EVAL, model_dir=str(tmp_path / "twice"), steps=8,
+                        callbacks=callbacks, **options)
+    assert traces > 0 and task.traces == traces
+    once = compiled_model()
+    once_logs = tputrain.fit(once, train_dataset(), EVAL, model_dir=str(tmp_path / "once"),
+                             steps=8, callbacks=[plateau()], **options)
+    assert close(model.get_weights(), once.get_weights()) == 0.0
+    assert logs == once_logs
+    rate = float(model.optimizer.learning_rate.numpy())
+    assert rate == float(once.optimizer.learning_rate.numpy()) and rate < LR  # cut, as once
+    assert int(model.optimizer.iterations.numpy()) == 8
+
+
+def test_other_data_or_a_recompile_builds_a_new_trainer(tmp_path):
+    """Another train dataset, or the model compiled again, is not the same run: the
+    step is traced again and the kept Trainer is closed."""
+    from tputrain.keras_fit import kept_trainer
+
+    task, strategy, train = counting_task(), strategy_for(1), train_dataset()
+    options = dict(model_dir=str(tmp_path / "run"), strategy=strategy, task=task,
+                   report_mfu=False, jit_compile=False)
+    model = compiled_model()
+    tputrain.fit(model, train, EVAL, steps=2, **options)
+    first, traces = kept_trainer(model), task.traces
+    tputrain.fit(model, train_dataset(), EVAL, steps=4, **options)
+    second = kept_trainer(model)
+    assert task.traces > traces and first.closed and second is not first
+    traces = task.traces
+    model.compile(optimizer=keras.optimizers.SGD(LR, momentum=0.5),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                  jit_compile=False)
+    tputrain.fit(model, train_dataset(), EVAL, steps=6, **options)
+    assert task.traces > traces and second.closed
+    assert not kept_trainer(model).closed
+
+
+def test_weights_set_between_calls_give_way_to_the_checkpoint(tmp_path):
+    """As for a rerun in a new process: the next call resumes model_dir's checkpoint,
+    not the weights the user set on the model in between."""
+    strategy = strategy_for(1)
+    options = dict(strategy=strategy, report_mfu=False, jit_compile=False)
+    model, train = compiled_model(), train_dataset()
+    tputrain.fit(model, train, EVAL, model_dir=str(tmp_path / "twice"), steps=4, **options)
+    model.set_weights([np.zeros_like(w) for w in model.get_weights()])
+    tputrain.fit(model, train, EVAL, model_dir=str(tmp_path / "twice"), steps=8, **options)
+    once = compiled_model()
+    tputrain.fit(once, train_dataset(), EVAL, model_dir=str(tmp_path / "once"), steps=8,
+                 **options)
+    assert close(model.get_weights(), once.get_weights()) == 0.0
+
+
+def test_a_dropped_model_frees_the_trainer_kept_on_it(tmp_path):
+    """The Trainer kept for a next call lives no longer than the model it trains."""
+    import gc
+    import weakref
+
+    def fitted() -> weakref.ref:  # in a frame of its own: the caller's may hold locals
+        model = compiled_model()
+        tputrain.fit(model, train_dataset(), EVAL, model_dir=str(tmp_path / "run"), steps=2,
+                     strategy=strategy_for(1), report_mfu=False, jit_compile=False)
+        return weakref.ref(model)
+
+    dropped = fitted()
+    gc.collect()
+    assert dropped() is None

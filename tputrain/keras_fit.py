@@ -3,14 +3,19 @@
 The few-lines path: `tputrain.fit(model, train_data, eval_data, model_dir=...,
 steps=...)` builds a `KerasTask` and a `Trainer` (strategy, compiled host loops,
 exact-resume checkpoints, guard, progress) and runs Keras callbacks through
-`KerasCallbacks`. Rerunning the same call resumes from model_dir's latest checkpoint.
+`KerasCallbacks`. Rerunning the same call resumes from model_dir's latest checkpoint;
+in the same process, a call continuing the same run on the same model resumes on
+the Trainer the last call kept on the model, its loops compiled already.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import numbers
 import os
 import tempfile
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import keras
 import tensorflow as tf
@@ -35,6 +40,11 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
     """Trains a compiled Keras model for `steps` optimizer steps; returns the final
     evaluation's metrics ({"loss": ..., metric names: ...}).
 
+    A second call on the same `keras.Model` that continues the same run (the same
+    model_dir, data, callbacks, actions and options; the model not compiled again;
+    only `steps` differs) trains on the first call's Trainer: its compiled loops
+    are not traced again (`kept_trainer`). Any other call builds a new one.
+
     Args:
       model: a compiled `keras.Model`, or a function building and compiling one
         (`KerasTask`). A model passed in gets the trained weights back, as `fit` does.
@@ -50,27 +60,158 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
         arguments.
       **trainer_options: any other `Trainer` argument (strategy, steps_per_loop, ...).
     """
-    keras_task = task(model, train_data, eval_data, batch_size=batch_size, shuffle=shuffle,
-                      seed=trainer_options.get("seed", 0), epoch_steps=eval_every)
-    adapters = [KerasCallbacks(callbacks)] if callbacks else []
+    call = _Call(model_dir, train_data, eval_data, batch_size, shuffle, eval_every,
+                 task, list(callbacks), list(actions), dict(trainer_options))
+    run = _continued(model, call)
     try:
-        trainer = Trainer(keras_task, model_dir, train_steps=steps, eval_every=eval_every,
-                          global_batch_size=keras_task.global_batch_size,
-                          actions=[*adapters, *actions], **trainer_options)
+        with _fit_errors():
+            run = run or _new_run(model, call, steps)
+            run.trainer.train_steps = steps
+        for adapter in run.adapters:
+            adapter.weights_changed = False  # set again by this call's on_train_end
+        logs = _trained(run, model_dir)
+    except BaseException:
+        if isinstance(model, keras.Model):
+            _forget(model, close=False)  # a failed call's Trainer is not continued
+        raise
+    if isinstance(model, keras.Model):
+        model.set_weights(run.trainer.model.get_weights())
+        carry_optimizer(model.optimizer, run.trainer.optimizer)
+        _keep(model, dataclasses.replace(run, model_state=_model_state(model)))
+    return logs
+
+
+def kept_trainer(model: keras.Model) -> Trainer | None:
+    """The Trainer `fit` kept on `model` for a next call of the same run, or None.
+    `close()` it to free its input iterators before the model is dropped."""
+    run = getattr(model, _KEPT, None)
+    return run.trainer if run is not None else None
+
+
+_KEPT = "_tputrain_fit_run"  # on the user's model: freed with it (a weak-key map is not:
+# the kept Trainer's task refers to the model)
+
+
+class _Call(NamedTuple):
+    """A fit call's arguments but `steps`: a call with the same ones continues the run."""
+    model_dir: str
+    train_data: Any
+    eval_data: Any
+    batch_size: Any
+    shuffle: Any
+    eval_every: Any
+    task: Any
+    callbacks: list
+    actions: list
+    trainer_options: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """A Trainer built by fit, its callbacks' adapter, and what it was built from."""
+    trainer: Trainer
+    adapters: list[KerasCallbacks]
+    call: _Call
+    model_state: tuple | None = None
+
+
+def _model_state(model: keras.Model) -> tuple | None:
+    """What a new Trainer would read of the model besides its weights (which the
+    checkpoint overrides): its optimizer and settings, compile config, trainable set.
+    None when they do not serialize: such a model's next call builds a new Trainer."""
+    optimizer = model.optimizer
+    try:
+        return (optimizer, optimizer.get_config(), model.get_compile_config(),
+                [w.path for w in model.trainable_weights],
+                [w.path for w in model.non_trainable_weights])
+    except Exception:  # pylint: disable=broad-except  (a custom config: not compared)
+        return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same object, or equal plain values (numbers, strings, option dataclasses),
+    containers item by item: arrays, datasets and callbacks must be the same objects."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, os.PathLike):
+        return os.fspath(a) == os.fspath(b)
+    if isinstance(a, (numbers.Number, str, bytes)) or dataclasses.is_dataclass(a):
+        try:
+            return bool(a == b)
+        except (TypeError, ValueError):  # e.g. a dataclass holding arrays
+            return False
+    return False
+
+
+def _continued(model: Any, call: _Call) -> _Run | None:
+    """The run kept on `model` when this call continues it; otherwise None, the kept
+    Trainer closed first (it holds tf.data iterators)."""
+    run = getattr(model, _KEPT, None) if isinstance(model, keras.Model) else None
+    if run is None:
+        return None
+    trainer = run.trainer
+    if (not trainer.closed and trainer.num_hosts == 1  # several hosts: each would decide
+            and trainer.checkpointer.latest is not None  # else a new run starts from the model
+            and _same(run.call, call)
+            and run.model_state is not None and _same(run.model_state, _model_state(model))):
+        return run
+    _forget(model, close=True)
+    return None
+
+
+def _new_run(model: Any, call: _Call, steps: int) -> _Run:
+    """Today's path: a new KerasTask and Trainer for the call."""
+    keras_task = call.task(model, call.train_data, call.eval_data, batch_size=call.batch_size,
+                           shuffle=call.shuffle, seed=call.trainer_options.get("seed", 0),
+                           epoch_steps=call.eval_every)
+    adapters = [KerasCallbacks(call.callbacks)] if call.callbacks else []
+    trainer = Trainer(keras_task, call.model_dir, train_steps=steps, eval_every=call.eval_every,
+                      global_batch_size=keras_task.global_batch_size,
+                      actions=[*adapters, *call.actions], **call.trainer_options)
+    return _Run(trainer, adapters, call)
+
+
+@contextlib.contextmanager
+def _fit_errors() -> Iterator[None]:
+    """fit takes no gin config: an error is raised without the gin note."""
+    try:
+        yield
     except Exception as error:  # pylint: disable=broad-except  (re-raised)
-        original = without_gin_notes(error)  # fit takes no gin config: no gin note
+        original = without_gin_notes(error)
         if original is error:
             raise
         raise original from original.__cause__
+
+
+def _trained(run: _Run, model_dir: str) -> dict[str, float]:
+    """Trains to `train_steps`; the metrics of the weights the callbacks ended on."""
+    trainer, adapters = run.trainer, run.adapters
     logs = trainer.train()
     if adapters and adapters[0].weights_changed:  # e.g. EarlyStopping(restore_best_weights)
         logs = trainer.evaluate_weights()  # the metrics of the model returned
         if trainer.is_chief:
             save_final_weights(trainer.model, model_dir)
-    if isinstance(model, keras.Model):
-        model.set_weights(trainer.model.get_weights())
-        carry_optimizer(model.optimizer, trainer.optimizer)
     return logs
+
+
+def _keep(model: keras.Model, run: _Run) -> None:
+    setattr(model, _KEPT, run)
+
+
+def _forget(model: keras.Model, close: bool) -> None:
+    """Drops the Trainer kept on `model`, if any; `close`: closes it too (not after a
+    failure: its error, not one closing raises, is the one to see)."""
+    run = getattr(model, _KEPT, None)
+    if run is not None:
+        delattr(model, _KEPT)
+        if close:
+            run.trainer.close()
 
 
 def save_final_weights(model: keras.Model, model_dir: str) -> str:

@@ -453,7 +453,7 @@ def test_a_longer_second_call_reuses_the_first_calls_compiled_loop(tmp_path):
 def test_other_data_or_a_recompile_builds_a_new_trainer(tmp_path):
     """Another train dataset, or the model compiled again, is not the same run: the
     step is traced again and the kept Trainer is closed."""
-    from tputrain.keras_fit import kept_trainer
+    from tputrain.keras_fit import kept_trainer, release
 
     task, strategy, train = counting_task(), strategy_for(1), train_dataset()
     options = dict(model_dir=str(tmp_path / "run"), strategy=strategy, task=task,
@@ -470,7 +470,10 @@ def test_other_data_or_a_recompile_builds_a_new_trainer(tmp_path):
                   jit_compile=False)
     tputrain.fit(model, train_dataset(), EVAL, steps=6, **options)
     assert task.traces > traces and second.closed
-    assert not kept_trainer(model).closed
+    third = kept_trainer(model)
+    assert not third.closed
+    release(model)  # the kept Trainer's memory freed while the model lives on
+    assert third.closed and kept_trainer(model) is None
 
 
 def test_weights_set_between_calls_give_way_to_the_checkpoint(tmp_path):

@@ -82,10 +82,16 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
 
 
 def kept_trainer(model: keras.Model) -> Trainer | None:
-    """The Trainer `fit` kept on `model` for a next call of the same run, or None.
-    `close()` it to free its input iterators before the model is dropped."""
+    """The Trainer `fit` kept on `model` for a next call of the same run, or None."""
     run = getattr(model, _KEPT, None)
     return run.trainer if run is not None else None
+
+
+def release(model: keras.Model) -> None:
+    """Closes and drops the Trainer `fit` kept on `model` (its copy of the model, the
+    optimizer's state, its input iterators) while the model lives on, e.g. before
+    building another large model; the next call builds a new one."""
+    _forget(model, close=True)
 
 
 _KEPT = "_tputrain_fit_run"  # on the user's model: freed with it (a weak-key map is not:

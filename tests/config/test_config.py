@@ -22,6 +22,19 @@ def test_misspelled_parameter_names_the_nearest():
         parse_gin(gin_params=["Trainer.train_step = 3"])
 
 
+@pytest.mark.parametrize("bindings, match", [
+    (['build_optimizer.nmae = "sgd"'], r"build_optimizer.*'nmae'.*did you mean 'name'"),
+    (['build_optimizer.name = "sgd"', "build_optimizer.nesterv = True"],
+     r"'sgd'.*'nesterv'.*did you mean 'nesterov'"),
+    (['build_optimizer.name = "adamx"'], r"unknown optimizer 'adamx'.*adamw"),
+])
+def test_a_misspelled_optimizer_argument_fails_at_parse_naming_the_nearest(bindings, match):
+    # build_optimizer passes extra keywords to the Keras optimizer: gin alone accepts any
+    # name there, and the run failed only once data was built, with Keras's message.
+    with pytest.raises(ConfigError, match=match):
+        parse_gin(gin_params=bindings)
+
+
 def test_unknown_reference_suggests_registering():
     with pytest.raises(ConfigError, match=r"'@?MyTask.*--gin_import"):
         parse_gin(gin_params=["Trainer.task = @MyTask()"])
@@ -63,6 +76,27 @@ def test_a_builtin_config_parses_without_error_lines(caplog):
     with caplog.at_level(std_logging.INFO):
         parse_gin(["digits.gin"], finalize=False)
     assert not [r.getMessage() for r in caplog.records if r.levelno >= std_logging.ERROR]
+
+
+def test_a_users_config_including_a_builtin_one_parses_without_error_lines(tmp_path, caplog):
+    """`include 'digits.gin'` in a user's file: gin looks for it in a Python package
+    first, logging `E ... Path not found: digits.gin`, before it finds the file."""
+    import logging as std_logging
+
+    mine = tmp_path / "mine.gin"
+    mine.write_text("include 'digits.gin'\nTrainer.train_steps = 7\n")
+    with caplog.at_level(std_logging.INFO):
+        parse_gin([str(mine)], finalize=False)
+    assert gin.query_parameter("Trainer.train_steps") == 7
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= std_logging.ERROR]
+    assert std_logging.getLogger().filters == []  # nothing left behind
+
+
+def test_an_included_file_that_is_nowhere_is_still_a_config_error(tmp_path):
+    mine = tmp_path / "mine.gin"
+    mine.write_text("include 'no_such_file.gin'\n")
+    with pytest.raises(ConfigError, match="no_such_file.gin"):
+        parse_gin([str(mine)], finalize=False)
 
 
 GIN_UNCHANGED = r'''

@@ -28,6 +28,12 @@ def test_unknown_name_lists_the_choices():
         tputrain.build_optimizer("adamx")
 
 
+def test_a_misspelled_keras_argument_names_the_nearest():
+    with pytest.raises(ValueError, match=r"'sgd'.*'nesterv'.*did you mean 'nesterov'"):
+        tputrain.build_optimizer("sgd", nesterv=True)
+    assert tputrain.build_optimizer("sgd", nesterov=True).nesterov  # a Keras argument passes
+
+
 def test_global_clipnorm_clips_all_gradients_together():
     optimizer = tputrain.build_optimizer("sgd", learning_rate=1.0, momentum=0.0, global_clipnorm=1.0)
     a, b = keras.Variable(np.zeros(3, np.float32)), keras.Variable(np.zeros(4, np.float32))

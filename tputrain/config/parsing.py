@@ -7,9 +7,11 @@ configurable or parameter, before anything is built.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import inspect
+import logging as std_logging
 import os
 import re
 import sys
@@ -150,9 +152,9 @@ def parse_gin(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
             _read_text(path)
     _parse_data_files(data_files, imports)
     try:
-        gin.parse_config_files_and_bindings(files,
-                                            list(gin_params),
-                                            finalize_config=finalize)
+        with _quiet_package_lookups():
+            gin.parse_config_files_and_bindings(files, list(gin_params),
+                                                finalize_config=finalize)
     except OSError as error:
         raise ConfigError(f"{error} Pass an existing file or add its folder with "
                           "--gin_search_path") from error
@@ -166,6 +168,45 @@ def parse_gin(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
         if type(error).__module__.startswith(("tokenize", "gin")):
             raise ConfigError(f"gin could not parse the configuration: {error}") from error
         raise
+    _check_optimizer_bindings()
+
+
+def _check_optimizer_bindings() -> None:
+    """`build_optimizer` passes extra keywords to the Keras optimizer, so gin takes any
+    name there: a misspelled one is refused here, before anything is built."""
+    from tputrain.optim.optimizers import build_optimizer, check_arguments
+
+    bindings = gin.get_bindings(build_optimizer)
+    name = bindings.get("name", "adam")
+    if not isinstance(name, str):  # a macro or reference: checked when it is built
+        return
+    try:
+        check_arguments(name, bindings)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+class _PackageLookupFilter(std_logging.Filter):
+    """Drops gin's "Path not found: X" lines (see `_quiet_package_lookups`)."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Path not found:")
+
+
+@contextlib.contextmanager
+def _quiet_package_lookups():
+    """While gin parses: for each file it includes, gin asks its Python-package reader
+    before the next search path, which logs an error-level "Path not found" for names
+    like `digits.gin` that a later search path holds. A file found nowhere still fails
+    (a ConfigError naming it), so the line says nothing; the filter is on the root
+    logger (gin logs there) only for the parse."""
+    quiet = _PackageLookupFilter()
+    root = std_logging.getLogger()
+    root.addFilter(quiet)
+    try:
+        yield
+    finally:
+        root.removeFilter(quiet)
 
 
 def _find(gin_file: str, folders: Sequence[str]) -> str:

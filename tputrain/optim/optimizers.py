@@ -7,8 +7,10 @@ Names: "adam", "adamw", "sgd" (with momentum), "lamb" (Keras 3's LAMB) and
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import keras
 
@@ -40,6 +42,32 @@ def _check_learning_rate(learning_rate: Any) -> Any:
     return learning_rate
 
 
+def _keywords(cls: type) -> set[str]:
+    """The keyword arguments `cls(...)` takes: its and its bases' `__init__`s' named ones
+    (a Keras optimizer passes `**kwargs` on to its base class, which refuses the rest)."""
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {parameter.name for klass in cls.__mro__ if "__init__" in vars(klass)
+            for parameter in inspect.signature(vars(klass)["__init__"]).parameters.values()
+            if parameter.kind in named} - {"self"}
+
+
+def check_arguments(name: str, extra: Mapping[str, Any]) -> None:
+    """Refuses an unknown optimizer name, or an extra keyword argument the named Keras
+    optimizer does not take, naming the nearest valid one. `build_optimizer` passes
+    extra keywords on, so gin accepts any name there: the CLI checks them right after
+    parsing, before anything is built (`tputrain.config.parsing`)."""
+    key = name.lower()
+    if key not in _OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}: use one of {sorted(_OPTIMIZERS)}")
+    valid = _keywords(_OPTIMIZERS[key]) | set(inspect.signature(build_optimizer).parameters)
+    for argument in extra:
+        if argument not in valid:
+            close = difflib.get_close_matches(argument, sorted(valid), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(sorted(valid))}"
+            raise ValueError(f"build_optimizer: the {key!r} optimizer takes no argument "
+                             f"{argument!r}{hint}")
+
+
 def build_optimizer(name: str = "adam",
                     learning_rate: float | keras.optimizers.schedules.LearningRateSchedule = 1e-3,
                     weight_decay: float | None = None,
@@ -59,9 +87,8 @@ def build_optimizer(name: str = "adam",
     already skips biases and norms). Extra keyword arguments go to the Keras
     optimizer unchanged.
     """
+    check_arguments(name, kwargs)
     key = name.lower()
-    if key not in _OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}: use one of {sorted(_OPTIMIZERS)}")
     options = dict(kwargs, learning_rate=_check_learning_rate(learning_rate),
                    global_clipnorm=global_clipnorm)
     if weight_decay is not None:

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import tputrain
 from tputrain.keras_outputs import CompiledOutputs
+from tiny import strategy_for
 
 
 def heads(outputs: str = "dict", **compile_args) -> keras.Model:
@@ -70,3 +71,54 @@ def test_a_one_output_model_takes_its_loss_alone_or_in_a_dict_or_list():
         model.compile(optimizer="sgd", loss=loss, loss_weights=weights)
         (output,) = CompiledOutputs(model).outputs
         assert (output.loss, output.weight) == ("mse", 1.0 if weights is None else 0.5)
+
+
+# ------------------------------------------------------------ a loss's label rank
+
+LOSSES = [("mse", "linear"), ("mae", "linear"), ("huber", "linear"),
+          ("binary_crossentropy", "sigmoid"), (keras.losses.mean_squared_error, "linear"),
+          (keras.losses.MeanSquaredError(), "linear")]
+
+
+def one_unit(loss, activation: str) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, activation=activation)])
+    model.compile(optimizer="sgd", loss=loss, jit_compile=False)
+    return model
+
+
+def one_unit_data(activation: str, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """Labels of shape (N,) (`rank` 1) or (N, 1), as `fit` takes either."""
+    x = np.random.default_rng(0).normal(size=(32, 3)).astype(np.float32)
+    y = x.sum(1) if activation == "linear" else (x.sum(1) > 0).astype(np.float32)
+    return x, (y if rank == 1 else y[:, None])
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+@pytest.mark.parametrize("loss,activation", LOSSES)
+def test_a_loss_gives_keras_per_example_losses_on_1d_and_2d_labels(loss, activation, rank):
+    """Strings and functions, as a Loss object, have the label's rank made the output's
+    (Keras's compile wraps them so): each example's loss is the compiled model's loss of
+    that example alone."""
+    model = one_unit(loss, activation)
+    x, y = one_unit_data(activation, rank)
+    outputs = model(x[:6])
+    expected = [float(model.compute_loss(x[i:i + 1], y[i:i + 1], outputs[i:i + 1]))
+                for i in range(6)]
+    actual = CompiledOutputs(model).combined(tf.constant(y[:6]), outputs)
+    assert actual.shape == (6,)
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss,activation,rank", [
+    ("mse", "linear", 1), ("binary_crossentropy", "sigmoid", 1),
+    (keras.losses.mean_squared_error, "linear", 2)])
+def test_a_loss_string_or_function_trains_as_under_keras_fit(tmp_path, loss, activation, rank):
+    """1-D labels (N,) beside an (N, 1) output, or (N, 1) labels: fit's weights."""
+    x, y = one_unit_data(activation, rank)
+    model, expected = one_unit(loss, activation), one_unit(loss, activation)
+    tputrain.fit(model, (x, y), (x, y), model_dir=str(tmp_path / "run"), steps=4, batch_size=8,
+                 shuffle=False, strategy=strategy_for(1), report_mfu=False, jit_compile=False)
+    expected.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for actual, wanted in zip(model.get_weights(), expected.get_weights()):
+        np.testing.assert_allclose(actual, wanted, atol=1e-5)

@@ -268,3 +268,4 @@ def test_without_eval_data_per_output_sample_weights_still_train(tmp_path):
     logs = tputrain.fit(two_output_model(), two_output_train(), model_dir=str(tmp_path / "run"),
                         steps=2, strategy=strategy_for(1), report_mfu=False, jit_compile=False)
     assert np.isfinite(logs["label_loss"]) and np.isfinite(logs["value_loss"])
+

@@ -30,13 +30,21 @@ class Output(NamedTuple):
 
 
 def _same_rank(labels: tf.Tensor, outputs: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """Keras's rule for a function loss: a trailing axis of 1 is squeezed from the
-    tensor of higher rank when the ranks differ by one."""
+    """Keras's rule for a loss given as a string or function (compile wraps it in a
+    `LossFunctionWrapper`): when the ranks differ by one and the higher has a trailing
+    axis of 1, the lower is expanded if it is 1-D (labels (N,) beside outputs (N, 1)),
+    else the higher squeezed, so the loss keeps one value per example."""
     true_rank, pred_rank = labels.shape.rank, outputs.shape.rank
     if true_rank == pred_rank + 1 and labels.shape[-1] == 1:
-        labels = tf.squeeze(labels, -1)
+        if pred_rank == 1:
+            outputs = tf.expand_dims(outputs, -1)
+        else:
+            labels = tf.squeeze(labels, -1)
     elif pred_rank == true_rank + 1 and outputs.shape[-1] == 1:
-        outputs = tf.squeeze(outputs, -1)
+        if true_rank == 1:
+            labels = tf.expand_dims(labels, -1)
+        else:
+            outputs = tf.squeeze(outputs, -1)
     return labels, outputs
 
 

@@ -183,12 +183,7 @@ class KerasTask(Task):
                                 f"{type(model).__name__}, not a keras.Model")
             self._compiled = _check_compiled(model)
             return model
-        try:
-            return cloned(self._source)  # LoRA and frozen layers as the user left them
-        except Exception as error:  # pylint: disable=broad-except  (named, then re-raised)
-            raise TypeError(f"KerasTask could not clone {type(self._source).__name__} "
-                            f"({error}): pass a function that builds and compiles it "
-                            "instead") from error
+        return cloned(self._source)  # LoRA and frozen layers as the user left them
 
     def build_inputs(self, split: str, input_context: InputContext) -> tf.data.Dataset:
         """Single examples, sharded by host, in per-replica batches: consecutive

@@ -14,6 +14,8 @@ exactly the weights the user's model would. See docs/keras_hub.md.
 
 from __future__ import annotations
 
+from typing import Any, Iterator
+
 import keras
 
 
@@ -23,7 +25,39 @@ def _rebuilt(source: keras.Model) -> keras.Model:
     owner = next((k for k in type(source).__mro__ if "from_config" in vars(k)), None)
     if owner is not None and not owner.__module__.startswith("keras."):
         return type(source).from_config(source.get_config())
-    return keras.models.clone_model(source)
+    # clone_model compiles the copy from the model's compile config: a loss or metric
+    # function or class the user registered nowhere is found among the model's own.
+    with keras.saving.custom_object_scope(_compiled_objects(source)):
+        return keras.models.clone_model(source)
+
+
+def _compiled_objects(model: keras.Model) -> dict[str, Any]:
+    """The functions and classes `model.compile` was given (its losses, metrics,
+    optimizer), by the names their serialized config refers to them by."""
+    compiled = getattr(model, "_compile_config", None)  # Keras keeps compile's arguments
+    found: dict[str, Any] = {}
+    for item in _leaves(getattr(compiled, "config", {})):
+        target = item if callable(item) and not isinstance(item, type) and hasattr(
+            item, "__name__") else type(item)
+        if target.__module__.startswith(("keras.", "builtins")):
+            continue
+        for name in {getattr(target, "__name__", None),
+                     keras.saving.get_registered_name(target)}:
+            if name:
+                found[name] = target
+    return found
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    """The non-container values inside nested lists, tuples and dicts."""
+    if isinstance(value, dict):
+        for item in value.values():
+            yield from _leaves(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _leaves(item)
+    elif value is not None and not isinstance(value, (str, int, float, bool)):
+        yield value
 
 
 def _layers(model: keras.Model) -> list[keras.layers.Layer]:
@@ -53,8 +87,19 @@ def has_lora(model: keras.Model) -> bool:
 
 def cloned(source: keras.Model) -> keras.Model:
     """`source` rebuilt (in the caller's scope) with its weights, and with its LoRA
-    layers and trainable flags when it has LoRA; a ValueError when the copy cannot be
-    made the same."""
+    layers and trainable flags when it has LoRA; a one-line TypeError naming the fix
+    when it cannot be rebuilt, or not the same."""
+    try:
+        return _cloned(source)
+    except Exception as error:  # pylint: disable=broad-except  (named, then re-raised)
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        reason = reason if len(reason) <= 160 else reason[:157] + "..."
+        raise TypeError(f"KerasTask could not rebuild {type(source).__name__}: pass a function "
+                        "that builds and compiles it instead (`tputrain.fit(build, ...)`, "
+                        f"docs/tasks.md); Keras said: {reason}") from error
+
+
+def _cloned(source: keras.Model) -> keras.Model:
     copy = _rebuilt(source)
     if not has_lora(source):
         copy.set_weights(source.get_weights())

@@ -269,3 +269,33 @@ def test_without_eval_data_per_output_sample_weights_still_train(tmp_path):
                         steps=2, strategy=strategy_for(1), report_mfu=False, jit_compile=False)
     assert np.isfinite(logs["label_loss"]) and np.isfinite(logs["value_loss"])
 
+
+
+# ------------------------------------------------------------ eval data beside arrays
+
+def small_classifier() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), metrics=["accuracy"], jit_compile=False,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("eval_batch", [16, 12])
+def test_a_batched_eval_dataset_keeps_its_batches_beside_arrays_with_batch_size(
+        tmp_path, eval_batch):
+    """`batch_size` is the arrays' batch, not the eval dataset's: a batched eval dataset
+    (of the train batch or another, its last batch short) evaluates as `fit`'s
+    `validation_data` does."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    evaluation = tf.data.Dataset.from_tensor_slices((x[:30], y[:30])).batch(eval_batch)
+    model, expected = small_classifier(), small_classifier()
+    logs = tputrain.fit(model, (x, y), evaluation, model_dir=str(tmp_path / "run"), steps=2,
+                        batch_size=16, shuffle=False, strategy=strategy_for(1),
+                        report_mfu=False, jit_compile=False)
+    history = expected.fit(x[:32], y[:32], batch_size=16, epochs=1, shuffle=False, verbose=0,
+                           validation_data=evaluation).history
+    assert logs["loss"] == pytest.approx(history["val_loss"][-1], abs=1e-5)
+    assert logs["accuracy"] == pytest.approx(history["val_accuracy"][-1], abs=1e-6)

@@ -93,11 +93,24 @@ def _eval_examples(train: tf.data.Dataset, eval_data: Any, batch_size: int | Non
         if len(examples.element_spec) == 3 and tf.nest.is_nested(examples.element_spec[2]):
             examples = examples.map(lambda features, labels, _: (features, labels))
         return examples
+    if isinstance(eval_data, tf.data.Dataset) and _batched(eval_data, train):
+        batch_size = None  # the arrays' (and single examples') batch, not this one's
     examples = _examples(eval_data, batch_size, "eval")[0]
     if len(examples.element_spec) == 3 and tf.nest.is_nested(examples.element_spec[2]):
         raise ValueError("KerasTask: eval data takes one sample weight per example, not one "
                          "per output: evaluate with (x, y) or (x, y, sample_weight)")
     return examples
+
+
+def _batched(dataset: tf.data.Dataset, examples: tf.data.Dataset) -> bool:
+    """Whether `dataset` holds batches, as `fit`'s `validation_data` does: it ends with
+    a `.batch(n)` (`_batch_size_of`), or its features have one axis more than the
+    single train `examples`' features."""
+    if _batch_size_of(dataset) is not None:
+        return True
+    ranks = [tf.nest.flatten(data.element_spec)[0].shape.rank
+             for data in (dataset, examples)]
+    return None not in ranks and ranks[0] == ranks[1] + 1
 
 
 def _padded(batch: tuple, rows: int) -> tuple:
@@ -138,6 +151,7 @@ class KerasTask(Task):
         None: the train data's first `global_batch_size` examples, to have a split.
       batch_size: None for a batched dataset (its batch size is the global batch);
         the global batch for arrays (default 32) or a dataset of single examples.
+        A batched eval dataset keeps its batches (as `fit`'s `validation_data`).
       shuffle: arrays only: reshuffle the train examples every pass (seeded), as fit.
       seed: the shuffle's seed.
       epoch_steps: the steps between two evaluations (a Keras epoch). When it is the

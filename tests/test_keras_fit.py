@@ -505,3 +505,58 @@ def test_a_dropped_model_frees_the_trainer_kept_on_it(tmp_path):
     dropped = fitted()
     gc.collect()
     assert dropped() is None
+
+
+def dropout_model() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
+                              keras.layers.Dropout(0.1), keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.SGD(LR),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=False)
+    return model
+
+
+def small_fit(model, arrays, model_dir, steps: int, strategy) -> dict[str, float]:
+    return tputrain.fit(model, arrays, arrays, model_dir=str(model_dir), steps=steps,
+                        batch_size=BATCH, shuffle=False, steps_per_loop=2,
+                        strategy=strategy, report_mfu=False, jit_compile=False)
+
+
+def test_arrays_changed_in_place_between_calls_are_read_again(tmp_path):
+    """Labels changed in place (the same array object) between two calls: the second
+    trains and evaluates on the new ones, as `model.fit` would (a new Trainer)."""
+    from tputrain.keras_fit import kept_trainer
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4 * BATCH, 5)).astype(np.float32)
+    y = (np.argmax(x[:, :3], -1)).astype(np.int64)
+    model, strategy = dropout_model(), strategy_for(1)
+    small_fit(model, (x, y), tmp_path, 2, strategy)
+    first = kept_trainer(model)
+    small_fit(model, (x, y), tmp_path, 3, strategy)  # the same contents: continued
+    assert kept_trainer(model) is first and not first.closed
+    y[:] = (y + 1) % 3  # new labels, the same object
+    logs = small_fit(model, (x, y), tmp_path, 4, strategy)
+    assert first.closed and kept_trainer(model) is not first
+    expected = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    assert logs["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+
+
+def test_a_layer_config_changed_between_calls_builds_a_new_trainer(tmp_path):
+    """A Dropout's rate set on the model between calls is the next call's, as a new
+    Trainer (a new process) would read it."""
+    from tputrain.keras_fit import kept_trainer
+
+    rng = np.random.default_rng(0)
+    arrays = (rng.normal(size=(4 * BATCH, 5)).astype(np.float32),
+              rng.integers(0, 3, size=4 * BATCH).astype(np.int64))
+    model, strategy = dropout_model(), strategy_for(1)
+    small_fit(model, arrays, tmp_path, 2, strategy)
+    first = kept_trainer(model)
+    model.layers[1].rate = 0.5
+    small_fit(model, arrays, tmp_path, 4, strategy)
+    assert first.closed
+    rates = [layer.rate for layer in kept_trainer(model).model.layers
+             if isinstance(layer, keras.layers.Dropout)]
+    assert rates == [0.5]

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import numbers
 import os
 import tempfile
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tputrain.actions import Action
@@ -61,7 +63,8 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
       **trainer_options: any other `Trainer` argument (strategy, steps_per_loop, ...).
     """
     call = _Call(model_dir, train_data, eval_data, batch_size, shuffle, eval_every,
-                 task, list(callbacks), list(actions), dict(trainer_options))
+                 task, list(callbacks), list(actions), dict(trainer_options),
+                 _contents((train_data, eval_data)))
     run = _continued(model, call)
     try:
         with _fit_errors():
@@ -110,6 +113,23 @@ class _Call(NamedTuple):
     callbacks: list
     actions: list
     trainer_options: dict
+    contents: tuple  # the arrays' digests: one changed in place is other data
+
+
+def _contents(data: Any) -> tuple:
+    """A digest of each NumPy array in `data` (nested tuples, lists, dicts): its dtype,
+    shape and bytes, hashed from its buffer (a copy only of a non-contiguous one). A
+    new Trainer reads the arrays as they are now; the kept one read them as they were."""
+    if isinstance(data, np.ndarray):
+        if data.dtype.hasobject:  # its buffer holds pointers: never the same contents
+            return (object(),)
+        digest = hashlib.sha256(memoryview(np.ascontiguousarray(data)).cast("B"))
+        return ((data.dtype.str, data.shape, digest.hexdigest()),)
+    if isinstance(data, dict):
+        return tuple(part for key in sorted(data, key=str) for part in _contents(data[key]))
+    if isinstance(data, (list, tuple)):
+        return tuple(part for item in data for part in _contents(item))
+    return ()  # a dataset, a tensor...: compared as the same object (`_same`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,15 +143,28 @@ class _Run:
 
 def _model_state(model: keras.Model) -> tuple | None:
     """What a new Trainer would read of the model besides its weights (which the
-    checkpoint overrides): its optimizer and settings, compile config, trainable set.
-    None when they do not serialize: such a model's next call builds a new Trainer."""
+    checkpoint overrides): its optimizer and settings, compile config, trainable set,
+    layers' configs. None when the first three do not serialize: such a model's next
+    call builds a new Trainer."""
     optimizer = model.optimizer
     try:
         return (optimizer, optimizer.get_config(), model.get_compile_config(),
                 [w.path for w in model.trainable_weights],
-                [w.path for w in model.non_trainable_weights])
+                [w.path for w in model.non_trainable_weights], _layer_configs(model))
     except Exception:  # pylint: disable=broad-except  (a custom config: not compared)
         return None
+
+
+def _layer_configs(model: keras.Model) -> list:
+    """The model's and each of its layers' config (a Dropout's rate...), None where one
+    does not serialize (a subclassed model's own): a new Trainer builds from them."""
+    configs = []
+    for layer in model._flatten_layers(include_self=True, recursive=True):  # pylint: disable=protected-access
+        try:
+            configs.append(layer.get_config())
+        except Exception:  # pylint: disable=broad-except  (NotImplementedError, a custom one)
+            configs.append(None)
+    return configs
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -299,3 +299,27 @@ def test_a_batched_eval_dataset_keeps_its_batches_beside_arrays_with_batch_size(
                            validation_data=evaluation).history
     assert logs["loss"] == pytest.approx(history["val_loss"][-1], abs=1e-5)
     assert logs["accuracy"] == pytest.approx(history["val_accuracy"][-1], abs=1e-6)
+
+
+# ------------------------------------------------------------ optimizer settings
+
+def ema_classifier() -> keras.Model:
+    model = small_classifier()
+    model.compile(optimizer=keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.9,
+                                                 ema_overwrite_frequency=4),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("given", ["model", "function"])
+def test_an_optimizer_with_use_ema_is_refused_naming_ema_decay(tmp_path, given):
+    """`fit` ends on the optimizer's EMA weights; tputrain does not carry `use_ema` over,
+    so it refuses it, in one line naming tputrain's own average, before training."""
+    x = np.zeros((16, 4), np.float32)
+    with pytest.raises(ValueError, match=r"use_ema.*ema_decay=0\.9") as caught:
+        tputrain.fit(ema_classifier() if given == "model" else ema_classifier, (x, x[:, 0]),
+                     model_dir=str(tmp_path / "run"), steps=1, batch_size=8,
+                     strategy=strategy_for(1), report_mfu=False, jit_compile=False)
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+

@@ -372,10 +372,17 @@ def _output_last_dim(model: keras.Model, index: int = 0) -> int | None:
 
 
 def _check_compiled(model: keras.Model) -> keras.Model:
-    """A compiled model with a loss, its losses pairing with its outputs; else a
-    ValueError naming the fix."""
+    """A compiled model with a loss, its losses pairing with its outputs, its optimizer
+    without Keras's `use_ema`; else a ValueError naming the fix."""
     if not getattr(model, "compiled", False) or model.loss is None:
         raise ValueError(f"{type(model).__name__} is not compiled with a loss: call "
                          "model.compile(optimizer=..., loss=..., metrics=...) first")
     CompiledOutputs(model)  # a loss or metric of no output is named now
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    if getattr(optimizer, "use_ema", False):  # fit's final EMA weights are not reproduced
+        momentum = getattr(optimizer, "ema_momentum", 0.99)
+        raise ValueError(f"KerasTask does not carry over the optimizer's use_ema=True: "
+                         f"compile without it and pass ema_decay={momentum} to tputrain.fit "
+                         "(or the Trainer), tputrain's own average of the weights, used by "
+                         "its evaluations (docs/checkpoints.md, \"EMA weights\")")
     return model

@@ -323,3 +323,20 @@ def test_an_optimizer_with_use_ema_is_refused_naming_ema_decay(tmp_path, given):
     assert "\n" not in str(caught.value)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
+
+# ------------------------------------------------------------ a short last batch
+
+@pytest.mark.parametrize("examples,drop_remainder,warned", [
+    (50, False, True), (50, True, False), (48, False, False)])
+def test_a_train_dataset_with_a_short_last_batch_is_warned_of_once(
+        caplog, examples, drop_remainder, warned):
+    """`fit` trains on the short batch; tputrain's global batch is fixed, so it rebatches
+    across passes: other batches than `fit`'s, said once with the fix."""
+    x = np.zeros((examples, 4), np.float32)
+    train = tf.data.Dataset.from_tensor_slices((x, x[:, 0])).shuffle(examples, seed=1).batch(
+        16, drop_remainder=drop_remainder)
+    with caplog.at_level("WARNING"):
+        tputrain.KerasTask(small_classifier(), train, epoch_steps=int(train.cardinality()))
+    assert caplog.text.count("last batch") == (1 if warned else 0)
+    if warned:
+        assert "drop_remainder=True" in caplog.text and "50 examples" in caplog.text

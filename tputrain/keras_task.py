@@ -66,21 +66,43 @@ def _first_batch_size(dataset: tf.data.Dataset, split: str) -> int:
 
 
 def _batch_size_of(dataset: tf.data.Dataset) -> int | None:
-    """The `batch_size` of the last `batch` of `dataset`, found through the
-    transformations after it that keep each element's batch (prefetch, shuffle,
-    repeat, take, cache, map...), without reading the dataset; None if another
-    transformation (unbatch, rebatch, interleave, zip...) or none is in the way."""
+    """The `batch_size` of the last `batch` of `dataset` (`_last_batch`), or None."""
+    batch = _last_batch(dataset)
+    size = getattr(batch, "_batch_size", None)
+    return int(size) if size is not None else None
+
+
+def _last_batch(dataset: tf.data.Dataset) -> tf.data.Dataset | None:
+    """The last `batch` of `dataset`, found through the transformations after it
+    that keep each element's batch (prefetch, shuffle, repeat, take, cache, map...),
+    without reading the dataset; None if another transformation (unbatch, rebatch,
+    interleave, zip...) or none is in the way."""
     # pylint: disable=protected-access  (tf.data's own record of its transformations)
     keeps_batch = (dataset_ops.UnaryUnchangedStructureDataset, map_op._MapDataset,
                    map_op._ParallelMapDataset)
     while dataset is not None:
         if type(dataset).__name__ in _BATCHES:
-            size = getattr(dataset, "_batch_size", None)
-            return int(size) if size is not None else None
+            return dataset
         if not isinstance(dataset, keeps_batch):
             return None
         dataset = getattr(dataset, "_input_dataset", None)
     return None
+
+
+def _warn_short_last_batch(dataset: tf.data.Dataset) -> None:
+    """`fit` trains on a batched dataset's short last batch; the Trainer's global
+    batch is fixed, so the examples are rebatched across passes: said once, with
+    the fix, when the dataset's own `batch` leaves a short one."""
+    # pylint: disable=protected-access  (tf.data's own record of its transformations)
+    batch = _last_batch(dataset)
+    if batch is None or bool(getattr(batch, "_drop_remainder", True)):
+        return
+    size, examples = int(batch._batch_size), int(batch._input_dataset.cardinality())
+    if examples > 0 and examples % size:
+        logging.warning("tputrain: the train dataset's last batch is short (%d examples in "
+                        "batches of %d): tputrain trains on full batches of %d across passes, "
+                        "so on other batches than model.fit; batch with drop_remainder=True "
+                        "or give a number of examples the batch divides", examples, size, size)
 
 
 def _eval_examples(train: tf.data.Dataset, eval_data: Any, batch_size: int | None,
@@ -176,6 +198,8 @@ class KerasTask(Task):
             raise TypeError(f"KerasTask.model must be a keras.Model or a function returning "
                             f"one, got {type(model).__name__}")
         self._train, self.global_batch_size = _examples(train_data, batch_size, "train")
+        if isinstance(train_data, tf.data.Dataset) and batch_size is None:
+            _warn_short_last_batch(train_data)
         self._shuffle = bool(shuffle) and not isinstance(train_data, tf.data.Dataset)
         self._fit_epochs = (isinstance(train_data, tf.data.Dataset) and batch_size is None
                             and epoch_steps is not None

@@ -560,3 +560,32 @@ def test_a_layer_config_changed_between_calls_builds_a_new_trainer(tmp_path):
     rates = [layer.rate for layer in kept_trainer(model).model.layers
              if isinstance(layer, keras.layers.Dropout)]
     assert rates == [0.5]
+
+
+def test_gradient_accumulation_steps_leave_the_optimizer_as_fit_does(tmp_path):
+    """A compiled optimizer with `gradient_accumulation_steps=2`: fit returns its
+    metrics, and the user's optimizer counts steps as `model.fit` leaves it (its own
+    variable counts batches; `iterations`, updates)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4 * BATCH, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+
+    def accumulating() -> keras.Model:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(LR, gradient_accumulation_steps=2),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    expected = accumulating()
+    expected.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    model = accumulating()
+    logs = tputrain.fit(model, (x, y), (x, y), model_dir=str(tmp_path), steps=8,
+                        batch_size=BATCH, shuffle=False, strategy=strategy_for(1),
+                        report_mfu=False, jit_compile=False)
+    assert set(logs) == {"loss"}
+    assert close(model.get_weights(), expected.get_weights()) < 1e-6
+    assert int(model.optimizer.iterations.numpy()) == int(expected.optimizer.iterations.numpy()) == 4
+    counts = [[int(v.numpy()) for v in m.optimizer.variables if v.name == "iteration"]
+              for m in (model, expected)]
+    assert counts[0] == counts[1] == [8]

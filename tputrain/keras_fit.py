@@ -274,4 +274,12 @@ def carry_optimizer(user: keras.optimizers.Optimizer, trained: keras.optimizers.
         user.learning_rate = learning_rate(trained)
     except TypeError:  # built with a LearningRateSchedule: nothing to carry
         pass
-    user.iterations.assign(int(keras.ops.convert_to_numpy(trained.iterations)))
+    counted = _step_counter(getattr(trained, "inner_optimizer", trained))
+    _step_counter(user).assign(int(keras.ops.convert_to_numpy(counted)))
+
+
+def _step_counter(optimizer: keras.optimizers.Optimizer) -> Any:
+    """The optimizer's own step variable: Keras 3 keeps `_iterations` (batches seen);
+    with `gradient_accumulation_steps` its `iterations` is computed from it (updates)."""
+    counter = getattr(optimizer, "_iterations", None)
+    return counter if hasattr(counter, "assign") else optimizer.iterations

@@ -402,3 +402,33 @@ def test_mirrored_strategy_on_one_device_trains(tmp_path, caplog):
                for r in caplog.records)
     assert int(trainer.step.numpy()) == 4
     assert trainer.jit_compile is False and not trainer._steps.counted_in_step
+
+
+def batched_keras_task(batch: int) -> tputrain.KerasTask:
+    """A KerasTask on a dataset batched in `batch` (its global batch)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3)).astype(np.float32)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    data = tf.data.Dataset.from_tensor_slices((x, x.sum(1, keepdims=True))).batch(batch)
+    return tputrain.KerasTask(model, data, shuffle=False)
+
+
+def test_a_keras_tasks_global_batch_is_the_default(tmp_path):
+    """No global_batch_size given: the KerasTask's batch (its data's), not 64."""
+    trainer = tputrain.Trainer(batched_keras_task(16), str(tmp_path), strategy=strategy_for(1),
+                               train_steps=1, steps_per_loop=1)
+    assert trainer.global_batch_size == 16
+    assert tf.nest.flatten(trainer.train_dataset.element_spec)[0].shape[0] == 16
+
+
+def test_a_global_batch_other_than_the_keras_tasks_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"^Trainer.global_batch_size=32 .*KerasTask.global_batch_size=16"):
+        tputrain.Trainer(batched_keras_task(16), str(tmp_path), strategy=strategy_for(1),
+                         global_batch_size=32)
+
+
+def test_the_default_global_batch_stays_64_for_a_task_without_one(tmp_path):
+    trainer = tputrain.Trainer(TinyTask(), str(tmp_path), strategy=strategy_for(1),
+                               train_steps=1, steps_per_loop=1)
+    assert trainer.global_batch_size == 64

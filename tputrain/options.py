@@ -137,7 +137,9 @@ class TrainerOptions:
       train_steps: total optimizer steps; a rerun continues up to this number.
       steps_per_loop: steps per compiled host call; loops also stop at eval and
         checkpoint boundaries.
-      global_batch_size: examples per step over all replicas.
+      global_batch_size: examples per step over all replicas; None (the Trainer's
+        default): a `KerasTask`'s own batch (`KerasTask.global_batch_size`; another
+        value is refused), else 64.
       eval_every: evaluate every N steps (and at the end); None: only at the end.
       eval_steps: eval batches per evaluation (of each eval set); None: the whole
         (finite) eval split.

@@ -24,6 +24,7 @@ from tputrain.actions import (Action, CommunicationAction, MFUAction, NonFiniteP
                               PreemptionAction, ProfilerAction, check_actions,
                               checkpointed_states)
 from tputrain.jobs.aggregation import with_aggregates
+from tputrain.keras_task import KerasTask
 from tputrain.core.builders import configured
 from tputrain.checkpointing.manager import Checkpointer
 from tputrain.checkpointing.run_directory import RunDirectory
@@ -99,6 +100,22 @@ def _check_arguments(task: Task, model_dir: str) -> None:
     if not model_dir:
         raise ValueError("Trainer.model_dir is empty: pass --model_dir or bind Trainer.model_dir")
 
+
+def _task_batch(task: Task) -> int:
+    """The global batch a KerasTask's data comes in (`KerasTask.global_batch_size`), or
+    TrainerOptions' default for a Task that builds batches of any size."""
+    known = task.global_batch_size if isinstance(task, KerasTask) else None
+    return TrainerOptions.global_batch_size if known is None else int(known)
+
+
+def _check_task_batch(task: Task, global_batch_size: int) -> None:
+    """A KerasTask's batch is its data's, as under `model.fit`: another one is refused."""
+    known = task.global_batch_size if isinstance(task, KerasTask) else None
+    if known is not None and int(known) != global_batch_size:
+        raise ValueError(f"Trainer.global_batch_size={global_batch_size} but the task's data "
+                         f"comes in batches of KerasTask.global_batch_size={known}: pass "
+                         f"global_batch_size={known} (or none), or batch the data in "
+                         f"{global_batch_size}")
 
 
 def _build_inputs(task: Task, strategy: tf.distribute.Strategy, plan: Any) -> Inputs:
@@ -221,7 +238,7 @@ class Trainer(RunKnobs, TrainableSet):
 
     def __init__(self, task: Task, model_dir: str, strategy: tf.distribute.Strategy | None = None,
                  train_steps: int = 1000, steps_per_loop: int = 100,
-                 global_batch_size: int = 64, eval_every: int | None = None,
+                 global_batch_size: int | None = None, eval_every: int | None = None,
                  eval_steps: int | None = None, eval_splits: Sequence[str] = ("eval",),
                  checkpoint_every: int | None = None,
                  keep_checkpoints: int = 3, precision: str | PrecisionOptions | None = None, seed: int = 0,
@@ -237,7 +254,8 @@ class Trainer(RunKnobs, TrainableSet):
                  remat: str | RematOptions | None = None, plan_trial: bool | str = "auto"):
         self.options = TrainerOptions(
             train_steps=train_steps, steps_per_loop=steps_per_loop,
-            global_batch_size=global_batch_size, eval_every=eval_every, eval_steps=eval_steps,
+            global_batch_size=_task_batch(task) if global_batch_size is None else global_batch_size,
+            eval_every=eval_every, eval_steps=eval_steps,
             eval_splits=eval_splits,
             checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
             precision=precision, seed=seed, input_mode=input_mode, jit_compile=jit_compile,
@@ -247,6 +265,7 @@ class Trainer(RunKnobs, TrainableSet):
             checkpoint=checkpoint, profiling=profiling, ema_decay=ema_decay, remat=remat,
             plan_trial=plan_trial)
         _check_arguments(task, model_dir)
+        _check_task_batch(task, self.options.global_batch_size)
         self.actions = with_trial_report(check_actions(actions))  # tuning/report.py
         self.startup = StartupClock()  # goodput.py
         self._closed = False

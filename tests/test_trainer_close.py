@@ -39,6 +39,16 @@ def test_train_and_evaluate_after_close_are_clear_errors(tmp_path):
         trainer.evaluate()
 
 
+def test_predict_and_the_other_methods_after_close_are_clear_errors(tmp_path):
+    """Every method that reads the run's iterators or checkpoints says it is closed."""
+    trainer = make(tmp_path)
+    trainer.close()
+    for call in (trainer.predict, trainer.evaluate_weights, lambda: trainer.run_loop(1),
+                 trainer.view):  # what export and the other jobs read
+        with pytest.raises(RuntimeError, match="this Trainer is closed"):
+            call()
+
+
 def test_with_trainer_closes_it_on_exit(tmp_path):
     with make(tmp_path) as trainer:
         logs = trainer.train()

@@ -209,8 +209,15 @@ class RunKnobs:
     report_mfu = _from_context("report_mfu")
 
 
+def _check_open(trainer: "Trainer", what: str) -> None:
+    if trainer.closed:
+        raise RuntimeError(f"Trainer.{what}: this Trainer is closed (Trainer.close or the "
+                           "end of its `with` block): build a new Trainer")
+
+
 def _run_view(trainer: "Trainer") -> RunView:
     """What a job reads of this run (tputrain/runtime/run_view.py), as it is now."""
+    _check_open(trainer, "view")  # export, predict... of a closed one
     return RunView(
         task=trainer.task, model=trainer.model, optimizer=trainer.optimizer,
         strategy=trainer.strategy, inputs=trainer.inputs, plan=trainer.plan,
@@ -419,11 +426,6 @@ class Trainer(RunKnobs, TrainableSet):
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
 
-    def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise RuntimeError(f"Trainer.{what}: this Trainer is closed (Trainer.close or the "
-                               "end of its `with` block): build a new Trainer")
-
     # This host's train dataset, as build_inputs returned it.
     train_dataset = property(lambda self: self.inputs.train_dataset)
 
@@ -436,7 +438,7 @@ class Trainer(RunKnobs, TrainableSet):
         """Trains `num_steps` more steps (None: up to `train_steps`), resuming from the
         latest checkpoint in model_dir; evaluates and saves on the configured cadence
         and at the end, and returns the last evaluation's metrics."""
-        self._check_open("train")
+        _check_open(self, "train")
         self._restore_latest()
         step = self.current_step
         if num_steps is not None:
@@ -473,7 +475,7 @@ class Trainer(RunKnobs, TrainableSet):
     def evaluate(self) -> dict[str, float]:
         """Restores the latest checkpoint of model_dir, then evaluates it; says so when
         there is none and the weights are the initial ones."""
-        self._check_open("evaluate")
+        _check_open(self, "evaluate")
         if self._restore_latest() is None:
             logging.warning("tputrain: no checkpoint in %s: evaluating the initial (untrained) "
                             "weights", self.model_dir)
@@ -484,10 +486,12 @@ class Trainer(RunKnobs, TrainableSet):
     def predict(self, source: Any = "eval", log_every: int = 100) -> Any:
         """The latest checkpoint's float32 outputs, each example once, in order: a split,
         a TFRecord glob, NumPy arrays or a dataset of batches (predict.py)."""
+        _check_open(self, "predict")
         return predict_outputs(self.view(), source, log_every)
 
     def evaluate_weights(self) -> dict[str, float]:
         """Evaluates the weights in memory (their EMA with `ema_decay`): {"loss": ...}."""
+        _check_open(self, "evaluate_weights")
         with averaged_weights(self.ema) as averaged, compile_cache.reading(self, "eval"):
             return self._evaluator.run(self.progress, self.current_step, averaged,
                                        lambda split, result: with_aggregates(self.view(), *result, split))
@@ -495,6 +499,7 @@ class Trainer(RunKnobs, TrainableSet):
     def run_loop(self, num_steps: int) -> tuple[dict[str, float], int, float]:
         """Runs up to `num_steps` train steps in one compiled call (no cadence, no
         actions): (mean logs and train metrics, steps run, seconds waiting for input)."""
+        _check_open(self, "run_loop")
         if self._train_loop_fn is None:
             self._train_loop_fn, program_steps = _tried_plans(self) or _built_loop(self)
             self._launch(program_steps)  # jit_compile "auto" -> False if XLA refused the step

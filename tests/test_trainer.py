@@ -432,3 +432,13 @@ def test_the_default_global_batch_stays_64_for_a_task_without_one(tmp_path):
     trainer = tputrain.Trainer(TinyTask(), str(tmp_path), strategy=strategy_for(1),
                                train_steps=1, steps_per_loop=1)
     assert trainer.global_batch_size == 64
+
+
+def test_a_precision_leaves_the_users_global_policy_as_it_was(tmp_path):
+    """The run's model computes in bfloat16; the user's next Keras model in float32, as
+    the global policy was before the Trainer (it is the run's only while it builds)."""
+    trainer = make_trainer(tmp_path, precision="mixed_bfloat16", train_steps=1, steps_per_loop=1)
+    assert keras.mixed_precision.global_policy().name == "float32"
+    assert {layer.compute_dtype for layer in trainer.model.layers
+            if isinstance(layer, keras.layers.Dense)} >= {"bfloat16"}
+    assert keras.layers.Dense(1).compute_dtype == "float32"

@@ -55,6 +55,7 @@ from tputrain.options import (CheckpointOptions, PrecisionOptions, ProfilingOpti
                               TrainerOptions)
 from tputrain.runtime.plan import RESOLVED, RunPlan, resolve_plan
 from tputrain.precision import resolve_precision
+from tputrain.precision.policy import users_policy_kept
 from tputrain.fault_tolerance.preemption import PreemptionWatcher
 from tputrain.jobs.predict import predict as predict_outputs
 from tputrain.runtime.preflight import preflight
@@ -282,18 +283,19 @@ class Trainer(RunKnobs, TrainableSet):
         self.model_dir = model_dir
         self.communication = communication or CommunicationOptions()
         self.strategy = strategy or _configured_strategy(self.communication)
-        self.plan = self.startup.mark("strategy", resolve_plan(
-            self.options, self.strategy, lambda: resolve_precision(self.options.precision.policy, self.strategy),
-            overrides_train_step(task), type(task).__name__))
-        self._max_over_hosts = MaxOverHosts(self.strategy, self.num_hosts)
-        keras.utils.set_random_seed(self.seed)
-        compile_cache.report()  # set when tputrain was imported
-        self.inputs = _build_inputs(task, self.strategy, self.plan)
-        first = self.startup.mark("data", check_splits(self.inputs, self.eval_splits, self.eval_steps))
-        state = self._build_model(guard, first)
-        self._build_checkpointer()
-        self._build_step(state)
-        self._build_evaluator()
+        with users_policy_kept():  # the run's precision policy only while it builds
+            self.plan = self.startup.mark("strategy", resolve_plan(
+                self.options, self.strategy, lambda: resolve_precision(self.options.precision.policy, self.strategy),
+                overrides_train_step(task), type(task).__name__))
+            self._max_over_hosts = MaxOverHosts(self.strategy, self.num_hosts)
+            keras.utils.set_random_seed(self.seed)
+            compile_cache.report()  # set when tputrain was imported
+            self.inputs = _build_inputs(task, self.strategy, self.plan)
+            first = self.startup.mark("data", check_splits(self.inputs, self.eval_splits, self.eval_steps))
+            state = self._build_model(guard, first)
+            self._build_checkpointer()
+            self._build_step(state)
+            self._build_evaluator()
         logging.info("tputrain: %s, %s, XLA %s", type(self.strategy).__name__, self.plan.summary(), self.plan.xla)
 
     def _build_model(self, guard: NonFiniteGuard | None, first: Any) -> ModelState:

@@ -16,7 +16,8 @@ Set the policy before building the model: layers read it when they are created.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import keras
 import numpy as np
@@ -56,6 +57,27 @@ def set_precision_policy(
     default_progress()  # often called before any Trainer
     logging.info("tputrain: precision policy %s.", name)
     return name
+
+
+@contextlib.contextmanager
+def users_policy_kept() -> Iterator[None]:
+    """The global Keras policy as the block found it, set again after it: a run sets
+    its own while it builds its model (layers keep theirs) and leaves the user's, so
+    the user's next Keras model computes as before the run."""
+    previous = keras.mixed_precision.global_policy()
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
+@contextlib.contextmanager
+def run_policy(name: str) -> Iterator[None]:
+    """The run's policy `name` (`RunPlan.precision`) while a later part of it builds
+    (an optimizer for LoRA, the model an export restores), the user's after."""
+    with users_policy_kept():
+        keras.mixed_precision.set_global_policy(name)
+        yield
 
 
 def resolve_precision(name: str | None, strategy: tf.distribute.Strategy) -> str:

@@ -33,6 +33,7 @@ from tputrain.runtime.keras_clone import has_lora
 from tputrain.loop.eval_sets import EvalSets
 from tputrain.runtime.model_state import _BUILT_FOR, ModelState
 from tputrain.precision import wrap_optimizer_for_policy
+from tputrain.precision.policy import run_policy
 from tputrain.task import Task
 
 LORA_FACTOR = "lora_kernel_a"  # the attribute Keras gives a LoRA layer's first factor
@@ -121,7 +122,8 @@ class TrainableSet:
         if not trainable_changed(self.model):
             return self._adopted
         self.checkpointer.sync()
-        self.optimizer = rebuilt_optimizer(self.task, self.strategy, self.model)
+        with run_policy(self.precision):  # mixed_float16's loss scaling, as at the build
+            self.optimizer = rebuilt_optimizer(self.task, self.strategy, self.model)
         self.ema = build_average(self.strategy, self.model, self.options.ema_decay)
         self.checkpointer = self._new_checkpointer(self.inputs.saved_state(self.train_iterator))
         context = self.context

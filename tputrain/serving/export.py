@@ -54,6 +54,7 @@ from tputrain.data.manifest import is_var_len
 from tputrain.optim.ema import load_averages
 from tputrain.runtime.keras_clone import has_lora, mirror_lora_and_trainable
 from tputrain.precision.layers import override_layer_dtypes
+from tputrain.precision.policy import run_policy
 from tputrain.runtime.model_state import ensure_built
 from tputrain.runtime.trainable_change import checkpoint_has_lora
 from tputrain.runtime.run_view import RunView, view_of
@@ -156,7 +157,8 @@ def restored_model(view: RunView, checkpoint: str) -> keras.Model:
     precision, holding the weights of `checkpoint` (the optimizer is not read); with
     `Trainer.ema_decay`, its EMA weights (`tputrain.optim.ema`) where it has them."""
     view = view_of(view)  # a Trainer, an action's context or a view
-    model = view.task.build_model()
+    with run_policy(view.plan.precision):
+        model = view.task.build_model()
     ensure_built(model, view.inputs.micro_batch_spec()[0])
     if has_lora(view.model) and not has_lora(model):  # enabled on trainer.model
         mirror_lora_and_trainable(view.model, model)

@@ -102,17 +102,23 @@ def _check_arguments(task: Task, model_dir: str) -> None:
         raise ValueError("Trainer.model_dir is empty: pass --model_dir or bind Trainer.model_dir")
 
 
-def _task_batch(task: Task) -> int:
+def _known_batch(task: Task) -> int | None:
     """The global batch a KerasTask's data comes in (`KerasTask.global_batch_size`), or
-    TrainerOptions' default for a Task that builds batches of any size."""
+    None for a Task that builds batches of any size."""
     known = task.global_batch_size if isinstance(task, KerasTask) else None
-    return TrainerOptions.global_batch_size if known is None else int(known)
+    return None if known is None else int(known)
+
+
+def _task_batch(task: Task) -> int:
+    """The task's known global batch, else TrainerOptions' default."""
+    known = _known_batch(task)
+    return TrainerOptions.global_batch_size if known is None else known
 
 
 def _check_task_batch(task: Task, global_batch_size: int) -> None:
     """A KerasTask's batch is its data's, as under `model.fit`: another one is refused."""
-    known = task.global_batch_size if isinstance(task, KerasTask) else None
-    if known is not None and int(known) != global_batch_size:
+    known = _known_batch(task)
+    if known is not None and known != global_batch_size:
         raise ValueError(f"Trainer.global_batch_size={global_batch_size} but the task's data "
                          f"comes in batches of KerasTask.global_batch_size={known}: pass "
                          f"global_batch_size={known} (or none), or batch the data in "

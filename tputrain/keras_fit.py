@@ -211,7 +211,6 @@ def _new_run(model: Any, call: _Call, steps: int) -> _Run:
                            epoch_steps=call.eval_every)
     adapters = [KerasCallbacks(call.callbacks)] if call.callbacks else []
     trainer = Trainer(keras_task, call.model_dir, train_steps=steps, eval_every=call.eval_every,
-                      global_batch_size=keras_task.global_batch_size,
                       actions=[*adapters, *call.actions], **call.trainer_options)
     return _Run(trainer, adapters, call)
 

@@ -10,6 +10,7 @@ import os
 
 import numpy as np
 import pytest
+import tensorflow as tf
 from absl import logging
 
 import tputrain
@@ -24,8 +25,8 @@ TRIAL_STEPS = 2 * (plan_trial.WARMUP_STEPS + plan_trial.TIMED_STEPS)
 RUN = plan_trial.RUN_SHARE * TRIAL_STEPS  # the shortest run that has a trial
 
 
-def _trainer(model_dir, train_steps: int, **options) -> tputrain.Trainer:
-    return tputrain.Trainer(TinyTask(), str(model_dir), strategy=strategy_for(1),
+def _trainer(model_dir, train_steps: int, task=None, **options) -> tputrain.Trainer:
+    return tputrain.Trainer(task or TinyTask(), str(model_dir), strategy=strategy_for(1),
                             train_steps=train_steps, steps_per_loop=20, global_batch_size=16,
                             checkpoint_every=10**6, eval_steps=1, report_mfu=False,
                             steps_per_program=1, **options)
@@ -222,3 +223,25 @@ def test_the_machine_records_the_first_plan_and_keeps_it_against_a_later_trial()
     assert record.add(first, "first table") == (first, "first table")
     assert plan_trial.MachineRecord("model key").add(second, "second table") == (first, "first table")
     assert os.listdir(os.path.dirname(record.path)) == [os.path.basename(record.path)]
+
+
+class ShapeBugTask(TinyTask):
+    """compute_loss adds a tensor of the wrong shape: the user's error, XLA or not."""
+
+    def compute_loss(self, labels, outputs):
+        return outputs + tf.zeros([3, 5])
+
+
+def test_a_user_error_in_the_step_is_raised_by_the_trial_not_timed_as_refused(
+        tmp_path, caplog):
+    """A run long enough for the trial, whose step has the user's shape bug: the trial
+    raises that ValueError as it is; no line says XLA refused a plan, no table is
+    logged and no plan is recorded (in model_dir or for the machine)."""
+    trainer = _trainer(tmp_path / "run", RUN, task=ShapeBugTask())
+    with caplog.at_level("INFO"), pytest.raises(ValueError, match="Dimensions must be equal"):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records]
+    assert not [line for line in said if "compile with XLA" in line or "refused by XLA" in line
+                or "plan trial:" in line], said
+    assert not os.path.exists(RunDirectory(str(tmp_path / "run")).plan_record)
+    assert not os.path.exists(tmp_path / "cache" / "plans")

@@ -467,3 +467,112 @@ def test_a_program_xla_cannot_lower_falls_back_to_one_step_a_launch(tmp_path, mo
     assert int(trainer.step.numpy()) == 12
     assert any("steps per XLA program do not compile" in r.getMessage()
                and "EagerPyFunc" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------- a user's error in the step is not XLA's refusal
+
+from tiny import TinyTask  # noqa: E402
+
+
+class UserErrorTask(TinyTask):
+    """TinyTask whose compute_loss has a bug of the user's: a wrong key, a wrong
+    argument, or shapes that do not match."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def compute_loss(self, labels, outputs):
+        if self.kind == "key":
+            return {"logits": outputs}["logit"]
+        if self.kind == "type":
+            return keras.losses.sparse_categorical_crossentropy(labels, outputs,
+                                                                from_logit=True)
+        return outputs + tf.zeros([3, 5])  # "value": a shape mismatch
+
+
+class OwnTrainStepError(TinyTask):
+    """A Task's own train_step (as a ported Keras `train_step`) reading a feature its
+    batch does not have."""
+
+    def train_step(self, batch, model, optimizer, metrics, global_batch_size):
+        features, labels = batch
+        return super().train_step(({"x": features["inputs"]}, labels), model, optimizer,
+                                  metrics, global_batch_size)
+
+
+USER_ERRORS = {"key": (KeyError, "logit"), "type": (TypeError, "from_logit"),
+               "value": (ValueError, "Dimensions must be equal"),
+               "train_step": (KeyError, "inputs")}
+_XLA_LINES = ("does not compile with XLA", "do not compile", "runs without XLA")
+
+
+def _says_xla_refused(records) -> list[str]:
+    return [r.getMessage() for r in records if any(s in r.getMessage() for s in _XLA_LINES)]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("kind", sorted(USER_ERRORS))
+def test_a_user_error_in_the_step_is_raised_as_itself_without_an_xla_line(
+        tmp_path, caplog, kind, replicas):
+    """jit_compile="auto": an error the step also raises without XLA is the user's: it
+    is raised with its own type and message, no line says XLA refused the step, and the
+    plan stays as it was (one step a launch, or several: both lower the step)."""
+    error, message = USER_ERRORS[kind]
+    task = OwnTrainStepError() if kind == "train_step" else UserErrorTask(kind)
+    trainer = make_trainer(tmp_path, kind, "float32", task=task,
+                           replicas=replicas, global_batch_size=16, report_mfu=False)
+    plan = trainer._steps.plan()
+    with caplog.at_level("INFO"), pytest.raises(error, match=message):
+        trainer.train()
+    assert _says_xla_refused(caplog.records) == []
+    assert trainer._steps.plan() == plan and trainer.jit_compile == "auto"
+
+
+class TrainingOnlyBug(keras.Model):
+    """A subclassed Keras model whose training branch reads a key its input lacks: the
+    build (not training) passes, the train step fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, inputs, training=False):
+        return self.dense(inputs["features"] if training else inputs["x"])
+
+
+def _training_only_bug() -> keras.Model:
+    model = TrainingOnlyBug()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_a_keras_model_whose_call_raises_through_fit_raises_that_error(tmp_path, caplog):
+    rng = np.random.default_rng(0)
+    train = ({"x": rng.normal(size=(64, 8)).astype(np.float32)},
+             rng.integers(0, 2, size=64))
+    with caplog.at_level("INFO"), pytest.raises(KeyError, match="features"):
+        tputrain.fit(_training_only_bug, train, model_dir=str(tmp_path / "fit"), steps=4, batch_size=16,
+                     strategy=strategy_for(1), report_mfu=False)
+    assert _says_xla_refused(caplog.records) == []
+
+
+def test_a_refused_step_is_not_traced_again_to_tell_a_user_error(tmp_path, caplog):
+    """A step XLA refuses at lowering (a py_function) runs without XLA after one log
+    line; telling a user's error needs no trace without XLA there (an error while
+    lowering is XLA's): the step traces once with XLA, once without."""
+    from tiny import TraceCountingTask
+
+    class PyFunctionCounted(TraceCountingTask):
+        def compute_loss(self, labels, outputs):
+            loss = super().compute_loss(labels, outputs)
+            return tf.py_function(lambda x: x, [loss], tf.float32)
+
+    task = PyFunctionCounted()
+    trainer = program_trainer(tmp_path, "py", task=task, jit_compile="auto",
+                              steps_per_program=1, train_steps=4, report_mfu=False)
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert trainer.jit_compile is False and int(trainer.step.numpy()) == 4
+    assert len([m for m in _says_xla_refused(caplog.records) if "EagerPyFunc" in m]) == 1
+    assert task.traces == 2

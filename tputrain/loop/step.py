@@ -340,9 +340,7 @@ class StepBuilder:
         """
         plan = self.plan()
         self.counted_in_step = False
-        # In XLA the guard masks writes by selects, which fuse (NonFiniteGuard.select_updates).
-        self.update.set_plan(select=plan.whole_step or plan.apply_only or plan.apply_per_replica,
-                             each_device=plan.apply_per_replica)
+        self._set_update_plan(plan)
         if self.run_plan.custom_train_step:
             @tracing.step_code
             def step(batch):
@@ -378,6 +376,11 @@ class StepBuilder:
             return self.build(count)  # now without XLA
         self.counted_in_step = count is not None
         return compiled
+
+    def _set_update_plan(self, plan: XlaPlan) -> None:
+        # In XLA the guard masks writes by selects, which fuse (NonFiniteGuard.select_updates).
+        self.update.set_plan(select=plan.whole_step or plan.apply_only or plan.apply_per_replica,
+                             each_device=plan.apply_per_replica)
 
     def checked(self, step: Callable, count: Callable[[dict[str, tf.Tensor]], None] | None
                 ) -> Callable[[Any], dict[str, tf.Tensor]]:
@@ -475,14 +478,48 @@ class StepBuilder:
 
     def refusal(self, function: Callable, *args: Any) -> str | None:
         """Why XLA cannot lower `function(*args)` in a replica context ("Error: line"),
-        or None if it can (lowered to HLO, not compiled or run)."""
+        or None if it can (lowered to HLO, not compiled or run).
+
+        `function` holds the step. An error while tracing it with XLA is XLA's refusal
+        only if the step traces without XLA (`user_error`): a user's own error (a wrong
+        key, a shape mismatch in a Task's or model's code) is raised as that trace
+        raises it, once, and the plan stays. An error while lowering a traced step is
+        XLA's (an op without an XLA kernel, e.g. a py_function)."""
         try:
+            self.strategy.run(lambda *a: function.get_concrete_function(*a), args=args)
+            traced = None
+        except Exception as error:  # pylint: disable=broad-except  # any, in the user's code
+            # e.g. a merge_call inside the XLA function (MirroredStrategy on one device,
+            # whose optimizer aggregates through one): a refusal, it traces without XLA.
+            traced = error
+        if traced is not None:
+            user = self.user_error()
+            if user is not None:
+                raise user  # outside the except: one traceback, the user's
+            return f"{type(traced).__name__}: {_reason(traced)}"
+        try:  # traced above: lowering reuses that trace
             self.strategy.run(lambda *a: function.experimental_get_compiler_ir(*a)(
                 stage="hlo"), args=args)
         except (tf.errors.OpError, ValueError, TypeError, RuntimeError) as error:
-            # RuntimeError: e.g. a merge_call inside the XLA function (MirroredStrategy
-            # on one device, whose optimizer aggregates through one).
             return f"{type(error).__name__}: {_reason(error)}"
+        return None
+
+    def user_error(self) -> Exception | None:
+        """The error the step raises traced as it would run once XLA refused it (the
+        plan `without_xla`, `strategy.run` inside a `tf.function`, on a zero batch), or
+        None if it traces. The builder's plan and state are left as they were. Asked
+        only after a trace with XLA failed: a step that compiles pays nothing for it."""
+        saved = (self.run_plan, self.counted_in_step, self._unchecked)
+        self.run_plan = self.run_plan.without_xla()
+        try:
+            step = self.build()  # without XLA: the plain step, not traced yet
+            tf.function(lambda batch: self.strategy.run(step, args=(batch,))
+                        ).get_concrete_function(self.zero_batch())
+        except Exception as error:  # pylint: disable=broad-except  # the user's, whatever it is
+            return error
+        finally:
+            self.run_plan, self.counted_in_step, self._unchecked = saved
+            self._set_update_plan(self.plan())
         return None
 
     def _batch_gradients(self, batch: Any, compute: Callable) -> tuple[list[Any], tf.Tensor]:

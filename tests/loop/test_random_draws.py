@@ -11,6 +11,7 @@ import sys
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tputrain
@@ -302,3 +303,38 @@ def test_auto_keeps_xla_off_for_augmentation_xla_cannot_compile(tmp_path):
     assert mixup._steps.plan().why.startswith("auto: off on CPU: XLA has no kernel for "
                                               "StatelessRandomGamma")
     assert mixup._steps.plan().why.endswith("(MixUp)")
+
+
+class DropoutTrainingOnlyBug(keras.Model):
+    """A subclassed model with Dropout whose training branch reads a key its input
+    lacks (the user's bug): it builds, but its training forward pass does not trace."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = keras.layers.Dropout(0.5)
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, inputs, training=False):
+        return self.dense(self.drop(inputs["features"] if training else inputs["x"],
+                                    training=training))
+
+
+def test_a_forward_pass_that_does_not_trace_is_not_called_draws_outside_keras_random(
+        tmp_path, caplog):
+    """A Dropout model with the user's bug in its training branch: the plan's reason names
+    what happened (the forward pass did not trace, and why), not random ops drawn outside
+    keras.random, and the step then raises the user's error itself."""
+    def build():
+        model = DropoutTrainingOnlyBug()
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        return model
+
+    rng = np.random.default_rng(0)
+    train = ({"x": rng.normal(size=(64, 8)).astype(np.float32)}, rng.integers(0, 2, size=64))
+    with caplog.at_level("INFO"), pytest.raises(KeyError, match="features"):
+        tputrain.fit(build, train, model_dir=str(tmp_path / "fit"), steps=4, batch_size=16,
+                     strategy=strategy_for(1), report_mfu=False)
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert "drawn outside keras.random" not in said
+    reason = [line for line in said.splitlines() if "does not trace alone" in line]
+    assert len(reason) == 1 and "(KeyError: 'features')" in reason[0], said

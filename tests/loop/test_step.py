@@ -576,3 +576,15 @@ def test_a_refused_step_is_not_traced_again_to_tell_a_user_error(tmp_path, caplo
     assert trainer.jit_compile is False and int(trainer.step.numpy()) == 4
     assert len([m for m in _says_xla_refused(caplog.records) if "EagerPyFunc" in m]) == 1
     assert task.traces == 2
+
+
+def test_a_user_error_with_mfu_reported_is_not_first_told_as_mfu_not_reported(tmp_path, caplog):
+    """report_mfu=True (the default) counts FLOPs by tracing the step before the loop:
+    a user's error there is the step's, raised as itself, not first logged as a reason
+    MFU is not reported."""
+    trainer = make_trainer(tmp_path, "mfu", "float32", task=UserErrorTask("key"),
+                           replicas=1, global_batch_size=16, report_mfu=True)
+    with caplog.at_level("INFO"), pytest.raises(KeyError, match="logit"):
+        trainer.train()
+    assert [r.getMessage() for r in caplog.records if "MFU" in r.getMessage()] == []
+    assert _says_xla_refused(caplog.records) == []

@@ -26,11 +26,16 @@ class MFUAction(Action):
     """
 
     def on_train_begin(self, context: ActionContext, step: int) -> None:
+        self._not_reported = None
         if context.flops_per_step is None:
             context.progress.count_flops_later(lambda: self._count(context))
 
     def on_loop_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         context.progress.count_pending_flops()
+        if self._not_reported:  # told once a loop trained: an error that is the step's
+            # own (a user's bug, counted before the loop) is raised by the step, alone
+            logging.warning("tputrain: MFU is not reported: %s", self._not_reported)
+            self._not_reported = None
 
     def _count(self, context: ActionContext) -> None:
         if context.flops_per_step is not None:
@@ -41,7 +46,7 @@ class MFUAction(Action):
                 peak = peak_flops(context.plan.precision, context.strategy,
                                   **vars(context.options.profiling))
         except Exception as error:  # pylint: disable=broad-except  (a diagnostic, not training)
-            logging.warning("tputrain: MFU is not reported: %s: %s", type(error).__name__, error)
+            self._not_reported = f"{type(error).__name__}: {error}"
             context.report_mfu = False
             return
         # A probe, not a table's figure; one host's (the FLOPs are every host's).

@@ -29,6 +29,7 @@ the graph's ops:
 from __future__ import annotations
 
 import os
+import re
 from typing import Callable, TypeVar
 
 import tensorflow as tf
@@ -82,3 +83,12 @@ def loop_function(fn: F) -> F:
     only through `once` functions: unconverted by AutoGraph (converted when off, where
     the user's step is traced inline)."""
     return tf.function(fn, autograph=not ENABLED)
+
+
+def error_line(error: Exception) -> str:
+    """The line of an error that names it: an error raised while tracing starts with
+    "in user code:" and a traceback, and names itself ("RuntimeError: ...") later."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^[A-Za-z.]*(Error|Exception): ", line)]
+    line = (named or lines or [""])[0]
+    return line.removeprefix(f"{type(error).__name__}: ")[:300]

@@ -18,6 +18,7 @@ and the plan's reason names the op and its layer.
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 import keras
@@ -73,20 +74,21 @@ def features_spec(batch_spec: Any, accumulation_steps: int = 1,
     return spec[0]
 
 
-def _forward_graph(model: keras.Model, spec: Any, compiled: bool) -> tf.Graph | None:
+def _forward_graph(model: keras.Model, spec: Any, compiled: bool) -> tf.Graph | Exception:
     """The training-mode forward pass's graph (traced, not run), with Keras's draws made
-    by ThreeFry if `compiled`; None if the model does not trace."""
+    by ThreeFry if `compiled`; or the error it raised if it does not trace alone (a
+    probe: the step, traced later, raises a user's error itself)."""
     swap = ThreeFryDraws(model) if compiled else None
     try:
         forward = tracing.graph_helper(lambda f: model(f, training=True))  # Keras: unconverted
         with swap.active() if swap else contextlib.nullcontext():
             return tf.function(forward).get_concrete_function(spec).graph
-    except (ValueError, TypeError, tf.errors.OpError):
-        return None
+    except Exception as error:  # pylint: disable=broad-except  # whatever the user's code raises
+        return error
 
 
-def _per_flop(graph: tf.Graph | None) -> float | None:
-    if graph is None:
+def _per_flop(graph: tf.Graph | Exception) -> float | None:
+    if isinstance(graph, Exception):
         return None
     try:
         flops = count_graph_flops(graph)
@@ -125,10 +127,26 @@ def xla_refusal(model: keras.Model, spec: Any) -> str | None:
     if not seed_generator_states(model):
         return None
     graph = _forward_graph(model, spec, compiled=True)
-    for op in live_graph_ops(graph) if graph is not None else ():
+    if isinstance(graph, Exception):
+        return ("auto: off on CPU: random draws not counted: the model's training forward "
+                f"pass does not trace alone ({_named(graph)})")
+    for op in live_graph_ops(graph):
         if op.type in NO_XLA_KERNEL:
             return f"auto: off on CPU: XLA has no kernel for {op.type} ({_layer_of(op, model)})"
     ratio = _per_flop(graph)
     if ratio is None or ratio > COSTLY_DRAWS_PER_FLOP:
         return "auto: off on CPU for random ops drawn outside keras.random (e.g. tf.random)"
     return None
+
+
+def _named(error: Exception) -> str:
+    """"KeyError: 'features'": the error's type and its own first line (a Keras layer's
+    error wraps it in "Exception encountered when calling ...", a traced one in "in
+    user code:" and a traceback)."""
+    text = error.args[0] if len(error.args) == 1 and isinstance(error.args[0], str) else str(error)
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines()]
+    lines = [line for line in lines if line and not line.startswith(
+        ("Exception encountered when calling", "in user code:", "File ", "Arguments received"))]
+    line = tracing.error_line(type(error)(lines[0])) if lines else ""
+    return line if re.match(r"^[A-Za-z.]*(Error|Exception): ", line) else (
+        f"{type(error).__name__}: {line}")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 from typing import Any, Callable, Iterator
 
 import keras
@@ -272,15 +271,6 @@ def _computes_in_float16(model: keras.Model) -> bool:
             or any(v.dtype == "float16" for v in model.variables))
 
 
-def _reason(error: Exception) -> str:
-    """The line of an error that names it: an error raised while tracing starts with
-    "in user code:" and a traceback, and names itself ("RuntimeError: ...") later."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    named = [line for line in lines if re.match(r"^[A-Za-z.]*(Error|Exception): ", line)]
-    line = (named or lines or [""])[0]
-    return line.removeprefix(f"{type(error).__name__}: ")[:300]
-
-
 class StepBuilder:
     """Builds the per-replica train step for `Trainer.jit_compile` and accumulation."""
 
@@ -496,12 +486,12 @@ class StepBuilder:
             user = self.user_error()
             if user is not None:
                 raise user  # outside the except: one traceback, the user's
-            return f"{type(traced).__name__}: {_reason(traced)}"
+            return f"{type(traced).__name__}: {tracing.error_line(traced)}"
         try:  # traced above: lowering reuses that trace
             self.strategy.run(lambda *a: function.experimental_get_compiler_ir(*a)(
                 stage="hlo"), args=args)
         except (tf.errors.OpError, ValueError, TypeError, RuntimeError) as error:
-            return f"{type(error).__name__}: {_reason(error)}"
+            return f"{type(error).__name__}: {tracing.error_line(error)}"
         return None
 
     def user_error(self) -> Exception | None:

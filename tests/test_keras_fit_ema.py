@@ -75,10 +75,16 @@ def gap(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
+def slow(*values) -> pytest.param:
+    """A variant whose promise a sibling in the default tier keeps (tests/conftest.py)."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 @pytest.mark.parametrize("optimizer, replicas, jit_compile", [
-    ("adam", 1, False), ("adam", 2, False), ("adam", 2, "auto"),  # "auto": the update
-    ("sgd_momentum", 1, False), ("sgd_momentum", 2, False),  # compiled on each device
-    ("adam_overwrite", 1, False), ("adam_overwrite", 2, "auto")])
+    # "auto" on 2 replicas: the update compiled on each device (tputrain/loop/update.py)
+    slow("adam", 1, False), ("adam", 2, False), slow("adam", 2, "auto"),
+    ("sgd_momentum", 1, False), slow("sgd_momentum", 2, False),
+    slow("adam_overwrite", 1, False), ("adam_overwrite", 2, "auto")])
 def test_fit_ends_on_model_fits_averaged_weights(tmp_path, optimizer, replicas, jit_compile):
     """The user's model ends with `model.fit`'s weights (the averages); each evaluation
     during training is of the raw weights, as fit's val_loss is; the returned metrics
@@ -156,7 +162,7 @@ def test_overwrite_without_the_per_device_update_on_two_replicas_is_refused(tmp_
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("replicas", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_ema_decay_evaluates_the_averages_as_swap_ema_weights_does(tmp_path, replicas):
     """To evaluate the averages during training (Keras's `SwapEMAWeights` callback),
     `ema_decay=ema_momentum`: tputrain's own average has Keras's first-step rule and

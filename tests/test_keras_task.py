@@ -312,16 +312,24 @@ def ema_classifier() -> keras.Model:
 
 
 @pytest.mark.parametrize("given", ["model", "function"])
-def test_an_optimizer_with_use_ema_is_refused_naming_ema_decay(tmp_path, given):
-    """`fit` ends on the optimizer's EMA weights; tputrain does not carry `use_ema` over,
-    so it refuses it, in one line naming tputrain's own average, before training."""
-    x = np.zeros((16, 4), np.float32)
-    with pytest.raises(ValueError, match=r"use_ema.*ema_decay=0\.9") as caught:
-        tputrain.fit(ema_classifier() if given == "model" else ema_classifier, (x, x[:, 0]),
-                     model_dir=str(tmp_path / "run"), steps=1, batch_size=8,
-                     strategy=strategy_for(1), report_mfu=False, jit_compile=False)
-    assert "\n" not in str(caught.value)
-    assert not (tmp_path / "run" / "checkpoints").exists()
+def test_an_optimizer_with_use_ema_ends_on_fits_averages(tmp_path, given):
+    """Keras's `use_ema` (with `ema_overwrite_frequency`) is carried over, a model
+    given or built by a function alike: the run's returned metrics are those of the
+    model `fit` leaves (its averaged weights); a model given gets those weights
+    (tests/test_keras_fit_ema.py has the rest)."""
+    x = np.random.default_rng(0).normal(size=(48, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    model = ema_classifier()
+    logs = tputrain.fit(model if given == "model" else ema_classifier, (x, y), (x, y),
+                        model_dir=str(tmp_path / "run"), steps=6, batch_size=8,
+                        shuffle=False, strategy=strategy_for(1), report_mfu=False,
+                        jit_compile=False)
+    expected = ema_classifier()
+    expected.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert logs["loss"] == pytest.approx(expected.evaluate(x, y, verbose=0)[0], abs=1e-5)
+    if given == "model":
+        assert max(float(np.max(np.abs(a - b))) for a, b in
+                   zip(model.get_weights(), expected.get_weights())) < 1e-5
 
 
 # ------------------------------------------------------------ a short last batch

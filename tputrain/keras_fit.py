@@ -5,7 +5,10 @@ steps=...)` builds a `KerasTask` and a `Trainer` (strategy, compiled host loops,
 exact-resume checkpoints, guard, progress) and runs Keras callbacks through
 `KerasCallbacks`. Rerunning the same call resumes from model_dir's latest checkpoint;
 in the same process, a call continuing the same run on the same model resumes on
-the Trainer the last call kept on the model, its loops compiled already.
+the Trainer the last call kept on the model, its loops compiled already. An optimizer
+compiled with Keras's `use_ema=True` keeps its averages as under `fit` (updated in its
+step, checkpointed with it); the run ends by putting them into the model, as `fit`
+ends (`_KerasAverages`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import hashlib
 import numbers
 import os
 import tempfile
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import keras
 import numpy as np
@@ -25,13 +28,15 @@ import tensorflow as tf
 from tputrain.actions import Action
 from tputrain.checkpointing.atomic import atomic_path
 from tputrain.checkpointing.run_directory import RunDirectory
-from tputrain.runtime.context import learning_rate
+from tputrain.runtime.context import ActionContext, learning_rate
 from tputrain.config.parsing import without_gin_notes
 from tputrain.actions.keras_callbacks import KerasCallbacks
 from tputrain.keras_task import KerasTask
+from tputrain.optim.ema import (check_overwrite_supported, finalize_keras_averages,
+                                uses_keras_ema)
 from tputrain.trainer import Trainer
 
-FINAL_WEIGHTS = RunDirectory.FINAL_WEIGHTS  # the callbacks' final weights, when not the last step's
+FINAL_WEIGHTS = RunDirectory.FINAL_WEIGHTS  # the final weights, when not the last step's
 
 
 def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_data: Any = None,
@@ -41,6 +46,13 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
         task: Callable[..., KerasTask] = KerasTask, **trainer_options: Any) -> dict[str, float]:
     """Trains a compiled Keras model for `steps` optimizer steps; returns the final
     evaluation's metrics ({"loss": ..., metric names: ...}).
+
+    An optimizer with Keras's `use_ema=True` ends the run as `fit` does: the model
+    gets the optimizer's averages of its trainable weights (`finalize_variable_values`,
+    before the callbacks' `on_train_end`), the evaluations during training are of the
+    raw weights (the callbacks' `val_*`, as fit's history), and the returned metrics
+    are an evaluation of the averages. The checkpoints hold the raw weights and the
+    averages, so a resume continues both.
 
     A second call on the same `keras.Model` that continues the same run (the same
     model_dir, data, callbacks, actions and options; the model not compiled again;
@@ -72,6 +84,7 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
             run.trainer.train_steps = steps
         for adapter in run.adapters:
             adapter.weights_changed = False  # set again by this call's on_train_end
+        run.averages.finalized = False  # likewise
         logs = _trained(run, model_dir)
     except BaseException:
         if isinstance(model, keras.Model):
@@ -138,6 +151,7 @@ class _Run:
     trainer: Trainer
     adapters: list[KerasCallbacks]
     call: _Call
+    averages: "_KerasAverages"
     model_state: tuple | None = None
 
 
@@ -210,9 +224,10 @@ def _new_run(model: Any, call: _Call, steps: int) -> _Run:
                            shuffle=call.shuffle, seed=call.trainer_options.get("seed", 0),
                            epoch_steps=call.eval_every)
     adapters = [KerasCallbacks(call.callbacks)] if call.callbacks else []
+    averages = _KerasAverages()  # first: the callbacks' on_train_end sees the averages
     trainer = Trainer(keras_task, call.model_dir, train_steps=steps, eval_every=call.eval_every,
-                      actions=[*adapters, *call.actions], **call.trainer_options)
-    return _Run(trainer, adapters, call)
+                      actions=[averages, *adapters, *call.actions], **call.trainer_options)
+    return _Run(trainer, adapters, call, averages)
 
 
 @contextlib.contextmanager
@@ -228,10 +243,12 @@ def _fit_errors() -> Iterator[None]:
 
 
 def _trained(run: _Run, model_dir: str) -> dict[str, float]:
-    """Trains to `train_steps`; the metrics of the weights the callbacks ended on."""
+    """Trains to `train_steps`; the metrics of the weights the run ended on (Keras's
+    EMA averages, or what the callbacks set)."""
     trainer, adapters = run.trainer, run.adapters
     logs = trainer.train()
-    if adapters and adapters[0].weights_changed:  # e.g. EarlyStopping(restore_best_weights)
+    # EarlyStopping(restore_best_weights) or use_ema: not the last evaluation's weights
+    if run.averages.finalized or (adapters and adapters[0].weights_changed):
         logs = trainer.evaluate_weights()  # the metrics of the model returned
         if trainer.is_chief:
             save_final_weights(trainer.model, model_dir)
@@ -254,14 +271,36 @@ def _forget(model: keras.Model, close: bool) -> None:
 
 def save_final_weights(model: keras.Model, model_dir: str) -> str:
     """`model_dir/final.weights.h5` (`model.load_weights` reads it): the weights the
-    callbacks left at the end when they differ from the last checkpoint's. Written
-    whole, then renamed into place (any `tf.io.gfile` path)."""
+    callbacks left at the end (or Keras's `use_ema` averages) when they differ from
+    the last checkpoint's. Written whole, then renamed into place (any `tf.io.gfile`
+    path)."""
     path = RunDirectory(model_dir).final_weights
     with tempfile.TemporaryDirectory(prefix="tputrain-final-") as local, atomic_path(path) as temp:
         written = os.path.join(local, FINAL_WEIGHTS)
         model.save_weights(written)  # h5 needs a local file: copied beside `path`, renamed
         tf.io.gfile.copy(written, temp, overwrite=True)
     return path
+
+
+class _KerasAverages(Action):
+    """Keras's `use_ema` at the end of a run, as `fit` ends: the optimizer's moving
+    averages put into the model's trainable weights (`finalize_keras_averages`). First
+    among fit's actions, so the callbacks' `on_train_end` sees them, as under fit
+    (EarlyStopping's `restore_best_weights` then sets the best epoch's raw weights over
+    them, as under fit). The last checkpoint keeps the raw weights: the next `train()`
+    restores them before it continues."""
+
+    def __init__(self) -> None:
+        self.finalized = False  # whether this run's end put averages into the model
+
+    def on_train_begin(self, context: ActionContext, step: int) -> None:
+        check_overwrite_supported(context.optimizer, context.strategy, context.plan.xla_plan)
+
+    def end_done(self, context: ActionContext, step: int) -> bool:
+        return not uses_keras_ema(context.optimizer)  # a finished run's rerun: them again
+
+    def on_train_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
+        self.finalized = finalize_keras_averages(context.model, context.optimizer)
 
 
 def carry_optimizer(user: keras.optimizers.Optimizer, trained: keras.optimizers.Optimizer

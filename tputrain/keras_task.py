@@ -7,7 +7,8 @@ and frozen weights as the user left them (tputrain/runtime/keras_clone.py); a mo
 for subclassed models). Its compile config gives the rest: the loss (made per
 example; with several outputs, each output's as `compile` pairs them,
 tputrain/keras_outputs.py), metrics and weighted metrics (fresh copies per build) and the optimizer
-(a fresh copy of its config). See docs/tasks.md, "Bring a Keras model".
+(a fresh copy of its config: Keras's `use_ema` included, its averages kept in the
+optimizer). See docs/tasks.md, "Bring a Keras model".
 """
 
 from __future__ import annotations
@@ -396,17 +397,12 @@ def _output_last_dim(model: keras.Model, index: int = 0) -> int | None:
 
 
 def _check_compiled(model: keras.Model) -> keras.Model:
-    """A compiled model with a loss, its losses pairing with its outputs, its optimizer
-    without Keras's `use_ema`; else a ValueError naming the fix."""
+    """A compiled model with a loss, its losses pairing with its outputs; else a
+    ValueError naming the fix. (An optimizer with Keras's `use_ema` is carried over:
+    its averages are updated in its step and checkpointed with it; `tputrain.fit` ends
+    on them as `fit` does, tputrain/optim/ema.py `finalize_keras_averages`.)"""
     if not getattr(model, "compiled", False) or model.loss is None:
         raise ValueError(f"{type(model).__name__} is not compiled with a loss: call "
                          "model.compile(optimizer=..., loss=..., metrics=...) first")
     CompiledOutputs(model)  # a loss or metric of no output is named now
-    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
-    if getattr(optimizer, "use_ema", False):  # fit's final EMA weights are not reproduced
-        momentum = getattr(optimizer, "ema_momentum", 0.99)
-        raise ValueError(f"KerasTask does not carry over the optimizer's use_ema=True: "
-                         f"compile without it and pass ema_decay={momentum} to tputrain.fit "
-                         "(or the Trainer), tputrain's own average of the weights, used by "
-                         "its evaluations (docs/checkpoints.md, \"EMA weights\")")
     return model

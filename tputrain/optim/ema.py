@@ -1,8 +1,7 @@
 """EMA weights (`Trainer.ema_decay`): an exponential moving average of the model's
 trainable weights, which evaluation, the best checkpoint, predict and export use.
 
-tputrain keeps its own float32 averages, whatever optimizer the Task builds
-(Keras's `use_ema` lives inside some optimizers only and is never read back):
+tputrain keeps its own float32 averages, whatever optimizer the Task builds:
 
 * created in the strategy's scope beside the model and checkpointed with it
   (`ema/` in the checkpoint), so a resumed run continues them bitwise;
@@ -19,6 +18,14 @@ tputrain keeps its own float32 averages, whatever optimizer the Task builds
 `averaged_weights(ema)` puts the averages into the model's variables for the
 duration of a `with` block and the raw values back after it: training always
 continues on the raw weights.
+
+Keras's own `use_ema=True` lives inside a Keras optimizer, which updates its
+averages in its step (the same first-step rule and order as here: with
+`ema_decay=ema_momentum` both hold the same values, tests/test_keras_fit_ema.py,
+unless Keras's `ema_overwrite_frequency` or `gradient_accumulation_steps` is set)
+and which the checkpoint saves with the optimizer. `finalize_keras_averages` ends a
+run on them as `model.fit` ends (`tputrain.fit` calls it);
+`check_overwrite_supported` refuses the one setting tputrain's step cannot run.
 """
 
 from __future__ import annotations
@@ -112,3 +119,46 @@ def load_averages(model: keras.Model, checkpoint: str) -> bool:
     for variable, average in zip(model.trainable_variables, state.averages):
         variable.assign(tf.cast(average, variable.dtype))
     return True
+
+
+def _innermost(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
+    """The user's optimizer inside Keras's LossScaleOptimizer or tputrain's wrappers."""
+    while hasattr(optimizer, "inner_optimizer"):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+def finalize_keras_averages(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> bool:
+    """`model`'s trainable weights set to the averages of Keras's `use_ema=True` that
+    `optimizer` keeps, by its own `finalize_variable_values`, as `model.fit` ends;
+    returns whether it had averages (`use_ema`, and at least one step taken)."""
+    optimizer = _innermost(optimizer)
+    if not (uses_keras_ema(optimizer) and optimizer.built
+            and int(keras.ops.convert_to_numpy(optimizer.iterations)) > 0):
+        return False
+    optimizer.finalize_variable_values(model.trainable_weights)
+    return True
+
+
+def uses_keras_ema(optimizer: keras.optimizers.Optimizer) -> bool:
+    """Whether `optimizer` (or the one it wraps) keeps Keras's `use_ema` averages."""
+    return bool(getattr(_innermost(optimizer), "use_ema", False))
+
+
+def check_overwrite_supported(optimizer: keras.optimizers.Optimizer,
+                              strategy: tf.distribute.Strategy, xla_plan: Any) -> None:
+    """Keras's `ema_overwrite_frequency` writes the averages into the weights inside its
+    update, under a condition: on several replicas of a MirroredStrategy only tputrain's
+    per-device XLA update runs it (Keras's own raises a `merge_call` error there, as
+    `model.fit` does). Else a ValueError naming the fix, before the first step."""
+    frequency = getattr(_innermost(optimizer), "ema_overwrite_frequency", None)
+    replicas = strategy.num_replicas_in_sync
+    if (not (uses_keras_ema(optimizer) and frequency) or replicas == 1
+            or isinstance(strategy, tf.distribute.TPUStrategy)):  # one graph: no threads
+        return
+    if not getattr(xla_plan, "apply_per_replica", False):
+        why = getattr(xla_plan, "why", "off")
+        raise ValueError(f"Keras's ema_overwrite_frequency={frequency} on {replicas} replicas "
+                         f"needs the optimizer update compiled on each device (XLA here: {why}):"
+                         " leave jit_compile at \"auto\" (or True), or compile the optimizer "
+                         "with ema_overwrite_frequency=None")

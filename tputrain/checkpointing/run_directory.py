@@ -25,7 +25,7 @@ class RunDirectory:
           export_merged/<step>/      LoRA merged into the weights (export_for_serving)
           export_<mode>/<step>/      a quantized SavedModel (int8, ...)
           keras/<step>[-<mode>].keras  `.keras` files (export_for_serving)
-          final.weights.h5           `tputrain.fit`: the weights the callbacks ended on
+          final.weights.h5           `tputrain.fit`: the weights it ended on (callbacks, `use_ema`)
           goodput/run-<n>.json       each run's wall-clock record (tputrain goodput)
           tracking/<tracker>.json    a tracker's run id (MLflowTracker), so a resume continues it
           tracking/<tracker>.spool.jsonl  the metrics it was asked to send (appended), so

@@ -190,6 +190,8 @@ class Task:
         `sample_weight` is the batch's weights when it has them (training sample
         weights or class weights; 0 on the padding rows of padded eval batches).
         """
+        if sample_weight is not None:
+            labels, outputs = _per_example_rows(labels, outputs, sample_weight)
         for metric in metrics:
             if sample_weight is None:
                 metric.update_state(labels, outputs)
@@ -306,3 +308,16 @@ class Task:
             logs[EVAL_REGULARIZATION] = tf.nn.scale_regularization_loss(regularization)
         self.update_metrics(metrics, labels, outputs, sample_weight=weight)
         return logs
+
+
+def _per_example_rows(labels: Any, outputs: Any, sample_weight: tf.Tensor) -> tuple[Any, Any]:
+    """Labels and outputs with a last axis of 1 when they have the weights' rank (a
+    head squeezed to [batch], per-token outputs [batch, T]): Keras's metric functions
+    reduce the last axis, which would then be the batch (or the tokens) the weights
+    are of, so a weighted update fails to broadcast, or averages over the padding."""
+    if not all(isinstance(t, tf.Tensor) for t in (labels, outputs, sample_weight)):
+        return labels, outputs
+    rank = sample_weight.shape.rank
+    if rank is None or outputs.shape.rank != rank or labels.shape.rank != rank:
+        return labels, outputs
+    return labels[..., tf.newaxis], outputs[..., tf.newaxis]

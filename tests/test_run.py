@@ -69,6 +69,13 @@ def test_digits_trains_reruns_and_continues(tmp_path, readme_digits):
     assert "nothing to train" in again.stderr
     assert "step 1300" not in again.stderr
 
+    # A rerun below the checkpoint's step trains nothing and keeps the config of the
+    # run that made the checkpoints (passing it back reruns that run).
+    operative = (tmp_path / "model" / "operative_config.gin").read_text()
+    below = run_cli(tmp_path, "--gin_param=Trainer.train_steps=800")
+    assert below.returncode == 0 and "nothing to train" in below.stderr, below.stderr[-3000:]
+    assert (tmp_path / "model" / "operative_config.gin").read_text() == operative
+
     more = run_cli(tmp_path, "--gin_param=Trainer.train_steps=1400")
     assert more.returncode == 0, more.stderr[-3000:]
     assert restored_step(more.stderr) == 1200

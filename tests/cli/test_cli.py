@@ -1,5 +1,6 @@
 """tputrain.cli: the dispatcher, each command's flag definitions, and the layering rule
-that the library never imports the command line (end-to-end runs: test_run.py)."""
+that the library never imports the command line, and what `run` writes beside training
+(end-to-end runs: test_run.py)."""
 
 import ast
 import subprocess
@@ -9,7 +10,10 @@ from pathlib import Path
 import pytest
 from absl import flags
 
+import tputrain
+from tiny import TinyTask, strategy_for
 from tputrain.cli import main
+from tputrain.cli.run import will_train
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "tputrain"
@@ -166,3 +170,20 @@ def test_extra_positional_arguments_are_one_line_and_exit_2(command, capsys):
     error = capsys.readouterr().err
     assert caught.value.code == 2 and error.count("\n") == 1, error
     assert "extra more" in error and "--help" in error, error
+
+
+def _tiny_trainer(model_dir: str, train_steps: int) -> tputrain.Trainer:
+    return tputrain.Trainer(TinyTask(), model_dir, strategy=strategy_for(1), train_steps=train_steps,
+                            steps_per_loop=2, checkpoint_every=2, global_batch_size=16,
+                            report_mfu=False)
+
+
+def test_a_rerun_that_trains_nothing_is_told_apart_before_it_restores(tmp_path):
+    """The operative config is written only by a run that trains (`will_train`), so a
+    rerun at or below the checkpoint's step keeps the config of the run that made it."""
+    first = _tiny_trainer(str(tmp_path), 4)
+    assert will_train(first)  # nothing saved yet
+    first.train()
+    assert not will_train(_tiny_trainer(str(tmp_path), 4))  # a rerun of the finished run
+    assert not will_train(_tiny_trainer(str(tmp_path), 2))  # a train_steps below the step
+    assert will_train(_tiny_trainer(str(tmp_path), 6))  # continues

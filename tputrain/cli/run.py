@@ -28,7 +28,9 @@ from tputrain.distribution.launch import watch_launcher
 from tputrain.fault_tolerance.preemption import PREEMPTED_EXIT_CODE, ExitOnSignal
 from tputrain.trainer import Trainer
 from tputrain.tuning.vertex_job import hyperparameter_args
-from tputrain.checkpointing.run_directory import ModelDirError
+from tputrain.checkpointing import files as checkpoint_files
+from tputrain.checkpointing.run_directory import ModelDirError, RunDirectory
+from tputrain.jobs.sidecar import checkpoint_step
 from tputrain.runtime.validate import InputDataError
 
 FLAGS = flags.FLAGS
@@ -86,13 +88,23 @@ def main(argv: list[str]) -> None:
     except (ValueError, TypeError, OSError) as error:  # bad input: one line naming the fix
         logging.debug("tputrain: building the trainer failed", exc_info=True)
         fail(error_message(error), EXIT_BAD_INPUT)
-    if trainer.is_chief:
+    # The config of the run that made the checkpoints: a rerun that trains nothing
+    # (already at train_steps, or a train_steps below) leaves it as it is.
+    writes = trainer.is_chief and will_train(trainer)
+    if writes:
         write_operative_config(trainer.model_dir)
     results = _train(trainer)
-    if trainer.is_chief:
+    if writes:
         write_operative_config(trainer.model_dir)
     logging.info("tputrain: done at step %d: %s", int(trainer.step.numpy()),
                  " | ".join(f"{k} {v:.4g}" for k, v in results.items()))
+
+
+def will_train(trainer: Trainer) -> bool:
+    """Whether `trainer.train()` will train a step: its newest listed checkpoint (read
+    before it restores) is below `train_steps`."""
+    listed = checkpoint_files.listed(RunDirectory(trainer.model_dir).checkpoints)
+    return not listed or checkpoint_step(listed[-1]) < trainer.train_steps
 
 
 def console_main() -> None:

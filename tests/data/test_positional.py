@@ -416,3 +416,39 @@ def test_host_mode_input_state_is_under_64_kb_whatever_the_record_size(tmp_path)
     sizes[100_000] = _checkpoint_bytes(trainer.checkpointer.save())
     trainer.close()
     assert 0 < sizes[10] < 64 * 1024 and 0 < sizes[100_000] < 64 * 1024, sizes
+
+
+def test_a_positional_input_with_python_state_is_not_warned_of_an_iterator_checkpoint(
+        tmp_path, caplog):
+    """A positional train input saves no iterator (it is built at its position), so a
+    `tf.numpy_function` in it is no reason for the warning that checkpoints save its
+    iterator without that state, nor for the pre-flight's probe of that state; a
+    host-mode input that is not positional still gets the warning."""
+    import tputrain
+    from faults import IndexedTask, PositionalIndexedTask
+    from tiny import strategy_for
+
+    def with_python(dataset: tf.data.Dataset) -> tf.data.Dataset:
+        return dataset.map(lambda features, labels: ({"x": tf.ensure_shape(tf.numpy_function(
+            lambda x: x, [features["x"]], tf.float32, stateful=True), [16, 8])}, labels))
+
+    class Positional(PositionalIndexedTask):
+        def build_inputs(self, split, input_context):
+            return with_python(super().build_inputs(split, input_context))
+
+    class NotPositional(IndexedTask):
+        def build_inputs(self, split, input_context):
+            return with_python(super().build_inputs(split, input_context))
+
+    manifest = _indexed_records(tmp_path, 64)
+    warned = []
+    for name, task in (("positional", Positional(str(tmp_path / "seen"), manifest)),
+                       ("not", NotPositional(str(tmp_path / "seen_not")))):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            tputrain.Trainer(task, str(tmp_path / name), strategy=strategy_for(1),
+                             input_mode="host", global_batch_size=16, train_steps=2,
+                             report_mfu=False, jit_compile=False).train()
+        warned.append(any("Checkpoints save its iterator" in r.getMessage()
+                          for r in caplog.records))
+    assert warned == [False, True]

@@ -258,7 +258,7 @@ class Inputs:
                      self.plan.batch.micro_batch if split == "train"
                      else self.plan.batch.per_replica, dataset)
         dataset = self.weighted_by_class(dataset, split)
-        if split == "train" and self.plan.input_mode == "host":  # its iterator is checkpointed
+        if split == "train" and self.saved_state(None):  # its iterator is checkpointed
             dataset = checkpointable(dataset, split)
         return self.group_micro_batches(dataset, split)
 

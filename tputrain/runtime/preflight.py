@@ -50,11 +50,12 @@ def finished(context: ActionContext) -> bool:
 
 
 def checkpoint_bytes(context: ActionContext) -> int:
-    """The size of one checkpoint: the variables, and with `input_mode="host"` the data
-    iterator's state (shuffle buffers and all), measured, unless the Task's train data
-    must not be read before training (`Task.probe_train_inputs`)."""
+    """The size of one checkpoint: the variables, and where a checkpoint holds it (host
+    mode, an input that is not positional) the data iterator's state (shuffle buffers
+    and all), measured, unless the Task's train data must not be read before training
+    (`Task.probe_train_inputs`)."""
     size = variable_bytes(context.model.variables) + variable_bytes(context.optimizer.variables)
     inputs = context.inputs
-    if context.plan.input_mode == "host" and inputs.task.probe_train_inputs:
+    if inputs.saved_state(None) and inputs.task.probe_train_inputs:
         size += iterator_state_bytes(inputs.fetch_groups(inputs.train_dataset))
     return size

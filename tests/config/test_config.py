@@ -92,10 +92,27 @@ def test_a_users_config_including_a_builtin_one_parses_without_error_lines(tmp_p
     assert std_logging.getLogger().filters == []  # nothing left behind
 
 
-def test_an_included_file_that_is_nowhere_is_still_a_config_error(tmp_path):
+def test_an_included_file_that_is_nowhere_is_still_a_config_error(tmp_path, caplog):
+    """One error naming the file and the fix; gin's own info lines of each path it
+    tried (`system_path_file_exists:...`) are not printed beside it."""
+    import logging as std_logging
+
     mine = tmp_path / "mine.gin"
     mine.write_text("include 'no_such_file.gin'\n")
-    with pytest.raises(ConfigError, match="no_such_file.gin"):
+    with caplog.at_level(std_logging.INFO), pytest.raises(
+            ConfigError, match="no_such_file.gin.*--gin_search_path"):
+        parse_gin([str(mine)], finalize=False)
+    assert [r.getMessage() for r in caplog.records if "no_such_file" in r.getMessage()] == []
+
+
+def test_an_include_beside_the_including_file_names_the_search_path_to_add(tmp_path):
+    """gin resolves `include 'base.gin'` in its search paths, not the including file's
+    folder: the error says where the file is and the flag that adds it."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "base.gin").write_text("Trainer.train_steps = 3\n")
+    mine = tmp_path / "sub" / "mine.gin"
+    mine.write_text("include 'base.gin'\n")
+    with pytest.raises(ConfigError, match=f"--gin_search_path={tmp_path / 'sub'}$"):
         parse_gin([str(mine)], finalize=False)
 
 

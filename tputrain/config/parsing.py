@@ -156,8 +156,7 @@ def parse_gin(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
             gin.parse_config_files_and_bindings(files, list(gin_params),
                                                 finalize_config=finalize)
     except OSError as error:
-        raise ConfigError(f"{error} Pass an existing file or add its folder with "
-                          "--gin_search_path") from error
+        raise ConfigError(f"{error} {_include_fix(error, files)}") from error
     except ImportError as error:  # an `import` line in a gin file
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         raise ConfigError(f"{lines[0]} ({' '.join(lines[1:3])}): install the module or put "
@@ -169,6 +168,19 @@ def parse_gin(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
             raise ConfigError(f"gin could not parse the configuration: {error}") from error
         raise
     _check_optimizer_bindings()
+
+
+def _include_fix(error: OSError, files: Sequence[str]) -> str:
+    """The fix for a file gin could not open: where an included name sits beside a
+    config file given (gin looks in its search paths, not the including file's
+    folder), the flag that adds that folder."""
+    missing = re.search(r"Unable to open file: (.+?)\. Searched", str(error))
+    if missing:
+        for folder in dict.fromkeys(os.path.dirname(os.path.abspath(f)) for f in files):
+            if os.path.isfile(os.path.join(folder, missing.group(1))):
+                return (f"It is in {folder}: gin looks in its search paths, not beside the "
+                        f"including file; add --gin_search_path={folder}")
+    return "Pass an existing file or add its folder with --gin_search_path"
 
 
 def _check_optimizer_bindings() -> None:
@@ -187,10 +199,11 @@ def _check_optimizer_bindings() -> None:
 
 
 class _PackageLookupFilter(std_logging.Filter):
-    """Drops gin's "Path not found: X" lines (see `_quiet_package_lookups`)."""
+    """Drops gin's "Path not found: X" lines and its info line of each path it tries
+    (`system_path_file_exists:X`) (see `_quiet_package_lookups`)."""
 
     def filter(self, record: std_logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Path not found:")
+        return not str(record.msg).startswith(("Path not found:", "system_path_file_exists:"))
 
 
 @contextlib.contextmanager

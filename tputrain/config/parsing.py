@@ -156,7 +156,13 @@ def parse_gin(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
             gin.parse_config_files_and_bindings(files, list(gin_params),
                                                 finalize_config=finalize)
     except OSError as error:
-        raise ConfigError(f"{error} {_include_fix(error, files)}") from error
+        beside = _include_beside(error, files)
+        if beside:
+            raise ConfigError(f"{error} It is in {beside}: gin looks in its search paths, not "
+                              f"beside the including file; add --gin_search_path={beside}"
+                              ) from error
+        raise ConfigError(f"{error} Pass an existing file or add its folder with "
+                          "--gin_search_path") from error
     except ImportError as error:  # an `import` line in a gin file
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         raise ConfigError(f"{lines[0]} ({' '.join(lines[1:3])}): install the module or put "
@@ -170,17 +176,13 @@ def parse_gin(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
     _check_optimizer_bindings()
 
 
-def _include_fix(error: OSError, files: Sequence[str]) -> str:
-    """The fix for a file gin could not open: where an included name sits beside a
-    config file given (gin looks in its search paths, not the including file's
-    folder), the flag that adds that folder."""
+def _include_beside(error: OSError, files: Sequence[str]) -> str | None:
+    """The folder of a config file given that holds the file gin could not open (an
+    included name: gin looks in its search paths, not the including file's folder)."""
     missing = re.search(r"Unable to open file: (.+?)\. Searched", str(error))
-    if missing:
-        for folder in dict.fromkeys(os.path.dirname(os.path.abspath(f)) for f in files):
-            if os.path.isfile(os.path.join(folder, missing.group(1))):
-                return (f"It is in {folder}: gin looks in its search paths, not beside the "
-                        f"including file; add --gin_search_path={folder}")
-    return "Pass an existing file or add its folder with --gin_search_path"
+    folders = dict.fromkeys(os.path.dirname(os.path.abspath(f)) for f in files)
+    return next((folder for folder in folders if missing and os.path.isfile(
+        os.path.join(folder, missing.group(1)))), None)
 
 
 def _check_optimizer_bindings() -> None:

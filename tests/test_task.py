@@ -52,3 +52,25 @@ def test_a_squeezed_regression_heads_padded_eval_is_the_mae_over_every_example(
     logs = trainer.evaluate_weights()
     predictions = trainer.model({"x": X}).numpy()
     assert logs["mae"] == pytest.approx(float(np.mean(np.abs(Y - predictions))), rel=1e-5)
+
+
+class BroadcastLoss(SqueezedRegression):
+    """The user's slip: a 1-unit head [batch, 1] minus labels [batch] broadcasts to
+    every pair, a [batch, batch] "per-example" loss."""
+
+    def build_model(self) -> keras.Model:
+        inputs = keras.Input((4,), name="x")
+        return keras.Model({"x": inputs}, keras.layers.Dense(1)(inputs))
+
+    def compute_loss(self, labels, outputs):
+        return tf.square(labels - outputs)
+
+    def build_metrics(self):
+        return []
+
+
+def test_a_loss_broadcast_over_every_pair_of_the_batch_is_refused_naming_the_fix(tmp_path):
+    trainer = tputrain.Trainer(BroadcastLoss(), str(tmp_path), train_steps=2,
+                               global_batch_size=32, strategy=strategy_for(1))
+    with pytest.raises(ValueError, match=r"\[32, 32\].*labels \[32\].*outputs \[32, 1\]"):
+        trainer.train()

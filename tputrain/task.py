@@ -175,6 +175,7 @@ class Task:
         regularization, which the step then sums once per micro-batch.
         """
         per_example = tf.cast(self.compute_loss(labels, outputs), tf.float32)
+        _check_not_every_pair(per_example, labels, outputs)
         if sample_weight is not None:
             sample_weight = per_example_weights(sample_weight, per_example)
         loss = average_loss(per_example, sample_weight, global_batch_size)
@@ -321,3 +322,19 @@ def _per_example_rows(labels: Any, outputs: Any, sample_weight: tf.Tensor) -> tu
     if rank is None or outputs.shape.rank != rank or labels.shape.rank != rank:
         return labels, outputs
     return labels[..., tf.newaxis], outputs[..., tf.newaxis]
+
+
+def _check_not_every_pair(per_example: tf.Tensor, labels: Any, outputs: Any) -> None:
+    """Refuses the common slip of a 1-unit head: outputs [b, 1] and labels [b] broadcast
+    to a [b, b] loss of every pair, which trains, silently, on the wrong loss."""
+    if not all(isinstance(t, tf.Tensor) for t in (labels, outputs)):
+        return
+    shapes = [t.shape.as_list() for t in (per_example, labels, outputs)]
+    loss, label, output = shapes
+    if len(label) == 1 and label[0] and label[0] > 1 and output == [label[0], 1] and (
+            loss == [label[0], label[0]]):
+        raise ValueError(
+            f"compute_loss returned a loss of shape {loss} from labels {label} and outputs "
+            f"{output}: they broadcast to every pair of the batch; give each example one loss "
+            "(squeeze the outputs, tf.squeeze(outputs, -1), or expand the labels, "
+            "labels[:, None]): it must be of shape [batch]")

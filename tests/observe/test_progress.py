@@ -263,3 +263,159 @@ def test_a_slow_input_gets_the_input_advice_not_the_fetch_knob(caplog):
 
 def test_a_quiet_loop_gives_no_advice(caplog):
     assert _stall_advice(caplog, [(10.0, 9.0), (1.0, 0.01)]) == []
+
+
+class FullDisk:
+    """A disk that fills on demand (`full`), deterministic and without root: the
+    summary writers (TensorFlow's and the eval run's) raise TensorFlow's no-space
+    error as a full local disk does, and the save's room check sees no free bytes."""
+
+    def __init__(self, monkeypatch):
+        import shutil
+
+        from tputrain.observe import eval_events
+
+        self.full = False
+        disk, real_writer = self, tf.summary.create_file_writer
+        real_events, real_usage = eval_events.EventFileWriter, shutil.disk_usage
+
+        class Writer:  # tf.summary's writer: a write fails at its flush or close
+            def __init__(self, logdir, *args, **kwargs):
+                disk.check(logdir)
+                self._writer = real_writer(logdir, *args, **kwargs)
+                self.logdir = logdir
+
+            def as_default(self, step=None):
+                disk.check(self.logdir)
+                return self._writer.as_default(step=step)
+
+            def flush(self):
+                disk.check(self.logdir)
+                self._writer.flush()
+
+            def close(self):
+                disk.check(self.logdir)
+                self._writer.close()
+
+        class Events(real_events):  # the eval run's writer: its file's header is a write
+            def __init__(self, logdir, *args, **kwargs):
+                disk.check(logdir)
+                self.logdir = logdir
+                super().__init__(logdir, *args, **kwargs)
+
+            def add_event(self, event):
+                disk.check(self.logdir)
+                super().add_event(event)
+
+        def disk_usage(path):
+            usage = real_usage(path)
+            return usage._replace(free=0) if disk.full else usage
+
+        monkeypatch.setattr(tf.summary, "create_file_writer", Writer)
+        monkeypatch.setattr(eval_events, "EventFileWriter", Events)
+        monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+
+    def check(self, path: str) -> None:
+        if self.full:
+            raise tf.errors.ResourceExhaustedError(
+                None, None, f"{path}/events.out.tfevents.1; No space left on device")
+
+
+def test_a_full_disk_at_a_summary_write_warns_once_and_the_summaries_come_back(
+        tmp_path, monkeypatch, caplog):
+    """The tryout's 82-line ResourceExhaustedError at the eval sets' summary: summaries
+    are diagnostics (a train loop's, the eval sets', goodput's, the close), so each
+    write that finds no space is skipped with one warning a run, and once there is room
+    again they are written (in a new event file)."""
+    import logging
+
+    from events import scalar_points
+
+    disk = FullDisk(monkeypatch)
+    p = Progress(str(tmp_path), train_steps=100, global_batch_size=8)
+    p.write_scalars("train", 2, {"loss": 1.0})
+    disk.full = True
+    with caplog.at_level(logging.INFO):
+        p.train_loop_done(step=4, steps=2, seconds=1.0, logs={"loss": 0.5})
+        p.eval_sets_done(4, {"eval": ({"loss": 0.4}, 2), "test": ({"loss": 0.3}, 2)}, 1.0)
+        p.eval_done(4, {"loss": 0.4}, 1.0)
+        p.write_scalars("train", 4, {"goodput/goodput": 0.9})  # goodput's scalars
+        p.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert warnings[0].startswith("tputrain: TensorBoard summaries are not written: no space "
+                                  f"left on {tmp_path}"), warnings
+    assert "training goes on" in warnings[0] and "checkpoint" in warnings[0]
+    disk.full = False
+    p.write_scalars("train", 6, {"loss": 0.25})
+    p.eval_sets_done(6, {"eval": ({"loss": 0.375}, 2), "test": ({"loss": 0.125}, 2)}, 1.0)
+    p.close()
+    assert scalar_points(tmp_path / "train")["loss"] == [(2, 1.0), (6, 0.25)]
+    for name, value in (("eval", 0.375), ("test", 0.125)):
+        assert scalar_points(tmp_path / "eval" / name)["loss"] == [(6, value)]
+
+
+def test_an_error_other_than_a_full_disk_at_a_summary_write_is_raised(tmp_path, monkeypatch):
+    """Only a full disk is skipped: another write error is the run's to see."""
+    from tputrain.observe import eval_events
+
+    def unwritable(logdir, *args, **kwargs):
+        raise tf.errors.PermissionDeniedError(None, None, f"{logdir}: Permission denied")
+
+    monkeypatch.setattr(eval_events, "EventFileWriter", unwritable)
+    p = Progress(str(tmp_path), train_steps=100, global_batch_size=8)
+    with pytest.raises(tf.errors.PermissionDeniedError):
+        p.eval_done(4, {"loss": 0.4}, 1.0)
+
+
+def test_a_disk_that_fills_between_saves_ends_at_the_next_save_in_one_line_and_resumes_bitwise(
+        tmp_path, monkeypatch, capsys, caplog):
+    """docs/fault_tolerance.md's "a full disk mid-run loses nothing" when the disk fills
+    after a save: the summaries of the next loop and evaluation (eval sets) warn once
+    and training goes on; the next save, on a disk still full, is the one-line error
+    naming the intact last good checkpoint (exit 1, no traceback); with room again the
+    rerun resumes from it and ends bitwise where an uninterrupted run does."""
+    import logging
+
+    import numpy as np
+
+    import tputrain
+    from tputrain.cli.run import _train
+    from tiny import TinyTask, strategy_for, weights
+
+    disk = FullDisk(monkeypatch)
+
+    class FillsAfterSave(tputrain.Action):
+        def on_save(self, context, step, path):
+            disk.full = step == 4
+
+    def trainer(model_dir, actions=()):
+        return tputrain.Trainer(TinyTask(), str(model_dir), strategy=strategy_for(1),
+                                train_steps=12, steps_per_loop=2, checkpoint_every=4,
+                                eval_every=2, eval_steps=2, eval_splits=("eval", "test"),
+                                global_batch_size=16, report_mfu=False, actions=list(actions))
+
+    expected = trainer(tmp_path / "whole")
+    expected.train()
+    capsys.readouterr()
+    with caplog.at_level(logging.WARNING), pytest.raises(SystemExit) as caught:
+        _train(trainer(tmp_path / "run", [FillsAfterSave()]))
+    error = capsys.readouterr().err
+    lines = [line for line in error.splitlines() if line.startswith("tputrain: error:")]
+    assert caught.value.code == 1 and len(lines) == 1 and "Traceback" not in error, error
+    assert "not saving step 8" in lines[0] and "ckpt-4 is intact" in lines[0], lines
+    summary = [r.getMessage() for r in caplog.records if "TensorBoard summaries" in r.getMessage()]
+    assert len(summary) == 1 and "Traceback" not in caplog.text, caplog.text
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.index")) == [
+        "ckpt-4.index"]
+    disk.full = False
+    resumed = trainer(tmp_path / "run")
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        resumed.train()
+    trained = [r.getMessage().split(" | ")[0] for r in caplog.records
+               if r.getMessage().startswith("tputrain: step ")]
+    assert trained == ["tputrain: step 6/12", "tputrain: step 8/12", "tputrain: step 10/12",
+                       "tputrain: step 12/12"], trained  # from ckpt-4
+    for got, want in zip(weights(resumed), weights(expected)):
+        np.testing.assert_array_equal(got, want)

@@ -18,7 +18,8 @@ or `$AIP_TENSORBOARD_LOG_DIR`), beside `train/` and `eval/`:
   `eval/<set>/` with named eval sets, `train/...`); a run that has no
   evaluation yet shows no eval value.
 
-Both are written at step 0, so a rerun's replace the earlier ones.
+Both are written at step 0, so a rerun's replace the earlier ones. No room for them
+on the disk is a warning, as for every summary (`tputrain.observe.summary_space`).
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class ConfigSummaryAction(Action):
     of each `train()` (the module docstring)."""
 
     def on_train_begin(self, context: ActionContext, step: int) -> None:
-        if context.is_chief and context.progress.summary_dir is not None:
-            write_config_summary(context.progress.summary_dir, config_text(context),
-                                 run_hparams(context))
+        directory = context.progress.summary_dir
+        if context.is_chief and directory is not None:  # a full disk: one warning, goes on
+            text, hparams = config_text(context), run_hparams(context)
+            context.progress.summary_space.write(
+                directory, lambda: write_config_summary(directory, text, hparams))

@@ -23,6 +23,7 @@ from tputrain.checkpointing.run_directory import ModelDirError
 STATE_FILE = "checkpoint"  # TensorFlow's name for the list of checkpoints
 INDEX = re.compile(r"^ckpt-(\d+)\.index$")
 _MIB = 1 << 20
+_UNITS = ((1 << 20, "MiB"), (1 << 10, "KiB"))
 
 
 class CheckpointList(NamedTuple):
@@ -94,6 +95,20 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def readable_sizes(*sizes: int) -> list[str]:
+    """`sizes` (bytes) in the unit of the largest (MiB, KiB), with the decimals (1 or 2)
+    that keep them as different as they are and a size above 0 above 0, else in bytes:
+    "0.1 MiB free and a checkpoint takes 0.1 MiB" read as if there were room."""
+    unit, name = next(((u, n) for u, n in _UNITS if max(sizes, default=0) >= u), (1, ""))
+    for decimals in (1, 2) if name else ():
+        shown = [round(size / unit, decimals) for size in sizes]
+        alike = all((a < b) == (x < y) and (a == b) == (x == y) and (a > 0) == (x > 0)
+                    for a, x in zip(sizes, shown) for b, y in zip(sizes, shown))
+        if alike:
+            return [f"{value:.{decimals}f} {name}" for value in shown]
+    return [f"{size} bytes" for size in sizes]
+
+
 def check_room(directory: str, step: int, latest: str | None) -> None:
     """Local disks: refuse a save that cannot fit, judged by the last one's real size,
     before a half-written checkpoint takes the last free bytes."""
@@ -102,9 +117,10 @@ def check_room(directory: str, step: int, latest: str | None) -> None:
     needed = checkpoint_bytes(latest)
     free = shutil.disk_usage(directory).free
     if free < needed:
+        shown_free, shown_needed = readable_sizes(free, needed)
         raise ModelDirError(
-            f"not saving step {step}: {directory} has {free / _MIB:.1f} MiB free and a "
-            f"checkpoint takes {needed / _MIB:.1f} MiB; the last good checkpoint {latest} is "
+            f"not saving step {step}: {directory} has {shown_free} free and a "
+            f"checkpoint takes {shown_needed}; the last good checkpoint {latest} is "
             "intact: free some space (or lower Trainer.keep_checkpoints) and rerun to resume")
 
 

@@ -14,6 +14,7 @@ from tensorboard.plugins.scalar import summary_v2 as scalar_summary
 
 from tputrain.observe.eval_events import EvalEventWriter
 from tputrain.observe.flops import model_flops_utilization
+from tputrain.observe.summary_space import SummarySpace
 
 
 VERTEX_TENSORBOARD_DIR = "AIP_TENSORBOARD_LOG_DIR"  # set by Vertex AI (docs/vertex.md)
@@ -225,15 +226,37 @@ class Progress:
         summary = summary_pb2.Summary()
         for name, value in scalars.items():
             summary.value.extend(scalar_summary.scalar_pb(name, float(value)).value)
+        directory = os.path.join(self._summary_dir, split)
+        if not self.summary_space.write(directory,
+                                        lambda: self._write(split, directory, step, summary)):
+            self._drop_writer(split)
+
+    @property
+    def summary_space(self) -> SummarySpace:
+        """The run's summary writes on a full disk: skipped, with one warning a run."""
+        if getattr(self, "_summary_space", None) is None:
+            self._summary_space = SummarySpace()
+        return self._summary_space
+
+    def _write(self, split: str, directory: str, step: int,
+               summary: summary_pb2.Summary) -> None:
         if split == "eval" or split.startswith("eval/"):  # eval/, or eval/<set>/: evaluations
             if split not in self._eval_writers:  # may come out of step order (eval_events)
-                self._eval_writers[split] = EvalEventWriter(os.path.join(self._summary_dir, split))
+                self._eval_writers[split] = EvalEventWriter(directory)
             self._eval_writers[split].write(step, summary)
             return
         writer = self._writer(split)
         with writer.as_default(step=step):
             tf.summary.experimental.write_raw_pb(summary.SerializeToString())
         writer.flush()
+
+    def _drop_writer(self, split: str) -> None:
+        """Closes (as far as a full disk lets it) and forgets the split's writer, so that
+        the next write opens a new event file: once there is room, it is written."""
+        for writers in (self._writers, self._eval_writers):
+            writer = writers.pop(split, None)
+            if writer is not None:
+                self.summary_space.write(os.path.join(self._summary_dir, split), writer.close)
 
     def train_loop_done(self, step: int, steps: int, seconds: float,
                         logs: Mapping[str, float], input_wait: float = 0.0) -> dict[str, float]:
@@ -326,12 +349,8 @@ class Progress:
         callbacks, self._on_close = getattr(self, "_on_close", []), []
         for callback in callbacks:
             callback()
-        for writer in self._writers.values():
-            writer.close()
-        self._writers.clear()
-        for writer in self._eval_writers.values():
-            writer.close()
-        self._eval_writers.clear()
+        for split in [*self._writers, *self._eval_writers]:
+            self._drop_writer(split)  # a full disk: the pending points are lost, said once
 
 
 class Stopwatch:

@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tputrain.checkpointing.files import readable_sizes
 from tputrain.checkpointing.run_directory import ModelDirError, RunDirectory  # noqa: F401  (ModelDirError: its old place)
 from tputrain.data import (FeatureSpecError, InputStateError, explain_data_loss,
                            explain_parse_error)
@@ -257,9 +258,10 @@ def check_model_dir(model_dir: str, checkpoint_bytes: int = 0, keep: int = 2,
         needed = copies * checkpoint_bytes
         if free < needed:
             best = " and the copy of a new best" if best_copy else ""
+            shown_free, shown_one, shown_needed = readable_sizes(free, checkpoint_bytes, needed)
             raise ModelDirError(
-                f"model_dir {model_dir} has {free / _MIB:.1f} MiB free but a checkpoint "
-                f"needs {checkpoint_bytes / _MIB:.1f} MiB (x{copies}: keep_checkpoints={keep} "
+                f"model_dir {model_dir} has {shown_free} free but a checkpoint needs "
+                f"{shown_one} (x{copies} = {shown_needed}: keep_checkpoints={keep} "
                 f"plus the one being written{best}): free some space, lower "
                 "Trainer.keep_checkpoints or choose a --model_dir on a larger disk")
         logging.debug("tputrain: model_dir %s has %.0f MiB free", model_dir, free / _MIB)

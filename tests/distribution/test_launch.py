@@ -18,11 +18,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import tensorflow as tf
 
-from faults import FaultTask, child_env
+from faults import FaultTask, Process, child_env
 from events import train_scalars
 from processes import Launch, in_netns, listed_steps
 from tiny import model_bytes
@@ -152,6 +153,25 @@ def test_launcher_exit_code_rules(tmp_path):
     assert run([0, 3]) == 3
 
 
+
+def test_a_death_by_the_signal_the_launcher_got_or_forwarded_is_a_preemption():
+    """Ctrl-C reaches every process of the terminal's group: a worker still starting
+    dies by that SIGINT, another by the SIGTERM the launcher forwards; both were
+    preempted (it exited 1). A SIGKILL stays a failure."""
+    def run(own_signal: int) -> int:
+        script = ("import os, signal; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                  "os.kill(os.getpid(), int(os.sys.argv[-1]))")
+        launcher = Launcher(2, [], peer_exit_timeout=5)
+        launcher.processes = [
+            subprocess.Popen([sys.executable, "-c", script, str(int(own_signal))]),
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])]
+        launcher.processes[0].wait()  # dead before the launcher forwards
+        launcher.forward(signal.SIGTERM, received=signal.SIGINT)
+        return launcher.wait()
+
+    assert run(signal.SIGINT) == 42
+    assert run(signal.SIGKILL) == 1
+
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -216,3 +236,61 @@ def test_a_bad_worker_count_is_one_line_and_exit_2(workers, capsys):
     assert caught.value.code == 2
     assert error.count("\n") == 1 and error.startswith("tputrain launch: error: argument "
                                                       "--workers"), error
+
+
+HOLD = Path(__file__).resolve().parents[1] / "support" / "startup_hold"
+
+
+def _held_launch(tmp_path, workers: int, *flags: str) -> tuple[Launch, dict[int, int]]:
+    """`tputrain launch` whose workers are held at interpreter start-up, before any
+    handler of theirs (tests/support/startup_hold); returns it once every worker is
+    held, with their pids by worker index."""
+    launch = Launch(["--workers", str(workers), "--gin_file=digits.gin",
+                     f"--model_dir={tmp_path / 'model'}", *flags], TPUTRAIN_TEST_HOLD="startup",
+                    PYTHONPATH=os.pathsep.join([str(HOLD), child_env()["PYTHONPATH"]]))
+    held = [launch.wait_for(r"\[worker (\d)\] tputrain-test: held at start-up \(pid (\d+)\)")
+            for _ in range(workers)]
+    return launch, {int(match.group(1)): int(match.group(2)) for match in held}
+
+
+def test_sigterm_to_the_launcher_while_its_workers_start_exits_42(tmp_path):
+    """Issue (tryout 2, #5): the workers, still starting, died by the SIGTERM the launcher
+    forwarded, and the launcher exited 1 ("training failed") for a preemption."""
+    launch, _ = _held_launch(tmp_path, 2)
+    code = launch.kill(signal.SIGTERM)
+    assert code == 42, launch.log()
+    assert launch.text().strip().splitlines()[-1] == (
+        "tputrain launch: preempted (SIGTERM): rerun the same command to resume (exit code 42)")
+
+
+def test_a_worker_killed_by_a_signal_the_launcher_did_not_send_is_a_failure(tmp_path):
+    """A SIGKILL from outside is a failure (1), and so stays the SIGTERM the launcher
+    sends a peer still running after --peer_exit_timeout: only a signal the launcher
+    was sent and forwarded means a preemption."""
+    launch, pids = _held_launch(tmp_path, 2, "--peer_exit_timeout=0")
+    os.kill(pids[0], signal.SIGKILL)
+    code = launch.finish(timeout=120)
+    assert code == 1, launch.log()
+    assert "worker 0: signal SIGKILL, worker 1: signal SIGTERM" in launch.text()
+
+
+def test_sigterm_to_the_launcher_before_it_starts_workers_exits_42(tmp_path):
+    """It died by it (-15, 143 in a shell) until its handler was installed, after its
+    import of TensorFlow; it is held from the command's first line. The launcher is
+    held in that import (tests/support/startup_hold) until the test has signalled it."""
+    env = dict(child_env(), TPUTRAIN_TEST_HOLD="tensorflow",
+               PYTHONPATH=os.pathsep.join([str(HOLD), child_env()["PYTHONPATH"]]))
+    launch = Process([sys.executable, "-m", "tputrain.run", "launch", "--workers", "2",
+                      "--gin_file=digits.gin", f"--model_dir={tmp_path / 'model'}"], env,
+                     stdin=True)
+    try:
+        launch.wait_for("tputrain-test: held while importing tensorflow")
+        launch.process.send_signal(signal.SIGTERM)
+        launch.send("go")
+        code = launch.finish(timeout=180)
+    finally:
+        launch.process.kill()
+    assert code == 42, launch.log()
+    assert launch.text().strip().splitlines()[-1] == (
+        "tputrain launch: signal 15 before the workers started; nothing to save: rerun the "
+        "same command to resume (exit code 42)")

@@ -10,8 +10,10 @@ Worker output is prefixed with `[worker i]`. If a worker fails, the others are
 expected to fail too (their collectives lose a peer); any still running after
 `--peer_exit_timeout` seconds are stopped (SIGTERM, then SIGKILL). SIGTERM or
 Ctrl-C to the launcher is forwarded to every worker, which checkpoint and exit
-42. The launcher exits 0 if every worker succeeded, 42 if every worker was
-preempted, else with the first failure's code (1 for a worker killed by a signal).
+42; a worker still starting (no handler yet) dies by it, preempted all the same.
+The launcher exits 0 if every worker succeeded, 42 if every worker was preempted
+(or the signal came before any started), else with the first failure's code (1 for
+a worker killed by a signal the launcher did not forward).
 
 Note: TF's gRPC servers listen on all interfaces, not only 127.0.0.1; on a
 shared network run the launcher inside a private network namespace (e.g.
@@ -26,6 +28,8 @@ import sys
 from typing import NoReturn, Sequence
 
 from tputrain.distribution.launch import Launcher
+from tputrain.fault_tolerance.preemption import PREEMPTED_EXIT_CODE
+from tputrain.fault_tolerance.preemption_early import take_early_signal
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +79,20 @@ def console_main(argv: Sequence[str] | None = None) -> None:
               "--gin_file=digits.gin --model_dir=/tmp/run", file=sys.stderr)
         sys.exit(2)
     launcher = Launcher(args.workers, run_args, args.peer_exit_timeout)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda s, f: launcher.forward(signal.SIGTERM))
+    replaced = {signum: signal.signal(signum, lambda s, f: launcher.forward(signal.SIGTERM, s))
+                for signum in (signal.SIGTERM, signal.SIGINT)}
+    early = take_early_signal(replaced)  # held since the command's first line
+    if early is not None:
+        _stop(f"signal {early} before the workers started; nothing to save")
     launcher.start()
-    sys.exit(launcher.wait())
+    code = launcher.wait()
+    if code == PREEMPTED_EXIT_CODE and launcher.forwarded is not None:
+        _stop(f"preempted ({signal.Signals(launcher.forwarded).name})")
+    sys.exit(code)
+
+
+def _stop(reason: str) -> NoReturn:
+    """The launcher's last line when it was signalled: a preemption, rerun to resume."""
+    print(f"tputrain launch: {reason}: rerun the same command to resume (exit code "
+          f"{PREEMPTED_EXIT_CODE})", file=sys.stderr, flush=True)
+    sys.exit(PREEMPTED_EXIT_CODE)

@@ -15,12 +15,14 @@ import functools
 import importlib
 import inspect
 import pprint
+import signal
 import sys
 import textwrap
 from types import ModuleType
 
 from absl import flags  # light: no TensorFlow
 
+from tputrain.fault_tolerance.preemption_early import hold_early_signals  # no TensorFlow
 from tputrain.runtime.process_exit import end_process
 
 DEFAULT_COMMAND = "run"  # `tputrain --gin_file=...` trains
@@ -40,6 +42,9 @@ SUMMARIES = {
     "predict": "write every example's outputs of a split or TFRecord glob, once and in order",
     "tune": "search a tuning spec's gin bindings with Optuna, each trial its own run (resumable)",
 }
+# Signals a command answers as a preemption (exit 42), held from its first line until
+# its handlers are installed, after TensorFlow's import (`preemption_early`).
+EARLY_SIGNALS = {"run": (signal.SIGTERM,), "launch": (signal.SIGTERM, signal.SIGINT)}
 _HELP = (["--help"], ["-h"], ["help"])
 _COMMAND_HELP = ("--help", "-h", "--helpshort", "-?")
 _WIDTH = 80
@@ -136,6 +141,7 @@ def console_main() -> None:
         from tputrain.cli.help_text import HELP  # pylint: disable=import-outside-toplevel
         print(HELP[command], end="")
         sys.exit(0)
+    hold_early_signals(EARLY_SIGNALS.get(command, ()))
     sys.argv[0] = usage_name  # absl's usage line (and --help's flag list) names the command
     _info_lines_without_prefix()
     try:

@@ -73,6 +73,8 @@ class Launcher:
         self.python = python
         self.processes: list[subprocess.Popen] = []
         self._threads: list[threading.Thread] = []
+        self.forwarded: int | None = None  # the signal `forward` sends
+        self.preempting: set[int] = set()  # a worker that dies by one of these was preempted
 
     def start(self) -> None:
         # The write end stays here, never written: when this process dies, however it
@@ -85,6 +87,8 @@ class Launcher:
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
                 pass_fds=(read_fd,))
             self.processes.append(process)
+            if self.forwarded is not None:  # the launcher was signalled while starting
+                process.send_signal(self.forwarded)
             for stream, out in ((process.stdout, sys.stdout), (process.stderr, sys.stderr)):
                 thread = threading.Thread(target=_pump, args=(stream, f"[worker {index}] ", out),
                                           daemon=True)
@@ -94,8 +98,13 @@ class Launcher:
         _log(f"started {self.num_workers} worker(s): " + ", ".join(
             f"worker {i} pid {p.pid}" for i, p in enumerate(self.processes)))
 
-    def forward(self, signum: int) -> None:
-        """Sends `signum` to every running worker (preemption: they save and exit 42)."""
+    def forward(self, signum: int, received: int | None = None) -> None:
+        """Sends `signum` to every running worker (preemption: they save and exit 42) and
+        to any started after. `received`: the signal the launcher got (a terminal's
+        Ctrl-C reaches the workers too). A worker that dies by either of them had no
+        handler yet (still starting): preempted like the others, not failed."""
+        self.forwarded = signum
+        self.preempting.update({signum, received or signum})
         for process in self.processes:
             if process.poll() is None:
                 process.send_signal(signum)
@@ -125,15 +134,22 @@ class Launcher:
             time.sleep(0.1)
         for thread in self._threads:
             thread.join(timeout=5)
-        codes = [p.returncode for p in self.processes]
         _log("workers exited with " + ", ".join(
-            f"worker {i}: {_describe(c)}" for i, c in enumerate(codes)))
+            f"worker {i}: {_describe(p.returncode)}" for i, p in enumerate(self.processes)))
+        codes = [self._outcome(p.returncode) for p in self.processes]
+        if first_failure is not None:
+            first_failure = (first_failure[0], self._outcome(first_failure[1]))
         if all(code == 0 for code in codes):
             return 0
         if all(code == PREEMPTED_EXIT_CODE for code in codes):
             return PREEMPTED_EXIT_CODE
         index, code = first_failure or next((i, c) for i, c in enumerate(codes) if c != 0)
         return code if code > 0 else 1
+
+    def _outcome(self, code: int) -> int:
+        """A worker's exit code, 42 for a death by a signal the launcher was sent and
+        forwarded (`forward`); any other signal stays a failure."""
+        return PREEMPTED_EXIT_CODE if code < 0 and -code in self.preempting else code
 
     def _stop(self, indices: list[int]) -> None:
         for index in indices:

@@ -21,7 +21,9 @@ Before training (the CLI builds the Trainer: inputs read, model compiled) there
 is nothing to save, and the main thread may wait inside TensorFlow just as long
 (a slow first read) or for ever (an input that never yields): `ExitOnSignal`,
 the same watcher, exits 42 at once with one line. `tputrain run` installs it
-first; `train()` puts its `PreemptionWatcher` over it and back.
+first; `train()` puts its `PreemptionWatcher` over it and back. A SIGTERM before
+even that (TensorFlow still importing) was held by the CLI's entry
+(`preemption_early`) and is acted on when `ExitOnSignal` is installed.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from typing import Sequence
 
 import tensorflow as tf
 from absl import logging
+
+from tputrain.fault_tolerance.preemption_early import take_early_signal
 
 PREEMPTED_EXIT_CODE = 42
 
@@ -62,7 +66,9 @@ class SignalWatcher:
     only between bytecodes of the main thread.
 
     `install()` it (main thread only: Python's rule for signal handlers) and
-    `uninstall()` after, which restores the previous handlers and wakeup fd.
+    `uninstall()` after, which restores the previous handlers and wakeup fd. A signal
+    the CLI's entry held before any watcher existed (`preemption_early`) is acted on
+    at install, as if it had just come.
     """
 
     def __init__(self, signals: Sequence[int] = (signal.SIGTERM,)):
@@ -87,10 +93,13 @@ class SignalWatcher:
         self._pipe = (read_fd, write_fd)
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._python_handler)
+        early = take_early_signal(self._previous)  # (the holder is not restored after)
         self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         self._thread = threading.Thread(target=self._watch, name="tputrain-preemption",
                                         daemon=True)
         self._thread.start()
+        if early in self.signals:
+            self.request(early)
         return True
 
     def _python_handler(self, signum, frame) -> None:  # runs later, on the main thread

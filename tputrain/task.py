@@ -327,9 +327,10 @@ def _per_example_rows(labels: Any, outputs: Any, sample_weight: tf.Tensor) -> tu
 def _check_not_every_pair(per_example: tf.Tensor, labels: Any, outputs: Any) -> None:
     """Refuses the common slip of a 1-unit head: outputs [b, 1] and labels [b] broadcast
     to a [b, b] loss of every pair, which trains, silently, on the wrong loss."""
-    if not all(isinstance(t, tf.Tensor) for t in (labels, outputs)):
-        return
-    shapes = [t.shape.as_list() for t in (per_example, labels, outputs)]
+    tensors = (per_example, labels, outputs)
+    if not all(isinstance(t, tf.Tensor) and t.shape.rank is not None for t in tensors):
+        return  # nested, or of unknown rank (e.g. a py_function's)
+    shapes = [t.shape.as_list() for t in tensors]
     loss, label, output = shapes
     if len(label) == 1 and label[0] and label[0] > 1 and output == [label[0], 1] and (
             loss == [label[0], label[0]]):

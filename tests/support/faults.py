@@ -389,7 +389,8 @@ class SaveProbe(tputrain.Action):
 # With TPUTRAIN_TEST_EVENTS=1 a child numbers and prints every file event of model_dir
 # that tputrain's Python code makes (gfile copy, rename, remove, rmtree; a checkpoint
 # save; a SavedModel write) as "tputrain-test: file event <n> <op> <parent>/<name>".
-# With TPUTRAIN_TEST_PAUSE_AT=<n> it stops *before* event n (after printing
+# With TPUTRAIN_TEST_PAUSE_AT=<n> (or "<op> <parent>/<name>": the first such event,
+# whose number varies with the goodput record's timed writes) it stops *before* event n (after printing
 # "tputrain-test: paused before file event <n>") until a line is written to the FIFO
 # TPUTRAIN_TEST_FIFO (or, without one, until killed): the files on disk are then
 # exactly those of a kill at that instant. TPUTRAIN_TEST_TORN=1 makes a paused copy
@@ -401,6 +402,7 @@ class SaveProbe(tputrain.Action):
 # for another line, then removes the half file and runs the event.
 
 _EVENT_COUNT = [0]
+_PAUSED_AT = [0]  # the event a TPUTRAIN_TEST_PAUSE_AT=<op> <name> paused before
 
 
 def _label(path: str) -> str:
@@ -433,8 +435,11 @@ def _event(op: str, path: str, torn: Callable[[], None] | None = None) -> None:
             _wait_for_fifo()
             os.remove(path)
         return
-    if number != int(pause_at):
+    if pause_at.isdigit() and number != int(pause_at):
         return
+    if not pause_at.isdigit() and (f"{op} {_label(path)}" != pause_at or _PAUSED_AT[0]):
+        return  # "<op> <parent>/<name>": the first such event, whatever its number
+    _PAUSED_AT[0] = number
     if torn is not None and os.environ.get("TPUTRAIN_TEST_TORN") == "1":
         torn()
     print(f"tputrain-test: paused before file event {number}", flush=True)

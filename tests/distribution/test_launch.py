@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
-from faults import FaultTask, Process, child_env
+from faults import (STARTUP_HOLD, FaultTask, Process, child_env,
+                    sigterm_while_importing_tensorflow)
 from events import train_scalars
 from processes import Launch, in_netns, listed_steps
 from tiny import model_bytes
@@ -238,7 +239,6 @@ def test_a_bad_worker_count_is_one_line_and_exit_2(workers, capsys):
                                                       "--workers"), error
 
 
-HOLD = Path(__file__).resolve().parents[1] / "support" / "startup_hold"
 
 
 def _held_launch(tmp_path, workers: int, *flags: str) -> tuple[Launch, dict[int, int]]:
@@ -247,7 +247,7 @@ def _held_launch(tmp_path, workers: int, *flags: str) -> tuple[Launch, dict[int,
     held, with their pids by worker index."""
     launch = Launch(["--workers", str(workers), "--gin_file=digits.gin",
                      f"--model_dir={tmp_path / 'model'}", *flags], TPUTRAIN_TEST_HOLD="startup",
-                    PYTHONPATH=os.pathsep.join([str(HOLD), child_env()["PYTHONPATH"]]))
+                    PYTHONPATH=os.pathsep.join([str(STARTUP_HOLD), child_env()["PYTHONPATH"]]))
     held = [launch.wait_for(r"\[worker (\d)\] tputrain-test: held at start-up \(pid (\d+)\)")
             for _ in range(workers)]
     return launch, {int(match.group(1)): int(match.group(2)) for match in held}
@@ -278,19 +278,9 @@ def test_sigterm_to_the_launcher_before_it_starts_workers_exits_42(tmp_path):
     """It died by it (-15, 143 in a shell) until its handler was installed, after its
     import of TensorFlow; it is held from the command's first line. The launcher is
     held in that import (tests/support/startup_hold) until the test has signalled it."""
-    env = dict(child_env(), TPUTRAIN_TEST_HOLD="tensorflow",
-               PYTHONPATH=os.pathsep.join([str(HOLD), child_env()["PYTHONPATH"]]))
-    launch = Process([sys.executable, "-m", "tputrain.run", "launch", "--workers", "2",
-                      "--gin_file=digits.gin", f"--model_dir={tmp_path / 'model'}"], env,
-                     stdin=True)
-    try:
-        launch.wait_for("tputrain-test: held while importing tensorflow")
-        launch.process.send_signal(signal.SIGTERM)
-        launch.send("go")
-        code = launch.finish(timeout=180)
-    finally:
-        launch.process.kill()
-    assert code == 42, launch.log()
+    launch = sigterm_while_importing_tensorflow(
+        ["launch", "--workers", "2", "--gin_file=digits.gin", f"--model_dir={tmp_path / 'model'}"])
+    assert launch.code == 42, launch.log()
     assert launch.text().strip().splitlines()[-1] == (
         "tputrain launch: signal 15 before the workers started; nothing to save: rerun the "
         "same command to resume (exit code 42)")

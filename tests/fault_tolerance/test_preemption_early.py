@@ -4,13 +4,9 @@ takes over acts on it."""
 
 import os
 import signal
-import sys
-from pathlib import Path
 
-from faults import Process, child_env
+from faults import sigterm_while_importing_tensorflow
 from tputrain.fault_tolerance.preemption_early import hold_early_signals, take_early_signal
-
-HOLD = Path(__file__).resolve().parents[1] / "support" / "startup_hold"
 
 
 def test_a_held_signal_is_taken_once_and_the_replaced_handler_is_handed_on():
@@ -34,18 +30,9 @@ def test_sigterm_while_tensorflow_is_imported_exits_42(tmp_path):
     """Before: the process died by SIGTERM (-15, 143 in a shell) until `tputrain run`
     installed its handler, seconds in. The child holds in its import of tensorflow
     (tests/support/startup_hold) until the test has sent the signal."""
-    env = dict(child_env(), TPUTRAIN_TEST_HOLD="tensorflow",
-               PYTHONPATH=os.pathsep.join([str(HOLD), child_env()["PYTHONPATH"]]))
-    process = Process([sys.executable, "-m", "tputrain.run", "--gin_file=digits.gin",
-                       f"--model_dir={tmp_path / 'model'}"], env, stdin=True)
-    try:
-        process.wait_for("tputrain-test: held while importing tensorflow")
-        process.process.send_signal(signal.SIGTERM)
-        process.send("go")
-        code = process.finish(timeout=180)
-    finally:
-        process.process.kill()
-    assert code == 42, process.log()
+    process = sigterm_while_importing_tensorflow(
+        ["--gin_file=digits.gin", f"--model_dir={tmp_path / 'model'}"])
+    assert process.code == 42, process.log()
     assert process.text().strip().splitlines()[-1] == (
         "tputrain: signal 15 before training started; nothing to save: rerun the same "
         "command to resume (exit code 42)")

@@ -1008,3 +1008,23 @@ def keras_callbacks_run(model_dir: str, replicas: int, instants: list[str] = (),
     result.update({f"logs/{k}": np.float64(v) for k, v in logs.items()})
     np.savez(f"{model_dir.rstrip('/')}.result.npz", **result)
     return result
+
+
+STARTUP_HOLD = Path(__file__).resolve().parent / "startup_hold"  # its sitecustomize
+
+
+def sigterm_while_importing_tensorflow(argv: list[str]) -> "Process":
+    """`python -m tputrain.run *argv`, held in its import of tensorflow
+    (tests/support/startup_hold) until the test has sent it SIGTERM, then let go and
+    run to its end: the finished Process (`.code`, `.text()`, `.log()`)."""
+    env = dict(child_env(), TPUTRAIN_TEST_HOLD="tensorflow",
+               PYTHONPATH=os.pathsep.join([str(STARTUP_HOLD), child_env()["PYTHONPATH"]]))
+    process = Process([sys.executable, "-m", "tputrain.run", *argv], env, stdin=True)
+    try:
+        process.wait_for("tputrain-test: held while importing tensorflow")
+        process.process.send_signal(signal.SIGTERM)
+        process.send("go")
+        process.code = process.finish(timeout=180)
+    finally:
+        process.process.kill()
+    return process

@@ -28,9 +28,8 @@ from tputrain.distribution.launch import watch_launcher
 from tputrain.fault_tolerance.preemption import PREEMPTED_EXIT_CODE, ExitOnSignal
 from tputrain.trainer import Trainer
 from tputrain.tuning.vertex_job import hyperparameter_args
-from tputrain.checkpointing import files as checkpoint_files
-from tputrain.checkpointing.run_directory import ModelDirError, RunDirectory
-from tputrain.jobs.sidecar import checkpoint_step
+from tputrain.checkpointing.run_directory import ModelDirError
+from tputrain.runtime.preflight import finished
 from tputrain.runtime.validate import InputDataError
 
 FLAGS = flags.FLAGS
@@ -102,9 +101,8 @@ def main(argv: list[str]) -> None:
 
 def will_train(trainer: Trainer) -> bool:
     """Whether `trainer.train()` will train a step: its newest listed checkpoint (read
-    before it restores) is below `train_steps`."""
-    listed = checkpoint_files.listed(RunDirectory(trainer.model_dir).checkpoints)
-    return not listed or checkpoint_step(listed[-1]) < trainer.train_steps
+    before it restores) is below `train_steps` (the pre-flight's `finished`)."""
+    return not finished(trainer.context)
 
 
 def console_main() -> None:

@@ -253,14 +253,17 @@ def _held_launch(tmp_path, workers: int, *flags: str) -> tuple[Launch, dict[int,
     return launch, {int(match.group(1)): int(match.group(2)) for match in held}
 
 
-def test_sigterm_to_the_launcher_while_its_workers_start_exits_42(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_to_the_launcher_while_its_workers_start_exits_42(tmp_path, signum):
     """Issue (tryout 2, #5): the workers, still starting, died by the SIGTERM the launcher
-    forwarded, and the launcher exited 1 ("training failed") for a preemption."""
+    forwarded, and the launcher exited 1 ("training failed") for a preemption. Its last
+    line names the signal it was sent (Ctrl-C: SIGINT), not the one it forwards."""
     launch, _ = _held_launch(tmp_path, 2)
-    code = launch.kill(signal.SIGTERM)
+    code = launch.kill(signum)
     assert code == 42, launch.log()
     assert launch.text().strip().splitlines()[-1] == (
-        "tputrain launch: preempted (SIGTERM): rerun the same command to resume (exit code 42)")
+        f"tputrain launch: preempted ({signal.Signals(signum).name}): rerun the same command "
+        "to resume (exit code 42)")
 
 
 def test_a_worker_killed_by_a_signal_the_launcher_did_not_send_is_a_failure(tmp_path):

@@ -86,8 +86,8 @@ def console_main(argv: Sequence[str] | None = None) -> None:
         _stop(f"signal {early} before the workers started; nothing to save")
     launcher.start()
     code = launcher.wait()
-    if code == PREEMPTED_EXIT_CODE and launcher.forwarded is not None:
-        _stop(f"preempted ({signal.Signals(launcher.forwarded).name})")
+    if code == PREEMPTED_EXIT_CODE and launcher.received is not None:
+        _stop(f"preempted ({signal.Signals(launcher.received).name})")
     sys.exit(code)
 
 

@@ -74,6 +74,7 @@ class Launcher:
         self.processes: list[subprocess.Popen] = []
         self._threads: list[threading.Thread] = []
         self.forwarded: int | None = None  # the signal `forward` sends
+        self.received: int | None = None  # the signal the launcher got (SIGTERM, SIGINT)
         self.preempting: set[int] = set()  # a worker that dies by one of these was preempted
 
     def start(self) -> None:
@@ -103,8 +104,8 @@ class Launcher:
         to any started after. `received`: the signal the launcher got (a terminal's
         Ctrl-C reaches the workers too). A worker that dies by either of them had no
         handler yet (still starting): preempted like the others, not failed."""
-        self.forwarded = signum
-        self.preempting.update({signum, received or signum})
+        self.forwarded, self.received = signum, received or signum
+        self.preempting.update({signum, self.received})
         for process in self.processes:
             if process.poll() is None:
                 process.send_signal(signum)

@@ -22,7 +22,6 @@ from tputrain.checkpointing.run_directory import ModelDirError
 
 STATE_FILE = "checkpoint"  # TensorFlow's name for the list of checkpoints
 INDEX = re.compile(r"^ckpt-(\d+)\.index$")
-_MIB = 1 << 20
 _UNITS = ((1 << 20, "MiB"), (1 << 10, "KiB"))
 
 

@@ -157,6 +157,7 @@ class Progress:
         self._pending_count: Callable[[], None] | None = None
         self._stall_explained = False  # `stall_advice`, once a run
         self._on_close: list[Callable[[], None]] = []  # e.g. the live bar's end
+        self.summary_space = SummarySpace()  # a full disk: writes skipped, one warning a run
 
     @classmethod
     def for_run(cls, summary_dir: str | None, plan: Any) -> "Progress":
@@ -230,13 +231,6 @@ class Progress:
         if not self.summary_space.write(directory,
                                         lambda: self._write(split, directory, step, summary)):
             self._drop_writer(split)
-
-    @property
-    def summary_space(self) -> SummarySpace:
-        """The run's summary writes on a full disk: skipped, with one warning a run."""
-        if getattr(self, "_summary_space", None) is None:
-            self._summary_space = SummarySpace()
-        return self._summary_space
 
     def _write(self, split: str, directory: str, step: int,
                summary: summary_pb2.Summary) -> None:

@@ -24,7 +24,7 @@ import pytest
 import tensorflow as tf
 
 from faults import (STARTUP_HOLD, FaultTask, Process, child_env,
-                    sigterm_while_importing_tensorflow)
+                    sigterm_while_importing)
 from events import train_scalars
 from processes import Launch, in_netns, listed_steps
 from tiny import model_bytes
@@ -279,11 +279,37 @@ def test_a_worker_killed_by_a_signal_the_launcher_did_not_send_is_a_failure(tmp_
 
 def test_sigterm_to_the_launcher_before_it_starts_workers_exits_42(tmp_path):
     """It died by it (-15, 143 in a shell) until its handler was installed, after its
-    import of TensorFlow; it is held from the command's first line. The launcher is
-    held in that import (tests/support/startup_hold) until the test has signalled it."""
-    launch = sigterm_while_importing_tensorflow(
-        ["launch", "--workers", "2", "--gin_file=digits.gin", f"--model_dir={tmp_path / 'model'}"])
+    imports; it is held from the command's first line. The launcher is held in its
+    import of the Launcher (tests/support/startup_hold) until the test has signalled it."""
+    launch = sigterm_while_importing(
+        ["launch", "--workers", "2", "--gin_file=digits.gin", f"--model_dir={tmp_path / 'model'}"],
+        module="tputrain.distribution.launch")
     assert launch.code == 42, launch.log()
     assert launch.text().strip().splitlines()[-1] == (
         "tputrain launch: signal 15 before the workers started; nothing to save: rerun the "
         "same command to resume (exit code 42)")
+
+
+_LAUNCH_PROBE = """
+import sys
+from tputrain.cli import main
+from tputrain.distribution.launch import Launcher
+
+def start(self):
+    print("TENSORFLOW AT START", "tensorflow" in sys.modules, flush=True)
+    sys.exit(0)
+
+Launcher.start = start
+sys.argv = ["tputrain", "launch", "--workers", "2", "--gin_file=digits.gin"]
+main.console_main()
+"""
+
+
+def test_the_launcher_starts_its_workers_without_importing_tensorflow():
+    """The workers import TensorFlow; the launcher only starts them, forwards signals
+    and waits. It imported TensorFlow (for the number 42): seconds of start-up and
+    hundreds of MB before any worker started."""
+    result = subprocess.run([sys.executable, "-c", _LAUNCH_PROBE], capture_output=True,
+                            text=True, timeout=120, env=child_env())
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "TENSORFLOW AT START False" in result.stdout, result.stdout

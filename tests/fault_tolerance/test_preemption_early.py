@@ -5,7 +5,7 @@ takes over acts on it."""
 import os
 import signal
 
-from faults import sigterm_while_importing_tensorflow
+from faults import sigterm_while_importing
 from tputrain.fault_tolerance.preemption_early import hold_early_signals, take_early_signal
 
 
@@ -30,7 +30,7 @@ def test_sigterm_while_tensorflow_is_imported_exits_42(tmp_path):
     """Before: the process died by SIGTERM (-15, 143 in a shell) until `tputrain run`
     installed its handler, seconds in. The child holds in its import of tensorflow
     (tests/support/startup_hold) until the test has sent the signal."""
-    process = sigterm_while_importing_tensorflow(
+    process = sigterm_while_importing(
         ["--gin_file=digits.gin", f"--model_dir={tmp_path / 'model'}"])
     assert process.code == 42, process.log()
     assert process.text().strip().splitlines()[-1] == (

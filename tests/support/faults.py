@@ -1013,15 +1013,16 @@ def keras_callbacks_run(model_dir: str, replicas: int, instants: list[str] = (),
 STARTUP_HOLD = Path(__file__).resolve().parent / "startup_hold"  # its sitecustomize
 
 
-def sigterm_while_importing_tensorflow(argv: list[str]) -> "Process":
-    """`python -m tputrain.run *argv`, held in its import of tensorflow
+def sigterm_while_importing(argv: list[str], module: str = "tensorflow") -> "Process":
+    """`python -m tputrain.run *argv`, held in its import of `module`
     (tests/support/startup_hold) until the test has sent it SIGTERM, then let go and
     run to its end: the finished Process (`.code`, `.text()`, `.log()`)."""
-    env = dict(child_env(), TPUTRAIN_TEST_HOLD="tensorflow",
+    hold = module if module == "tensorflow" else f"import:{module}"
+    env = dict(child_env(), TPUTRAIN_TEST_HOLD=hold,
                PYTHONPATH=os.pathsep.join([str(STARTUP_HOLD), child_env()["PYTHONPATH"]]))
     process = Process([sys.executable, "-m", "tputrain.run", *argv], env, stdin=True)
     try:
-        process.wait_for("tputrain-test: held while importing tensorflow")
+        process.wait_for(f"tputrain-test: held while importing {module}")
         process.process.send_signal(signal.SIGTERM)
         process.send("go")
         process.code = process.finish(timeout=180)

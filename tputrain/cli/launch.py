@@ -28,8 +28,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from tputrain.distribution.launch import Launcher
-from tputrain.fault_tolerance.preemption import PREEMPTED_EXIT_CODE
-from tputrain.fault_tolerance.preemption_early import take_early_signal
+from tputrain.fault_tolerance.preemption_early import PREEMPTED_EXIT_CODE, take_early_signal
 
 
 def build_parser() -> argparse.ArgumentParser:

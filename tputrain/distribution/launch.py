@@ -24,7 +24,7 @@ import threading
 import time
 from typing import IO, Sequence
 
-from tputrain.fault_tolerance.preemption import PREEMPTED_EXIT_CODE
+from tputrain.fault_tolerance.preemption_early import PREEMPTED_EXIT_CODE
 
 _GRACE_S = 10.0  # between SIGTERM and SIGKILL when stopping a worker
 # A worker reads this inherited pipe fd; EOF means the launcher died (even by kill -9).

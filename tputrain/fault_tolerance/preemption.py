@@ -37,9 +37,7 @@ from typing import Sequence
 import tensorflow as tf
 from absl import logging
 
-from tputrain.fault_tolerance.preemption_early import take_early_signal
-
-PREEMPTED_EXIT_CODE = 42
+from tputrain.fault_tolerance.preemption_early import PREEMPTED_EXIT_CODE, take_early_signal
 
 
 class Preempted(SystemExit):

@@ -18,6 +18,10 @@ from typing import Any, Callable, Sequence
 
 Handler = Callable[[int, Any], Any] | int | None
 
+# The exit code of a preempted run (TF's own for a preemption): here, without
+# TensorFlow, so the launcher that only forwards signals imports none.
+PREEMPTED_EXIT_CODE = 42
+
 _held: list[int] = []  # the signals received while holding, in order
 _replaced: dict[int, Handler] = {}  # signal -> the handler the holder replaced
 _taken = [False]

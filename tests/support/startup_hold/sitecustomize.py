@@ -9,6 +9,8 @@ start-up) and set TPUTRAIN_TEST_HOLD:
 * `tensorflow`: the import of tensorflow, once begun (its first submodule: tputrain
   finds the package itself), prints "tputrain-test: held while importing
   tensorflow" and waits for a line on stdin, then goes on.
+* `import:<module>`: the same at the import of `<module>` (a command that imports
+  no TensorFlow, as the launcher), printing "held while importing <module>".
 
 The test waits for the line, not for a time.
 """
@@ -29,20 +31,25 @@ def _hold_until_killed() -> None:
     os._exit(3)
 
 
-class _HoldTensorFlow:
-    """A meta path finder that pauses the import of tensorflow's first submodule."""
+class _HoldImport:
+    """A meta path finder that pauses the import of `module` (for tensorflow: its
+    first submodule, as tputrain finds the package itself)."""
 
-    @staticmethod
-    def find_spec(name, path=None, target=None):  # noqa: ARG004 (the finder protocol)
+    module = "tensorflow"
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):  # noqa: ARG004 (the finder protocol)
         del path, target
-        if name.startswith("tensorflow."):
-            sys.meta_path.remove(_HoldTensorFlow)
-            print("tputrain-test: held while importing tensorflow", flush=True)
+        held = name.startswith("tensorflow.") if cls.module == "tensorflow" else name == cls.module
+        if held:
+            sys.meta_path.remove(cls)
+            print(f"tputrain-test: held while importing {cls.module}", flush=True)
             sys.stdin.readline()
         return None
 
 
 if _HOLD == "startup" and "TF_CONFIG" in os.environ:
     _hold_until_killed()
-elif _HOLD == "tensorflow":
-    sys.meta_path.insert(0, _HoldTensorFlow)
+elif _HOLD == "tensorflow" or (_HOLD or "").startswith("import:"):
+    _HoldImport.module = _HOLD.removeprefix("import:")
+    sys.meta_path.insert(0, _HoldImport)

@@ -348,3 +348,36 @@ def test_a_train_dataset_with_a_short_last_batch_is_warned_of_once(
     assert caplog.text.count("last batch") == (1 if warned else 0)
     if warned:
         assert "drop_remainder=True" in caplog.text and "50 examples" in caplog.text
+
+
+# ------------------------------------------------------------ a batched train dataset
+
+def _ops(dataset: tf.data.Dataset) -> set[str]:
+    """The tf.data ops of `dataset`'s pipeline (its graph's node ops)."""
+    graph = tf.compat.v1.GraphDef()
+    graph.ParseFromString(dataset._as_serialized_graph().numpy())  # pylint: disable=protected-access
+    return {node.op for node in graph.node}
+
+
+@pytest.mark.parametrize("examples,drop_remainder,replicas", [
+    (48, True, 1), (48, True, 2), (50, True, 2), (50, False, 1), (50, False, 2)])
+def test_a_batched_train_dataset_is_read_in_its_batches_not_example_by_example(
+        examples, drop_remainder, replicas):
+    """`fit` reads a batched dataset batch by batch; tputrain unbatched it and batched
+    the examples again (per replica), a per-example cost on every step (the input
+    threads' CPU time beside a small model's step). The batches each replica gets are
+    the same examples, in order, across passes (a short last batch included)."""
+    from tputrain.data import InputContext
+
+    x = np.arange(examples * 3, dtype=np.float32).reshape(examples, 3)
+    train = tf.data.Dataset.from_tensor_slices((x, x[:, 0].astype(np.int64))).batch(
+        16, drop_remainder=drop_remainder)
+    task = tputrain.KerasTask(small_classifier(), train, shuffle=False)
+    context = InputContext(num_input_pipelines=1, input_pipeline_id=0,
+                           num_replicas_in_sync=replicas, global_batch_size=16)
+    batches = task.build_inputs("train", context)
+    assert "UnbatchDataset" not in _ops(batches)
+    read = np.concatenate([features[:, 0] for features, _ in batches.take(3 * replicas * 4)])
+    passes = (examples // 16 * 16) if drop_remainder else examples
+    assert np.array_equal(read, np.resize(np.arange(passes, dtype=np.float32) * 3, read.size))
+    assert batches.element_spec[0].shape.as_list() == [16 // replicas, 3]

@@ -45,6 +45,17 @@ def _examples(data: Any, batch_size: int | None, split: str) -> tuple[tf.data.Da
     return tf.data.Dataset.from_tensor_slices(arrays), int(batch_size or DEFAULT_BATCH_SIZE)
 
 
+def _batches(data: Any, batch_size: int | None) -> tf.data.Dataset | None:
+    """`data` when it is a dataset of batches of dense tensors (which `rebatch` splits
+    and joins as `unbatch().batch()` would, one copy a batch), else None."""
+    if not isinstance(data, tf.data.Dataset) or batch_size is not None:
+        return None
+    specs = tf.nest.flatten(data.element_spec)
+    if all(type(spec) is tf.TensorSpec and spec.shape.rank for spec in specs):
+        return data
+    return None
+
+
 def _first_batch_size(dataset: tf.data.Dataset, split: str) -> int:
     """The batch size of a batched dataset: static if known, else read from the
     dataset's own `batch` (`_batch_size_of`), else its first batch's. Only the last
@@ -199,6 +210,7 @@ class KerasTask(Task):
             raise TypeError(f"KerasTask.model must be a keras.Model or a function returning "
                             f"one, got {type(model).__name__}")
         self._train, self.global_batch_size = _examples(train_data, batch_size, "train")
+        self._train_batches = _batches(train_data, batch_size)
         if isinstance(train_data, tf.data.Dataset) and batch_size is None:
             _warn_short_last_batch(train_data)
         self._shuffle = bool(shuffle) and not isinstance(train_data, tf.data.Dataset)
@@ -228,6 +240,10 @@ class KerasTask(Task):
         """Single examples, sharded by host, in per-replica batches: consecutive
         replicas take consecutive slices of the user's global batch."""
         rows = input_context.get_per_replica_batch_size(input_context.global_batch_size)
+        if (split == "train" and self._train_batches is not None
+                and input_context.num_input_pipelines == 1):
+            # As unbatch().batch(rows), without a per-example pass on every step.
+            return self._passes(self._train_batches).rebatch(rows, drop_remainder=True)
         examples = self._train if split == "train" else self._eval
         if input_context.num_input_pipelines > 1:
             examples = examples.shard(input_context.num_input_pipelines,

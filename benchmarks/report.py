@@ -231,11 +231,39 @@ def table(folder: pathlib.Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
-def _grid_cells(path: pathlib.Path, report: dict[str, Any]) -> dict[tuple, str]:
-    """One grid row a workload of the file: keyed (CPU, workload, replicas, precision)."""
+def cpu_kind(flags: str | None) -> str:
+    """The instruction sets that decide which plan wins, from `lscpu`'s flags."""
+    if flags is None:
+        return "flags not recorded"
+    names = set(flags.split())
+    if "amx_bf16" in names:
+        return "AMX"
+    if "avx512f" in names:
+        return "AVX-512"
+    return "AVX2" if "avx2" in names else "no AVX2"
+
+
+def day_flags(results: list[tuple[pathlib.Path, dict[str, Any]]]) -> dict[tuple[str, str], str]:
+    """(date, CPU name) -> the flags its files of that day recorded, where they agree: a
+    file of that day that recorded none ran on the same machine."""
+    seen: dict[tuple[str, str], set[str]] = {}
+    for path, report in results:
+        machine = report.get("machine", {})
+        if machine.get("cpu_flags") is not None:
+            key = (parse_name(path)[0], machine.get("cpu", "-"))
+            seen.setdefault(key, set()).add(machine["cpu_flags"])
+    return {key: next(iter(flags)) for key, flags in seen.items() if len(flags) == 1}
+
+
+def _grid_cells(path: pathlib.Path, report: dict[str, Any],
+                flags_of_day: dict[tuple[str, str], str]) -> dict[tuple, str]:
+    """One grid row a workload of the file: keyed (CPU and its kind, workload, replicas,
+    precision)."""
     machine, goals, cells = report.get("machine", {}), report.get("goals", {}), {}
-    cpu = machine.get("cpu", "-") + (f", emulating {machine['emulation']}"
-                                     if machine.get("emulation") else "")
+    name_of_cpu = machine.get("cpu", "-")
+    flags = machine.get("cpu_flags", flags_of_day.get((parse_name(path)[0], name_of_cpu)))
+    cpu = f"{name_of_cpu} ({cpu_kind(flags)})" + (
+        f", emulating {machine['emulation']}" if machine.get("emulation") else "")
     for name in GRID_WORKLOADS:
         result = report.get("workloads", {}).get(name)
         if not result or f"{name}.tputrain_best_vs_keras_fit_best" not in goals:
@@ -257,12 +285,15 @@ def _grid_cells(path: pathlib.Path, report: dict[str, Any]) -> dict[tuple, str]:
 
 def grid(folder: pathlib.Path = RESULTS) -> str:
     """Issue 55's grid: tputrain's defaults and `tputrain.fit` over Keras `fit` at its best
-    (CPU time, paired: the median over rounds of the within-round ratio)."""
+    (CPU time, paired: the median over rounds of the within-round ratio), a row group
+    for each CPU and kind (`cpu_kind`)."""
     cells: dict[tuple, str] = {}
-    for path, report in result_files(folder):
+    results = result_files(folder)
+    flags_of_day = day_flags(results)
+    for path, report in results:
         date, benchmark, _ = parse_name(path)
         if benchmark == "train_loop" and date >= GRID_SINCE:
-            cells.update(_grid_cells(path, report))  # a later file replaces the cell
+            cells.update(_grid_cells(path, report, flags_of_day))  # a later file replaces the cell
     lines = ["| CPU | workload | replicas | precision | tputrain / `fit` at its best | "
              "`tputrain.fit` / `fit` at its best | `fit`'s best | tputrain's XLA plan | rounds "
              "| load average | file |", "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -113,13 +113,15 @@ def test_a_guard_cost_row_gives_each_setups_paired_ratio_against_the_goal(tmp_pa
                    "0.981 (goal 0.99: not met) | 2.0-4.5 |")
 
 
-def _grid_result(ours: float, fit: float | None, load: float, emulation: str = "") -> dict:
+def _grid_result(ours: float, fit: float | None, load: float, emulation: str = "",
+                 cpu: str = "Xeon", flags: str | None = None) -> dict:
     """A train_loop result of the MobileNet on 2 replicas in bf16, as the grid reads it."""
     goals = {"mobilenet.tputrain_best_vs_keras_fit_best": {"measured_cpu_time_paired": ours}}
     if fit is not None:
         goals["mobilenet.tputrain_fit_vs_keras_fit_best"] = {"measured_cpu_time_paired": fit}
-    machine = {"cpu": "Xeon", "load_average_before": [load, 1, 1],
-               "load_average_after": [load, 1, 1], **({"emulation": emulation} if emulation else {})}
+    machine = {"cpu": cpu, "load_average_before": [load, 1, 1],
+               "load_average_after": [load, 1, 1], **({"emulation": emulation} if emulation else {}),
+               **({"cpu_flags": flags} if flags is not None else {})}
     fits = {"keras_fit": {"steps_per_cpu_second": 2.0, "best_steps_per_call": 10},
             "keras_fit_xla": {"steps_per_cpu_second": 3.0, "best_steps_per_call": 20}}
     return {"machine": machine, "goals": goals, "workloads": {"mobilenet": {
@@ -140,7 +142,33 @@ def test_the_grid_has_the_latest_cell_per_cpu_with_fits_best_and_losses_marked(t
     finally:
         report.GRID_SINCE = original
     assert rows == [
-        "| Xeon | mobilenet | 2 | mixed_bfloat16 | 1.23 | 0.99 (loss) | strategy, XLA, 20 steps "
-        "a call (of 2) | auto: off | 5 | 2.0 / 2.0 | `2030-01-02-train_loop-new.json` |",
-        "| Xeon, emulating X=1 | mobilenet | 2 | mixed_bfloat16 | 1.10 | - | strategy, XLA, 20 "
-        "steps a call (of 2) | auto: off | 5 | 3.0 / 3.0 | `2030-01-02-train_loop-emu.json` |"]
+        "| Xeon (flags not recorded) | mobilenet | 2 | mixed_bfloat16 | 1.23 | 0.99 (loss) | "
+        "strategy, XLA, 20 steps a call (of 2) | auto: off | 5 | 2.0 / 2.0 | "
+        "`2030-01-02-train_loop-new.json` |",
+        "| Xeon (flags not recorded), emulating X=1 | mobilenet | 2 | mixed_bfloat16 | 1.10 | - "
+        "| strategy, XLA, 20 steps a call (of 2) | auto: off | 5 | 3.0 / 3.0 | "
+        "`2030-01-02-train_loop-emu.json` |"]
+
+
+def test_one_cpu_name_of_two_kinds_has_a_row_each_and_a_flagless_file_its_days_kind(tmp_path):
+    """An AVX2-only AMD EPYC and an AVX-512 one are machines of two kinds: keyed on the
+    name only, one's cell replaced the other's. A file that recorded no flags takes
+    those its CPU's other files of the same day recorded, when they agree."""
+    for name, result in (
+            ("2030-01-01-train_loop-avx2", _grid_result(1.1, 1.0, 1.0, cpu="EPYC",
+                                                        flags="avx2")),
+            ("2030-01-02-train_loop-avx512", _grid_result(1.2, 1.0, 1.0, cpu="EPYC",
+                                                          flags="avx512f avx2")),
+            ("2030-01-02-train_loop-amx", _grid_result(1.3, 1.0, 1.0, cpu="Xeon",
+                                                       flags="avx512f amx_bf16 avx2")),
+            ("2030-01-02-train_loop-flagless", _grid_result(1.4, 1.0, 1.0, cpu="Xeon"))):
+        (tmp_path / f"{name}.json").write_text(json.dumps(result))
+    report = load("report")
+    original, report.GRID_SINCE = report.GRID_SINCE, "2030-01-01"
+    try:
+        rows = [row.split(" | ")[:5] for row in report.grid(tmp_path).splitlines()[2:]]
+    finally:
+        report.GRID_SINCE = original
+    assert rows == [["| EPYC (AVX-512)", "mobilenet", "2", "mixed_bfloat16", "1.20"],
+                    ["| EPYC (AVX2)", "mobilenet", "2", "mixed_bfloat16", "1.10"],
+                    ["| Xeon (AMX)", "mobilenet", "2", "mixed_bfloat16", "1.40"]]

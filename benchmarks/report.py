@@ -175,6 +175,10 @@ def headlines(report: dict[str, Any]) -> list[str]:
         return guard_cost_headlines(report)
     if report.get("benchmark") == "exit_time":
         return exit_time_headlines(report)
+    if report.get("benchmark") == "keras_inputs":  # old pipeline's CPU a batch over the new
+        return [f"{name.replace('_', ' ')}: unbatch+batch / rebatch CPU a batch "
+                f"{result['unbatch_batch_vs_keras_task_cpu']:.2f}"
+                for name, result in report["results"].items()]
     if "max_over_min" in report:  # resume_time --positions: first batch, max/min CPU over positions
         return [f"first batch max/min CPU, {mode} {value:.2f}"
                 for mode, value in report["max_over_min"].items()]

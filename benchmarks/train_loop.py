@@ -49,6 +49,8 @@ in a process of its own, as a user's job would run:
   compiled as `keras_fit`'s, on the same dataset, with its defaults;
 * `tputrain_no_strategy`: the defaults under TensorFlow's default strategy (one
   device), to show what `OneDeviceStrategy` costs tputrain;
+* `tputrain_program_10` (only when named): the defaults with 10 steps a launch, where
+  "auto" gives a conv net on a CPU one;
 * `tputrain_program_1`: the defaults with one step per XLA program launch
   (`steps_per_program=1`), to show what several steps a launch buy;
 * `orbit`: Orbit's `StandardTrainer` (`tf.while_loop` over the step), if
@@ -524,6 +526,14 @@ class TputrainOneStepAProgramContender(TputrainContender):
     steps_per_program = 1
 
 
+class TputrainTenStepsAProgramContender(TputrainContender):
+    """The defaults but 10 steps per XLA program launch, where "auto" gives a conv net
+    on a CPU one (`steps_per_program=10`; only when named): whether that rule holds."""
+
+    name = "tputrain_program_10"
+    steps_per_program = 10
+
+
 class TputrainNoXLANoGuardContender(TputrainNoGuardContender):
     name = "tputrain_no_xla_no_guard"
     jit_compile = False
@@ -713,7 +723,7 @@ CONTENDERS: dict[str, type[Contender]] = {kind.name: kind for kind in (
     TputrainNoXLANoGuardContender, TputrainBF16Contender, KerasFitNoStrategyContender,
     KerasFitXLANoStrategyContender, HandLoopNoStrategyContender,
     TputrainOneStepAProgramContender, TputrainXLAContender, TputrainNoStrategyContender,
-    TputrainXLAKerasDrawsContender, TputrainFitContender)}
+    TputrainXLAKerasDrawsContender, TputrainFitContender, TputrainTenStepsAProgramContender)}
 # Each peer at its best: the best median of its configurations (strategy, XLA).
 BEST_OF = {"keras_fit_best": ("keras_fit", "keras_fit_xla", "keras_fit_no_strategy",
                               "keras_fit_xla_no_strategy"),
@@ -980,7 +990,8 @@ def _ratios(best: dict[str, float], best_cpu: dict[str, float]) -> dict[str, flo
     if "tputrain_bf16" in best and "tputrain" in best:
         ratios["tputrain_bf16_vs_tputrain"] = best["tputrain_bf16"] / best["tputrain"]
     for on, off in (("tputrain", "tputrain_no_guard"), ("tputrain_no_xla", "tputrain_no_xla_no_guard"),
-                    ("tputrain", "tputrain_program_1"), ("tputrain", "tputrain_xla"),
+                    ("tputrain", "tputrain_program_1"), ("tputrain_program_10", "tputrain"),
+                    ("tputrain", "tputrain_xla"),
                     ("tputrain_xla", "tputrain_xla_keras_draws"),
                     ("tputrain", "tputrain_xla_keras_draws"),
                     ("tputrain_xla", "tputrain_no_xla")):
@@ -1156,8 +1167,8 @@ def main() -> None:
     # Every contender; the bf16 one is added to the Transformer workload only.
     # Keras's draws in XLA (for `mlp_dropout`) and `tputrain.fit` only when named (`--contenders`).
     all_kinds = [kind for kind in CONTENDERS.values() if kind is not TputrainBF16Contender
-                 and (kind not in (TputrainXLAKerasDrawsContender, TputrainFitContender)
-                      or args.contenders)]
+                 and (kind not in (TputrainXLAKerasDrawsContender, TputrainFitContender,
+                                   TputrainTenStepsAProgramContender) or args.contenders)]
 
     report: dict[str, Any] = {
         "command": " ".join(["python benchmarks/train_loop.py", *sys.argv[1:]]),

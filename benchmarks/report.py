@@ -235,7 +235,7 @@ def table(folder: pathlib.Path = RESULTS) -> str:
     return "\n".join(lines)
 
 
-def cpu_kind(flags: str | None) -> str:
+def kind_label(flags: str | None) -> str:
     """The instruction sets that decide which plan wins, from `lscpu`'s flags."""
     if flags is None:
         return "flags not recorded"
@@ -266,7 +266,7 @@ def _grid_cells(path: pathlib.Path, report: dict[str, Any],
     machine, goals, cells = report.get("machine", {}), report.get("goals", {}), {}
     name_of_cpu = machine.get("cpu", "-")
     flags = machine.get("cpu_flags", flags_of_day.get((parse_name(path)[0], name_of_cpu)))
-    cpu = f"{name_of_cpu} ({cpu_kind(flags)})" + (
+    cpu = f"{name_of_cpu} ({kind_label(flags)})" + (
         f", emulating {machine['emulation']}" if machine.get("emulation") else "")
     for name in GRID_WORKLOADS:
         result = report.get("workloads", {}).get(name)
@@ -290,7 +290,7 @@ def _grid_cells(path: pathlib.Path, report: dict[str, Any],
 def grid(folder: pathlib.Path = RESULTS) -> str:
     """Issue 55's grid: tputrain's defaults and `tputrain.fit` over Keras `fit` at its best
     (CPU time, paired: the median over rounds of the within-round ratio), a row group
-    for each CPU and kind (`cpu_kind`)."""
+    for each CPU and kind (`kind_label`)."""
     cells: dict[tuple, str] = {}
     results = result_files(folder)
     flags_of_day = day_flags(results)

@@ -50,6 +50,9 @@ def _train(tmp_path, name: str, activation: str, ops_first: bool = False,
     env = child_env()
     env.pop("TF_XLA_FLAGS", None)  # not the suite's own cache
     env.pop(compile_cache.ENV, None)
+    # Keras imports matplotlib where it is installed, which writes its font cache under
+    # XDG_CACHE_HOME: not tputrain's file, so it goes elsewhere.
+    env["MPLCONFIGDIR"] = str(tmp_path / "matplotlib")
     env.update(env_vars)
     result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / name), activation,
                              "1" if ops_first else "0"], env=env, capture_output=True,

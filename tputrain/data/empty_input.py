@@ -26,6 +26,8 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from tputrain.data.options import without_autotune
+
 NO_BATCH = "yields no batch"
 
 
@@ -56,7 +58,7 @@ def yields(dataset: tf.data.Dataset) -> bool:
     if not tf.executing_eagerly():
         return True
     try:
-        for _ in dataset.take(1):
+        for _ in without_autotune(dataset.take(1)):
             return True
     except tf.errors.OpError:
         return True

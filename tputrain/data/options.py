@@ -136,3 +136,16 @@ class InputOptions:
             dataset = dataset.prefetch(
                 tf.data.AUTOTUNE if self.prefetch is None else self.prefetch)
         return dataset.with_options(self.tf_options())
+
+
+def without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """`dataset` for a throwaway iterator (a probe of its first element), with tf.data's
+    autotuning off; the dataset given keeps its own options.
+
+    The first element starts the tuning thread. When the iterator is freed before that
+    thread has run (a probe, under load), TensorFlow logs "Optimization loop failed:
+    CANCELLED" on the user's console, and freeing a tuned iterator can wait for the
+    thread's next wake-up."""
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.with_options(options)

@@ -24,6 +24,7 @@ from tputrain.checkpointing.run_directory import ModelDirError, RunDirectory  # 
 from tputrain.data import (FeatureSpecError, InputStateError, explain_data_loss,
                            explain_parse_error)
 from tputrain.runtime.gcs import check_bucket_writable  # google-cloud-storage itself loads lazily there
+from tputrain.data.options import without_autotune
 
 _MIB = 1 << 20
 
@@ -59,7 +60,7 @@ def probe_inputs(dataset: tf.data.Dataset, split: str) -> Any:
     file, feature and what the record holds) instead of TF's parse error.
     """
     try:
-        first = next(iter(dataset.take(1)), None)
+        first = next(iter(without_autotune(dataset.take(1))), None)
         if first is None:  # training would end in StopIteration
             raise InputDataError(
                 f"the {split} data yields no batch: its files are empty (0-byte shards?) or "

@@ -23,8 +23,8 @@ from tputrain.checkpointing.files import readable_sizes
 from tputrain.checkpointing.run_directory import ModelDirError, RunDirectory  # noqa: F401  (ModelDirError: its old place)
 from tputrain.data import (FeatureSpecError, InputStateError, explain_data_loss,
                            explain_parse_error)
-from tputrain.runtime.gcs import check_bucket_writable  # google-cloud-storage itself loads lazily there
 from tputrain.data.options import without_autotune
+from tputrain.runtime.gcs import check_bucket_writable  # google-cloud-storage itself loads lazily there
 
 _MIB = 1 << 20
 

@@ -118,3 +118,12 @@ def test_a_dropout_layer_has_no_local_error_at_inference(tmp_path, monkeypatch):
     assert all(layer.name not in report.flagged_layers for layer in dropouts)
     hidden = [layer for layer in report.layers if layer.name.startswith("hidden_")]
     assert hidden and all(layer.local_error is not None for layer in hidden)
+
+
+def test_the_audits_batches_are_read_without_autotuning(monkeypatch):
+    # Its iterator is freed after num_batches (see tputrain.data.options.without_autotune).
+    from iterators import autotune_of_iterators
+
+    seen = autotune_of_iterators(monkeypatch)
+    tputrain.audit_precision(SensitiveTask(), policy="mixed_bfloat16", num_batches=1)
+    assert seen and all(enabled is False for enabled in seen), seen

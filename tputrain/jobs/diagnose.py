@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import tensorflow as tf
 
 from tputrain.jobs.advice import STALL_GOAL, RunSetup, run_setup, step_advice
+from tputrain.data.options import without_autotune
 from tputrain.distribution.communication import CommunicationOptions, gradient_bytes, measure_allreduce
 from tputrain.runtime.run_view import RunView, view_of
 
@@ -209,7 +210,7 @@ def _cached_iterator(view: RunView, real_iterator: Iterator[Any]) -> Iterator[An
     if view.plan.input_mode == "host":
         element = real_iterator.get_next()
         return iter(tf.data.Dataset.from_tensors(element).repeat())
-    batch = next(iter(view.inputs.train_dataset))
+    batch = next(iter(without_autotune(view.inputs.train_dataset.take(1))))
     return iter(view.strategy.distribute_datasets_from_function(
         lambda _: tf.data.Dataset.from_tensors(batch).repeat()))
 

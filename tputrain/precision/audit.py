@@ -31,6 +31,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.data import InputContext
+from tputrain.data.options import without_autotune
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.precision.layers import override_layer_dtypes, sublayers
 from tputrain.options import PrecisionOptions, build_part
@@ -264,7 +265,7 @@ def audit_precision(task: Task, policy: str = "mixed_bfloat16", global_batch_siz
     model = _build_model(task, policy)
     context = InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1,
                            global_batch_size=global_batch_size)
-    batches = list(task.build_inputs(split, context).take(num_batches))
+    batches = list(without_autotune(task.build_inputs(split, context).take(num_batches)))
     if not batches:
         raise ValueError(f"the {split!r} split yielded no batch of {global_batch_size}: use a "
                          "smaller audit_precision.global_batch_size")

@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import tputrain
@@ -398,6 +399,52 @@ def test_a_generator_input_that_cannot_be_checkpointed_is_named_before_training(
         tputrain.Trainer(GeneratorTask(), str(tmp_path / "gen"), strategy=strategy_for(1),
                          train_steps=2, global_batch_size=16, eval_steps=1)
     assert not os.path.exists(tmp_path / "gen" / "checkpoints")
+
+
+def _generator_data(examples: int = 64):
+    import tensorflow as tf
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(examples, 8).astype(np.float32), rng.randint(0, 2, examples)
+    signature = (tf.TensorSpec([8], tf.float32), tf.TensorSpec([], tf.int64))
+    return tf.data.Dataset.from_generator(lambda: zip(x, y), output_signature=signature
+                                          ).repeat().batch(16), (x, y)
+
+
+def _keras_model():
+    import keras
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    model.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_a_keras_models_generator_input_is_named_before_training_too(tmp_path):
+    """`tputrain.fit` reads the user's dataset only to train (no probe): the same
+    pipeline trained every step and then failed at the first save, telling the user to
+    free disk space. It is named before training, with the ways out, and the way out
+    it names (input_mode="distributed": a resume re-reads the data) trains, saves and
+    resumes bitwise."""
+    model = _keras_model()
+    before = model.get_weights()
+    train, evaluation = _generator_data()
+    with pytest.raises(tputrain.data.InputStateError,
+                       match=r"GeneratorDataset.*from_generator.*from_tensor_slices.*distributed"):
+        tputrain.fit(model, train, evaluation, model_dir=str(tmp_path / "gen"), steps=20,
+                     strategy=strategy_for(1), report_mfu=False)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    assert not os.path.exists(tmp_path / "gen" / "checkpoints")
+
+    def trained(name, *steps):
+        model = _keras_model()
+        for total in steps:
+            tputrain.fit(model, _generator_data()[0], evaluation, model_dir=str(tmp_path / name),
+                         steps=total, steps_per_loop=5, strategy=strategy_for(1),
+                         report_mfu=False, input_mode="distributed")
+        return model.get_weights()
+
+    resumed, straight = trained("resumed", 10, 20), trained("straight", 20)
+    assert all(np.array_equal(a, b) for a, b in zip(resumed, straight))
 
 
 # ------------------------------------------------------------ issue 50.6: tracebacks

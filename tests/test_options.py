@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from tputrain.options import TrainerOptions
@@ -29,6 +30,21 @@ def test_defaults_and_derived_values():
 def test_bad_values_name_the_knob(kwargs, message):
     with pytest.raises((TypeError, ValueError), match=message):
         TrainerOptions(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["jit_compile", "plan_trial"])
+@pytest.mark.parametrize("value, expected", [
+    (1, True), (0, False), (np.True_, True), (np.False_, False), (True, True), ("auto", "auto")])
+def test_a_true_or_false_of_another_type_is_read_as_the_bool(name, value, expected):
+    """jit_compile=1 passed the check and then ran with XLA off (the plan asks `is True`)."""
+    assert getattr(TrainerOptions(**{name: value}), name) is expected
+
+
+@pytest.mark.parametrize("name", ["jit_compile", "plan_trial"])
+@pytest.mark.parametrize("value", [2, None, "True", 1.0, np.int64(2)])
+def test_neither_a_bool_nor_auto_is_refused(name, value):
+    with pytest.raises(ValueError, match=f"Trainer.{name} must be True, False or 'auto'"):
+        TrainerOptions(**{name: value})
 
 
 def test_steps_per_fetch_shrinks_to_divide_every_boundary():

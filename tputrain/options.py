@@ -289,9 +289,7 @@ class TrainerOptions:
         if self.progress_bar not in ("auto", "on", "off"):
             raise ValueError("Trainer.progress_bar must be 'auto', 'on' or 'off', "
                              f"got {self.progress_bar!r}")
-        if self.jit_compile not in (True, False, "auto"):
-            raise ValueError(f"Trainer.jit_compile must be True, False or 'auto', "
-                             f"got {self.jit_compile!r}")
+        object.__setattr__(self, "jit_compile", _bool_or_auto("jit_compile", self.jit_compile))
         if self.steps_per_program != "auto":
             if isinstance(self.steps_per_program, str):
                 raise ValueError("Trainer.steps_per_program must be an int >= 1 or 'auto', "
@@ -309,7 +307,7 @@ class TrainerOptions:
         object.__setattr__(self, "checkpoint_every",
                            self.checkpoint_every or self.eval_every or 1000)
         object.__setattr__(self, "report_mfu", bool(self.report_mfu))
-        object.__setattr__(self, "plan_trial", _check_plan_trial(self.plan_trial))
+        object.__setattr__(self, "plan_trial", _bool_or_auto("plan_trial", self.plan_trial))
         object.__setattr__(self, "class_weight", _check_class_weight(self.class_weight))
         object.__setattr__(self, "profile_steps", _check_profile_steps(self.profile_steps))
         object.__setattr__(self, "steps_per_fetch", _check_steps_per_fetch(
@@ -418,13 +416,14 @@ def _check_class_weight(class_weight: Any) -> dict[int, float] | None:
     return checked
 
 
-def _check_plan_trial(value: Any) -> bool | str:
-    """True, False or "auto" (0 and 1 as False and True, as before "auto" existed)."""
+def _bool_or_auto(name: str, value: Any) -> bool | str:
+    """True, False or "auto"; an int 0 or 1 or a NumPy bool as the bool (the plan asks
+    `is True`: a 1 let through would run as False)."""
     if isinstance(value, str) and value == "auto":
         return value
-    if isinstance(value, (bool, int)) and value in (0, 1):
+    if isinstance(value, (bool, int, np.bool_, np.integer)) and value in (0, 1):
         return bool(value)
-    raise ValueError(f"Trainer.plan_trial must be True, False or 'auto', got {value!r}")
+    raise ValueError(f"Trainer.{name} must be True, False or 'auto', got {value!r}")
 
 
 def _check_ema_decay(decay: Any) -> float | None:

@@ -145,10 +145,10 @@ def _tried_plans(trainer: "Trainer") -> tuple[Any, int] | None:
     is built (tputrain/loop/plan_trial.py), and its loop if the trial built it last;
     the trial's time is compile time (goodput)."""
     until, ema, inputs = trainer._until, trainer.ema, trainer.inputs
-    trial = TrialRun(trainer._steps, lambda: _built_loop(trainer), lambda: iter(
-        inputs.fetch_groups(inputs.train_dataset)) if trainer.input_mode == "host"
-        else inputs.distributed_iterator("train"),
-        [trainer.step, *(ema.averages + [ema.state.updates] if ema else [])])
+    stand_in, trainer._first_train_batch = trainer._first_train_batch, None  # the trial's only
+    trial = TrialRun(trainer._steps, lambda: _built_loop(trainer),
+                     lambda: inputs.stand_in_iterator(stand_in),
+                     [trainer.step, *(ema.averages + [ema.state.updates] if ema else [])])
     choice = chosen_plan(trial, inputs.train_dataset.element_spec, trainer.model_dir,
                          trainer.num_hosts, None if until is None else until - trainer.current_step,
                          lambda: timed(trainer.context, "compile"), trainer.current_step)
@@ -298,6 +298,7 @@ class Trainer(RunKnobs, TrainableSet):
             compile_cache.report()  # set when tputrain was imported
             self.inputs = _build_inputs(task, self.strategy, self.plan)
             first = self.startup.mark("data", check_splits(self.inputs, self.eval_splits, self.eval_steps))
+            self._first_train_batch = first.get("train")  # the plan trial's stand-in batch
             state = self._build_model(guard, first)
             self._build_checkpointer()
             self._build_step(state)

@@ -4,6 +4,7 @@ import re
 import shutil
 
 import pytest
+import tensorflow as tf
 
 from tputrain.checkpointing import files
 from tputrain.checkpointing.run_directory import ModelDirError
@@ -46,3 +47,23 @@ def test_sizes_read_as_different_as_they_are():
     assert files.readable_sizes(40_999, 41_000) == ["40999 bytes", "41000 bytes"]
     assert files.readable_sizes(41_000, 41_000) == ["40.0 KiB", "40.0 KiB"]
     assert files.readable_sizes(20_000, 5 << 20) == ["0.02 MiB", "5.00 MiB"]
+
+
+@pytest.mark.parametrize("error, cause", [
+    (tf.errors.UnimplementedError(None, None, "GeneratorDataset does not support "
+                                  "checkpointing. [Op:SerializeIterator]"), "GeneratorDataset"),
+    (tf.errors.FailedPreconditionError(None, None, "RandomUniform is stateful. "
+                                       "[Op:SerializeIterator]"), "RandomUniform"),
+])
+def test_a_save_the_input_refuses_names_the_input_not_the_disk(tmp_path, error, cause):
+    """An iterator tf.data will not save fails the save whatever the disk: the error
+    names the train input and its ways out, not "free some space"."""
+    message = str(files.save_failed(str(tmp_path), 8, str(tmp_path / "ckpt-4"), error))
+    assert cause in message and "input" in message and "input_mode='distributed'" in message
+    assert "free some space" not in message
+    assert f"the last good checkpoint {tmp_path}/ckpt-4 is intact" in message
+
+
+def test_a_save_that_fails_for_the_disk_says_so(tmp_path):
+    message = str(files.save_failed(str(tmp_path), 8, None, OSError(28, "No space left on device")))
+    assert "is full" in message and "free some space" in message

@@ -8,6 +8,7 @@ Which plan wins is decided by an injected clock (`plan_trial.clock`), never by t
 import json
 import os
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -245,3 +246,89 @@ def test_a_user_error_in_the_step_is_raised_by_the_trial_not_timed_as_refused(
                 or "plan trial:" in line], said
     assert not os.path.exists(RunDirectory(str(tmp_path / "run")).plan_record)
     assert not os.path.exists(tmp_path / "cache" / "plans")
+
+
+class ReshuffledTask(TinyTask):
+    """docs/tasks.md's pattern: the train split shuffled with a seed, again each pass
+    and each iterator (tf.data's default `reshuffle_each_iteration`)."""
+
+    def build_inputs(self, split, input_context):
+        batch = input_context.get_per_replica_batch_size(input_context.global_batch_size)
+        dataset = tf.data.Dataset.from_tensor_slices(({"x": self.x}, self.y))
+        if split == "train":
+            dataset = dataset.shuffle(len(self.y), seed=0).repeat()
+        return dataset.batch(batch, drop_remainder=True)
+
+
+@pytest.mark.parametrize("replicas, input_mode", [(1, "host"), (2, "distributed")])
+def test_the_trial_reads_none_of_the_users_data(tmp_path, monkeypatch, replicas, input_mode):
+    """Each iterator of a reshuffling dataset draws the next shuffle: a trial that
+    opened its own on the run's data made the run read other batches. Timed on
+    stand-in batches (host mode's fetch groups, or a distributed iterator's), the
+    trial (the rules' plan wins) leaves the run's weights bitwise those of the same
+    plan with the trial off. (Two replicas: three plans, a run long enough for them.)"""
+    monkeypatch.setattr(plan_trial, "clock", _readings(0.0, 1.0, 1.0, 11.0, 11.0, 21.0))
+    steps = RUN // 2 * (replicas + 1)  # long enough for each plan's trial (2 or 3 plans)
+
+    def run(name, trial):
+        trainer = tputrain.Trainer(
+            ReshuffledTask(), str(tmp_path / name), strategy=strategy_for(replicas),
+            train_steps=steps, steps_per_loop=20, global_batch_size=16, eval_steps=1,
+            checkpoint_every=10**6, report_mfu=False, input_mode=input_mode, plan_trial=trial)
+        trainer.train()
+        return trainer
+
+    tried = run("tried", True)
+    assert "fastest in the plan trial" in tried.plan.xla
+    straight = run("straight", False)
+    assert plan_trial.describe(straight.plan.xla_plan) == plan_trial.describe(tried.plan.xla_plan)
+    assert all(np.array_equal(a, b) for a, b in zip(weights(straight), weights(tried)))
+
+
+def test_a_keras_models_trial_reads_none_of_its_dataset(tmp_path, monkeypatch):
+    """`tputrain.fit` with the user's own dataset object, shuffled with a seed: the
+    trial opens no iterator of it (each would draw the next shuffle), so the weights
+    are those of the trial off."""
+    monkeypatch.setattr(plan_trial, "clock", _readings(0.0, 1.0, 1.0, 11.0))
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(64, 8).astype(np.float32), rng.randint(0, 2, 64)
+
+    def run(name, trial):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="relu"),
+                                  keras.layers.Dense(2)])
+        model.compile(keras.optimizers.SGD(0.1),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=0).repeat().batch(16)
+        tputrain.fit(model, data, (x, y), model_dir=str(tmp_path / name), steps=RUN,
+                     strategy=strategy_for(1), report_mfu=False, plan_trial=trial,
+                     steps_per_program=1)
+        return model.get_weights()
+
+    tried, straight = run("tried", True), run("straight", False)
+    assert all(np.array_equal(a, b) for a, b in zip(straight, tried))
+
+
+@pytest.mark.parametrize("damage", [
+    lambda entry: entry["plan"].pop("fuse_batch_norm"),  # an older or edited record
+    lambda entry: entry.update(plan="whole step"),
+    lambda entry: entry["plan"].update(whole_step="no"),
+    lambda entry: entry.pop("plan"),
+], ids=["field missing", "plan a string", "field not a bool", "no plan"])
+def test_an_edited_plan_record_is_ignored_with_a_warning_naming_it(tmp_path, monkeypatch,
+                                                                    caplog, damage):
+    """model_dir/plan.json edited by hand (or written by another version): its entry is
+    read as no record, with a warning naming the file, as a truncated one is; a field
+    of the wrong type is not taken for a plan the rules never make."""
+    trainer = _trainer(tmp_path, 20, plan_trial=True)
+    builder, spec = trainer._steps, trainer.inputs.train_dataset.element_spec  # pylint: disable=protected-access
+    key, record = plan_trial.plan_key(builder, spec), plan_trial.PlanRecord(str(tmp_path))
+    record.write(key, XlaPlan(whole_step=True, gradients_only=False, why="trial"), "table")
+    written = json.loads(open(record.path).read())
+    damage(written["plans"][key])
+    with open(record.path, "w") as f:
+        f.write(json.dumps(written))
+    with caplog.at_level("WARNING"):
+        assert record.read(key) is None
+    assert [r for r in caplog.records if record.path in r.getMessage()
+            and "ignoring" in r.getMessage()], caplog.records

@@ -131,7 +131,16 @@ def save_failed(directory: str, step: int, latest: str | None,
         for path in files_of(prefix) + tf.io.gfile.glob(f"{prefix}_temp*"):
             tf.io.gfile.rmtree(path) if tf.io.gfile.isdir(path) else tf.io.gfile.remove(path)
     what = "is full" if is_disk_full(error) else f"failed ({type(error).__name__})"
+    fix = ("the train input's iterator cannot be saved: build the input from tensors or "
+           "files, or use Trainer.input_mode='distributed' (docs/input_pipeline.md)"
+           if refused_by_input(error) else "free some space or fix the directory")
     return ModelDirError(
         f"saving step {step} to {directory} {what}: {first_line(error)}; the last good "
-        f"checkpoint {latest} is intact: free some space or fix the directory, and rerun to "
-        "resume")
+        f"checkpoint {latest} is intact: {fix}, and rerun to resume")
+
+
+def refused_by_input(error: BaseException) -> bool:
+    """tf.data refused to save the train iterator (a GeneratorDataset, a stateful op the
+    start-up checks did not see): no disk or directory fix helps."""
+    return (isinstance(error, (tf.errors.UnimplementedError, tf.errors.FailedPreconditionError))
+            and "SerializeIterator" in str(error))

@@ -28,6 +28,9 @@ _POLICY = tf.data.experimental.ExternalStatePolicy
 _ALLOWED = frozenset({"Assert", "If", "While", "StatefulPartitionedCall"})
 _RANDOM_OPS = frozenset({"TruncatedNormal", "Multinomial", "ParameterizedTruncatedNormal",
                          "RngSkip", "RngReadAndSkip", "NonDeterministicInts"})
+# Datasets whose iterators tf.data cannot save under any policy ("... does not support
+# checkpointing"): `Dataset.from_generator` makes a GeneratorDataset in a flat_map.
+_UNSAVEABLE_DATASETS = frozenset({"GeneratorDataset"})
 
 
 class InputStateError(ValueError):
@@ -125,10 +128,34 @@ def external_state(dataset: tf.data.Dataset) -> ExternalState:
     return state
 
 
+def unsaveable_dataset(dataset: tf.data.Dataset) -> str | None:
+    """The first stage of `dataset` whose iterator tf.data cannot save at all (its op
+    type, e.g. "GeneratorDataset"), or None; read from the pipeline's functions, no
+    element read."""
+    for stage, nodes in dataset_stages(dataset):
+        found = [node.op for node in nodes if node.op in _UNSAVEABLE_DATASETS]
+        if found or type(stage).__name__ == "_GeneratorDataset":
+            return found[0] if found else "GeneratorDataset"
+    return None
+
+
+def not_checkpointable(kind: str, split: str = "train") -> InputStateError:
+    """The error for a host-mode input whose iterator cannot be saved (`kind`)."""
+    return InputStateError(
+        f"the {split} input pipeline cannot be checkpointed ({kind}; Dataset.from_generator "
+        "makes a GeneratorDataset), so a resumed run could not continue from its data "
+        "position: build it from tensors (from_tensor_slices) or files (TFRecordInput), "
+        "or use Trainer.input_mode='distributed', which resumes by skipping batches")
+
+
 def checkpointable(dataset: tf.data.Dataset, split: str = "train") -> tf.data.Dataset:
     """`dataset`, set to be saved without its unsaveable state (one warning saying
     what will not resume), unless `external_state_policy` was set: "warn" and
-    "ignore" are kept, "fail" raises `InputStateError` here instead of at the save."""
+    "ignore" are kept, "fail" raises `InputStateError` here instead of at the save.
+    A stage no policy lets tf.data save (`unsaveable_dataset`) raises it here too."""
+    kind = unsaveable_dataset(dataset)
+    if kind is not None:
+        raise not_checkpointable(kind, split)
     policy = dataset.options().experimental_external_state_policy
     if policy in (_POLICY.WARN, _POLICY.IGNORE):
         return dataset

@@ -314,6 +314,18 @@ class Inputs:
             return dataset.skip(skip * replicas) if skip else dataset
         return iter(self.strategy.distribute_datasets_from_function(dataset_fn))
 
+    def stand_in_iterator(self, batch: Any = None) -> Any:
+        """An endless train iterator of one stand-in batch (`batch`, an element of the
+        train split read at start-up, else zeros shaped as one), in the train
+        iterator's structure: what the plan trial times plans on. It reads none of the
+        user's data: every iterator of a dataset that reshuffles each iteration draws
+        its next shuffle, and a Python source gives up its elements."""
+        value = zeros_of(self.train_dataset.element_spec) if batch is None else batch
+        stand_in = tf.data.Dataset.from_tensors(value).repeat()
+        if self.plan.input_mode == "distributed":
+            return iter(self.strategy.distribute_datasets_from_function(lambda _: stand_in))
+        return iter(self.fetch_groups(stand_in))
+
     @tracing.graph_helper
     def next(self, iterator) -> tuple[tf.Tensor, Any]:
         """In a tf.function: (has_value, distributed batch) for one step.

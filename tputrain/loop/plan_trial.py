@@ -6,7 +6,9 @@ plausible for the model on a CPU (the rules' plan, `jit_compile=True`'s and none
 for the whole step against none at least), the first loop of `train()` first builds
 the run's own train loop for each (its steps per XLA program included), runs it for
 `WARMUP_STEPS` untimed steps (its trace and compile) and `TIMED_STEPS` timed ones
-on a fresh iterator of the train split (the run's own is not touched), on the
+on a stand-in batch (`Inputs.stand_in_iterator`: the train split's first batch,
+read at start-up, or zeros of its shape; the user's data is not read again, so
+a reshuffling dataset's order and a Python source's elements are the run's), on the
 run's variables saved before and written back after each (so the weights a run
 trains are bitwise those of a run without the trial), keeps the plan with the
 least CPU time a step (`clock`), logs the table in one line and records the choice
@@ -172,6 +174,19 @@ def plan_key(builder: StepBuilder, train_spec: Any) -> str:
         "cpu": cpu_kind()}, sort_keys=True)
 
 
+def recorded_plan(entry: Any) -> XlaPlan:
+    """The plan of a record's entry (`{"plan": {field: value}}`); ValueError naming what
+    is wrong for one written by hand or by another version."""
+    plan = entry.get("plan") if isinstance(entry, dict) else None
+    if not isinstance(plan, dict):
+        raise ValueError(f"its entry holds no plan: {entry!r}")
+    missing = [name for name in XlaPlan._fields if name not in plan]
+    wrong = [name for name in _FIELDS if name in plan and not isinstance(plan[name], bool)]
+    if missing or wrong or not isinstance(plan.get("why"), str):
+        raise ValueError(f"its plan {plan!r} lacks {missing} or has non-bool {wrong}")
+    return XlaPlan(**{name: plan[name] for name in XlaPlan._fields})
+
+
 class PlanRecord:
     """`model_dir/plan.json`: the plan chosen for each key (`plan_key`), written whole."""
 
@@ -190,11 +205,15 @@ class PlanRecord:
             return {}
 
     def read(self, key: str) -> XlaPlan | None:
-        """The plan recorded for `key`, or None."""
+        """The plan recorded for `key`, or None (none, or not a plan: a warning)."""
         entry = self.entries().get(key)
         if entry is None:
             return None
-        return XlaPlan(**{name: entry["plan"][name] for name in XlaPlan._fields})
+        try:
+            return recorded_plan(entry)
+        except ValueError as error:
+            logging.warning("tputrain: ignoring the plan record %s (%s)", self.path, error)
+            return None
 
     def write(self, key: str, plan: XlaPlan, table: str) -> None:
         """Records `plan` for `key` (beside the other keys' plans)."""
@@ -223,7 +242,7 @@ class MachineRecord:
                 entry = json.load(f)
             if entry["key"] != self.key:
                 return None
-            return XlaPlan(**{name: entry["plan"][name] for name in XlaPlan._fields}), entry["table"]
+            return recorded_plan(entry), entry["table"]
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as error:
@@ -284,7 +303,7 @@ class TrialRun(NamedTuple):
 
     builder: StepBuilder  # its `run_plan` is set to each candidate's in turn
     build_loop: Callable[[], tuple[Callable, int]]  # `host_loop.train_loop` for it
-    iterator: Callable[[], Any]  # a fresh train iterator (the run's is not touched)
+    iterator: Callable[[], Any]  # a stand-in train iterator (no user data read)
     variables: list[Any]  # what the loop writes beyond the step's: counter, EMA
 
 

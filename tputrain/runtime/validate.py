@@ -23,6 +23,7 @@ from tputrain.checkpointing.files import readable_sizes
 from tputrain.checkpointing.run_directory import ModelDirError, RunDirectory  # noqa: F401  (ModelDirError: its old place)
 from tputrain.data import (FeatureSpecError, InputStateError, explain_data_loss,
                            explain_parse_error)
+from tputrain.data.external_state import not_checkpointable
 from tputrain.data.options import without_autotune
 from tputrain.runtime.gcs import check_bucket_writable  # google-cloud-storage itself loads lazily there
 
@@ -212,13 +213,8 @@ def iterator_state_bytes(dataset: tf.data.Dataset) -> int:
             "(a resumed run then restarts that state), or use Trainer.input_mode="
             "'distributed', which resumes by skipping batches") from None
     except tf.errors.UnimplementedError as error:  # e.g. "GeneratorDataset does not support"
-        kind = _named(error, r"(\w+Dataset) does not support checkpointing")
-        raise InputStateError(
-            f"the train input pipeline cannot be checkpointed ({kind}; Dataset.from_generator "
-            "makes a GeneratorDataset), so a resumed run could not continue from its data "
-            "position: build it from tensors (from_tensor_slices) or files (TFRecordInput), "
-            "or use Trainer.input_mode='distributed', which resumes by skipping batches"
-        ) from None
+        raise not_checkpointable(_named(error, r"(\w+Dataset) does not support checkpointing")
+                                 ) from None
     files = tf.io.gfile.glob(f"{prefix}*")
     size = sum(tf.io.gfile.stat(f).length for f in files)
     for path in files:

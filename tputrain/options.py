@@ -153,7 +153,10 @@ class TrainerOptions:
       precision: `PrecisionOptions`; a policy name ("float32", "mixed_bfloat16",
         "mixed_float16") stands for `PrecisionOptions(policy=name)`; None for
         `PrecisionOptions()` (bf16 on TPU, else float32).
-      seed: seeds weight initialisation and Keras random ops.
+      seed: seeds weight initialisation and Keras random ops: the Trainer calls
+        `keras.utils.set_random_seed(seed)` as it builds, which seeds the process's
+        Python, NumPy and TensorFlow global generators too (a script that draws from
+        them after building a Trainer draws seed's stream).
       input_mode: "host" keeps a plain per-host iterator that is checkpointed
         (exact data resume) and splits each step's batches across local replicas;
         "distributed" uses `distribute_datasets_from_function` (device prefetch,

@@ -332,3 +332,34 @@ def test_an_edited_plan_record_is_ignored_with_a_warning_naming_it(tmp_path, mon
         assert record.read(key) is None
     assert [r for r in caplog.records if record.path in r.getMessage()
             and "ignoring" in r.getMessage()], caplog.records
+
+
+class GeneratorNoise(keras.layers.Layer):
+    """Noise from a `tf.random.Generator` the layer holds: its state is a tf.Variable
+    outside the model's Keras variables (and its seed generators)."""
+
+    def build(self, shape):
+        self.generator = tf.random.Generator.from_seed(11)
+
+    def call(self, inputs, training=None):
+        return inputs + 0.1 * self.generator.normal(tf.shape(inputs)) if training else inputs
+
+
+class GeneratorNoiseTask(TinyTask):
+    def build_model(self):
+        inputs = keras.Input((8,), name="x")
+        hidden = GeneratorNoise()(keras.layers.Dense(16, activation="relu")(inputs))
+        return keras.Model({"x": inputs}, keras.layers.Dense(2)(hidden))
+
+
+def test_the_trial_writes_back_a_random_generator_the_model_holds(tmp_path, monkeypatch):
+    """The trial's steps drew from the layer's generator: its state (in the model's
+    checkpoint, not among its Keras variables) is written back too, so the run draws
+    what it draws with the trial off."""
+    monkeypatch.setattr(plan_trial, "clock", _readings(0.0, 1.0, 1.0, 11.0))
+    tried = _trainer(tmp_path / "tried", RUN, task=GeneratorNoiseTask(), plan_trial=True)
+    tried.train()
+    assert "fastest in the plan trial" in tried.plan.xla
+    straight = _trainer(tmp_path / "straight", RUN, task=GeneratorNoiseTask(), plan_trial=False)
+    straight.train()
+    assert all(np.array_equal(a, b) for a, b in zip(weights(straight), weights(tried)))

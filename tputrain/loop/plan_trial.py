@@ -267,14 +267,21 @@ class MachineRecord:
         return self.read()
 
 
+def held_tf_variables(model: keras.Model) -> list[tf.Variable]:
+    """The plain tf.Variables in the model's object graph (what its checkpoint holds
+    beyond its Keras variables): a `tf.random.Generator`'s state, a layer's own."""
+    return [t for t in tf.train.TrackableView(model).descendants() if isinstance(t, tf.Variable)]
+
+
 class SavedState:
     """The values of the variables a train step writes, written back by `restore`: the
-    model's (weights, statistics, seed generators), the optimizer's, the guard's and a
-    mixture's counts, and `variables` (the step counter, the EMA); each device's copy of a distributed variable on its own."""
+    model's (weights, statistics, seed generators, any other tf.Variable it holds), the
+    optimizer's, the guard's and a mixture's counts, and `variables` (the step counter,
+    the EMA); each device's copy of a distributed variable on its own."""
 
     def __init__(self, builder: StepBuilder, variables: list[Any]):
         trackables = [*variables, *builder.model.variables, *builder.optimizer.variables,
-                      *seed_generator_states(builder.model),
+                      *seed_generator_states(builder.model), *held_tf_variables(builder.model),
                       *(v for v in vars(builder.guard).values() if isinstance(v, tf.Variable)),
                       *checkpointed(builder.source_counter).values()]
         self.saved: list[tuple[tf.Variable, tf.Tensor]] = []

@@ -349,3 +349,23 @@ def test_the_closing_line_says_why_a_run_too_short_for_a_rate_has_no_goodput():
     long = record(1, 1000.0, 1010.0, restored=0, last=500, finished=True,
                   seconds={"compile": 1.0, "steps": 5.0})
     assert goodput.summary_line(goodput.account_of([long])).startswith("goodput 50.0% of 10.0s")
+
+
+def test_nested_timed_work_counts_once_and_no_bucket_goes_negative(monkeypatch):
+    """The plan trial (compile) runs inside the first loop, and the MFU action's FLOP
+    count inside the trial: its seconds counted for both made the loop's own time
+    negative (a run's goodput line read "input -10%"). Each second counts once: the
+    inner work in its bucket, the trial its own 5 s, the loop the 2 s left."""
+    now = [100.0]
+    monkeypatch.setattr(goodput.time, "perf_counter", lambda: now[0])
+    rec = loop_record()
+    rec.add_timed("actions", 102.0, 105.0)  # the FLOP count, inside the trial
+    rec.add_timed("compile", 101.0, 109.0)  # the trial, inside the loop
+    now[0] = 110.0
+    run_loop(rec, 10, 10, 10.0, **{"input/stall_fraction": 0.5})
+    assert rec.data["startup"]["actions"] == pytest.approx(3.0)
+    assert rec.data["plan_trial"] == pytest.approx(5.0)
+    seconds = rec.data["seconds"]
+    assert min(seconds.values()) >= 0.0, seconds
+    assert seconds["input"] == pytest.approx(2.0)  # the stall, within the loop's own 2 s
+    assert seconds["compile"] == pytest.approx(5.0)

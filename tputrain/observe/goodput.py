@@ -48,6 +48,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import math
 import os
 import re
 import socket
@@ -79,6 +80,17 @@ REQUIRED = ("start", "updated", "startup", "seconds", "restored_step", "last_ste
             "steps_trained")
 _first_clock = True  # only the first StartupClock of a process counts the import time
 _latest: RunRecord | None = None  # the record brought up to date at interpreter exit
+
+
+def covered(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of [start, end] inside any of `intervals`, each second once (timed work
+    can nest: the MFU action's FLOP count inside the plan trial)."""
+    total, reach = 0.0, start
+    for a, b in sorted(intervals):
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            total, reach = total + b - a, b
+    return total
 
 
 class StartupClock:
@@ -149,26 +161,28 @@ class RunRecord:
         """Seconds since the last hook this record saw, less what `timed` counted in
         them (and moves the cursor)."""
         now = time.perf_counter()
-        seconds = now - self._cursor - sum(end - start for start, end in self._timed)
+        seconds = now - self._cursor - covered(self._timed, -math.inf, math.inf)
         self._cursor, self._timed = now, []
         return max(0.0, seconds)
 
     def add_timed(self, bucket: str, start: float, end: float) -> None:
         """An action's own work from `start` to `end` (perf_counter), into `bucket` (a
-        run bucket, else a start-up phase); kept out of the hooks' and loops' time."""
+        run bucket, else a start-up phase); kept out of the hooks' and loops' time.
+        Work timed inside it, recorded first (it ended first), stays in its own bucket."""
+        seconds = end - start - covered(self._timed, start, end)
         if bucket == "compile":  # the plan trial's, beside the first loop's compile
-            self.data["plan_trial"] = self.data.get("plan_trial", 0.0) + end - start
+            self.data["plan_trial"] = self.data.get("plan_trial", 0.0) + seconds
             self._split_first_loop()
         elif bucket in RUN_BUCKETS:
-            self.add(bucket, end - start)
+            self.add(bucket, seconds)
         else:
             startup = self.data["startup"]
-            startup[bucket] = startup.get(bucket, 0.0) + end - start
+            startup[bucket] = startup.get(bucket, 0.0) + seconds
         self._timed.append((start, end))
 
     def _timed_within(self, start: float, end: float) -> float:
         """Seconds of the `timed` work since the cursor that fell between start and end."""
-        return sum(max(0.0, min(end, b) - max(start, a)) for a, b in self._timed)
+        return covered(self._timed, start, end)
 
     def add(self, bucket: str, seconds: float) -> None:
         self.data["seconds"][bucket] += seconds
@@ -197,7 +211,7 @@ class RunRecord:
         steps, seconds, inside = self._loop
         stall = min(1.0, float(logs.get("input/stall_fraction", 0.0))) * seconds
         comm = min(1.0, float(logs.get("comm/allreduce_fraction", 0.0))) * seconds
-        seconds -= inside
+        seconds = max(0.0, seconds - inside)
         stall = min(stall, seconds)
         work = max(0.0, seconds - stall - comm)
         self.add("input", stall)

@@ -132,10 +132,9 @@ def unsaveable_dataset(dataset: tf.data.Dataset) -> str | None:
     """The first stage of `dataset` whose iterator tf.data cannot save at all (its op
     type, e.g. "GeneratorDataset"), or None; read from the pipeline's functions, no
     element read."""
-    for stage, nodes in dataset_stages(dataset):
-        found = [node.op for node in nodes if node.op in _UNSAVEABLE_DATASETS]
-        if found or type(stage).__name__ == "_GeneratorDataset":
-            return found[0] if found else "GeneratorDataset"
+    for node in _function_nodes(dataset):
+        if node.op in _UNSAVEABLE_DATASETS:
+            return node.op
     return None
 
 

@@ -287,3 +287,23 @@ def test_predict_says_how_many_examples_a_drop_remainder_split_left_out(tmp_path
     warnings = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
     assert "2 of the 250 examples" in warnings[0] and "pad_remainder=True" in warnings[0]
+
+
+def test_a_split_that_repeats_with_an_unknown_length_is_refused_not_read_forever():
+    """`tputrain predict --input=train` on the digits: its train split is filtered after
+    it repeats, so tf.data reports its length as unknown, not infinite, and predict
+    read it (keeping every output in memory) until it was killed."""
+    examples = tf.data.Dataset.from_tensor_slices(np.arange(8.0, dtype=np.float32))
+    endless = examples.repeat().filter(lambda x: x >= 0).batch(4)
+    assert int(endless.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY)
+    epochs = tf.data.Dataset.range(2**62).flat_map(lambda epoch: examples.take(epoch + 8))
+    for forever in (endless, epochs.batch(4)):  # tputrain.data's epochs: a range of 2**62
+        assert int(forever.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY)
+        with pytest.raises(ValueError, match="the train split repeats forever"):
+            predict_module.split_examples(forever, "train")
+    for finite in (examples.filter(lambda x: x >= 0).batch(4),
+                   examples.repeat().take(12).filter(lambda x: x >= 0).batch(4),
+                   examples.repeat(2).filter(lambda x: x >= 0).batch(4),
+                   tf.data.Dataset.range(3).flat_map(lambda epoch: examples).batch(4)):
+        assert int(finite.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY)
+        assert predict_module.split_examples(finite, "eval") is not None

@@ -34,6 +34,7 @@ from tputrain.checkpointing.atomic import move, temp_path
 from tputrain.core.checks import check_int
 from tputrain.data.example_codec import encode_example
 from tputrain.data import var_len as vl
+from tputrain.data.stages import repeats_forever
 from tputrain.data.blocks import BLOCK_RECORDS
 from tputrain.data.manifest import (COMPRESSION_TYPES, RECORD_OVERHEAD, Manifest, Shard, manifest_path, var_len_feature,
                                     write_manifest)
@@ -225,7 +226,7 @@ def _dataset_examples(dataset: tf.data.Dataset) -> Iterator[Mapping[str, Any]]:
 def _known_length(examples: Any) -> int | None:
     if isinstance(examples, tf.data.Dataset):
         cardinality = int(examples.cardinality())
-        if cardinality == tf.data.INFINITE_CARDINALITY:
+        if repeats_forever(examples):
             raise ValueError("the dataset is infinite (repeat()?): write a finite dataset")
         return cardinality if cardinality >= 0 else None
     try:

@@ -32,6 +32,7 @@ from typing import Any, Mapping
 import numpy as np
 import tensorflow as tf
 
+from tputrain.data.stages import repeats_forever
 from tputrain.loop.inputs import is_weighted
 from tputrain.jobs.predict import gathered_steps, in_input_order
 from tputrain.runtime.run_view import RunView
@@ -74,7 +75,7 @@ def eval_examples(dataset: tf.data.Dataset) -> tf.data.Dataset:
     """Per-replica eval batches -> single examples `{"batch": (features, labels[,
     weights])}` (a dict, which tf.data passes whole), padding rows (weight 0 in
     every position) dropped."""
-    if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+    if repeats_forever(dataset):
         raise ValueError("aggregate_eval: the eval split repeats forever: make it finite "
                          "or set Trainer.eval_steps")
     examples = dataset.unbatch()

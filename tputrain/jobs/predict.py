@@ -49,6 +49,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.data.batching import dropped_remainder
+from tputrain.data.stages import repeats_forever
 from tputrain.data.tfrecord import list_shards
 from tputrain.optim.ema import averaged_weights
 from tputrain.precision import to_float32
@@ -281,7 +282,7 @@ def memory_examples(source: Any, hosts: int, host: int) -> tf.data.Dataset:
 
 def split_examples(dataset: tf.data.Dataset, split: str) -> tf.data.Dataset:
     """Per-replica batches -> single feature examples, padding (weight 0) dropped."""
-    if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+    if repeats_forever(dataset):
         raise ValueError(f"predict: the {split} split repeats forever: predict a finite "
                          "split or a TFRecord glob")
     spec = dataset.element_spec

@@ -24,6 +24,7 @@ from tputrain.checkpointing.run_directory import ModelDirError, RunDirectory  # 
 from tputrain.data import (FeatureSpecError, InputStateError, explain_data_loss,
                            explain_parse_error)
 from tputrain.data.external_state import not_checkpointable
+from tputrain.data.stages import repeats_forever
 from tputrain.data.options import without_autotune
 from tputrain.runtime.gcs import check_bucket_writable  # google-cloud-storage itself loads lazily there
 
@@ -78,7 +79,7 @@ def check_eval_split(dataset: tf.data.Dataset, eval_steps: int | None,
                      split: str = "eval") -> None:
     """Without `eval_steps` the eval split is counted to its end: refuse one that
     has no end before training starts (counting it would never return)."""
-    if eval_steps is None and int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY):
+    if eval_steps is None and repeats_forever(dataset):
         raise ValueError(
             f"the {split} split repeats forever (build_inputs({split!r}, ...) returns a repeated "
             f"dataset): set eval_steps=N (batches per evaluation) or do not repeat the {split} "

@@ -129,3 +129,42 @@ def test_sigterm_while_the_input_is_read_before_training_exits_42(tmp_path):
     assert code == PREEMPTED_EXIT_CODE, process.log()
     assert "before training started; nothing to save" in process.text()
     assert "Traceback" not in process.text()
+
+
+def test_ctrl_c_on_the_cli_saves_at_the_next_step_and_a_second_one_stops_at_once(tmp_path):
+    """Ctrl-C (SIGINT) on `tputrain run` raised KeyboardInterrupt through the compiled
+    loop: 68 lines of traceback and no checkpoint of the steps since the last one. It
+    now stops as SIGTERM does: the next step boundary is saved and the run exits 42
+    (rerun to resume); a second Ctrl-C before that stops at once (exit 130), as a
+    kill would, the last checkpoint intact."""
+    model_dir = tmp_path / "model"
+    command = [sys.executable, "-m", "tputrain.run", "--gin_import=faults",
+               "--gin_param=Trainer.task=@FaultTask()", f"--model_dir={model_dir}",
+               "--gin_param=Trainer.train_steps=100", "--gin_param=Trainer.steps_per_loop=10",
+               "--gin_param=Trainer.global_batch_size=16", "--gin_param=Trainer.eval_steps=1",
+               "--gin_param=Trainer.checkpoint_every=1000", "--gin_param=Trainer.report_mfu=False",
+               "--gin_param=Trainer.actions=[@PauseAtStep()]", "--gin_param=PauseAtStep.step=30"]
+    process = Process(command, child_env())
+    process.wait_for(r"tputrain-test: paused at step 30")
+    process.process.send_signal(signal.SIGINT)
+    code = process.finish(timeout=300)
+    assert code == PREEMPTED_EXIT_CODE, process.log()
+    assert "received SIGINT" in process.text() and "Traceback" not in process.text()
+    saved = {int(name.split(".")[0][5:]) for name in os.listdir(model_dir / "checkpoints")
+             if name.startswith("ckpt-")}
+    # Saved past the pause and before the end (the next launch of 10 steps a program).
+    assert len(saved) == 1 and 30 < saved.pop() < 100, os.listdir(model_dir / "checkpoints")
+
+    script = ("import os, signal, time\n"
+              "from tputrain.fault_tolerance.preemption import PreemptionWatcher\n"
+              "watcher = PreemptionWatcher((signal.SIGTERM, signal.SIGINT))\n"
+              "watcher.install()\n"
+              "os.kill(os.getpid(), signal.SIGINT)\n"
+              "while not watcher.requested: time.sleep(0.01)\n"
+              "print('tputrain-test: asked once', flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGINT)\n"
+              "time.sleep(60)\n")
+    twice = Process([sys.executable, "-c", script], child_env())
+    twice.wait_for("tputrain-test: asked once")
+    assert twice.finish(timeout=60) == 130, twice.log()
+    assert "second" in twice.text() and "Traceback" not in twice.text()

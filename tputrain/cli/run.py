@@ -9,6 +9,7 @@ before any training; 3 when a multi-worker task never joined; 42 when preempted
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import tensorflow as tf
@@ -25,7 +26,7 @@ from tputrain.config.parsing import write_operative_config
 from tputrain.data import CorruptRecordError, FeatureSpecError
 from tputrain.fault_tolerance.guard import NonFiniteError
 from tputrain.distribution.launch import watch_launcher
-from tputrain.fault_tolerance.preemption import PREEMPTED_EXIT_CODE, ExitOnSignal
+from tputrain.fault_tolerance.preemption import PREEMPTED_EXIT_CODE, ExitOnSignal, set_stop_signals
 from tputrain.trainer import Trainer
 from tputrain.tuning.vertex_job import hyperparameter_args
 from tputrain.checkpointing.run_directory import ModelDirError
@@ -33,6 +34,8 @@ from tputrain.runtime.preflight import finished
 from tputrain.runtime.validate import InputDataError
 
 FLAGS = flags.FLAGS
+# What `tputrain run` stops on, saving first: a scheduler's SIGTERM and a user's Ctrl-C.
+CLI_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
@@ -51,7 +54,7 @@ def _exit_preempted_before_training() -> ExitOnSignal:
     TensorFlow for an input (`ExitOnSignal`)."""
     return ExitOnSignal(f"tputrain: signal {{signum}} before training started; nothing to "
                         "save: rerun the same command to resume (exit code "
-                        f"{PREEMPTED_EXIT_CODE})")
+                        f"{PREEMPTED_EXIT_CODE})", signals=CLI_STOP_SIGNALS)
 
 
 def _train(trainer: Trainer) -> dict[str, float]:
@@ -73,6 +76,7 @@ def _train(trainer: Trainer) -> dict[str, float]:
 
 def main(argv: list[str]) -> None:
     reject_arguments(argv)
+    set_stop_signals(*CLI_STOP_SIGNALS)  # Ctrl-C saves at the next step, as SIGTERM does
     # Until train() installs its own watcher (and after it restores this one).
     _exit_preempted_before_training().install()
     watch_launcher()  # a worker of `tputrain launch` stops when the launcher dies

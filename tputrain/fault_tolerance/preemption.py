@@ -24,6 +24,12 @@ the same watcher, exits 42 at once with one line. `tputrain run` installs it
 first; `train()` puts its `PreemptionWatcher` over it and back. A SIGTERM before
 even that (TensorFlow still importing) was held by the CLI's entry
 (`preemption_early`) and is acted on when `ExitOnSignal` is installed.
+
+Ctrl-C: `tputrain run` answers SIGINT as SIGTERM (`set_stop_signals`): the next
+step boundary is saved and the run exits 42; a second Ctrl-C before that ends the
+process at once (exit 130, as a kill would: every file tputrain writes is written
+atomically, the last checkpoint stands). A script's `train()` keeps Python's
+KeyboardInterrupt unless it calls `set_stop_signals` too.
 """
 
 from __future__ import annotations
@@ -116,7 +122,12 @@ class SignalWatcher:
                 return
             hits = [b for b in data if b in self.signals]
             if hits:
-                self.request(hits[0])
+                self.delivered(hits)
+
+    def delivered(self, signums: list[int]) -> None:
+        """The signals the watcher thread woke on, one wakeup byte each (the Python
+        handler asks again for each later: `request` is idempotent, a count is not)."""
+        self.request(signums[0])
 
     def uninstall(self) -> None:
         """Restores the previous handlers and wakeup fd; stops the watcher thread."""
@@ -143,19 +154,36 @@ class SignalWatcher:
         self.uninstall()
 
 
+_stop_signals: tuple[int, ...] = (signal.SIGTERM,)
+INTERRUPTED_EXIT_CODE = 130  # a second Ctrl-C: the shell's code for SIGINT
+
+
+def set_stop_signals(*signals: int) -> None:
+    """The signals a Trainer built from now on stops at a step boundary on (SIGTERM by
+    default; `tputrain run` adds SIGINT, so Ctrl-C saves before it exits)."""
+    global _stop_signals
+    _stop_signals = tuple(signals)
+
+
+def stop_signals() -> tuple[int, ...]:
+    return _stop_signals
+
+
 class PreemptionWatcher(SignalWatcher):
-    """Sets `flag` (a host tf.Variable) when one of `signals` arrives.
+    """Sets `flag` (a host tf.Variable) when one of `signals` (`stop_signals()` by
+    default) arrives; a second SIGINT ends the process at once.
 
     Create it before tracing the loop that reads `flag`; `install()` it while
     training and `uninstall()` after (`SignalWatcher`).
     """
 
-    def __init__(self, signals: Sequence[int] = (signal.SIGTERM,)):
-        super().__init__(signals)
+    def __init__(self, signals: Sequence[int] | None = None):
+        super().__init__(stop_signals() if signals is None else signals)
         # Outside any strategy scope: one host variable, read by the loop on the host.
         with tf.init_scope(), tf.device("/cpu:0"):
             self.flag = tf.Variable(False, trainable=False, name="tputrain_preempted")
         self._requested = threading.Event()
+        self._interrupts = 0  # SIGINTs the watcher thread saw
 
     @property
     def requested(self) -> bool:
@@ -169,6 +197,15 @@ class PreemptionWatcher(SignalWatcher):
                             "save a checkpoint", name)
         self._requested.set()
         self.flag.assign(True)
+
+    def delivered(self, signums: list[int]) -> None:
+        """A second Ctrl-C ends the process at once, without saving."""
+        self._interrupts += signums.count(signal.SIGINT)
+        if self._interrupts >= 2:
+            _exit_now("tputrain: a second Ctrl-C: stopping now, without saving; the last "
+                      "checkpoint stands: rerun the same command to resume from it",
+                      INTERRUPTED_EXIT_CODE)
+        super().delivered(signums)
 
 
 class ExitOnSignal(SignalWatcher):
@@ -188,12 +225,17 @@ class ExitOnSignal(SignalWatcher):
         """Prints the message (`{signum}` filled in) and exits; the first caller wins."""
         if not self._once.acquire(blocking=False):
             return
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        _exit_now(self.message.format(signum=signum), self.code)
+
+
+def _exit_now(message: str, code: int) -> None:
+    """Flushes the streams, writes `message` to stderr and ends the process (`os._exit`)."""
+    for stream in (sys.stdout, sys.stderr):
         try:
-            os.write(2, (self.message.format(signum=signum) + "\n").encode())
-        finally:
-            os._exit(self.code)
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    try:
+        os.write(2, (message + "\n").encode())
+    finally:
+        os._exit(code)

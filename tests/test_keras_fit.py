@@ -589,3 +589,41 @@ def test_gradient_accumulation_steps_leave_the_optimizer_as_fit_does(tmp_path):
     counts = [[int(v.numpy()) for v in m.optimizer.variables if v.name == "iteration"]
               for m in (model, expected)]
     assert counts[0] == counts[1] == [8]
+
+
+def _tagger(loss) -> keras.Model:
+    """A sequence tagger: 6 steps a sequence, the last 3 padding (token 0)."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((6,), dtype="int32")
+    hidden = keras.layers.Embedding(10, 4, mask_zero=True)(tokens)
+    model = keras.Model(tokens, keras.layers.Dense(3, activation="softmax")(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss, jit_compile=False)
+    return model
+
+
+@pytest.mark.parametrize("loss, padding_label", [
+    ("sparse_categorical_crossentropy", 0),  # the Embedding's mask on the outputs
+    (keras.losses.SparseCategoricalCrossentropy(ignore_class=2), 0),  # the loss's own mask
+    (keras.losses.SparseCategoricalCrossentropy(ignore_class=-1), -1),  # no class id
+    (keras.losses.SparseCategoricalCrossentropy(reduction="sum"), 0),
+], ids=["output mask", "ignore_class", "ignore_class -1", "sum reduction"])
+def test_masked_and_summed_losses_train_and_evaluate_as_keras_fit(tmp_path, loss, padding_label):
+    """The per-example loss ignored the output's Keras mask and a loss's ignore_class
+    (padded steps trained; the loss read half of Keras's) and averaged a loss whose
+    reduction is "sum" (32x weaker steps): each now trains as `model.fit`, and the
+    eval loss is `model.evaluate`'s. An ignored label of -1 is not refused by the
+    start-up label check (no class id, but the loss ignores it)."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 9, size=(64, 6))
+    tokens[:, 3:] = 0
+    labels = (tokens % 3).astype(np.int64)
+    labels[:, 3:] = padding_label
+    model = _tagger(loss)
+    logs = tputrain.fit(model, (tokens, labels), (tokens, labels), model_dir=str(tmp_path / "run"),
+                        steps=4, batch_size=32, shuffle=False, strategy=strategy_for(1),
+                        report_mfu=False, jit_compile=False)
+    expected = _tagger(keras.losses.deserialize(keras.losses.serialize(loss))
+                       if isinstance(loss, keras.losses.Loss) else loss)
+    expected.fit(tokens, labels, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    assert close(model.get_weights(), expected.get_weights()) < 1e-5
+    assert abs(logs["loss"] - model.evaluate(tokens, labels, verbose=0)) < 1e-5

@@ -49,15 +49,42 @@ def _same_rank(labels: tf.Tensor, outputs: tf.Tensor) -> tuple[tf.Tensor, tf.Ten
 
 
 def per_example_loss(loss: Any, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
-    """The loss of each example (axes past the batch averaged, as Keras's
-    "sum_over_batch_size" reduction averages them)."""
+    """The loss of each example, such that their mean over the replica's batch is the
+    loss Keras's `Loss.__call__` gives for it: axes past the batch averaged ("sum_over_batch_size"),
+    or summed and scaled by the batch for reduction "sum"; masked elements (the output's
+    Keras mask, a loss's `ignore_class`) weigh 0 and the others total/valid, as Keras's
+    `apply_mask` weighs them."""
+    in_mask = getattr(outputs, "_keras_mask", None)  # read before any op drops it
     labels = tf.cast(labels, outputs.dtype)
     if isinstance(loss, keras.losses.Loss):
         per_element = loss.call(labels, outputs)  # no reduction
     else:
         per_element = keras.losses.get(loss)(*_same_rank(labels, outputs))
+    summed = getattr(loss, "reduction", None) == "sum"
+    mask = _combined(in_mask, getattr(per_element, "_keras_mask", None), per_element)
+    if mask is not None:
+        valid = tf.reduce_sum(mask)
+        total = tf.cast(tf.size(mask), per_element.dtype)
+        per_element *= mask if summed else mask * tf.math.divide_no_nan(total, valid)
     rank = per_element.shape.rank
-    return tf.reduce_mean(per_element, axis=list(range(1, rank))) if rank > 1 else per_element
+    reduce = tf.reduce_sum if summed else tf.reduce_mean
+    per_example = reduce(per_element, axis=list(range(1, rank))) if rank > 1 else per_element
+    if summed:  # the batch's sum, as a mean over it
+        per_example *= tf.cast(tf.shape(per_example)[0], per_example.dtype)
+    return per_example
+
+
+def _combined(first: Any, second: Any, like: tf.Tensor) -> tf.Tensor | None:
+    """The two Keras masks (either may be None) as one float mask shaped as `like`."""
+    masks = [tf.cast(m, like.dtype) for m in (first, second) if m is not None]
+    if not masks:
+        return None
+    mask = masks[0] if len(masks) == 1 else masks[0] * masks[1]
+    while mask.shape.rank > like.shape.rank:
+        mask = tf.squeeze(mask, -1)
+    while mask.shape.rank < like.shape.rank:
+        mask = tf.expand_dims(mask, -1)
+    return tf.broadcast_to(mask, tf.shape(like))
 
 
 def _plain(value: Any) -> Any:

@@ -255,6 +255,12 @@ class KerasTask(Task):
             return self._passes(examples).batch(rows, drop_remainder=True)
         return examples.batch(rows).map(lambda *batch: _padded(batch, rows))
 
+    @property
+    def check_labels(self) -> bool:  # type: ignore[override]
+        """False where a compiled loss ignores a class (`ignore_class`): its labels hold
+        that id, which may be no class of the model (-1), and the loss masks it."""
+        return not any(_ignores_a_class(out.loss) for out in self._outputs.outputs)
+
     def compute_loss(self, labels: Any, outputs: Any) -> tf.Tensor:
         """The compiled loss of each example: over the outputs, the sum of loss weight *
         loss (axes past the batch averaged, as Keras's "sum_over_batch_size" does)."""
@@ -410,6 +416,12 @@ def _output_last_dim(model: keras.Model, index: int = 0) -> int | None:
         return model.outputs[index].shape[-1]
     except (AttributeError, IndexError, TypeError, ValueError):
         return None
+
+
+def _ignores_a_class(loss: Any) -> bool:
+    """A Keras loss object configured with an `ignore_class` (sparse cross-entropy)."""
+    return (isinstance(loss, keras.losses.Loss)
+            and loss.get_config().get("ignore_class") is not None)
 
 
 def _check_compiled(model: keras.Model) -> keras.Model:

@@ -102,6 +102,12 @@ class KerasCallbacks(Action):
             if not isinstance(callback, keras.callbacks.Callback):
                 raise TypeError(f"KerasCallbacks takes keras.callbacks.Callback instances, "
                                 f"got {type(callback).__name__}")
+            if isinstance(callback, keras.callbacks.BackupAndRestore):
+                raise ValueError(
+                    "keras.callbacks.BackupAndRestore is not needed and is refused: tputrain's "
+                    "checkpoints already resume a run exactly (weights, optimizer, data "
+                    "position, the callbacks' state), and the callback would load its older "
+                    "backup over the checkpoint a rerun resumes from: remove it")
         self._list: keras.callbacks.CallbackList | None = None
         self._model: _CallbackModel | None = None
         self._train_logs: dict[str, float] = {}

@@ -643,3 +643,31 @@ def test_backup_and_restore_is_refused_before_training(tmp_path):
                      report_mfu=False, jit_compile=False)
     assert close(model.get_weights(), before) == 0.0
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("by", ["names", "variables"])
+def test_weight_decay_exclusions_are_carried_over(tmp_path, by):
+    """`AdamW.exclude_from_weight_decay` lives outside the optimizer's config: the
+    optimizer rebuilt from its config decayed the excluded bias. The names' pattern, or
+    the variables (as the model's in the same places), are carried over: fit's weights."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 4)).astype(np.float32), rng.integers(0, 2, 64)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        model = keras.Model(inputs, keras.layers.Dense(2, bias_initializer="ones")(inputs))
+        optimizer = keras.optimizers.AdamW(0.01, weight_decay=0.5)
+        if by == "names":
+            optimizer.exclude_from_weight_decay(var_names=["bias"])
+        else:
+            optimizer.exclude_from_weight_decay(var_list=[model.layers[1].bias])
+        model.compile(optimizer=optimizer, jit_compile=False,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    model, expected = build(), build()
+    tputrain.fit(model, (x, y), None, model_dir=str(tmp_path / "run"), steps=4, batch_size=32,
+                 shuffle=False, strategy=strategy_for(1), report_mfu=False, jit_compile=False)
+    expected.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    assert close(model.get_weights(), expected.get_weights()) < 1e-6

@@ -220,6 +220,7 @@ class KerasTask(Task):
         self._seed = seed
         self._eval = _eval_examples(self._train, eval_data, batch_size, self.global_batch_size)
         self._compiled: keras.Model | None = self._source
+        self._built: keras.Model | None = None  # the model build_model gave the Trainer
         self._resolved: CompiledOutputs | None = None
         self._resolved_for: keras.Model | None = None
         self._evaluating = False
@@ -232,9 +233,10 @@ class KerasTask(Task):
             if not isinstance(model, keras.Model):
                 raise TypeError(f"KerasTask's model function returned "
                                 f"{type(model).__name__}, not a keras.Model")
-            self._compiled = _check_compiled(model)
+            self._compiled = self._built = _check_compiled(model)
             return model
-        return cloned(self._source)  # LoRA and frozen layers as the user left them
+        self._built = cloned(self._source)  # LoRA and frozen layers as the user left them
+        return self._built
 
     def build_inputs(self, split: str, input_context: InputContext) -> tf.data.Dataset:
         """Single examples, sharded by host, in per-replica batches: consecutive
@@ -301,7 +303,9 @@ class KerasTask(Task):
     def build_optimizer(self) -> keras.optimizers.Optimizer:
         optimizer = self._compiled.optimizer
         optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # the Trainer wraps
-        return type(optimizer).from_config(optimizer.get_config())
+        fresh = type(optimizer).from_config(optimizer.get_config())
+        _carry_weight_decay_exclusions(optimizer, fresh, self._compiled, self._built)
+        return fresh
 
     def update_metrics(self, metrics: Sequence[keras.metrics.Metric], labels: Any,
                        outputs: Any, sample_weight: Any = None) -> None:
@@ -416,6 +420,24 @@ def _output_last_dim(model: keras.Model, index: int = 0) -> int | None:
         return model.outputs[index].shape[-1]
     except (AttributeError, IndexError, TypeError, ValueError):
         return None
+
+
+def _carry_weight_decay_exclusions(source: keras.optimizers.Optimizer,
+                                   fresh: keras.optimizers.Optimizer,
+                                   compiled: keras.Model | None, built: keras.Model | None) -> None:
+    """Keras keeps `exclude_from_weight_decay` outside an optimizer's config: the names'
+    pattern is carried over as it is, the variables as the built model's in the same
+    places of `weights` (its clone of the compiled model, or that model itself)."""
+    pattern = getattr(source, "_exclude_from_weight_decay_pattern", None)
+    keys = getattr(source, "_exclude_from_weight_decay", set())
+    if pattern is None and not keys:
+        return
+    fresh._exclude_from_weight_decay_pattern = pattern  # pylint: disable=protected-access
+    places = ({source._var_key(v): i for i, v in enumerate(compiled.weights)}  # pylint: disable=protected-access
+              if compiled is not None and built is not None else {})
+    fresh._exclude_from_weight_decay = {  # pylint: disable=protected-access
+        fresh._var_key(built.weights[places[key]]) for key in keys if key in places}  # pylint: disable=protected-access
+    fresh._exclude_from_weight_decay_cache = {}  # pylint: disable=protected-access
 
 
 def _ignores_a_class(loss: Any) -> bool:

@@ -318,3 +318,20 @@ def test_variable_length_errors_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="var_len names 'u', which is not a feature"):
         write_tfrecords({"t": [[1], [2, 3]]}, str(tmp_path / "d"), num_shards=1, var_len=["u"])
     assert os.listdir(tmp_path) == []
+
+
+def test_a_second_write_to_a_prefix_leaves_only_its_own_shards(tmp_path, caplog):
+    """100 examples in 4 shards, then 30 in 1 to the same prefix: the 4 old shards stayed
+    beside the new one, and the glob the command prints (what a TFRecordInput or predict
+    reads) mixed both datasets: 130 examples. The older write's shards are removed once
+    the new one is whole, and the log says so; other files are left alone."""
+    prefix = str(tmp_path / "data")
+    write_tfrecords({"x": np.arange(100, dtype=np.int64)}, prefix, num_shards=4)
+    other = tmp_path / "data-notes.txt"
+    other.write_text("mine")
+    with caplog.at_level("INFO"):
+        paths = write_tfrecords({"x": np.arange(30, dtype=np.int64)}, prefix, num_shards=1)
+    assert sorted(tf.io.gfile.glob(f"{prefix}-*.tfrecord")) == paths
+    assert sum(1 for _ in tf.data.TFRecordDataset(tf.io.gfile.glob(f"{prefix}-*.tfrecord"))) == 30
+    assert other.read_text() == "mine" and read_manifest(f"{prefix}.manifest.json").num_examples == 30
+    assert any("removed 4 shard(s) of an earlier write" in r.getMessage() for r in caplog.records)

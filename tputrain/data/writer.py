@@ -22,6 +22,7 @@ import itertools
 import math
 import os
 import queue
+import re
 import threading
 import uuid
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
@@ -587,7 +588,21 @@ def _finish(written: _Written, target: _Target, manifest: bool) -> list[str]:
                                 block_records=None if writers.offsets is None else BLOCK_RECORDS))
     logging.info("write_tfrecords: %d examples in %d shard(s) %s-*, %.1f MB", sum(writers.counts),
                  len(paths), target.prefix, sum(sizes) / 2**20)
+    _remove_earlier_shards(target.prefix, paths)
     return paths
+
+
+def _remove_earlier_shards(prefix: str, paths: list[str]) -> None:
+    """Removes the shards an earlier write to `prefix` left (another shard count), once
+    this write is whole: the glob `prefix-*` must read this write's examples only."""
+    pattern = re.compile(re.escape(os.path.basename(prefix)) + r"-\d{5}-of-\d{5}\.tfrecord$")
+    stale = [path for path in tf.io.gfile.glob(f"{prefix}-*-of-*.tfrecord")
+             if path not in paths and pattern.match(os.path.basename(path))]
+    for path in stale:
+        tf.io.gfile.remove(path)
+    if stale:
+        logging.info("write_tfrecords: removed %d shard(s) of an earlier write to %s-*",
+                     len(stale), prefix)
 
 
 def _remove_if_exists(path: str) -> None:

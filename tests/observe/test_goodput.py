@@ -369,3 +369,18 @@ def test_nested_timed_work_counts_once_and_no_bucket_goes_negative(monkeypatch):
     assert min(seconds.values()) >= 0.0, seconds
     assert seconds["input"] == pytest.approx(2.0)  # the stall, within the loop's own 2 s
     assert seconds["compile"] == pytest.approx(5.0)
+
+
+def test_a_rerun_whose_checkpoints_are_gone_says_it_starts_over(tmp_path, caplog):
+    """The checkpoints folder deleted (or moved) after a run saved up to step 20: the
+    rerun trained from step 0 without a word. Its earlier run records say what was
+    saved, so the rerun warns, naming the step and the folder, and trains on."""
+    make(tmp_path, train_steps=20).train()
+    import shutil
+    shutil.rmtree(tmp_path / "run" / "checkpoints")
+    with caplog.at_level("WARNING"):
+        rerun = make(tmp_path, train_steps=20)
+        rerun.train()
+    said = [r.getMessage() for r in caplog.records if "starts from step 0" in r.getMessage()]
+    assert len(said) == 1 and "step 20" in said[0] and "checkpoints" in said[0], said
+    assert int(rerun.step.numpy()) == 20

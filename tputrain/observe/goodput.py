@@ -543,4 +543,17 @@ def _new_record(context: ActionContext, clock: StartupClock, step: int) -> RunRe
     global _latest
     record = RunRecord(path, clock, step, run, rates[-1] if rates else None)
     record.earlier, _latest = earlier, record
+    _warn_if_checkpoints_lost(context.model_dir, earlier, step)
     return record
+
+
+def _warn_if_checkpoints_lost(model_dir: str, earlier: list[dict[str, Any]], step: int) -> None:
+    """A run starting from step 0 where an earlier run's record says it saved a
+    checkpoint: the checkpoints folder was deleted or moved (one warning, it trains on)."""
+    saved = max((r.get("last_checkpoint_step") or 0 for r in earlier), default=0)
+    if step == 0 and saved > 0:
+        logging.warning(
+            "tputrain: %s starts from step 0, but an earlier run there saved checkpoints up "
+            "to step %d (its goodput records say so): its checkpoints folder %s was deleted "
+            "or moved. Put it back and rerun to resume; training on starts over.",
+            model_dir, saved, RunDirectory(model_dir).checkpoints)

@@ -10,6 +10,7 @@ parsed dataset (per host, outside any replica context).
 from __future__ import annotations
 
 import dataclasses
+import logging as std_logging
 
 import tensorflow as tf
 
@@ -109,7 +110,8 @@ class InputOptions:
             options.threading.private_threadpool_size = self.threadpool_size
         if self.max_intra_op_parallelism is not None:
             options.threading.max_intra_op_parallelism = self.max_intra_op_parallelism
-        options.autotune.enabled = self.autotune
+        if not self.autotune:  # on is tf.data's default: left unset, a probe's copy
+            options.autotune.enabled = False  # turns it off without a conflict note
         if self.symbolic_checkpoint:
             options.experimental_symbolic_checkpoint = True
         if self.autotune_ram_budget is not None:
@@ -148,4 +150,19 @@ def without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
     thread's next wake-up."""
     options = tf.data.Options()
     options.autotune.enabled = False
-    return dataset.with_options(options)
+    quiet = _WithoutOptionChangeNote()
+    absl_logger = std_logging.getLogger("absl")  # where tf.data's merge logs its note
+    absl_logger.addFilter(quiet)
+    try:
+        return dataset.with_options(options)
+    finally:
+        absl_logger.removeFilter(quiet)
+
+
+class _WithoutOptionChangeNote(std_logging.Filter):
+    """Drops tf.data's "Changing the value of option enabled from True to False" (a
+    pipeline that turns autotuning on, merged with the probe's off): the change is the
+    point, and the note reached every run's console."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Changing the value of option")

@@ -15,6 +15,7 @@ from faults import cli_refusal
 from tputrain.data import (CorruptRecordError, InputContext, InputOptions, TFRecordInput,
                            explain_data_loss, feature_spec_for, parse_feature_spec,
                            write_tfrecords)
+from tputrain.data.options import without_autotune
 
 FEATURES = {"x": ([3], "float32"), "id": ([], "int64")}
 
@@ -935,3 +936,28 @@ def test_the_cli_refuses_a_shuffled_empty_shard_in_one_line_and_exit_2(tmp_path)
                          f"'{pattern}'\nRecordsTask.shuffle = True\nTrainer.train_steps = 2\n"
                          "Trainer.global_batch_size = 8\nTrainer.eval_steps = 1\n")
     assert pattern in stderr and "0-byte" in stderr
+
+
+# ------------------------------------------------ options.without_autotune
+
+
+def test_turning_autotuning_off_on_a_tuned_dataset_says_nothing(caplog):
+    """The start-up probes read a copy without autotuning. A pipeline whose options turn
+    it on (an InputOptions' `tf_options`) made tf.data log "Changing the value of
+    option enabled from True to False" on every run's console."""
+    options = tf.data.Options()
+    options.autotune.enabled = True
+    dataset = tf.data.Dataset.range(4).with_options(options)
+    with caplog.at_level(logging.INFO):
+        probed = without_autotune(dataset)
+    assert probed.options().autotune.enabled is False
+    assert dataset.options().autotune.enabled is True
+    assert not [r for r in caplog.records if "Changing the value" in r.getMessage()], caplog.records
+
+
+def test_an_input_options_pipeline_leaves_autotuning_at_tf_datas_default():
+    """InputOptions(autotune=True) set the option explicitly, and each probe's copy
+    (off) then made tf.data's C++ log "Changing the value of option field enabled from
+    true to false", 6 lines on every digits run: on is left unset (tf.data's default)."""
+    assert InputOptions().tf_options().autotune.enabled is None
+    assert InputOptions(autotune=False).tf_options().autotune.enabled is False

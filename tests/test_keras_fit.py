@@ -671,3 +671,21 @@ def test_weight_decay_exclusions_are_carried_over(tmp_path, by):
                  shuffle=False, strategy=strategy_for(1), report_mfu=False, jit_compile=False)
     expected.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     assert close(model.get_weights(), expected.get_weights()) < 1e-6
+
+
+def test_an_unbuilt_sequential_model_is_built_from_the_data_as_fit_builds_it(tmp_path):
+    """A Sequential model without an Input (fit builds it on the first batch) trained
+    every step and then failed handing the weights back to the unbuilt model, on every
+    rerun too. It is built from the data's shapes first, and gets the trained weights."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 4)).astype(np.float32), rng.integers(0, 2, 64)
+    model = keras.Sequential([keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(2, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    tputrain.fit(model, (x, y), None, model_dir=str(tmp_path / "run"), steps=4, batch_size=32,
+                 strategy=strategy_for(1), report_mfu=False, jit_compile=False)
+    assert model.built and [w.shape for w in model.get_weights()] == [(4, 8), (8,), (8, 2), (2,)]
+    trained = model.get_weights()
+    tputrain.fit(model, (x, y), None, model_dir=str(tmp_path / "run"), steps=8, batch_size=32,
+                 strategy=strategy_for(1), report_mfu=False, jit_compile=False)  # resumed
+    assert close(model.get_weights(), trained) > 0

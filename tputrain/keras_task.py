@@ -210,6 +210,8 @@ class KerasTask(Task):
             raise TypeError(f"KerasTask.model must be a keras.Model or a function returning "
                             f"one, got {type(model).__name__}")
         self._train, self.global_batch_size = _examples(train_data, batch_size, "train")
+        if self._source is not None and not self._source.built:
+            _build_from(self._source, self._train.element_spec)
         self._train_batches = _batches(train_data, batch_size)
         if isinstance(train_data, tf.data.Dataset) and batch_size is None:
             _warn_short_last_batch(train_data)
@@ -438,6 +440,18 @@ def _carry_weight_decay_exclusions(source: keras.optimizers.Optimizer,
     fresh._exclude_from_weight_decay = {  # pylint: disable=protected-access
         fresh._var_key(built.weights[places[key]]) for key in keys if key in places}  # pylint: disable=protected-access
     fresh._exclude_from_weight_decay_cache = {}  # pylint: disable=protected-access
+
+
+def _build_from(model: keras.Model, example_spec: Any) -> None:
+    """Builds a model that has no input yet (a Sequential without `keras.Input`) from one
+    example's features, as `fit` builds it on its first batch: the trained weights go
+    back to it at the end."""
+    features = example_spec[0] if isinstance(example_spec, tuple) else example_spec
+    if not isinstance(features, tf.TensorSpec):
+        raise ValueError(f"{type(model).__name__} is not built and its features are a "
+                         f"{type(features).__name__}: give it a keras.Input (or call "
+                         "model.build) before tputrain.fit")
+    model.build((None, *features.shape))
 
 
 def _ignores_a_class(loss: Any) -> bool:

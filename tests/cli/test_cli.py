@@ -187,3 +187,16 @@ def test_a_rerun_that_trains_nothing_is_told_apart_before_it_restores(tmp_path):
     assert not will_train(_tiny_trainer(str(tmp_path), 4))  # a rerun of the finished run
     assert not will_train(_tiny_trainer(str(tmp_path), 2))  # a train_steps below the step
     assert will_train(_tiny_trainer(str(tmp_path), 6))  # continues
+
+
+@pytest.mark.parametrize("command, fix", [("eval", "--model_dir"), ("run", "--gin_file")])
+def test_a_command_without_its_config_is_one_line_naming_the_flag(command, fix, tmp_path):
+    """`tputrain eval` (or export, or bare `tputrain`) with no flags printed the whole
+    help (27-42 lines), exited 1 and told eval and export to pass --gin_file, when
+    they read a run's --model_dir."""
+    result = subprocess.run([sys.executable, "-m", "tputrain.cli", command], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tputrain: error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
+    assert fix in errors[0] and "Traceback" not in result.stderr
+    assert "flags:" not in result.stderr.lower() and len(result.stderr.splitlines()) < 10

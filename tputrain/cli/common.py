@@ -100,7 +100,8 @@ def parse_gin_flags(data_files: Sequence[str] = ()) -> None:
     before anything starts TensorFlow's runtime; a bad config exits with one line.
     `data_files`: a model_dir's config, parsed without running its imports."""
     if not FLAGS.gin_file and not FLAGS.gin_param and not data_files:
-        raise app.UsageError("pass --gin_file=CONFIG (e.g. --gin_file=digits.gin)")
+        fail("pass --gin_file=CONFIG (e.g. --gin_file=digits.gin); `tputrain --help` lists "
+             "the commands and flags")
     try:
         parse_gin(FLAGS.gin_file, FLAGS.gin_param, FLAGS.gin_search_path, FLAGS.gin_import,
                   data_files=data_files)
@@ -133,6 +134,8 @@ def default_operative_config() -> list[str]:
     """No --gin_file: the operative config that `tputrain run` wrote to model_dir (for
     commands that act on a finished or running job: export, eval), to parse as data:
     its `import` lines are not run (pass `parse_gin_flags` what this returns)."""
+    if not FLAGS.gin_file and not FLAGS.model_dir and not FLAGS.gin_param:
+        fail("pass --model_dir=DIR of a run (its config is read from there), or --gin_file=CONFIG")
     if FLAGS.gin_file or not FLAGS.model_dir:
         return []
     operative = RunDirectory(FLAGS.model_dir).operative_config

@@ -169,3 +169,41 @@ def test_the_options_classes_keep_their_own_init():
             files.append(init.__code__.co_filename)
             init = getattr(init, "__wrapped__", None)
         assert not [f for f in files if f.endswith("configurables.py")], (cls, files)
+
+
+def test_an_unquoted_word_as_a_value_says_how_to_write_one():
+    """`--gin_param=Trainer.train_steps=abc` said "malformed node or string on line 1:
+    <ast.Name object at 0x...>"."""
+    with pytest.raises(ConfigError) as caught:
+        parse_gin(gin_params=["Trainer.train_steps = abc"])
+    text = str(caught.value)
+    assert "ast.Name" not in text and "'abc'" in text and "quotes" in text and "@abc" in text
+
+
+def test_an_unclosed_bracket_names_the_files_parsed(tmp_path):
+    """A gin file with an unclosed `(` said only "('EOF in multi-line statement', (3, 0))"."""
+    config = tmp_path / "broken.gin"
+    config.write_text("Trainer.train_steps = 3\nTrainer.steps_per_loop = (\n")
+    with pytest.raises(ConfigError) as caught:
+        parse_gin([str(config)])
+    text = str(caught.value)
+    assert str(config) in text and "unclosed" in text
+
+
+def test_an_error_raised_by_a_configurable_names_it():
+    """A binding of the wrong type fails inside the configurable's constructor; gin's
+    note naming it was cut from the one-line message ("'<=' not supported between
+    instances of 'int' and 'str'" alone)."""
+    from tputrain.cli.common import error_message
+
+    @gin.configurable
+    def width_for_test(units=3):
+        return units <= 0
+
+    with gin.config_scope(None):
+        gin.bind_parameter("width_for_test.units", "0.1")
+        try:
+            width_for_test()
+        except TypeError as error:
+            text = error_message(error)
+    assert "'<=' not supported" in text and "width_for_test" in text and "In call" not in text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Callable, NoReturn, Sequence
 
@@ -90,9 +91,12 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> NoReturn:
 
 
 def error_message(error: BaseException) -> str:
-    """The error's own message, without the lines gin appends ("In call to ...")."""
-    text = str(error).split("\n  In call to configurable")[0].strip()
-    return text or type(error).__name__
+    """The error's own message, without the lines gin appends ("In call to ..."), but
+    naming the configurable they name (whose bindings to check)."""
+    text, *calls = str(error).split("\n  In call to configurable")
+    text = text.strip() or type(error).__name__
+    names = [m.group(1) for m in (re.match(r" '([\w.]+)'", call) for call in calls) if m]
+    return f"{text} (raised in {names[0]}: check its bindings)" if names else text
 
 
 def parse_gin_flags(data_files: Sequence[str] = ()) -> None:

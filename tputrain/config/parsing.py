@@ -71,6 +71,12 @@ def explain_gin_error(error: Exception) -> str:
         valid = _parameters(configurable)
         hint = _suggestion(parameter, valid) or (f"; valid parameters: {', '.join(valid)}" if valid else "")
         return f"{first}{where}{hint}"
+    token = re.search(r"Failed to parse token '([^']+)'", text)
+    if token and "malformed node" in first:
+        word = token.group(1)
+        return (f"gin could not parse the value {word!r}{where.replace(first, '')}: a string "
+                f"needs quotes ('{word}'), a configurable an @ (@{word}() or @{word}), a "
+                "number its digits")
     return f"gin could not parse the configuration: {first}{where}"
 
 
@@ -171,7 +177,9 @@ def parse_gin(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (),
         raise ConfigError(explain_gin_error(error)) from error
     except Exception as error:  # tokenizer errors have their own types
         if type(error).__module__.startswith(("tokenize", "gin")):
-            raise ConfigError(f"gin could not parse the configuration: {error}") from error
+            sources = ", ".join([*files, *(["--gin_param"] if gin_params else [])])
+            raise ConfigError(f"gin could not parse the configuration ({sources}): {error}: "
+                              "an unclosed bracket or quote?") from error
         raise
     _check_optimizer_bindings()
 

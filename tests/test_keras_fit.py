@@ -689,3 +689,35 @@ def test_an_unbuilt_sequential_model_is_built_from_the_data_as_fit_builds_it(tmp
     tputrain.fit(model, (x, y), None, model_dir=str(tmp_path / "run"), steps=8, batch_size=32,
                  strategy=strategy_for(1), report_mfu=False, jit_compile=False)  # resumed
     assert close(model.get_weights(), trained) > 0
+
+
+@pytest.mark.parametrize("layer", ["StringLookup", "TextVectorization"])
+def test_an_adapted_lookup_layer_keeps_its_vocabulary(tmp_path, layer):
+    """A vocabulary learned by `adapt` is no weight and not in the layer's config: the
+    rebuilt model's table was empty ("Table not initialized" at the first step). It is
+    set on the rebuilt layer too, and the model trains to `fit`'s weights."""
+    words = np.array(["good", "bad", "movie", "film"] * 16, dtype=object)
+    labels = (words == "good").astype(np.int64)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        if layer == "StringLookup":
+            lookup = keras.layers.StringLookup()
+        else:
+            lookup = keras.layers.TextVectorization(output_mode="int", output_sequence_length=1)
+        lookup.adapt(words)
+        inputs = keras.Input((), dtype="string")
+        ids = lookup(inputs)
+        ids = ids if layer == "StringLookup" else keras.layers.Flatten()(ids)
+        encoded = keras.layers.CategoryEncoding(8, output_mode="one_hot")(ids)
+        model = keras.Model(inputs, keras.layers.Dense(2, activation="softmax")(encoded))
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy",
+                      jit_compile=False)
+        return model
+
+    model, expected = build(), build()
+    tputrain.fit(model, (words, labels), None, model_dir=str(tmp_path / "run"), steps=4,
+                 batch_size=32, shuffle=False, strategy=strategy_for(1), report_mfu=False,
+                 jit_compile=False)
+    expected.fit(words, labels, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    assert close(model.get_weights(), expected.get_weights()) < 1e-6

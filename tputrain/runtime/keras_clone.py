@@ -85,6 +85,25 @@ def has_lora(model: keras.Model) -> bool:
     return any(getattr(layer, "lora_enabled", False) for layer in _layers(model))
 
 
+_LOOKUPS = (keras.layers.StringLookup, keras.layers.IntegerLookup, keras.layers.TextVectorization)
+
+
+def copy_vocabularies(source: keras.Model, copy: keras.Model) -> None:
+    """The vocabularies `adapt` gave the source's lookup layers (StringLookup,
+    IntegerLookup, TextVectorization) set on the copy's: they are neither weights nor
+    in the layers' configs, and an empty table fails at the first step."""
+    for theirs, ours in zip(_layers(source), _layers(copy)):
+        if isinstance(theirs, _LOOKUPS) and type(ours) is type(theirs):
+            vocabulary = theirs.get_vocabulary()
+            if vocabulary and ours.get_vocabulary() != vocabulary:
+                idf = (getattr(theirs, "idf_weights", None)
+                       if getattr(theirs, "output_mode", None) == "tf_idf" else None)
+                if idf is not None:
+                    ours.set_vocabulary(vocabulary, idf_weights=keras.ops.convert_to_numpy(idf))
+                else:
+                    ours.set_vocabulary(vocabulary)
+
+
 def cloned(source: keras.Model) -> keras.Model:
     """`source` rebuilt (in the caller's scope) with its weights, and with its LoRA
     layers and trainable flags when it has LoRA; a one-line TypeError naming the fix
@@ -101,6 +120,7 @@ def cloned(source: keras.Model) -> keras.Model:
 
 def _cloned(source: keras.Model) -> keras.Model:
     copy = _rebuilt(source)
+    copy_vocabularies(source, copy)
     if not has_lora(source):
         copy.set_weights(source.get_weights())
         return copy

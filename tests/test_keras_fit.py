@@ -721,3 +721,41 @@ def test_an_adapted_lookup_layer_keeps_its_vocabulary(tmp_path, layer):
                  jit_compile=False)
     expected.fit(words, labels, batch_size=32, epochs=2, shuffle=False, verbose=0)
     assert close(model.get_weights(), expected.get_weights()) < 1e-6
+
+
+class CountAbove(keras.metrics.Metric):
+    """A metric class of the user's, not registered with Keras."""
+
+    def __init__(self, name="count_above", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.count = self.add_variable((), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.count.assign_add(keras.ops.sum(keras.ops.cast(y_pred[:, 1] > 0.5, "float32")))
+
+    def result(self):
+        return self.count
+
+
+def hit_rate(y_true, y_pred):
+    """A metric function of the user's, not registered with Keras."""
+    hits = keras.ops.equal(keras.ops.argmax(y_pred, -1), keras.ops.cast(y_true, "int64"))
+    return keras.ops.cast(hits, "float32")
+
+
+def test_a_users_own_metrics_are_computed_and_named_as_by_evaluate(tmp_path):
+    """Metrics were rebuilt from the compile config's serialization: a function or a
+    Metric class not registered with Keras failed, and a registered function logged
+    under its serialized config instead of its name."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 4)).astype(np.float32), rng.integers(0, 2, 64)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
+                  metrics=[hit_rate, CountAbove()], jit_compile=False)
+    logs = tputrain.fit(model, (x, y), (x, y), model_dir=str(tmp_path / "run"), steps=4,
+                        batch_size=32, shuffle=False, strategy=strategy_for(1),
+                        report_mfu=False, jit_compile=False)
+    expected = model.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    for name in ("hit_rate", "count_above"):
+        assert abs(logs[name] - expected[name]) < 1e-5, (name, logs, expected)

@@ -13,7 +13,7 @@ optimizer). See docs/tasks.md, "Bring a Keras model".
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import keras
 import tensorflow as tf
@@ -290,7 +290,7 @@ class KerasTask(Task):
         names them (per output: `<output>_<metric>`), and with several losses a mean of
         each output's (`<output>_loss`). Only the weighted ones get training sample
         weights, as under `fit`."""
-        config, names = self._compiled.get_compile_config(), self._outputs.names
+        config, names = _compiled_arguments(self._compiled), self._outputs.names
         plain = resolve_metrics(config.get("metrics"), names, self._metric)
         weighted = resolve_metrics(config.get("weighted_metrics"), names, self._metric)
         counts: dict[str, int] = {}
@@ -356,9 +356,12 @@ class KerasTask(Task):
         if isinstance(identifier, str) and identifier.lower() in ("accuracy", "acc"):
             label_spec = self._outputs.flat(self._train.element_spec[1])[index]
             return _accuracy(identifier, label_spec, _output_last_dim(self._compiled, index))
-        metric = keras.metrics.get(identifier)
+        if isinstance(identifier, keras.metrics.Metric):  # the user's object: a fresh copy
+            return type(identifier).from_config(identifier.get_config())
+        metric = identifier if callable(identifier) else keras.metrics.get(identifier)
         if not isinstance(metric, keras.metrics.Metric):  # a function
-            metric = keras.metrics.MeanMetricWrapper(metric, name=str(identifier))
+            name = identifier if isinstance(identifier, str) else getattr(metric, "__name__", None)
+            metric = keras.metrics.MeanMetricWrapper(metric, name=name or str(identifier))
         elif isinstance(identifier, str):
             metric.name = identifier
         return metric
@@ -452,6 +455,13 @@ def _build_from(model: keras.Model, example_spec: Any) -> None:
                          f"{type(features).__name__}: give it a keras.Input (or call "
                          "model.build) before tputrain.fit")
     model.build((None, *features.shape))
+
+
+def _compiled_arguments(model: keras.Model) -> Mapping[str, Any]:
+    """`model.compile`'s arguments as the user passed them (their own metric functions and
+    classes, registered with Keras or not), else its serialized compile config."""
+    raw = getattr(model, "_compile_config", None)  # Keras keeps them until serialized
+    return dict(raw.config) if hasattr(raw, "config") else model.get_compile_config()
 
 
 def _ignores_a_class(loss: Any) -> bool:

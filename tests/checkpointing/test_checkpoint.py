@@ -529,3 +529,33 @@ def test_a_worker_saving_to_scratch_logs_no_temporary_path(tmp_path, caplog, asy
         save_at(owner, 2, 2.0)
         owner.sync()
     assert any(f"saved checkpoint {chief}/ckpt-2" in r.getMessage() for r in caplog.records)
+
+
+def test_another_optimizer_on_resume_is_named_as_the_optimizer(tmp_path):
+    """A run resumed with SGD(momentum) where it trained with Adam was refused listing
+    "hidden_0_bias_momentum: checkpoint has shape [64, 256], this model [256]": the
+    slots paired by position and named after this run's variables, as if the model
+    had changed. The message says first that the optimizer differs, and how."""
+    from tputrain.checkpointing.integrity import describe_mismatch
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    adam, sgd = keras.optimizers.Adam(), keras.optimizers.SGD(momentum=0.9)
+    adam.build(model.trainable_variables)
+    sgd.build(model.trainable_variables)
+    path = tf.train.Checkpoint(model=model, optimizer=adam).write(str(tmp_path / "ckpt"))
+    text = describe_mismatch(tf.train.Checkpoint(model=model, optimizer=sgd), path)
+    assert text.startswith("the optimizer differs from the checkpoint's"), text
+    assert "8 variables" in text and "4" in text, text
+
+
+def test_a_changed_model_is_not_blamed_on_the_optimizer(tmp_path):
+    """The same optimizer over a model with another layer has other slots too: the
+    message lists the model's change and does not say the optimizer differs."""
+    from tputrain.checkpointing.integrity import describe_mismatch
+    small = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    large = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+    first, second = keras.optimizers.Adam(), keras.optimizers.Adam()
+    first.build(small.trainable_variables)
+    second.build(large.trainable_variables)
+    path = tf.train.Checkpoint(model=small, optimizer=first).write(str(tmp_path / "ckpt"))
+    text = describe_mismatch(tf.train.Checkpoint(model=large, optimizer=second), path)
+    assert text and "optimizer differs" not in text, text

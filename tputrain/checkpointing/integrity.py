@@ -122,7 +122,32 @@ def describe_mismatch(checkpoint: tf.train.Checkpoint, path: str,
     if not problems:
         return ""
     more = f" (and {len(problems) - SHOW} more)" if len(problems) > SHOW else ""
-    return "; ".join(problems[:SHOW]) + more
+    return _optimizer_change(expected, saved) + "; ".join(problems[:SHOW]) + more
+
+
+_OPTIMIZER_SLOTS = "optimizer/_variables/"
+
+
+def _optimizer_change(expected: dict[str, Any], saved: dict[str, Any]) -> str:
+    """A clause saying the optimizer itself differs, where its state variables do not
+    number the same: its slots pair by position, so the shapes listed after it would
+    read as a change of the model."""
+    ours = sum(key.startswith(_OPTIMIZER_SLOTS) for key in expected)
+    theirs = sum(key.startswith(_OPTIMIZER_SLOTS) for key in saved)
+    # Everything else, the optimizer's own references to the weights included.
+    model = {k: v for k, v in expected.items() if not k.startswith(_OPTIMIZER_SLOTS)}
+    rest = [k for k in saved if not k.startswith(_OPTIMIZER_SLOTS)]
+    model_matches = (
+        all(any(k == e or (shape is None and k.startswith(e)) for e, (shape, _) in model.items())
+            for k in rest)
+        and all(any(k.startswith(e) for k in rest) if shape is None
+                else e in saved and _fits(saved[e], shape) for e, (shape, _) in model.items()))
+    if ours == theirs or not model_matches:  # (a changed model changes the slots too)
+        return ""
+    return (f"the optimizer differs from the checkpoint's: the checkpoint's holds {theirs} "
+            f"variables, this one {ours} (another optimizer, or other options: momentum, "
+            "EMA, ...): resume with the optimizer the run trained with, or use a new "
+            "model_dir. In detail: ")
 
 
 def _float_variables(trackables: Iterable[Any]) -> list[Any]:

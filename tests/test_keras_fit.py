@@ -759,3 +759,26 @@ def test_a_users_own_metrics_are_computed_and_named_as_by_evaluate(tmp_path):
     expected = model.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
     for name in ("hit_rate", "count_above"):
         assert abs(logs[name] - expected[name]) < 1e-5, (name, logs, expected)
+
+
+def test_a_run_a_callback_stopped_says_why_a_longer_call_trains_nothing(tmp_path, caplog):
+    """After EarlyStopping stopped a run, a call with more steps (on the same model_dir)
+    logged "training from step N to 200" and returned at step N: a stopped run stays
+    stopped (a rerun must end as the first run did), but now it says so, and how to
+    train on."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(256, 4)).astype(np.float32), (rng.normal(size=256) > 0).astype(np.int64)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy",
+                  jit_compile=False)
+    common = dict(model_dir=str(tmp_path / "run"), batch_size=32, eval_every=8,
+                  strategy=strategy_for(1), report_mfu=False, jit_compile=False)
+    tputrain.fit(model, (x, y), (x, y), steps=80, callbacks=[
+        keras.callbacks.EarlyStopping(patience=0, min_delta=10.0)], **common)
+    stopped = int(model.optimizer.iterations)
+    assert stopped < 80
+    with caplog.at_level("WARNING"):
+        tputrain.fit(model, (x, y), (x, y), steps=200, callbacks=[
+            keras.callbacks.EarlyStopping(patience=20)], **common)
+    said = [r.getMessage() for r in caplog.records if "stopped this run" in r.getMessage()]
+    assert len(said) == 1 and f"step {stopped}" in said[0] and "new model_dir" in said[0], said

@@ -150,6 +150,12 @@ class KerasCallbacks(Action):
                 after_train_begin(callback, state, keep)
         if self._stopped_at is not None and self._stopped_at <= step:
             self._model.stop_training = True  # the run had stopped there: it stays stopped
+            if step < context.plan.train_steps:
+                logging.warning(
+                    "tputrain: a Keras callback stopped this run at step %d; it stays stopped "
+                    "(a rerun ends as the run did), so no step is trained: to train on, "
+                    "train in a new model_dir, from these weights with "
+                    "actions=[tputrain.InitCheckpoint(<this model_dir>)]", self._stopped_at)
 
     def _restored(self, step: int) -> list[Any]:
         """Each callback's state from the restored checkpoint (None where there is none)."""

@@ -782,3 +782,23 @@ def test_a_run_a_callback_stopped_says_why_a_longer_call_trains_nothing(tmp_path
             keras.callbacks.EarlyStopping(patience=20)], **common)
     said = [r.getMessage() for r in caplog.records if "stopped this run" in r.getMessage()]
     assert len(said) == 1 and f"step {stopped}" in said[0] and "new model_dir" in said[0], said
+
+
+def test_accuracy_of_a_label_per_time_step_is_sparse_as_keras_resolves_it(tmp_path):
+    """Labels (N, T) beside outputs (N, T, C): Keras's compile makes "accuracy" sparse
+    (the labels' rank is lower); tputrain took CategoricalAccuracy, whose step failed
+    to trace."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 9, size=(64, 6))
+    labels = (tokens % 3).astype(np.int64)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,), dtype="int32")
+    hidden = keras.layers.Embedding(10, 4)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"], jit_compile=False)
+    logs = tputrain.fit(model, (tokens, labels), (tokens, labels), model_dir=str(tmp_path / "run"),
+                        steps=4, batch_size=32, shuffle=False, strategy=strategy_for(1),
+                        report_mfu=False, jit_compile=False)
+    expected = model.evaluate(tokens, labels, batch_size=32, verbose=0, return_dict=True)
+    assert abs(logs["accuracy"] - expected["accuracy"]) < 1e-6

@@ -160,14 +160,18 @@ def _padded(batch: tuple, rows: int) -> tuple:
     return features, labels, tf.reshape(mask, [rows] + [1] * (weights.shape.rank - 1)) * weights
 
 
-def _accuracy(name: str, label_spec: tf.TensorSpec, output_last_dim: int | None
+def _accuracy(name: str, label_spec: tf.TensorSpec, output_shape: tuple | None
               ) -> keras.metrics.Metric:
-    """"accuracy" resolved as Keras's compile does, from the label and output shapes."""
+    """"accuracy" resolved as Keras's compile does, from the label and output shapes
+    (both with the batch axis): sparse where the labels' rank is lower, or their last
+    axis is 1 beside several classes."""
     label_rank = label_spec.shape.rank + 1  # with the batch axis
     label_last = label_spec.shape[-1] if label_spec.shape.rank else 1
-    if output_last_dim == 1:
+    output_last = output_shape[-1] if output_shape else None
+    output_rank = len(output_shape) if output_shape else 2
+    if output_last == 1:
         return keras.metrics.BinaryAccuracy(name=name)
-    if label_rank < 2 or label_last == 1:
+    if label_rank < output_rank or label_last == 1:
         return keras.metrics.SparseCategoricalAccuracy(name=name)
     return keras.metrics.CategoricalAccuracy(name=name)
 
@@ -355,7 +359,7 @@ class KerasTask(Task):
         """A compiled metric of output `index`, resolved and named as `compile` does."""
         if isinstance(identifier, str) and identifier.lower() in ("accuracy", "acc"):
             label_spec = self._outputs.flat(self._train.element_spec[1])[index]
-            return _accuracy(identifier, label_spec, _output_last_dim(self._compiled, index))
+            return _accuracy(identifier, label_spec, _output_shape(self._compiled, index))
         if isinstance(identifier, keras.metrics.Metric):  # the user's object: a fresh copy
             return type(identifier).from_config(identifier.get_config())
         metric = identifier if callable(identifier) else keras.metrics.get(identifier)
@@ -420,9 +424,9 @@ def _keras_name(name: str, output: str | None, weighted: bool, counts: dict[str,
     return f"{full}_{index}"
 
 
-def _output_last_dim(model: keras.Model, index: int = 0) -> int | None:
+def _output_shape(model: keras.Model, index: int = 0) -> tuple | None:
     try:
-        return model.outputs[index].shape[-1]
+        return tuple(model.outputs[index].shape)
     except (AttributeError, IndexError, TypeError, ValueError):
         return None
 

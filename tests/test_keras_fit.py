@@ -597,7 +597,8 @@ def _tagger(loss) -> keras.Model:
     tokens = keras.Input((6,), dtype="int32")
     hidden = keras.layers.Embedding(10, 4, mask_zero=True)(tokens)
     model = keras.Model(tokens, keras.layers.Dense(3, activation="softmax")(hidden))
-    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss, jit_compile=False)
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss, metrics=["accuracy"],
+                  jit_compile=False)
     return model
 
 
@@ -611,7 +612,8 @@ def test_masked_and_summed_losses_train_and_evaluate_as_keras_fit(tmp_path, loss
     """The per-example loss ignored the output's Keras mask and a loss's ignore_class
     (padded steps trained; the loss read half of Keras's) and averaged a loss whose
     reduction is "sum" (32x weaker steps): each now trains as `model.fit`, and the
-    eval loss is `model.evaluate`'s. An ignored label of -1 is not refused by the
+    eval loss and accuracy are `model.evaluate`'s (a (batch,) eval weight beside a
+    (batch, steps) mask failed in Keras's metric). An ignored label of -1 is not refused by the
     start-up label check (no class id, but the loss ignores it)."""
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 9, size=(64, 6))
@@ -626,7 +628,9 @@ def test_masked_and_summed_losses_train_and_evaluate_as_keras_fit(tmp_path, loss
                        if isinstance(loss, keras.losses.Loss) else loss)
     expected.fit(tokens, labels, batch_size=32, epochs=2, shuffle=False, verbose=0)
     assert close(model.get_weights(), expected.get_weights()) < 1e-5
-    assert abs(logs["loss"] - model.evaluate(tokens, labels, verbose=0)) < 1e-5
+    evaluated = model.evaluate(tokens, labels, verbose=0, return_dict=True)
+    assert abs(logs["loss"] - evaluated["loss"]) < 1e-5
+    assert abs(logs["accuracy"] - evaluated["accuracy"]) < 1e-6  # the mask weighs it too
 
 
 def test_backup_and_restore_is_refused_before_training(tmp_path):

@@ -331,7 +331,8 @@ class KerasTask(Task):
                 self._update_loss_mean(metric, losses[index], weight)
             elif weight is not None and (self._evaluating
                                          or getattr(metric, "_tputrain_weighted", False)):
-                metric.update_state(labels_of[index], outputs_of[index], sample_weight=weight)
+                metric.update_state(labels_of[index], outputs_of[index],
+                                    sample_weight=_as_mask_shaped(weight, outputs_of[index]))
             else:
                 metric.update_state(labels_of[index], outputs_of[index])
 
@@ -459,6 +460,19 @@ def _build_from(model: keras.Model, example_spec: Any) -> None:
                          f"{type(features).__name__}: give it a keras.Input (or call "
                          "model.build) before tputrain.fit")
     model.build((None, *features.shape))
+
+
+def _as_mask_shaped(weight: Any, output: Any) -> Any:
+    """An example's weight (the eval padding's, or the user's) repeated over the time
+    steps of an output that carries a Keras mask, which Keras's metrics multiply it by
+    (a (batch,) weight beside a (batch, steps) mask does not broadcast)."""
+    mask = getattr(output, "_keras_mask", None)
+    if weight is None or mask is None or weight.shape.rank is None:
+        return weight
+    weight = tf.cast(weight, tf.float32)
+    while weight.shape.rank < mask.shape.rank:
+        weight = tf.expand_dims(weight, -1)
+    return tf.broadcast_to(weight, tf.shape(mask))
 
 
 def _compiled_arguments(model: keras.Model) -> Mapping[str, Any]:

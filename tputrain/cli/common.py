@@ -144,7 +144,8 @@ def default_operative_config() -> list[str]:
         return []
     operative = RunDirectory(FLAGS.model_dir).operative_config
     if not os.path.isfile(operative):
-        fail(f"{operative} does not exist (yet): pass the run's --gin_file")
+        fail(f"{operative} does not exist (yet): pass the run's --gin_file (a tputrain.fit run "
+             "has no gin config: export or evaluate it from its script, docs/serving.md)")
     return [operative]
 
 

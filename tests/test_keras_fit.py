@@ -806,3 +806,13 @@ def test_accuracy_of_a_label_per_time_step_is_sparse_as_keras_resolves_it(tmp_pa
                         report_mfu=False, jit_compile=False)
     expected = model.evaluate(tokens, labels, batch_size=32, verbose=0, return_dict=True)
     assert abs(logs["accuracy"] - expected["accuracy"]) < 1e-6
+
+
+def test_a_dataset_of_single_examples_without_a_batch_size_names_the_fix(tmp_path):
+    """A dataset of single examples needs `batch_size` (fit takes batches): it failed
+    with tf.data's "Cannot unbatch an input with scalar components"."""
+    x, y = data(32, 1, False)
+    with pytest.raises(ValueError, match=r"single examples.*\.batch\(.*batch_size"):
+        tputrain.fit(compiled_model(), tf.data.Dataset.from_tensor_slices((x, y)), EVAL,
+                     model_dir=str(tmp_path / "run"), steps=2, strategy=strategy_for(1))
+    assert not (tmp_path / "run").exists()

@@ -37,6 +37,11 @@ def _examples(data: Any, batch_size: int | None, split: str) -> tuple[tf.data.Da
     if isinstance(data, tf.data.Dataset):
         if batch_size is not None:
             return data, int(batch_size)
+        if any(spec.shape.rank == 0 for spec in tf.nest.flatten(data.element_spec)
+               if isinstance(spec, tf.TensorSpec)):
+            raise ValueError(f"the {split} dataset yields single examples (a scalar "
+                             "component), and fit takes batches: batch it (.batch(n)) or "
+                             "pass batch_size=n")
         return data.unbatch(), _first_batch_size(data, split)
     if not (isinstance(data, (tuple, list)) and len(data) in (2, 3)):
         raise TypeError(f"the {split} data must be a tf.data.Dataset or a tuple (x, y) or "

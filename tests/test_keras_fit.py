@@ -816,3 +816,23 @@ def test_a_dataset_of_single_examples_without_a_batch_size_names_the_fix(tmp_pat
         tputrain.fit(compiled_model(), tf.data.Dataset.from_tensor_slices((x, y)), EVAL,
                      model_dir=str(tmp_path / "run"), steps=2, strategy=strategy_for(1))
     assert not (tmp_path / "run").exists()
+
+
+class BatchLogKeys(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.keys = set()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.keys |= set(logs or {})
+
+
+def test_batch_logs_hold_the_loss_and_metrics_as_under_fit(tmp_path):
+    """The batch logs carried tputrain's own loop keys (`mfu`, `examples_per_second`,
+    `input/stall_fraction`...), which a TensorBoard callback wrote as `batch_mfu` and
+    such: they hold the loss and the compiled metrics, as under `fit`."""
+    recorder = BatchLogKeys()
+    tputrain.fit(compiled_model(), train_dataset(), EVAL, model_dir=str(tmp_path / "run"),
+                 steps=EPOCH_STEPS, callbacks=[recorder], strategy=strategy_for(1),
+                 jit_compile=False)
+    assert recorder.keys == {"loss", "accuracy"}, recorder.keys

@@ -195,7 +195,8 @@ class KerasCallbacks(Action):
     def on_loop_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         self._train_logs = {k: v for k, v in logs.items()
                             if k in self._metric_names and k not in _LOOP_ONLY}
-        self._list.on_train_batch_end(step - 1, dict(logs))
+        # fit's batch logs: the loss and the metrics, not tputrain's own loop keys.
+        self._list.on_train_batch_end(step - 1, dict(self._train_logs))
         self._stop_if_asked(context)
 
     def on_eval_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:

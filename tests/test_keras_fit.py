@@ -836,3 +836,28 @@ def test_batch_logs_hold_the_loss_and_metrics_as_under_fit(tmp_path):
                  steps=EPOCH_STEPS, callbacks=[recorder], strategy=strategy_for(1),
                  jit_compile=False)
     assert recorder.keys == {"loss", "accuracy"}, recorder.keys
+
+
+def batch_mean_loss(y_true, y_pred):
+    """A custom loss that reduces over the batch itself: one value, as Keras takes it."""
+    return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(y_true, y_pred))
+
+
+def test_a_custom_loss_that_returns_one_value_trains_as_under_fit(tmp_path):
+    """A loss function returning the batch's mean (a scalar) failed deep in the traced
+    step ("Invalid value passed for `per_example_loss`"); Keras takes it as the batch's
+    loss: so does tputrain.fit, to `fit`'s weights."""
+    x, y = data(BATCH * EPOCH_STEPS, 1, False)
+
+    def build():
+        model = compiled_model(compile=False)
+        model.compile(optimizer=keras.optimizers.SGD(LR, momentum=0.5), loss=batch_mean_loss,
+                      jit_compile=False)
+        return model
+
+    model, expected = build(), build()
+    tputrain.fit(model, (x, y), None, model_dir=str(tmp_path / "run"), steps=EPOCH_STEPS,
+                 batch_size=BATCH, shuffle=False, strategy=strategy_for(1), report_mfu=False,
+                 jit_compile=False)
+    expected.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert close(model.get_weights(), expected.get_weights()) < 1e-5

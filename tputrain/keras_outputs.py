@@ -67,6 +67,8 @@ def per_example_loss(loss: Any, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Ten
         total = tf.cast(tf.size(mask), per_element.dtype)
         per_element *= mask if summed else mask * tf.math.divide_no_nan(total, valid)
     rank = per_element.shape.rank
+    if rank == 0:  # a loss function that reduced the batch itself: Keras takes it as is
+        return tf.fill(tf.shape(outputs)[:1], per_element)
     reduce = tf.reduce_sum if summed else tf.reduce_mean
     per_example = reduce(per_element, axis=list(range(1, rank))) if rank > 1 else per_element
     if summed:  # the batch's sum, as a mean over it

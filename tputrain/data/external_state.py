@@ -109,14 +109,16 @@ def _saveable(dataset: tf.data.Dataset) -> bool:
     return True
 
 
-def external_state(dataset: tf.data.Dataset) -> ExternalState:
+def external_state(dataset: tf.data.Dataset,
+                   nodes: list[node_def_pb2.NodeDef] | None = None) -> ExternalState:
     """The state an iterator checkpoint of `dataset` cannot hold (empty if none).
 
-    The functions are read first (cheap); only if they hold a stateful op is
-    tf.data asked, since its check serializes in-memory data too.
+    The functions are read first (cheap; `nodes`: their nodes, already read); only if
+    they hold a stateful op is tf.data asked, since its check serializes in-memory
+    data too.
     """
     found: dict[str, dict[str, list[str]]] = {"random": {}, "variables": {}, "python": {}}
-    for node in _function_nodes(dataset):
+    for node in _function_nodes(dataset) if nodes is None else nodes:
         if _candidate(node.op):
             scope = node.name.split("/")[0]
             scopes = found[_kind(node.op)].setdefault(node.op, [])
@@ -128,11 +130,12 @@ def external_state(dataset: tf.data.Dataset) -> ExternalState:
     return state
 
 
-def unsaveable_dataset(dataset: tf.data.Dataset) -> str | None:
+def unsaveable_dataset(dataset: tf.data.Dataset,
+                       nodes: list[node_def_pb2.NodeDef] | None = None) -> str | None:
     """The first stage of `dataset` whose iterator tf.data cannot save at all (its op
-    type, e.g. "GeneratorDataset"), or None; read from the pipeline's functions, no
-    element read."""
-    for node in _function_nodes(dataset):
+    type, e.g. "GeneratorDataset"), or None; read from the pipeline's functions
+    (`nodes`, if already read), no element read."""
+    for node in _function_nodes(dataset) if nodes is None else nodes:
         if node.op in _UNSAVEABLE_DATASETS:
             return node.op
     return None
@@ -152,13 +155,14 @@ def checkpointable(dataset: tf.data.Dataset, split: str = "train") -> tf.data.Da
     what will not resume), unless `external_state_policy` was set: "warn" and
     "ignore" are kept, "fail" raises `InputStateError` here instead of at the save.
     A stage no policy lets tf.data save (`unsaveable_dataset`) raises it here too."""
-    kind = unsaveable_dataset(dataset)
+    nodes = list(_function_nodes(dataset))  # read once for both checks
+    kind = unsaveable_dataset(dataset, nodes)
     if kind is not None:
         raise not_checkpointable(kind, split)
     policy = dataset.options().experimental_external_state_policy
     if policy in (_POLICY.WARN, _POLICY.IGNORE):
         return dataset
-    state = external_state(dataset)
+    state = external_state(dataset, nodes)
     if not state:
         return dataset
     if policy == _POLICY.FAIL:

@@ -81,12 +81,17 @@ def _combined(first: Any, second: Any, like: tf.Tensor) -> tf.Tensor | None:
     masks = [tf.cast(m, like.dtype) for m in (first, second) if m is not None]
     if not masks:
         return None
-    mask = masks[0] if len(masks) == 1 else masks[0] * masks[1]
-    while mask.shape.rank > like.shape.rank:
-        mask = tf.squeeze(mask, -1)
-    while mask.shape.rank < like.shape.rank:
-        mask = tf.expand_dims(mask, -1)
-    return tf.broadcast_to(mask, tf.shape(like))
+    return shaped_like(masks[0] if len(masks) == 1 else masks[0] * masks[1], like)
+
+
+def shaped_like(value: tf.Tensor, like: Any) -> tf.Tensor:
+    """`value` with trailing axes dropped or added to `like`'s rank, broadcast to its
+    shape: a mask beside its loss's elements, an example's weight beside a mask."""
+    while value.shape.rank > like.shape.rank:
+        value = tf.squeeze(value, -1)
+    while value.shape.rank < like.shape.rank:
+        value = tf.expand_dims(value, -1)
+    return tf.broadcast_to(value, tf.shape(like))
 
 
 def _plain(value: Any) -> Any:

@@ -23,7 +23,7 @@ from tensorflow.python.data.ops import dataset_ops, map_op
 from tputrain.data import InputContext
 from tputrain.data.batching import pad_to_batch
 from tputrain.runtime.keras_clone import cloned
-from tputrain.keras_outputs import CompiledOutputs, resolve_metrics
+from tputrain.keras_outputs import CompiledOutputs, resolve_metrics, shaped_like
 from tputrain.task import Task, average_loss, per_example_weights
 
 DEFAULT_BATCH_SIZE = 32  # as `model.fit` for arrays
@@ -474,10 +474,7 @@ def _as_mask_shaped(weight: Any, output: Any) -> Any:
     mask = getattr(output, "_keras_mask", None)
     if weight is None or mask is None or weight.shape.rank is None:
         return weight
-    weight = tf.cast(weight, tf.float32)
-    while weight.shape.rank < mask.shape.rank:
-        weight = tf.expand_dims(weight, -1)
-    return tf.broadcast_to(weight, tf.shape(mask))
+    return shaped_like(tf.cast(weight, tf.float32), mask)
 
 
 def _compiled_arguments(model: keras.Model) -> Mapping[str, Any]:

@@ -74,7 +74,7 @@ def explain_gin_error(error: Exception) -> str:
     token = re.search(r"Failed to parse token '([^']+)'", text)
     if token and "malformed node" in first:
         word = token.group(1)
-        return (f"gin could not parse the value {word!r}{where.replace(first, '')}: a string "
+        return (f"gin could not parse the value {word!r}{where}: a string "
                 f"needs quotes ('{word}'), a configurable an @ (@{word}() or @{word}), a "
                 "number its digits")
     return f"gin could not parse the configuration: {first}{where}"

@@ -22,6 +22,14 @@ if _SUPPORT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [_SUPPORT, os.environ.get("PYTHONPATH")]))
 
+# One temporary folder for the run (TMPDIR, which tempfile and the child processes read):
+# what a test or a library leaves under it (TFDS's empty `tmp*tfds` folders, a killed
+# worker's scratch) goes with it, so repeated runs do not fill the disk.
+_OWN_TMP = None
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    _OWN_TMP = tempfile.mkdtemp(prefix="tputrain-test-tmp-")
+    os.environ["TMPDIR"] = tempfile.tempdir = _OWN_TMP
+
 # One persistent XLA compilation cache for the whole run: the process that starts
 # pytest makes it, its xdist workers and every child process (launch workers, the
 # CLI) inherit it through TF_XLA_FLAGS, so a program compiled once (the same tiny
@@ -147,7 +155,7 @@ def _start_rank(item) -> tuple[int, int]:
 
 
 def pytest_unconfigure(config):
-    for own in (_OWN_XLA_CACHE, _OWN_CACHE):  # the process that made it, after every worker
+    for own in (_OWN_XLA_CACHE, _OWN_CACHE, _OWN_TMP):  # the process that made it, after every worker
         if own:
             shutil.rmtree(own, ignore_errors=True)
 

@@ -117,13 +117,14 @@ def test_fine_tuning_loads_a_subclassed_models_weights_listed_or_not(trained):
     _assert_same_weights(model, values)
 
 
-def test_only_a_model_with_weights_out_of_the_object_graph_gets_weights_in_a_second_root():
+def test_only_a_model_with_weights_out_of_the_object_graph_gets_weights_in_a_second_root(
+        tmp_path):
     """A model whose weights TensorFlow's object graph reaches keeps its checkpoint
     keys as before (the second root is empty); a listed layer's weights are named by
     their place in `model.variables`."""
     inputs = keras.Input((3,))
     model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.BatchNormalization()(inputs)))
-    path = tf.train.Checkpoint(**model_trackables(model)).write(str(tmp_dir() / "tracked"))
+    path = tf.train.Checkpoint(**model_trackables(model)).write(str(tmp_path / "tracked"))
     assert all(key.startswith(("model/", "_CHECKPOINTABLE")) for key, _ in
                tf.train.list_variables(path))
     assert has_root(tf.train.load_checkpoint(path))
@@ -176,11 +177,6 @@ def test_dropout_seed_states_stay_under_their_own_root():
     model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Dropout(0.5)(inputs)))
     assert any("seed" in v.path for v in model.variables)
     assert not vars_held(model_trackables(model)["model_variables"])
-
-
-def tmp_dir():
-    import tempfile, pathlib
-    return pathlib.Path(tempfile.mkdtemp(prefix="tputrain-model-variables-"))
 
 
 def vars_held(holder) -> list:

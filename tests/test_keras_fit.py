@@ -861,3 +861,38 @@ def test_a_custom_loss_that_returns_one_value_trains_as_under_fit(tmp_path):
                  jit_compile=False)
     expected.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert close(model.get_weights(), expected.get_weights()) < 1e-5
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_terminate_on_nan_ends_the_run_at_the_last_finite_weights(tmp_path, replicas, caplog):
+    """`keras.callbacks.TerminateOnNaN` stops `fit` without an error. tputrain's guard
+    raised NonFiniteError before the callback saw the loss; now the callback's ask is
+    kept: the run stops at that loop's end, the weights are those before the NaN step
+    (finite, as the guard keeps them; fit's would be NaN) and they are checkpointed."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(80, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    x[3 * 8 + 1] = np.nan  # the fourth batch of 8
+
+    def model() -> keras.Model:
+        keras.utils.set_random_seed(0)
+        built = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, activation="softmax")])
+        built.compile(optimizer=keras.optimizers.SGD(0.1), jit_compile=False,
+                      loss="sparse_categorical_crossentropy")
+        return built
+
+    common = dict(batch_size=8, shuffle=False, strategy=strategy_for(replicas),
+                  report_mfu=False, jit_compile=False, steps_per_loop=2)
+    expected = model()
+    tputrain.fit(expected, (x, y), model_dir=str(tmp_path / "three"), steps=3, **common)
+    stopped = model()
+    with caplog.at_level("WARNING"):
+        tputrain.fit(stopped, (x, y), model_dir=str(tmp_path / "run"), steps=10,
+                     callbacks=[keras.callbacks.TerminateOnNaN()], **common)
+    assert close(stopped.get_weights(), expected.get_weights()) == 0.0
+    assert tf.train.latest_checkpoint(str(tmp_path / "run" / "checkpoints")).endswith("ckpt-4")
+    said = [r.getMessage() for r in caplog.records if "TerminateOnNaN" in r.getMessage()]
+    assert len(said) == 1 and "step 4" in said[0], said
+
+    with pytest.raises(tputrain.NonFiniteError, match="step 4"):  # without it: the guard's error
+        tputrain.fit(model(), (x, y), model_dir=str(tmp_path / "plain"), steps=10, **common)

@@ -18,9 +18,14 @@ class Action:
     `owns_learning_rate`: True when the action sets the optimizer's learning rate
     (e.g. Keras's ReduceLROnPlateau through `KerasCallbacks`): a resume then takes it
     from the checkpoint instead of putting the config's value back.
+
+    `stops_on_nonfinite`: True when the action ends the run itself on a NaN loss (Keras's
+    `TerminateOnNaN` through `KerasCallbacks`): the guard's "raise" then stops the run
+    at that loop's end, the last finite weights checkpointed, instead of raising.
     """
 
     owns_learning_rate = False
+    stops_on_nonfinite = False
 
     def preflight(self, context: ActionContext) -> None:
         """On the chief, once the model is built and before anything is written to

@@ -108,6 +108,8 @@ class KerasCallbacks(Action):
                     "checkpoints already resume a run exactly (weights, optimizer, data "
                     "position, the callbacks' state), and the callback would load its older "
                     "backup over the checkpoint a rerun resumes from: remove it")
+        self.stops_on_nonfinite = any(isinstance(c, keras.callbacks.TerminateOnNaN)
+                                      for c in self.callbacks)
         self._list: keras.callbacks.CallbackList | None = None
         self._model: _CallbackModel | None = None
         self._train_logs: dict[str, float] = {}

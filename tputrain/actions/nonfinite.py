@@ -13,7 +13,8 @@ from tputrain.fault_tolerance.guard import NonFiniteError
 
 class NonFinitePolicyAction(Action):
     """Applies `NonFiniteGuard.policy` after a loop in which the guard tripped:
-    raise, or roll the weights back to the last checkpoint."""
+    raise (or stop, when an action stops on a NaN itself), or roll the weights back
+    to the last checkpoint."""
 
     def on_loop_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         guard = context.guard
@@ -21,7 +22,16 @@ class NonFinitePolicyAction(Action):
         if not tripped:
             return
         if guard.policy == "raise":
-            raise NonFiniteError(guard.message(tripped))
+            stopper = next((a for a in context.actions if getattr(a, "stops_on_nonfinite", False)),
+                           None)
+            if stopper is None:
+                raise NonFiniteError(guard.message(tripped))
+            logging.warning("tputrain: non-finite loss or gradients at step %d; the update was "
+                            "not applied. %s asked for a stop (TerminateOnNaN): the run ends "
+                            "here with the weights from before that step", tripped,
+                            type(stopper).__name__)
+            context.stop("non-finite")
+            return
         guard.rollbacks += 1
         if guard.rollbacks > guard.max_rollbacks:
             raise NonFiniteError(guard.message(tripped, gave_up=True))

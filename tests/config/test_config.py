@@ -207,3 +207,30 @@ def test_an_error_raised_by_a_configurable_names_it():
         except TypeError as error:
             text = error_message(error)
     assert "'<=' not supported" in text and "width_for_test" in text and "In call" not in text
+
+
+def test_an_error_in_a_task_method_a_configurable_called_names_the_task():
+    """`DigitsTask.dropout = 'abc'` failed in build_model, which the Trainer calls: the
+    message named only the Trainer ("'<=' not supported ... (raised in Trainer: check
+    its bindings)"), not the Task whose binding is wrong."""
+    import tputrain
+    from tputrain.cli.common import error_message
+
+    class WideTaskForTest(tputrain.Task):
+        def __init__(self, width="3"):
+            self.width = width
+
+        def build_model(self):
+            return self.width <= 0
+
+    @gin.configurable
+    def runner_for_test(task=None):
+        return task.build_model()
+
+    with gin.config_scope(None):
+        try:
+            runner_for_test(task=WideTaskForTest())
+        except TypeError as error:
+            text = error_message(error)
+    assert "'<=' not supported" in text and "In call" not in text, text
+    assert "WideTaskForTest.build_model" in text and "runner_for_test" in text, text

@@ -96,7 +96,23 @@ def error_message(error: BaseException) -> str:
     text, *calls = str(error).split("\n  In call to configurable")
     text = text.strip() or type(error).__name__
     names = [m.group(1) for m in (re.match(r" '([\w.]+)'", call) for call in calls) if m]
-    return f"{text} (raised in {names[0]}: check its bindings)" if names else text
+    if not names:
+        return text
+    method = _task_method(error)
+    if method:  # e.g. a Task's binding, found wrong when the Trainer builds its model
+        return f"{text} (raised in {method}, called by {names[0]}: check their bindings)"
+    return f"{text} (raised in {names[0]}: check its bindings)"
+
+
+def _task_method(error: BaseException) -> str | None:
+    """"Task.method" of the innermost frame of a `Task`'s method the error passed."""
+    found, trace = None, error.__traceback__
+    while trace is not None:
+        owner = trace.tb_frame.f_locals.get("self")
+        if isinstance(owner, Task):
+            found = f"{type(owner).__name__}.{trace.tb_frame.f_code.co_name}"
+        trace = trace.tb_next
+    return found
 
 
 def parse_gin_flags(data_files: Sequence[str] = ()) -> None:

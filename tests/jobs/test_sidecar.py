@@ -124,6 +124,21 @@ def test_continuous_evaluates_each_checkpoint_once_and_skips_vanished_ones(tmp_p
     assert eval_steps_in(tmp_path / "run" / "eval", os.getpid()).count(8) == 2
 
 
+def test_a_side_car_says_which_checkpoints_an_earlier_evaluation_handled(tmp_path, caplog):
+    """A one-off `tputrain eval` records its step; a `--continuous` side-car started
+    later skipped that checkpoint without a word (its result was nowhere in the
+    side-car's output). Now its first line names the steps it will not evaluate again,
+    and where they were recorded."""
+    make(tmp_path / "run", checkpoint_every=2).train()
+    reader = make(tmp_path / "run", cls=ReadOnlyTrainer, checkpoint_every=2)
+    evaluate_checkpoints(reader, step=4)
+    with caplog.at_level("INFO"):
+        results = evaluate_checkpoints(reader, continuous=True, poll_seconds=0.01)
+    assert sorted(results) == [2, 6, 8]
+    said = [r.getMessage() for r in caplog.records if "already" in r.getMessage()]
+    assert len(said) == 1 and "step 4" in said[0] and sidecar.RECORD_FILE in said[0], said
+
+
 class WideTask(TinyTask):
     """Another model: a wider hidden layer."""
 

@@ -288,6 +288,9 @@ def _follow(view: RunView, record: EvalRecord, poll_seconds: float,
     directory, results = checkpoint_dir(view), {}
     logging.info("tputrain: evaluating each new checkpoint in %s until step %d", directory,
                  until_step)
+    if record.done():  # an earlier side-car's, or a one-off `tputrain eval`'s
+        logging.info("tputrain: already evaluated or skipped, not again: %s (in %s; delete "
+                     "it to evaluate them again)", _steps(record.done()), record.path)
     last_new = time.monotonic()
     while max(record.done(), default=-1) < until_step:
         done = record.done()
@@ -307,6 +310,13 @@ def _follow(view: RunView, record: EvalRecord, poll_seconds: float,
         else:
             time.sleep(poll_seconds)
     return results
+
+
+def _steps(steps: set[int]) -> str:
+    ordered = [str(step) for step in sorted(steps)]
+    if len(ordered) > 8:  # a long run's record: its ends and how many
+        return f"{len(ordered)} steps ({', '.join(ordered[:3])}, ..., {', '.join(ordered[-2:])})"
+    return ("step " if len(ordered) == 1 else "steps ") + ", ".join(ordered)
 
 
 def _timeout_message(directory: str, record: EvalRecord, timeout: float, until: int) -> str:

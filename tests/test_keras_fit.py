@@ -896,3 +896,32 @@ def test_terminate_on_nan_ends_the_run_at_the_last_finite_weights(tmp_path, repl
 
     with pytest.raises(tputrain.NonFiniteError, match="step 4"):  # without it: the guard's error
         tputrain.fit(model(), (x, y), model_dir=str(tmp_path / "plain"), steps=10, **common)
+
+
+def test_an_adapted_normalization_and_a_frozen_kernel_train_as_under_fit(tmp_path):
+    """Two things no layer config holds (an adapted `Normalization`'s mean and variance,
+    one weight's `trainable = False`) were lost in tputrain's copy: it trained on raw
+    features and moved the frozen kernel, and the user's model came back worse."""
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(128, 4)) * 50 + 200).astype(np.float32)
+    y = (x[:, 0] > 200).astype(np.int64)
+
+    def model() -> keras.Model:
+        keras.utils.set_random_seed(0)
+        norm, hidden = keras.layers.Normalization(), keras.layers.Dense(8, activation="relu")
+        norm.adapt(x)
+        inputs = keras.Input((4,))
+        built = keras.Model(inputs, keras.layers.Dense(2)(hidden(norm(inputs))))
+        hidden.kernel.trainable = False
+        built.compile(optimizer=keras.optimizers.SGD(0.1), jit_compile=False,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return built
+
+    expected = model()
+    expected.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    trained = model()
+    frozen = trained.layers[2].kernel.numpy()
+    tputrain.fit(trained, (x, y), model_dir=str(tmp_path / "run"), steps=8, batch_size=32,
+                 shuffle=False, strategy=strategy_for(1), report_mfu=False, jit_compile=False)
+    np.testing.assert_array_equal(trained.layers[2].kernel.numpy(), frozen)
+    assert close(trained.get_weights(), expected.get_weights()) < 1e-5

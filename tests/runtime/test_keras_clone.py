@@ -68,3 +68,28 @@ def test_a_model_that_cannot_be_rebuilt_is_refused_in_one_short_line_with_the_fi
     assert message.startswith("KerasTask could not rebuild Subclassed: pass a function that "
                               "builds and compiles it"), message
     assert "\n" not in message and len(message) < 400, message
+
+
+def test_an_adapted_normalization_is_the_models_in_the_copy():
+    """`Normalization.adapt` keeps its mean and variance as constants made when the
+    layer is built; `set_weights` left the copy's at 0 and 1, so `tputrain.fit` trained
+    (and exported) on the raw features: outputs 2e4 apart."""
+    x = (np.random.default_rng(0).normal(size=(64, 4)) * 50 + 200).astype(np.float32)
+    norm = keras.layers.Normalization()
+    norm.adapt(x)
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(norm(inputs)))
+    np.testing.assert_allclose(cloned(model)(x), model(x), atol=1e-5)
+
+
+def test_a_weight_frozen_on_its_own_stays_frozen_in_the_copy():
+    """`layer.kernel.trainable = False` is in no config: the copy trained that kernel
+    (and handed it back into the user's frozen weight)."""
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8)
+    model = keras.Model(inputs, keras.layers.Dense(2)(hidden(inputs)))
+    hidden.kernel.trainable = False
+    copy = cloned(model)
+    assert [v.path for v in copy.trainable_variables] == [
+        v.path for v in model.trainable_variables]
+    assert len(copy.trainable_variables) == 3

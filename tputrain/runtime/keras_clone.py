@@ -6,8 +6,8 @@ whose backbone makes its layers from a few arguments) is rebuilt by that class
 instead: `clone_model` turns it into a plain functional model of other layers.
 
 Neither config holds what the user did to the built model: LoRA enabled on some
-layers (`backbone.enable_lora(rank)`, `layer.enable_lora(rank)`) and layers or
-weights frozen. `cloned` does the same to the copy (layer by layer, in the same
+layers (`backbone.enable_lora(rank)`, `layer.enable_lora(rank)`), layers or
+weights frozen, lookup vocabularies and `Normalization` statistics from `adapt`. `cloned` does the same to the copy (layer by layer, in the same
 order) and then copies every weight, the LoRA factors included, so the copy trains
 exactly the weights the user's model would. See docs/keras_hub.md.
 """
@@ -105,9 +105,9 @@ def copy_vocabularies(source: keras.Model, copy: keras.Model) -> None:
 
 
 def cloned(source: keras.Model) -> keras.Model:
-    """`source` rebuilt (in the caller's scope) with its weights, and with its LoRA
-    layers and trainable flags when it has LoRA; a one-line TypeError naming the fix
-    when it cannot be rebuilt, or not the same."""
+    """`source` rebuilt (in the caller's scope) with its weights, each weight's trainable
+    flag, adapted preprocessing state and LoRA layers; a one-line TypeError naming the
+    fix when it cannot be rebuilt, or not the same."""
     try:
         return _cloned(source)
     except Exception as error:  # pylint: disable=broad-except  (named, then re-raised)
@@ -121,14 +121,25 @@ def cloned(source: keras.Model) -> keras.Model:
 def _cloned(source: keras.Model) -> keras.Model:
     copy = _rebuilt(source)
     copy_vocabularies(source, copy)
-    if not has_lora(source):
-        copy.set_weights(source.get_weights())
-        return copy
-    mirror_lora_and_trainable(source, copy)
-    if [v.path for v in copy.weights] != [v.path for v in source.weights]:
-        raise ValueError("the copy's weights are not the model's")
+    lora = has_lora(source)
+    if lora:
+        mirror_lora_and_trainable(source, copy)
+        if [v.path for v in copy.weights] != [v.path for v in source.weights]:
+            raise ValueError("the copy's weights are not the model's")
     copy.set_weights(source.get_weights())
-    if [v.path for v in copy.trainable_variables] != [
+    for theirs, ours in zip(source.weights, copy.weights):  # one frozen weight: in no config
+        ours.trainable = theirs.trainable
+    refresh_adapted_state(copy)
+    if lora and [v.path for v in copy.trainable_variables] != [
             v.path for v in source.trainable_variables]:
         raise ValueError("the copy's trainable weights are not the model's")
     return copy
+
+
+def refresh_adapted_state(model: keras.Model) -> None:
+    """What preprocessing layers derive from their weights when they load them
+    (`Normalization`'s mean and variance constants, from `adapt`'s variables):
+    `set_weights` and a checkpoint's restore do not, `finalize_state` does."""
+    for layer in _layers(model):
+        if callable(getattr(layer, "finalize_state", None)) and layer.built:
+            layer.finalize_state()

@@ -381,3 +381,45 @@ def test_a_batched_train_dataset_is_read_in_its_batches_not_example_by_example(
     passes = (examples // 16 * 16) if drop_remainder else examples
     assert np.array_equal(read, np.resize(np.arange(passes, dtype=np.float32) * 3, read.size))
     assert batches.element_spec[0].shape.as_list() == [16 // replicas, 3]
+
+
+class Penalized(keras.Model):
+    """A Keras 3 model whose loss is its own `compute_loss` (a penalty on the logits)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.logits = keras.layers.Dense(3)
+
+    def call(self, x, training=False):
+        return self.logits(x)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        return loss + keras.ops.mean(keras.ops.abs(y_pred))
+
+
+class Evaluated(Penalized):
+    compute_loss = keras.Model.compute_loss
+
+    def test_step(self, data):
+        return super().test_step(data)
+
+
+@pytest.mark.parametrize("model_class, method, port", [
+    (Penalized, "compute_loss", "def total_loss(self, labels, outputs, model, global_batch_size"),
+    (Evaluated, "test_step", "def eval_step(self, batch, model, metrics")])
+def test_a_model_loss_or_eval_step_the_task_would_drop_is_refused_with_the_port(
+        tmp_path, model_class, method, port):
+    """A `compute_loss` override was silently dropped: the run trained without the
+    penalty, as if the model had none. Like `train_step`, it is refused with the port."""
+    def build():
+        model = model_class()
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+        return model
+
+    with pytest.raises(TypeError) as caught:
+        tputrain.fit(build, noisy_data(BATCH * 2, 1), model_dir=str(tmp_path / "run"), steps=2,
+                     batch_size=BATCH, strategy=strategy_for(1), report_mfu=False)
+    message = str(caught.value)
+    assert f"{model_class.__name__}.{method}" in message and port in message, message
+    assert "task=Ported" in message and "\n" not in message

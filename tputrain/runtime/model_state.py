@@ -22,7 +22,7 @@ from tputrain.loop.inputs import zeros_of
 from tputrain.options import RematOptions
 from tputrain.precision import wrap_optimizer_for_policy
 from tputrain.loop.remat import build_with_remat
-from tputrain.task import Task, overrides, overrides_train_step
+from tputrain.task import Task
 
 
 # model -> ids of the trainable variables its optimizer, EMA and checkpoints were built for.
@@ -44,27 +44,45 @@ def ensure_built(model: keras.Model, features_spec: Any) -> None:
         model(zeros_of(features_spec), training=False)
 
 
+# keras.Model methods tputrain never calls: the Task methods that take their place
+# (one of them overridden is the port) and the port's signature.
+_MODEL_HOOKS = {
+    "train_step": (("train_step", "compute_gradients"),
+                   "train_step(self, batch, model, optimizer, metrics, global_batch_size)"),
+    "compute_loss": (("train_step", "compute_gradients", "compute_loss", "total_loss"),
+                     "total_loss(self, labels, outputs, model, global_batch_size, "
+                     "micro_batches=1, sample_weight=None)"),
+    "test_step": (("eval_step", "eval_outputs"),
+                  "eval_step(self, batch, model, metrics, global_batch_size)"),
+    "compute_metrics": (("update_metrics", "train_step", "eval_step"),
+                        "update_metrics(self, metrics, labels, outputs, sample_weight=None)"),
+}
+
+
 def check_model_train_step(model: keras.Model, task: Task) -> None:
-    """Refuses a model that overrides `keras.Model.train_step` when the Task's step is
-    tputrain's own: nothing would call the model's, so it would silently train without
-    it. A Task that overrides `train_step` (or `compute_gradients`) is the port."""
-    if getattr(type(model), "train_step", keras.Model.train_step) is keras.Model.train_step:
-        return
-    if overrides_train_step(task) or overrides(task, "compute_gradients"):
-        return
-    name, task_name = type(model).__name__, type(task).__name__
+    """Refuses a model that overrides `keras.Model.train_step` (or `compute_loss`,
+    `test_step`, `compute_metrics`) when the Task's own would run instead: nothing
+    would call the model's, so it would silently train or evaluate without it. A
+    Task that overrides the matching method is the port."""
+    base = KerasTask if isinstance(task, KerasTask) else Task
+    for method, (replacements, signature) in _MODEL_HOOKS.items():
+        if getattr(type(model), method, None) is getattr(keras.Model, method):
+            continue
+        if any(getattr(type(task), name) is not getattr(base, name) or name in vars(task)
+               for name in replacements):
+            continue
+        raise TypeError(_port_message(type(model).__name__, method, signature, task))
+
+
+def _port_message(name: str, method: str, signature: str, task: Task) -> str:
+    where = (f"tputrain: {name}.{method} overrides keras.Model.{method}, which tputrain never "
+             "calls (the Task's step trains and evaluates the model)")
     if type(task) is KerasTask:  # tputrain.fit's: the port is a subclass passed as task=
-        raise TypeError(
-            f"tputrain: {name}.train_step overrides keras.Model.train_step, which tputrain "
-            "never calls (the Task's step trains the model): port its body to a KerasTask "
-            "in two lines, `class Ported(tputrain.KerasTask): def train_step(self, batch, "
-            "model, optimizer, metrics, global_batch_size): ...` and `tputrain.fit(model, "
-            "train_data, ..., task=Ported)` (docs/tasks.md, \"Port a model's train_step\")")
-    raise TypeError(
-        f"tputrain: {name}.train_step overrides keras.Model.train_step, which tputrain "
-        f"never calls (the Task's step trains the model): move it to {task_name}.train_step("
-        "batch, model, optimizer, metrics, global_batch_size) (docs/tasks.md, \"Port a "
-        "model's train_step\")")
+        return (f"{where}: port its body to a KerasTask in two lines, `class Ported("
+                f"tputrain.KerasTask): def {signature}: ...` and `tputrain.fit(model, "
+                "train_data, ..., task=Ported)` (docs/tasks.md, \"Port a model's train_step\")")
+    return (f"{where}: move it to {type(task).__name__}.{signature.replace('self, ', '', 1)} "
+            "(docs/tasks.md, \"Port a model's train_step\")")
 
 
 def build_model_state(task: Task, strategy: tf.distribute.Strategy, batch_spec: Any,

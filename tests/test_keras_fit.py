@@ -925,3 +925,34 @@ def test_an_adapted_normalization_and_a_frozen_kernel_train_as_under_fit(tmp_pat
                  shuffle=False, strategy=strategy_for(1), report_mfu=False, jit_compile=False)
     np.testing.assert_array_equal(trained.layers[2].kernel.numpy(), frozen)
     assert close(trained.get_weights(), expected.get_weights()) < 1e-5
+
+
+@pytest.mark.parametrize("reduction, replicas", [
+    ("mean_with_sample_weight", 1), ("mean_with_sample_weight", 2), (None, 1)])
+def test_a_loss_reduction_trains_as_under_fit(tmp_path, reduction, replicas):
+    """"mean_with_sample_weight" divides by the batch's weight sum, not its size, and a
+    loss without reduction is summed by Keras's compile: both were trained as the
+    default mean (weights 0.08 and 2.1 apart from fit's)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    weights = rng.uniform(0.0, 0.5, size=128).astype(np.float32)
+
+    def model() -> keras.Model:
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        built = keras.Model(inputs, keras.layers.Dense(2)(
+            keras.layers.Dense(8, activation="relu")(inputs)))
+        built.compile(optimizer=keras.optimizers.SGD(0.1), jit_compile=False,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                                      reduction=reduction))
+        return built
+
+    expected = model()
+    expected.fit(x, y, sample_weight=weights, batch_size=32, epochs=2, shuffle=False,
+                 verbose=0)
+    trained = model()
+    tputrain.fit(trained, (x, y, weights), model_dir=str(tmp_path / "run"), steps=8,
+                 batch_size=32, shuffle=False, strategy=strategy_for(replicas),
+                 report_mfu=False, jit_compile=False)
+    assert close(trained.get_weights(), expected.get_weights()) < 1e-5

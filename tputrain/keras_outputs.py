@@ -60,7 +60,7 @@ def per_example_loss(loss: Any, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Ten
         per_element = loss.call(labels, outputs)  # no reduction
     else:
         per_element = keras.losses.get(loss)(*_same_rank(labels, outputs))
-    summed = getattr(loss, "reduction", None) == "sum"
+    summed = reduction_of(loss) in ("sum", None, "none")  # compile sums an unreduced loss
     mask = _combined(in_mask, getattr(per_element, "_keras_mask", None), per_element)
     if mask is not None:
         valid = tf.reduce_sum(mask)
@@ -74,6 +74,22 @@ def per_example_loss(loss: Any, labels: tf.Tensor, outputs: tf.Tensor) -> tf.Ten
     if summed:  # the batch's sum, as a mean over it
         per_example *= tf.cast(tf.shape(per_example)[0], per_example.dtype)
     return per_example
+
+
+def reduction_of(loss: Any) -> str | None:
+    """A `keras.losses.Loss`'s reduction; a loss function's: Keras's default."""
+    return loss.reduction if isinstance(loss, keras.losses.Loss) else "sum_over_batch_size"
+
+
+def weight_sum_scale(weight: tf.Tensor, like: tf.Tensor, global_batch_size: Any,
+                     micro_batches: int) -> tf.Tensor:
+    """What turns a loss summed over the global batch and divided by its size into one
+    divided by the sum of its sample weights (reduction "mean_with_sample_weight"): the
+    sum over every replica, per micro-batch (Keras averages those)."""
+    total = tf.reduce_sum(per_example_weights(weight, like))
+    total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, total)
+    return tf.math.divide_no_nan(tf.cast(global_batch_size, tf.float32),
+                                 total * float(micro_batches))
 
 
 def _combined(first: Any, second: Any, like: tf.Tensor) -> tf.Tensor | None:
@@ -170,6 +186,12 @@ class CompiledOutputs:
                         in enumerate(zip(self.names, losses, weights))]
 
     @property
+    def divides_by_weights(self) -> bool:
+        """Whether an output's loss has reduction "mean_with_sample_weight"."""
+        return any(reduction_of(out.loss) == "mean_with_sample_weight" for out in self.outputs
+                   if out.loss is not None)
+
+    @property
     def several(self) -> bool:
         return bool(self.names)
 
@@ -193,9 +215,12 @@ class CompiledOutputs:
         return [None if out.loss is None else per_example_loss(out.loss, label, output)
                 for out, label, output in zip(self.outputs, self.flat(labels), self.flat(outputs))]
 
-    def combined(self, labels: Any, outputs: Any, sample_weight: Any = None) -> tf.Tensor:
+    def combined(self, labels: Any, outputs: Any, sample_weight: Any = None,
+                 global_batch_size: Any = None, micro_batches: int = 1) -> tf.Tensor:
         """The per-example total: the sum over outputs of loss weight * sample weight *
-        loss (what Keras's compiled loss sums, before its division by the batch)."""
+        loss (what Keras's compiled loss sums, before its division by the batch). With
+        `global_batch_size` (training), an output whose loss divides by the weights' sum
+        ("mean_with_sample_weight") is scaled so that the division by the batch does."""
         weights = self.flat(sample_weight, repeat=True) if sample_weight is not None \
             else [None] * len(self.outputs)
         total = None
@@ -204,6 +229,9 @@ class CompiledOutputs:
                 continue
             term = tf.cast(loss, tf.float32) * out.weight
             if weight is not None:
+                if global_batch_size is not None and \
+                        reduction_of(out.loss) == "mean_with_sample_weight":
+                    term *= weight_sum_scale(weight, term, global_batch_size, micro_batches)
                 term *= per_example_weights(weight, term)
             total = term if total is None else total + term
         if total is None:

@@ -283,11 +283,14 @@ class KerasTask(Task):
                    global_batch_size: int, micro_batches: int = 1,
                    sample_weight: Any = None) -> tf.Tensor:
         """Sample weights per output (a list or dict, as `fit` takes them) weight each
-        output's loss; one sample weight weights them all (the Task's own rule)."""
-        if sample_weight is None or not tf.nest.is_nested(sample_weight):
+        output's loss; one sample weight weights them all (the Task's own rule). A loss
+        with reduction "mean_with_sample_weight" is divided by the weights' sum."""
+        if sample_weight is None or not (tf.nest.is_nested(sample_weight)
+                                         or self._outputs.divides_by_weights):
             return super().total_loss(labels, outputs, model, global_batch_size,
                                       micro_batches, sample_weight=sample_weight)
-        weighted = self._outputs.combined(labels, outputs, sample_weight)
+        weighted = self._outputs.combined(labels, outputs, sample_weight, global_batch_size,
+                                          micro_batches)
         loss = average_loss(weighted, None, global_batch_size)
         if model.losses:
             regularization = tf.add_n([tf.cast(l, tf.float32) for l in model.losses])

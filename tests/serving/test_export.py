@@ -534,3 +534,45 @@ def test_a_kill_at_any_file_event_after_the_final_checkpoint_is_completed_by_a_r
         assert not any(w.startswith("save ") for w in reruns), reruns  # no checkpoint written
         assert_same_outcome(run_outcome(model_dir), expected,
                             f"killed before event {number} ({what}, torn={torn})")
+
+
+def test_a_model_with_a_list_of_inputs_is_served_under_their_names(tmp_path):
+    """`tputrain.fit(model, ([a, b], y), actions=[Export()])` trained every step, then
+    failed at the end ("export needs the model's features to be one tensor or a dict")
+    and the user's model got no weights back. The list's inputs are served by their
+    `keras.Input` names, in the model's order (an unnamed one by its place)."""
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(64, 3)).astype(np.float32)
+    b = rng.normal(size=(64, 2)).astype(np.float32)
+    y = (a[:, 0] + b[:, 0] > 0).astype(np.int64)
+    first, second = keras.Input((3,), name="a"), keras.Input((2,))
+    model = keras.Model([first, second], keras.layers.Dense(2)(
+        keras.layers.Concatenate()([first, second])))
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    export = tputrain.Export()
+    tputrain.fit(model, ([a, b], y), model_dir=str(tmp_path / "run"), steps=4, batch_size=16,
+                 strategy=strategy_for(1), actions=[export], report_mfu=False,
+                 jit_compile=False)
+    serve = tf.saved_model.load(export.path).signatures["serving_default"]
+    assert sorted(serve.structured_input_signature[1]) == ["a", "input_1"]
+    served = list(serve(a=tf.constant(a[:5]), input_1=tf.constant(b[:5])).values())[0]
+    np.testing.assert_allclose(served, model([a[:5], b[:5]]), rtol=1e-5, atol=1e-6)
+
+
+def test_features_export_cannot_serve_are_refused_before_training(tmp_path):
+    """A structure no signature takes (a dict holding a list) failed at the end of the
+    run, after every step; now it fails before the first, with nothing checkpointed."""
+    rng = np.random.default_rng(0)
+    x = {"pair": (rng.normal(size=(32, 2)).astype(np.float32),) * 2}
+    y = rng.integers(0, 2, size=32)
+    first, second = keras.Input((2,), name="p0"), keras.Input((2,), name="p1")
+    model = keras.Model({"pair": [first, second]}, keras.layers.Dense(2)(
+        keras.layers.Concatenate()([first, second])))
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match="export needs the model's features"):
+        tputrain.fit(model, (x, y), model_dir=str(tmp_path / "run"), steps=4, batch_size=16,
+                     strategy=strategy_for(1), actions=[tputrain.Export()], report_mfu=False,
+                     jit_compile=False)
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -15,7 +15,7 @@ from tputrain.core.checks import check_bool
 from tputrain.observe import goodput
 from tputrain.runtime.context import ActionContext
 from tputrain.serving.export import (checkpoint_to_export, export_checkpoint, export_complete,
-                                     export_destination)
+                                     export_destination, signature_inputs)
 
 
 class Export(Action):
@@ -40,6 +40,10 @@ class Export(Action):
         self.every_best = check_bool("Export", "every_best", every_best)
         self.path: str | None = None  # where the last export went
         self.exported_step: int | None = None
+
+    def preflight(self, context: ActionContext) -> None:
+        """Features no signature can take fail now, not after the last step."""
+        signature_inputs(context.model, context.inputs.micro_batch_spec()[0])
 
     def on_train_begin(self, context: ActionContext, step: int) -> None:
         if self.every_best and self._best(context) is None:

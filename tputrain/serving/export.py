@@ -107,10 +107,15 @@ def serving_inputs(view: RunView, model: keras.Model) -> Any:
 def signature_inputs(model: keras.Model, features: Any) -> Any:
     """The `TensorSpec`s a SavedModel of `model` takes for `features` (the train split's
     feature specs): any batch size, named after the model's inputs, restricted to the
-    named inputs of a functional model (it ignores the rest)."""
+    named inputs of a functional model (it ignores the rest); a list of inputs keeps
+    its order, each served under its `keras.Input` name."""
     if isinstance(features, tf.TensorSpec):
         return tf.TensorSpec([None, *features.shape[1:]], features.dtype,
                              name=_single_input_name(model))
+    if isinstance(features, (list, tuple)) and all(isinstance(s, tf.TensorSpec)
+                                                   for s in features):
+        return [tf.TensorSpec([None, *spec.shape[1:]], spec.dtype, name=name)
+                for spec, name in zip(features, _input_names(model, len(features)))]
     if not (isinstance(features, Mapping)
             and all(isinstance(s, tf.TensorSpec) for s in features.values())):
         raise ValueError("export needs the model's features to be one tensor or a dict of "
@@ -122,6 +127,19 @@ def signature_inputs(model: keras.Model, features: Any) -> Any:
         names = set(features)
     return {name: tf.TensorSpec([None, *spec.shape[1:]], spec.dtype, name=name)
             for name, spec in sorted(features.items()) if name in names}
+
+
+def _input_names(model: keras.Model, count: int) -> list[str]:
+    """A list of inputs' names: each `keras.Input`'s `name=`, else "input_<i>" (its
+    place: the automatic `keras_tensor_N` changes with every model built)."""
+    try:
+        inputs = list(model.inputs)
+    except (AttributeError, ValueError, TypeError):  # a subclassed model declares none
+        inputs = []
+    names = [getattr(inputs[i], "name", None) if i < len(inputs) else None
+             for i in range(count)]
+    return [name if isinstance(name, str) and name and not name.startswith("keras_tensor")
+            else f"input_{i}" for i, name in enumerate(names)]
 
 
 def _single_input_name(model: keras.Model) -> str:

@@ -956,3 +956,49 @@ def test_a_loss_reduction_trains_as_under_fit(tmp_path, reduction, replicas):
                  batch_size=32, shuffle=False, strategy=strategy_for(replicas),
                  report_mfu=False, jit_compile=False)
     assert close(trained.get_weights(), expected.get_weights()) < 1e-5
+
+
+def _two_layer(x_shape: int, init: float | None = None) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((x_shape,))
+    hidden = keras.layers.Dense(8)(inputs)
+    kernel = keras.initializers.Constant(init) if init is not None else "glorot_uniform"
+    model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32",
+                                                   kernel_initializer=kernel)(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False)
+    return model
+
+
+def test_a_model_built_under_mixed_float16_keeps_its_loss_scaling(tmp_path):
+    """The GPU recipe (policy mixed_float16, then build and compile: a LossScaleOptimizer):
+    the run's precision stayed float32, so the optimizer lost its loss scaling while
+    the layers still computed in float16, and tiny gradients underflowed to 0 (the
+    hidden kernel never moved; under fit it does). The run now takes the model's policy."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(128, 4)).astype(np.float32), np.zeros((128, 1), np.float32)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        expected, trained = _two_layer(4, 1e-4), _two_layer(4, 1e-4)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    before = trained.get_weights()[0].copy()
+    expected.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    tputrain.fit(trained, (x, y), model_dir=str(tmp_path / "run"), steps=8, batch_size=32,
+                 shuffle=False, strategy=strategy_for(1), report_mfu=False, jit_compile=False)
+    assert np.abs(trained.get_weights()[0] - before).max() > 0
+    np.testing.assert_allclose(trained.get_weights()[0], expected.get_weights()[0],
+                               rtol=1e-2, atol=1e-9)
+
+
+def test_a_precision_a_built_model_cannot_take_is_said(tmp_path, caplog):
+    """precision="mixed_bfloat16" with a model passed built: its layers keep the float32
+    policies they were built with (the run logged bf16 and computed in float32)."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 4)).astype(np.float32), np.zeros((64, 1), np.float32)
+    with caplog.at_level("WARNING"):
+        tputrain.fit(_two_layer(4), (x, y), model_dir=str(tmp_path / "run"), steps=2,
+                     batch_size=32, strategy=strategy_for(1), report_mfu=False,
+                     jit_compile=False, precision="mixed_bfloat16")
+    said = [r.getMessage() for r in caplog.records if "mixed_bfloat16" in r.getMessage()
+            and "float32" in r.getMessage()]
+    assert len(said) == 1 and "tputrain.fit(build" in said[0], said

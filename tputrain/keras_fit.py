@@ -31,7 +31,7 @@ from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.runtime.context import ActionContext, learning_rate
 from tputrain.config.parsing import without_gin_notes
 from tputrain.actions.keras_callbacks import KerasCallbacks
-from tputrain.keras_task import KerasTask
+from tputrain.keras_task import KerasTask, built_precision
 from tputrain.optim.ema import (check_overwrite_supported, finalize_keras_averages,
                                 uses_keras_ema)
 from tputrain.trainer import Trainer
@@ -74,6 +74,9 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
         arguments.
       **trainer_options: any other `Trainer` argument (strategy, steps_per_loop, ...).
     """
+    if isinstance(model, keras.Model) and "precision" not in trainer_options and \
+            built_precision(model):  # built under mixed_float16: its loss scaling too
+        trainer_options["precision"] = built_precision(model)
     call = _Call(model_dir, train_data, eval_data, batch_size, shuffle, eval_every,
                  task, list(callbacks), list(actions), dict(trainer_options),
                  _contents((train_data, eval_data)))

@@ -181,6 +181,14 @@ def _accuracy(name: str, label_spec: tf.TensorSpec, output_shape: tuple | None
     return keras.metrics.CategoricalAccuracy(name=name)
 
 
+def built_precision(model: keras.Model) -> str | None:
+    """The mixed policy a built model's layers compute in ("mixed_float16" when any
+    layer with weights does, then "mixed_bfloat16"), or None: float32 throughout."""
+    names = {layer.dtype_policy.name for layer in model._flatten_layers(include_self=False)
+             if layer.weights}  # pylint: disable=protected-access
+    return next((name for name in ("mixed_float16", "mixed_bfloat16") if name in names), None)
+
+
 class KerasTask(Task):
     """A `Task` from a compiled Keras model and `fit`-style data.
 
@@ -235,6 +243,7 @@ class KerasTask(Task):
         self._resolved: CompiledOutputs | None = None
         self._resolved_for: keras.Model | None = None
         self._evaluating = False
+        self._said_precision = False  # the warning that precision misses a built model
 
     # ------------------------------------------------------------ Task
 
@@ -247,6 +256,16 @@ class KerasTask(Task):
             self._compiled = self._built = _check_compiled(model)
             return model
         self._built = cloned(self._source)  # LoRA and frozen layers as the user left them
+        policy = keras.mixed_precision.global_policy().name
+        if policy.startswith("mixed_") and built_precision(self._source) != policy and \
+                not self._said_precision:
+            self._said_precision = True
+            logging.warning(
+                "tputrain.fit: precision %s does not reach the layers of a model passed "
+                "built: they keep the policies they were built with (%s) and compute as "
+                "built; pass a function that builds and compiles the model "
+                "(tputrain.fit(build, ...)) to build them under %s", policy,
+                built_precision(self._source) or "float32", policy)
         return self._built
 
     def build_inputs(self, split: str, input_context: InputContext) -> tf.data.Dataset:

@@ -1002,3 +1002,23 @@ def test_a_precision_a_built_model_cannot_take_is_said(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if "mixed_bfloat16" in r.getMessage()
             and "float32" in r.getMessage()]
     assert len(said) == 1 and "tputrain.fit(build" in said[0], said
+
+
+def test_fit_leaves_the_users_numpy_and_python_generators_as_they_were(tmp_path):
+    """The Trainer seeds the process's generators as it builds (documented on
+    `Trainer.seed`); through `tputrain.fit`, as through `model.fit`, a notebook that
+    draws data between calls kept getting the same "random" numbers after each call."""
+    import random
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 4)).astype(np.float32), np.zeros((64, 1), np.float32)
+    model = _two_layer(4)
+    np.random.seed(5)
+    random.seed(5)
+    expected = (np.random.rand(3), random.random())
+    np.random.seed(5)
+    random.seed(5)
+    tputrain.fit(model, (x, y), model_dir=str(tmp_path / "run"), steps=2,
+                 batch_size=32, strategy=strategy_for(1), report_mfu=False, jit_compile=False)
+    np.testing.assert_array_equal(np.random.rand(3), expected[0])
+    assert random.random() == expected[1]

@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import numbers
 import os
+import random
 import tempfile
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
@@ -82,13 +83,14 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
                  _contents((train_data, eval_data)))
     run = _continued(model, call)
     try:
-        with _fit_errors():
-            run = run or _new_run(model, call, steps)
-            run.trainer.train_steps = steps
-        for adapter in run.adapters:
-            adapter.weights_changed = False  # set again by this call's on_train_end
-        run.averages.finalized = False  # likewise
-        logs = _trained(run, model_dir)
+        with _users_generators_kept():
+            with _fit_errors():
+                run = run or _new_run(model, call, steps)
+                run.trainer.train_steps = steps
+            for adapter in run.adapters:
+                adapter.weights_changed = False  # set again by this call's on_train_end
+            run.averages.finalized = False  # likewise
+            logs = _trained(run, model_dir)
     except BaseException:
         if isinstance(model, keras.Model):
             _forget(model, close=False)  # a failed call's Trainer is not continued
@@ -231,6 +233,18 @@ def _new_run(model: Any, call: _Call, steps: int) -> _Run:
     trainer = Trainer(keras_task, call.model_dir, train_steps=steps, eval_every=call.eval_every,
                       actions=[averages, *adapters, *call.actions], **call.trainer_options)
     return _Run(trainer, adapters, call, averages)
+
+
+@contextlib.contextmanager
+def _users_generators_kept() -> Iterator[None]:
+    """Python's and NumPy's global generators as the caller left them: the Trainer
+    seeds them as it builds (`Trainer.seed`), and `model.fit` draws nothing from them."""
+    python, numpy = random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
 
 
 @contextlib.contextmanager

@@ -156,7 +156,8 @@ class TrainerOptions:
       seed: seeds weight initialisation and Keras random ops: the Trainer calls
         `keras.utils.set_random_seed(seed)` as it builds, which seeds the process's
         Python, NumPy and TensorFlow global generators too (a script that draws from
-        them after building a Trainer draws seed's stream).
+        them after building a Trainer draws seed's stream; `tputrain.fit` puts
+        Python's and NumPy's back as the caller left them, as `model.fit` does).
       input_mode: "host" keeps a plain per-host iterator that is checkpointed
         (exact data resume) and splits each step's batches across local replicas;
         "distributed" uses `distribute_datasets_from_function` (device prefetch,

@@ -442,3 +442,15 @@ def test_a_precision_leaves_the_users_global_policy_as_it_was(tmp_path):
     assert {layer.compute_dtype for layer in trainer.model.layers
             if isinstance(layer, keras.layers.Dense)} >= {"bfloat16"}
     assert keras.layers.Dense(1).compute_dtype == "float32"
+
+
+def test_a_continue_from_a_step_off_the_fetch_is_a_checkpoint_mismatch(tmp_path):
+    """A run of 43 steps (its fetch shrunk to divide them), continued to 50 with fetches
+    of 10: the refusal was a plain ValueError, which `tputrain run` printed as a
+    20-line traceback with exit 1 (a bad configuration found before any step exits 2
+    with one line: the CLI maps CheckpointMismatchError to that)."""
+    common = dict(steps_per_loop=10, checkpoint_every=10, global_batch_size=8)
+    make_trainer(tmp_path, train_steps=43, steps_per_fetch=10, **common).train()
+    trainer = make_trainer(tmp_path, train_steps=50, steps_per_fetch=10, **common)
+    with pytest.raises(tputrain.CheckpointMismatchError, match="steps_per_fetch=10.*e.g. 1"):
+        trainer.train()

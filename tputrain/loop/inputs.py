@@ -17,6 +17,7 @@ from tputrain.core import tracing
 from tputrain.data import InputContext
 from tputrain.data.batching import check_static, label_key_of
 from tputrain.data.external_state import checkpointable
+from tputrain.checkpointing.integrity import InputLayoutError
 from tputrain.data.mixture import mixture_sources
 from tputrain.checkpointing.input_layout import InputLayout, LayoutChange
 from tputrain.loop.source_counts import SourceCounter, has_row_tags, without_source
@@ -184,7 +185,7 @@ class Inputs:
         host its own share); returns the steps read (`advance`)."""
         steps_per_fetch = self.plan.steps_per_fetch
         if change.resume_steps % steps_per_fetch:
-            raise ValueError(
+            raise InputLayoutError(
                 f"checkpoint {change.path} consumed {change.consumed} examples, "
                 f"{change.resume_steps} batches of this run's {self.plan.batch.global_batch_size}: "
                 f"not a multiple of Trainer.steps_per_fetch={steps_per_fetch}, in which the "

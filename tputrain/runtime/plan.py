@@ -16,6 +16,7 @@ from typing import Callable
 import keras
 import tensorflow as tf
 
+from tputrain.checkpointing.integrity import InputLayoutError
 from tputrain.distribution.strategy import check_devices_exist
 from tputrain.loop.hosts import host_topology, is_chief
 from tputrain.loop.inputs import default_input_mode
@@ -106,7 +107,7 @@ class RunPlan:
     def check_resume_step(self, step: int, model_dir: str) -> None:
         """Host input is read in whole fetches: a resume must start on a fetch boundary."""
         if step % self.steps_per_fetch:
-            raise ValueError(
+            raise InputLayoutError(
                 f"the checkpoint in {model_dir} is at step {step}, not a multiple of "
                 f"Trainer.steps_per_fetch={self.steps_per_fetch}: resume with a "
                 "steps_per_fetch that divides it (e.g. 1)")

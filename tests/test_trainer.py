@@ -131,12 +131,17 @@ def test_keep_checkpoints(tmp_path):
     assert [p.rsplit("-", 1)[-1] for p in kept] == ["10.index", "8.index"]
 
 
-def test_finite_train_data_stops_cleanly(tmp_path):
-    """256 examples / 16 = 16 steps; asking for 40 stops at 16, no step applied twice."""
+def test_finite_train_data_stops_cleanly(tmp_path, caplog):
+    """256 examples / 16 = 16 steps; asking for 40 stops at 16, no step applied twice,
+    and the warning says the run is short of train_steps and how to train them all
+    (it said only "train input ended at step 16")."""
     trainer = make_trainer(tmp_path, 2, "finite", task=TinyTask(finite_train=True),
                            train_steps=40, steps_per_loop=5, checkpoint_every=40)
-    trainer.train()
+    with caplog.at_level("WARNING"):
+        trainer.train()
     assert int(trainer.step.numpy()) == 16
+    said = [r.getMessage() for r in caplog.records if "train input ended" in r.getMessage()]
+    assert len(said) == 1 and "step 16 of 40" in said[0] and "repeat()" in said[0], said
 
 
 def test_distributed_input_mode_matches_host_mode(tmp_path):

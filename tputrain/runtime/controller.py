@@ -82,7 +82,10 @@ class Controller:
             except tf.errors.InvalidArgumentError as error:
                 if EXHAUSTED not in str(error):  # a record unlike its feature spec?
                     raise (compile_cache.read_error(error) or explain_parse_error(error)) from None
-                logging.warning("tputrain: train input ended at step %d", step)
+                logging.warning("tputrain: the train input ended at step %d of %d: the run "
+                                "stops there (to train every step, `repeat()` the train "
+                                "split, or lower Trainer.train_steps)", step,
+                                self.until)
                 return None
         return logs, steps, watch.seconds, input_wait
 

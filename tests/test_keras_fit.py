@@ -1022,3 +1022,33 @@ def test_fit_leaves_the_users_numpy_and_python_generators_as_they_were(tmp_path)
                  batch_size=32, strategy=strategy_for(1), report_mfu=False, jit_compile=False)
     np.testing.assert_array_equal(np.random.rand(3), expected[0])
     assert random.random() == expected[1]
+
+
+def test_a_continued_fit_gives_the_callbacks_each_epoch_end_once(tmp_path):
+    """A second `tputrain.fit` call continuing a run gave its last epoch's
+    `on_epoch_end` again (ModelCheckpoint saved twice, an epoch counter counted one
+    more): the checkpoint the call resumes from predates the final evaluation the
+    callbacks were given, and the state restored from it was older than their own."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(128, 4)).astype(np.float32), (rng.normal(size=128) > 0).astype(np.int64)
+
+    class Events(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.events = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.events.append(f"begin{epoch}")
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.events.append(f"end{epoch}")
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, activation="softmax")])
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", jit_compile=False)
+    events, strategy = Events(), strategy_for(1)  # the same arguments: the run continues
+    for steps in (8, 16):
+        tputrain.fit(model, (x, y), (x, y), model_dir=str(tmp_path / "run"), steps=steps,
+                     batch_size=32, eval_every=4, steps_per_loop=4, callbacks=[events],
+                     strategy=strategy, report_mfu=False, jit_compile=False)
+    ends = [e for e in events.events if e.startswith("end")]
+    assert ends == ["end0", "end1", "end2", "end3"], events.events

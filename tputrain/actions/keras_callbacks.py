@@ -118,6 +118,7 @@ class KerasCallbacks(Action):
         self._stopped_at: int | None = None  # the step at which one stopped the run
         self._state = CheckpointedState(self._gather)
         self.weights_changed = False  # by the callbacks' on_train_end (see on_train_end)
+        self._ended: tuple[int, dict[str, Any]] | None = None  # (step, state) at the last end
 
     def checkpoint_state(self) -> CheckpointedState:
         return self._state
@@ -160,8 +161,14 @@ class KerasCallbacks(Action):
                     "actions=[tputrain.InitCheckpoint(<this model_dir>)]", self._stopped_at)
 
     def _restored(self, step: int) -> list[Any]:
-        """Each callback's state from the restored checkpoint (None where there is none)."""
+        """Each callback's state from the restored checkpoint (None where there is none).
+        A call continuing this run in this process (`tputrain.fit` again) takes the state
+        the callbacks ended the last call with: the checkpoint at its last step was
+        written before they were given its final evaluation."""
         restored = self._state.take()
+        if self._ended is not None and self._ended[0] == step:
+            restored = self._ended[1]
+        self._ended = None
         self._last_eval, self._stopped_at = None, None
         if restored is None:
             return [None] * len(self.callbacks)
@@ -220,6 +227,7 @@ class KerasCallbacks(Action):
         (EarlyStopping's `restore_best_weights`): they then differ from the last step's."""
         if self._list is None:
             return
+        self._ended = (step, self._gather())  # newer than the last checkpoint's (see _restored)
         before = context.model.get_weights()
         self._list.on_train_end(dict(logs))
         self._list = None

@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tputrain
+from mixture_task import MixtureEvalTask, mixture_manifests
 from tiny import TinyTask, strategy_for
 from tputrain.jobs import predict as predict_module
 from tputrain.cli import predict as predict_cli
@@ -239,6 +240,21 @@ def test_arrays_and_a_dataset_in_memory_predict_like_the_split(tmp_path):
     np.testing.assert_array_equal(trainer.predict(labelled), expected)
     with pytest.raises(ValueError, match="holds no examples"):
         trainer.predict({"x": x[:0]})
+
+
+def test_a_mixture_split_is_predicted_from_its_features_without_the_source_id(tmp_path):
+    """A `MixtureInput` split (and its dataset passed in) carries `source_id` beside
+    the model's feature `x`: predict gives `model(x)`, as the eval loop does."""
+    task = MixtureEvalTask(mixture_manifests(tmp_path))
+    trainer = tputrain.Trainer(task, str(tmp_path / "run"), strategy=strategy_for(1),
+                               train_steps=2, steps_per_loop=2, global_batch_size=8,
+                               eval_steps=1, report_mfu=False, progress_bar="off")
+    trainer.train()
+    batches = task.build_inputs("eval", tputrain.data.InputContext(global_batch_size=8))
+    x = np.concatenate([features["x"].numpy() for features, _ in batches])
+    expected = trainer.model({"x": tf.constant(x)}, training=False).numpy()
+    np.testing.assert_allclose(trainer.predict("eval"), expected, atol=1e-6)
+    np.testing.assert_allclose(trainer.predict(batches), expected, atol=1e-6)
 
 
 def test_in_memory_examples_are_dealt_to_hosts_in_contiguous_blocks():

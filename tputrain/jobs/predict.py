@@ -49,6 +49,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.data.batching import dropped_remainder
+from tputrain.data.mixture import without_source_ids
 from tputrain.data.stages import repeats_forever
 from tputrain.data.tfrecord import list_shards
 from tputrain.optim.ema import averaged_weights
@@ -281,10 +282,12 @@ def memory_examples(source: Any, hosts: int, host: int) -> tf.data.Dataset:
 
 
 def split_examples(dataset: tf.data.Dataset, split: str) -> tf.data.Dataset:
-    """Per-replica batches -> single feature examples, padding (weight 0) dropped."""
+    """Per-replica batches -> single feature examples, padding (weight 0) dropped, a
+    mixture's source id left out (the model never gets it, as in evaluation)."""
     if repeats_forever(dataset):
         raise ValueError(f"predict: the {split} split repeats forever: predict a finite "
                          "split or a TFRecord glob")
+    dataset = without_source_ids(dataset)
     spec = dataset.element_spec
     if not isinstance(spec, tuple):
         return dataset.unbatch()

@@ -15,6 +15,7 @@ import keras
 import tensorflow as tf
 
 from tputrain.core import tracing
+from tputrain.data.mixture import without_source_ids
 from tputrain.loop.host_loop import HostLoop
 from tputrain.loop.inputs import Inputs, is_weighted, padded, replicas_per_pipeline, with_weights
 from tputrain.task import EVAL_REGULARIZATION, EVAL_WEIGHT, Task
@@ -64,9 +65,11 @@ class Evaluator:
                 batches * replicas).repeat()
 
         if inputs.plan.input_mode == "distributed":
+            # As the host mode's dataset (`Inputs.build_dataset`): the model never gets
+            # a mixture's source id.
             self._iterator = iter(inputs.strategy.distribute_datasets_from_function(
-                lambda c: prepare(self.task.build_inputs(self.split, inputs.input_context(c)),
-                                  replicas_per_pipeline(c))))
+                lambda c: prepare(without_source_ids(self.task.build_inputs(
+                    self.split, inputs.input_context(c))), replicas_per_pipeline(c))))
         else:
             self._iterator = iter(prepare(self.dataset, inputs.plan.batch.local_replicas))
         self._loop = HostLoop(self._replica_step, inputs, count_steps=False).loop

@@ -10,7 +10,8 @@ seeks instead of re-reading.
 Where the offsets come from:
 
 * shards `write_tfrecords` wrote: their manifest records them (the writer knows
-  every record's length as it writes);
+  every record's length as it writes), trusted while the shard is the size the
+  manifest says (a shard rewritten after its manifest is scanned, with a warning);
 * any other shard: a one-time scan of its record headers (8-byte length, then the
   next header length + 8 bytes further on; no record is read or parsed), cached
   in a small JSON file beside the shard (hidden: `.NAME.blocks-K.json`), or, where
@@ -150,11 +151,26 @@ def _count_records(path: str, compression: str | None) -> int:
     return int(dataset.reduce(np.int64(0), lambda n, _: n + 1))
 
 
+def _matches(path: str, num_bytes: int, manifest: Manifest) -> bool:
+    """The shard at `path` is the size its manifest says; else a warning: the manifest
+    is stale (the file was rewritten after it) and its counts and offsets are not used."""
+    size = tf.io.gfile.stat(path).length
+    if size == num_bytes:
+        return True
+    logging.warning("tputrain: %s is %d bytes but its manifest %s says %d: the manifest is "
+                    "stale (the shard was rewritten after it), so its blocks are found by a "
+                    "scan; rewrite the data with write_tfrecords, or delete the manifest",
+                    path, size, manifest.location, num_bytes)
+    return False
+
+
 def file_blocks(path: str, manifest: Manifest | None, block_records: int,
                 compression: str | None, cache_dir: str | None) -> list[tuple[int, int, int]]:
     """One file's blocks: the manifest's offsets when it has them for this block size,
     else the scan (uncompressed) or a record count (compressed)."""
     shard = manifest.shard_at(path) if manifest is not None else None
+    if shard is not None and not _matches(path, shard.num_bytes, manifest):
+        shard = None
     if shard is not None and manifest.block_records == block_records and (
             shard.block_offsets is not None or compression):
         return blocks_of(shard.num_examples, None if compression else shard.block_offsets,

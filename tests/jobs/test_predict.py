@@ -229,6 +229,20 @@ def test_tfrecord_shards_are_read_in_order_and_dealt_to_hosts(tmp_path):
     np.testing.assert_array_equal(read(2, 0), np.concatenate([x[:10], x[20:]]))
 
 
+@pytest.mark.parametrize("compression,manifest", [("GZIP", True), ("ZLIB", True),
+                                                  ("GZIP", False)])
+def test_compressed_shards_are_read_by_their_manifest_or_gzip_header(tmp_path, compression,
+                                                                      manifest):
+    """What `tputrain write-tfrecords --compression=...` writes: the manifest beside the
+    shards names the compression; without one, a GZIP file shows by its first bytes."""
+    x = np.arange(20 * 8, dtype=np.float32).reshape(20, 8)
+    tputrain.data.write_tfrecords({"x": x}, str(tmp_path / "d"), num_shards=2,
+                                  compression_type=compression, manifest=manifest)
+    spec = ({"x": tf.TensorSpec([None, 8], tf.float32)}, tf.TensorSpec([None], tf.int64))
+    dataset = predict_module.tfrecord_examples(str(tmp_path / "d-*"), spec, 1, 0)
+    np.testing.assert_array_equal(np.stack([e["x"] for e in dataset.as_numpy_iterator()]), x)
+
+
 def test_arrays_and_a_dataset_in_memory_predict_like_the_split(tmp_path):
     # What a Keras user passes to model.predict: NumPy arrays (a dict by input name), or
     # a tf.data.Dataset of batches, here of (features, labels) with a ragged last batch.

@@ -114,3 +114,20 @@ def test_a_shard_whose_size_differs_from_its_manifest_is_scanned_not_trusted(tmp
         assert _read_at(path, int(offset), 2) == written[first:first + 2]
     assert any("d.manifest.json" in r.getMessage() and "stale" in r.getMessage()
                for r in caplog.records)
+
+
+def test_a_shard_rewritten_at_the_same_size_is_scanned_again(tmp_path):
+    """The same records in reverse order: the size is the same, the offsets are not; a
+    cache checked by size alone made a healthy file read as corrupt."""
+    path = str(tmp_path / "data.tfrecord")
+    written = _plain_shard(path, 700)
+    size = os.path.getsize(path)
+    block_table([path], block_records=100)  # cached beside it
+    with tf.io.TFRecordWriter(path) as writer:
+        for record in reversed(written):
+            writer.write(record)
+    assert os.path.getsize(path) == size
+    blocks = block_table([path], block_records=100)
+    assert blocks.offsets.tolist() == scan_offsets(path, 100)[0]
+    for offset, first in zip(blocks.offsets, blocks.first):
+        assert _read_at(path, int(offset), 2) == written[::-1][first:first + 2]

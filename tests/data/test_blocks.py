@@ -98,3 +98,36 @@ def test_a_truncated_shard_fails_the_scan_naming_it(tmp_path):
         f.truncate(os.path.getsize(path) - 3)
     with pytest.raises(tf.errors.DataLossError, match="not a whole TFRecord file"):
         scan_offsets(path, 4)
+
+
+def test_a_shard_whose_size_differs_from_its_manifest_is_scanned_not_trusted(tmp_path, caplog):
+    """A shard rewritten after its manifest (600 records, then 900 by another writer):
+    the manifest's counts and offsets would read 600; its size shows it is stale."""
+    prefix = str(tmp_path / "d")
+    path = write_tfrecords({"x": np.arange(600, dtype=np.int64)}, prefix, num_shards=1)[0]
+    manifest = read_manifest(prefix + ".manifest.json")
+    written = _plain_shard(path, 900)
+    with caplog.at_level("WARNING"):
+        blocks = block_table([path], [manifest])
+    assert blocks.num_records == 900 and blocks.counts.tolist() == [256, 256, 256, 132]
+    for offset, first in zip(blocks.offsets, blocks.first):
+        assert _read_at(path, int(offset), 2) == written[first:first + 2]
+    assert any("d.manifest.json" in r.getMessage() and "stale" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_shard_rewritten_at_the_same_size_is_scanned_again(tmp_path):
+    """The same records in reverse order: the size is the same, the offsets are not; a
+    cache checked by size alone made a healthy file read as corrupt."""
+    path = str(tmp_path / "data.tfrecord")
+    written = _plain_shard(path, 700)
+    size = os.path.getsize(path)
+    block_table([path], block_records=100)  # cached beside it
+    with tf.io.TFRecordWriter(path) as writer:
+        for record in reversed(written):
+            writer.write(record)
+    assert os.path.getsize(path) == size
+    blocks = block_table([path], block_records=100)
+    assert blocks.offsets.tolist() == scan_offsets(path, 100)[0]
+    for offset, first in zip(blocks.offsets, blocks.first):
+        assert _read_at(path, int(offset), 2) == written[::-1][first:first + 2]

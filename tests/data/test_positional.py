@@ -74,6 +74,14 @@ def test_one_pass_in_file_order_without_shuffle(table):
     assert _ids(stream.dataset(300, repeat=False), RECORDS) == list(range(300, RECORDS))
 
 
+def test_one_pass_in_file_order_with_parallel_reads(table):
+    """Without a shuffle a window's blocks are read one after another (cycle 1): more
+    read threads (what TFRecordInput gives on a multi-core host) failed in tf.data."""
+    stream = _stream(table, shuffle=False, read_parallelism=4)
+    assert _ids(stream.dataset(repeat=False), RECORDS + 1) == list(range(RECORDS))
+    assert _ids(stream.dataset(300, repeat=False), RECORDS) == list(range(300, RECORDS))
+
+
 def test_compressed_shards_read_by_record_index(tmp_path):
     prefix = str(tmp_path / "train")
     write_tfrecords({"id": np.arange(100, dtype=np.int64)}, prefix, num_shards=2,

@@ -335,3 +335,22 @@ def test_a_second_write_to_a_prefix_leaves_only_its_own_shards(tmp_path, caplog)
     assert sum(1 for _ in tf.data.TFRecordDataset(tf.io.gfile.glob(f"{prefix}-*.tfrecord"))) == 30
     assert other.read_text() == "mine" and read_manifest(f"{prefix}.manifest.json").num_examples == 30
     assert any("removed 4 shard(s) of an earlier write" in r.getMessage() for r in caplog.records)
+
+
+def test_a_write_without_a_manifest_removes_an_earlier_writes_manifest(tmp_path, caplog):
+    """600 examples with a manifest, then 900 to the same prefix with manifest=False: the
+    first manifest stayed beside the new shard and described it (600 examples), which
+    a positional read trusted. The new write leaves no manifest, and says so."""
+    prefix = str(tmp_path / "d")
+    write_tfrecords({"x": np.arange(600, dtype=np.int64)}, prefix, num_shards=1)
+    with caplog.at_level("INFO"):
+        write_tfrecords({"x": np.arange(900, dtype=np.int64)}, prefix, num_shards=1,
+                        manifest=False)
+    assert not os.path.exists(f"{prefix}.manifest.json")
+    assert any("removed the manifest of an earlier write" in r.getMessage()
+               for r in caplog.records)
+    inputs = TFRecordInput(f"{prefix}-*", {"x": ([], "int64")}, seed=0, repeat=False,
+                           positional=True)
+    read = [int(v) for batch in inputs(InputContext(global_batch_size=100))
+            for v in batch["x"].numpy()]
+    assert sorted(read) == list(range(900))

@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tputrain
+from mixture_task import MixtureEvalTask, mixture_manifests
 from tiny import TinyTask, strategy_for
 from tputrain.jobs import predict as predict_module
 from tputrain.cli import predict as predict_cli
@@ -228,6 +229,20 @@ def test_tfrecord_shards_are_read_in_order_and_dealt_to_hosts(tmp_path):
     np.testing.assert_array_equal(read(2, 0), np.concatenate([x[:10], x[20:]]))
 
 
+@pytest.mark.parametrize("compression,manifest", [("GZIP", True), ("ZLIB", True),
+                                                  ("GZIP", False)])
+def test_compressed_shards_are_read_by_their_manifest_or_gzip_header(tmp_path, compression,
+                                                                      manifest):
+    """What `tputrain write-tfrecords --compression=...` writes: the manifest beside the
+    shards names the compression; without one, a GZIP file shows by its first bytes."""
+    x = np.arange(20 * 8, dtype=np.float32).reshape(20, 8)
+    tputrain.data.write_tfrecords({"x": x}, str(tmp_path / "d"), num_shards=2,
+                                  compression_type=compression, manifest=manifest)
+    spec = ({"x": tf.TensorSpec([None, 8], tf.float32)}, tf.TensorSpec([None], tf.int64))
+    dataset = predict_module.tfrecord_examples(str(tmp_path / "d-*"), spec, 1, 0)
+    np.testing.assert_array_equal(np.stack([e["x"] for e in dataset.as_numpy_iterator()]), x)
+
+
 def test_arrays_and_a_dataset_in_memory_predict_like_the_split(tmp_path):
     # What a Keras user passes to model.predict: NumPy arrays (a dict by input name), or
     # a tf.data.Dataset of batches, here of (features, labels) with a ragged last batch.
@@ -239,6 +254,21 @@ def test_arrays_and_a_dataset_in_memory_predict_like_the_split(tmp_path):
     np.testing.assert_array_equal(trainer.predict(labelled), expected)
     with pytest.raises(ValueError, match="holds no examples"):
         trainer.predict({"x": x[:0]})
+
+
+def test_a_mixture_split_is_predicted_from_its_features_without_the_source_id(tmp_path):
+    """A `MixtureInput` split (and its dataset passed in) carries `source_id` beside
+    the model's feature `x`: predict gives `model(x)`, as the eval loop does."""
+    task = MixtureEvalTask(mixture_manifests(tmp_path))
+    trainer = tputrain.Trainer(task, str(tmp_path / "run"), strategy=strategy_for(1),
+                               train_steps=2, steps_per_loop=2, global_batch_size=8,
+                               eval_steps=1, report_mfu=False, progress_bar="off")
+    trainer.train()
+    batches = task.build_inputs("eval", tputrain.data.InputContext(global_batch_size=8))
+    x = np.concatenate([features["x"].numpy() for features, _ in batches])
+    expected = trainer.model({"x": tf.constant(x)}, training=False).numpy()
+    np.testing.assert_allclose(trainer.predict("eval"), expected, atol=1e-6)
+    np.testing.assert_allclose(trainer.predict(batches), expected, atol=1e-6)
 
 
 def test_in_memory_examples_are_dealt_to_hosts_in_contiguous_blocks():

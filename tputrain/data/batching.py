@@ -22,6 +22,7 @@ from tputrain.core import tracing
 from tputrain.core.checks import check_bool, check_int
 from tputrain.data.context import InputContext
 from tputrain.data.epochs import by_epoch, shuffle_epoch
+from tputrain.data.file_cache import cache_file
 from tputrain.data.options import InputOptions
 from tputrain.data.pipeline_facts import mark_in_memory
 
@@ -369,9 +370,15 @@ class BatchedInput:
         if self.cache == "memory":
             return examples.cache()
         if self.cache:  # one cache file per pipeline: tf.data allows one reader per file
-            return examples.cache(f"{self.cache}-{context.input_pipeline_id:05d}"
-                                  f"-of-{context.num_input_pipelines:05d}")
+            return examples.cache(cache_file(type(self).__name__, self.cache,
+                                             self._cache_identity(), context))
         return examples
+
+    def _cache_identity(self) -> Any:
+        """What a file cache holds (JSON-able): it names the cache file (`file_cache`),
+        so changed data or another split gets its own."""
+        raise NotImplementedError(f"{type(self).__name__} has no file cache: use "
+                                  "cache=False or 'memory'")
 
     def _finish(self, dataset: tf.data.Dataset, context: InputContext) -> tf.data.Dataset:
         """InputOptions, determinism, no second sharding by tf.distribute (each pipeline

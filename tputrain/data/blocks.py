@@ -10,12 +10,13 @@ seeks instead of re-reading.
 Where the offsets come from:
 
 * shards `write_tfrecords` wrote: their manifest records them (the writer knows
-  every record's length as it writes);
+  every record's length as it writes), trusted while the shard is the size the
+  manifest says (a shard rewritten after its manifest is scanned, with a warning);
 * any other shard: a one-time scan of its record headers (8-byte length, then the
   next header length + 8 bytes further on; no record is read or parsed), cached
   in a small JSON file beside the shard (hidden: `.NAME.blocks-K.json`), or, where
   the data folder is read-only, in `cache_dir` (the Trainer's model_dir). A cache
-  whose shard size differs is scanned again.
+  whose shard's size, modification time or first 4 KiB differ is scanned again.
 
 Compressed shards (GZIP, ZLIB) have no byte offsets a reader can seek to: their
 blocks record only the first record's index, and a block is read by skipping that
@@ -41,6 +42,7 @@ from tputrain.data.manifest import RECORD_OVERHEAD, Manifest
 BLOCK_RECORDS = 256  # records a block: the reads' unit (long enough to cost what a scan costs)
 _CACHE_FORMAT = "tputrain.tfrecord_blocks"
 _HEADER = 12  # length (8) + its CRC (4)
+_STAMP_BYTES = 4096  # a shard's first bytes, hashed into its cache's stamp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,21 +105,33 @@ def _cache_paths(path: str, block_records: int, cache_dir: str | None) -> list[s
     return paths
 
 
-def _read_cache(candidates: list[str], size: int) -> tuple[list[int], int] | None:
+def _stamp(path: str) -> dict[str, int | str]:
+    """What a cache checks its shard by: size, modification time and a hash of the first
+    bytes (a rewrite of the same size, e.g. the records reordered, changes the others)."""
+    stat = tf.io.gfile.stat(path)
+    with tf.io.gfile.GFile(path, "rb") as f:
+        head = hashlib.sha256(f.read(_STAMP_BYTES)).hexdigest()[:16]
+    return {"size": int(stat.length), "mtime_nsec": int(stat.mtime_nsec), "head": head}
+
+
+def _read_cache(candidates: list[str], stamp: dict[str, int | str]
+                ) -> tuple[list[int], int] | None:
     for candidate in candidates:
         try:
             with tf.io.gfile.GFile(candidate, "r") as f:
                 data = json.load(f)
         except (tf.errors.OpError, OSError, ValueError):
             continue
-        if data.get("format") == _CACHE_FORMAT and data.get("size") == size:
+        if data.get("format") == _CACHE_FORMAT and all(
+                data.get(key) == value for key, value in stamp.items()):
             return [int(o) for o in data["offsets"]], int(data["records"])
     return None
 
 
-def _write_cache(candidates: list[str], offsets: list[int], count: int, size: int) -> None:
+def _write_cache(candidates: list[str], offsets: list[int], count: int,
+                 stamp: dict[str, int | str]) -> None:
     """Beside the data, else in the fallback folder; a cache nowhere is only logged."""
-    text = json.dumps({"format": _CACHE_FORMAT, "size": size, "records": count,
+    text = json.dumps({"format": _CACHE_FORMAT, **stamp, "records": count,
                        "offsets": offsets})
     for candidate in candidates:
         try:
@@ -134,14 +148,14 @@ def _write_cache(candidates: list[str], offsets: list[int], count: int, size: in
 def cached_offsets(path: str, block_records: int, cache_dir: str | None) -> tuple[list[int], int]:
     """A shard's block offsets and record count: from its cache, else scanned once and
     cached."""
-    size = tf.io.gfile.stat(path).length
+    stamp = _stamp(path)
     candidates = _cache_paths(path, block_records, cache_dir)
-    found = _read_cache(candidates, size)
+    found = _read_cache(candidates, stamp)
     if found is not None:
         return found
     logging.info("tputrain: scanning the record headers of %s once (no manifest offsets)", path)
     offsets, count = scan_offsets(path, block_records)
-    _write_cache(candidates, offsets, count, size)
+    _write_cache(candidates, offsets, count, stamp)
     return offsets, count
 
 
@@ -150,11 +164,26 @@ def _count_records(path: str, compression: str | None) -> int:
     return int(dataset.reduce(np.int64(0), lambda n, _: n + 1))
 
 
+def _matches(path: str, num_bytes: int, manifest: Manifest) -> bool:
+    """The shard at `path` is the size its manifest says; else a warning: the manifest
+    is stale (the file was rewritten after it) and its counts and offsets are not used."""
+    size = tf.io.gfile.stat(path).length
+    if size == num_bytes:
+        return True
+    logging.warning("tputrain: %s is %d bytes but its manifest %s says %d: the manifest is "
+                    "stale (the shard was rewritten after it), so its blocks are found by a "
+                    "scan; rewrite the data with write_tfrecords, or delete the manifest",
+                    path, size, manifest.location, num_bytes)
+    return False
+
+
 def file_blocks(path: str, manifest: Manifest | None, block_records: int,
                 compression: str | None, cache_dir: str | None) -> list[tuple[int, int, int]]:
     """One file's blocks: the manifest's offsets when it has them for this block size,
     else the scan (uncompressed) or a record count (compressed)."""
     shard = manifest.shard_at(path) if manifest is not None else None
+    if shard is not None and not _matches(path, shard.num_bytes, manifest):
+        shard = None
     if shard is not None and manifest.block_records == block_records and (
             shard.block_offsets is not None or compression):
         return blocks_of(shard.num_examples, None if compression else shard.block_offsets,

@@ -54,6 +54,26 @@ def mixture_sources(dataset: tf.data.Dataset) -> MixtureSources | None:
     return getattr(dataset, _SOURCES_ATTRIBUTE, None)
 
 
+def without_source_ids(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """A `MixtureInput` dataset with the source id left out of its features: what eval
+    and predict feed the model, which never gets the id (only the train step counts
+    it); any other dataset unchanged."""
+    sources = mixture_sources(dataset)
+    if sources is None or not isinstance(_features_of(dataset.element_spec), Mapping):
+        return dataset
+    key = sources.key
+
+    def strip(*batch: Any) -> Any:
+        features = {name: value for name, value in batch[0].items() if name != key}
+        return features if len(batch) == 1 else (features, *batch[1:])
+    return dataset.map(strip)
+
+
+def _features_of(element_spec: Any) -> Any:
+    """The features of a batch's spec: its first item when it is a tuple."""
+    return element_spec[0] if isinstance(element_spec, tuple) else element_spec
+
+
 def source_name(source: Any, index: int) -> str:
     """A readable default name: the manifest's or the file pattern's stem."""
     path = source if isinstance(source, str) else (

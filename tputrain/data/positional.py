@@ -165,10 +165,12 @@ class PositionalRecords:
 
     def _window(self, index: tf.Tensor) -> tf.data.Dataset:
         """Window `index`'s records: its block pieces interleaved, then permuted."""
+        cycle = self.window_blocks + 1 if self.shuffle else 1  # unshuffled: block by block
+        calls = self.read_parallelism  # at most the cycle (tf.data's rule), or AUTOTUNE
         records = tf.data.Dataset.from_tensor_slices(self._pieces(index)).interleave(
-            tracing.graph_helper(self._piece),
-            cycle_length=self.window_blocks + 1 if self.shuffle else 1,
-            num_parallel_calls=self.read_parallelism, deterministic=True)
+            tracing.graph_helper(self._piece), cycle_length=cycle,
+            num_parallel_calls=calls if calls == tf.data.AUTOTUNE else min(calls, cycle),
+            deterministic=True)
         if not self.shuffle:
             return records
         seed = _seed(self.seed, index, _WINDOW_KEY)

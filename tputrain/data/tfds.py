@@ -19,6 +19,7 @@ from tputrain.core.checks import check_bool, check_int
 from tputrain.data.batching import (BatchedInput, check_static, in_memory_batches, pad_to_batch,
                                     split_label)
 from tputrain.data.context import InputContext
+from tputrain.data.file_cache import callable_name
 from tputrain.data.options import InputOptions
 
 _STATIC_FIX = ("resize or pad each example with TFDSInput.preprocess_example, or keep only "
@@ -52,7 +53,8 @@ class TFDSInput(BatchedInput):
         deterministic: keep the order of parallel work (`tf.data.Options`).
         cache: False; True or "memory": decoded examples of this pipeline are
             read once and kept in RAM (each epoch fully reshuffled); a path prefix:
-            decoded examples are cached in local files after the first pass.
+            decoded examples are cached in local files after the first pass, named by
+            the data set, split and options (`tputrain.data.file_cache`).
         preprocess_example: per-example function (dict -> dict) before batching,
             e.g. to resize images to one shape.
         preprocess_batch: per-batch function (dict -> dict) after batching,
@@ -191,6 +193,13 @@ class TFDSInput(BatchedInput):
         if self.pad_remainder:
             dataset = dataset.map(lambda *batch: pad_to_batch(batch, per_replica_batch))
         return self._finish(dataset, context)
+
+    def _cache_identity(self) -> list[Any]:
+        """What a file cache holds: the data set, its split and the options that select,
+        order or change its examples (a preprocess function by its name, not its code)."""
+        return [self.name, self.split, self.data_dir, self.features,
+                callable_name(self.preprocess_example), self.label_key, self.shuffle,
+                self.seed, self.repeat, self.pad_remainder, self.cycle_length, self.block_length]
 
     def __repr__(self) -> str:
         return (f"TFDSInput({self.name!r}, {self.split!r}, label_key={self.label_key!r}, "

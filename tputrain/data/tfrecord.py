@@ -56,6 +56,7 @@ from tputrain.data.empty_input import (NO_BATCH, EmptyInputError, check_not_all_
 from tputrain.data.epochs import permuted
 from tputrain.data.feature_check import (check_against_manifest, explain_parse_error,
                                          manifests_next_to, register_pipeline)
+from tputrain.data.file_cache import files_identity
 from tputrain.data.manifest import (COMPRESSION_TYPES, MANIFEST_SUFFIX, Manifest, is_var_len, read_manifest,
                                      var_len_feature, writer_side_file)
 from tputrain.data.options import InputOptions
@@ -279,6 +280,16 @@ def _positional_options(positional: bool, window_blocks: int, cache: Any) -> tup
     return positional, window_blocks
 
 
+def _file_cache_identity(inputs: "TFRecordInput") -> dict[str, Any]:
+    """What a file cache of `inputs` holds: its files as they are now, and the read
+    options that order or select their records (`tputrain.data.file_cache`)."""
+    files = list_shards(inputs.file_patterns, inputs.manifest, inputs.features)
+    return {"files": files_identity(files), "features": sorted(map(repr, inputs.features.items())),
+            "options": [inputs.label_key, inputs.shuffle, inputs.seed, inputs.repeat,
+                        inputs.pad_remainder, inputs.cycle_length, inputs.block_length,
+                        inputs.compression_type, inputs.skip_corrupt]}
+
+
 class TFRecordInput(BatchedInput):
     """Builds one host's dataset of per-replica batches from sharded TFRecord files.
 
@@ -316,11 +327,11 @@ class TFRecordInput(BatchedInput):
         deterministic: whether parallel transformations keep their order
             (`tf.data.Options.deterministic`); False can be faster, True gives
             a reproducible order. None leaves tf.data's default.
-        cache: False; True or "memory": this pipeline's examples are read and
-            parsed once and kept in RAM (for data that fits, e.g. small or
-            evaluation sets); a path prefix: serialized records are cached in
-            local files after the first pass (for slow or remote sources; one
-            iterator at a time per cache file, a tf.data rule).
+        cache: False; True or "memory": this pipeline's examples are read and parsed once
+            and kept in RAM (data that fits, e.g. evaluation sets); a path prefix: serialized
+            records are cached in local files after the first pass (slow or remote sources;
+            one iterator a file, a tf.data rule), named by the files' state and the options:
+            changed data or another split gets its own (`tputrain.data.file_cache`).
         compression_type: None, "ZLIB" or "GZIP", as written.
         skip_corrupt: skip unreadable records (corrupt or truncated) instead of
             failing, and log how many were skipped; a file is abandoned at its
@@ -349,6 +360,7 @@ class TFRecordInput(BatchedInput):
     """
 
     static_fix = _FIXED_LEN
+    _cache_identity = _file_cache_identity  # what names a file cache (tputrain.data.file_cache)
 
     def __init__(
         self,
@@ -405,8 +417,7 @@ class TFRecordInput(BatchedInput):
         self.skip_corrupt = check_bool("TFRecordInput", "skip_corrupt", skip_corrupt)
         self.read_parallelism = check_int("TFRecordInput", "read_parallelism",
                                           read_parallelism, 1, allow_none=True)
-        self.file_patterns = patterns
-        self.features = spec
+        self.file_patterns, self.features = patterns, spec
         self.compression_type = _compression(compression_type)
         self.positional, self.window_blocks = _positional_options(positional, window_blocks,
                                                                   self.cache)

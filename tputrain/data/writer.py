@@ -400,7 +400,8 @@ def write_tfrecords(
         target_shard_mb: wanted shard size; 100-200 MB reads well from local
             disks and GCS alike.
         num_workers: threads writing shards; None: min(shards, 8).
-        manifest: also write the JSON manifest (count, feature spec, shards).
+        manifest: also write the JSON manifest (count, feature spec, shards); False
+            removes the manifest an earlier write to the prefix left.
         var_len: names of variable-length features (rank 1, any length, empty
             included; read back as a `RaggedFeature`). Rows of different
             lengths, a `tf.RaggedTensor` or a dataset feature of shape `[None]`
@@ -589,7 +590,20 @@ def _finish(written: _Written, target: _Target, manifest: bool) -> list[str]:
     logging.info("write_tfrecords: %d examples in %d shard(s) %s-*, %.1f MB", sum(writers.counts),
                  len(paths), target.prefix, sum(sizes) / 2**20)
     _remove_earlier_shards(target.prefix, paths)
+    if not manifest:
+        _remove_earlier_manifest(target.prefix)
     return paths
+
+
+def _remove_earlier_manifest(prefix: str) -> None:
+    """Removes the manifest an earlier write to `prefix` left, once this write (with no
+    manifest) is whole: its counts and offsets describe other shards, and a reader
+    that finds it beside these would trust them."""
+    path = manifest_path(prefix)
+    if tf.io.gfile.exists(path):
+        tf.io.gfile.remove(path)
+        logging.info("write_tfrecords: removed the manifest of an earlier write, %s (this "
+                     "write has none: manifest=False)", path)
 
 
 def _remove_earlier_shards(prefix: str, paths: list[str]) -> None:

@@ -21,7 +21,8 @@ What is read (`source`):
 * any other string is a TFRecord glob (as `write_tfrecords` writes them): the
   matched shards in sorted order, each read start to end, parsed as the eval
   split's features by name (no label needed, the task's own preprocessing in
-  `build_inputs` is not applied). With several hosts, host h reads the shards
+  `build_inputs` is not applied), compressed as their manifest says (or GZIP,
+  by its header, without one). With several hosts, host h reads the shards
   h, h + H, ...
 
 Exactly once and in order: this host's examples are cut into steps of
@@ -49,6 +50,8 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.data.batching import dropped_remainder
+from tputrain.data.feature_check import manifests_next_to
+from tputrain.data.mixture import without_source_ids
 from tputrain.data.stages import repeats_forever
 from tputrain.data.tfrecord import list_shards
 from tputrain.optim.ema import averaged_weights
@@ -281,10 +284,12 @@ def memory_examples(source: Any, hosts: int, host: int) -> tf.data.Dataset:
 
 
 def split_examples(dataset: tf.data.Dataset, split: str) -> tf.data.Dataset:
-    """Per-replica batches -> single feature examples, padding (weight 0) dropped."""
+    """Per-replica batches -> single feature examples, padding (weight 0) dropped, a
+    mixture's source id left out (the model never gets it, as in evaluation)."""
     if repeats_forever(dataset):
         raise ValueError(f"predict: the {split} split repeats forever: predict a finite "
                          "split or a TFRecord glob")
+    dataset = without_source_ids(dataset)
     spec = dataset.element_spec
     if not isinstance(spec, tuple):
         return dataset.unbatch()
@@ -320,15 +325,37 @@ def tfrecord_examples(pattern: str, eval_spec: Any, hosts: int,
                          f"dict of named features, got {features}")
     parse = {name: tf.io.FixedLenFeature(spec.shape[1:], _parse_dtype(spec.dtype))
              for name, spec in features.items()}
-    files = list_shards([pattern], None, parse)[host::hosts]
+    every = list_shards([pattern], None, parse)
+    compression, files = shard_compression(pattern, every), every[host::hosts]
     if not files:
         raise ValueError(f"predict: {pattern!r} has fewer shards than the {hosts} hosts")
-    records = tf.data.TFRecordDataset(files)  # sequential: file order, then record order
+    # sequential: file order, then record order
+    records = tf.data.TFRecordDataset(files, compression_type=compression)
 
     def parse_one(record: tf.Tensor) -> dict[str, tf.Tensor]:
         parsed = tf.io.parse_single_example(record, parse)
         return {name: tf.cast(parsed[name], features[name].dtype) for name in features}
     return records.map(parse_one, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+def shard_compression(pattern: str, files: Sequence[str]) -> str:
+    """How `pattern`'s shards are compressed ("" none, "GZIP", "ZLIB"): as the manifest
+    beside a shard says, else GZIP when the file starts as a gzip file does (ZLIB has no
+    such mark: it needs the manifest `write_tfrecords` writes)."""
+    listed = {path: manifest.compression_type or ""
+              for manifest in manifests_next_to(files) for path in manifest.files()}
+    kinds = {listed[path] if path in listed else _gzip_or_none(path) for path in files}
+    if len(kinds) > 1:
+        raise ValueError(f"predict: the shards of {pattern!r} are compressed in different "
+                         f"ways ({sorted(k or 'none' for k in kinds)}): predict each kind "
+                         "with its own glob")
+    return kinds.pop() if kinds else ""
+
+
+def _gzip_or_none(path: str) -> str:
+    """"GZIP" if the file begins with gzip's magic bytes, else "" (uncompressed)."""
+    with tf.io.gfile.GFile(path, "rb") as file:
+        return "GZIP" if file.read(2) == b"\x1f\x8b" else ""
 
 
 def _parse_dtype(dtype: tf.DType) -> tf.DType:

@@ -13,8 +13,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import keras
 import tensorflow as tf
+from absl import logging
 
 from tputrain.core import tracing
+from tputrain.data.batching import dropped_remainder
+from tputrain.data.mixture import without_source_ids
 from tputrain.loop.host_loop import HostLoop
 from tputrain.loop.inputs import Inputs, is_weighted, padded, replicas_per_pipeline, with_weights
 from tputrain.task import EVAL_REGULARIZATION, EVAL_WEIGHT, Task
@@ -64,9 +67,11 @@ class Evaluator:
                 batches * replicas).repeat()
 
         if inputs.plan.input_mode == "distributed":
+            # As the host mode's dataset (`Inputs.build_dataset`): the model never gets
+            # a mixture's source id.
             self._iterator = iter(inputs.strategy.distribute_datasets_from_function(
-                lambda c: prepare(self.task.build_inputs(self.split, inputs.input_context(c)),
-                                  replicas_per_pipeline(c))))
+                lambda c: prepare(without_source_ids(self.task.build_inputs(
+                    self.split, inputs.input_context(c))), replicas_per_pipeline(c))))
         else:
             self._iterator = iter(prepare(self.dataset, inputs.plan.batch.local_replicas))
         self._loop = HostLoop(self._replica_step, inputs, count_steps=False).loop
@@ -79,6 +84,8 @@ class Evaluator:
         local = self.inputs.plan.batch.local_replicas
         count = int(self.dataset.reduce(tf.constant(0, tf.int64), tracing.graph_helper(lambda n, _: n + 1)))
         steps = -(-count // local) if padded_split else count // local
+        if not padded_split:
+            self._warn_left_out(count % local)
         if steps < 1 and self.inputs.plan.batch.num_hosts == 1:
             raise ValueError(
                 f"the eval split has {count} per-replica batches, fewer than the "
@@ -86,6 +93,23 @@ class Evaluator:
                 "global batch, more eval data, or pad the eval split "
                 "(TFRecordInput.pad_remainder)")
         return steps
+
+    def _warn_left_out(self, spare_batches: int) -> None:
+        """One warning when a whole-split evaluation leaves examples out: the last partial
+        batch a drop_remainder=True split dropped, and batches too few to fill a step's
+        local replicas (`spare_batches`): how many, and how to keep them."""
+        dropped = dropped_remainder(self.dataset)  # a second count of the split's records
+        total, partial = dropped if dropped is not None else (None, 0)
+        left_out = partial + spare_batches * self.inputs.plan.batch.per_replica
+        if not left_out:
+            return
+        of = f" of the {total} examples" if total is not None else " examples"
+        logging.warning(
+            "tputrain: eval: the %r split left out %d%s it holds on this host (a last partial "
+            "batch dropped by drop_remainder=True, or batches too few for every local "
+            "replica): to evaluate them, build it with pad_remainder=True (TFRecordInput, "
+            "TFDSInput), or batch without dropping and pad with tputrain.data.pad_to_batch",
+            self.split, left_out, of)
 
     def close(self) -> None:
         """Frees the eval iterator (and the loop that reads it) now."""

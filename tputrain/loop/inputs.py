@@ -18,7 +18,7 @@ from tputrain.data import InputContext
 from tputrain.data.batching import check_static, label_key_of
 from tputrain.data.external_state import checkpointable
 from tputrain.checkpointing.integrity import InputLayoutError
-from tputrain.data.mixture import mixture_sources
+from tputrain.data.mixture import mixture_sources, without_source_ids
 from tputrain.checkpointing.input_layout import InputLayout, LayoutChange
 from tputrain.loop.source_counts import SourceCounter, has_row_tags, without_source
 from tputrain.options import INPUT_MODES as OPTION_INPUT_MODES
@@ -276,7 +276,7 @@ class Inputs:
             self.source_counter = self.source_counter or SourceCounter(
                 sources, self.plan.batch.num_hosts if rows else 0)
             return dataset
-        return dataset.map(lambda *batch: without_source(batch, sources.key))
+        return without_source_ids(dataset)
 
     def weighted_by_class(self, dataset: tf.data.Dataset, split: str) -> tf.data.Dataset:
         """The train split's `(features, labels)` as `(features, labels, class weights)`
@@ -306,8 +306,8 @@ class Inputs:
                 logging.info("tputrain: the %s input is not positional: it re-reads the %d "
                              "steps' batches consumed to reach them (TFRecordInput("
                              "positional=True) starts there at once)", split, skip)
-            if split != "train" and mixture_sources(dataset) is not None:
-                dataset = self.sources_of(dataset, split)
+            if split != "train":
+                dataset = without_source_ids(dataset)
             dataset = self.group_micro_batches(self.weighted_by_class(dataset, split), split)
             # Each pipeline feeds its replicas one batch each per step (a TPU pod has
             # one client but a pipeline per host: not the plan's local replicas).

@@ -1,0 +1,71 @@
+"""An on-disk cache's file names: each names the data it holds.
+
+`TFRecordInput(cache='<prefix>')` (and `TFDSInput`) writes each pipeline's
+records to files under the prefix on their first pass and reads those files
+from then on. tf.data serves whatever a cache file of the given name holds, so
+the name carries a short hash of the input's identity: for TFRecords, every
+file's path, size, modification time and first bytes, and the read options
+(features, label, shuffle, seed, ...). Rewritten data, or another split given
+the same prefix (an eval input beside the train one), gets a file of its own
+instead of the old or the other split's records; a resumed run of unchanged data
+and options names the same file, and reads the cache its first run wrote.
+Caches of older data stay on disk until their files are deleted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Callable, Sequence
+
+import tensorflow as tf
+
+from tputrain.data.context import InputContext
+
+_HEAD_BYTES = 4096  # each file's first bytes are hashed: a same-size rewrite shows
+
+
+def cache_file(owner: str, prefix: str, identity: Any, context: InputContext) -> str:
+    """This pipeline's cache file under `prefix` for data of `identity` (JSON-able;
+    a hash of it goes in the name); the prefix's folder is made if missing."""
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=repr)
+                         .encode()).hexdigest()[:12]
+    folder = prefix.rpartition("/")[0]
+    if folder and not tf.io.gfile.isdir(folder):
+        try:
+            tf.io.gfile.makedirs(folder)
+        except tf.errors.OpError as error:
+            raise ValueError(f"{owner}: cannot make the cache folder {folder!r} "
+                             f"({error.message}): give cache a writable path prefix") from None
+    return (f"{prefix}-{context.input_pipeline_id:05d}-of-"
+            f"{context.num_input_pipelines:05d}-{key}")
+
+
+def files_identity(paths: Sequence[str]) -> list[list[Any]]:
+    """Each file's path, size, modification time (ns) and a hash of its first bytes:
+    what changes when the file is rewritten."""
+    return [[path, *_stat(path), _head_hash(path)] for path in paths]
+
+
+def callable_name(function: Callable[..., Any] | None) -> str | None:
+    """A function by its module and name (not its address, which differs per process)."""
+    if function is None:
+        return None
+    name = getattr(function, "__qualname__", None) or type(function).__qualname__
+    return f"{getattr(function, '__module__', '')}.{name}"
+
+
+def _stat(path: str) -> tuple[int, int]:
+    try:
+        stat = tf.io.gfile.stat(path)
+    except tf.errors.OpError:
+        return -1, -1
+    return int(stat.length), int(stat.mtime_nsec)
+
+
+def _head_hash(path: str) -> str:
+    try:
+        with tf.io.gfile.GFile(path, "rb") as file:
+            return hashlib.sha256(file.read(_HEAD_BYTES)).hexdigest()[:16]
+    except tf.errors.OpError:
+        return ""

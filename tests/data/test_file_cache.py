@@ -63,3 +63,53 @@ def test_a_cache_folder_that_cannot_be_made_is_named_in_one_line(tmp_path):
                                          "writable path prefix") as raised:
         _read(manifest, str(tmp_path / "a_file" / "sub" / "c"))
     assert "\n" not in str(raised.value)
+
+
+class _CachedTask:
+    """A Task whose train and eval inputs are file-cached TFRecords (one prefix)."""
+
+    def __new__(cls, manifest: str, cache: str):
+        import keras
+        import tputrain
+
+        class Task(tputrain.Task):
+            def build_model(self):
+                x = keras.Input((4,), name="x")
+                return keras.Model({"x": x}, keras.layers.Dense(2)(x))
+
+            def build_inputs(self, split, context):
+                return TFRecordInput(manifest=manifest, label_key="y", cache=cache,
+                                     shuffle_buffer=10, repeat=split == "train")(context)
+
+            def compute_loss(self, labels, outputs):
+                return keras.losses.sparse_categorical_crossentropy(labels, outputs,
+                                                                    from_logits=True)
+        return Task()
+
+
+def test_a_trainer_on_a_new_file_cache_trains_and_resumes(tmp_path):
+    """A run on a file cache not yet written failed on its first loop ("Existing cache
+    files found ... delete the above files"): the Trainer opens the train input more
+    than once, and tf.data made each iterator of the unwritten cache a writer. The
+    cache is now written whole when the pipeline is built; a run stopped at step 7 and
+    resumed ends where the uninterrupted one does."""
+    import tputrain
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(100, 4)).astype(np.float32)
+    write_tfrecords({"x": x, "y": (x[:, 0] > 0).astype(np.int64)}, str(tmp_path / "train"),
+                    num_shards=3)
+    manifest = str(tmp_path / "train.manifest.json")
+
+    def run(name: str, steps: int) -> list[np.ndarray]:
+        trainer = tputrain.Trainer(
+            _CachedTask(manifest, str(tmp_path / "cache" / "c")), str(tmp_path / name),
+            train_steps=steps, steps_per_loop=1, checkpoint_every=1, eval_steps=1,
+            global_batch_size=8, report_mfu=False, progress_bar="off")
+        trainer.train()
+        return [v.numpy() for v in trainer.model.weights]
+
+    whole = run("whole", 17)
+    run("resumed", 7)
+    for a, b in zip(run("resumed", 17), whole):
+        np.testing.assert_array_equal(a, b)

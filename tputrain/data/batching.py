@@ -22,7 +22,7 @@ from tputrain.core import tracing
 from tputrain.core.checks import check_bool, check_int
 from tputrain.data.context import InputContext
 from tputrain.data.epochs import by_epoch, shuffle_epoch
-from tputrain.data.file_cache import cache_file
+from tputrain.data.file_cache import cache_file, written_cache
 from tputrain.data.options import InputOptions
 from tputrain.data.pipeline_facts import mark_in_memory
 
@@ -370,8 +370,8 @@ class BatchedInput:
         if self.cache == "memory":
             return examples.cache()
         if self.cache:  # one cache file per pipeline: tf.data allows one reader per file
-            return examples.cache(cache_file(type(self).__name__, self.cache,
-                                             self._cache_identity(), context))
+            path = cache_file(type(self).__name__, self.cache, self._cache_identity(), context)
+            return written_cache(examples.cache(path), path, type(self).__name__)
         return examples
 
     def _cache_identity(self) -> Any:

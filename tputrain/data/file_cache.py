@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from typing import Any, Callable, Sequence
 
 import tensorflow as tf
+from absl import logging
 
 from tputrain.data.context import InputContext
 
@@ -39,6 +41,23 @@ def cache_file(owner: str, prefix: str, identity: Any, context: InputContext) ->
                              f"({error.message}): give cache a writable path prefix") from None
     return (f"{prefix}-{context.input_pipeline_id:05d}-of-"
             f"{context.num_input_pipelines:05d}-{key}")
+
+
+def written_cache(cached: tf.data.Dataset, path: str, owner: str) -> tf.data.Dataset:
+    """`cached` (a `Dataset.cache(path)`), its file written whole first when it is not
+    yet: tf.data makes every iterator of an unwritten cache a writer, and a run opens
+    its input more than once (a probe, the host iterator, a restore), so the second
+    to finish failed ("Existing cache files found"). One pass here, which the first
+    epoch would have made anyway; a lock file a killed writer left goes first."""
+    if tf.io.gfile.glob(f"{path}_*.index"):
+        return cached
+    for lock in tf.io.gfile.glob(f"{path}_*.lockfile"):
+        tf.io.gfile.remove(lock)
+    started = time.perf_counter()
+    count = int(cached.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+    logging.info("%s: wrote the cache %s (%d examples, %.1f s)", owner, path, count,
+                 time.perf_counter() - started)
+    return cached
 
 
 def files_identity(paths: Sequence[str]) -> list[list[Any]]:

@@ -559,3 +559,21 @@ def test_a_changed_model_is_not_blamed_on_the_optimizer(tmp_path):
     path = tf.train.Checkpoint(model=small, optimizer=first).write(str(tmp_path / "ckpt"))
     text = describe_mismatch(tf.train.Checkpoint(model=large, optimizer=second), path)
     assert text and "optimizer differs" not in text, text
+
+
+def test_another_optimizer_with_the_same_slots_is_refused_on_resume(tmp_path):
+    """Adam's checkpoint resumed with LAMB (the same two slots per weight) restored
+    silently: Adam's moments went into LAMB's slots. The optimizer's variables are
+    named after it in the checkpoint (`adam/iteration`), so the change is found."""
+    from tputrain.checkpointing.integrity import describe_mismatch
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    adam, lamb = keras.optimizers.Adam(), keras.optimizers.Lamb()
+    adam.build(model.trainable_variables)
+    lamb.build(model.trainable_variables)
+    path = tf.train.Checkpoint(model=model, optimizer=adam).write(str(tmp_path / "ckpt"))
+    text = describe_mismatch(tf.train.Checkpoint(model=model, optimizer=lamb), path)
+    assert text.startswith("the optimizer differs from the checkpoint's"), text
+    assert "'adam'" in text and "'lamb'" in text, text
+    again = keras.optimizers.Adam()
+    again.build(model.trainable_variables)
+    assert describe_mismatch(tf.train.Checkpoint(model=model, optimizer=again), path) == ""

@@ -3,6 +3,7 @@ such (not taken for a corrupt one), and NaN/Inf never saved."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterable
 
 import keras
@@ -99,7 +100,8 @@ def describe_mismatch(checkpoint: tf.train.Checkpoint, path: str,
     # save_counter exists once this object has saved: bookkeeping, not state to match.
     skip = _BOOKKEEPING_KEYS + ignore
     expected = {k: v for k, v in expected.items() if not k.startswith(skip)}
-    shapes = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    reader = tf.train.load_checkpoint(path)
+    shapes = reader.get_variable_to_shape_map()
     saved = {k: tuple(v) for k, v in shapes.items() if not k.startswith(skip)}
     problems, matched = [], set()
     for key, (shape, name) in expected.items():
@@ -119,8 +121,8 @@ def describe_mismatch(checkpoint: tf.train.Checkpoint, path: str,
     extra = [k for k in saved if k not in matched]
     problems += [f"{k.removesuffix(VARIABLE_SUFFIX)} {list(saved[k])} is in the checkpoint "
                  "but not in this model" for k in extra]
-    if not problems:
-        return ""
+    if not problems:  # the same shapes: another optimizer with the same slots?
+        return _optimizer_renamed(checkpoint, reader)
     more = f" (and {len(problems) - SHOW} more)" if len(problems) > SHOW else ""
     return _optimizer_change(expected, saved) + "; ".join(problems[:SHOW]) + more
 
@@ -148,6 +150,31 @@ def _optimizer_change(expected: dict[str, Any], saved: dict[str, Any]) -> str:
             f"variables, this one {ours} (another optimizer, or other options: momentum, "
             "EMA, ...): resume with the optimizer the run trained with, or use a new "
             "model_dir. In detail: ")
+
+
+def _optimizer_renamed(checkpoint: tf.train.Checkpoint, reader: Any) -> str:
+    """The optimizer's change where its slots match (Adam and LAMB both keep two a
+    weight): Keras names its variables after it (`adam/iteration`), and the
+    checkpoint keeps those names. '' when they agree, or either is unknown."""
+    optimizer = getattr(checkpoint, "optimizer", None)
+    ours = _optimizer_names(v.path for v in getattr(optimizer, "variables", ())
+                            if isinstance(getattr(v, "path", None), str))
+    theirs = _optimizer_names(attribute.full_name for node in object_graph(reader).nodes
+                              for attribute in node.attributes
+                              if attribute.checkpoint_key.startswith("optimizer/"))
+    if not ours or not theirs or ours == theirs:
+        return ""
+    return (f"the optimizer differs from the checkpoint's: it was {', '.join(map(repr, theirs))}, "
+            f"this run's is {', '.join(map(repr, ours))}: resume with the optimizer the run "
+            "trained with, or use a new model_dir (tputrain.InitCheckpoint starts a new run "
+            "from these weights)")
+
+
+def _optimizer_names(paths: Iterable[str]) -> list[str]:
+    """The optimizers' names in their step counters' paths ("adam/iteration"), less
+    the "_1" Keras adds to a second one of a kind in a process."""
+    return sorted({re.sub(r"_\d+$", "", path.rsplit("/", 1)[0]) for path in paths
+                   if path.endswith("/iteration")})
 
 
 def _float_variables(trackables: Iterable[Any]) -> list[Any]:

@@ -162,6 +162,20 @@ def test_read_csv_types_columns(tmp_path):
         read_csv(str(path))
 
 
+def test_read_csv_keeps_codes_and_names_missing_numbers(tmp_path):
+    """`02134` (a ZIP code) was written as the int 2134, and one empty cell turned a
+    numeric column into strings without a word: codes with leading zeros stay text,
+    and a number column with empty cells is refused, naming the column and line."""
+    path = tmp_path / "t.csv"
+    path.write_text("zip,price,label\n02134,1.5,0\n10001,2,1\n")
+    columns = read_csv(str(path))
+    assert columns["zip"].tolist() == ["02134", "10001"]
+    assert columns["price"].dtype == np.float32 and columns["label"].dtype == np.int64
+    path.write_text("zip,price,label\n02134,1.5,0\n10001,,1\n94105,2.25,1\n")
+    with pytest.raises(ValueError, match="column 'price'.* empty .*line 3"):
+        read_csv(str(path))
+
+
 def test_cli_writes_shards_and_manifest_from_npz(tmp_path):
     np.savez(tmp_path / "d.npz", image=np.ones((20, 4, 4), np.float32), label=np.arange(20))
     result = subprocess.run(

@@ -16,14 +16,25 @@ import numpy as np
 import tensorflow as tf
 
 
-def _column(values: list[str]) -> np.ndarray:
-    """int64 if every value is an integer, else float32 if numeric, else str."""
+def _column(values: list[str], name: str = "", path: str = "") -> np.ndarray:
+    """int64 if every value is an integer, else float32 if numeric, else str. Codes
+    with leading zeros ("02134") stay str (an int would drop the zeros); a number
+    column with empty cells is an error naming them (str would hide the column's type)."""
+    present = [v for v in values if v.strip()]
+    if not present or any(len(v) > 1 and v.lstrip("+-").startswith("0") and v.lstrip("+-")[1:2].isdigit()
+           for v in present):
+        return np.array(values, dtype=str)
     for dtype in (np.int64, np.float32):
         try:
-            return np.array([dtype(v) if dtype is np.float32 else int(v) for v in values],
-                            dtype=dtype)
+            numbers = [dtype(v) if dtype is np.float32 else int(v) for v in present]
         except ValueError:
             continue
+        if len(present) < len(values):
+            empty = [n for n, v in enumerate(values, start=2) if not v.strip()]
+            raise ValueError(f"{path}: column {name!r} holds numbers but {len(empty)} empty "
+                             f"cell(s) (line {', '.join(map(str, empty[:5]))}): fill the "
+                             "missing values, or drop those rows")
+        return np.array(numbers, dtype=dtype)
     return np.array(values, dtype=str)
 
 
@@ -44,7 +55,8 @@ def read_csv(path: str) -> dict[str, np.ndarray]:
         if len(row) != len(header):
             raise ValueError(f"{path} line {number} has {len(row)} fields but the header has "
                              f"{len(header)}")
-    return {name: _column([row[i] for row in rows]) for i, name in enumerate(header)}
+    return {name: _column([row[i] for row in rows], name, path)
+            for i, name in enumerate(header)}
 
 
 def read_npz(path: str) -> dict[str, np.ndarray]:

@@ -260,6 +260,24 @@ def make_context(model_dir, actions):
     return make(model_dir, [], keep_checkpoints=10, train_steps=40).context
 
 
+def test_a_damaged_early_stopping_record_stops_the_run_before_training(tmp_path):
+    """One damaged byte in early_stopping.json was taken for no record: an early-stopped
+    run trained on to train_steps and exported another step. It now stops before the
+    first step, naming the record and the fix."""
+    model_dir = tmp_path / "run"
+    trainer = make(model_dir, [never_improves_after_the_first(2)], train_steps=100)
+    trainer.train()
+    assert trainer.current_step == 6
+    path = model_dir / "checkpoints" / "early_stopping.json"
+    path.write_text(path.read_text().replace('"', "X", 1))
+    checkpoints = sorted(p.name for p in (model_dir / "checkpoints").iterdir())
+    with pytest.raises(ModelDirError) as raised:
+        make(model_dir, [never_improves_after_the_first(2)], train_steps=100).train()
+    message = one_line(raised.value)
+    assert str(path) in message and "damaged" in message and "delete" in message, message
+    assert sorted(p.name for p in (model_dir / "checkpoints").iterdir()) == checkpoints
+
+
 # ------------------------------------------------------------ kill -9 and resume
 
 ACTIONS = "Trainer.actions = [@BestCheckpoint(), @EarlyStopping()"

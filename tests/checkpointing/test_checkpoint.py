@@ -244,6 +244,31 @@ def test_a_missing_state_file_resumes_from_the_newest_checkpoint_files(tmp_path,
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_first_save_killed_before_its_commit_starts_over_at_step_0(tmp_path, caplog):
+    """Issue: kill -9 while TF wrote the first checkpoint's index left its data file, a
+    0-byte `ckpt-2.index`, `ckpt-2_temp/` and no state file; every rerun exited 2 ("no
+    checkpoint ... could be read"). That save was never committed: it is moved aside
+    with a warning and the run starts at step 0."""
+    model_dir = tmp_path / "model"
+    checkpoints = model_dir / "checkpoints"
+    trainer(model_dir, train_steps=2, strategy_replicas=1).train()
+    (checkpoints / "checkpoint").unlink()
+    (checkpoints / "ckpt-2.index").write_bytes(b"")
+    (checkpoints / "ckpt-2_temp").mkdir()
+    with caplog.at_level(logging.INFO):
+        rerun = trainer(model_dir, train_steps=2, strategy_replicas=1)
+        rerun.train()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("training from step 0 " in m for m in messages), messages
+    assert any("ckpt-2 was never committed" in m for m in messages), messages
+    assert _checkpoint_steps(checkpoints) == [2] and not (checkpoints / "ckpt-2_temp").exists()
+    assert (checkpoints / "damaged" / "ckpt-2.index").read_bytes() == b""
+    reference = trainer(tmp_path / "reference", train_steps=2, strategy_replicas=1)
+    reference.train()
+    for a, b in zip(weights(reference), weights(rerun)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_temp_folders_of_killed_writes_are_removed(tmp_path):
     """Issue 10.8: `ckpt-N_temp/` left by a write killed mid-way is tidied on restart."""
     model_dir = tmp_path / "model"

@@ -85,6 +85,29 @@ def test_every_checkpoint_unreadable_says_what_to_delete(tmp_path):
         make(tmp_path).restore_latest()
 
 
+def index_steps(directory) -> list[int]:
+    return sorted(int(p.name[5:-6]) for p in Path(directory).glob("ckpt-*.index"))
+
+
+def test_two_checkpointers_on_one_directory_each_see_the_others_saves(tmp_path):
+    """Issue: two Trainers on one model_dir in one process; the first one's manager kept
+    its list from before the second one's saves and wrote it back at its next save: the
+    state file dropped the intact newer checkpoints (no fallback to them, never rotated).
+    A restore reads the directory again."""
+    first = make(tmp_path)
+    first.restore_latest()
+    save_at(first, 2, 2.0)
+    save_at(first, 4, 4.0)
+    second = make(tmp_path)
+    assert second.restore_latest().endswith("ckpt-4")
+    for step in (6, 8, 10):
+        save_at(second, step, float(step))
+    assert first.restore_latest().endswith("ckpt-10")
+    save_at(first, 12, 12.0)
+    assert [p.rsplit("-", 1)[1] for p in first.checkpoints] == ["8", "10", "12"]
+    assert index_steps(tmp_path) == [8, 10, 12]
+
+
 def test_another_models_checkpoint_is_a_mismatch_not_corruption(tmp_path):
     save_at(make(tmp_path, units=4), 2, 2.0)
     with pytest.raises(CheckpointMismatchError, match=r"shape \[3, 4\], this model \[3, 5\]"):

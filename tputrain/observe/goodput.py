@@ -536,7 +536,7 @@ class GoodputAction(Action):
 def _new_record(context: ActionContext, clock: StartupClock, step: int) -> RunRecord:
     """This process's record, numbered after model_dir's earlier runs (the chief's)."""
     earlier = read_records(context.model_dir) if context.is_chief else []
-    run = earlier[-1]["run"] + 1 if earlier else 1
+    run = _next_run(context.model_dir) if context.is_chief else 1
     path = (RunDirectory(context.model_dir).goodput_record(run)
             if context.is_chief else None)
     rates = [r["seconds_per_step"] for r in earlier if r.get("seconds_per_step")]
@@ -545,6 +545,15 @@ def _new_record(context: ActionContext, clock: StartupClock, step: int) -> RunRe
     record.earlier, _latest = earlier, record
     _warn_if_checkpoints_lost(context.model_dir, earlier, step)
     return record
+
+
+def _next_run(model_dir: str) -> int:
+    """One past every record's number, readable or not: numbered after the last readable
+    one, a run overwrote a damaged latest record (kept for a look, skipped by the account)."""
+    numbers = [int(match.group(1)) for path in
+               tf.io.gfile.glob(RunDirectory(model_dir).goodput_record("*"))
+               if (match := re.search(r"run-(\d+)\.json$", path))]
+    return max(numbers, default=0) + 1
 
 
 def _warn_if_checkpoints_lost(model_dir: str, earlier: list[dict[str, Any]], step: int) -> None:

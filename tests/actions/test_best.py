@@ -223,6 +223,61 @@ def test_a_lost_or_damaged_best_without_its_checkpoint_stops_the_run(tmp_path, w
     assert sorted(p.name for p in (model_dir / "export").iterdir()) == [str(step)]
 
 
+def one_line(error: BaseException) -> str:
+    message = str(error).split("\n  In call to configurable")[0]  # gin's addition
+    assert "\n" not in message, message
+    return message
+
+
+def listing(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("intact, damaged", [('"mode"', '"mode'), ('"max"', '"mbx"')])
+def test_a_damaged_best_record_stops_the_run_and_keeps_the_best(tmp_path, intact, damaged):
+    """One damaged byte in best.json was taken for no record: the rerun started the best
+    over, overwrote best.json, deleted the true best and exported a worse step (exit 0).
+    It now stops before anything is written, naming the record and the fix; best/ and
+    export/ are left as they were."""
+    model_dir = tmp_path / "run"
+    record, actions = stopped_with_a_best(model_dir, keep=10)
+    path = model_dir / "best" / "best.json"
+    path.write_text(path.read_text().replace(intact, damaged, 1))
+    before = listing(model_dir / "best")
+    with pytest.raises(ModelDirError) as raised:
+        make(model_dir, actions, keep_checkpoints=10, train_steps=40)
+    message = one_line(raised.value)
+    assert str(path) in message and "damaged" in message and "delete" in message, message
+    assert listing(model_dir / "best") == before
+    assert sorted(p.name for p in (model_dir / "export").iterdir()) == [str(record["step"])]
+    with pytest.raises(ModelDirError, match="best.json"):
+        actions[0].repair(make_context(model_dir, actions))
+
+
+def make_context(model_dir, actions):
+    """An action context of a Trainer on `model_dir` built without its actions (whose
+    pre-flight would stop it), for calling one action's hook directly."""
+    return make(model_dir, [], keep_checkpoints=10, train_steps=40).context
+
+
+def test_a_damaged_early_stopping_record_stops_the_run_before_training(tmp_path):
+    """One damaged byte in early_stopping.json was taken for no record: an early-stopped
+    run trained on to train_steps and exported another step. It now stops before the
+    first step, naming the record and the fix."""
+    model_dir = tmp_path / "run"
+    trainer = make(model_dir, [never_improves_after_the_first(2)], train_steps=100)
+    trainer.train()
+    assert trainer.current_step == 6
+    path = model_dir / "checkpoints" / "early_stopping.json"
+    path.write_text(path.read_text().replace('"', "X", 1))
+    checkpoints = sorted(p.name for p in (model_dir / "checkpoints").iterdir())
+    with pytest.raises(ModelDirError) as raised:
+        make(model_dir, [never_improves_after_the_first(2)], train_steps=100).train()
+    message = one_line(raised.value)
+    assert str(path) in message and "damaged" in message and "delete" in message, message
+    assert sorted(p.name for p in (model_dir / "checkpoints").iterdir()) == checkpoints
+
+
 # ------------------------------------------------------------ kill -9 and resume
 
 ACTIONS = "Trainer.actions = [@BestCheckpoint(), @EarlyStopping()"

@@ -85,6 +85,29 @@ def test_every_checkpoint_unreadable_says_what_to_delete(tmp_path):
         make(tmp_path).restore_latest()
 
 
+def index_steps(directory) -> list[int]:
+    return sorted(int(p.name[5:-6]) for p in Path(directory).glob("ckpt-*.index"))
+
+
+def test_two_checkpointers_on_one_directory_each_see_the_others_saves(tmp_path):
+    """Issue: two Trainers on one model_dir in one process; the first one's manager kept
+    its list from before the second one's saves and wrote it back at its next save: the
+    state file dropped the intact newer checkpoints (no fallback to them, never rotated).
+    A restore reads the directory again."""
+    first = make(tmp_path)
+    first.restore_latest()
+    save_at(first, 2, 2.0)
+    save_at(first, 4, 4.0)
+    second = make(tmp_path)
+    assert second.restore_latest().endswith("ckpt-4")
+    for step in (6, 8, 10):
+        save_at(second, step, float(step))
+    assert first.restore_latest().endswith("ckpt-10")
+    save_at(first, 12, 12.0)
+    assert [p.rsplit("-", 1)[1] for p in first.checkpoints] == ["8", "10", "12"]
+    assert index_steps(tmp_path) == [8, 10, 12]
+
+
 def test_another_models_checkpoint_is_a_mismatch_not_corruption(tmp_path):
     save_at(make(tmp_path, units=4), 2, 2.0)
     with pytest.raises(CheckpointMismatchError, match=r"shape \[3, 4\], this model \[3, 5\]"):
@@ -239,6 +262,31 @@ def test_a_missing_state_file_resumes_from_the_newest_checkpoint_files(tmp_path,
     assert _checkpoint_steps(checkpoints) == [4, 6, 8]  # rotation goes on from 6
 
     reference = trainer(tmp_path / "reference", train_steps=8, strategy_replicas=1)
+    reference.train()
+    for a, b in zip(weights(reference), weights(rerun)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_first_save_killed_before_its_commit_starts_over_at_step_0(tmp_path, caplog):
+    """Issue: kill -9 while TF wrote the first checkpoint's index left its data file, a
+    0-byte `ckpt-2.index`, `ckpt-2_temp/` and no state file; every rerun exited 2 ("no
+    checkpoint ... could be read"). That save was never committed: it is moved aside
+    with a warning and the run starts at step 0."""
+    model_dir = tmp_path / "model"
+    checkpoints = model_dir / "checkpoints"
+    trainer(model_dir, train_steps=2, strategy_replicas=1).train()
+    (checkpoints / "checkpoint").unlink()
+    (checkpoints / "ckpt-2.index").write_bytes(b"")
+    (checkpoints / "ckpt-2_temp").mkdir()
+    with caplog.at_level(logging.INFO):
+        rerun = trainer(model_dir, train_steps=2, strategy_replicas=1)
+        rerun.train()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("training from step 0 " in m for m in messages), messages
+    assert any("ckpt-2 was never committed" in m for m in messages), messages
+    assert _checkpoint_steps(checkpoints) == [2] and not (checkpoints / "ckpt-2_temp").exists()
+    assert (checkpoints / "damaged" / "ckpt-2.index").read_bytes() == b""
+    reference = trainer(tmp_path / "reference", train_steps=2, strategy_replicas=1)
     reference.train()
     for a, b in zip(weights(reference), weights(rerun)):
         np.testing.assert_array_equal(a, b)

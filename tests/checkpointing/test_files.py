@@ -1,4 +1,5 @@
-"""Tests for tputrain/checkpointing/files.py: the room a save needs, as its error says it."""
+"""Tests for tputrain/checkpointing/files.py: the room a save needs, as its error says it,
+and what is listed as a checkpoint when there is no state file."""
 
 import re
 import shutil
@@ -67,3 +68,51 @@ def test_a_save_the_input_refuses_names_the_input_not_the_disk(tmp_path, error, 
 def test_a_save_that_fails_for_the_disk_says_so(tmp_path):
     message = str(files.save_failed(str(tmp_path), 8, None, OSError(28, "No space left on device")))
     assert "is full" in message and "free some space" in message
+
+
+def first_save(directory, step: int = 2) -> str:
+    """A real checkpoint at `step` in `directory` (state file written)."""
+    root = tf.train.Checkpoint(v=tf.Variable([1.0, 2.0]), step=tf.Variable(step))
+    return tf.train.CheckpointManager(root, str(directory), max_to_keep=3).save(
+        checkpoint_number=step)
+
+
+def killed_before_commit(prefix: str, temp: bool, size: int = 0) -> None:
+    """As a kill -9 while TF writes the index of the first save leaves it: the data file,
+    a short index at its final name, its `_temp` folder, and no state file."""
+    directory, name = prefix.rsplit("/", 1)
+    tf.io.gfile.remove(f"{directory}/checkpoint")
+    with open(f"{prefix}.index", "r+b") as f:
+        f.truncate(size)
+    if temp:
+        tf.io.gfile.makedirs(f"{prefix}_temp")
+
+
+@pytest.mark.parametrize("temp, size", [(True, 0), (True, 100), (False, 0), (False, 100)])
+def test_a_save_never_committed_is_not_listed_without_a_state_file(tmp_path, temp, size):
+    """Issue: with no state file, a first save killed while its index was written was
+    listed from the disk as a checkpoint, and every rerun failed on it (exit 2)."""
+    prefix = first_save(tmp_path, 4)
+    killed_before_commit(prefix, temp, size)
+    listing = files.list_checkpoints(str(tmp_path))
+    assert listing.paths == [] and not listing.missing and listing.uncommitted == [prefix]
+
+
+def test_an_intact_checkpoint_stays_listed_beside_a_save_never_committed(tmp_path):
+    older = first_save(tmp_path, 2)
+    prefix = first_save(tmp_path, 4)
+    killed_before_commit(prefix, temp=True)
+    listing = files.list_checkpoints(str(tmp_path))
+    assert listing.paths == [older] and listing.missing and listing.uncommitted == [prefix]
+
+
+def test_a_damaged_whole_index_without_a_state_file_stays_listed(tmp_path):
+    """Damage that is not a write cut short (the index whole, no `_temp`) is still a
+    checkpoint that cannot be read: restore falls back past it or names it."""
+    prefix = first_save(tmp_path, 4)
+    tf.io.gfile.remove(f"{tmp_path}/checkpoint")
+    index = bytearray(open(f"{prefix}.index", "rb").read())
+    index[10:20] = b"\xff" * 10
+    open(f"{prefix}.index", "wb").write(bytes(index))
+    listing = files.list_checkpoints(str(tmp_path))
+    assert listing.paths == [prefix] and listing.missing and listing.uncommitted == []

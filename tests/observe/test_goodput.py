@@ -384,3 +384,35 @@ def test_a_rerun_whose_checkpoints_are_gone_says_it_starts_over(tmp_path, caplog
     said = [r.getMessage() for r in caplog.records if "starts from step 0" in r.getMessage()]
     assert len(said) == 1 and "step 20" in said[0] and "checkpoints" in said[0], said
     assert int(rerun.step.numpy()) == 20
+
+
+def test_a_damaged_latest_record_is_kept_and_the_next_run_takes_a_free_number(tmp_path):
+    """A damaged run-1.json was overwritten by the next run's record (numbered after the
+    last readable one): the damaged file stays for a look, the next run is run-2."""
+    make(tmp_path, train_steps=6).train()
+    damaged = tmp_path / "run" / "goodput" / "run-1.json"
+    damaged.write_bytes(damaged.read_bytes().replace(b'"', b"X", 1))
+    kept = damaged.read_bytes()
+    make(tmp_path, train_steps=12).train()
+    assert damaged.read_bytes() == kept
+    assert [r["run"] for r in goodput.read_records(str(tmp_path / "run"))] == [2]
+
+
+def test_an_async_save_that_never_landed_is_not_in_the_record(tmp_path, monkeypatch, caplog):
+    """An async save killed before its background write landed left the record saying
+    `last_checkpoint_step` with no checkpoint on disk: the rerun warned, falsely, that
+    the checkpoints folder was deleted or moved. A step is recorded once committed."""
+    from tputrain.checkpointing.async_writer import AsyncWriter
+
+    monkeypatch.setattr(AsyncWriter, "_write", lambda self, *args: None)  # never lands
+    make(tmp_path, train_steps=6, checkpoint=tputrain.CheckpointOptions(async_save=True)).train()
+    [first] = goodput.read_records(str(tmp_path / "run"))
+    assert first["last_step"] == 6 and first["last_checkpoint_step"] is None
+    monkeypatch.undo()
+    with caplog.at_level("WARNING"):
+        rerun = make(tmp_path, train_steps=6, checkpoint=tputrain.CheckpointOptions(async_save=True))
+        rerun.train()
+    assert not [r for r in caplog.records if "starts from step 0" in r.getMessage()]
+    rerun.close()
+    latest = goodput.read_records(str(tmp_path / "run"))[-1]
+    assert latest["last_checkpoint_step"] == 6

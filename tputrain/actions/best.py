@@ -30,6 +30,9 @@ an uninterrupted one:
   or damaged files (bit rot, a partial copy of model_dir) are copied again from
   the same step in `checkpoints/`, or the run stops naming them. A worse step is
   never kept in its place: best.json stays the commit point.
+* A record that is there but cannot be read (`read_record`: a damaged byte, a
+  field tputrain does not write) stops the run naming it and the fix, before
+  anything in best/ is deleted: taken for none, it started the best over.
 
 Hooks run on every host with the same (agreed) eval metrics; only the chief writes.
 """
@@ -39,7 +42,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import tensorflow as tf
 from absl import logging
@@ -111,26 +114,80 @@ def write_json(path: str, record: Mapping[str, Any]) -> None:
 
 
 def read_json(path: str) -> dict[str, Any] | None:
-    """The record at `path`; None if there is none or it cannot be read (said once)."""
+    """The record at `path`; None if there is none or it cannot be read (said once).
+    For a reader that only reports (tracking tags); an action's own record is read
+    with `read_record`, which stops on damage."""
     if not tf.io.gfile.exists(path):
         return None
     try:
-        with tf.io.gfile.GFile(path, "r") as f:
-            record = json.loads(f.read())
-        if not isinstance(record, dict):
-            raise ValueError("not a JSON object")
-        return record
-    except (ValueError, tf.errors.OpError) as error:
+        return _parse(path, lambda record: None)
+    except (ValueError, TypeError, KeyError, tf.errors.OpError) as error:
         logging.warning("tputrain: ignoring %s, which cannot be read (%s)", path, error)
         return None
 
 
-def best_record(model_dir: str, directory: str | None = None) -> dict[str, Any] | None:
+def read_record(path: str, check: Callable[[dict[str, Any]], None],
+                fix: str) -> dict[str, Any] | None:
+    """An action's record at `path` (`check` raises ValueError on a wrong field); None if
+    there is none. One that is there but cannot be read stops the run with `fix`: taken
+    for absent, it started the best or the early stop over (a worse step kept and
+    exported, the true best deleted, an early-stopped run trained on)."""
+    if not tf.io.gfile.exists(path):
+        return None
+    try:
+        return _parse(path, check)
+    except (ValueError, TypeError, KeyError, tf.errors.OpError) as error:
+        raise ModelDirError(f"{path} is damaged or unreadable ({first_line(error)}): "
+                            f"{fix}") from None
+
+
+def _parse(path: str, check: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    with tf.io.gfile.GFile(path, "r") as f:
+        record = json.loads(f.read())
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    check(record)
+    return record
+
+
+def check_watched(record: Mapping[str, Any]) -> None:
+    """The metric and mode both records begin with (ValueError if they are not)."""
+    if not isinstance(record.get("metric"), str) or record.get("mode") not in ("max", "min"):
+        raise ValueError(f"metric {record.get('metric')!r} and mode {record.get('mode')!r} "
+                         "are not a metric name and 'max' or 'min'")
+
+
+def _check_best(record: Mapping[str, Any]) -> None:
+    """best.json's fields: the watch, the step evaluated, and the best, its value and
+    checkpoint together (ValueError if not)."""
+    check_watched(record)
+    steps = [record[key] for key in ("evaluated", "step") if key in record]
+    if any(type(step) is not int or step < 0 for step in steps):
+        raise ValueError(f"a step is not a whole number: {steps}")
+    if "step" in record or "checkpoint" in record or "value" in record:
+        if record.get("checkpoint") != f"ckpt-{record.get('step')}" or \
+                not isinstance(record.get("value"), (int, float)):
+            raise ValueError("its step, value and checkpoint do not agree")
+
+
+def read_best(directory: str) -> dict[str, Any] | None:
+    """`directory`/best.json, or None; a damaged one stops the run naming the fix."""
+    return read_record(
+        os.path.join(directory, BEST_FILE), _check_best,
+        f"put it back from a copy of this model_dir, or delete {directory} to keep the "
+        "best of the evaluations from now on")
+
+
+def best_record(model_dir: str, directory: str | None = None,
+                strict: bool = True) -> dict[str, Any] | None:
     """The best checkpoint kept in `directory` (default model_dir/best): the
     `best.json` record ({"step", "value", "metric", "mode", "checkpoint"}) with
-    "checkpoint" made a full path, or None if there is none whose files exist."""
+    "checkpoint" made a full path, or None if there is none whose files exist. A
+    damaged record raises `ModelDirError` (never "no best": the latest would be
+    exported in its place), or with `strict=False` is said and taken as none."""
     directory = directory or RunDirectory(model_dir).best
-    record = read_json(os.path.join(directory, BEST_FILE))
+    path = os.path.join(directory, BEST_FILE)
+    record = read_best(directory) if strict else read_json(path)
     if record is None or "checkpoint" not in record:
         return None
     record["checkpoint"] = os.path.join(directory, record["checkpoint"])
@@ -173,7 +230,7 @@ class BestCheckpoint(Action):
         """Reads back the best so far (a resumed run keeps comparing against it). From
         best.json alone: a best whose files went missing is still the value to beat
         (pre-flight copies it again or stops), never a reason to take a worse one."""
-        record = read_json(os.path.join(self.directory_of(context), BEST_FILE))
+        record = read_best(self.directory_of(context))
         self.step = self.value = None
         self.loaded = True
         if record is None or "step" not in record:
@@ -187,7 +244,7 @@ class BestCheckpoint(Action):
 
     def eval_recorded(self, context: ActionContext, step: int) -> bool:
         """best.json names a step evaluated at or after `step` (evaluations come in order)."""
-        record = read_json(os.path.join(self.directory_of(context), BEST_FILE)) or {}
+        record = read_best(self.directory_of(context)) or {}
         if (record.get("metric"), record.get("mode")) != (self.watch.key, self.watch.mode):
             return False
         return int(record.get("evaluated", record.get("step", -1))) >= step
@@ -231,7 +288,7 @@ class BestCheckpoint(Action):
         (A run that started the best over took a worse step for the best, deleted what
         was left of the true one and exported the worse one.)"""
         directory = self.directory_of(context)
-        record = read_json(os.path.join(directory, BEST_FILE)) or {}
+        record = read_best(directory) or {}  # a damaged one stops the run here
         if "checkpoint" not in record or \
                 (record.get("metric"), record.get("mode")) != (self.watch.key, self.watch.mode):
             return  # no best yet, or another metric's (started over by _load)
@@ -325,11 +382,7 @@ def tidy_best(directory: str) -> None:
     a full disk), the previous best left by a kill after the commit, temp records."""
     if not tf.io.gfile.isdir(directory):
         return
-    path = os.path.join(directory, BEST_FILE)
-    record = read_json(path)
-    if record is None and tf.io.gfile.exists(path):
-        return  # an unreadable record (said once): never delete what it may name
-    record = record or {}
+    record = read_best(directory) or {}  # a damaged one stops the run: it may name any
     keep = f"{record['checkpoint']}." if "checkpoint" in record else None
     # Index files first: a deletion cut short leaves no index without its data.
     for name in sorted(tf.io.gfile.listdir(directory), key=lambda n: not n.endswith(".index")):

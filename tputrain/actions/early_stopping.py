@@ -4,12 +4,12 @@ both metric-watching actions survive a kill)."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 from absl import logging
 
 from tputrain.actions.base import Action
-from tputrain.actions.best import Watch, read_json, write_json
+from tputrain.actions.best import Watch, check_watched, read_record, write_json
 from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.core.checks import check_int
 from tputrain.runtime.context import ActionContext
@@ -19,6 +19,24 @@ EARLY_STOPPING_FILE = RunDirectory.EARLY_STOPPING  # in model_dir/checkpoints/
 
 def early_stopping_path(model_dir: str) -> str:
     return RunDirectory(model_dir).early_stopping
+
+
+def read_early_stopping(model_dir: str) -> dict[str, Any] | None:
+    """The record of evaluations, or None; a damaged one stops the run naming the fix
+    (taken for none, an early-stopped run trained on to train_steps)."""
+    return read_record(
+        early_stopping_path(model_dir), _check_evals,
+        "put it back from a copy of this model_dir, or delete it to count evaluations "
+        "from the restored step on")
+
+
+def _check_evals(record: Mapping[str, Any]) -> None:
+    """The watch and {"<step>": value} (ValueError if not)."""
+    check_watched(record)
+    evals = record.get("evals")
+    if not isinstance(evals, dict) or not all(
+            step.isdigit() and isinstance(value, (int, float)) for step, value in evals.items()):
+        raise ValueError("evals is not {\"<step>\": value}")
 
 
 class EarlyStopping(Action):
@@ -44,6 +62,7 @@ class EarlyStopping(Action):
 
     def preflight(self, context: ActionContext) -> None:
         self.watch.check(context)
+        read_early_stopping(context.model_dir)  # a damaged record stops before a step
 
     def on_train_begin(self, context: ActionContext, step: int) -> None:
         self._load(context, step)
@@ -55,7 +74,7 @@ class EarlyStopping(Action):
 
     def _load(self, context: ActionContext, step: int) -> None:
         """Reads back the evaluations up to the restored `step` and decides again."""
-        record = read_json(early_stopping_path(context.model_dir)) or {}
+        record = read_early_stopping(context.model_dir) or {}
         self.evals, self.loaded = {}, True
         if (record.get("metric"), record.get("mode")) == (self.watch.key, self.watch.mode):
             self.evals = {int(s): float(v) for s, v in record.get("evals", {}).items()

@@ -28,6 +28,9 @@ Integrity, in the order things can go wrong:
   a model_dir copied without it) is a resume, not a fresh start: the files are
   tried newest first, one warning says which was restored, and the writer writes
   a new state file listing them (rotation goes on from there).
+  A save killed before its commit with no state file yet (the first one, its
+  index cut short or its `_temp` folder left: `files.never_committed`) is no
+  checkpoint: not listed, moved into `damaged/` by the writer with a warning.
 * A checkpoint written by a *different model* is not "corrupt": restoring
   stops with `CheckpointMismatchError`, naming the mismatched variables, instead
   of silently falling back or loading half of it.

@@ -12,6 +12,7 @@ import errno
 import os
 import re
 import shutil
+import struct
 from typing import NamedTuple
 
 import tensorflow as tf
@@ -22,17 +23,22 @@ from tputrain.checkpointing.run_directory import ModelDirError
 
 STATE_FILE = "checkpoint"  # TensorFlow's name for the list of checkpoints
 INDEX = re.compile(r"^ckpt-(\d+)\.index$")
+# The last bytes of every whole index file (TensorFlow's table format, its footer).
+_INDEX_END = struct.pack("<Q", 0xDB4775248B80FB57)
 _UNITS = ((1 << 20, "MiB"), (1 << 10, "KiB"))
 
 
 class CheckpointList(NamedTuple):
     """The checkpoints of a directory, oldest first, and why its state file was
     not used (None when it was read, or when there is none yet). `missing`: there
-    is no state file but there are checkpoint files (listed from the disk)."""
+    is no state file but there are checkpoint files (listed from the disk).
+    `uncommitted`: with no state file, saves killed before their commit
+    (`never_committed`), not listed; the writer moves them aside."""
 
     paths: list[str]
     damage: str | None
     missing: bool = False
+    uncommitted: list[str] = []
 
 
 def list_checkpoints(directory: str) -> CheckpointList:
@@ -47,7 +53,9 @@ def list_checkpoints(directory: str) -> CheckpointList:
     path = f"{directory.rstrip('/')}/{STATE_FILE}"
     if not tf.io.gfile.exists(path):
         on_disk = checkpoints_on_disk(directory) if tf.io.gfile.isdir(directory) else []
-        return CheckpointList(on_disk, None, missing=bool(on_disk))
+        uncommitted = [prefix for prefix in on_disk if never_committed(prefix)]
+        on_disk = [prefix for prefix in on_disk if prefix not in uncommitted]
+        return CheckpointList(on_disk, None, missing=bool(on_disk), uncommitted=uncommitted)
     try:
         with tf.io.gfile.GFile(path, "rb") as f:
             state = text_format.Parse(f.read().decode("utf-8"), CheckpointState())
@@ -68,6 +76,34 @@ def checkpoints_on_disk(directory: str) -> list[str]:
         if match:
             steps.append(int(match.group(1)))
     return [f"{directory.rstrip('/')}/ckpt-{step}" for step in sorted(steps)]
+
+
+def never_committed(prefix: str) -> bool:
+    """A save killed before its commit, which the disk alone shows as a checkpoint (TF
+    writes `ckpt-<step>.index` at its final name, then the state file): its `_temp`
+    folder is left or its index stops short of the table's footer, and it cannot be
+    read. Only asked with no state file: a damaged whole checkpoint is not one."""
+    index = f"{prefix}.index"
+    if not tf.io.gfile.glob(f"{prefix}_temp*") and _whole(index):
+        return False
+    try:
+        tf.train.load_checkpoint(prefix)
+    except (tf.errors.OpError, ValueError):
+        return True
+    return not tf.io.gfile.glob(f"{prefix}.data-*")
+
+
+def _whole(index: str) -> bool:
+    """The index file ends with the table's footer (not cut short by a kill)."""
+    try:
+        size = tf.io.gfile.stat(index).length
+        if size < len(_INDEX_END):
+            return False
+        with tf.io.gfile.GFile(index, "rb") as f:
+            f.seek(size - len(_INDEX_END))
+            return f.read() == _INDEX_END
+    except tf.errors.OpError:
+        return False
 
 
 def listed(directory: str) -> list[str]:

@@ -252,11 +252,11 @@ class Checkpointer:
     def _after_restore(self, restored: str | None, failed: list[str]) -> None:
         """The config's hyper-parameters back; as the writer, the directory tidied
         (`tidy_after_restore`)."""
+        self._manager = None  # lists once, when made: else stale (two Trainers, one dir)
         self._config.apply()
         if self.restore_directory != self.directory:
             return  # a non-chief worker reads the chief's directory, never tidies it
-        if tidy_after_restore(self.directory, restored, failed):
-            self._manager = None  # it read the old state file
+        tidy_after_restore(self.directory, restored, failed)
 
     def restore_weights(self, exclude: Iterable[str] = ("iterator", "step")) -> str | None:
         """Restores the latest checkpoint except `exclude` (used to roll back).

@@ -101,7 +101,8 @@ def tidy_after_restore(directory: str, restored: str | None, failed: list[str]) 
                         "the newest intact checkpoint file %s and wrote a new state file "
                         "listing %d", directory, STATE_FILE, restored,
                         len(state.paths) - len(failed))
-    changed = bool(failed or state.damage or state.missing)
+    _move_uncommitted(directory, state.uncommitted)
+    changed = bool(failed or state.damage or state.missing or state.uncommitted)
     if changed:
         if failed or state.damage:
             quarantine(directory, failed, state_file=state.damage is not None)
@@ -115,6 +116,18 @@ def tidy_after_restore(directory: str, restored: str | None, failed: list[str]) 
         else:
             tf.io.gfile.remove(leftover)
     return changed
+
+
+def _move_uncommitted(directory: str, uncommitted: list[str]) -> None:
+    """Saves killed before their commit, with no state file (`never_committed`), moved to
+    `damaged/`: left, they look like a checkpoint that no rerun can read."""
+    for prefix in uncommitted:
+        logging.warning("tputrain: %s was never committed (a save killed before the state "
+                        "file `%s` was written, it cannot be read): moving it to %s/; that "
+                        "step is saved again when the run gets there", prefix, STATE_FILE,
+                        DAMAGED_DIR)
+    if uncommitted:
+        quarantine(directory, uncommitted, state_file=False)
 
 
 def _rewrite_state_file(directory: str, restored: str, kept: list[str]) -> None:

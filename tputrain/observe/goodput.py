@@ -53,7 +53,7 @@ import os
 import re
 import socket
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import tensorflow as tf
 from absl import logging
@@ -155,6 +155,7 @@ class RunRecord:
         self._loop = (0, 0.0)
         self._saved_at = -float("inf")
         self._broken = False
+        self._pending: tuple[int, Callable[[], int | None] | None] | None = None
         self.earlier: list[dict[str, Any]] = []  # model_dir's earlier runs (the job's account)
 
     def since_cursor(self) -> float:
@@ -236,6 +237,25 @@ class RunRecord:
         self.data["seconds"]["steps"] = later + first - compile_seconds
         self.data["seconds_per_step"] = rate
 
+    def checkpoint_saved(self, step: int, committed: Callable[[], int | None] | None) -> None:
+        """Records `step`'s checkpoint once it is committed: at once (`committed` None),
+        or for an async save once `committed()`, the newest committed step, reaches it.
+        Named before its write landed, a kill left a record of a checkpoint that never
+        was, and the rerun warned that the checkpoints folder had been deleted."""
+        self._pending = (step, committed)
+        self._settle()
+
+    def _settle(self) -> None:
+        if self._pending is None:
+            return
+        step, committed = self._pending
+        try:
+            landed = committed is None or (committed() or -1) >= step
+        except (OSError, tf.errors.OpError):  # the state file unreadable now: ask again later
+            return
+        if landed:
+            self.data["last_checkpoint_step"], self._pending = step, None
+
     def save(self, force: bool = False) -> None:
         """Rewrites the record atomically (chief only); remote model_dirs at most
         every REMOTE_SAVE_SECONDS unless `force`. A failed write warns once: the
@@ -243,6 +263,7 @@ class RunRecord:
         self.data["updated"] = self.clock.now()
         if self.path is None or self._broken:
             return
+        self._settle()
         if not force and "://" in self.path and (
                 time.perf_counter() - self._saved_at < REMOTE_SAVE_SECONDS):
             return
@@ -512,11 +533,14 @@ class GoodputAction(Action):
     def on_save(self, context: ActionContext, step: int, path: str | None) -> None:
         self.record.add("checkpoint", self.record.since_cursor())
         if path is not None:
-            self.record.data["last_checkpoint_step"] = step
+            self.record.checkpoint_saved(step, _committed_step(context))
         self.record.save(force=True)
 
     def on_train_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         self.record.since_cursor()  # the tail since the final hook: other
+        if getattr(context, "checkpointer", None) is not None:
+            context.checkpointer.sync()  # the final async save lands: the record names it
+            self.record.add("checkpoint", self.record.since_cursor())
         self.record.data["finished"] = True
         self.record.save(force=True)
         self._write_scalars(context, step)
@@ -533,10 +557,23 @@ class GoodputAction(Action):
         return account_of([*self.record.earlier, self.record.data])
 
 
+def _committed_step(context: ActionContext) -> Callable[[], int | None] | None:
+    """For an async save (its write lands later): a call that reads the newest committed
+    step from the state file; None when a save is committed by the time `on_save` runs."""
+    checkpointer = getattr(context, "checkpointer", None)
+    if checkpointer is None or not checkpointer.async_save:
+        return None
+
+    def newest() -> int | None:
+        latest = checkpointer.latest
+        return None if latest is None else int(latest.rsplit("-", 1)[-1])
+    return newest
+
+
 def _new_record(context: ActionContext, clock: StartupClock, step: int) -> RunRecord:
     """This process's record, numbered after model_dir's earlier runs (the chief's)."""
     earlier = read_records(context.model_dir) if context.is_chief else []
-    run = earlier[-1]["run"] + 1 if earlier else 1
+    run = _next_run(context.model_dir) if context.is_chief else 1
     path = (RunDirectory(context.model_dir).goodput_record(run)
             if context.is_chief else None)
     rates = [r["seconds_per_step"] for r in earlier if r.get("seconds_per_step")]
@@ -545,6 +582,15 @@ def _new_record(context: ActionContext, clock: StartupClock, step: int) -> RunRe
     record.earlier, _latest = earlier, record
     _warn_if_checkpoints_lost(context.model_dir, earlier, step)
     return record
+
+
+def _next_run(model_dir: str) -> int:
+    """One past every record's number, readable or not: numbered after the last readable
+    one, a run overwrote a damaged latest record (kept for a look, skipped by the account)."""
+    numbers = [int(match.group(1)) for path in
+               tf.io.gfile.glob(RunDirectory(model_dir).goodput_record("*"))
+               if (match := re.search(r"run-(\d+)\.json$", path))]
+    return max(numbers, default=0) + 1
 
 
 def _warn_if_checkpoints_lost(model_dir: str, earlier: list[dict[str, Any]], step: int) -> None:

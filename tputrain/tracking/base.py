@@ -232,7 +232,7 @@ def references(model_dir: str) -> dict[str, str]:
                if os.path.basename(path).isdigit()]
     if exports:
         tags["tputrain.serving.export"] = max(exports, key=lambda path: int(os.path.basename(path)))
-    best = best_record(model_dir)
+    best = best_record(model_dir, strict=False)  # tags only: a damaged record is said
     if best is not None:
         tags["tputrain.best_checkpoint"] = best["checkpoint"]
         tags["tputrain.best_step"] = str(best["step"])

@@ -584,13 +584,9 @@ def test_another_optimizer_on_resume_is_named_as_the_optimizer(tmp_path):
     "hidden_0_bias_momentum: checkpoint has shape [64, 256], this model [256]": the
     slots paired by position and named after this run's variables, as if the model
     had changed. The message says first that the optimizer differs, and how."""
-    from tputrain.checkpointing.integrity import describe_mismatch
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
-    adam, sgd = keras.optimizers.Adam(), keras.optimizers.SGD(momentum=0.9)
-    adam.build(model.trainable_variables)
-    sgd.build(model.trainable_variables)
-    path = tf.train.Checkpoint(model=model, optimizer=adam).write(str(tmp_path / "ckpt"))
-    text = describe_mismatch(tf.train.Checkpoint(model=model, optimizer=sgd), path)
+    text = _mismatch(tmp_path, model, keras.optimizers.Adam(), model,
+                     keras.optimizers.SGD(momentum=0.9))
     assert text.startswith("the optimizer differs from the checkpoint's"), text
     assert "8 variables" in text and "4" in text, text
 
@@ -598,14 +594,9 @@ def test_another_optimizer_on_resume_is_named_as_the_optimizer(tmp_path):
 def test_a_changed_model_is_not_blamed_on_the_optimizer(tmp_path):
     """The same optimizer over a model with another layer has other slots too: the
     message lists the model's change and does not say the optimizer differs."""
-    from tputrain.checkpointing.integrity import describe_mismatch
     small = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     large = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2)])
-    first, second = keras.optimizers.Adam(), keras.optimizers.Adam()
-    first.build(small.trainable_variables)
-    second.build(large.trainable_variables)
-    path = tf.train.Checkpoint(model=small, optimizer=first).write(str(tmp_path / "ckpt"))
-    text = describe_mismatch(tf.train.Checkpoint(model=large, optimizer=second), path)
+    text = _mismatch(tmp_path, small, keras.optimizers.Adam(), large, keras.optimizers.Adam())
     assert text and "optimizer differs" not in text, text
 
 
@@ -613,15 +604,20 @@ def test_another_optimizer_with_the_same_slots_is_refused_on_resume(tmp_path):
     """Adam's checkpoint resumed with LAMB (the same two slots per weight) restored
     silently: Adam's moments went into LAMB's slots. The optimizer's variables are
     named after it in the checkpoint (`adam/iteration`), so the change is found."""
-    from tputrain.checkpointing.integrity import describe_mismatch
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    adam, lamb = keras.optimizers.Adam(), keras.optimizers.Lamb()
-    adam.build(model.trainable_variables)
-    lamb.build(model.trainable_variables)
-    path = tf.train.Checkpoint(model=model, optimizer=adam).write(str(tmp_path / "ckpt"))
-    text = describe_mismatch(tf.train.Checkpoint(model=model, optimizer=lamb), path)
+    text = _mismatch(tmp_path, model, keras.optimizers.Adam(), model, keras.optimizers.Lamb())
     assert text.startswith("the optimizer differs from the checkpoint's"), text
     assert "'adam'" in text and "'lamb'" in text, text
-    again = keras.optimizers.Adam()
-    again.build(model.trainable_variables)
-    assert describe_mismatch(tf.train.Checkpoint(model=model, optimizer=again), path) == ""
+    assert _mismatch(tmp_path, model, keras.optimizers.Adam(), model,
+                     keras.optimizers.Adam()) == ""
+
+
+def _mismatch(tmp_path, saved_model, saved_optimizer, model, optimizer) -> str:
+    """`describe_mismatch` of a checkpoint of (saved_model, saved_optimizer) read by
+    (model, optimizer), each optimizer built for its model."""
+    from tputrain.checkpointing.integrity import describe_mismatch
+    saved_optimizer.build(saved_model.trainable_variables)
+    optimizer.build(model.trainable_variables)
+    path = tf.train.Checkpoint(model=saved_model, optimizer=saved_optimizer).write(
+        str(tmp_path / "ckpt"))
+    return describe_mismatch(tf.train.Checkpoint(model=model, optimizer=optimizer), path)

@@ -234,3 +234,20 @@ def test_an_error_in_a_task_method_a_configurable_called_names_the_task():
             text = error_message(error)
     assert "'<=' not supported" in text and "In call" not in text, text
     assert "WideTaskForTest.build_model" in text and "runner_for_test" in text, text
+
+
+def test_a_disk_error_in_a_configurable_is_not_blamed_on_its_bindings():
+    """A full disk met while the Trainer saved ended "(raised in Trainer: check its
+    bindings)": no binding is wrong; the error's own line says what to do."""
+    from tputrain.cli.common import error_message
+
+    @gin.configurable
+    def saver_for_test(path="x"):
+        raise OSError(28, "model_dir is full", path)
+
+    with gin.config_scope(None):
+        try:
+            saver_for_test()
+        except OSError as error:
+            text = error_message(error)
+    assert "model_dir is full" in text and "bindings" not in text and "In call" not in text

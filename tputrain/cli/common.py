@@ -96,7 +96,7 @@ def error_message(error: BaseException) -> str:
     text, *calls = str(error).split("\n  In call to configurable")
     text = text.strip() or type(error).__name__
     names = [m.group(1) for m in (re.match(r" '([\w.]+)'", call) for call in calls) if m]
-    if not names:
+    if not names or isinstance(error, OSError):  # a disk's or network's: no binding to check
         return text
     method = _task_method(error)
     if method:  # e.g. a Task's binding, found wrong when the Trainer builds its model

@@ -53,6 +53,8 @@ def written_cache(cached: tf.data.Dataset, path: str, owner: str) -> tf.data.Dat
         return cached
     for lock in tf.io.gfile.glob(f"{path}_*.lockfile"):
         tf.io.gfile.remove(lock)
+    logging.info("%s: writing the cache %s: one pass over this pipeline's data, before the "
+                 "first batch", owner, path)
     started = time.perf_counter()
     count = int(cached.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
     logging.info("%s: wrote the cache %s (%d examples, %.1f s)", owner, path, count,

@@ -113,3 +113,41 @@ def test_a_trainer_on_a_new_file_cache_trains_and_resumes(tmp_path):
     run("resumed", 7)
     for a, b in zip(run("resumed", 17), whole):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_written_cache_is_read_without_another_pass(tmp_path, caplog):
+    """The check for a finished cache looked for tf.data's temporary `_0.index`, which
+    the finished write merges away: every build passed over the data again and said
+    "writing the cache" (minutes of start-up on large data, on every process start)."""
+    manifest = _write(tmp_path, "train", 1.0)
+    with caplog.at_level("INFO"):
+        for _ in range(2):
+            inputs = TFRecordInput(manifest=manifest, label_key="y", shuffle=False,
+                                   repeat=False, cache=str(tmp_path / "cache" / "c"))
+            inputs(InputContext(global_batch_size=4))
+    said = [r.getMessage() for r in caplog.records if "writing the cache" in r.getMessage()]
+    assert len(said) == 1, said
+
+
+def test_a_second_process_waits_for_the_first_to_write_the_cache(tmp_path):
+    """Two processes filling one new cache: the second deleted the first's lock file
+    (taken for a killed writer's) and one of them died in tf.data (NotFoundError on
+    its temporary files). tputrain's own lock orders them: the second reads the
+    cache the first wrote; a lock a killed writer held is released by the kernel."""
+    import subprocess
+    import sys
+
+    manifest = _write(tmp_path, "train", 1.0)
+    script = (
+        "import sys\n"
+        "from tputrain.data import InputContext, TFRecordInput\n"
+        f"inputs = TFRecordInput(manifest={manifest!r}, label_key='y', shuffle=False, "
+        f"repeat=False, cache={str(tmp_path / 'cache' / 'c')!r})\n"
+        "values = [float(v) for f, _ in inputs(InputContext(global_batch_size=4)) "
+        "for v in f['x'].numpy().ravel()]\n"
+        "assert values == [1.0] * 8, values\n")
+    children = [subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE,
+                                 text=True) for _ in range(3)]
+    for child in children:
+        _, err = child.communicate(timeout=240)
+        assert child.returncode == 0, err[-2000:]

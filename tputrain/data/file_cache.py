@@ -14,10 +14,12 @@ Caches of older data stay on disk until their files are deleted.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import tensorflow as tf
 from absl import logging
@@ -48,18 +50,38 @@ def written_cache(cached: tf.data.Dataset, path: str, owner: str) -> tf.data.Dat
     yet: tf.data makes every iterator of an unwritten cache a writer, and a run opens
     its input more than once (a probe, the host iterator, a restore), so the second
     to finish failed ("Existing cache files found"). One pass here, which the first
-    epoch would have made anyway; a lock file a killed writer left goes first."""
-    if tf.io.gfile.glob(f"{path}_*.index"):
+    epoch would have made anyway, under a lock of tputrain's (`_writing`): another
+    process waits for it and then reads the cache."""
+    if tf.io.gfile.exists(f"{path}.index"):  # finished: tf.data merged its parts into it
         return cached
-    for lock in tf.io.gfile.glob(f"{path}_*.lockfile"):
-        tf.io.gfile.remove(lock)
-    logging.info("%s: writing the cache %s: one pass over this pipeline's data, before the "
-                 "first batch", owner, path)
-    started = time.perf_counter()
-    count = int(cached.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
-    logging.info("%s: wrote the cache %s (%d examples, %.1f s)", owner, path, count,
-                 time.perf_counter() - started)
+    with _writing(path):
+        if tf.io.gfile.exists(f"{path}.index"):  # another process wrote it meanwhile
+            return cached
+        logging.info("%s: writing the cache %s: one pass over this pipeline's data, before "
+                     "the first batch", owner, path)
+        started = time.perf_counter()
+        count = int(cached.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+        logging.info("%s: wrote the cache %s (%d examples, %.1f s)", owner, path, count,
+                     time.perf_counter() - started)
     return cached
+
+
+@contextlib.contextmanager
+def _writing(path: str) -> Iterator[None]:
+    """An exclusive lock on `path`.writing for the pass (local files: `flock`, which
+    the kernel releases when a writer is killed). Holding it, tf.data's lock files and
+    parts are a killed writer's leftovers, and go. Other file systems: no lock."""
+    if "://" in path:
+        yield
+        return
+    with open(f"{path}.writing", "a", encoding="utf-8") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            for leftover in tf.io.gfile.glob(f"{path}_*"):
+                tf.io.gfile.remove(leftover)
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def files_identity(paths: Sequence[str]) -> list[list[Any]]:

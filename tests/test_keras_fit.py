@@ -1052,3 +1052,25 @@ def test_a_continued_fit_gives_the_callbacks_each_epoch_end_once(tmp_path):
                      strategy=strategy, report_mfu=False, jit_compile=False)
     ends = [e for e in events.events if e.startswith("end")]
     assert ends == ["end0", "end1", "end2", "end3"], events.events
+
+
+def test_a_mixed_float16_run_saved_without_loss_scaling_still_resumes(tmp_path, caplog):
+    """A run saved before tputrain.fit took a built model's mixed_float16 (no loss
+    scaling in its checkpoints, as with precision="float32") was refused on resume as
+    another model's checkpoint: the loss-scale optimizer's variables were missing. It
+    resumes as it was saved, and a warning says how to get loss scaling."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 4)).astype(np.float32), np.zeros((64, 1), np.float32)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        first, second = _two_layer(4), _two_layer(4)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    common = dict(model_dir=str(tmp_path / "run"), batch_size=32, strategy=strategy_for(1),
+                  report_mfu=False, jit_compile=False)
+    tputrain.fit(first, (x, y), steps=2, precision="float32", **common)
+    with caplog.at_level("WARNING"):
+        tputrain.fit(second, (x, y), steps=4, **common)
+    assert int(second.optimizer.iterations.numpy()) == 4
+    said = [r.getMessage() for r in caplog.records if "loss scaling" in r.getMessage()]
+    assert len(said) == 1 and "new model_dir" in said[0], said

@@ -25,9 +25,11 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from tputrain.actions import Action
 from tputrain.checkpointing.atomic import atomic_path
+from tputrain.checkpointing.integrity import object_graph
 from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.runtime.context import ActionContext, learning_rate
 from tputrain.config.parsing import without_gin_notes
@@ -76,8 +78,8 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
       **trainer_options: any other `Trainer` argument (strategy, steps_per_loop, ...).
     """
     if isinstance(model, keras.Model) and "precision" not in trainer_options and \
-            built_precision(model):  # built under mixed_float16: its loss scaling too
-        trainer_options["precision"] = built_precision(model)
+            built_precision(model) and not _saved_without_loss_scaling(model, model_dir):
+        trainer_options["precision"] = built_precision(model)  # mixed_float16: its scaling
     call = _Call(model_dir, train_data, eval_data, batch_size, shuffle, eval_every,
                  task, list(callbacks), list(actions), dict(trainer_options),
                  _contents((train_data, eval_data)))
@@ -233,6 +235,26 @@ def _new_run(model: Any, call: _Call, steps: int) -> _Run:
     trainer = Trainer(keras_task, call.model_dir, train_steps=steps, eval_every=call.eval_every,
                       actions=[averages, *adapters, *call.actions], **call.trainer_options)
     return _Run(trainer, adapters, call, averages)
+
+
+def _saved_without_loss_scaling(model: keras.Model, model_dir: str) -> bool:
+    """Whether a mixed_float16 model's run was saved in float32 (before `fit` took a
+    built model's policy): its checkpoints hold no loss-scale optimizer, so the run
+    resumes as it was saved, which a warning says."""
+    latest = tf.train.latest_checkpoint(RunDirectory(model_dir).checkpoints)
+    if built_precision(model) != "mixed_float16" or latest is None:
+        return False
+    try:
+        graph = object_graph(tf.train.load_checkpoint(latest))
+    except (tf.errors.OpError, ValueError):  # unreadable: the Trainer's restore says so
+        return False
+    if any(attribute.full_name.startswith("loss_scale_optimizer/")
+           for node in graph.nodes for attribute in node.attributes):
+        return False
+    logging.warning("tputrain.fit: %s was saved without loss scaling (precision float32); the "
+                    "run resumes so. For a mixed_float16 model's loss scaling, train it in a "
+                    "new model_dir", model_dir)
+    return True
 
 
 @contextlib.contextmanager

@@ -77,9 +77,10 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
         arguments.
       **trainer_options: any other `Trainer` argument (strategy, steps_per_loop, ...).
     """
-    if isinstance(model, keras.Model) and "precision" not in trainer_options and \
-            built_precision(model) and not _saved_without_loss_scaling(model, model_dir):
-        trainer_options["precision"] = built_precision(model)  # mixed_float16: its scaling
+    policy = built_precision(model) if isinstance(model, keras.Model) else None
+    if policy and "precision" not in trainer_options and \
+            not _saved_without_loss_scaling(policy, model_dir):
+        trainer_options["precision"] = policy  # mixed_float16: its loss scaling too
     call = _Call(model_dir, train_data, eval_data, batch_size, shuffle, eval_every,
                  task, list(callbacks), list(actions), dict(trainer_options),
                  _contents((train_data, eval_data)))
@@ -237,12 +238,12 @@ def _new_run(model: Any, call: _Call, steps: int) -> _Run:
     return _Run(trainer, adapters, call, averages)
 
 
-def _saved_without_loss_scaling(model: keras.Model, model_dir: str) -> bool:
+def _saved_without_loss_scaling(policy: str, model_dir: str) -> bool:
     """Whether a mixed_float16 model's run was saved in float32 (before `fit` took a
     built model's policy): its checkpoints hold no loss-scale optimizer, so the run
     resumes as it was saved, which a warning says."""
     latest = tf.train.latest_checkpoint(RunDirectory(model_dir).checkpoints)
-    if built_precision(model) != "mixed_float16" or latest is None:
+    if policy != "mixed_float16" or latest is None:
         return False
     try:
         graph = object_graph(tf.train.load_checkpoint(latest))

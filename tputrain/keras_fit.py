@@ -77,10 +77,7 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
         arguments.
       **trainer_options: any other `Trainer` argument (strategy, steps_per_loop, ...).
     """
-    policy = built_precision(model) if isinstance(model, keras.Model) else None
-    if policy and "precision" not in trainer_options and \
-            not _saved_without_loss_scaling(policy, model_dir):
-        trainer_options["precision"] = policy  # mixed_float16: its loss scaling too
+    trainer_options.update(_built_models_precision(model, model_dir, trainer_options))
     call = _Call(model_dir, train_data, eval_data, batch_size, shuffle, eval_every,
                  task, list(callbacks), list(actions), dict(trainer_options),
                  _contents((train_data, eval_data)))
@@ -236,6 +233,16 @@ def _new_run(model: Any, call: _Call, steps: int) -> _Run:
     trainer = Trainer(keras_task, call.model_dir, train_steps=steps, eval_every=call.eval_every,
                       actions=[averages, *adapters, *call.actions], **call.trainer_options)
     return _Run(trainer, adapters, call, averages)
+
+
+def _built_models_precision(model: Any, model_dir: str,
+                            options: Mapping[str, Any]) -> dict[str, str]:
+    """{"precision": policy} for a model passed built under a mixed policy (under
+    mixed_float16: its loss scaling too) unless `precision` is given; else {}."""
+    policy = built_precision(model) if isinstance(model, keras.Model) else None
+    if not policy or "precision" in options or _saved_without_loss_scaling(policy, model_dir):
+        return {}
+    return {"precision": policy}
 
 
 def _saved_without_loss_scaling(policy: str, model_dir: str) -> bool:

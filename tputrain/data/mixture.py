@@ -59,19 +59,24 @@ def without_source_ids(dataset: tf.data.Dataset) -> tf.data.Dataset:
     and predict feed the model, which never gets the id (only the train step counts
     it); any other dataset unchanged."""
     sources = mixture_sources(dataset)
-    if sources is None or not isinstance(_features_of(dataset.element_spec), Mapping):
+    if sources is None:
         return dataset
     key = sources.key
-
-    def strip(*batch: Any) -> Any:
-        features = {name: value for name, value in batch[0].items() if name != key}
-        return features if len(batch) == 1 else (features, *batch[1:])
-    return dataset.map(strip)
+    return dataset.map(lambda *batch: without_source(batch if len(batch) > 1 else batch[0],
+                                                     key))
 
 
-def _features_of(element_spec: Any) -> Any:
-    """The features of a batch's spec: its first item when it is a tuple."""
-    return element_spec[0] if isinstance(element_spec, tuple) else element_spec
+def without_source(batch: Any, key: str | tuple[str, ...]) -> Any:
+    """`(features, labels, ...)` or features alone (tensors or specs) with `features[key]`
+    (each of a tuple of keys) left out."""
+    keys = (key,) if isinstance(key, str) else tuple(key)
+    if isinstance(batch, Mapping):
+        return {name: value for name, value in batch.items() if name not in keys}
+    if not (isinstance(batch, tuple) and batch and isinstance(batch[0], Mapping)
+            and any(k in batch[0] for k in keys)):
+        return batch
+    return ({name: value for name, value in batch[0].items() if name not in keys},
+            *batch[1:])
 
 
 def source_name(source: Any, index: int) -> str:

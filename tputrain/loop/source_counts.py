@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 
 import tensorflow as tf
 
-from tputrain.data.mixture import MixtureSources
+from tputrain.data.mixture import MixtureSources, without_source
 from tputrain.data.packed_rows import ROW_KEYS, Place, places, row_sums
 from tputrain.data.packing import SEGMENT_IDS
 from tputrain.observe.progress import SOURCE_PREFIX
@@ -30,17 +30,6 @@ from tputrain.observe.progress import SOURCE_PREFIX
 COUNTS_LOG = "source_examples"  # the step's log: int32 [sources], examples of each
 TAG_PREFIX = SOURCE_PREFIX  # the cumulative counts' log and TensorBoard tag: examples/<name>
 ROWS_LOG = "row_sums"  # the step's log: int32 [hosts, 3], `packed_rows.row_sums`
-
-
-def without_source(batch: Any, key: str | tuple[str, ...]) -> Any:
-    """`(features, labels, ...)` (tensors or specs) with `features[key]` (each of a
-    tuple of keys) left out."""
-    keys = (key,) if isinstance(key, str) else tuple(key)
-    if not (isinstance(batch, tuple) and batch and isinstance(batch[0], Mapping)
-            and any(k in batch[0] for k in keys)):
-        return batch
-    return ({name: value for name, value in batch[0].items() if name not in keys},
-            *batch[1:])
 
 
 def has_row_tags(element_spec: Any) -> bool:

@@ -37,12 +37,12 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.checkpointing.atomic import write_atomically
+from tputrain.data.file_cache import file_stamp
 from tputrain.data.manifest import RECORD_OVERHEAD, Manifest
 
 BLOCK_RECORDS = 256  # records a block: the reads' unit (long enough to cost what a scan costs)
 _CACHE_FORMAT = "tputrain.tfrecord_blocks"
 _HEADER = 12  # length (8) + its CRC (4)
-_STAMP_BYTES = 4096  # a shard's first bytes, hashed into its cache's stamp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,15 +105,6 @@ def _cache_paths(path: str, block_records: int, cache_dir: str | None) -> list[s
     return paths
 
 
-def _stamp(path: str) -> dict[str, int | str]:
-    """What a cache checks its shard by: size, modification time and a hash of the first
-    bytes (a rewrite of the same size, e.g. the records reordered, changes the others)."""
-    stat = tf.io.gfile.stat(path)
-    with tf.io.gfile.GFile(path, "rb") as f:
-        head = hashlib.sha256(f.read(_STAMP_BYTES)).hexdigest()[:16]
-    return {"size": int(stat.length), "mtime_nsec": int(stat.mtime_nsec), "head": head}
-
-
 def _read_cache(candidates: list[str], stamp: dict[str, int | str]
                 ) -> tuple[list[int], int] | None:
     for candidate in candidates:
@@ -148,7 +139,7 @@ def _write_cache(candidates: list[str], offsets: list[int], count: int,
 def cached_offsets(path: str, block_records: int, cache_dir: str | None) -> tuple[list[int], int]:
     """A shard's block offsets and record count: from its cache, else scanned once and
     cached."""
-    stamp = _stamp(path)
+    stamp = file_stamp(path)
     candidates = _cache_paths(path, block_records, cache_dir)
     found = _read_cache(candidates, stamp)
     if found is not None:

@@ -87,7 +87,15 @@ def _writing(path: str) -> Iterator[None]:
 def files_identity(paths: Sequence[str]) -> list[list[Any]]:
     """Each file's path, size, modification time (ns) and a hash of its first bytes:
     what changes when the file is rewritten."""
-    return [[path, *_stat(path), _head_hash(path)] for path in paths]
+    return [[path, *file_stamp(path).values()] for path in paths]
+
+
+def file_stamp(path: str) -> dict[str, int | str]:
+    """A file's size, modification time (ns) and a hash of its first bytes (a rewrite
+    of the same size, e.g. its records reordered, changes the others); -1 and "" for
+    a file that cannot be read."""
+    size, mtime = _stat(path)
+    return {"size": size, "mtime_nsec": mtime, "head": _head_hash(path)}
 
 
 def callable_name(function: Callable[..., Any] | None) -> str | None:

@@ -110,6 +110,11 @@ def listed(directory: str) -> list[str]:
     return list_checkpoints(directory).paths
 
 
+def step_of(prefix: str) -> int:
+    """The step of a `ckpt-<step>` prefix (a path or a name)."""
+    return int(prefix.rsplit("-", 1)[-1])
+
+
 def files_of(prefix: str) -> list[str]:
     """A checkpoint's files: `<prefix>.index`, `<prefix>.data-*` (not `ckpt-10` for `ckpt-1`)."""
     return tf.io.gfile.glob(f"{prefix}.*")

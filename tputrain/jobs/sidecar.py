@@ -40,7 +40,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.checkpointing.atomic import write_atomically
-from tputrain.checkpointing.files import list_checkpoints
+from tputrain.checkpointing.files import list_checkpoints, step_of
 from tputrain.checkpointing.integrity import CheckpointMismatchError, describe_mismatch
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.recovery import UNREADABLE_ERRORS, read_newest
@@ -105,7 +105,7 @@ def checkpoint_dir(view: RunView) -> str:
 
 def checkpoint_step(path: str) -> int:
     """The step of `.../ckpt-<step>`."""
-    return int(path.rsplit("-", 1)[-1])
+    return step_of(path)
 
 
 def read_checkpoint(view: RunView, path: str) -> None:

@@ -60,6 +60,7 @@ from absl import logging
 
 from tputrain.actions.base import Action
 from tputrain.checkpointing.atomic import write_atomically
+from tputrain.checkpointing.files import step_of
 from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.runtime.context import ActionContext
 
@@ -566,7 +567,7 @@ def _committed_step(context: ActionContext) -> Callable[[], int | None] | None:
 
     def newest() -> int | None:
         latest = checkpointer.latest
-        return None if latest is None else int(latest.rsplit("-", 1)[-1])
+        return None if latest is None else step_of(latest)
     return newest
 
 

@@ -13,6 +13,7 @@ locked: one run per model_dir.
 from __future__ import annotations
 
 from tputrain.actions.best import BestCheckpoint, tidy_best
+from tputrain.checkpointing.files import step_of
 from tputrain.runtime.context import ActionContext
 from tputrain.fault_tolerance.lock import lock_model_dir
 from tputrain.task import overrides
@@ -46,7 +47,7 @@ def finished(context: ActionContext) -> bool:
     of a job that succeeded) trains and saves nothing, so it needs no room for
     checkpoints (each save checks the room again, should one come)."""
     latest = context.checkpointer.latest
-    return latest is not None and int(latest.rsplit("-", 1)[-1]) >= context.options.train_steps
+    return latest is not None and step_of(latest) >= context.options.train_steps
 
 
 def checkpoint_bytes(context: ActionContext) -> int:

@@ -45,7 +45,7 @@ from tputrain.core import tracing
 from tputrain.actions.best import BestCheckpoint, best_record
 from tputrain import _compat
 from tputrain.checkpointing.atomic import TEMP_MARK, atomic_path, temp_owner
-from tputrain.checkpointing.files import list_checkpoints
+from tputrain.checkpointing.files import list_checkpoints, step_of
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.recovery import UNREADABLE_ERRORS, read_newest
 from tputrain.checkpointing.run_directory import RunDirectory
@@ -234,10 +234,6 @@ def _log_levels_kept() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _step_of(prefix: str) -> int:
-    return int(prefix.rsplit("-", 1)[-1])
-
-
 def checkpoint_to_export(view: RunView, step: int | None = None,
                          best: bool | None = None) -> tuple[str, int, str]:
     """(checkpoint prefix, its step, which: "best"/"latest"/"step N") to export.
@@ -260,13 +256,13 @@ def checkpoint_to_export(view: RunView, step: int | None = None,
     if step is None:
         if not listed:
             raise ValueError(f"no checkpoint in {view.model_dir}: train first")
-        return listed[-1], _step_of(listed[-1]), "latest"
-    found = [p for p in listed if _step_of(p) == step]
+        return listed[-1], step_of(listed[-1]), "latest"
+    found = [p for p in listed if step_of(p) == step]
     if not found and record is not None and int(record["step"]) == step:
         found = [record["checkpoint"]]
     if not found:
         raise ValueError(f"no checkpoint of step {step} in {view.model_dir}: it has steps "
-                         f"{[_step_of(p) for p in listed]}")
+                         f"{[step_of(p) for p in listed]}")
     return found[0], step, f"step {step}"
 
 
@@ -279,7 +275,7 @@ def read_for_export(view: RunView, checkpoint: str, fall_back: bool
     directory = os.path.dirname(checkpoint)
     if fall_back:
         older = [p for p in list_checkpoints(directory).paths
-                 if _step_of(p) <= _step_of(checkpoint)] or [checkpoint]
+                 if step_of(p) <= step_of(checkpoint)] or [checkpoint]
         try:
             path, model = read_newest(older, lambda p: restored_model(view, p), directory)
         except RuntimeError as error:
@@ -324,7 +320,7 @@ def export_checkpoint(view: RunView, step: int | None = None, export_dir: str | 
     view.checkpointer.sync()  # an async save of the last step may still be writing
     checkpoint, step, which = checkpoint_to_export(view, step, best)
     model, checkpoint = read_for_export(view, checkpoint, which == "latest")
-    step = _step_of(checkpoint)
+    step = step_of(checkpoint)
     path = export_destination(view, step, export_dir)
     inputs = serving_inputs(view, model)
     spec = feature_spec_of(view.task) if examples else None

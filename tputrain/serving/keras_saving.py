@@ -40,6 +40,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.checkpointing.atomic import atomic_path
+from tputrain.checkpointing.files import step_of
 from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.serving.export import (VERTEX_MODEL_DIR, checkpoint_to_export, export_destination,
                              feature_spec_of, read_for_export, serving_inputs,
@@ -259,7 +260,7 @@ def export_for_serving(view: RunView, step: int | None = None, best: bool | None
     view.checkpointer.sync()
     checkpoint, step, which = checkpoint_to_export(view, step, best)
     model, checkpoint = read_for_export(view, checkpoint, which == "latest")
-    step = int(checkpoint.rsplit("-", 1)[-1])
+    step = step_of(checkpoint)
     result = ServingExport(step=step, checkpoint=checkpoint)
     serving = merged_copy(model) if lora == "merge" and lora_layers(model) else model
     if saved_model:

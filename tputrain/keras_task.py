@@ -256,16 +256,15 @@ class KerasTask(Task):
             self._compiled = self._built = _check_compiled(model)
             return model
         self._built = cloned(self._source)  # LoRA and frozen layers as the user left them
-        policy = keras.mixed_precision.global_policy().name
-        if policy.startswith("mixed_") and built_precision(self._source) != policy and \
-                not self._said_precision:
+        policy, built = keras.mixed_precision.global_policy().name, built_precision(self._source)
+        if policy.startswith("mixed_") and built != policy and not self._said_precision:
             self._said_precision = True
             logging.warning(
                 "tputrain.fit: precision %s does not reach the layers of a model passed "
                 "built: they keep the policies they were built with (%s) and compute as "
                 "built; pass a function that builds and compiles the model "
                 "(tputrain.fit(build, ...)) to build them under %s", policy,
-                built_precision(self._source) or "float32", policy)
+                built or "float32", policy)
         return self._built
 
     def build_inputs(self, split: str, input_context: InputContext) -> tf.data.Dataset:

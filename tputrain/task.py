@@ -79,9 +79,10 @@ def overrides_train_step(task: "Task") -> bool:
     return overrides(task, "train_step")
 
 
-def overrides(task: "Task", name: str) -> bool:
-    """Whether `task` replaces `Task.<name>`, in its class or on the instance."""
-    return getattr(type(task), name) is not getattr(Task, name) or name in vars(task)
+def overrides(task: "Task", name: str, base: type | None = None) -> bool:
+    """Whether `task` replaces `<base>.<name>` (default `Task`), in its class or on the
+    instance."""
+    return getattr(type(task), name) is not getattr(base or Task, name) or name in vars(task)
 
 
 class Task:

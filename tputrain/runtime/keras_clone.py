@@ -7,9 +7,10 @@ instead: `clone_model` turns it into a plain functional model of other layers.
 
 Neither config holds what the user did to the built model: LoRA enabled on some
 layers (`backbone.enable_lora(rank)`, `layer.enable_lora(rank)`), layers or
-weights frozen, lookup vocabularies and `Normalization` statistics from `adapt`. `cloned` does the same to the copy (layer by layer, in the same
-order) and then copies every weight, the LoRA factors included, so the copy trains
-exactly the weights the user's model would. See docs/keras_hub.md.
+weights frozen, lookup vocabularies and `Normalization` statistics from `adapt`.
+`cloned` does the same to the copy (layer by layer, in the same order) and then
+copies every weight, the LoRA factors included, so the copy trains exactly the
+weights the user's model would. See docs/keras_hub.md.
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ def mirror_lora_and_trainable(source: keras.Model, copy: keras.Model) -> None:
     for theirs, ours in pairs:
         if getattr(theirs, "lora_enabled", False) and not getattr(ours, "lora_enabled", False):
             ours.enable_lora(theirs.lora_rank, lora_alpha=theirs.lora_alpha)
+    mirror_weight_flags(source, copy)
+
+
+def mirror_weight_flags(source: keras.Model, copy: keras.Model) -> None:
+    """Each of `copy`'s weights trainable or frozen as `source`'s is: a weight frozen
+    on its own (`layer.kernel.trainable = False`) is in no layer's config."""
     for theirs, ours in zip(source.weights, copy.weights):
         ours.trainable = theirs.trainable
 
@@ -126,9 +133,9 @@ def _cloned(source: keras.Model) -> keras.Model:
         mirror_lora_and_trainable(source, copy)
         if [v.path for v in copy.weights] != [v.path for v in source.weights]:
             raise ValueError("the copy's weights are not the model's")
+    else:
+        mirror_weight_flags(source, copy)
     copy.set_weights(source.get_weights())
-    for theirs, ours in zip(source.weights, copy.weights):  # one frozen weight: in no config
-        ours.trainable = theirs.trainable
     refresh_adapted_state(copy)
     if lora and [v.path for v in copy.trainable_variables] != [
             v.path for v in source.trainable_variables]:

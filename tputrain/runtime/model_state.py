@@ -22,7 +22,7 @@ from tputrain.loop.inputs import zeros_of
 from tputrain.options import RematOptions
 from tputrain.precision import wrap_optimizer_for_policy
 from tputrain.loop.remat import build_with_remat
-from tputrain.task import Task
+from tputrain.task import Task, overrides
 
 
 # model -> ids of the trainable variables its optimizer, EMA and checkpoints were built for.
@@ -68,8 +68,7 @@ def check_model_train_step(model: keras.Model, task: Task) -> None:
     for method, (replacements, signature) in _MODEL_HOOKS.items():
         if getattr(type(model), method, None) is getattr(keras.Model, method):
             continue
-        if any(getattr(type(task), name) is not getattr(base, name) or name in vars(task)
-               for name in replacements):
+        if any(overrides(task, name, base) for name in replacements):
             continue
         raise TypeError(_port_message(type(model).__name__, method, signature, task))
 

@@ -21,8 +21,7 @@ def _column(values: list[str], name: str = "", path: str = "") -> np.ndarray:
     with leading zeros ("02134") stay str (an int would drop the zeros); a number
     column with empty cells is an error naming them (str would hide the column's type)."""
     present = [v for v in values if v.strip()]
-    if not present or any(len(v) > 1 and v.lstrip("+-").startswith("0") and v.lstrip("+-")[1:2].isdigit()
-           for v in present):
+    if not present or any(_zero_led(v) for v in present):
         return np.array(values, dtype=str)
     for dtype in (np.int64, np.float32):
         try:
@@ -36,6 +35,12 @@ def _column(values: list[str], name: str = "", path: str = "") -> np.ndarray:
                              "missing values, or drop those rows")
         return np.array(numbers, dtype=dtype)
     return np.array(values, dtype=str)
+
+
+def _zero_led(value: str) -> bool:
+    """A code such as "02134" (a zero before another digit), which an int would shorten."""
+    digits = value.strip().lstrip("+-")
+    return len(digits) > 1 and digits[0] == "0" and digits[1].isdigit()
 
 
 def read_csv(path: str) -> dict[str, np.ndarray]:

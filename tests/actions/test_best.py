@@ -20,7 +20,7 @@ import tputrain
 from file_events import (CONFIG, assert_same_outcome, event_child, kill_states, model_variables,
                          run_outcome)
 from tiny import TinyTask, strategy_for
-from tputrain.actions.best import Watch
+from tputrain.actions.best import Watch, write_json
 from tputrain.actions.early_stopping import early_stopping_path
 from tputrain.checkpointing.run_directory import ModelDirError
 
@@ -148,7 +148,8 @@ def test_early_stopping_resumes_from_the_evals_up_to_the_restored_step(tmp_path)
     record = json.loads(open(path).read())
     # As if killed after an eval at step 5 whose checkpoint never got written.
     record["evals"]["5"] = 0.0
-    open(path, "w").write(json.dumps(record))
+    del record["checksum"]
+    write_json(path, record)
     resumed = make(tmp_path / "run", [never_improves_after_the_first(3)], train_steps=100)
     resumed.train()
     assert resumed.current_step == reference.current_step == 8
@@ -233,7 +234,8 @@ def listing(folder) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-@pytest.mark.parametrize("intact, damaged", [('"mode"', '"mode'), ('"max"', '"mbx"')])
+@pytest.mark.parametrize("intact, damaged", [('"mode"', '"mode'), ('"max"', '"mbx"'),
+                                             ('"max"', '"min"'), ('"value": ', '"value": 1')])
 def test_a_damaged_best_record_stops_the_run_and_keeps_the_best(tmp_path, intact, damaged):
     """One damaged byte in best.json was taken for no record: the rerun started the best
     over, overwrote best.json, deleted the true best and exported a worse step (exit 0).
@@ -242,6 +244,7 @@ def test_a_damaged_best_record_stops_the_run_and_keeps_the_best(tmp_path, intact
     model_dir = tmp_path / "run"
     record, actions = stopped_with_a_best(model_dir, keep=10)
     path = model_dir / "best" / "best.json"
+    assert intact in path.read_text()
     path.write_text(path.read_text().replace(intact, damaged, 1))
     before = listing(model_dir / "best")
     with pytest.raises(ModelDirError) as raised:
@@ -260,16 +263,20 @@ def make_context(model_dir, actions):
     return make(model_dir, [], keep_checkpoints=10, train_steps=40).context
 
 
-def test_a_damaged_early_stopping_record_stops_the_run_before_training(tmp_path):
+@pytest.mark.parametrize("intact, damaged", [('"', "X"), ('": 0.', '": 1.')])
+def test_a_damaged_early_stopping_record_stops_the_run_before_training(tmp_path, intact,
+                                                                      damaged):
     """One damaged byte in early_stopping.json was taken for no record: an early-stopped
     run trained on to train_steps and exported another step. It now stops before the
-    first step, naming the record and the fix."""
+    first step, naming the record and the fix; so does damage that leaves valid JSON
+    (a value's digit: the record's checksum no longer matches)."""
     model_dir = tmp_path / "run"
     trainer = make(model_dir, [never_improves_after_the_first(2)], train_steps=100)
     trainer.train()
     assert trainer.current_step == 6
     path = model_dir / "checkpoints" / "early_stopping.json"
-    path.write_text(path.read_text().replace('"', "X", 1))
+    assert intact in path.read_text()
+    path.write_text(path.read_text().replace(intact, damaged, 1))
     checkpoints = sorted(p.name for p in (model_dir / "checkpoints").iterdir())
     with pytest.raises(ModelDirError) as raised:
         make(model_dir, [never_improves_after_the_first(2)], train_steps=100).train()

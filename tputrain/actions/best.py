@@ -39,6 +39,7 @@ Hooks run on every host with the same (agreed) eval metrics; only the chief writ
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -60,6 +61,7 @@ from tputrain.checkpointing.run_directory import ModelDirError
 
 BEST_DIR = RunDirectory.BEST
 BEST_FILE = RunDirectory.BEST_RECORD
+CHECKSUM = "checksum"  # the records' SHA-256 of their other fields (`write_json`)
 
 
 class Watch:
@@ -108,9 +110,18 @@ class Watch:
 
 
 def write_json(path: str, record: Mapping[str, Any]) -> None:
-    """Writes `record` to a temp file, then renames it over `path`: a kill leaves
-    the old file or the new one, never half of one."""
+    """Writes `record` with its checksum to a temp file, then renames it over `path`: a
+    kill leaves the old file or the new one, never half of one."""
+    record = {**record, CHECKSUM: _checksum(record)}
     write_atomically(path, json.dumps(record, indent=1) + "\n")
+
+
+def _checksum(record: Mapping[str, Any]) -> str:
+    """SHA-256 of the record's fields: damage that leaves valid JSON ("max" read as
+    "min", a value's digit) is told from the record written."""
+    canonical = json.dumps({k: v for k, v in record.items() if k != CHECKSUM},
+                           sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def read_json(path: str) -> dict[str, Any] | None:
@@ -146,6 +157,8 @@ def _parse(path: str, check: Callable[[dict[str, Any]], None]) -> dict[str, Any]
         record = json.loads(f.read())
     if not isinstance(record, dict):
         raise ValueError("not a JSON object")
+    if CHECKSUM in record and record.pop(CHECKSUM) != _checksum(record):
+        raise ValueError("its checksum does not match its fields")  # older records have none
     check(record)
     return record
 

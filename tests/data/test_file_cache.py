@@ -151,3 +151,41 @@ def test_a_second_process_waits_for_the_first_to_write_the_cache(tmp_path):
     for child in children:
         _, err = child.communicate(timeout=240)
         assert child.returncode == 0, err[-2000:]
+
+
+IDENTITY = """
+import functools, json
+import numpy as np
+from tputrain.data.file_cache import callable_identity
+
+def make(factor, table):
+    def scale(example, *, shift=np.float32(1)):
+        if example in {"alpha", "beta", "gamma"}:
+            return example
+        return example * factor + shift + table[0]
+    return scale
+
+print(json.dumps([callable_identity(make(2.0, np.arange(3))),
+                  callable_identity(functools.partial(make, 2.0)),
+                  callable_identity(make(3.0, np.arange(3))),
+                  callable_identity(make(2.0, np.arange(4)))]))
+"""
+
+
+def test_a_preprocess_functions_identity_is_the_same_in_every_process_and_tells_values():
+    """The cache's name holds the preprocess function's identity: it must not depend on
+    addresses or the string hash seed (else every run would write a new cache), and
+    must tell another closed-over value or array apart."""
+    import json
+    import subprocess
+    import sys
+
+    def identities(seed: str):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", IDENTITY], env=env, check=True,
+                             capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    first, second = identities("1"), identities("2")
+    assert first == second
+    assert len({json.dumps(i) for i in first}) == 4

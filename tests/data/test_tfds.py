@@ -147,3 +147,24 @@ def test_tfds_config_trains_under_mock_data(tmp_path):
         results = trainer.train()
     assert int(trainer.step.numpy()) == 20
     assert np.isfinite(results["loss"]) and 0.0 <= results["accuracy"] <= 1.0
+
+
+def _scaled_by(factor: float):
+    def scale(example):  # one name for every factor: only its closure tells them apart
+        return {**example, "x": example["x"] * factor}
+    return scale
+
+
+def test_a_file_cache_is_keyed_by_the_preprocess_functions_code_not_its_name(
+        tmp_path, tiny_data_dir):
+    """A cache was keyed by preprocess_example's name: after a change of its body (or of a
+    value it closes over), the cache of the old function was served, silently."""
+    def first_x(factor):
+        inputs = _tiny(tiny_data_dir, shuffle=False, global_batch_size=4, repeat=False,
+                       cache=str(tmp_path / "cache"), preprocess_example=_scaled_by(factor))
+        features, labels = next(iter(inputs()))
+        return (features["x"].numpy()[:, 0] / np.maximum(labels.numpy(), 1)).tolist()
+
+    assert first_x(2.0)[1:] == [2.0] * 3
+    assert first_x(3.0)[1:] == [3.0] * 3
+    assert first_x(2.0)[1:] == [2.0] * 3

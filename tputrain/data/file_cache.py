@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import time
@@ -104,6 +105,66 @@ def callable_name(function: Callable[..., Any] | None) -> str | None:
         return None
     name = getattr(function, "__qualname__", None) or type(function).__qualname__
     return f"{getattr(function, '__module__', '')}.{name}"
+
+
+def callable_identity(function: Callable[..., Any] | None) -> list[Any] | None:
+    """A function by its name, its code and the plain values it closes over or takes
+    by default: a changed body, or the same closure made with another value, names
+    another cache (the name alone served the old function's examples). Stable across
+    processes: objects without a plain value count by their type."""
+    if function is None:
+        return None
+    if isinstance(function, functools.partial):
+        return ["partial", callable_identity(function.func),
+                _plain(function.args), _plain(function.keywords)]
+    target = function if hasattr(function, "__code__") else type(function).__call__
+    cells = getattr(target, "__closure__", None) or ()
+    return [callable_name(function), _code_hash(getattr(target, "__code__", None)),
+            _plain([_cell(cell) for cell in cells]),
+            _plain(getattr(target, "__defaults__", None)),
+            _plain(getattr(target, "__kwdefaults__", None)),
+            _plain(getattr(function, "__dict__", None) if target is not function else None)]
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not yet filled
+        return None
+
+
+def _code_hash(code: Any) -> str | None:
+    """SHA-256 of a code object's bytecode, names and constants (nested code too)."""
+    if code is None:
+        return None
+    digest = hashlib.sha256(code.co_code)
+    digest.update(repr(code.co_names).encode())
+    for const in code.co_consts:
+        if hasattr(const, "co_code"):
+            const = _code_hash(const)
+        elif isinstance(const, frozenset):  # `x in {"a", "b"}`: its order is the hash seed's
+            const = sorted(map(repr, const))
+        digest.update(repr(const).encode())
+    return digest.hexdigest()[:16]
+
+
+def _plain(value: Any) -> Any:
+    """`value` as JSON-able data: plain values as they are, arrays by their bytes'
+    hash, functions by `callable_identity`, other objects by their type's name."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, bytes):
+        return hashlib.sha256(value).hexdigest()[:16]
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if hasattr(value, "dtype") and hasattr(value, "tobytes"):  # NumPy arrays, scalars
+        return [str(value.dtype), list(getattr(value, "shape", ())),
+                hashlib.sha256(value.tobytes()).hexdigest()[:16]]
+    if callable(value) and (hasattr(value, "__code__") or isinstance(value, functools.partial)):
+        return callable_identity(value)
+    return type(value).__qualname__
 
 
 def _stat(path: str) -> tuple[int, int]:

@@ -19,7 +19,7 @@ from tputrain.core.checks import check_bool, check_int
 from tputrain.data.batching import (BatchedInput, check_static, in_memory_batches, pad_to_batch,
                                     split_label)
 from tputrain.data.context import InputContext
-from tputrain.data.file_cache import callable_name
+from tputrain.data.file_cache import callable_identity
 from tputrain.data.options import InputOptions
 
 _STATIC_FIX = ("resize or pad each example with TFDSInput.preprocess_example, or keep only "
@@ -196,9 +196,9 @@ class TFDSInput(BatchedInput):
 
     def _cache_identity(self) -> list[Any]:
         """What a file cache holds: the data set, its split and the options that select,
-        order or change its examples (a preprocess function by its name, not its code)."""
+        order or change its examples (a preprocess function by its code and closed-over values)."""
         return [self.name, self.split, self.data_dir, self.features,
-                callable_name(self.preprocess_example), self.label_key, self.shuffle,
+                callable_identity(self.preprocess_example), self.label_key, self.shuffle,
                 self.seed, self.repeat, self.pad_remainder, self.cycle_length, self.block_length]
 
     def __repr__(self) -> str:

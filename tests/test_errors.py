@@ -109,27 +109,6 @@ def test_a_bad_step_count_names_the_parameter(tmp_path, value, error, words):
     assert not (tmp_path / "model").exists()
 
 
-def test_a_gin_import_of_a_missing_module_is_one_line(tmp_path):
-    """Issue 10.4: an `import` line in a gin file gave a traceback."""
-    config = tmp_path / "bad.gin"
-    config.write_text("import no_such_module_here.tasks\nTrainer.train_steps = 5\n")
-    with pytest.raises(ConfigError) as caught:
-        parse_gin([str(config)])
-    message = one_line(caught.value)
-    assert "No module named 'no_such_module_here'" in message
-    assert "bad.gin" in message and "PYTHONPATH" in message
-
-
-def test_a_non_utf8_gin_file_is_named(tmp_path):
-    """Issue 33.6: the decode error did not say which file."""
-    config = tmp_path / "latin1.gin"
-    config.write_bytes("# caf\xe9\nTrainer.train_steps = 5\n".encode("latin-1"))
-    with pytest.raises(ConfigError) as caught:
-        parse_gin([str(config)])
-    message = one_line(caught.value)
-    assert str(config) in message and "save it as UTF-8" in message
-
-
 def test_dynamic_shapes_say_to_batch_with_drop_remainder(tmp_path):
     class Ragged(TinyTask):
         def build_inputs(self, split, input_context):

@@ -180,14 +180,23 @@ def test_an_unquoted_word_as_a_value_says_how_to_write_one():
     assert "ast.Name" not in text and "'abc'" in text and "quotes" in text and "@abc" in text
 
 
-def test_an_unclosed_bracket_names_the_files_parsed(tmp_path):
-    """A gin file with an unclosed `(` said only "('EOF in multi-line statement', (3, 0))"."""
+@pytest.mark.parametrize("content, words", [
+    # An unclosed `(` said only "('EOF in multi-line statement', (3, 0))".
+    (b"Trainer.train_steps = 3\nTrainer.steps_per_loop = (\n", ["unclosed"]),
+    # Issue 10.4: an `import` line of a missing module gave a traceback.
+    (b"import no_such_module_here.tasks\nTrainer.train_steps = 5\n",
+     ["No module named 'no_such_module_here'", "PYTHONPATH"]),
+    # Issue 33.6: the decode error did not say which file.
+    ("# caf\xe9\nTrainer.train_steps = 5\n".encode("latin-1"), ["save it as UTF-8"]),
+], ids=["unclosed bracket", "missing module", "not UTF-8"])
+def test_a_broken_gin_file_is_one_line_naming_it_and_the_fix(tmp_path, content, words):
     config = tmp_path / "broken.gin"
-    config.write_text("Trainer.train_steps = 3\nTrainer.steps_per_loop = (\n")
+    config.write_bytes(content)
     with pytest.raises(ConfigError) as caught:
         parse_gin([str(config)])
     text = str(caught.value)
-    assert str(config) in text and "unclosed" in text
+    assert "\n" not in text.strip(), text
+    assert str(config) in text and all(word in text for word in words), text
 
 
 def test_an_error_raised_by_a_configurable_names_it():

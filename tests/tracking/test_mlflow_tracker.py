@@ -3,6 +3,7 @@ params from the config and the plan, artifacts; a bad URI refused before any wri
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -305,3 +306,88 @@ def test_a_preempted_run_sends_what_it_logged_and_ends_the_mlflow_run_killed(tmp
     steps = _steps(client, run_id, "train/loss")
     assert steps[:2] == [2, step] and steps[-1] == 6 and steps == sorted(set(steps))
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+# ------------------------------------------------------------ the tracker's own seams
+
+def _tracker(store):
+    return tputrain.MLflowTracker(tracking_uri=store, experiment="tests")
+
+
+def _sent(model_dir, store, step, values, writer=True, restored_step=None, tracker=None):
+    """A tracker started on `model_dir` as training (`writer`) or `tputrain eval` is; sends
+    `values` at `step` (as an evaluation's when they are "eval/..."), then closes."""
+    tracker = tracker or _tracker(store)
+    tracker.start(str(model_dir), writer=writer, restored_step=restored_step)
+    evals = {k[len("eval/"):]: v for k, v in values.items() if k.startswith("eval/")}
+    if evals:
+        tracker.on_eval_end(None, step, evals)
+    others = {k: v for k, v in values.items() if not k.startswith("eval/")}
+    if others:
+        tracker.put_metrics(step, others)
+    tracker.close()
+    return tracker
+
+
+def test_a_metric_whose_name_mlflow_changes_is_sent_once_across_a_resume(tmp_path, store):
+    """`top@3` is logged as `top_3`: a resume's spool replay found no `top@3` in the run
+    and sent every step again (and said the run did not hold them)."""
+    model_dir = tmp_path / "run"
+    _sent(model_dir, store, 100, {"train/top@3": 0.5})
+    _sent(model_dir, store, 100, {}, restored_step=100)  # the resume replays the spool
+    _sent(model_dir, store, 100, {"train/top@3": 0.5})  # and computes step 100 again
+    run_id = read_record(str(model_dir), "mlflow")["run_id"]
+    assert _steps(mlflow.tracking.MlflowClient(store), run_id, "train/top_3") == [100]
+
+
+@pytest.mark.parametrize("first", ["training", "tputrain eval"])
+def test_an_evaluation_both_training_and_tputrain_eval_made_is_sent_once(tmp_path, store,
+                                                                          first):
+    """The side-car read the run's steps once, when it opened it: the evaluations the
+    training logged after that were sent again (and the side-car's, by the training)."""
+    model_dir = tmp_path / "run"
+    _sent(model_dir, store, 100, {"train/loss": 1.0})
+    training, side_car = _tracker(store), _tracker(store)
+    training.start(str(model_dir), writer=True, restored_step=100)
+    side_car.start(str(model_dir), writer=False)
+    assert training.sender.flush(30) and side_car.sender.flush(30)  # both runs opened
+    order = [training, side_car] if first == "training" else [side_car, training]
+    for tracker in order:
+        tracker.on_eval_end(None, 200, {"loss": 0.5})
+        tracker.sender.flush(30)
+    for tracker in order:
+        tracker.close()
+    run_id = read_record(str(model_dir), "mlflow")["run_id"]
+    assert _steps(mlflow.tracking.MlflowClient(store), run_id, "eval/loss") == [200]
+
+
+def test_tputrain_eval_leaves_a_finished_run_finished(tmp_path, store):
+    """`tputrain eval` set the run RUNNING on opening it and never ended it: a finished
+    run stayed RUNNING for ever."""
+    model_dir = tmp_path / "run"
+    with _trainer(model_dir, store, 100) as trainer:
+        trainer.train()
+    _sent(model_dir, store, 100, {"eval/accuracy": 0.5}, writer=False)
+    run_id = read_record(str(model_dir), "mlflow")["run_id"]
+    assert mlflow.tracking.MlflowClient(store).get_run(run_id).info.status == "FINISHED"
+
+
+def test_one_tracker_given_to_two_trainers_keeps_each_runs_spool_and_tags(tmp_path, store):
+    """A sweep passing one tracker to Trainers on two model_dirs: the second run's metrics
+    went into the first's spool (no kill -9 protection) and it had no model_dir tag."""
+    tracker = _tracker(store)
+    for name in ("a", "b"):
+        with tputrain.Trainer(TinyTask(), str(tmp_path / name), strategy=tf.distribute.
+                              OneDeviceStrategy("/cpu:0"), train_steps=4, steps_per_loop=2,
+                              global_batch_size=16, report_mfu=False, jit_compile=False,
+                              actions=[tracker]) as trainer:
+            trainer.train()
+    client = mlflow.tracking.MlflowClient(store)
+    for name in ("a", "b"):
+        model_dir = str(tmp_path / name)
+        spool = [json.loads(line) for line in
+                 open(os.path.join(model_dir, "tracking", "mlflow.spool.jsonl"))]
+        assert [job["step"] for job in spool if "train/loss" in job["values"]] == [2, 4]
+        run = client.get_run(read_record(model_dir, "mlflow")["run_id"])
+        assert run.data.tags["tputrain.model_dir"] == model_dir
+        assert _steps(client, run.info.run_id, "train/loss") == [2, 4]

@@ -12,12 +12,14 @@ is down or slow never stops or slows training; the first failure is one warning
 and the calls are retried. The run's id is kept in `model_dir/tracking/` (record.py),
 so a rerun, a resume after kill -9 and `tputrain eval` continue the same run; a
 metric at a step the run already holds (the steps a resume computes again) is not
-sent twice. Each metric is also appended to the tracker's spool in model_dir
+sent twice (a metric by the name the tracker stores it under, `metric_key`; an
+evaluation is checked against the run as it is when it is sent, since `tputrain eval`
+and the training may both evaluate a step). Each metric is also appended to the tracker's spool in model_dir
 (spool.py) before its hook returns: a resume first sends the spool's metrics, up to
 the restored step, that a killed process's queue or tracker client had not written. A bad tracking URI is refused by `preflight`: one line, before anything
 is written to model_dir.
 
-A subclass connects a tracker: `check`, `open_run`, `logged_steps`, `first_step`,
+A subclass connects a tracker: `check`, `open_run`, `logged_steps`, `metric_key`, `first_step`,
 `send_params`, `send_metrics`, `send_artifact`, `send_tags`, `finish` (all but `check`
 run on the sender's thread). When training raises or is preempted, the run is ended FAILED or
 KILLED and the queue is sent before the error leaves `train()` (`on_train_error`).
@@ -26,7 +28,7 @@ KILLED and the queue is sent before the error leaves `train()` (`on_train_error`
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import tensorflow as tf
 from absl import logging
@@ -55,6 +57,8 @@ class Tracker(Action):
         self.run_id: str | None = None
         self.sent_steps: dict[str, int] = {}  # the run's last step of each metric
         self.step_floor = 0  # the open run takes no step below it
+        self.writing = True  # the run is training's (False: `tputrain eval` adds to it)
+        self.model_dir: str | None = None  # the run's; None before `start`
         self._params_sent = self._finished = False
 
     # ---------------------------------------------------------- for subclasses
@@ -64,12 +68,19 @@ class Tracker(Action):
         package missing). `resuming`: model_dir already has a run of this tracker."""
 
     def open_run(self, run_id: str | None, model_dir: str) -> str:
-        """Opens (None: creates) the tracker's run; returns its id."""
+        """Opens (None: creates) the tracker's run; returns its id. `self.writing` is
+        False for `tputrain eval`, which adds evaluations and leaves the run's state."""
         raise NotImplementedError
 
-    def logged_steps(self) -> dict[str, int]:
-        """The open run's last logged step of each metric."""
+    def logged_steps(self, keys: Collection[str] | None = None) -> dict[str, int]:
+        """The open run's last logged step of each metric (of `keys`, when given), by
+        `metric_key`."""
         return {}
+
+    def metric_key(self, name: str) -> str:
+        """The name the tracker stores metric `name` under (MLflow replaces some
+        characters): `logged_steps`' keys."""
+        return name
 
     def first_step(self) -> int:
         """The first step the open run takes a metric at (0: any)."""
@@ -100,6 +111,10 @@ class Tracker(Action):
         if not context.is_chief:
             return
         self._params_sent = False  # each train() sends them (a notebook's may differ)
+        if self.sender is not None and self.model_dir != context.model_dir:
+            self.close()  # one tracker given to Trainers on two model_dirs (a sweep)
+            self.sender.close()
+            self.sender = None
         if self.sender is None:
             self.start(context.model_dir, writer=True, restored_step=step)
             self.sender.put(("tags", {"tputrain.model_dir": context.model_dir}))
@@ -120,6 +135,7 @@ class Tracker(Action):
                             "evaluations are not tracked", type(self).__name__, model_dir,
                             self.name)
             return
+        self.model_dir = model_dir
         self.spool = Spool(model_dir, self.name)
         self.sender = Sender(type(self).__name__, self._send, self.max_queue)
         self.sender.put(("open", record["run_id"] if record else None, model_dir, writer,
@@ -135,7 +151,7 @@ class Tracker(Action):
 
     def on_eval_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         if self.sender is not None:
-            self.put_metrics(step, prefixed("eval", logs))
+            self.put_metrics(step, prefixed("eval", logs), check_run=True)
 
     def on_train_end(self, context: ActionContext, step: int, logs: Mapping[str, float]) -> None:
         if self.sender is None:
@@ -163,10 +179,12 @@ class Tracker(Action):
         self._finished = True
         self.close()
 
-    def put_metrics(self, step: int, values: Mapping[str, float]) -> None:
-        """Spools the metrics (in model_dir, before this returns), then queues them."""
+    def put_metrics(self, step: int, values: Mapping[str, float],
+                    check_run: bool = False) -> None:
+        """Spools the metrics (in model_dir, before this returns), then queues them
+        (`check_run`: sent only at a step past the run's own, as it is then)."""
         self.spool.append(step, values)
-        self.sender.put(("metrics", step, values))
+        self.sender.put(("metrics", step, values, check_run))
 
     def close(self) -> None:
         """Sends what is queued (at most `flush_seconds`)."""
@@ -194,6 +212,7 @@ class Tracker(Action):
 
     def _open(self, run_id: str | None, model_dir: str, writer: bool,
               restored_step: int | None = None) -> None:
+        self.writing = writer
         self.run_id = self.open_run(run_id, model_dir)
         self.sent_steps = self.logged_steps() if self.run_id == run_id else {}
         self.step_floor = self.first_step()
@@ -213,14 +232,20 @@ class Tracker(Action):
             logging.info("tputrain: %s: sent again from the spool the metrics of steps %s "
                          "(the run did not hold them)", type(self).__name__, resent)
 
-    def _metrics(self, step: int, values: Mapping[str, float]) -> bool:
+    def _metrics(self, step: int, values: Mapping[str, float], check_run: bool = False) -> bool:
         """Sends the values the run does not hold at `step` yet (a resume's recomputed
-        steps were logged by the run that first computed them); True if any."""
+        steps were logged by the run that first computed them; with `check_run`, an
+        evaluation another process sent since the run was opened); True if any."""
+        if check_run:
+            held = self.logged_steps([self.metric_key(key) for key in values])
+            for key, last in held.items():
+                self.sent_steps[key] = max(last, self.sent_steps.get(key, -1))
         new = {key: value for key, value in values.items()
-               if step > self.sent_steps.get(key, -1) and step >= self.step_floor}
+               if step > self.sent_steps.get(self.metric_key(key), -1)
+               and step >= self.step_floor}
         if new:
             self.send_metrics(step, new)
-            self.sent_steps.update({key: step for key in new})
+            self.sent_steps.update({self.metric_key(key): step for key in new})
         return bool(new)
 
 

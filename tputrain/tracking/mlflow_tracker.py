@@ -17,7 +17,7 @@ import os
 import re
 import tempfile
 import time
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from absl import logging
 
@@ -92,7 +92,10 @@ class MLflowTracker(Tracker):
         client = self.client()
         if run_id is not None:
             try:
-                client.update_run(run_id, status="RUNNING")
+                if self.writing:  # `tputrain eval` adds evaluations, and leaves the status
+                    client.update_run(run_id, status="RUNNING")
+                else:
+                    client.get_run(run_id)
                 return run_id
             except Exception as error:  # pylint: disable=broad-except
                 if getattr(error, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
@@ -105,13 +108,17 @@ class MLflowTracker(Tracker):
         name = self.run_name or os.path.basename(os.path.normpath(model_dir))
         return client.create_run(experiment_id, run_name=name).info.run_id
 
-    def logged_steps(self) -> dict[str, int]:
+    def logged_steps(self, keys: Collection[str] | None = None) -> dict[str, int]:
         client = self.client()
         steps = {}
-        for key in client.get_run(self.run_id).data.metrics:
+        held = client.get_run(self.run_id).data.metrics
+        for key in held if keys is None else [key for key in keys if key in held]:
             history = client.get_metric_history(self.run_id, key)
             steps[key] = max((metric.step for metric in history), default=-1)
         return steps
+
+    def metric_key(self, name: str) -> str:
+        return _key(name)
 
     def send_params(self, params: Mapping[str, str]) -> None:
         from mlflow.entities import Param, RunTag  # pylint: disable=import-outside-toplevel

@@ -15,7 +15,7 @@ checkpoint) to its summary, and the config and goodput account are saved as file
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from tputrain.fault_tolerance.preemption import PREEMPTED_EXIT_CODE
 from tputrain.tracking.base import Tracker
@@ -76,10 +76,11 @@ class WandbTracker(Tracker):
             settings=wandb.Settings(silent=True, console="off"))
         return self._run.id
 
-    def logged_steps(self) -> dict[str, int]:
+    def logged_steps(self, keys: Collection[str] | None = None) -> dict[str, int]:
         steps = logged_steps(self._folder, self._run.id)
         resumed_at = self.first_step()
-        return {**{key: resumed_at - 1 for key in steps}, **steps} if resumed_at else steps
+        steps = {**{key: resumed_at - 1 for key in steps}, **steps} if resumed_at else steps
+        return steps if keys is None else {k: v for k, v in steps.items() if k in keys}
 
     def first_step(self) -> int:
         """A resumed online run's next step on the server (W&B drops a smaller one)."""

@@ -532,3 +532,23 @@ def test_digits_setup_gets_no_advice_it_already_follows(tmp_path):
     for input_only in (900.0, 50.0):
         text = " ".join(step_advice("input", input_only, 100.0, 0.15, setup).advice)
         assert "cache=" not in text and "steps_per_fetch" not in text, text
+
+
+def test_a_program_read_back_from_the_compile_cache_puts_no_error_lines_on_the_console(
+        tmp_path):
+    """diagnose ran its loop outside the Trainer's first-call wrapper: a program read back
+    from XLA's compilation cache printed TensorFlow's harmless error-level lines (a
+    text-format parse error, XLA:CPU's tuning flags as "features" the host lacks)."""
+    env = child_env()
+    env.pop("TF_XLA_FLAGS", None)
+    env["TPUTRAIN_COMPILE_CACHE"] = str(tmp_path / "cache")
+    command = [sys.executable, "-m", "tputrain.run", "diagnose", "--json",
+               "--gin_file=digits.gin", "--seconds=0.5", "--gin_param=Trainer.jit_compile=True",
+               f"--model_dir={tmp_path / 'run'}"]
+    for _ in range(2):  # the second reads the program back
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                                env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert os.listdir(tmp_path / "cache")
+    assert not [line for line in result.stderr.splitlines() if line.startswith("E0")], \
+        result.stderr[-3000:]

@@ -26,6 +26,7 @@ import tensorflow as tf
 from tputrain.jobs.advice import STALL_GOAL, RunSetup, run_setup, step_advice
 from tputrain.data.options import without_autotune
 from tputrain.distribution.communication import CommunicationOptions, gradient_bytes, measure_allreduce
+from tputrain.loop import compile_cache
 from tputrain.runtime.run_view import RunView, view_of
 
 # Communication is the bottleneck when it is the largest share of the step and at
@@ -237,7 +238,8 @@ class _Loops:
         """Traces the loop and fills the pipeline's buffers; sets the loop length:
         `steps`, or what fits a quarter of `seconds`, at most steps_per_loop (slow
         steps, a big model on a busy host, must not stretch the run to minutes)."""
-        _, trace = _timed(lambda: self.view.run_loop(self.unit), self.clock)
+        with compile_cache.reading(self, "train"):  # its first call compiles or reads back
+            _, trace = _timed(lambda: self.view.run_loop(self.unit), self.clock)
         if steps is None:
             (_, done, _), elapsed = _timed(lambda: self.view.run_loop(self.unit), self.clock)
             per_step = elapsed / max(done, 1)

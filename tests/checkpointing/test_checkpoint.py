@@ -438,9 +438,13 @@ def test_a_host_count_change_is_added_to_the_layouts_host_history():
     two = InputLayout(2, 2, 64)
     assert two.history() == ((0, 2),)
     three = LayoutChange("ckpt-3", 3, two, InputLayout(3, 3, 48)).continued()
-    assert three.history() == ((0, 2), (192, 3)) and three.start_examples == 192
+    # The third field: the change deals fresh windows by load (tputrain.data.ledger).
+    assert three.history() == ((0, 2), (192, 3, 1)) and three.start_examples == 192
     one = LayoutChange("ckpt-7", 7, three, InputLayout(1, 1, 96)).continued()
-    assert one.history() == ((0, 2), (192, 3), (384, 1))
+    assert one.history() == ((0, 2), (192, 3, 1), (384, 1, 1))
+    # A checkpoint written before that field replays its changes as it ran them.
+    older = InputLayout(1, 1, 96, start_examples=384, host_history="0:2,192:3,384:1")
+    assert InputLayout.from_json(older.to_json()).history() == ((0, 2), (192, 3), (384, 1))
     assert InputLayout.from_json(one.to_json()) == one and one.split() == InputLayout(1, 1, 96)
     batch = LayoutChange("ckpt-9", 9, one, InputLayout(1, 1, 32)).continued()
     assert batch.history() == one.history()

@@ -327,6 +327,23 @@ def test_every_record_of_an_epoch_once_through_2_3_1_hosts_and_batches_64_48_96(
     assert seen == collections.Counter(range(2400))
 
 
+@pytest.mark.parametrize("changes", [[(120, 3)], [(120, 3), (240, 1)]])
+def test_a_host_change_reads_this_epochs_records_before_the_next_epochs(tmp_path, changes):
+    """600 records, 3 windows of 200, global batch 24 on 2 hosts, then 3 (then 1): the new
+    host started the next epoch's window while this epoch's last waited behind another
+    host's, so the first 480 examples trained 111 records twice. Now each once."""
+    manifest = _write_ids(tmp_path, 600)  # 3 shards of 200: one block, one window each
+    seen, history, consumed = collections.Counter(), [(0, 2)], 0
+    for end, hosts in [*changes, (480, None)]:
+        for ids in _host_steps(manifest, history, history[-1][1], 24, consumed,
+                               (end - consumed) // 24):
+            seen.update(ids)
+        consumed = end
+        if hosts is not None:
+            history.append((consumed, hosts, 1))
+    assert sum(seen.values()) == 480 and max(seen.values()) == 1
+
+
 def test_another_global_batch_on_the_same_hosts_keeps_each_hosts_order(tmp_path):
     """2 hosts, 3 steps of 64 then 5 of 32 (no layout_history entry: the hosts did not
     change) read what 3 + 5/2 steps of 64 read, host by host."""

@@ -70,7 +70,8 @@ class InputLayout:
     start_examples: int = 0
     # The host counts so far and the examples consumed when each took over, as
     # "examples:hosts,...": what a positional input replays to place every host
-    # (`tputrain.data.ledger`). Empty: these hosts from the start.
+    # (`tputrain.data.ledger`); "examples:hosts:1" for a change whose fresh windows
+    # are dealt by load (every change recorded since). Empty: these hosts from the start.
     host_history: str = ""
 
     def to_json(self) -> str:
@@ -91,13 +92,13 @@ class InputLayout:
         """The layout without its start: what decides whether a saved iterator fits."""
         return dataclasses.replace(self, start_step=0, start_examples=0, host_history="")
 
-    def history(self) -> tuple[tuple[int, int], ...]:
-        """(examples consumed, hosts) at each host count the run had, this one last
-        (`InputContext.layout_history`)."""
+    def history(self) -> tuple[tuple[int, ...], ...]:
+        """(examples consumed, hosts[, 1 if dealt by load]) at each host count the run
+        had, this one last (`InputContext.layout_history`)."""
         if not self.host_history:
             return ((0, self.hosts),)
-        return tuple((int(examples), int(hosts)) for examples, hosts in (
-            entry.split(":") for entry in self.host_history.split(",")))
+        return tuple(tuple(int(field) for field in entry.split(":"))
+                     for entry in self.host_history.split(","))
 
     def examples(self, step: int) -> int:
         """The examples consumed (read past, over all hosts) once `step` steps are done."""
@@ -150,13 +151,13 @@ class LayoutChange(NamedTuple):
         start = self.resume_steps * self.now.global_batch
         history = self.saved.history()
         if history[-1][1] != self.now.hosts:
-            history += ((start, self.now.hosts),)
+            history += ((start, self.now.hosts, 1),)  # dealt by load (`Ledger.relayout`)
         # One host count since step 0 is the empty history (`history()` reads it back):
         # a layout that never changed its hosts saves as it did before there was one.
         return dataclasses.replace(
             self.now.split(), start_step=self.step, start_examples=start,
             host_history="" if len(history) == 1 else
-            ",".join(f"{examples}:{hosts}" for examples, hosts in history))
+            ",".join(":".join(map(str, entry)) for entry in history))
 
     def recovered(self, read_steps: int | None = None, rebuilt: str = "") -> str:
         """The one line logged on such a resume: both layouts, the examples consumed,

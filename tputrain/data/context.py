@@ -34,7 +34,8 @@ class InputContext(tf.distribute.InputContext):
             one-time caches (the block offsets of a read-only data folder), or None.
         layout_history: the host counts the run's input was split over and the
             examples consumed when each took over, `((0, 2), (192, 3))`: a positional
-            input finds every host's place across them (`tputrain.data.ledger`).
+            input finds every host's place across them (`tputrain.data.ledger`; an
+            entry's third field 1: a change whose fresh windows are dealt by load).
             Empty: `num_input_pipelines` hosts from the start. The last entry's
             hosts must be `num_input_pipelines`.
         row_places: a positional input's rows (`to_static`), per pipeline: (windows
@@ -56,7 +57,7 @@ class InputContext(tf.distribute.InputContext):
         global_batch_size: int | None = None,
         examples_consumed: int = 0,
         cache_dir: str | None = None,
-        layout_history: Sequence[tuple[int, int]] = (),
+        layout_history: Sequence[tuple[int, ...]] = (),
         row_places: Sequence[tuple[int, int]] = (),
     ):
         check_int("InputContext", "num_input_pipelines", num_input_pipelines, 1)
@@ -87,7 +88,7 @@ class InputContext(tf.distribute.InputContext):
     def from_tf(cls, ctx: tf.distribute.InputContext | None,
                 global_batch_size: int | None = None, examples_consumed: int | None = None,
                 cache_dir: str | None = None,
-                layout_history: Sequence[tuple[int, int]] | None = None,
+                layout_history: Sequence[tuple[int, ...]] | None = None,
                 row_places: Sequence[tuple[int, int]] | None = None) -> InputContext:
         """Wraps the context `tf.distribute` passes to a dataset function.
 
@@ -137,15 +138,18 @@ class InputContext(tf.distribute.InputContext):
     __str__ = __repr__  # The base class defines a __str__ without the batch size.
 
 
-def _checked_history(history: Sequence[tuple[int, int]], hosts: int
-                     ) -> tuple[tuple[int, int], ...]:
-    """`layout_history` as a tuple of (examples, hosts), checked: examples increasing,
-    hosts positive, the last entry this context's host count."""
-    entries = tuple((int(examples), int(count)) for examples, count in history)
+def _checked_history(history: Sequence[tuple[int, ...]], hosts: int
+                     ) -> tuple[tuple[int, ...], ...]:
+    """`layout_history` as a tuple of (examples, hosts[, rule]), checked: examples
+    increasing, hosts positive, the last entry this context's host count (rule 1: a
+    change whose fresh windows are dealt by load, `tputrain.data.ledger`)."""
+    entries = tuple(tuple(int(field) for field in entry) for entry in history)
     if not entries:
         return ()
-    examples = [e for e, _ in entries]
-    if examples != sorted(examples) or examples[0] < 0 or min(c for _, c in entries) < 1:
+    examples = [entry[0] for entry in entries]
+    if (examples != sorted(examples) or examples[0] < 0
+            or min(entry[1] for entry in entries) < 1
+            or any(len(entry) not in (2, 3) for entry in entries)):
         raise ValueError(f"InputContext: layout_history {history!r} must list (examples "
                          "consumed, hosts) pairs in order, examples >= 0 and hosts >= 1")
     if entries[-1][1] != hosts:

@@ -9,7 +9,8 @@ reads the same records in the same order from it.
 
 Ownership, under H hosts: host h reads first the windows carried over to it (each
 from the record where its previous reader stopped), then the fresh windows
-`fresh + h + k * H`, k = 0, 1, ... Every host of a layout reads as many records
+`fresh + r + k * H`, k = 0, 1, ..., where r is the host's rank (h itself, unless a
+host-count change dealt them by load, below). Every host of a layout reads as many records
 (the global batch splits evenly over the hosts), so after E examples consumed
 host h stands `(E - start) / H` records into its own sequence: a position is
 derived from the examples consumed, whatever the global batch did meanwhile (a
@@ -18,7 +19,12 @@ batch change needs no entry), in constant time (window sizes are arithmetic).
 A host-count change at E examples: every old host's partly read window, and its
 own fresh windows below the first one no host started (the frontier), are carried
 over to the new hosts (each to the one with the fewest carried records so far),
-and fresh windows start at the frontier. Nothing is read twice or passed over.
+and fresh windows start at the frontier, dealt first to the hosts with the fewest
+carried records (`by_load`: their ranks), which reach them first: a host with
+nothing carried reads the epoch's next window, not one of the next epoch while a
+window of this one waits behind another host's carried records. Nothing is read
+twice or passed over. Checkpoints written before `by_load` replay their changes in
+host order (a history entry's third field marks a change dealt by load).
 The ledger holds O(hosts) integers; what the checkpoint holds is less: the host
 counts and where each took over (`InputContext.layout_history`), from which every
 host replays it.
@@ -84,6 +90,7 @@ class Ledger:
         start: examples consumed (over all hosts) when this layout took over.
         fresh: the first window no earlier layout started.
         carried: per host, windows it finishes first (window, records already read).
+        ranks: per host, its place in the dealing of fresh windows (empty: its index).
     """
 
     windows: Windows
@@ -91,14 +98,18 @@ class Ledger:
     start: int = 0
     fresh: int = 0
     carried: tuple[tuple[Piece, ...], ...] = ()
+    ranks: tuple[int, ...] = ()
+
+    def rank(self, host: int) -> int:
+        return self.ranks[host] if self.ranks else host
 
     def fresh_window(self, host: int, k: int) -> int:
-        return self.fresh + host + k * self.hosts
+        return self.fresh + self.rank(host) + k * self.hosts
 
     def fresh_records(self, host: int, n: int) -> int:
         """Records in host `host`'s first `n` fresh windows."""
         w = self.windows
-        short = _hits(self.fresh + host, self.hosts, w.per_epoch, w.per_epoch - 1, n)
+        short = _hits(self.fresh_window(host, 0), self.hosts, w.per_epoch, w.per_epoch - 1, n)
         return n * w.records - short * (w.records - w.last)
 
     def carried_of(self, host: int) -> tuple[Piece, ...]:
@@ -127,8 +138,9 @@ class Ledger:
                 low, middle)
         return Position((), low, records - self.fresh_records(host, low))
 
-    def relayout(self, examples: int, hosts: int) -> Ledger:
-        """The ledger once `hosts` hosts take over at `examples` consumed."""
+    def relayout(self, examples: int, hosts: int, by_load: bool = False) -> Ledger:
+        """The ledger once `hosts` hosts take over at `examples` consumed (`by_load`:
+        fresh windows dealt first to the hosts with the fewest carried records)."""
         places = [self.locate(h, self.host_records(examples)) for h in range(self.hosts)]
         started = [self.fresh_window(h, p.k - (p.skip == 0)) for h, p in enumerate(places)
                    if p.k or p.skip]
@@ -149,20 +161,25 @@ class Ledger:
             target = loads.index(min(loads))
             carried[target].append((window, done))
             loads[target] += self.windows.size(window) - done
+        ranks: tuple[int, ...] = ()
+        if by_load:
+            order = sorted(range(hosts), key=lambda host: (loads[host], host))
+            ranks = tuple(order.index(host) for host in range(hosts))
         return Ledger(self.windows, hosts, examples, frontier,
-                      tuple(tuple(pieces) for pieces in carried))
+                      tuple(tuple(pieces) for pieces in carried),
+                      () if ranks == tuple(range(hosts)) else ranks)
 
     @classmethod
-    def replay(cls, windows: Windows, history: Sequence[tuple[int, int]]) -> Ledger:
+    def replay(cls, windows: Windows, history: Sequence[tuple[int, ...]]) -> Ledger:
         """The ledger after `history`: (examples consumed, hosts) at each host count
-        the run had, the first at its start."""
-        (start, hosts), *changes = history
+        the run had, the first at its start; a third field 1: a change dealt by load."""
+        (start, hosts, *_), *changes = history
         ledger = cls(windows, hosts, start)
-        for examples, new_hosts in changes:
+        for examples, new_hosts, *rule in changes:
             if new_hosts != ledger.hosts:
-                ledger = ledger.relayout(examples, new_hosts)
+                ledger = ledger.relayout(examples, new_hosts, by_load=bool(rule and rule[0]))
         return ledger
 
     def integers(self) -> int:
         """Integers this ledger holds (O(hosts))."""
-        return 5 + 2 * sum(len(pieces) for pieces in self.carried)
+        return 5 + 2 * sum(len(pieces) for pieces in self.carried) + len(self.ranks)

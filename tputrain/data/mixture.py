@@ -325,7 +325,7 @@ class MixtureInput(BatchedInput):
         own (`tputrain.data.packed_rows`). The pipeline's place (blocks ended, rows
         into the next) gives its choice index, so each source's records it read."""
         hosts, host = context.num_input_pipelines, context.input_pipeline_id
-        if any(count != hosts for _, count in context.layout_history):
+        if any(entry[1] != hosts for entry in context.layout_history):
             raise ValueError(
                 "MixtureInput(positional=True) with to_static: the run's input was split "
                 "over another host count before (rows are not examples: their places are "

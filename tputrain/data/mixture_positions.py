@@ -61,19 +61,20 @@ def counts_at(seed: int, quota: np.ndarray, n: int) -> np.ndarray:
     return (n // block) * quota + np.bincount(partial, minlength=len(quota))
 
 
-def source_positions(seed: int, quota: np.ndarray, history: Sequence[tuple[int, int]],
-                     consumed: int) -> tuple[list[tuple[int, tuple[tuple[int, int], ...]]], int]:
+def source_positions(seed: int, quota: np.ndarray, history: Sequence[tuple[int, ...]],
+                     consumed: int) -> tuple[list[tuple[int, tuple[tuple[int, ...], ...]]], int]:
     """Each source's (examples consumed, layout history) once the mixture has
-    consumed `consumed` examples over the layouts of `history` ((examples, hosts)
-    at each host count, the current one last), and the current layout's choice
-    index (each host's choices since it took over)."""
+    consumed `consumed` examples over the layouts of `history` ((examples, hosts[,
+    rule]) at each host count, the current one last; a rule goes to every source's
+    entry), and the current layout's choice index (each host's choices since it
+    took over)."""
     totals = np.zeros(len(quota), np.int64)
-    histories: list[list[tuple[int, int]]] = [[] for _ in quota]
-    ends = [examples for examples, _ in history[1:]] + [consumed]
+    histories: list[list[tuple[int, ...]]] = [[] for _ in quota]
+    ends = [entry[0] for entry in history[1:]] + [consumed]
     index = 0
-    for (start, hosts), end in zip(history, ends):
+    for (start, hosts, *rule), end in zip(history, ends):
         for source, total in enumerate(totals):
-            histories[source].append((int(total), hosts))
+            histories[source].append((int(total), hosts, *rule))
         index = (end - start) // hosts
         totals = totals + hosts * counts_at(seed, quota, index)
     return [(int(total), tuple(h)) for total, h in zip(totals, histories)], index

@@ -81,7 +81,7 @@ class PositionalRecords:
         self.epoch_records = records  # all hosts' records an epoch
         self.window_records = window
 
-    def ledger(self, history: Sequence[tuple[int, int]] = ()) -> Ledger:
+    def ledger(self, history: Sequence[tuple[int, ...]] = ()) -> Ledger:
         """The ledger after `history` ((examples consumed, hosts) per host count; empty:
         this object's hosts from the start)."""
         ledger = Ledger.replay(self.windows, history or ((0, self.num_hosts),))
@@ -120,7 +120,7 @@ class PositionalRecords:
             raise ValueError(f"positional input: position {position} is past this "
                              "host's records of a single pass")
         fresh = tf.data.Dataset.range(place.k, ends).map(
-            lambda k: (ledger.fresh + self.host + k * ledger.hosts,
+            lambda k: (ledger.fresh_window(self.host, 0) + k * ledger.hosts,
                        tf.where(k == place.k, tf.constant(place.skip, tf.int64), 0)))
         if pieces:
             windows, skips = zip(*pieces)

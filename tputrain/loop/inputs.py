@@ -237,7 +237,7 @@ class Inputs:
         return self.source_counter.row_places() if self.source_counter else ()
 
     def build_dataset(self, split: str, examples_consumed: int = 0,
-                      layout_history: tuple[tuple[int, int], ...] = (),
+                      layout_history: tuple[tuple[int, ...], ...] = (),
                       row_places: tuple[tuple[int, int], ...] = ()) -> tf.data.Dataset:
         """Builds this host's dataset of per-replica batches (a train split that can,
         at `examples_consumed` across `layout_history`, or packed rows at
@@ -287,7 +287,7 @@ class Inputs:
         return with_class_weights(dataset, class_weight)
 
     def distributed_iterator(self, split: str, skip_steps: int = 0,
-                             layout_history: tuple[tuple[int, int], ...] = ()):
+                             layout_history: tuple[tuple[int, ...], ...] = ()):
         """distribute_datasets_from_function, past `skip_steps` steps of data: a
         positional input starts there (`InputContext.examples_consumed`; across the
         host counts of `layout_history`, `InputLayout.history`), any other is read

@@ -196,6 +196,18 @@ def test_declared_running_statistics_are_one_across_replicas(tmp_path):
     assert_global_running_stats(**saved_stats(f"{exported}/variables/variables"), x=x)
 
 
+def test_declared_running_statistics_train_under_gradient_accumulation(tmp_path):
+    """accumulation_steps=2 on 2 replicas: a "sum" or "mean" weight's write (a merge of the
+    replicas) inside the micro-batches' while loop failed with an 85-line RuntimeError
+    ("merge_call called while defining a new graph"). The count and the total are
+    those of every example of the global batches."""
+    trainer = train_task(tmp_path, RunningStatsTask(), replicas=2, accumulation_steps=2)
+    layer = trainer.model.get_layer("stats")
+    assert copies(layer.count)[0] == STEPS * BATCH
+    np.testing.assert_allclose(copies(layer.total)[0], trainer.task.x[:STEPS * BATCH].sum(0),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_undeclared_state_that_diverges_is_refused(tmp_path):
     """Weights updated in the forward pass with aggregation "none" (Keras's default)
     would be saved as replica 0's copy (a count of half the examples, equal on both

@@ -145,6 +145,16 @@ def _layer_norm_call(layer: keras.layers.Layer) -> Callable | None:
     return call
 
 
+def _merges_in_forward(model: Any) -> bool:
+    """On several replicas, whether the forward pass may write a weight whose write
+    merges the replicas' values (aggregation "sum", "mean", "only_first_replica"): a
+    merge cannot run inside a `tf.while_loop`, so the micro-batches are unrolled."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return False
+    return any(getattr(v, "aggregation", "none") in ("sum", "mean", "only_first_replica")
+               for v in model.non_trainable_variables)
+
 class ElementwiseFusion:
     """Small XLA programs for a model's GELUs (`FUSED_ACTIVATIONS`) and `layer_norm`
     for its layer normalizations (`elementwise`), and TensorFlow's fused kernel for
@@ -542,8 +552,12 @@ class StepBuilder:
                     new_sums.append(total + tf.cast(tf.convert_to_tensor(gradient), total.dtype))
             return i + 1, new_sums, loss + tf.cast(micro_loss, tf.float32)
 
-        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
-        _, sums, loss = tf.while_loop(
-            lambda i, *_: i < self.accumulation_steps, micro_step,
-            (tf.constant(0), zeros, tf.constant(0.0, tf.float32)))
+        state = (tf.constant(0), [tf.zeros(v.shape, v.dtype) for v in variables],
+                 tf.constant(0.0, tf.float32))
+        if _merges_in_forward(self.model):  # a merge cannot run inside a while loop
+            for _ in range(self.accumulation_steps):
+                state = micro_step(*state)
+        else:
+            state = tf.while_loop(lambda i, *_: i < self.accumulation_steps, micro_step, state)
+        _, sums, loss = state
         return [None if i in unused else s for i, s in enumerate(sums)], loss

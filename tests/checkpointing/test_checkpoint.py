@@ -431,6 +431,9 @@ def test_input_layout_json_without_fetch_is_a_stacked_one():
     assert InputLayout.from_json(started.to_json()) == started and started.examples(5) == 92
 
 
+BUILT = " (read from its start and skipped, or built there by a positional input)"
+
+
 def test_a_host_count_change_is_added_to_the_layouts_host_history():
     """What a positional input replays (InputContext.layout_history): each host count
     and the examples consumed when it took over; a batch change adds nothing."""
@@ -483,11 +486,12 @@ def test_changed_replicas_and_global_batch_continue_from_the_examples_consumed(
     assert len(lines) == 3, lines
     assert all(words in lines[0] for words in (
         "ckpt-3", "1 replica on 1 host, global batch 16", "2 replicas on 1 host, global batch 16",
-        "skipped 3 steps of 16 examples: the 48 examples consumed (exact")), lines[0]
-    assert "ckpt-6" in lines[1] and "skipped 3 steps of 32 examples: the 96 examples " \
-        "consumed (exact" in lines[1] and "a step is now 32 examples (was 16)" in lines[1]
-    assert "ckpt-8" in lines[2] and "skipped 7 steps of 24 examples: the 160 examples " \
-        "consumed and the next 8 (to a whole batch of this run; never trained on)" in lines[2]
+        "resumes past 3 steps of 16 examples" + BUILT + ": the 48 examples consumed (exact")), \
+        lines[0]
+    assert "ckpt-6" in lines[1] and "resumes past 3 steps of 32 examples" + BUILT + \
+        ": the 96 examples consumed (exact" in lines[1] and "a step is now 32 examples (was 16)" in lines[1]
+    assert "ckpt-8" in lines[2] and "resumes past 7 steps of 24 examples" + BUILT + \
+        ": the 160 examples consumed and the next 8 (to a whole batch of this run; never trained on)" in lines[2]
     reader = tf.train.load_checkpoint(str(model_dir / "checkpoints" / "ckpt-10"))
     recorded = InputLayout.from_json(reader.get_tensor("input_layout/.ATTRIBUTES/VARIABLE_VALUE"))
     assert (recorded.global_batch, recorded.start_step, recorded.start_examples) == (24, 8, 168)

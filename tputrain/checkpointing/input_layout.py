@@ -171,9 +171,10 @@ class LayoutChange(NamedTuple):
         return (f"checkpoint {self.path} was written with {self.saved.describe(fetch)}, this "
                 f"run has {self.now.describe(fetch)}: "
                 f"{rebuilt or 'its data iterator cannot feed these batches'}, so the model, "
-                f"optimizer and step {self.step} were restored and the input, read from its "
-                f"start, skipped {self.resume_steps} steps of {self.now.global_batch} "
-                f"examples: the {self.consumed} examples consumed{over}{ended} "
+                f"optimizer and step {self.step} were restored and the input resumes past "
+                f"{self.resume_steps} steps of {self.now.global_batch} examples (read from "
+                "its start and skipped, or built there by a positional input): the "
+                f"{self.consumed} examples consumed{over}{ended} "
                 f"({self._exactness()}){self._schedule()}")
 
     def _exactness(self) -> str:

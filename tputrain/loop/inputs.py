@@ -33,7 +33,8 @@ def default_input_mode(strategy: tf.distribute.Strategy) -> tuple[str, str]:
     if isinstance(strategy, tf.distribute.TPUStrategy) and hosts > 1:
         return "distributed", (f"a {hosts}-host TPU slice is fed by a pipeline per host; "
                                "a resume re-reads and skips the consumed batches")
-    return "host", "exact resume: the data position is checkpointed"
+    return "host", ("exact resume: the data position (an iterator, or a positional "
+                    "input's place) is checkpointed")
 
 
 def replicas_per_pipeline(context: tf.distribute.InputContext) -> int:

@@ -139,6 +139,48 @@ def test_a_side_car_says_which_checkpoints_an_earlier_evaluation_handled(tmp_pat
     assert len(said) == 1 and "step 4" in said[0] and sidecar.RECORD_FILE in said[0], said
 
 
+def test_a_damaged_checkpoint_saved_again_is_evaluated(tmp_path, monkeypatch, caplog):
+    """A side-car recorded a damaged ckpt-4 as skipped for good: training's rerun moves
+    it aside and saves step 4 afresh, and that good checkpoint was never evaluated (with
+    Trainer.eval_every=None, step 4 was never evaluated at all). A skip is retried when
+    the step is listed again with other files; the end says which stayed unevaluated."""
+    make(tmp_path / "run", checkpoint_every=2).train()
+    reader = make(tmp_path / "run", cls=ReadOnlyTrainer, checkpoint_every=2)
+    data = tmp_path / "run" / "checkpoints" / "ckpt-4.data-00000-of-00001"
+    good = data.read_bytes()
+    data.write_bytes(good[:len(good) // 2])  # damaged on disk when the side-car reads it
+    real_list = sidecar.list_checkpoints
+    calls = []
+
+    def training_saves_step_4_again(directory):  # first [2, 4]; then 4 afresh, 6 and 8
+        listed = real_list(directory)
+        calls.append(directory)
+        if len(calls) == 1:
+            return listed._replace(paths=listed.paths[:2])
+        data.write_bytes(good)
+        return listed
+
+    with monkeypatch.context() as patched:
+        patched.setattr(sidecar, "list_checkpoints", training_saves_step_4_again)
+        results = evaluate_checkpoints(reader, continuous=True, poll_seconds=0.01)
+    assert sorted(results) == [2, 4, 6, 8]
+    assert_same(results[4], evaluate_checkpoints(reader, step=4)[4])
+    record = json.loads((tmp_path / "run" / "eval" / sidecar.RECORD_FILE).read_text())
+    assert sorted(map(int, record["evaluated"])) == [2, 4, 6, 8] and record["skipped"] == {}
+
+    # Damaged for good: the end names it; a restarted side-car, once it is saved again.
+    (tmp_path / "run" / "eval" / sidecar.RECORD_FILE).unlink()
+    data.write_bytes(good[:len(good) // 2])
+    with caplog.at_level("INFO"):
+        assert sorted(evaluate_checkpoints(reader, continuous=True, poll_seconds=0.01)) == \
+            [2, 6, 8]
+    said = [r.getMessage() for r in caplog.records if "not evaluated" in r.getMessage()]
+    assert len(said) == 1 and "step 4 (unreadable" in said[0], said
+    assert evaluate_checkpoints(reader, continuous=True, poll_seconds=0.01) == {}  # same files
+    data.write_bytes(good)
+    assert sorted(evaluate_checkpoints(reader, continuous=True, poll_seconds=0.01)) == [4]
+
+
 class WideTask(TinyTask):
     """Another model: a wider hidden layer."""
 

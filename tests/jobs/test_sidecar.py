@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import tensorflow as tf
 
 import tputrain
 from tiny import TinyTask, strategy_for
+from tputrain.checkpointing.run_directory import ModelDirError
 from tputrain.jobs import sidecar
 from tputrain.jobs.sidecar import (NoNewCheckpointError, ReadOnlyTrainer, evaluate_checkpoints,
                               read_checkpoint)
@@ -179,6 +181,35 @@ def test_a_damaged_checkpoint_saved_again_is_evaluated(tmp_path, monkeypatch, ca
     assert evaluate_checkpoints(reader, continuous=True, poll_seconds=0.01) == {}  # same files
     data.write_bytes(good)
     assert sorted(evaluate_checkpoints(reader, continuous=True, poll_seconds=0.01)) == [4]
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+def test_an_eval_folder_that_takes_no_writes_is_named_before_evaluating(tmp_path, monkeypatch,
+                                                                        continuous):
+    """A read-only model_dir: `tputrain eval` evaluated, then failed in the summary
+    writer's thread (a traceback, no result printed) and --continuous once it wrote its
+    record; the lock's warning blamed "a second run". Now nothing is evaluated: one
+    error names eval/ and the fix. (Tests run as root, which chmod does not stop: the
+    probe's write is made to fail as a read-only disk's does; eval/ as a file is real.)"""
+    make(tmp_path / "run", train_steps=4).train()
+    reader = make(tmp_path / "run", cls=ReadOnlyTrainer, train_steps=4)
+    eval_dir = tmp_path / "run" / "eval"
+    shutil.rmtree(eval_dir)
+    evaluated = []
+    monkeypatch.setattr(reader, "evaluate_weights", lambda: evaluated.append(1) or {})
+    eval_dir.write_text("")  # a file where eval/ belongs
+    with pytest.raises(ModelDirError, match=f"{eval_dir} .*not a directory.*: "):
+        evaluate_checkpoints(reader, continuous=continuous, poll_seconds=0.01)
+    eval_dir.unlink()
+
+    def read_only(*args, **kwargs):
+        raise tf.errors.PermissionDeniedError(None, None, "Read-only file system")
+
+    monkeypatch.setattr(sidecar.tf.io.gfile, "GFile", read_only)
+    with pytest.raises(ModelDirError, match=f"{eval_dir} is not writable .*Read-only file "
+                       "system.*tputrain eval writes .* there"):
+        evaluate_checkpoints(reader, continuous=continuous, poll_seconds=0.01)
+    assert evaluated == []
 
 
 class WideTask(TinyTask):

@@ -14,7 +14,8 @@ Without --step, a truncated latest checkpoint falls back to the newest readable 
 
 Exits 0 when done; 1 when `--continuous` saw no new checkpoint for
 --timeout_seconds (the training stopped: the lines so far are printed); 2 when
-there is no such checkpoint or the config is bad.
+there is no such checkpoint, the config is bad, or model_dir/eval/ takes no writes
+(a read-only model_dir: said before anything is evaluated).
 """
 
 from __future__ import annotations

@@ -33,10 +33,12 @@ process died or hangs) raises `NoNewCheckpointError`, holding the results so far
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import time
+import uuid
 from typing import Callable
 
 import tensorflow as tf
@@ -47,7 +49,7 @@ from tputrain.checkpointing.files import list_checkpoints, step_of
 from tputrain.checkpointing.integrity import CheckpointMismatchError, describe_mismatch
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.recovery import UNREADABLE_ERRORS, read_newest
-from tputrain.checkpointing.run_directory import RunDirectory
+from tputrain.checkpointing.run_directory import ModelDirError, RunDirectory
 from tputrain.core.checks import check_int
 from tputrain.fault_tolerance.lock import ModelDirInUseError, lock_model_dir, release_model_dir
 from tputrain.jobs.predict import Outputs, predict_weights
@@ -224,6 +226,7 @@ def evaluate_checkpoints(view: RunView, step: int | None = None, continuous: boo
     view.checkpointer.sync()  # an async save in flight in this process lands first
     path = None if continuous else _one_checkpoint(view, step)  # nothing written if none
     eval_dir = RunDirectory(view.model_dir).eval
+    _check_writable(eval_dir)
     try:
         lock_model_dir(eval_dir)
     except ModelDirInUseError as error:
@@ -241,6 +244,29 @@ def evaluate_checkpoints(view: RunView, step: int | None = None, continuous: boo
     finally:
         view.progress.close()  # restates the later eval points a lower step hid
         release_model_dir(eval_dir)
+
+
+def _check_writable(eval_dir: str) -> None:
+    """eval/ takes the summaries and the record: one that takes no writes (a read-only
+    model_dir) is a `ModelDirError` before any evaluation, not a failure of the
+    summary writer's thread after the first."""
+    probe = f"{eval_dir.rstrip('/')}/.tputrain-write-test-{uuid.uuid4().hex[:8]}"
+    try:
+        tf.io.gfile.makedirs(eval_dir)
+        with tf.io.gfile.GFile(probe, "wb") as f:
+            f.write(b"\0")
+        tf.io.gfile.remove(probe)
+    except (tf.errors.OpError, OSError) as error:
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if getattr(error, "errno", None) == errno.ENOTDIR or "not a directory" in text.lower():
+            what, fix = "is not a directory", "move that file away"
+        elif getattr(error, "errno", None) == errno.ENOSPC or "no space left" in text.lower():
+            what, fix = "is full", "free some space"
+        else:
+            what, fix = "is not writable", ("fix its permissions, or evaluate a copy of the run "
+                                            "in a writable folder")
+        raise ModelDirError(f"{eval_dir} {what} ({text}): tputrain eval writes its summaries "
+                            f"and {RECORD_FILE} there; {fix}") from None
 
 
 def _check_arguments(step: int | None, continuous: bool, poll_seconds: float,

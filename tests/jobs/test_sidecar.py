@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import tensorflow as tf
 
 import tputrain
 from tiny import TinyTask, strategy_for
+from tputrain.checkpointing.run_directory import ModelDirError
 from tputrain.jobs import sidecar
 from tputrain.jobs.sidecar import (NoNewCheckpointError, ReadOnlyTrainer, evaluate_checkpoints,
                               read_checkpoint)
@@ -137,6 +139,77 @@ def test_a_side_car_says_which_checkpoints_an_earlier_evaluation_handled(tmp_pat
     assert sorted(results) == [2, 6, 8]
     said = [r.getMessage() for r in caplog.records if "already" in r.getMessage()]
     assert len(said) == 1 and "step 4" in said[0] and sidecar.RECORD_FILE in said[0], said
+
+
+def test_a_damaged_checkpoint_saved_again_is_evaluated(tmp_path, monkeypatch, caplog):
+    """A side-car recorded a damaged ckpt-4 as skipped for good: training's rerun moves
+    it aside and saves step 4 afresh, and that good checkpoint was never evaluated (with
+    Trainer.eval_every=None, step 4 was never evaluated at all). A skip is retried when
+    the step is listed again with other files; the end says which stayed unevaluated."""
+    make(tmp_path / "run", checkpoint_every=2).train()
+    reader = make(tmp_path / "run", cls=ReadOnlyTrainer, checkpoint_every=2)
+    data = tmp_path / "run" / "checkpoints" / "ckpt-4.data-00000-of-00001"
+    good = data.read_bytes()
+    data.write_bytes(good[:len(good) // 2])  # damaged on disk when the side-car reads it
+    real_list = sidecar.list_checkpoints
+    calls = []
+
+    def training_saves_step_4_again(directory):  # first [2, 4]; then 4 afresh, 6 and 8
+        listed = real_list(directory)
+        calls.append(directory)
+        if len(calls) == 1:
+            return listed._replace(paths=listed.paths[:2])
+        data.write_bytes(good)
+        return listed
+
+    with monkeypatch.context() as patched:
+        patched.setattr(sidecar, "list_checkpoints", training_saves_step_4_again)
+        results = evaluate_checkpoints(reader, continuous=True, poll_seconds=0.01)
+    assert sorted(results) == [2, 4, 6, 8]
+    assert_same(results[4], evaluate_checkpoints(reader, step=4)[4])
+    record = json.loads((tmp_path / "run" / "eval" / sidecar.RECORD_FILE).read_text())
+    assert sorted(map(int, record["evaluated"])) == [2, 4, 6, 8] and record["skipped"] == {}
+
+    # Damaged for good: the end names it; a restarted side-car, once it is saved again.
+    (tmp_path / "run" / "eval" / sidecar.RECORD_FILE).unlink()
+    data.write_bytes(good[:len(good) // 2])
+    with caplog.at_level("INFO"):
+        assert sorted(evaluate_checkpoints(reader, continuous=True, poll_seconds=0.01)) == \
+            [2, 6, 8]
+    said = [r.getMessage() for r in caplog.records if "not evaluated" in r.getMessage()]
+    assert len(said) == 1 and "step 4 (unreadable" in said[0], said
+    assert evaluate_checkpoints(reader, continuous=True, poll_seconds=0.01) == {}  # same files
+    data.write_bytes(good)
+    assert sorted(evaluate_checkpoints(reader, continuous=True, poll_seconds=0.01)) == [4]
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+def test_an_eval_folder_that_takes_no_writes_is_named_before_evaluating(tmp_path, monkeypatch,
+                                                                        continuous):
+    """A read-only model_dir: `tputrain eval` evaluated, then failed in the summary
+    writer's thread (a traceback, no result printed) and --continuous once it wrote its
+    record; the lock's warning blamed "a second run". Now nothing is evaluated: one
+    error names eval/ and the fix. (Tests run as root, which chmod does not stop: the
+    probe's write is made to fail as a read-only disk's does; eval/ as a file is real.)"""
+    make(tmp_path / "run", train_steps=4).train()
+    reader = make(tmp_path / "run", cls=ReadOnlyTrainer, train_steps=4)
+    eval_dir = tmp_path / "run" / "eval"
+    shutil.rmtree(eval_dir)
+    evaluated = []
+    monkeypatch.setattr(reader, "evaluate_weights", lambda: evaluated.append(1) or {})
+    eval_dir.write_text("")  # a file where eval/ belongs
+    with pytest.raises(ModelDirError, match=f"{eval_dir} .*not a directory.*: "):
+        evaluate_checkpoints(reader, continuous=continuous, poll_seconds=0.01)
+    eval_dir.unlink()
+
+    def read_only(*args, **kwargs):
+        raise tf.errors.PermissionDeniedError(None, None, "Read-only file system")
+
+    monkeypatch.setattr(sidecar.tf.io.gfile, "GFile", read_only)
+    with pytest.raises(ModelDirError, match=f"{eval_dir} is not writable .*Read-only file "
+                       "system.*tputrain eval writes .* there"):
+        evaluate_checkpoints(reader, continuous=continuous, poll_seconds=0.01)
+    assert evaluated == []
 
 
 class WideTask(TinyTask):

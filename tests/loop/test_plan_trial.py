@@ -16,7 +16,7 @@ from absl import logging
 
 import tputrain
 from tiny import TinyTask, strategy_for, weights
-from tputrain.checkpointing.run_directory import RunDirectory
+from tputrain.checkpointing.run_directory import ModelDirError, RunDirectory
 from tputrain.loop import plan_trial
 from tputrain.loop.xla_plan import XlaPlan
 
@@ -332,6 +332,27 @@ def test_an_edited_plan_record_is_ignored_with_a_warning_naming_it(tmp_path, mon
         assert record.read(key) is None
     assert [r for r in caplog.records if record.path in r.getMessage()
             and "ignoring" in r.getMessage()], caplog.records
+
+
+def test_a_damaged_plan_record_stops_a_resume_naming_the_file_and_the_fix(tmp_path,
+                                                                          monkeypatch):
+    """A truncated plan.json was read as no record: the resume switched to the rules'
+    plan after steps trained with the recorded one, no longer bitwise, with only
+    "ignoring the plan record" logged. A run with checkpoints now stops, naming the file
+    and the fix, as a damaged best.json does; one with none yet takes it as none."""
+    monkeypatch.setattr(plan_trial, "clock", _clock_unread)
+    _trainer(tmp_path, 20, plan_trial=True).train()  # records the rules' plan (short run)
+    path = RunDirectory(str(tmp_path)).plan_record
+    with open(path, "r+") as f:
+        f.truncate(len(f.read()) // 2)
+    resumed = _trainer(tmp_path, RUN + 20, plan_trial=True)
+    with pytest.raises(ModelDirError, match=f"{path} is damaged or unreadable .*: put it back"
+                       ".*, or delete it to choose the plan again .*not bitwise"):
+        resumed.train()
+    assert resumed.current_step == 20  # no step trained
+    builder = resumed._steps  # pylint: disable=protected-access
+    key = plan_trial.plan_key(builder, resumed.inputs.train_dataset.element_spec)
+    assert plan_trial.PlanRecord(str(tmp_path)).read(key) is None  # no checkpoint yet: none
 
 
 class GeneratorNoise(keras.layers.Layer):

@@ -361,7 +361,7 @@ def failing_save(error):
 @pytest.mark.same_worker("export_trained")
 @pytest.mark.parametrize("error, words", [
     (OSError(errno.ENOSPC, "No space left on device"), "free some space"),
-    (tf.errors.PermissionDeniedError(None, None, "Read-only file system"), "pass a writable"),
+    (tf.errors.PermissionDeniedError(None, None, "Read-only file system"), "a writable folder"),
 ])
 def test_a_failed_write_is_one_line_and_leaves_no_temp_folder(trained, tmp_path, monkeypatch,
                                                               error, words):
@@ -372,6 +372,7 @@ def test_a_failed_write_is_one_line_and_leaves_no_temp_folder(trained, tmp_path,
         tputrain.export_checkpoint(trainer)
     assert "\n" not in str(caught.value) and words in str(caught.value)
     assert str(tmp_path / "run" / "export" / "8") in str(caught.value)
+    assert "--export_dir=DIR" in str(caught.value)  # `tputrain export`'s flag
     assert temps(tmp_path / "run" / "export") == []
 
 
@@ -397,6 +398,9 @@ def test_a_full_disk_at_the_final_export_is_one_line_and_the_rerun_exports(
     lines = [line for line in error.splitlines() if line.startswith("tputrain: error:")]
     assert caught.value.code == 1 and len(lines) == 1 and "Traceback" not in error, error
     assert "free some space" in lines[0] and "rerun" in lines[0], lines
+    # `tputrain run` has no --export_dir: the fix names the Export action's binding.
+    assert "--export_dir" not in lines[0], lines
+    assert "--gin_param=\"Export.export_dir='DIR'\"" in lines[0], lines
     assert temps(tmp_path / "run" / "export") == []
     trainer().train()  # room again: the rerun trains nothing and exports
     assert (tmp_path / "run" / "export" / "4" / "saved_model.pb").exists()

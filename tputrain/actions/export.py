@@ -9,13 +9,16 @@ from absl import logging
 
 from tputrain.actions.base import Action
 from tputrain.actions.best import BestCheckpoint, best_record
-from tputrain.checkpointing.files import first_line
 from tputrain.checkpointing.run_directory import ModelDirError, RunDirectory
 from tputrain.core.checks import check_bool
 from tputrain.observe import goodput
 from tputrain.runtime.context import ActionContext
 from tputrain.serving.export import (checkpoint_to_export, export_checkpoint, export_complete,
-                                     export_destination, signature_inputs)
+                                     export_destination, export_folder_message,
+                                     signature_inputs)
+
+# How a `tputrain run` (which has no --export_dir flag) chooses the export folder.
+EXPORT_DIR_BINDING = "--gin_param=\"Export.export_dir='DIR'\""
 
 
 class Export(Action):
@@ -102,8 +105,9 @@ class Export(Action):
                                               examples=self.examples)
             except OSError as error:  # a full disk, a read-only folder: the run is trained
                 raise ModelDirError(
-                    f"{first_line(error)}; training is done (step {step} is saved): then rerun "
-                    "the same command, which trains nothing and writes the export") from None
+                    f"{export_folder_message(error, EXPORT_DIR_BINDING)}; training is done "
+                    f"(step {step} is saved): then rerun the same command, which trains "
+                    "nothing and writes the export") from None
 
 
 def _exported(context: ActionContext, path: str, step: int) -> bool:

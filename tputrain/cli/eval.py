@@ -12,21 +12,29 @@ per evaluated checkpoint as soon as it is evaluated: {"step": N, "loss": ...,
 metrics...} ("<set>/loss", ... with named sets).
 Without --step, a truncated latest checkpoint falls back to the newest readable one.
 
+Ctrl-C stops it with one line, exit 42 (as `tputrain run`'s): what was evaluated is
+recorded; rerun the same command to carry on.
+
 Exits 0 when done; 1 when `--continuous` saw no new checkpoint for
 --timeout_seconds (the training stopped: the lines so far are printed); 2 when
-there is no such checkpoint or the config is bad.
+there is no such checkpoint, the config is bad, or model_dir/eval/ takes no writes
+(a read-only model_dir: said before anything is evaluated).
 """
 
 from __future__ import annotations
 
 import json
+import signal
+import sys
 
 import tensorflow as tf
 from absl import flags, logging
 
+from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.cli.common import (EXIT_BAD_INPUT, EXIT_TRAINING_FAILED, GIN_FLAGS, build_trainer,
                                  default_operative_config, define_gin_flags, error_message, fail,
                                  list_in_help, parse_gin_flags, reject_arguments, run_command)
+from tputrain.fault_tolerance.preemption_early import PREEMPTED_EXIT_CODE, take_early_signal
 from tputrain.jobs.sidecar import Metrics, NoNewCheckpointError, ReadOnlyTrainer, evaluate_checkpoints
 from tputrain.tracking import Tracker
 from tputrain.trainer import Trainer
@@ -86,15 +94,32 @@ def _evaluate(trainer: Trainer, timeout: float | None) -> None:
 
 def main(argv: list[str]) -> None:
     reject_arguments(argv)
-    parse_gin_flags(default_operative_config())
-    timeout = FLAGS.timeout_seconds if FLAGS.timeout_seconds > 0 else None
     try:
+        _stop_on_ctrl_c()
+        parse_gin_flags(default_operative_config())
+        timeout = FLAGS.timeout_seconds if FLAGS.timeout_seconds > 0 else None
         _evaluate(build_trainer(FLAGS.model_dir, ReadOnlyTrainer), timeout)
+    except KeyboardInterrupt:  # the lock and the trackers are let go on the way here
+        record = RunDirectory(FLAGS.model_dir or "model_dir").eval_record
+        print(f"tputrain: stopped by Ctrl-C: the checkpoints evaluated so far are recorded in "
+              f"{record}: rerun the same command to carry on (exit code {PREEMPTED_EXIT_CODE})",
+              file=sys.stderr, flush=True)
+        sys.exit(PREEMPTED_EXIT_CODE)
     except NoNewCheckpointError as error:  # the training stopped before train_steps
         fail(str(error), EXIT_TRAINING_FAILED)  # (its lines are printed already)
     except (ValueError, TypeError, OSError, tf.errors.OpError) as error:
         logging.debug("tputrain: eval failed", exc_info=True)
         fail(error_message(error), EXIT_BAD_INPUT)
+
+
+def _stop_on_ctrl_c() -> None:
+    """Ctrl-C is a KeyboardInterrupt, which `main` ends in one line (exit 42, as `tputrain
+    run`'s first Ctrl-C): the record is rewritten atomically after each checkpoint, so
+    there is nothing to save. A Ctrl-C while TensorFlow was imported, held by the CLI's
+    entry (`preemption_early`), is acted on now."""
+    replaced = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+    if take_early_signal(replaced) is not None:
+        raise KeyboardInterrupt
 
 
 def console_main() -> None:

@@ -24,16 +24,21 @@ nothing that the trainer writes. Hence:
 `continuous=True` evaluates every listed checkpoint not evaluated yet, in step
 order, polling every `poll_seconds`, and stops once it has handled one at step
 >= `until_step` (default `Trainer.train_steps`: give the side-car the run's
-config). A checkpoint that keep-N rotation deleted before it was read is
-skipped with a warning. No new checkpoint for `timeout` seconds (the training
+config). A checkpoint that keep-N rotation deleted before it was read, or that
+cannot be read, is skipped with a warning; a skipped step listed again with other
+files (training moved a damaged one aside and saved the step afresh) is read
+again, and the end names the steps not evaluated. No new checkpoint for `timeout` seconds (the training
 process died or hangs) raises `NoNewCheckpointError`, holding the results so far.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import time
+import uuid
 from typing import Callable
 
 import tensorflow as tf
@@ -44,7 +49,7 @@ from tputrain.checkpointing.files import list_checkpoints, step_of
 from tputrain.checkpointing.integrity import CheckpointMismatchError, describe_mismatch
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.recovery import UNREADABLE_ERRORS, read_newest
-from tputrain.checkpointing.run_directory import RunDirectory
+from tputrain.checkpointing.run_directory import ModelDirError, RunDirectory
 from tputrain.core.checks import check_int
 from tputrain.fault_tolerance.lock import ModelDirInUseError, lock_model_dir, release_model_dir
 from tputrain.jobs.predict import Outputs, predict_weights
@@ -130,12 +135,16 @@ def read_checkpoint(view: RunView, path: str) -> None:
 
 class EvalRecord:
     """`model_dir/eval/evaluated_checkpoints.json`: {"evaluated": {step: metrics},
-    "skipped": {step: why}}, rewritten atomically (a temp file renamed) after each."""
+    "skipped": {step: why}, "skipped_files": {step: stamp}}, rewritten atomically (a
+    temp file renamed) after each. A skipped step's stamp (`checkpoint_stamp`) tells a
+    checkpoint saved again at that step (training moves a damaged one aside and saves
+    the step afresh) from the one skipped: that one is read again."""
 
     def __init__(self, model_dir: str):
         self.path = RunDirectory(model_dir).eval_record
         self.evaluated: dict[int, Metrics] = {}
         self.skipped: dict[int, str] = {}
+        self.stamps: dict[int, str] = {}
         if not tf.io.gfile.exists(self.path):
             return
         try:
@@ -143,6 +152,8 @@ class EvalRecord:
                 saved = json.load(f)
             self.evaluated = {int(k): dict(v) for k, v in saved["evaluated"].items()}
             self.skipped = {int(k): str(v) for k, v in saved["skipped"].items()}
+            # (a record of an older side-car has none: its skips are read once more)
+            self.stamps = {int(k): str(v) for k, v in saved.get("skipped_files", {}).items()}
         except (ValueError, KeyError, TypeError, AttributeError, tf.errors.OpError) as error:
             logging.warning("tputrain: ignoring the damaged %s (%s): its checkpoints are "
                             "evaluated again", self.path, error)
@@ -151,15 +162,43 @@ class EvalRecord:
         """Steps handled: evaluated or skipped."""
         return set(self.evaluated) | set(self.skipped)
 
-    def add(self, step: int, metrics: Metrics | None = None, skipped: str | None = None) -> None:
+    def handled(self, path: str) -> bool:
+        """Whether listed checkpoint `path` needs no reading: its step is evaluated, or
+        skipped and its files are the ones skipped."""
+        step = checkpoint_step(path)
+        return step in self.evaluated or (
+            step in self.skipped and self.stamps.get(step) == checkpoint_stamp(path))
+
+    def add(self, step: int, metrics: Metrics | None = None, skipped: str | None = None,
+            stamp: str = "") -> None:
+        """Records `step` evaluated (`metrics`), or skipped (`skipped`: why) with the
+        `checkpoint_stamp` of the files it had before they were read."""
         if metrics is not None:
             self.evaluated[step] = dict(metrics)
+            self.skipped.pop(step, None)
+            self.stamps.pop(step, None)
         else:
             self.skipped[step] = skipped or "skipped"
-        text = json.dumps({"evaluated": {str(k): v for k, v in sorted(self.evaluated.items())},
-                           "skipped": {str(k): v for k, v in sorted(self.skipped.items())}},
-                          indent=1)
+            self.stamps[step] = stamp
+        text = json.dumps({name: {str(k): v for k, v in sorted(entries.items())}
+                           for name, entries in (("evaluated", self.evaluated),
+                                                 ("skipped", self.skipped),
+                                                 ("skipped_files", self.stamps))}, indent=1)
         write_atomically(self.path, text)
+
+
+def checkpoint_stamp(path: str) -> str:
+    """A digest of the names, sizes and modification times of checkpoint `path`'s
+    files ("" when it has none): another value is another write of that step."""
+    try:
+        files = sorted(tf.io.gfile.glob(f"{path}.*"))
+        stats = [(os.path.basename(name), tf.io.gfile.stat(name)) for name in files]
+    except tf.errors.OpError:  # gone while looked at
+        return ""
+    if not stats:
+        return ""
+    text = repr([(name, stat.length, stat.mtime_nsec) for name, stat in stats])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def evaluate_checkpoints(view: RunView, step: int | None = None, continuous: bool = False,
@@ -187,6 +226,7 @@ def evaluate_checkpoints(view: RunView, step: int | None = None, continuous: boo
     view.checkpointer.sync()  # an async save in flight in this process lands first
     path = None if continuous else _one_checkpoint(view, step)  # nothing written if none
     eval_dir = RunDirectory(view.model_dir).eval
+    _check_writable(eval_dir)
     try:
         lock_model_dir(eval_dir)
     except ModelDirInUseError as error:
@@ -204,6 +244,29 @@ def evaluate_checkpoints(view: RunView, step: int | None = None, continuous: boo
     finally:
         view.progress.close()  # restates the later eval points a lower step hid
         release_model_dir(eval_dir)
+
+
+def _check_writable(eval_dir: str) -> None:
+    """eval/ takes the summaries and the record: one that takes no writes (a read-only
+    model_dir) is a `ModelDirError` before any evaluation, not a failure of the
+    summary writer's thread after the first."""
+    probe = f"{eval_dir.rstrip('/')}/.tputrain-write-test-{uuid.uuid4().hex[:8]}"
+    try:
+        tf.io.gfile.makedirs(eval_dir)
+        with tf.io.gfile.GFile(probe, "wb") as f:
+            f.write(b"\0")
+        tf.io.gfile.remove(probe)
+    except (tf.errors.OpError, OSError) as error:
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if getattr(error, "errno", None) == errno.ENOTDIR or "not a directory" in text.lower():
+            what, fix = "is not a directory", "move that file away"
+        elif getattr(error, "errno", None) == errno.ENOSPC or "no space left" in text.lower():
+            what, fix = "is full", "free some space"
+        else:
+            what, fix = "is not writable", ("fix its permissions, or evaluate a copy of the run "
+                                            "in a writable folder")
+        raise ModelDirError(f"{eval_dir} {what} ({text}): tputrain eval writes its summaries "
+                            f"and {RECORD_FILE} there; {fix}") from None
 
 
 def _check_arguments(step: int | None, continuous: bool, poll_seconds: float,
@@ -264,7 +327,9 @@ def _evaluate_read(view: RunView, path: str, record: EvalRecord) -> Metrics:
 
 
 def _evaluate_if_readable(view: RunView, path: str, record: EvalRecord) -> Metrics | None:
-    """Evaluates `path`; a checkpoint gone or unreadable is skipped (warned, recorded)."""
+    """Evaluates `path`; a checkpoint gone or unreadable is skipped (warned, recorded
+    with its files' stamp, taken before reading: a write after it is read again)."""
+    stamp = checkpoint_stamp(path)
     try:
         read_checkpoint(view, path)
     except CheckpointMismatchError:
@@ -276,7 +341,7 @@ def _evaluate_if_readable(view: RunView, path: str, record: EvalRecord) -> Metri
         else:
             why = f"unreadable ({type(error).__name__}: {str(error).strip().splitlines()[0]})"
         logging.warning("tputrain: skipped checkpoint %s: %s", path, why)
-        record.add(checkpoint_step(path), skipped=why)
+        record.add(checkpoint_step(path), skipped=why, stamp=stamp)
         return None
     return _evaluate_read(view, path, record)
 
@@ -292,10 +357,10 @@ def _follow(view: RunView, record: EvalRecord, poll_seconds: float,
         logging.info("tputrain: already evaluated or skipped, not again: %s (in %s; delete "
                      "it to evaluate them again)", _steps(record.done()), record.path)
     last_new = time.monotonic()
-    while max(record.done(), default=-1) < until_step:
-        done = record.done()
-        pending = [p for p in list_checkpoints(directory).paths
-                   if checkpoint_step(p) not in done]
+    while True:  # a skipped step saved again (other files) is read again
+        pending = [p for p in list_checkpoints(directory).paths if not record.handled(p)]
+        if not pending and max(record.done(), default=-1) >= until_step:
+            break
         for path in sorted(pending, key=checkpoint_step):
             logs = _evaluate_if_readable(view, path, record)
             if logs is not None:
@@ -305,11 +370,26 @@ def _follow(view: RunView, record: EvalRecord, poll_seconds: float,
         if pending:
             last_new = time.monotonic()
         elif timeout is not None and time.monotonic() - last_new > timeout:
+            _say_skipped(record)
             raise NoNewCheckpointError(_timeout_message(directory, record, timeout, until_step),
                                        results)
         else:
             time.sleep(poll_seconds)
+    _say_skipped(record)
     return results
+
+
+def _say_skipped(record: EvalRecord) -> None:
+    """The end of a side-car: the steps it could not evaluate, and why."""
+    if not record.skipped:
+        return
+    reasons: dict[str, set[int]] = {}
+    for step, why in record.skipped.items():
+        reasons.setdefault(why, set()).add(step)
+    logging.warning("tputrain: not evaluated: %s (recorded in %s; a checkpoint saved again at "
+                    "such a step is evaluated when this command runs again)",
+                    "; ".join(f"{_steps(steps)} ({why})" for why, steps in reasons.items()),
+                    record.path)
 
 
 def _steps(steps: set[int]) -> str:

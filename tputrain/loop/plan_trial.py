@@ -21,7 +21,8 @@ its table names the plans not tried and why (a cut-short choice is recorded in
 model_dir only, not for the machine: a longer run here still tries every plan).
 The winner's loop is kept when it
 was built last, else built again (XLA's cache holds its programs). A resume runs
-model_dir's plan without a trial (bitwise resume kept); another run of the same
+model_dir's plan without a trial (bitwise resume kept; a record that cannot be
+read stops a resume rather than let it switch plans); another run of the same
 model on the same machine runs the machine's plan without a trial, so two runs
 (a test's reference and its resumed chain, each in its own model_dir) never train
 with different plans because two trials timed differently: the machine's first
@@ -57,7 +58,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.checkpointing.atomic import atomic_path, write_atomically
-from tputrain.checkpointing.run_directory import RunDirectory
+from tputrain.checkpointing.run_directory import ModelDirError, RunDirectory
 from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.core.cache_dir import cache_root
 from tputrain.core.cpu_info import cpu_name
@@ -193,27 +194,39 @@ class PlanRecord:
     def __init__(self, model_dir: str):
         self.path = RunDirectory(model_dir).plan_record
 
-    def entries(self) -> dict[str, Any]:
-        """The record's plans by key; {} when there is none (or it is unreadable)."""
+    def entries(self, resumed: bool = False) -> dict[str, Any]:
+        """The record's plans by key; {} when there is none (or it is unreadable: a
+        warning; `resumed`, a `ModelDirError`, see `_damaged`)."""
         if not tf.io.gfile.exists(self.path):
             return {}
         try:
             with tf.io.gfile.GFile(self.path) as f:
                 return dict(json.loads(f.read())["plans"])
         except (ValueError, KeyError, TypeError, tf.errors.OpError) as error:
-            logging.warning("tputrain: ignoring the plan record %s (%s)", self.path, error)
-            return {}
+            return self._damaged(error, resumed) or {}
 
-    def read(self, key: str) -> XlaPlan | None:
-        """The plan recorded for `key`, or None (none, or not a plan: a warning)."""
-        entry = self.entries().get(key)
+    def read(self, key: str, resumed: bool = False) -> XlaPlan | None:
+        """The plan recorded for `key`, or None (none, or not a plan: a warning; with
+        `resumed`, a `ModelDirError`)."""
+        entry = self.entries(resumed).get(key)
         if entry is None:
             return None
         try:
             return recorded_plan(entry)
         except ValueError as error:
-            logging.warning("tputrain: ignoring the plan record %s (%s)", self.path, error)
-            return None
+            return self._damaged(error, resumed)
+
+    def _damaged(self, error: Exception, resumed: bool) -> None:
+        """A record that cannot be read is none for a run with no checkpoint yet (it
+        chooses and records a plan); a resumed run stops: taken for none, the resume
+        ran another plan than its steps so far, no longer bitwise, without a word."""
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if resumed:
+            raise ModelDirError(
+                f"{self.path} is damaged or unreadable ({text}): it holds the XLA plan this "
+                "run's steps so far trained with: put it back (from a copy of model_dir), or "
+                "delete it to choose the plan again (the resume is then not bitwise)")
+        logging.warning("tputrain: ignoring the plan record %s (%s)", self.path, text)
 
     def write(self, key: str, plan: XlaPlan, table: str) -> None:
         """Records `plan` for `key` (beside the other keys' plans)."""
@@ -448,7 +461,7 @@ def chosen_plan(trial: TrialRun, train_spec: Any, model_dir: str, num_hosts: int
     if why_not(builder, num_hosts, remaining) is not None:
         return None
     key, record = plan_key(builder, train_spec), PlanRecord(model_dir)
-    recorded = record.read(key)
+    recorded = record.read(key, resumed=step > 0)  # a resume keeps its steps' plan
     if recorded is not None:
         logging.info("tputrain: XLA plan %s, recorded in %s (delete it to try the plans "
                      "again)", describe(recorded), record.path)

@@ -359,6 +359,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
+# How this module's messages name the way to choose the export folder: `tputrain
+# export`'s flag; `export_folder_message` puts another there (the Export action's binding).
+EXPORT_DIR_FLAG = "--export_dir=DIR"
+
+
+def export_folder_message(error: BaseException, setting: str) -> str:
+    """`error`'s first line, naming `setting` instead of `EXPORT_DIR_FLAG` as the way to
+    choose the export folder (for a caller that has no such flag: `tputrain run`)."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text.replace(EXPORT_DIR_FLAG, setting)
+
+
 def _existing(path: str, reusable: bool) -> bool:
     """Whether `path` already holds this export (True: nothing to write). Writing into
     an existing folder would change, in place and half-way, a model a server may be
@@ -366,16 +378,16 @@ def _existing(path: str, reusable: bool) -> bool:
     if not tf.io.gfile.exists(path):
         return False
     if not tf.io.gfile.isdir(path):
-        raise NotADirectoryError(f"the export folder {path} is a file: pass --export_dir=A_NEW_"
-                                 "FOLDER, or remove the file")
+        raise NotADirectoryError(f"the export folder {path} is a file: remove the file, or "
+                                 f"export to a new folder ({EXPORT_DIR_FLAG})")
     if not tf.io.gfile.listdir(path):
         tf.io.gfile.rmtree(path)  # empty: replaced by the rename below
         return False
     if reusable and tf.io.gfile.exists(os.path.join(path, "saved_model.pb")):
         return True  # model_dir/export/<step> of this step's checkpoint: same weights
     raise FileExistsError(f"{path} already exists: exporting over it would change the model a "
-                          "server may be loading, in place; pass a new --export_dir, or "
-                          "remove it first")
+                          f"server may be loading, in place; export to a new folder "
+                          f"({EXPORT_DIR_FLAG}), or remove it first")
 
 
 def write_saved_model(model: keras.Model, inputs: Any, spec: Any, path: str,
@@ -403,15 +415,15 @@ def _write_error(path: str, error: BaseException) -> OSError:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     lowered, code = text.lower(), getattr(error, "errno", None)
     if code == errno.ENOSPC or "no space left" in lowered:
-        return OSError(f"no room to export to {path} ({text}): free some space, or pass "
-                       "--export_dir on a larger disk")
+        return OSError(f"no room to export to {path} ({text}): free some space, or export to "
+                       f"a folder on a larger disk ({EXPORT_DIR_FLAG})")
     if (code in (errno.EROFS, errno.EACCES, errno.EPERM) or "read-only" in lowered
             or "permission" in lowered or isinstance(error, (PermissionError,
                                                              tf.errors.PermissionDeniedError))):
-        return OSError(f"cannot write the export to {path} ({text}): pass a writable "
-                       "--export_dir, or fix the permissions")
-    return OSError(f"cannot write the export to {path} ({type(error).__name__}: {text}): pass "
-                   "another --export_dir")
+        return OSError(f"cannot write the export to {path} ({text}): fix the permissions, or "
+                       f"export to a writable folder ({EXPORT_DIR_FLAG})")
+    return OSError(f"cannot write the export to {path} ({type(error).__name__}: {text}): "
+                   f"export to another folder ({EXPORT_DIR_FLAG})")
 
 
 def __getattr__(name: str) -> Any:

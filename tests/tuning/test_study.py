@@ -48,3 +48,35 @@ def test_a_trial_at_the_completed_trials_last_step_has_finished_and_is_not_prune
             trial.report(value, step)
         study.tell(trial, value)
     assert final_step(study) == 200
+
+
+DIGITS = ["--gin_file=digits.gin", "--gin_param=Trainer.eval_every=100",
+          "--gin_param=Trainer.checkpoint_every=100", "--gin_param=Trainer.actions=[]"]
+LEARNING_RATE = {"min": 1e-3, "max": 0.05, "scale": "log"}
+
+
+def _one_trial(binding: str) -> dict:
+    return {"metric": "accuracy", "goal": "maximize", "trials": 1, "pruner": "none",
+            "params": {binding: LEARNING_RATE}}
+
+
+@pytest.mark.slow
+def test_a_trial_refused_for_its_config_does_not_use_up_the_trials(tmp_path):
+    """A typo refused (exit 2) was told FAIL and counted: fixed and rerun, the study
+    had its trials already and ran none ("no trial completed")."""
+    from tputrain.tuning.study import StudyRunner, TrialConfigError
+
+    run_args = [*DIGITS, "--gin_param=Trainer.train_steps=100"]
+    with pytest.raises(TrialConfigError, match="learnin_rate") as refused:
+        StudyRunner(parse_spec(_one_trial("build_optimizer.learnin_rate")), str(tmp_path),
+                    run_args).run()
+    study = StudyRunner(parse_spec(_one_trial("build_optimizer.learning_rate")), str(tmp_path),
+                        run_args).run()
+    assert [t.state.name for t in study.trials] == ["FAIL", "COMPLETE"]
+    assert str(refused.value).startswith(  # the trial's own error line, without its prefix
+        "trial 0 refused its config: build_optimizer: the 'adam' optimizer takes no argument "
+        "'learnin_rate'")
+    assert "not counted toward the study's trials" in str(refused.value)
+    assert "learnin_rate" in study.trials[0].user_attrs["refused"]
+    assert max(study.trials[1].intermediate_values) == 100
+

@@ -6,7 +6,8 @@ stops trials that trail (docs/tracking.md). The study is kept in
 DIR/study.db: run the same command again after a kill and it continues. At the
 end: a table of the trials (state, metric, step, params) and the best trial's
 bindings, ready for a gin file. Needs `pip install 'tputrain[tune]'`.
-Exits 0 when done; 2 for a bad spec or a config every trial refuses.
+Exits 0 when done; 2 for a bad spec or a config every trial refuses (that trial
+is not counted toward the spec's trials).
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ pruner prunes (SIGTERM: it saves and exits 42). The study lives in
 `<study_dir>/study.db` (SQLite): a tuner killed mid-study and started again
 continues it. The trials it was running (stopped through their lifeline, as
 `tputrain launch`'s workers are) resume from their checkpoints under the same
-numbers; none is lost or run twice.
+numbers; none is lost or run twice. A trial that refuses its config (exit 2) is
+recorded FAIL with a `refused` attribute and does not count toward the spec's
+`trials`: fixed and rerun, the study still runs all of them.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ STUDY_NAME = "tputrain"
 POLL_SECONDS = 0.5
 ORPHAN_WAIT_SECONDS = 180.0  # a killed tuner's trials save and exit within this
 EXIT_BAD_INPUT = 2
+REFUSED = "refused"  # the user attribute of a trial that refused its config
 
 
 class TrialConfigError(RuntimeError):
-    """A trial refused its config (exit 2): every trial would; the study stops."""
+    """A trial refused its config (exit 2): every trial would; the study stops (the
+    refused trial is not counted toward its `trials`)."""
 
 
 @dataclasses.dataclass
@@ -71,6 +75,15 @@ def suggest(trial: Any, param: Param) -> Any:
     return trial.suggest_categorical(param.binding, [gin_literal(v) for v in param.values])
 
 
+def counted_trials(study: Any) -> list[Any]:
+    """The trials that count toward the spec's `trials`: ended, but not refused."""
+    import optuna  # pylint: disable=import-outside-toplevel
+    states = optuna.trial.TrialState
+    return [trial for trial in study.get_trials(states=(states.COMPLETE, states.PRUNED,
+                                                        states.FAIL))
+            if REFUSED not in trial.user_attrs]
+
+
 def trial_bindings(spec: TuningSpec, values: dict[str, Any]) -> list[str]:
     """The gin bindings of a trial's values (a choice's value is its gin text)."""
     kinds = {param.binding: param.kind for param in spec.params}
@@ -86,28 +99,37 @@ class StudyRunner:
         self.spec, self.study_dir, self.run_args, self.python = spec, study_dir, list(run_args), python
         self._lifeline_read, self._lifeline = os.pipe()  # EOF when this process dies
         self.log: list[str] = []
+        self.study: Any = None
+        self.refusal: str | None = None  # set: no trial starts, the running ones end
 
     def path(self, number: int, suffix: str = "") -> str:
         return os.path.join(self.study_dir, f"trial-{number}{suffix}")
 
     def run(self) -> Any:
-        """Runs the study to its trial count; returns it."""
+        """Runs the study to its trial count; returns it. Raises TrialConfigError when a
+        trial refused its config."""
         wait_for_orphans(self.study_dir)
-        study = open_study(self.spec, self.study_dir)
+        self.study = study = open_study(self.spec, self.study_dir)
         import optuna  # pylint: disable=import-outside-toplevel
-        states = optuna.trial.TrialState
         resumed = [optuna.trial.Trial(study, t._trial_id)  # pylint: disable=protected-access
-                   for t in study.get_trials(states=(states.RUNNING,))]
+                   for t in study.get_trials(states=(optuna.trial.TrialState.RUNNING,))]
         running: list[RunningTrial] = []
         while True:
-            done = len(study.get_trials(states=(states.COMPLETE, states.PRUNED, states.FAIL)))
-            while len(running) < self.spec.parallel and (
-                    resumed or done + len(running) < self.spec.trials):
+            while self._may_start(len(running), bool(resumed)):
                 running.append(self._start(study, resumed.pop(0) if resumed else None))
             if not running:
-                return study
+                break
             time.sleep(POLL_SECONDS)
             running = [trial for trial in running if not self._poll(study, trial)]
+        if self.refusal:
+            raise TrialConfigError(self.refusal)
+        return study
+
+    def _may_start(self, running: int, resumed: bool) -> bool:
+        """Whether another trial starts now: a killed tuner's first, then new ones."""
+        if self.refusal or running >= self.spec.parallel:
+            return False
+        return resumed or len(counted_trials(self.study)) + running < self.spec.trials
 
     def _start(self, study: Any, handle: Any | None) -> RunningTrial:
         """Starts a trial's run: a new one (`handle` None) or a killed tuner's."""
@@ -162,13 +184,24 @@ class StudyRunner:
             step = max(values)
             study.tell(trial.handle, values[step])
             state = f"{self.spec.metric} {values[step]:.6g} at step {step}"
+        elif code == EXIT_BAD_INPUT:
+            self._refused(study, trial)
+            state = "refused its config (not counted toward the trials)"
         else:
             study.tell(trial.handle, state=states.FAIL)
             state = f"failed (exit code {code}; see {self.path(number, '.log')})"
-            if code == EXIT_BAD_INPUT:
-                raise TrialConfigError(f"trial {number} refused its config: "
-                                       f"{last_error(self.path(number, '.log'))}")
         print(f"tputrain tune: trial {number} {state}", flush=True)
+
+    def _refused(self, study: Any, trial: RunningTrial) -> None:
+        """A trial refused its config (before training): FAIL, marked not to count; the
+        study stops once the running trials end (they will likely be refused too)."""
+        import optuna  # pylint: disable=import-outside-toplevel
+        number, error = trial.handle.number, last_error(self.path(trial.handle.number, ".log"))
+        trial.handle.set_user_attr(REFUSED, error)
+        study.tell(trial.handle, state=optuna.trial.TrialState.FAIL)
+        self.refusal = self.refusal or (
+            f"trial {number} refused its config: {error} (not counted toward the study's "
+            "trials: fix the config and rerun the same command)")
 
 
 def final_step(study: Any) -> int | None:
@@ -181,10 +214,11 @@ def final_step(study: Any) -> int | None:
 
 
 def last_error(log_path: str) -> str:
-    """The trial's `tputrain: error:` line, or its last line."""
+    """The trial's `tputrain: error:` message (without that prefix), or its last line."""
     with open(log_path, encoding="utf-8", errors="replace") as f:
         lines = [line.strip() for line in f if line.strip()]
-    errors = [line for line in lines if "tputrain: error:" in line]
+    errors = [line.split("tputrain: error:", 1)[1].strip() for line in lines
+              if "tputrain: error:" in line]
     return (errors or lines or ["(no output)"])[-1]
 
 

@@ -7,7 +7,8 @@ DIR/study.db: run the same command again after a kill and it continues. At the
 end: a table of the trials (state, metric, step, params) and the best trial's
 bindings, ready for a gin file. Needs `pip install 'tputrain[tune]'`.
 Exits 0 when done; 2 for a bad spec or a config every trial refuses (that trial
-is not counted toward the spec's trials).
+is not counted toward the spec's trials); 42 when a trial was preempted: the
+running trials save, and rerunning the same command resumes them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from absl import flags
 
 from tputrain.cli.common import (GIN_FLAGS, define_gin_flags, fail, list_in_help,
                                  reject_arguments, run_command)
+from tputrain.fault_tolerance.preemption_early import PREEMPTED_EXIT_CODE
 from tputrain.tuning.spec import SpecError, load_spec
 
 FLAGS = flags.FLAGS
@@ -68,10 +70,14 @@ def main(argv: list[str]) -> None:
     from tputrain.tuning.table import best_lines, trials_table  # pylint: disable=import-outside-toplevel
     overrides = {"trials": FLAGS.trials, "parallel": FLAGS.parallel}
     spec = dataclasses.replace(spec, **{k: v for k, v in overrides.items() if v})
+    runner = engine.StudyRunner(spec, FLAGS.study_dir, _run_args())
     try:
-        study = engine.StudyRunner(spec, FLAGS.study_dir, _run_args()).run()
+        study = runner.run()
     except engine.TrialConfigError as error:
         fail(str(error))
+    except engine.StudyStopped as error:  # its trials saved: a preemption, rerun resumes
+        print(f"tputrain tune: {error}", file=sys.stderr, flush=True)
+        sys.exit(PREEMPTED_EXIT_CODE)
     print(trials_table(study, spec))
     print("\n".join(best_lines(study, spec)), flush=True)
 

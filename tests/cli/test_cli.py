@@ -149,6 +149,14 @@ def test_a_flag_that_is_not_a_number_exits_2(capsys):
     assert "--step" in _parse_error("eval", "--step=abc", capsys=capsys)
 
 
+@pytest.mark.parametrize("flag", ["--seconds=-1", "--seconds=0", "--steps=0", "--steps=-5"])
+def test_diagnose_refuses_a_measurement_that_is_not_positive(flag, capsys):
+    """`tputrain diagnose --seconds=-1` or `--steps=0` measured with the defaults and
+    exited 0 without a word (find-batch refuses its equivalents)."""
+    error = _parse_error("diagnose", flag, capsys=capsys)
+    assert flag in error and "must be" in error, error
+
+
 def test_a_negative_timeout_is_refused(capsys):
     """Issue 33.6: --timeout_seconds=-5 was taken as "wait for ever" (that is 0)."""
     error = _parse_error("eval", "--timeout_seconds=-5", capsys=capsys)
@@ -189,14 +197,17 @@ def test_a_rerun_that_trains_nothing_is_told_apart_before_it_restores(tmp_path):
     assert will_train(_tiny_trainer(str(tmp_path), 6))  # continues
 
 
-@pytest.mark.parametrize("command, fix", [("eval", "--model_dir"), ("run", "--gin_file")])
+@pytest.mark.parametrize("command, fix", [("eval", "--model_dir"), ("run", "--gin_file"),
+                                          ("goodput", "--model_dir"),
+                                          ("write-tfrecords", "--output_prefix")])
 def test_a_command_without_its_config_is_one_line_naming_the_flag(command, fix, tmp_path):
     """`tputrain eval` (or export, or bare `tputrain`) with no flags printed the whole
     help (27-42 lines), exited 1 and told eval and export to pass --gin_file, when
-    they read a run's --model_dir."""
+    they read a run's --model_dir; goodput and write-tfrecords still did (UsageError)."""
     result = subprocess.run([sys.executable, "-m", "tputrain.cli", command], capture_output=True,
                             text=True, timeout=120, cwd=tmp_path)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("tputrain: error:")]
+    errors = [line for line in result.stderr.splitlines()  # (write-tfrecords: its own prefix)
+              if line.startswith(("tputrain: error:", f"tputrain {command}: error:"))]
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
     assert fix in errors[0] and "Traceback" not in result.stderr
     assert "flags:" not in result.stderr.lower() and len(result.stderr.splitlines()) < 10

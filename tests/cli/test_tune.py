@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -104,3 +105,31 @@ def test_tune_with_model_dir_is_one_line_naming_study_dir(capsys):
         "tputrain: error: each trial has its own model_dir under --study_dir: pass "
         "--study_dir, not --model_dir"]
     tune.refuse_model_dir(["tputrain tune", "--spec=s.yaml", "--study_dir=/tmp/s"])
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_study_in_one_line_and_exit_42_leaving_its_trial_to_resume(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) ended the tuner in a bare
+    KeyboardInterrupt traceback; as `tputrain run`, it is one line and exit 42."""
+    from faults import wait_for_file_line
+
+    command = [*_tune(tmp_path), "--gin_import=faults",
+               "--gin_param=Trainer.actions=[@PauseAtStep()]", "--gin_param=PauseAtStep.step=100"]
+    command = [arg for arg in command if arg != "--gin_param=Trainer.actions=[]"]
+    # (after _tune's spec) one trial, at once
+    (tmp_path / "spec.yaml").write_text(SPEC.replace("trials: 6", "trials: 1"))
+    tuner = subprocess.Popen(command, env=_env(tmp_path), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for_file_line(tmp_path / "study" / "trial-0.log", r"tputrain-test: paused at step")
+        os.killpg(tuner.pid, signal.SIGINT)
+        out, err = tuner.communicate(timeout=300)
+    finally:
+        tuner.kill()
+    assert tuner.returncode == 42, out[-2000:] + err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        "tputrain tune: stopped (SIGINT): rerun the same command to resume trial 0 (exit code 42)")
+    study = optuna.load_study(study_name="tputrain",
+                              storage=f"sqlite:///{tmp_path / 'study' / 'study.db'}")
+    assert [t.state.name for t in study.trials] == ["RUNNING"]

@@ -256,6 +256,17 @@ def test_arrays_and_a_dataset_in_memory_predict_like_the_split(tmp_path):
         trainer.predict({"x": x[:0]})
 
 
+def test_an_input_that_is_neither_a_split_nor_a_file_names_the_tasks_splits(tmp_path):
+    """`--input=validation` said only "no file matches 'validation'", not that the
+    task's splits ('train', 'eval') are what --input also takes."""
+    trainer = tputrain.Trainer(PaddedEvalTask(), str(tmp_path / "run"), strategy=strategy_for(1),
+                               train_steps=2, steps_per_loop=2, global_batch_size=16,
+                               report_mfu=False)
+    with pytest.raises(FileNotFoundError,
+                       match=r"no file matches 'validation'.*a split of the task: 'train', 'eval'"):
+        trainer.predict("validation")
+
+
 def test_a_mixture_split_is_predicted_from_its_features_without_the_source_id(tmp_path):
     """A `MixtureInput` split (and its dataset passed in) carries `source_id` beside
     the model's feature `x`: predict gives `model(x)`, as the eval loop does."""

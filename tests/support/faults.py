@@ -720,6 +720,20 @@ class Process:
         return "".join(self.lines[-40:])
 
 
+def wait_for_file_line(path: Path, pattern: str, timeout: float = 300) -> re.Match:
+    """The first line of the file at `path` (written by another process: a trial's log)
+    matching `pattern` (re.search), once it is there."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.is_file():
+            match = re.search(pattern, path.read_text(errors="replace"), re.M)
+            if match:
+                return match
+        time.sleep(0.2)
+    text = path.read_text(errors="replace")[-3000:] if path.is_file() else "(no file)"
+    raise AssertionError(f"no {pattern!r} in {path} within {timeout} s:\n{text}")
+
+
 def pausable_env(env: dict[str, str]) -> dict[str, str]:
     """`env` for a child whose pauses (PauseAtStep, file events) wait for a line on its
     stdin: a `Process(..., stdin=True)` that `copy_at_pause` can let go on."""

@@ -50,6 +50,12 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
                        flag_values=flag_values)
     flags.DEFINE_integer("steps", None, "Steps per measured loop; default "
                          "Trainer.steps_per_loop.", flag_values=flag_values)
+    # As find-batch's: a measurement of no time or no step is no measurement.
+    flags.register_validator("seconds", lambda value: value > 0, "must be > 0 seconds",
+                             flag_values=flag_values)
+    flags.register_validator("steps", lambda value: value is None or value > 0,
+                             "must be a positive number of steps (leave it out for "
+                             "Trainer.steps_per_loop)", flag_values=flag_values)
     # Not model_dir: diagnose always works in a temporary directory.
     list_in_help((*GIN_FLAGS, "json", "seconds", "steps"), flag_values)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 
 import gin
-from absl import app, flags, logging
+from absl import flags, logging
 
 from tputrain.cli.common import (GIN_FLAGS, define_gin_flags, fail, list_in_help, parse_gin_flags,
                                  reject_arguments, run_command)
@@ -37,7 +37,7 @@ def model_dir_from_flags() -> str:
     if FLAGS.model_dir:
         return FLAGS.model_dir
     if not FLAGS.gin_file and not FLAGS.gin_param:
-        raise app.UsageError("pass --model_dir=DIR (or the --gin_file=CONFIG that trained it)")
+        fail("pass --model_dir=DIR (or the --gin_file=CONFIG that trained it)")
     parse_gin_flags()
     try:
         require_bound("Trainer.model_dir")

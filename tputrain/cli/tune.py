@@ -6,18 +6,24 @@ stops trials that trail (docs/tracking.md). The study is kept in
 DIR/study.db: run the same command again after a kill and it continues. At the
 end: a table of the trials (state, metric, step, params) and the best trial's
 bindings, ready for a gin file. Needs `pip install 'tputrain[tune]'`.
-Exits 0 when done; 2 for a bad spec or a config every trial refuses.
+Exits 0 when done; 2 for a bad spec or a config every trial refuses (that trial
+is not counted toward the spec's trials); 42 when the study stopped on SIGTERM or
+Ctrl-C, or a trial was preempted: the running trials save, and rerunning the same
+command resumes them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
+from typing import Any
 
 from absl import flags
 
 from tputrain.cli.common import (GIN_FLAGS, define_gin_flags, fail, list_in_help,
                                  reject_arguments, run_command)
+from tputrain.fault_tolerance.preemption_early import PREEMPTED_EXIT_CODE, take_early_signal
 from tputrain.tuning.spec import SpecError, load_spec
 
 FLAGS = flags.FLAGS
@@ -67,12 +73,31 @@ def main(argv: list[str]) -> None:
     from tputrain.tuning.table import best_lines, trials_table  # pylint: disable=import-outside-toplevel
     overrides = {"trials": FLAGS.trials, "parallel": FLAGS.parallel}
     spec = dataclasses.replace(spec, **{k: v for k, v in overrides.items() if v})
+    runner = engine.StudyRunner(spec, FLAGS.study_dir, _run_args())
+    stop_on_signals(runner)
     try:
-        study = engine.StudyRunner(spec, FLAGS.study_dir, _run_args()).run()
+        study = runner.run()
     except engine.TrialConfigError as error:
         fail(str(error))
+    except engine.StudyStopped as error:  # its trials saved: a preemption, rerun resumes
+        print(f"tputrain tune: {error}", file=sys.stderr, flush=True)
+        sys.exit(PREEMPTED_EXIT_CODE)
     print(trials_table(study, spec))
     print("\n".join(best_lines(study, spec)), flush=True)
+
+
+def stop_on_signals(runner: Any) -> None:
+    """SIGTERM and Ctrl-C stop the study as a preemption: the running trials save and the
+    tuner exits 42 (rerun to resume), as `tputrain run` and `launch` do. A signal held
+    since the command's first line (`preemption_early`) stops it now."""
+    def handle(signum: int, frame: Any) -> None:
+        del frame
+        runner.stop(f"stopped ({signal.Signals(signum).name})")
+
+    replaced = {signum: signal.signal(signum, handle) for signum in (signal.SIGTERM, signal.SIGINT)}
+    early = take_early_signal(replaced)
+    if early is not None:
+        handle(early, None)
 
 
 def console_main() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from tputrain.cli.common import list_in_help, reject_arguments, run_command
 from tputrain.data import write_tfrecords
@@ -41,7 +41,9 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
 def main(argv: list[str]) -> None:
     reject_arguments(argv)
     if not FLAGS.input or not FLAGS.output_prefix:
-        raise app.UsageError("pass --input=FILE.npz|FILE.csv and --output_prefix=DIR/NAME")
+        print("tputrain write-tfrecords: error: pass --input=FILE.npz|FILE.csv and "
+              "--output_prefix=DIR/NAME", file=sys.stderr)
+        sys.exit(2)
     compression = None if FLAGS.compression == "none" else FLAGS.compression.upper()
     try:
         examples = read_input(FLAGS.input)

@@ -244,8 +244,12 @@ def source_examples(view: RunView, source: Any) -> tf.data.Dataset:
                          f"NumPy arrays or a tf.data.Dataset of batches, got {source!r}")
     if source in splits:
         return split_examples(split_batches(view, source), source)
-    return tfrecord_examples(source, view.inputs.eval_dataset.element_spec,
-                             view.num_hosts, view.host_id)
+    try:
+        return tfrecord_examples(source, view.inputs.eval_dataset.element_spec,
+                                 view.num_hosts, view.host_id)
+    except FileNotFoundError as error:  # perhaps a split's name mistyped: say which there are
+        raise FileNotFoundError(f"{error}; or name a split of the task: "
+                                f"{', '.join(map(repr, splits))}") from error
 
 
 def split_batches(view: RunView, source: Any) -> tf.data.Dataset | None:

@@ -9,7 +9,12 @@ pruner prunes (SIGTERM: it saves and exits 42). The study lives in
 `<study_dir>/study.db` (SQLite): a tuner killed mid-study and started again
 continues it. The trials it was running (stopped through their lifeline, as
 `tputrain launch`'s workers are) resume from their checkpoints under the same
-numbers; none is lost or run twice.
+numbers; none is lost or run twice. A trial preempted while the tuner lives (it
+saved and exited 42), and a tuner that gets SIGTERM or Ctrl-C, stop the study the
+same way: the running trials are told to save (SIGTERM), are left as they are in
+the study, and the rerun resumes them (`StudyStopped`). A trial that refuses its
+config (exit 2) is recorded FAIL with a `refused` attribute and does not count
+toward the spec's `trials`: fixed and rerun, the study still runs all of them.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tputrain.distribution.launch import LAUNCHER_FD_ENV
+from tputrain.fault_tolerance.preemption_early import PREEMPTED_EXIT_CODE
 from tputrain.tuning.report import FILE_ENV, METRIC_ENV, TRIAL_ENV, read_report
 from tputrain.tuning.spec import Param, TuningSpec, gin_literal
 
@@ -30,10 +36,20 @@ STUDY_NAME = "tputrain"
 POLL_SECONDS = 0.5
 ORPHAN_WAIT_SECONDS = 180.0  # a killed tuner's trials save and exit within this
 EXIT_BAD_INPUT = 2
+# A trial's exits that a rerun resumes from: saved on a signal (42); a second Ctrl-C
+# (130: the last checkpoint stands); a signal before its handlers were in.
+RESUMABLE_EXITS = (PREEMPTED_EXIT_CODE, 130, -signal.SIGTERM, -signal.SIGINT)
+REFUSED = "refused"  # the user attribute of a trial that refused its config
 
 
 class TrialConfigError(RuntimeError):
-    """A trial refused its config (exit 2): every trial would; the study stops."""
+    """A trial refused its config (exit 2): every trial would; the study stops (the
+    refused trial is not counted toward its `trials`)."""
+
+
+class StudyStopped(RuntimeError):
+    """The study stopped before its end (a trial preempted, the tuner signalled): its
+    running trials saved and are left to the rerun, which resumes them."""
 
 
 @dataclasses.dataclass
@@ -43,6 +59,7 @@ class RunningTrial:
     report: str
     reported: set[int]
     pruned: bool = False
+    stopping: bool = False  # told to save and exit by the tuner's stop
 
 
 def open_study(spec: TuningSpec, study_dir: str) -> Any:
@@ -71,6 +88,15 @@ def suggest(trial: Any, param: Param) -> Any:
     return trial.suggest_categorical(param.binding, [gin_literal(v) for v in param.values])
 
 
+def counted_trials(study: Any) -> list[Any]:
+    """The trials that count toward the spec's `trials`: ended, but not refused."""
+    import optuna  # pylint: disable=import-outside-toplevel
+    states = optuna.trial.TrialState
+    return [trial for trial in study.get_trials(states=(states.COMPLETE, states.PRUNED,
+                                                        states.FAIL))
+            if REFUSED not in trial.user_attrs]
+
+
 def trial_bindings(spec: TuningSpec, values: dict[str, Any]) -> list[str]:
     """The gin bindings of a trial's values (a choice's value is its gin text)."""
     kinds = {param.binding: param.kind for param in spec.params}
@@ -86,28 +112,55 @@ class StudyRunner:
         self.spec, self.study_dir, self.run_args, self.python = spec, study_dir, list(run_args), python
         self._lifeline_read, self._lifeline = os.pipe()  # EOF when this process dies
         self.log: list[str] = []
+        self.study: Any = None
+        self.stop_reason: str | None = None  # set: no trial starts, the running ones save
+        self.refusal: str | None = None  # set: no trial starts, the running ones end
+
+    def stop(self, reason: str) -> None:
+        """Stops the study (a signal to the tuner, a trial preempted): no trial starts,
+        the running ones save (SIGTERM) and are left to the rerun. Signal-safe."""
+        self.stop_reason = self.stop_reason or reason
 
     def path(self, number: int, suffix: str = "") -> str:
         return os.path.join(self.study_dir, f"trial-{number}{suffix}")
 
     def run(self) -> Any:
-        """Runs the study to its trial count; returns it."""
-        wait_for_orphans(self.study_dir)
-        study = open_study(self.spec, self.study_dir)
+        """Runs the study to its trial count; returns it. Raises TrialConfigError when a
+        trial refused its config, StudyStopped when the study was stopped (`stop`)."""
+        wait_for_orphans(self.study_dir, lambda: self.stop_reason is not None)
+        self.study = study = open_study(self.spec, self.study_dir)
         import optuna  # pylint: disable=import-outside-toplevel
-        states = optuna.trial.TrialState
         resumed = [optuna.trial.Trial(study, t._trial_id)  # pylint: disable=protected-access
-                   for t in study.get_trials(states=(states.RUNNING,))]
+                   for t in study.get_trials(states=(optuna.trial.TrialState.RUNNING,))]
         running: list[RunningTrial] = []
         while True:
-            done = len(study.get_trials(states=(states.COMPLETE, states.PRUNED, states.FAIL)))
-            while len(running) < self.spec.parallel and (
-                    resumed or done + len(running) < self.spec.trials):
+            while self._may_start(len(running), bool(resumed)):
                 running.append(self._start(study, resumed.pop(0) if resumed else None))
+            if self.stop_reason:
+                self._tell_to_save(running)
             if not running:
-                return study
+                break
             time.sleep(POLL_SECONDS)
             running = [trial for trial in running if not self._poll(study, trial)]
+        if self.refusal:
+            raise TrialConfigError(self.refusal)
+        if self.stop_reason:
+            raise StudyStopped(f"{self.stop_reason}: rerun the same command to "
+                               f"{left_to_resume(study)} (exit code {PREEMPTED_EXIT_CODE})")
+        return study
+
+    def _may_start(self, running: int, resumed: bool) -> bool:
+        """Whether another trial starts now: a killed tuner's first, then new ones."""
+        if self.stop_reason or self.refusal or running >= self.spec.parallel:
+            return False
+        return resumed or len(counted_trials(self.study)) + running < self.spec.trials
+
+    def _tell_to_save(self, running: list[RunningTrial]) -> None:
+        """The study stops: each running trial saves a checkpoint and exits 42."""
+        for trial in running:
+            if not trial.stopping and trial.process.poll() is None:
+                trial.stopping = True
+                trial.process.send_signal(signal.SIGTERM)
 
     def _start(self, study: Any, handle: Any | None) -> RunningTrial:
         """Starts a trial's run: a new one (`handle` None) or a killed tuner's."""
@@ -162,13 +215,37 @@ class StudyRunner:
             step = max(values)
             study.tell(trial.handle, values[step])
             state = f"{self.spec.metric} {values[step]:.6g} at step {step}"
+        elif code in RESUMABLE_EXITS:  # left RUNNING: the rerun resumes it
+            state = f"stopped (exit code {code}); left to resume"
+            if not trial.stopping:  # not the tuner's doing: a preemption
+                self.stop(f"trial {number} was preempted (exit code {code})")
+        elif code == EXIT_BAD_INPUT:
+            self._refused(study, trial)
+            state = "refused its config (not counted toward the trials)"
         else:
             study.tell(trial.handle, state=states.FAIL)
             state = f"failed (exit code {code}; see {self.path(number, '.log')})"
-            if code == EXIT_BAD_INPUT:
-                raise TrialConfigError(f"trial {number} refused its config: "
-                                       f"{last_error(self.path(number, '.log'))}")
         print(f"tputrain tune: trial {number} {state}", flush=True)
+
+    def _refused(self, study: Any, trial: RunningTrial) -> None:
+        """A trial refused its config (before training): FAIL, marked not to count; the
+        study stops once the running trials end (they will likely be refused too)."""
+        import optuna  # pylint: disable=import-outside-toplevel
+        number, error = trial.handle.number, last_error(self.path(trial.handle.number, ".log"))
+        trial.handle.set_user_attr(REFUSED, error)
+        study.tell(trial.handle, state=optuna.trial.TrialState.FAIL)
+        self.refusal = self.refusal or (
+            f"trial {number} refused its config: {error} (not counted toward the study's "
+            "trials: fix the config and rerun the same command)")
+
+
+def left_to_resume(study: Any) -> str:
+    """What a rerun of a stopped study does first: "resume trial 0", "resume trials 0, 2"."""
+    import optuna  # pylint: disable=import-outside-toplevel
+    left = [t.number for t in study.get_trials(states=(optuna.trial.TrialState.RUNNING,))]
+    if not left:
+        return "continue the study"
+    return f"resume trial{'s' if len(left) > 1 else ''} {', '.join(map(str, left))}"
 
 
 def final_step(study: Any) -> int | None:
@@ -181,10 +258,11 @@ def final_step(study: Any) -> int | None:
 
 
 def last_error(log_path: str) -> str:
-    """The trial's `tputrain: error:` line, or its last line."""
+    """The trial's `tputrain: error:` message (without that prefix), or its last line."""
     with open(log_path, encoding="utf-8", errors="replace") as f:
         lines = [line.strip() for line in f if line.strip()]
-    errors = [line for line in lines if "tputrain: error:" in line]
+    errors = [line.split("tputrain: error:", 1)[1].strip() for line in lines
+              if "tputrain: error:" in line]
     return (errors or lines or ["(no output)"])[-1]
 
 
@@ -196,9 +274,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def wait_for_orphans(study_dir: str) -> None:
+def wait_for_orphans(study_dir: str, give_up: Callable[[], bool] = lambda: False) -> None:
     """A killed tuner's trials stop by themselves (their lifeline): waits until they
-    have, so a resumed trial does not find its model_dir still locked."""
+    have (or `give_up()`), so a resumed trial does not find its model_dir still locked."""
     if not os.path.isdir(study_dir):
         return
     pids = []
@@ -207,5 +285,5 @@ def wait_for_orphans(study_dir: str) -> None:
             with open(os.path.join(study_dir, name), encoding="utf-8") as f:
                 pids.append(int(f.read().strip() or 0))
     deadline = time.monotonic() + ORPHAN_WAIT_SECONDS
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline and not give_up():
         time.sleep(POLL_SECONDS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tputrain.tuning.spec import TuningSpec
-from tputrain.tuning.study import trial_bindings
+from tputrain.tuning.study import REFUSED, trial_bindings
 
 
 def _value(trial: Any) -> str:
@@ -13,13 +13,15 @@ def _value(trial: Any) -> str:
 
 
 def trials_table(study: Any, spec: TuningSpec) -> str:
-    """One line a trial: number, state, metric (its last evaluation's), step, params."""
+    """One line a trial: number, state (REFUSED: refused its config, not counted; RUNNING:
+    left to resume), metric (its last evaluation's), step, params."""
     rows = [("trial", "state", spec.metric, "step", "params")]
     for trial in study.trials:
         steps = trial.intermediate_values
         value = _value(trial) if trial.value is not None else (
             f"{steps[max(steps)]:.6g}" if steps else "-")
-        rows.append((str(trial.number), trial.state.name, value,
+        state = "REFUSED" if REFUSED in trial.user_attrs else trial.state.name  # not counted
+        rows.append((str(trial.number), state, value,
                      str(max(steps)) if steps else "-",
                      "; ".join(trial_bindings(spec, trial.params))))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]

@@ -420,3 +420,52 @@ def test_temp_files_of_a_killed_writer_are_removed_by_the_next_write(tmp_path):
     write_tfrecords({"x": np.arange(10, dtype=np.int64)}, prefix, num_shards=1)
     assert sorted(os.listdir(tmp_path)) == sorted(
         ["d-00000-of-00001.tfrecord", "d.manifest.json", os.path.basename(live)])
+
+
+# A rewrite killed while its shards are renamed into place.
+
+_KILLED_AT_THE_THIRD_RENAME = """
+import os, sys
+import numpy as np
+from tputrain.data import writer
+real, moved = writer.move, []
+def move(*args, **kwargs):
+    if len(moved) == 2:
+        os._exit(9)
+    moved.append(args[1])
+    real(*args, **kwargs)
+writer.move = move
+writer.write_tfrecords({"x": np.arange(3000, 4000, dtype=np.int64)}, sys.argv[1], num_shards=4)
+"""
+
+
+def _read_x(make_input) -> list[int]:
+    return sorted(int(v) for batch in make_input()(InputContext(global_batch_size=100))
+                  for v in batch["x"].numpy())
+
+
+def test_a_rewrite_killed_between_shard_renames_is_refused_until_it_is_rerun(tmp_path):
+    """Shards renamed one by one over the old ones, then the manifest: a kill between
+    two renames left two new shards beside two old ones (the same sizes) and the old
+    manifest, read as good by the manifest and by the glob. Now the prefix is marked
+    until the manifest is written: both refuse in one line naming the fix, and the
+    rerun's data is read (the killed writer's temp shards gone)."""
+    prefix = str(tmp_path / "d")
+    write_tfrecords({"x": np.arange(1000, 2000, dtype=np.int64)}, prefix, num_shards=4)
+    killed = subprocess.run([sys.executable, "-c", _KILLED_AT_THE_THIRD_RENAME, prefix],
+                            capture_output=True, text=True, timeout=120, env=child_env())
+    assert killed.returncode == 9, killed.stderr[-3000:]
+    readers = (lambda: TFRecordInput(manifest=f"{prefix}.manifest.json", repeat=False,
+                                     shuffle=False),
+               lambda: TFRecordInput(f"{prefix}-*", {"x": ([], "int64")}, repeat=False,
+                                     shuffle=False))
+    for make_input in readers:
+        with pytest.raises(ValueError) as caught:
+            _read_x(make_input)
+        line = str(caught.value).splitlines()[0]  # (gin adds the configurable below it)
+        assert "rerun the write" in line and f"--output_prefix={prefix}" in line, line
+    write_tfrecords({"x": np.arange(3000, 4000, dtype=np.int64)}, prefix, num_shards=4)
+    for make_input in readers:
+        assert _read_x(make_input) == list(range(3000, 4000))
+    assert sorted(os.listdir(tmp_path)) == [f"d-0000{i}-of-00004.tfrecord" for i in range(4)] + [
+        "d.manifest.json"]

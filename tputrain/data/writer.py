@@ -36,8 +36,9 @@ from tputrain.data.example_codec import encode_example
 from tputrain.data import var_len as vl
 from tputrain.data.stages import repeats_forever
 from tputrain.data.blocks import BLOCK_RECORDS
-from tputrain.data.manifest import (COMPRESSION_TYPES, MANIFEST_SUFFIX, RECORD_OVERHEAD, Manifest, Shard,
-                                    manifest_path, var_len_feature, write_manifest)
+from tputrain.data.manifest import (COMMIT_SUFFIX, COMPRESSION_TYPES, MANIFEST_SUFFIX, RECORD_OVERHEAD, Manifest,
+                                    Shard, commit_marker, manifest_path, mark_committing, var_len_feature,
+                                    write_manifest)
 
 _SIZE_SAMPLE = 256  # examples serialized to estimate the data size
 _CHUNK = 256  # records handed to a writer thread at once
@@ -261,8 +262,11 @@ class _ShardWriters:
     (compression, file I/O) runs in the workers without the GIL.
     """
 
-    def __init__(self, paths: list[str], compression_type: str | None, num_workers: int):
-        self.paths = paths
+    def __init__(self, prefix: str, paths: list[str], compression_type: str | None,
+                 num_workers: int):
+        self.prefix, self.paths = prefix, paths
+        self.marker: str | None = None  # the commit marker, once written (`commit`)
+        self._renamed = 0
         # Hidden, and not ending in ".tfrecord", so that globs such as "prefix-*" or
         # "*.tfrecord" never pick up a shard left by a killed writer.
         self.temp_paths = [temp_path(p, hidden=True) for p in paths]
@@ -339,8 +343,12 @@ class _ShardWriters:
         self._check()
         for writer in self._writers:
             writer.close()
+        # Renamed one by one over an earlier write's shards: until `_finish` removes the
+        # marker, readers refuse the prefix (a kill here leaves a mix of two writes).
+        self.marker = mark_committing(self.prefix)
         for temp, path in zip(self.temp_paths, self.paths):
             move(temp, path)
+            self._renamed += 1
         return [tf.io.gfile.stat(path).length for path in self.paths]
 
     def abort(self) -> None:
@@ -351,7 +359,8 @@ class _ShardWriters:
         for writer in self._writers:
             with contextlib.suppress(Exception):
                 writer.close()
-        for temp in self.temp_paths:
+        # The marker stays once a shard was renamed: the prefix is a mix until a rerun.
+        for temp in self.temp_paths + ([self.marker] if self.marker and not self._renamed else []):
             try:
                 _remove_if_exists(temp)
             except (tf.errors.OpError, OSError) as error:
@@ -443,8 +452,8 @@ class _Target:
 
     def writers(self, num_shards: int) -> _ShardWriters:
         """Opens the temp-named shard files and their writer threads."""
-        return _ShardWriters(_shard_paths(self.prefix, num_shards), self.compression_type,
-                             self.workers)
+        return _ShardWriters(self.prefix, _shard_paths(self.prefix, num_shards),
+                             self.compression_type, self.workers)
 
 
 class _Written(NamedTuple):
@@ -595,6 +604,7 @@ def _finish(written: _Written, target: _Target, manifest: bool) -> list[str]:
     _remove_earlier_shards(target.prefix, paths)
     if not manifest:
         _remove_earlier_manifest(target.prefix)
+    _remove_if_exists(commit_marker(target.prefix))  # whole: readers take it again
     return paths
 
 
@@ -631,7 +641,8 @@ def _prepare_folder(prefix: str) -> None:
     if directory:
         tf.io.gfile.makedirs(directory)
     ours = re.compile(r"\." + re.escape(base) + r"(-\d{5}-of-\d{5}\.tfrecord|\.spool|"
-                      + re.escape(MANIFEST_SUFFIX) + ")" + re.escape(TEMP_MARK))
+                      + re.escape(MANIFEST_SUFFIX) + "|" + re.escape(COMMIT_SUFFIX) + ")"
+                      + re.escape(TEMP_MARK))
     killed = [path for path in tf.io.gfile.glob(os.path.join(directory, f".{base}*{TEMP_MARK}*"))
               if ours.match(os.path.basename(path)) and left_by_dead_writer(path)]
     for path in killed:

@@ -459,3 +459,43 @@ def test_a_continue_from_a_step_off_the_fetch_is_a_checkpoint_mismatch(tmp_path)
     trainer = make_trainer(tmp_path, train_steps=50, steps_per_fetch=10, **common)
     with pytest.raises(tputrain.CheckpointMismatchError, match="steps_per_fetch=10.*e.g. 1"):
         trainer.train()
+
+
+def _corrupt_eval_data(tmp_path) -> tuple[str, tputrain.Task]:
+    """Train data (2 shards) and one eval shard of 64 examples, its record ~48 damaged:
+    past the first batch of 16, which the start-up probe reads. (file, RecordsTask)"""
+    from faults import RecordsTask, write_records
+
+    write_records(tmp_path / "train")
+    x = np.random.RandomState(1).randn(64, 8).astype(np.float32)
+    [eval_file] = tputrain.data.write_tfrecords(
+        {"x": x, "label": (x[:, 0] > 0).astype(np.int64)}, str(tmp_path / "eval" / "e"),
+        num_shards=1)
+    data = bytearray(open(eval_file, "rb").read())
+    middle = len(data) * 3 // 4
+    data[middle:middle + 64] = b"\xff" * 64
+    open(eval_file, "wb").write(bytes(data))
+    return eval_file, RecordsTask(str(tmp_path / "train" / "train-*"),
+                                  str(tmp_path / "eval" / "e-*"))
+
+
+def test_a_corrupt_eval_record_past_the_first_batch_fails_before_training(tmp_path):
+    """The eval set is counted to its end at start-up (the count its first evaluation
+    needs anyway): a record past its first batch was a DataLossError traceback at the
+    first evaluation, naming no file, the steps since the last checkpoint lost."""
+    eval_file, task = _corrupt_eval_data(tmp_path)
+    with pytest.raises(tputrain.data.CorruptRecordError) as caught:
+        make_trainer(tmp_path, task=task)
+    message = str(caught.value).splitlines()[0]  # (gin adds the configurable below it)
+    assert eval_file in message and "skip_corrupt=True" in message, message
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_corrupt_eval_record_read_by_an_evaluation_is_one_line(tmp_path):
+    """With eval_steps, only the batches an evaluation reads are read: a corrupt one
+    there is the CorruptRecordError naming the file (it was TF's DataLossError)."""
+    eval_file, task = _corrupt_eval_data(tmp_path)
+    trainer = make_trainer(tmp_path, task=task, eval_steps=4)  # the whole split
+    with pytest.raises(tputrain.data.CorruptRecordError, match="skip_corrupt=True") as caught:
+        trainer.evaluate()
+    assert eval_file in str(caught.value)

@@ -65,7 +65,7 @@ from tputrain.runtime.run_view import RunView
 from tputrain.task import Task, overrides_train_step
 from tputrain.runtime.trainable_change import TrainableSet
 from tputrain.tuning.report import with_trial_report
-from tputrain.runtime.validate import check_split_names, check_splits, named_splits
+from tputrain.runtime.validate import check_split_names, check_splits, named_splits, reading_input
 
 
 def _planned(name: str) -> property:
@@ -297,7 +297,8 @@ class Trainer(RunKnobs, TrainableSet):
             keras.utils.set_random_seed(self.seed)
             compile_cache.report()  # set when tputrain was imported
             self.inputs = _build_inputs(task, self.strategy, self.plan)
-            first = self.startup.mark("data", check_splits(self.inputs, self.eval_splits, self.eval_steps))
+            first = check_splits(self.inputs, self.eval_splits, self.eval_steps)
+            self._eval_counts = self.startup.mark("data", self._count_eval_sets())
             self._first_train_batch = first.get("train")  # the plan trial's stand-in batch
             state = self._build_model(guard, first)
             self._build_checkpointer()
@@ -501,7 +502,8 @@ class Trainer(RunKnobs, TrainableSet):
     def evaluate_weights(self) -> dict[str, float]:
         """Evaluates the weights in memory (their EMA with `ema_decay`): {"loss": ...}."""
         _check_open(self, "evaluate_weights")
-        with averaged_weights(self.ema) as averaged, compile_cache.reading(self, "eval"):
+        with (averaged_weights(self.ema) as averaged, compile_cache.reading(self, "eval"),
+              reading_input("eval", f"at the evaluation of step {self.current_step}")):
             return self._evaluator.run(self.progress, self.current_step, averaged,
                                        lambda split, result: with_aggregates(self.view(), *result, split))
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import subprocess
 import sys
 import threading
 
@@ -154,3 +156,17 @@ def test_a_write_that_must_not_overwrite_keeps_a_file_that_appears_at_its_last_s
             with open(temp, "w") as f:
                 f.write("second")
     assert target.read_text() == "first" and os.listdir(tmp_path) == [target.name]
+
+
+def test_a_temp_is_left_by_a_dead_writer_only_when_its_process_on_this_host_is_gone():
+    """What a later writer may remove: a killed writer's temps (write_tfrecords' shards,
+    an export's folder), never a running one's or another host's."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    mine = atomic.temp_path("/data/train-00000-of-00001.tfrecord", hidden=True)
+    killed = mine.replace(f"-{os.getpid()}-", f"-{int(dead.stdout)}-")
+    host = socket.gethostname().replace("/", "_")
+    elsewhere = killed.replace(f".tmp-{host}-", ".tmp-another-host-")
+    assert atomic.left_by_dead_writer(killed)
+    assert not atomic.left_by_dead_writer(mine) and not atomic.left_by_dead_writer(elsewhere)
+    assert not atomic.left_by_dead_writer("/data/train-00000-of-00001.tfrecord")

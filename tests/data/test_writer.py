@@ -13,6 +13,7 @@ from tputrain.data import InputContext, TFRecordInput, read_manifest, write_tfre
 from tputrain.data.example_codec import encode_example, varint, varints
 from tputrain.data.writer import _as_array, choose_num_shards
 from tputrain.data.arrays import read_csv, read_input
+from faults import FullDiskWriter, child_env
 
 
 def _reference(example):
@@ -368,3 +369,103 @@ def test_a_write_without_a_manifest_removes_an_earlier_writes_manifest(tmp_path,
     read = [int(v) for batch in inputs(InputContext(global_batch_size=100))
             for v in batch["x"].numpy()]
     assert sorted(read) == list(range(900))
+
+
+# A full disk, and temp files of a killed writer.
+
+
+def test_a_full_disk_leaves_no_temp_shard_behind(tmp_path, monkeypatch):
+    """The close in the clean-up raised again on the full disk (it flushes), so the temp
+    shards, which the docstring promises to remove, stayed and kept the disk full."""
+    monkeypatch.setattr(tf.io, "TFRecordWriter", FullDiskWriter)
+    with pytest.raises(tf.errors.ResourceExhaustedError, match="No space left"):
+        write_tfrecords({"x": np.arange(2000, dtype=np.int64)}, str(tmp_path / "d"),
+                        num_shards=2)
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_cli_on_a_full_disk_is_one_line_and_exit_2(tmp_path):
+    """It was a chained traceback (exit 1)."""
+    np.savez(tmp_path / "d.npz", x=np.arange(2000, dtype=np.int64))
+    script = ("import sys, tensorflow as tf, faults\n"
+              "tf.io.TFRecordWriter = faults.FullDiskWriter\n"
+              "from tputrain.cli.write_tfrecords import console_main\n"
+              "sys.argv = ['tputrain write-tfrecords'] + sys.argv[1:]\nconsole_main()\n")
+    result = subprocess.run(
+        [sys.executable, "-c", script, f"--input={tmp_path / 'd.npz'}",
+         f"--output_prefix={tmp_path / 'out' / 'train'}", "--num_shards=2"],
+        capture_output=True, text=True, timeout=120, env=child_env())
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("tputrain write-tfrecords: error: ") and "No space left" in last
+    assert "free some space" in last
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_temp_files_of_a_killed_writer_are_removed_by_the_next_write(tmp_path):
+    """A killed writer's temp shards (hidden, named by host and pid) stayed for ever, even
+    after a rerun succeeded. A live writer's temps (another process writing the same
+    prefix now) are left alone."""
+    from tputrain.checkpointing.atomic import temp_path
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    prefix = str(tmp_path / "d")
+    shard = f"{prefix}-00000-of-00001.tfrecord"
+    killed = temp_path(shard, hidden=True).replace(f"-{os.getpid()}-",
+                                                   f"-{int(dead.stdout)}-")
+    live = temp_path(shard, hidden=True)
+    for path in (killed, live):
+        open(path, "wb").write(b"\0" * 64)
+    write_tfrecords({"x": np.arange(10, dtype=np.int64)}, prefix, num_shards=1)
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["d-00000-of-00001.tfrecord", "d.manifest.json", os.path.basename(live)])
+
+
+# A rewrite killed while its shards are renamed into place.
+
+_KILLED_AT_THE_THIRD_RENAME = """
+import os, sys
+import numpy as np
+from tputrain.data import writer
+real, moved = writer.move, []
+def move(*args, **kwargs):
+    if len(moved) == 2:
+        os._exit(9)
+    moved.append(args[1])
+    real(*args, **kwargs)
+writer.move = move
+writer.write_tfrecords({"x": np.arange(3000, 4000, dtype=np.int64)}, sys.argv[1], num_shards=4)
+"""
+
+
+def _read_x(make_input) -> list[int]:
+    return sorted(int(v) for batch in make_input()(InputContext(global_batch_size=100))
+                  for v in batch["x"].numpy())
+
+
+def test_a_rewrite_killed_between_shard_renames_is_refused_until_it_is_rerun(tmp_path):
+    """Shards renamed one by one over the old ones, then the manifest: a kill between
+    two renames left two new shards beside two old ones (the same sizes) and the old
+    manifest, read as good by the manifest and by the glob. Now the prefix is marked
+    until the manifest is written: both refuse in one line naming the fix, and the
+    rerun's data is read (the killed writer's temp shards gone)."""
+    prefix = str(tmp_path / "d")
+    write_tfrecords({"x": np.arange(1000, 2000, dtype=np.int64)}, prefix, num_shards=4)
+    killed = subprocess.run([sys.executable, "-c", _KILLED_AT_THE_THIRD_RENAME, prefix],
+                            capture_output=True, text=True, timeout=120, env=child_env())
+    assert killed.returncode == 9, killed.stderr[-3000:]
+    readers = (lambda: TFRecordInput(manifest=f"{prefix}.manifest.json", repeat=False,
+                                     shuffle=False),
+               lambda: TFRecordInput(f"{prefix}-*", {"x": ([], "int64")}, repeat=False,
+                                     shuffle=False))
+    for make_input in readers:
+        with pytest.raises(ValueError) as caught:
+            _read_x(make_input)
+        line = str(caught.value).splitlines()[0]  # (gin adds the configurable below it)
+        assert "rerun the write" in line and f"--output_prefix={prefix}" in line, line
+    write_tfrecords({"x": np.arange(3000, 4000, dtype=np.int64)}, prefix, num_shards=4)
+    for make_input in readers:
+        assert _read_x(make_input) == list(range(3000, 4000))
+    assert sorted(os.listdir(tmp_path)) == [f"d-0000{i}-of-00004.tfrecord" for i in range(4)] + [
+        "d.manifest.json"]

@@ -348,3 +348,24 @@ def test_a_split_that_repeats_with_an_unknown_length_is_refused_not_read_forever
                    tf.data.Dataset.range(3).flat_map(lambda epoch: examples).batch(4)):
         assert int(finite.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY)
         assert predict_module.split_examples(finite, "eval") is not None
+
+
+def test_a_corrupt_record_names_its_file_for_a_split_and_a_glob(tmp_path):
+    """A corrupt record met mid-prediction was TF's `corrupted record at N` (no file):
+    now the CorruptRecordError naming the file, for a split and for a TFRecord glob."""
+    from faults import RecordsTask
+
+    x = np.random.RandomState(1).randn(64, 8).astype(np.float32)
+    [path] = tputrain.data.write_tfrecords({"x": x, "label": np.zeros(64, np.int64)},
+                                           str(tmp_path / "d" / "e"), num_shards=1)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) * 3 // 4:len(data) * 3 // 4 + 64] = b"\xff" * 64  # past the first batch
+    open(path, "wb").write(bytes(data))
+    pattern = str(tmp_path / "d" / "e-*")
+    trainer = tputrain.Trainer(RecordsTask(pattern), str(tmp_path / "m"),
+                               strategy=strategy_for(1), train_steps=1, steps_per_loop=1,
+                               global_batch_size=16, eval_steps=1)
+    for source in ("eval", pattern):
+        with pytest.raises(tputrain.data.CorruptRecordError, match="skip_corrupt=True") as caught:
+            predict_module.predict_weights(trainer, source)
+        assert path in str(caught.value)

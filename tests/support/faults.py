@@ -621,6 +621,33 @@ def final_weights(model_dir: str) -> dict[str, np.ndarray]:
 TESTS = Path(__file__).resolve().parent  # tests/support: the modules children import
 
 
+class FullDiskWriter:
+    """A TFRecordWriter on a disk that fills up after 100 records: later writes fail, and
+    so does its close (the flush of what it buffered), as TensorFlow's do on ENOSPC."""
+
+    real = tf.io.TFRecordWriter
+
+    def __init__(self, path, options=None):
+        self.path, self.written, self.full = path, 0, False
+        self.writer = self.real(path, options)
+
+    def _raise(self):
+        self.full = True
+        raise tf.errors.ResourceExhaustedError(None, None,
+                                               f"{self.path}; No space left on device")
+
+    def write(self, record):
+        if self.written >= 100:
+            self._raise()
+        self.written += 1
+        self.writer.write(record)
+
+    def close(self):
+        self.writer.close()
+        if self.full:
+            self._raise()
+
+
 def child_env(cpus: int | None = None) -> dict[str, str]:
     """Environment of a child: tests/support/ importable, quiet TF, `cpus` logical CPUs."""
     env = dict(os.environ)

@@ -53,6 +53,22 @@ def temp_owner(name: str) -> tuple[str, int] | None:
     return (match.group("host"), int(match.group("pid"))) if match else None
 
 
+def left_by_dead_writer(name: str) -> bool:
+    """Whether `name` is a temp of a writer on this host that is no longer running (a
+    killed one): safe to remove. A live writer's, or another host's, is not touched
+    (a reused pid reads as alive: the temp is kept, never wrongly removed)."""
+    owner = temp_owner(name)
+    if owner is None or owner[0] != socket.gethostname().replace("/", "_"):
+        return False
+    try:
+        os.kill(owner[1], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # someone else's process
+        return False
+    return False
+
+
 def is_temp(name: str) -> bool:
     """Whether `name` (a path or a base name) is a temp file of this module's writes."""
     return temp_owner(name) is not None

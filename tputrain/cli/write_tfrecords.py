@@ -10,8 +10,10 @@ strings) and writes sharded TFRecords plus the manifest that
 
 from __future__ import annotations
 
+import errno
 import sys
 
+import tensorflow as tf
 from absl import flags, logging
 
 from tputrain.cli.common import list_in_help, reject_arguments, run_command
@@ -56,12 +58,24 @@ def main(argv: list[str]) -> None:
                                     target_shard_mb=FLAGS.target_shard_mb)
         finally:
             logging.set_verbosity(verbosity)
-    except (ValueError, TypeError, OSError) as error:
-        print(f"tputrain write-tfrecords: error: {error}", file=sys.stderr)
+    except (ValueError, TypeError, OSError, tf.errors.OpError) as error:
+        print(f"tputrain write-tfrecords: error: {_one_line(error, FLAGS.output_prefix)}",
+              file=sys.stderr)
         sys.exit(2)
     count = len(next(iter(examples.values())))
     print(f"wrote {count} examples to {len(paths)} shard(s) {FLAGS.output_prefix}-*; manifest "
           f"{manifest_path(FLAGS.output_prefix)}")
+
+
+def _one_line(error: Exception, prefix: str) -> str:
+    """The error in one line; a full disk (TensorFlow's ResourceExhaustedError or
+    OSError ENOSPC) with the fix. The write removed its temp shards either way."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if getattr(error, "errno", None) == errno.ENOSPC or "no space left" in text.lower():
+        return (f"the disk is full writing {prefix}-* ({text}): free some space or choose "
+                "an --output_prefix on a larger disk (nothing was written: the temporary "
+                "shards are removed)")
+    return text
 
 
 def console_main() -> None:

@@ -13,13 +13,16 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import tensorflow as tf
 
 from tputrain.checkpointing.atomic import atomic_path, is_temp
 
 MANIFEST_SUFFIX = ".manifest.json"
+# Beside the shards while write_tfrecords renames them into place (`commit_marker`): a
+# kill between two renames leaves a mix of two writes, which readers refuse while it is there.
+COMMIT_SUFFIX = ".commit-in-progress"
 # The TFRecord files' format, for their writer and readers: the compressions a
 # manifest may record, and the framing bytes of each record (length (8) + length
 # CRC (4) + data CRC (4)), which sizes and byte offsets count.
@@ -42,6 +45,47 @@ _BLOCKS_CACHE = re.compile(r"^\..+\.blocks-\d+\.json$")  # tputrain.data.blocks'
 _SHARD_FILE = re.compile(r"^(.+)-\d{5}-of-\d{5}\.tfrecord$")
 
 
+class IncompleteWriteError(ValueError):
+    """The shards of a prefix are a write_tfrecords that did not finish renaming them."""
+
+
+def commit_marker(output_prefix: str) -> str:
+    """The file that marks `output_prefix` while `write_tfrecords` renames its shards
+    into place (written before the first rename, removed after the manifest)."""
+    return output_prefix + COMMIT_SUFFIX
+
+
+def mark_committing(output_prefix: str) -> str:
+    """Writes `commit_marker(output_prefix)` (durably, before any shard is renamed)."""
+    path = commit_marker(output_prefix)
+    with atomic_path(path, hidden=True) as temp, tf.io.gfile.GFile(temp, "w") as f:
+        f.write("write_tfrecords is renaming the shards of this prefix into place; if this "
+                "file stays, the write was stopped half-way: rerun it\n")
+    return path
+
+
+def check_committed(output_prefix: str) -> None:
+    """Refuses the shards of `output_prefix` while its commit marker is there: a
+    write_tfrecords stopped (killed) between two renames, or renaming now, left new
+    shards beside old ones, the same sizes maybe, under the old manifest."""
+    marker = commit_marker(output_prefix)
+    if tf.io.gfile.exists(marker):
+        raise IncompleteWriteError(
+            f"the shards of {output_prefix} may mix two writes: a write_tfrecords to that "
+            f"prefix was stopped while renaming its shards into place (or is doing so now; "
+            f"{marker} says so): rerun the write (tputrain.data.write_tfrecords, or "
+            f"`tputrain write-tfrecords --output_prefix={output_prefix}`), which removes it")
+
+
+def check_shards_committed(files: Iterable[str]) -> None:
+    """`check_committed` for the prefix of each writer-named shard among `files` (one
+    lookup per prefix)."""
+    prefixes = {manifest[:-len(MANIFEST_SUFFIX)] for manifest in map(manifest_for_shard, files)
+                if manifest is not None}
+    for prefix in sorted(prefixes):
+        check_committed(prefix)
+
+
 def writer_side_file(path: str) -> str | None:
     """Why `path` is a file `write_tfrecords` made that is not a shard, or None.
 
@@ -53,6 +97,8 @@ def writer_side_file(path: str) -> str | None:
         return "a tputrain manifest"
     if name.endswith(MANIFEST_SUFFIX + ".tmp"):
         return "a manifest temp file"
+    if name.endswith(COMMIT_SUFFIX):
+        return "the mark of a write renaming its shards (or stopped while it did)"
     if _TEMP_FILE.match(name) or is_temp(name):
         return "a temp file of a write in progress or interrupted"
     if _BLOCKS_CACHE.match(name):
@@ -194,7 +240,10 @@ def _offsets(value: Any) -> tuple[int, ...] | None:
 
 
 def read_manifest(path: str) -> Manifest:
-    """Reads and validates `path` (any tf.io.gfile path)."""
+    """Reads and validates `path` (any tf.io.gfile path); refuses the shards of a
+    write stopped while it renamed them (`check_committed`): its manifest is the old one."""
+    if path.endswith(MANIFEST_SUFFIX):
+        check_committed(path[:-len(MANIFEST_SUFFIX)])
     if not tf.io.gfile.exists(path):
         raise FileNotFoundError(f"no manifest at {path!r}: check the path; write_tfrecords writes "
                                 f"'<output_prefix>{MANIFEST_SUFFIX}'")

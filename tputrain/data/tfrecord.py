@@ -24,7 +24,10 @@ Which files are read: every file the glob matches, except those
 (`*.manifest.json`) and the temp files of a write in progress or
 interrupted (hidden `.*.tmp-<hex>`, `.*.spool-<hex>`, `*.manifest.json.tmp`).
 So `write_tfrecords(..., "DIR/train")` reads back with "DIR/train*" or
-"DIR/*". Any other matched file is read as TFRecords; one that is not (a
+"DIR/*". While `<prefix>.commit-in-progress` is there (a write renaming its
+shards, or killed while it did: the shards may mix two writes) the shards of
+that prefix are refused, by the glob and by the manifest, until the write is
+rerun. Any other matched file is read as TFRecords; one that is not (a
 README, a CSV) stops the pipeline with a `CorruptRecordError` that names the
 file and says why it is not a TFRecord: narrow the glob.
 
@@ -57,8 +60,8 @@ from tputrain.data.epochs import permuted
 from tputrain.data.feature_check import (check_against_manifest, explain_parse_error,
                                          manifests_next_to, register_pipeline)
 from tputrain.data.file_cache import files_identity
-from tputrain.data.manifest import (COMPRESSION_TYPES, MANIFEST_SUFFIX, Manifest, is_var_len, read_manifest,
-                                     var_len_feature, writer_side_file)
+from tputrain.data.manifest import (COMPRESSION_TYPES, MANIFEST_SUFFIX, Manifest, check_shards_committed,
+                                     is_var_len, read_manifest, var_len_feature, writer_side_file)
 from tputrain.data.options import InputOptions
 from tputrain.data.blocks import block_table
 from tputrain.data.positional import PositionalRecords
@@ -705,6 +708,7 @@ def list_shards(file_patterns: Sequence[str], manifest: Manifest | None,
     the feature spec against the shards' manifest, if there is one.
     """
     if manifest is not None:
+        check_shards_committed(file_patterns)  # a kill mid-rename since it was read?
         missing = [path for path in file_patterns if not tf.io.gfile.exists(path)]
         if missing:
             raise FileNotFoundError(
@@ -719,6 +723,7 @@ def list_shards(file_patterns: Sequence[str], manifest: Manifest | None,
         files.update(matches)
         manifests.update(path for path in skipped if path.endswith(MANIFEST_SUFFIX))
     files_list = sorted(files)
+    check_shards_committed(files_list)  # not a write stopped half-way through its renames
     for found in manifests_next_to(files_list, sorted(manifests)):
         check_against_manifest(features, found)
     return files_list

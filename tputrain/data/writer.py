@@ -24,20 +24,20 @@ import os
 import queue
 import re
 import threading
-import uuid
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tputrain.checkpointing.atomic import move, temp_path
+from tputrain.checkpointing.atomic import TEMP_MARK, left_by_dead_writer, move, temp_path
 from tputrain.core.checks import check_int
 from tputrain.data.example_codec import encode_example
 from tputrain.data import var_len as vl
 from tputrain.data.stages import repeats_forever
 from tputrain.data.blocks import BLOCK_RECORDS
-from tputrain.data.manifest import (COMPRESSION_TYPES, RECORD_OVERHEAD, Manifest, Shard, manifest_path, var_len_feature,
+from tputrain.data.manifest import (COMMIT_SUFFIX, COMPRESSION_TYPES, MANIFEST_SUFFIX, RECORD_OVERHEAD, Manifest,
+                                    Shard, commit_marker, manifest_path, mark_committing, var_len_feature,
                                     write_manifest)
 
 _SIZE_SAMPLE = 256  # examples serialized to estimate the data size
@@ -262,8 +262,11 @@ class _ShardWriters:
     (compression, file I/O) runs in the workers without the GIL.
     """
 
-    def __init__(self, paths: list[str], compression_type: str | None, num_workers: int):
-        self.paths = paths
+    def __init__(self, prefix: str, paths: list[str], compression_type: str | None,
+                 num_workers: int):
+        self.prefix, self.paths = prefix, paths
+        self.marker: str | None = None  # the commit marker, once written (`commit`)
+        self._renamed = 0
         # Hidden, and not ending in ".tfrecord", so that globs such as "prefix-*" or
         # "*.tfrecord" never pick up a shard left by a killed writer.
         self.temp_paths = [temp_path(p, hidden=True) for p in paths]
@@ -340,18 +343,29 @@ class _ShardWriters:
         self._check()
         for writer in self._writers:
             writer.close()
+        # Renamed one by one over an earlier write's shards: until `_finish` removes the
+        # marker, readers refuse the prefix (a kill here leaves a mix of two writes).
+        self.marker = mark_committing(self.prefix)
         for temp, path in zip(self.temp_paths, self.paths):
             move(temp, path)
+            self._renamed += 1
         return [tf.io.gfile.stat(path).length for path in self.paths]
 
     def abort(self) -> None:
-        """Stops the threads and removes every temp file."""
+        """Stops the threads and removes every temp file. A close that fails (it flushes
+        what is buffered: on a full disk it raises again) or a removal that fails must
+        not keep the other temps from going, nor hide the error that got here."""
         self._stop()
         for writer in self._writers:
-            writer.close()
-        for temp in self.temp_paths:
-            if tf.io.gfile.exists(temp):
-                tf.io.gfile.remove(temp)
+            with contextlib.suppress(Exception):
+                writer.close()
+        # The marker stays once a shard was renamed: the prefix is a mix until a rerun.
+        for temp in self.temp_paths + ([self.marker] if self.marker and not self._renamed else []):
+            try:
+                _remove_if_exists(temp)
+            except (tf.errors.OpError, OSError) as error:
+                logging.warning("write_tfrecords: could not remove the temp shard %s: %s",
+                                temp, error)
 
 
 def _shard_paths(output_prefix: str, num_shards: int) -> list[str]:
@@ -414,9 +428,7 @@ def write_tfrecords(
     """
     num_shards, target = _check_arguments(examples, output_prefix, num_shards, compression_type,
                                           num_hosts, target_shard_mb, num_workers)
-    directory = os.path.dirname(output_prefix)
-    if directory:
-        tf.io.gfile.makedirs(directory)
+    _prepare_folder(output_prefix)
     if isinstance(examples, Mapping):
         written = _write_columns(examples, num_shards, target, var_len)
     else:
@@ -440,8 +452,8 @@ class _Target:
 
     def writers(self, num_shards: int) -> _ShardWriters:
         """Opens the temp-named shard files and their writer threads."""
-        return _ShardWriters(_shard_paths(self.prefix, num_shards), self.compression_type,
-                             self.workers)
+        return _ShardWriters(self.prefix, _shard_paths(self.prefix, num_shards),
+                             self.compression_type, self.workers)
 
 
 class _Written(NamedTuple):
@@ -592,6 +604,7 @@ def _finish(written: _Written, target: _Target, manifest: bool) -> list[str]:
     _remove_earlier_shards(target.prefix, paths)
     if not manifest:
         _remove_earlier_manifest(target.prefix)
+    _remove_if_exists(commit_marker(target.prefix))  # whole: readers take it again
     return paths
 
 
@@ -619,6 +632,26 @@ def _remove_earlier_shards(prefix: str, paths: list[str]) -> None:
                      len(stale), prefix)
 
 
+def _prepare_folder(prefix: str) -> None:
+    """Creates the folder of `prefix`; removes the temp files a killed write to `prefix`
+    left there (its temp shards, spool and manifest temp: hidden, named by host and
+    pid), before this write needs the room. A live writer's (another process writing
+    the prefix now) are left alone."""
+    directory, base = os.path.split(prefix)
+    if directory:
+        tf.io.gfile.makedirs(directory)
+    ours = re.compile(r"\." + re.escape(base) + r"(-\d{5}-of-\d{5}\.tfrecord|\.spool|"
+                      + re.escape(MANIFEST_SUFFIX) + "|" + re.escape(COMMIT_SUFFIX) + ")"
+                      + re.escape(TEMP_MARK))
+    killed = [path for path in tf.io.gfile.glob(os.path.join(directory, f".{base}*{TEMP_MARK}*"))
+              if ours.match(os.path.basename(path)) and left_by_dead_writer(path)]
+    for path in killed:
+        _remove_if_exists(path)
+    if killed:
+        logging.info("write_tfrecords: removed %d temp file(s) of a killed write to %s: %s",
+                     len(killed), prefix, ", ".join(sorted(killed)))
+
+
 def _remove_if_exists(path: str) -> None:
     if tf.io.gfile.exists(path):
         tf.io.gfile.remove(path)
@@ -626,8 +659,7 @@ def _remove_if_exists(path: str) -> None:
 
 def _spool(records: Iterable[bytes], output_prefix: str) -> tuple[str, int, int]:
     """Writes records to one hidden temp file; returns (path, count, bytes incl. framing)."""
-    path = os.path.join(os.path.dirname(output_prefix),
-                        f".{os.path.basename(output_prefix)}.spool-{uuid.uuid4().hex}")
+    path = temp_path(f"{output_prefix}.spool", hidden=True)  # a killed one's is found
     count = total = 0
     try:
         with tf.io.TFRecordWriter(path) as writer:

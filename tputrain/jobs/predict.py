@@ -49,6 +49,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tputrain.data.bad_records import register_files
 from tputrain.data.batching import dropped_remainder
 from tputrain.data.feature_check import manifests_next_to
 from tputrain.data.mixture import without_source_ids
@@ -57,6 +58,7 @@ from tputrain.data.tfrecord import list_shards
 from tputrain.optim.ema import averaged_weights
 from tputrain.precision import to_float32
 from tputrain.runtime.run_view import RunView, view_of
+from tputrain.runtime.validate import reading_input
 
 Outputs = np.ndarray | dict[str, np.ndarray]
 SPLITS = ("train", "eval")
@@ -82,7 +84,8 @@ def predict_weights(view: RunView, source: Any = "eval", log_every: int = 100) -
     with averaged_weights(view.ema) as averaged:
         if averaged:
             logging.info("tputrain: predicting with the EMA weights")
-        return _predicted(view, source, log_every)
+        with reading_input(_described(source), "mid-prediction"):  # the file named
+            return _predicted(view, source, log_every)
 
 
 def _predicted(view: RunView, source: Any, log_every: int) -> Outputs:
@@ -333,6 +336,7 @@ def tfrecord_examples(pattern: str, eval_spec: Any, hosts: int,
     compression, files = shard_compression(pattern, every), every[host::hosts]
     if not files:
         raise ValueError(f"predict: {pattern!r} has fewer shards than the {hosts} hosts")
+    register_files(files, compression)  # a corrupt record's error names its file
     # sequential: file order, then record order
     records = tf.data.TFRecordDataset(files, compression_type=compression)
 

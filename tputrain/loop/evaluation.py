@@ -35,12 +35,60 @@ def eval_means(totals: Mapping[str, Any], steps: int) -> dict[str, float]:
     return logs
 
 
+def is_padded(inputs: Inputs, dataset: tf.data.Dataset) -> bool:
+    """Whether the eval batches carry weights, so a last step can be topped up with
+    zero-weight batches (always with several hosts: `with_weights` adds them)."""
+    return inputs.plan.batch.num_hosts > 1 or is_weighted(dataset.element_spec)
+
+
+def local_steps(inputs: Inputs, split: str, eval_steps: int | None) -> int:
+    """Steps this host's eval split fills: `eval_steps`, or all of its batches (the
+    last step topped up with zero-weight batches when the split is padded), counted
+    by reading the split to its end. The Trainer counts at start-up (a corrupt
+    record anywhere in the split fails before training) and hands the count on."""
+    if eval_steps is not None:
+        return int(eval_steps)
+    dataset = inputs.dataset(split)
+    padded_split = is_padded(inputs, dataset)
+    local = inputs.plan.batch.local_replicas
+    count = int(dataset.reduce(tf.constant(0, tf.int64), tracing.graph_helper(lambda n, _: n + 1)))
+    steps = -(-count // local) if padded_split else count // local
+    if not padded_split:
+        _warn_left_out(inputs, split, dataset, count % local)
+    if steps < 1 and inputs.plan.batch.num_hosts == 1:
+        raise ValueError(
+            f"the eval split has {count} per-replica batches, fewer than the "
+            f"{local} local replicas (build_inputs({split!r}, ...)): use a smaller "
+            "global batch, more eval data, or pad the eval split "
+            "(TFRecordInput.pad_remainder)")
+    return steps
+
+
+def _warn_left_out(inputs: Inputs, split: str, dataset: tf.data.Dataset,
+                   spare_batches: int) -> None:
+    """One warning when a whole-split evaluation leaves examples out: the last partial
+    batch a drop_remainder=True split dropped, and batches too few to fill a step's
+    local replicas (`spare_batches`): how many, and how to keep them."""
+    dropped = dropped_remainder(dataset)  # a second count of the split's records
+    total, partial = dropped if dropped is not None else (None, 0)
+    left_out = partial + spare_batches * inputs.plan.batch.per_replica
+    if not left_out:
+        return
+    of = f" of the {total} examples" if total is not None else " examples"
+    logging.warning(
+        "tputrain: eval: the %r split left out %d%s it holds on this host (a last partial "
+        "batch dropped by drop_remainder=True, or batches too few for every local "
+        "replica): to evaluate them, build it with pad_remainder=True (TFRecordInput, "
+        "TFDSInput), or batch without dropping and pad with tputrain.data.pad_to_batch",
+        split, left_out, of)
+
+
 class Evaluator:
     """`evaluate()` -> (metrics, eval steps run) over this host's eval split."""
 
     def __init__(self, task: Task, model: keras.Model, metrics: Sequence[keras.metrics.Metric],
                  inputs: Inputs, eval_steps: int | None, max_over_hosts: Callable[[int], int],
-                 split: str = "eval"):
+                 split: str = "eval", counted: int | None = None):
         self.task, self.model, self.metrics = task, model, list(metrics)
         self.inputs, self.split = inputs, split  # an eval set's name (Trainer.eval_splits)
         self.dataset = inputs.dataset(split)
@@ -49,6 +97,7 @@ class Evaluator:
         self._loop: Callable | None = None
         self._iterator = None
         self._batches = 0
+        self._local = counted  # this host's steps (`local_steps`), if counted already
 
     @tracing.step_code
     def _replica_step(self, batch: Any) -> dict[str, tf.Tensor]:
@@ -58,8 +107,10 @@ class Evaluator:
     def _build(self) -> None:
         """Agrees on the eval step count across hosts; builds the eval iterator and loop."""
         inputs = self.inputs
-        weighted = inputs.plan.batch.num_hosts > 1 or is_weighted(self.dataset.element_spec)
-        self._batches = batches = self.max_over_hosts(self._local_steps(weighted))
+        weighted = is_padded(inputs, self.dataset)
+        if self._local is None:
+            self._local = local_steps(inputs, self.split, self.eval_steps)
+        self._batches = batches = self.max_over_hosts(self._local)
 
         def prepare(dataset: tf.data.Dataset, replicas: int) -> tf.data.Dataset:
             """`replicas` per-replica batches a step, `batches` steps, repeated."""
@@ -75,41 +126,6 @@ class Evaluator:
         else:
             self._iterator = iter(prepare(self.dataset, inputs.plan.batch.local_replicas))
         self._loop = HostLoop(self._replica_step, inputs, count_steps=False).loop
-
-    def _local_steps(self, padded_split: bool) -> int:
-        """Steps this host's eval split fills: `eval_steps`, or all of its batches (the
-        last step topped up with zero-weight batches when `padded_split`)."""
-        if self.eval_steps is not None:
-            return int(self.eval_steps)
-        local = self.inputs.plan.batch.local_replicas
-        count = int(self.dataset.reduce(tf.constant(0, tf.int64), tracing.graph_helper(lambda n, _: n + 1)))
-        steps = -(-count // local) if padded_split else count // local
-        if not padded_split:
-            self._warn_left_out(count % local)
-        if steps < 1 and self.inputs.plan.batch.num_hosts == 1:
-            raise ValueError(
-                f"the eval split has {count} per-replica batches, fewer than the "
-                f"{local} local replicas (build_inputs({self.split!r}, ...)): use a smaller "
-                "global batch, more eval data, or pad the eval split "
-                "(TFRecordInput.pad_remainder)")
-        return steps
-
-    def _warn_left_out(self, spare_batches: int) -> None:
-        """One warning when a whole-split evaluation leaves examples out: the last partial
-        batch a drop_remainder=True split dropped, and batches too few to fill a step's
-        local replicas (`spare_batches`): how many, and how to keep them."""
-        dropped = dropped_remainder(self.dataset)  # a second count of the split's records
-        total, partial = dropped if dropped is not None else (None, 0)
-        left_out = partial + spare_batches * self.inputs.plan.batch.per_replica
-        if not left_out:
-            return
-        of = f" of the {total} examples" if total is not None else " examples"
-        logging.warning(
-            "tputrain: eval: the %r split left out %d%s it holds on this host (a last partial "
-            "batch dropped by drop_remainder=True, or batches too few for every local "
-            "replica): to evaluate them, build it with pad_remainder=True (TFRecordInput, "
-            "TFDSInput), or batch without dropping and pad with tputrain.data.pad_to_batch",
-            self.split, left_out, of)
 
     def close(self) -> None:
         """Frees the eval iterator (and the loop that reads it) now."""

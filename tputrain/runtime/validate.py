@@ -26,6 +26,7 @@ from tputrain.data import (FeatureSpecError, InputStateError, explain_data_loss,
 from tputrain.data.external_state import not_checkpointable
 from tputrain.data.stages import repeats_forever
 from tputrain.data.options import without_autotune
+from tputrain.loop import compile_cache
 from tputrain.runtime.gcs import check_bucket_writable  # google-cloud-storage itself loads lazily there
 
 _MIB = 1 << 20
@@ -49,6 +50,18 @@ def input_data_error(error: tf.errors.OpError, split: str, where: str) -> Except
     if explained is not error:
         return explained
     return InputDataError(corrupt_data_message(error, split, where))
+
+
+@contextlib.contextmanager
+def reading_input(split: str, where: str) -> Iterator[None]:
+    """Around reading a split outside the train loop (counting an eval set, evaluating,
+    predicting): a corrupt record is `input_data_error`'s one line naming the file and
+    the fix, not TensorFlow's `corrupted record at N` traceback (a damaged compile-cache
+    entry read by the step is `compile_cache.read_error`'s)."""
+    try:
+        yield
+    except tf.errors.DataLossError as error:  # the compile cache's, or the data's
+        raise (compile_cache.read_error(error) or input_data_error(error, split, where)) from None
 
 
 def probe_inputs(dataset: tf.data.Dataset, split: str) -> Any:

@@ -44,7 +44,7 @@ from absl import logging
 from tputrain.core import tracing
 from tputrain.actions.best import BestCheckpoint, best_record
 from tputrain import _compat
-from tputrain.checkpointing.atomic import TEMP_MARK, atomic_path, temp_owner
+from tputrain.checkpointing.atomic import TEMP_MARK, atomic_path, left_by_dead_writer
 from tputrain.checkpointing.files import list_checkpoints, step_of
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.recovery import UNREADABLE_ERRORS, read_newest
@@ -339,24 +339,13 @@ def export_checkpoint(view: RunView, step: int | None = None, export_dir: str | 
 
 def remove_stale_temps(path: str) -> None:
     """Removes `path.tmp-*` folders of exports killed on this host (their pid is gone;
-    the temp's name says whose it is: `tputrain.checkpointing.atomic.temp_owner`)."""
+    the temp's name says whose it is: `tputrain.checkpointing.atomic.left_by_dead_writer`)."""
     parent, name = os.path.split(path.rstrip("/"))
     host = socket.gethostname()
     for temp in tf.io.gfile.glob(os.path.join(parent, f"{name}{TEMP_MARK}{host}-*")):
-        owner = temp_owner(temp)
-        if owner is not None and owner[0] == host and not _alive(owner[1]):
+        if left_by_dead_writer(temp):
             logging.warning("tputrain: removing %s, left by an export that was killed", temp)
             tf.io.gfile.rmtree(temp)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 # How this module's messages name the way to choose the export folder: `tputrain

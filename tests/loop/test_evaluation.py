@@ -71,3 +71,20 @@ def test_an_eval_that_leaves_examples_out_says_how_many_and_how_to_keep_them(
         return
     assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
     assert "4 of the 20 examples" in warnings[0] and "pad_remainder=True" in warnings[0]
+
+
+def test_a_hosts_dropped_remainder_is_said_on_several_hosts_too(caplog):
+    """Several hosts pad the eval split with zero-weight batches (`with_weights`), so the
+    left-out count was not asked for: a host whose split dropped its partial batch
+    (pad_remainder=False) left examples out in silence (96 of 100 on 3 workers)."""
+    from types import SimpleNamespace
+    from tputrain.loop.evaluation import local_steps
+
+    dataset = tf.data.Dataset.range(10).batch(4, drop_remainder=True).map(
+        lambda batch: (batch, batch, tf.ones_like(batch, tf.float32)))  # with_weights'
+    batch = SimpleNamespace(num_hosts=2, local_replicas=1, per_replica=4)
+    inputs = SimpleNamespace(plan=SimpleNamespace(batch=batch), dataset=lambda split: dataset)
+    with caplog.at_level("WARNING"):
+        assert local_steps(inputs, "eval", None) == 2
+    warnings = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(warnings) == 1 and "2 of the 10 examples" in warnings[0], warnings

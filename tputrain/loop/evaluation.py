@@ -55,6 +55,8 @@ def local_steps(inputs: Inputs, split: str, eval_steps: int | None) -> int:
     steps = -(-count // local) if padded_split else count // local
     if not padded_split:
         _warn_left_out(inputs, split, dataset, count % local)
+    elif inputs.plan.batch.num_hosts > 1:  # padded across hosts; a host's own drop is not
+        _warn_left_out(inputs, split, dataset, 0)
     if steps < 1 and inputs.plan.batch.num_hosts == 1:
         raise ValueError(
             f"the eval split has {count} per-replica batches, fewer than the "

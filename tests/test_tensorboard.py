@@ -16,21 +16,10 @@ import gin
 import pytest
 
 import tputrain
+from faults import TINY_GIN
 from tiny import TinyTask, strategy_for
 from tputrain.jobs.sidecar import ReadOnlyTrainer, evaluate_checkpoints
 
-TINY_GIN = """
-Trainer.task = @FaultTask()
-FaultTask.dropout = 0.0
-Trainer.train_steps = 8
-Trainer.steps_per_loop = 2
-Trainer.global_batch_size = 16
-Trainer.eval_every = 2
-Trainer.eval_steps = 2
-Trainer.checkpoint_every = 2
-Trainer.keep_checkpoints = 10
-Trainer.report_mfu = False
-"""
 EVAL_STEPS = [2, 4, 6, 8]
 
 

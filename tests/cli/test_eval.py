@@ -6,19 +6,9 @@ import signal
 import sys
 
 import tputrain
+from faults import TINY_GIN
 from tiny import strategy_for
 from tputrain.jobs.sidecar import RECORD_FILE
-
-TINY_GIN = """
-Trainer.task = @FaultTask()
-FaultTask.dropout = 0.0
-Trainer.train_steps = 8
-Trainer.steps_per_loop = 2
-Trainer.global_batch_size = 16
-Trainer.checkpoint_every = 2
-Trainer.eval_steps = 2
-Trainer.report_mfu = False
-"""
 
 
 def test_ctrl_c_on_a_side_car_is_one_line_and_leaves_its_record_whole(tmp_path):

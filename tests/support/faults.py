@@ -101,6 +101,22 @@ class FaultTask(TinyTask):
         return dataset
 
 
+# A side-car's config of FaultTask (tests/test_tensorboard.py, tests/cli/test_eval.py):
+# 8 steps in loops of 2, a checkpoint and an evaluation of 2 batches every 2 steps.
+TINY_GIN = """
+Trainer.task = @FaultTask()
+FaultTask.dropout = 0.0
+Trainer.train_steps = 8
+Trainer.steps_per_loop = 2
+Trainer.global_batch_size = 16
+Trainer.eval_every = 2
+Trainer.eval_steps = 2
+Trainer.checkpoint_every = 2
+Trainer.keep_checkpoints = 10
+Trainer.report_mfu = False
+"""
+
+
 @gin.configurable
 class StallingTask(FaultTask):
     """Prints a marker in `build_model`, then waits for a signal: a test can signal a

@@ -544,3 +544,22 @@ def _constructs_alone(cls: type) -> bool:
         return False
     return cls is not keras.metrics.Metric
 
+
+# ------------------------------------------------------------ data without labels
+
+@pytest.mark.parametrize("eval_data", ["none", "arrays", "features only"])
+def test_a_dataset_of_features_only_is_refused_in_one_line(eval_data):
+    """A train (or eval) dataset of features only crashed inside KerasTask or the Trainer
+    (`'TensorSpec' object is not subscriptable`): it is named, as other data is."""
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    labelled = (x, (x[:, 0] > 0).astype(np.int64))
+    features = tf.data.Dataset.from_tensor_slices(x).batch(8)
+    train, evaluation = {"none": (features, None), "arrays": (features, labelled),
+                         "features only": (labelled, features)}[eval_data]
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    with pytest.raises(TypeError, match=r"must yield .*\(x, y\) or \(x, y, sample_weight\)") \
+            as caught:
+        tputrain.KerasTask(model, train, evaluation, batch_size=8 if train is labelled else None)
+    split = "eval" if eval_data == "features only" else "train"
+    assert f"the {split} dataset" in str(caught.value) and "\n" not in str(caught.value)

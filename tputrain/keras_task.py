@@ -38,6 +38,12 @@ def _examples(data: Any, batch_size: int | None, split: str) -> tuple[tf.data.Da
     batches (`batch_size` None: the global batch is its first batch's size), a dataset
     of single examples with `batch_size`, or a tuple `(x, y[, sample_weight])` of arrays."""
     if isinstance(data, tf.data.Dataset):
+        spec = data.element_spec
+        if not (isinstance(spec, (tuple, list)) and len(spec) in (2, 3)):
+            raise TypeError(f"the {split} dataset must yield tuples (x, y) or (x, y, "
+                            f"sample_weight), as model.fit takes them; it yields "
+                            f"{_spec_kind(spec)}: pair the features with their labels, e.g. "
+                            "tf.data.Dataset.zip((features, labels))")
         if batch_size is not None:
             return data, int(batch_size)
         if any(spec.shape.rank == 0 for spec in tf.nest.flatten(data.element_spec)
@@ -51,6 +57,13 @@ def _examples(data: Any, batch_size: int | None, split: str) -> tuple[tf.data.Da
                         f"(x, y, sample_weight) of arrays, got {type(data).__name__}")
     arrays = tuple(tuple(part) if isinstance(part, list) else part for part in data)
     return tf.data.Dataset.from_tensor_slices(arrays), int(batch_size or DEFAULT_BATCH_SIZE)
+
+
+def _spec_kind(spec: Any) -> str:
+    """What a dataset yields, in a word or two: "a TensorSpec", "a tuple of 1"..."""
+    if isinstance(spec, (tuple, list)):
+        return f"a {type(spec).__name__} of {len(spec)}"
+    return f"a {type(spec).__name__}"
 
 
 def _batches(data: Any, batch_size: int | None) -> tf.data.Dataset | None:

@@ -1074,3 +1074,21 @@ def test_a_mixed_float16_run_saved_without_loss_scaling_still_resumes(tmp_path, 
     assert int(second.optimizer.iterations.numpy()) == 4
     said = [r.getMessage() for r in caplog.records if "loss scaling" in r.getMessage()]
     assert len(said) == 1 and "new model_dir" in said[0], said
+
+
+@pytest.mark.parametrize("keyword, equivalent", [
+    ("epochs", "steps="), ("steps_per_epoch", "eval_every="), ("initial_epoch", "model_dir"),
+    ("validation_split", "eval_data="), ("validation_data", "eval_data="),
+    ("validation_freq", "eval_every="), ("validation_steps", "eval_steps="),
+    ("verbose", "progress_bar="), ("sample_weight", "(x, y, sample_weight)"),
+    ("y", "(x, y)")])
+def test_a_model_fit_keyword_names_tputrain_fits_equivalent(tmp_path, keyword, equivalent):
+    """`tputrain.fit(..., validation_split=0.2)` said `Trainer.__init__() got an unexpected
+    keyword argument`: it names tputrain.fit, model.fit and the argument to use instead."""
+    with pytest.raises(TypeError) as caught:
+        tputrain.fit(compiled_model(), (EVAL[0], EVAL[1]), model_dir=str(tmp_path / "run"),
+                     steps=1, **{keyword: 1})
+    message = str(caught.value)
+    assert message.startswith(f"tputrain.fit() takes no {keyword}=")
+    assert "model.fit" in message and equivalent in message and "\n" not in message, message
+    assert not (tmp_path / "run").exists()  # refused before anything is built

@@ -75,8 +75,10 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
       task: the Task's class: `KerasTask` or a subclass (one that overrides `train_step`
         ports a model's own `train_step`, docs/tasks.md); called with `KerasTask`'s
         arguments.
-      **trainer_options: any other `Trainer` argument (strategy, steps_per_loop, ...).
+      **trainer_options: any other `Trainer` argument (strategy, steps_per_loop, ...),
+        not `model.fit`'s own (`_FIT_KEYWORDS`).
     """
+    _check_no_fit_keywords(trainer_options)
     trainer_options.update(_built_models_precision(model, model_dir, trainer_options))
     call = _Call(model_dir, train_data, eval_data, batch_size, shuffle, eval_every,
                  task, list(callbacks), list(actions), dict(trainer_options),
@@ -100,6 +102,35 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
         carry_optimizer(model.optimizer, run.trainer.optimizer)
         _keep(model, dataclasses.replace(run, model_state=_model_state(model)))
     return logs
+
+
+# model.fit's own keywords, which the Trainer does not take: what tputrain.fit has instead.
+_FIT_KEYWORDS = {
+    "epochs": "pass steps= (the total optimizer steps: epochs * steps per epoch)",
+    "steps_per_epoch": "pass eval_every= (the steps between two evaluations, a Keras epoch "
+                       "for the callbacks)",
+    "initial_epoch": "drop it: a rerun with the same model_dir resumes from its latest "
+                     "checkpoint",
+    "validation_split": "pass eval_data= (split the arrays yourself: "
+                        "eval_data=(x[-n:], y[-n:]))",
+    "validation_data": "pass eval_data=",
+    "validation_freq": "pass eval_every=",
+    "validation_steps": "pass eval_steps=",
+    "validation_batch_size": "pass eval_data= as a batched dataset (it keeps its batches)",
+    "verbose": "pass progress_bar= ('auto', 'on' or 'off')",
+    "sample_weight": "pass train_data=(x, y, sample_weight)",
+    "x": "pass train_data=(x, y)",
+    "y": "pass train_data=(x, y)",
+}
+
+
+def _check_no_fit_keywords(options: Mapping[str, Any]) -> None:
+    """A model.fit keyword is named as such, with tputrain.fit's equivalent (the
+    Trainer would say only that its own __init__ takes no such argument)."""
+    for name in options:
+        if name in _FIT_KEYWORDS:
+            raise TypeError(f"tputrain.fit() takes no {name}= (a model.fit argument): "
+                            f"{_FIT_KEYWORDS[name]}")
 
 
 def kept_trainer(model: keras.Model) -> Trainer | None:

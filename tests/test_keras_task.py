@@ -563,3 +563,20 @@ def test_a_dataset_of_features_only_is_refused_in_one_line(eval_data):
         tputrain.KerasTask(model, train, evaluation, batch_size=8 if train is labelled else None)
     split = "eval" if eval_data == "features only" else "train"
     assert f"the {split} dataset" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_trainer_trains_a_clone_and_leaves_the_model_passed_as_it_was(tmp_path):
+    """docs/tasks.md: with `Trainer(KerasTask(model))` the trained model is
+    `trainer.model`; only tputrain.fit copies the weights back into the one passed."""
+    model = small_classifier()
+    before = model.get_weights()
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    trainer = tputrain.Trainer(tputrain.KerasTask(model, (x, (x[:, 0] > 0).astype(np.int64)),
+                                                  batch_size=8),
+                               str(tmp_path / "run"), train_steps=2, steps_per_loop=2,
+                               strategy=strategy_for(1), report_mfu=False, jit_compile=False)
+    trainer.train()
+    assert trainer.model is not model
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert any(not np.array_equal(a, b) for a, b in zip(trainer.model.get_weights(), before))

@@ -1074,3 +1074,49 @@ def test_a_mixed_float16_run_saved_without_loss_scaling_still_resumes(tmp_path, 
     assert int(second.optimizer.iterations.numpy()) == 4
     said = [r.getMessage() for r in caplog.records if "loss scaling" in r.getMessage()]
     assert len(said) == 1 and "new model_dir" in said[0], said
+
+
+@pytest.mark.parametrize("keyword, equivalent", [
+    ("epochs", "steps="), ("steps_per_epoch", "eval_every="), ("initial_epoch", "model_dir"),
+    ("validation_split", "eval_data="), ("validation_data", "eval_data="),
+    ("validation_freq", "eval_every="), ("validation_steps", "eval_steps="),
+    ("verbose", "progress_bar="), ("sample_weight", "(x, y, sample_weight)"),
+    ("y", "(x, y)")])
+def test_a_model_fit_keyword_names_tputrain_fits_equivalent(tmp_path, keyword, equivalent):
+    """`tputrain.fit(..., validation_split=0.2)` said `Trainer.__init__() got an unexpected
+    keyword argument`: it names tputrain.fit, model.fit and the argument to use instead."""
+    with pytest.raises(TypeError) as caught:
+        tputrain.fit(compiled_model(), (EVAL[0], EVAL[1]), model_dir=str(tmp_path / "run"),
+                     steps=1, **{keyword: 1})
+    message = str(caught.value)
+    assert message.startswith(f"tputrain.fit() takes no {keyword}=")
+    assert "model.fit" in message and equivalent in message and "\n" not in message, message
+    assert not (tmp_path / "run").exists()  # refused before anything is built
+
+
+@pytest.mark.parametrize("callback, wins", [("csv_logger", "config"),
+                                            ("reduce_lr", "checkpoint")])
+def test_a_rerun_with_another_rate_says_which_one_wins(tmp_path, caplog, callback, wins):
+    """With any callback (a CSVLogger alone) a rerun with a lower rate trained silently at
+    the checkpoint's: a callback that never sets the rate leaves it to the config, as
+    without callbacks; with one that sets it the checkpoint's wins; the log says which."""
+    def run(rate: float, steps: int) -> keras.Model:
+        model = compiled_model()
+        model.optimizer.learning_rate = rate
+        made = {"csv_logger": lambda: keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
+                "reduce_lr": lambda: keras.callbacks.ReduceLROnPlateau(patience=100)}
+        tputrain.fit(model, train_dataset(), EVAL, model_dir=str(tmp_path / "run"),
+                     steps=steps, eval_every=EPOCH_STEPS, callbacks=[made[callback]()],
+                     strategy=strategy_for(1), report_mfu=False, jit_compile=False)
+        return model
+
+    run(0.5, EPOCH_STEPS)
+    with caplog.at_level("WARNING"):
+        rerun = run(0.001, 2 * EPOCH_STEPS)
+    said = [r.getMessage() for r in caplog.records if "in the checkpoint: using" in r.getMessage()]
+    assert len(said) == 1 and f"using the {wins}'s" in said[0], said
+    expected = {"config": 0.001, "checkpoint": 0.5}[wins]
+    assert float(keras.ops.convert_to_numpy(rerun.optimizer.learning_rate)) == \
+        pytest.approx(expected)
+    if wins == "checkpoint":
+        assert "ReduceLROnPlateau" in said[0]

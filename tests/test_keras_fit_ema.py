@@ -23,6 +23,7 @@ OPTIMIZERS = {
                                                  ema_momentum=0.9),
     "adam_overwrite": lambda: keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.9,
                                                     ema_overwrite_frequency=5),  # at steps 5, 10
+    "adam_raw": lambda: keras.optimizers.Adam(0.05),  # no Keras averages: tputrain's own
 }
 
 
@@ -183,3 +184,22 @@ def test_ema_decay_evaluates_the_averages_as_swap_ema_weights_does(tmp_path, rep
     assert losses.losses == pytest.approx(history["val_loss"], abs=1e-5)
     assert abs(history["val_loss"][-1] - raw_losses[-1]) > 1e-3
     assert gap(model.get_weights(), expected.get_weights()) < 1e-5
+
+
+def test_ema_decay_hands_back_the_averages_it_evaluated(tmp_path):
+    """`ema_decay` without Keras's `use_ema`: the returned metrics were the averages'
+    while the model handed back held the raw weights (model.evaluate gave other numbers).
+    The model gets the averages, as every evaluation, predict and export use them, and
+    model_dir/final.weights.h5 holds them (the last checkpoint keeps the raw ones)."""
+    model, raw = compiled_model("adam_raw"), compiled_model("adam_raw")
+    logs = tputrain.fit(model, TRAIN, EVAL, model_dir=str(tmp_path / "run"),
+                        steps=EPOCHS * EPOCH_STEPS, batch_size=BATCH, shuffle=False,
+                        eval_every=EPOCH_STEPS, ema_decay=0.9, strategy=strategy_for(1),
+                        report_mfu=False, jit_compile=False)
+    tputrain_fit(raw, tmp_path / "raw", EPOCHS * EPOCH_STEPS)
+    evaluated = model.evaluate(*EVAL, batch_size=BATCH, verbose=0)
+    assert logs["loss"] == pytest.approx(evaluated, abs=1e-5)
+    assert gap(model.get_weights(), raw.get_weights()) > 1e-3  # not the raw weights
+    saved = compiled_model("adam_raw")
+    saved.load_weights(str(tmp_path / "run" / "final.weights.h5"))
+    assert gap(saved.get_weights(), model.get_weights()) == 0.0

@@ -5,6 +5,8 @@ dropped."""
 
 from __future__ import annotations
 
+import inspect
+
 import keras
 import numpy as np
 import pytest
@@ -423,3 +425,158 @@ def test_a_model_loss_or_eval_step_the_task_would_drop_is_refused_with_the_port(
     message = str(caught.value)
     assert f"{model_class.__name__}.{method}" in message and port in message, message
     assert "task=Ported" in message and "\n" not in message
+
+
+# ------------------------------------------------------------ the user's objects, rebuilt
+
+class ScaledSGD(keras.optimizers.SGD):
+    """A user's optimizer as often written: an argument kept as an attribute, and no
+    `get_config` that carries it."""
+
+    def __init__(self, learning_rate=0.01, scale=1.0, **kwargs):
+        super().__init__(learning_rate, **kwargs)
+        self.scale = scale
+
+    def update_step(self, gradient, variable, learning_rate):
+        return super().update_step(gradient * self.scale, variable, learning_rate)
+
+
+class ConfiguredScaledSGD(ScaledSGD):
+    def get_config(self):
+        return {**super().get_config(), "scale": self.scale}
+
+
+class AboveThreshold(keras.metrics.Metric):
+    """A user's metric whose threshold its config does not carry."""
+
+    def __init__(self, threshold=0.5, name="above", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.threshold = threshold
+        self.hits = self.add_weight(name="hits", initializer="zeros")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.hits.assign_add(keras.ops.sum(keras.ops.cast(y_pred[:, 1] > self.threshold,
+                                                          "float32")))
+
+    def result(self):
+        return self.hits
+
+
+def rebuilt_task(optimizer="sgd", metrics=()) -> tputrain.KerasTask:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy",
+                  metrics=list(metrics), jit_compile=False)
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    return tputrain.KerasTask(model, (x, (x[:, 0] > 0).astype(np.int64)), batch_size=8)
+
+
+def test_an_optimizer_argument_its_config_lacks_is_refused_in_one_line():
+    """ScaledSGD(scale=10) was rebuilt from its config as scale=1, and trained so
+    silently: the copy's attributes that differ from the user's are named, with the fix."""
+    with pytest.raises(ValueError) as caught:
+        rebuilt_task(ScaledSGD(0.05, scale=10.0)).build_optimizer()
+    message = str(caught.value)
+    assert "ScaledSGD" in message and "scale" in message and "get_config" in message, message
+    assert "\n" not in message
+    fresh = rebuilt_task(ConfiguredScaledSGD(0.05, scale=10.0)).build_optimizer()
+    assert fresh.scale == 10.0
+
+
+def test_a_metric_argument_its_config_lacks_is_refused_in_one_line():
+    """AboveThreshold(threshold=0.9) was evaluated as threshold=0.5 under its own name."""
+    with pytest.raises(ValueError) as caught:
+        rebuilt_task(metrics=[AboveThreshold(threshold=0.9)]).build_metrics()
+    message = str(caught.value)
+    assert "AboveThreshold" in message and "threshold" in message and "get_config" in message
+    assert "\n" not in message
+
+
+def keras_optimizers() -> list[type]:
+    """keras.optimizers' optimizers (not the wrappers of others, which take none), and
+    tputrain's LARS."""
+    return [cls for cls in vars(keras.optimizers).values()
+            if isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)
+            and "learning_rate" in inspect.signature(cls).parameters
+            and cls is not keras.optimizers.Optimizer] + [tputrain.LARS]
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"clipnorm": 1.0, "weight_decay": 0.01}, {"global_clipnorm": 2.0, "use_ema": True,
+                                                  "ema_momentum": 0.9},
+    {"clipvalue": 0.5, "gradient_accumulation_steps": 2, "loss_scale_factor": 4.0},
+    {"learning_rate": keras.optimizers.schedules.CosineDecay(0.1, 100, warmup_steps=5,
+                                                             warmup_target=0.2)}])
+def test_no_keras_optimizer_trips_the_rebuilt_check(options):
+    """Every optimizer of keras.optimizers, built or not, with the common options (a
+    tuple its config gives back as a list, LARS's exclusions, is the same value)."""
+    for cls in keras_optimizers():
+        for built in (False, True):
+            extra = {"exclude_from_adaptation": ("bias",)} if cls is tputrain.LARS else {}
+            optimizer = cls(**{"learning_rate": 0.01, **options, **extra})
+            task = rebuilt_task(optimizer)
+            if built:
+                optimizer.build(task._source.trainable_variables)  # pylint: disable=protected-access
+            assert type(task.build_optimizer()) is cls
+
+
+def test_no_common_keras_metric_trips_the_rebuilt_check():
+    metrics = [cls() for cls in vars(keras.metrics).values()
+               if isinstance(cls, type) and issubclass(cls, keras.metrics.Metric)
+               and _constructs_alone(cls)]
+    metrics += [keras.metrics.AUC(num_thresholds=50, curve="PR", multi_label=False),
+                keras.metrics.Precision(thresholds=0.3, top_k=None, class_id=1),
+                keras.metrics.Recall(thresholds=[0.2, 0.6]),
+                keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2"),
+                keras.metrics.MeanIoU(num_classes=3), keras.metrics.IoU(3, target_class_ids=[0]),
+                keras.metrics.FBetaScore(beta=2.0, threshold=0.4, average="macro"),
+                keras.metrics.PrecisionAtRecall(0.5, num_thresholds=20),
+                keras.metrics.MeanMetricWrapper(keras.metrics.mean_squared_error, name="m"),
+                keras.metrics.SparseCategoricalAccuracy(name="acc", dtype="float32")]
+    assert len(metrics) > 30
+    assert len(rebuilt_task(metrics=metrics).build_metrics()) == len(metrics)
+
+
+def _constructs_alone(cls: type) -> bool:
+    try:
+        cls()
+    except Exception:  # pylint: disable=broad-except  (one that takes arguments)
+        return False
+    return cls is not keras.metrics.Metric
+
+
+# ------------------------------------------------------------ data without labels
+
+@pytest.mark.parametrize("eval_data", ["none", "arrays", "features only"])
+def test_a_dataset_of_features_only_is_refused_in_one_line(eval_data):
+    """A train (or eval) dataset of features only crashed inside KerasTask or the Trainer
+    (`'TensorSpec' object is not subscriptable`): it is named, as other data is."""
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    labelled = (x, (x[:, 0] > 0).astype(np.int64))
+    features = tf.data.Dataset.from_tensor_slices(x).batch(8)
+    train, evaluation = {"none": (features, None), "arrays": (features, labelled),
+                         "features only": (labelled, features)}[eval_data]
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    with pytest.raises(TypeError, match=r"must yield .*\(x, y\) or \(x, y, sample_weight\)") \
+            as caught:
+        tputrain.KerasTask(model, train, evaluation, batch_size=8 if train is labelled else None)
+    split = "eval" if eval_data == "features only" else "train"
+    assert f"the {split} dataset" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_trainer_trains_a_clone_and_leaves_the_model_passed_as_it_was(tmp_path):
+    """docs/tasks.md: with `Trainer(KerasTask(model))` the trained model is
+    `trainer.model`; only tputrain.fit copies the weights back into the one passed."""
+    model = small_classifier()
+    before = model.get_weights()
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    trainer = tputrain.Trainer(tputrain.KerasTask(model, (x, (x[:, 0] > 0).astype(np.int64)),
+                                                  batch_size=8),
+                               str(tmp_path / "run"), train_steps=2, steps_per_loop=2,
+                               strategy=strategy_for(1), report_mfu=False, jit_compile=False)
+    trainer.train()
+    assert trainer.model is not model
+    assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert any(not np.array_equal(a, b) for a, b in zip(trainer.model.get_weights(), before))

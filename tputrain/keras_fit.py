@@ -8,7 +8,8 @@ in the same process, a call continuing the same run on the same model resumes on
 the Trainer the last call kept on the model, its loops compiled already. An optimizer
 compiled with Keras's `use_ema=True` keeps its averages as under `fit` (updated in its
 step, checkpointed with it); the run ends by putting them into the model, as `fit`
-ends (`_KerasAverages`).
+ends (`_KerasAverages`). With `ema_decay`, the model is handed back with tputrain's
+own averages, the weights every evaluation used (`_trained`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from tputrain.runtime.context import ActionContext, learning_rate
 from tputrain.config.parsing import without_gin_notes
 from tputrain.actions.keras_callbacks import KerasCallbacks
 from tputrain.keras_task import KerasTask, built_precision
-from tputrain.optim.ema import (check_overwrite_supported, finalize_keras_averages,
-                                uses_keras_ema)
+from tputrain.optim.ema import (averaged_weights, check_overwrite_supported,
+                                finalize_keras_averages, uses_keras_ema)
 from tputrain.trainer import Trainer
 
 FINAL_WEIGHTS = RunDirectory.FINAL_WEIGHTS  # the final weights, when not the last step's
@@ -75,8 +76,10 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
       task: the Task's class: `KerasTask` or a subclass (one that overrides `train_step`
         ports a model's own `train_step`, docs/tasks.md); called with `KerasTask`'s
         arguments.
-      **trainer_options: any other `Trainer` argument (strategy, steps_per_loop, ...).
+      **trainer_options: any other `Trainer` argument (strategy, steps_per_loop, ...),
+        not `model.fit`'s own (`_FIT_KEYWORDS`).
     """
+    _check_no_fit_keywords(trainer_options)
     trainer_options.update(_built_models_precision(model, model_dir, trainer_options))
     call = _Call(model_dir, train_data, eval_data, batch_size, shuffle, eval_every,
                  task, list(callbacks), list(actions), dict(trainer_options),
@@ -90,16 +93,45 @@ def fit(model: keras.Model | Callable[[], keras.Model], train_data: Any, eval_da
             for adapter in run.adapters:
                 adapter.weights_changed = False  # set again by this call's on_train_end
             run.averages.finalized = False  # likewise
-            logs = _trained(run, model_dir)
+            logs, weights = _trained(run, model_dir)
     except BaseException:
         if isinstance(model, keras.Model):
             _forget(model, close=False)  # a failed call's Trainer is not continued
         raise
     if isinstance(model, keras.Model):
-        model.set_weights(run.trainer.model.get_weights())
+        model.set_weights(weights)
         carry_optimizer(model.optimizer, run.trainer.optimizer)
         _keep(model, dataclasses.replace(run, model_state=_model_state(model)))
     return logs
+
+
+# model.fit's own keywords, which the Trainer does not take: what tputrain.fit has instead.
+_FIT_KEYWORDS = {
+    "epochs": "pass steps= (the total optimizer steps: epochs * steps per epoch)",
+    "steps_per_epoch": "pass eval_every= (the steps between two evaluations, a Keras epoch "
+                       "for the callbacks)",
+    "initial_epoch": "drop it: a rerun with the same model_dir resumes from its latest "
+                     "checkpoint",
+    "validation_split": "pass eval_data= (split the arrays yourself: "
+                        "eval_data=(x[-n:], y[-n:]))",
+    "validation_data": "pass eval_data=",
+    "validation_freq": "pass eval_every=",
+    "validation_steps": "pass eval_steps=",
+    "validation_batch_size": "pass eval_data= as a batched dataset (it keeps its batches)",
+    "verbose": "pass progress_bar= ('auto', 'on' or 'off')",
+    "sample_weight": "pass train_data=(x, y, sample_weight)",
+    "x": "pass train_data=(x, y)",
+    "y": "pass train_data=(x, y)",
+}
+
+
+def _check_no_fit_keywords(options: Mapping[str, Any]) -> None:
+    """A model.fit keyword is named as such, with tputrain.fit's equivalent (the
+    Trainer would say only that its own __init__ takes no such argument)."""
+    for name in options:
+        if name in _FIT_KEYWORDS:
+            raise TypeError(f"tputrain.fit() takes no {name}= (a model.fit argument): "
+                            f"{_FIT_KEYWORDS[name]}")
 
 
 def kept_trainer(model: keras.Model) -> Trainer | None:
@@ -289,17 +321,25 @@ def _fit_errors() -> Iterator[None]:
         raise original from original.__cause__
 
 
-def _trained(run: _Run, model_dir: str) -> dict[str, float]:
-    """Trains to `train_steps`; the metrics of the weights the run ended on (Keras's
-    EMA averages, or what the callbacks set)."""
+def _trained(run: _Run, model_dir: str) -> tuple[dict[str, float], list[np.ndarray]]:
+    """Trains to `train_steps`: the metrics of the weights the run ended on, and those
+    weights (Keras's EMA averages, what the callbacks set, or with `ema_decay`
+    tputrain's averages, which every evaluation uses)."""
     trainer, adapters = run.trainer, run.adapters
     logs = trainer.train()
+    set_at_end = bool(adapters and adapters[0].weights_changed)
     # EarlyStopping(restore_best_weights) or use_ema: not the last evaluation's weights
-    if run.averages.finalized or (adapters and adapters[0].weights_changed):
+    if run.averages.finalized or set_at_end:
         logs = trainer.evaluate_weights()  # the metrics of the model returned
-        if trainer.is_chief:
+    with averaged_weights(trainer.ema) as averaged:  # with ema_decay: as evaluated
+        if averaged and set_at_end:
+            logging.warning("tputrain.fit: with ema_decay the model gets the EMA weights, "
+                            "which every evaluation used, not the weights a Keras callback "
+                            "set at the end (EarlyStopping's restore_best_weights); for "
+                            "those, train without ema_decay")
+        if trainer.is_chief and (averaged or run.averages.finalized or set_at_end):
             save_final_weights(trainer.model, model_dir)
-    return logs
+        return logs, trainer.model.get_weights()
 
 
 def _keep(model: keras.Model, run: _Run) -> None:
@@ -318,9 +358,9 @@ def _forget(model: keras.Model, close: bool) -> None:
 
 def save_final_weights(model: keras.Model, model_dir: str) -> str:
     """`model_dir/final.weights.h5` (`model.load_weights` reads it): the weights the
-    callbacks left at the end (or Keras's `use_ema` averages) when they differ from
-    the last checkpoint's. Written whole, then renamed into place (any `tf.io.gfile`
-    path)."""
+    callbacks left at the end (or Keras's `use_ema` or tputrain's `ema_decay`
+    averages) when they differ from the last checkpoint's. Written whole, then
+    renamed into place (any `tf.io.gfile` path)."""
     path = RunDirectory(model_dir).final_weights
     with tempfile.TemporaryDirectory(prefix="tputrain-final-") as local, atomic_path(path) as temp:
         written = os.path.join(local, FINAL_WEIGHTS)

@@ -13,9 +13,12 @@ optimizer). See docs/tasks.md, "Bring a Keras model".
 
 from __future__ import annotations
 
+import enum
+import numbers
 from typing import Any, Callable, Mapping, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 from absl import logging
 from tensorflow.python.data.ops import dataset_ops, map_op
@@ -35,6 +38,12 @@ def _examples(data: Any, batch_size: int | None, split: str) -> tuple[tf.data.Da
     batches (`batch_size` None: the global batch is its first batch's size), a dataset
     of single examples with `batch_size`, or a tuple `(x, y[, sample_weight])` of arrays."""
     if isinstance(data, tf.data.Dataset):
+        spec = data.element_spec
+        if not (isinstance(spec, (tuple, list)) and len(spec) in (2, 3)):
+            raise TypeError(f"the {split} dataset must yield tuples (x, y) or (x, y, "
+                            f"sample_weight), as model.fit takes them; it yields "
+                            f"{_spec_kind(spec)}: pair the features with their labels, e.g. "
+                            "tf.data.Dataset.zip((features, labels))")
         if batch_size is not None:
             return data, int(batch_size)
         if any(spec.shape.rank == 0 for spec in tf.nest.flatten(data.element_spec)
@@ -48,6 +57,13 @@ def _examples(data: Any, batch_size: int | None, split: str) -> tuple[tf.data.Da
                         f"(x, y, sample_weight) of arrays, got {type(data).__name__}")
     arrays = tuple(tuple(part) if isinstance(part, list) else part for part in data)
     return tf.data.Dataset.from_tensor_slices(arrays), int(batch_size or DEFAULT_BATCH_SIZE)
+
+
+def _spec_kind(spec: Any) -> str:
+    """What a dataset yields, in a word or two: "a TensorSpec", "a tuple of 1"..."""
+    if isinstance(spec, (tuple, list)):
+        return f"a {type(spec).__name__} of {len(spec)}"
+    return f"a {type(spec).__name__}"
 
 
 def _batches(data: Any, batch_size: int | None) -> tf.data.Dataset | None:
@@ -335,7 +351,7 @@ class KerasTask(Task):
     def build_optimizer(self) -> keras.optimizers.Optimizer:
         optimizer = self._compiled.optimizer
         optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # the Trainer wraps
-        fresh = type(optimizer).from_config(optimizer.get_config())
+        fresh = rebuilt(optimizer, "optimizer")
         _carry_weight_decay_exclusions(optimizer, fresh, self._compiled, self._built)
         return fresh
 
@@ -388,7 +404,7 @@ class KerasTask(Task):
             label_spec = self._outputs.flat(self._train.element_spec[1])[index]
             return _accuracy(identifier, label_spec, _output_shape(self._compiled, index))
         if isinstance(identifier, keras.metrics.Metric):  # the user's object: a fresh copy
-            return type(identifier).from_config(identifier.get_config())
+            return rebuilt(identifier, "metric")
         metric = identifier if callable(identifier) else keras.metrics.get(identifier)
         if not isinstance(metric, keras.metrics.Metric):  # a function
             name = identifier if isinstance(identifier, str) else getattr(metric, "__name__", None)
@@ -456,6 +472,63 @@ def _output_shape(model: keras.Model, index: int = 0) -> tuple | None:
         return tuple(model.outputs[index].shape)
     except (AttributeError, IndexError, TypeError, ValueError):
         return None
+
+
+def rebuilt(original: Any, kind: str) -> Any:
+    """A fresh copy of the user's optimizer or metric, from its config (its variables
+    made in the strategy's scope); a ValueError naming the attributes the copy lost (a
+    constructor argument kept as an attribute and missing from `get_config`), which it
+    would otherwise run without, silently."""
+    fresh = type(original).from_config(original.get_config())
+    given, copied = _plain_attributes(original), _plain_attributes(fresh)
+    # Both constructors set an attribute alike, or the config lost an argument (one only
+    # the user's holds was set later, e.g. by `build`: not compared).
+    lost = sorted(name for name, value in given.items()
+                  if name in copied and not _equal(copied[name], value))
+    if lost:
+        name = type(original).__name__
+        shown = ", ".join(f"{key}={given[key]!r} (copy: {copied[key]!r})"
+                          for key in lost)
+        raise ValueError(f"KerasTask: the {kind} {name} rebuilt from its config differs "
+                         f"from the one compiled: {shown}; tputrain runs a fresh copy, "
+                         f"{name}.from_config(<its get_config()>): return {', '.join(lost)} "
+                         f"from {name}.get_config()")
+    return fresh
+
+
+_STATE = ("built",)  # set by building, not by the constructor
+
+
+def _plain_attributes(obj: Any) -> dict[str, Any]:
+    """`obj`'s public attributes holding plain values (numbers, strings, enums, None,
+    and containers of them): what a constructor sets, not variables or Keras objects."""
+    return {name: value for name, value in vars(obj).items()
+            if not name.startswith("_") and name not in _STATE and _is_plain(value)}
+
+
+def _is_plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, str, enum.Enum)):
+        return True
+    if isinstance(value, numbers.Number):
+        return not isinstance(value, (tf.Tensor, tf.Variable, np.ndarray))
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(item) for item in value)
+    if isinstance(value, dict):
+        return all(_is_plain(k) and _is_plain(v) for k, v in value.items())
+    return False
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Plain values alike: a tuple equals the list a config gives back, a float NaN
+    equals NaN (a default some configs hold)."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False
 
 
 def _carry_weight_decay_exclusions(source: keras.optimizers.Optimizer,

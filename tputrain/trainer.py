@@ -27,6 +27,7 @@ from tputrain.jobs.aggregation import with_aggregates
 from tputrain.keras_task import KerasTask
 from tputrain.core.builders import configured
 from tputrain.checkpointing.manager import Checkpointer
+from tputrain.checkpointing.config_owned import ConfigOwned
 from tputrain.checkpointing.run_directory import RunDirectory
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.seeds import seed_generator_states
@@ -235,6 +236,15 @@ def _run_view(trainer: "Trainer") -> RunView:
         set_train_iterator=trainer.set_train_iterator, train_iterator=trainer.train_iterator)
 
 
+def _learning_rate_setters(actions: Sequence[Action]) -> str:
+    """What sets the learning rate during the run ("" for nothing): the actions that own
+    it (`Action.owns_learning_rate`), by the names they give (`learning_rate_setters`,
+    a Keras callback's class) or their class."""
+    return ", ".join(name for action in actions if action.owns_learning_rate
+                     for name in getattr(action, "learning_rate_setters",
+                                         [type(action).__name__]))
+
+
 class Trainer(RunKnobs, TrainableSet):
 
     """Trains a `Task` under a distribution strategy, with exact-resume checkpoints.
@@ -375,8 +385,9 @@ class Trainer(RunKnobs, TrainableSet):
             restore_directory=RunDirectory(self.model_dir).checkpoints,  # the chief's
             # A float learning rate is a variable: the config's value wins over the
             # checkpoint's, unless an action sets it (Action.owns_learning_rate).
-            config_owned=[] if any(a.owns_learning_rate for a in self.actions) else
-            [v for v in self.optimizer.variables if v.name == "learning_rate"],
+            config_owned=ConfigOwned([v for v in self.optimizer.variables
+                                      if v.name == "learning_rate"],
+                                     set_by=_learning_rate_setters(self.actions)),
             keep=self.keep_checkpoints, per_host=per_host, host=(self.host_id, self.num_hosts),
             barrier=lambda: self._max_over_hosts(0), input_layout=self.inputs.layout(),
             reposition=self._reposition_input, action_state=checkpointed_states(self.actions),

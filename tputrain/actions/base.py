@@ -17,7 +17,8 @@ class Action:
 
     `owns_learning_rate`: True when the action sets the optimizer's learning rate
     (e.g. Keras's ReduceLROnPlateau through `KerasCallbacks`): a resume then takes it
-    from the checkpoint instead of putting the config's value back.
+    from the checkpoint instead of putting the config's value back (logged where they
+    differ, naming the action's `learning_rate_setters` if it has them, else its class).
 
     `stops_on_nonfinite`: True when the action ends the run itself on a NaN loss (Keras's
     `TerminateOnNaN` through `KerasCallbacks`): the guard's "raise" then stops the run

@@ -16,7 +16,8 @@ Per-batch hooks (`on_train_batch_begin`, `on_test_batch_*`, `on_predict_*`) are
 never called. Setting `model.stop_training` stops the run at the next loop end
 (after its save). `model.optimizer` is the Trainer's optimizer: a learning rate
 a callback sets is read by the compiled step and saved and restored with every
-checkpoint (`owns_learning_rate`).
+checkpoint (`owns_learning_rate`: any callback but Keras's rate-neutral ones,
+`_RATE_NEUTRAL`, whose list leaves a rerun's rate to the config).
 
 The callbacks carry on over a resume (a kill -9 included): their state
 (`keras_callback_state`), the last evaluation they were given and whether they
@@ -42,6 +43,12 @@ from tputrain.actions.keras_callback_state import (CheckpointedState, after_trai
                                            before_train_begin, state_of)
 
 
+# Keras's callbacks that never set the learning rate: with only these, a rerun's rate
+# (the config's) wins over the checkpoint's, as without callbacks.
+_RATE_NEUTRAL = tuple(getattr(keras.callbacks, name) for name in (
+    "CSVLogger", "TensorBoard", "ModelCheckpoint", "EarlyStopping", "TerminateOnNaN",
+    "ProgbarLogger", "History", "RemoteMonitor", "SwapEMAWeights", "BackupAndRestore")
+    if hasattr(keras.callbacks, name))
 _LOOP_ONLY = ("learning_rate",)  # fit's epoch logs hold only what the metrics say
 
 
@@ -94,7 +101,17 @@ class KerasCallbacks(Action):
     """Runs `keras.callbacks.Callback`s at the Trainer's loop and eval boundaries
     (the mapping is in this module's docstring and docs/tasks.md)."""
 
-    owns_learning_rate = True  # e.g. ReduceLROnPlateau: its value is the checkpoint's
+    @property
+    def owns_learning_rate(self) -> bool:  # type: ignore[override]
+        """Whether a callback may set the rate (ReduceLROnPlateau...): a resume then
+        takes the checkpoint's; with only rate-neutral ones the config's wins."""
+        return bool(self.learning_rate_setters)
+
+    @property
+    def learning_rate_setters(self) -> list[str]:
+        """The classes of the callbacks that may set the learning rate: all but Keras's
+        own that never do (`_RATE_NEUTRAL`, exactly those classes: a subclass may)."""
+        return [type(c).__name__ for c in self.callbacks if type(c) not in _RATE_NEUTRAL]
 
     def __init__(self, callbacks: Sequence[keras.callbacks.Callback]):
         self.callbacks = list(callbacks)

@@ -44,7 +44,7 @@ class Checkpointer:
       config_owned: variables whose value the config decides, not the checkpoint
         (the optimizer's learning rate): the values they hold when a restore begins
         (the config's, or what a script set on a live Trainer since) are put back
-        after it, logged where the checkpoint held another value.
+        after it, logged where they differ; or a `ConfigOwned` (its `set_by`).
       per_host: state that differs between hosts (each host's data iterator). On
         one host it is saved with the rest; on several, each host writes its own to
         `<restore_directory>/hosts/host-<i>-of-<n>/ckpt-<step>` before the chief
@@ -67,7 +67,7 @@ class Checkpointer:
 
     def __init__(self, directory: str, step: tf.Variable, every: int, keep: int = 3,
                  check_finite: bool = True, restore_directory: str | None = None,
-                 async_save: bool = False, config_owned: Sequence[Any] = (),
+                 async_save: bool = False, config_owned: Sequence[Any] | ConfigOwned = (),
                  per_host: dict[str, Any] | None = None, host: tuple[int, int] = (0, 1),
                  barrier: Callable[[], Any] | None = None,
                  input_layout: InputLayout | None = None,
@@ -97,7 +97,7 @@ class Checkpointer:
         self._manager: tf.train.CheckpointManager | None = None
         self._saved_step: int | None = None  # the step last saved or restored here
         self.keep = keep
-        self._config = ConfigOwned(config_owned)
+        self._config = ConfigOwned.of(config_owned)
         self.async_save = async_save
         self._finite = FiniteCheck(trackables.values())
         self._lock = threading.Lock()

@@ -236,13 +236,15 @@ def _run_view(trainer: "Trainer") -> RunView:
         set_train_iterator=trainer.set_train_iterator, train_iterator=trainer.train_iterator)
 
 
-def _learning_rate_setters(actions: Sequence[Action]) -> str:
-    """What sets the learning rate during the run ("" for nothing): the actions that own
-    it (`Action.owns_learning_rate`), by the names they give (`learning_rate_setters`,
-    a Keras callback's class) or their class."""
-    return ", ".join(name for action in actions if action.owns_learning_rate
-                     for name in getattr(action, "learning_rate_setters",
-                                         [type(action).__name__]))
+def _config_owned_rate(optimizer: Any, actions: Sequence[Action]) -> ConfigOwned:
+    """A float learning rate is a variable: the config's value wins over the
+    checkpoint's, unless an action sets it during the run (`Action.owns_learning_rate`),
+    named by `learning_rate_setters` (a Keras callback's class) or its class."""
+    setters = ", ".join(name for action in actions if action.owns_learning_rate
+                        for name in getattr(action, "learning_rate_setters",
+                                            [type(action).__name__]))
+    return ConfigOwned([v for v in optimizer.variables if v.name == "learning_rate"],
+                       set_by=setters)
 
 
 class Trainer(RunKnobs, TrainableSet):
@@ -383,11 +385,7 @@ class Trainer(RunKnobs, TrainableSet):
         return Checkpointer(
             RunDirectory(self._work_dir).checkpoints, self.step, every=self.checkpoint_every,
             restore_directory=RunDirectory(self.model_dir).checkpoints,  # the chief's
-            # A float learning rate is a variable: the config's value wins over the
-            # checkpoint's, unless an action sets it (Action.owns_learning_rate).
-            config_owned=ConfigOwned([v for v in self.optimizer.variables
-                                      if v.name == "learning_rate"],
-                                     set_by=_learning_rate_setters(self.actions)),
+            config_owned=_config_owned_rate(self.optimizer, self.actions),
             keep=self.keep_checkpoints, per_host=per_host, host=(self.host_id, self.num_hosts),
             barrier=lambda: self._max_over_hosts(0), input_layout=self.inputs.layout(),
             reposition=self._reposition_input, action_state=checkpointed_states(self.actions),

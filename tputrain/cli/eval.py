@@ -12,8 +12,8 @@ per evaluated checkpoint as soon as it is evaluated: {"step": N, "loss": ...,
 metrics...} ("<set>/loss", ... with named sets).
 Without --step, a truncated latest checkpoint falls back to the newest readable one.
 
-Ctrl-C stops it with one line, exit 42 (as `tputrain run`'s): what was evaluated is
-recorded; rerun the same command to carry on.
+Ctrl-C or SIGTERM stops it with one line, exit 42 (as `tputrain run`'s): what was
+evaluated is recorded; rerun the same command to carry on.
 
 Exits 0 when done; 1 when `--continuous` saw no new checkpoint for
 --timeout_seconds (the training stopped: the lines so far are printed); 2 when
@@ -95,14 +95,15 @@ def _evaluate(trainer: Trainer, timeout: float | None) -> None:
 def main(argv: list[str]) -> None:
     reject_arguments(argv)
     try:
-        _stop_on_ctrl_c()
+        _stop_on_signals()
         parse_gin_flags(default_operative_config())
         timeout = FLAGS.timeout_seconds if FLAGS.timeout_seconds > 0 else None
         _evaluate(build_trainer(FLAGS.model_dir, ReadOnlyTrainer), timeout)
-    except KeyboardInterrupt:  # the lock and the trackers are let go on the way here
+    except (KeyboardInterrupt, _Stopped) as stop:  # the lock and trackers are let go on the way
         record = RunDirectory(FLAGS.model_dir or "model_dir").eval_record
-        print(f"tputrain: stopped by Ctrl-C: the checkpoints evaluated so far are recorded in "
-              f"{record}: rerun the same command to carry on (exit code {PREEMPTED_EXIT_CODE})",
+        print(f"tputrain: stopped by {stop if isinstance(stop, _Stopped) else 'Ctrl-C'}: the "
+              f"checkpoints evaluated so far are recorded in {record}: rerun the same "
+              f"command to carry on (exit code {PREEMPTED_EXIT_CODE})",
               file=sys.stderr, flush=True)
         sys.exit(PREEMPTED_EXIT_CODE)
     except NoNewCheckpointError as error:  # the training stopped before train_steps
@@ -112,13 +113,25 @@ def main(argv: list[str]) -> None:
         fail(error_message(error), EXIT_BAD_INPUT)
 
 
-def _stop_on_ctrl_c() -> None:
-    """Ctrl-C is a KeyboardInterrupt, which `main` ends in one line (exit 42, as `tputrain
-    run`'s first Ctrl-C): the record is rewritten atomically after each checkpoint, so
-    there is nothing to save. A Ctrl-C while TensorFlow was imported, held by the CLI's
-    entry (`preemption_early`), is acted on now."""
-    replaced = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
-    if take_early_signal(replaced) is not None:
+class _Stopped(BaseException):
+    """SIGTERM (a side-car job preempted): `main` ends it as it ends Ctrl-C."""
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise _Stopped(signal.Signals(signum).name)
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C (a KeyboardInterrupt) and SIGTERM end the command in one line (exit 42, as
+    `tputrain run`'s): the record is rewritten atomically after each checkpoint, so
+    there is nothing to save. A signal that came while TensorFlow was imported, held by
+    the CLI's entry (`preemption_early`), is acted on now."""
+    replaced = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_stopped)}
+    held = take_early_signal(replaced)
+    if held == signal.SIGTERM:
+        raise _Stopped("SIGTERM")
+    if held is not None:
         raise KeyboardInterrupt
 
 

@@ -44,8 +44,8 @@ SUMMARIES = {
 }
 # Signals a command answers as a preemption (exit 42), held from its first line until
 # its handlers are installed, after TensorFlow's import (`preemption_early`).
-EARLY_SIGNALS = {**{command: (signal.SIGTERM, signal.SIGINT)
-                    for command in ("run", "launch", "tune")}, "eval": (signal.SIGINT,)}
+EARLY_SIGNALS = {command: (signal.SIGTERM, signal.SIGINT)
+                 for command in ("run", "launch", "tune", "eval")}
 _HELP = (["--help"], ["-h"], ["help"])
 _COMMAND_HELP = ("--help", "-h", "--helpshort", "-?")
 _WIDTH = 80

@@ -109,3 +109,15 @@ def test_two_cli_runs_on_one_model_dir(tmp_path):
             f"in use by pid {first.process.pid}" in last and "-m tputrain.run" in last, last
     finally:
         assert first.kill(signal.SIGTERM) == 42, first.log()
+
+
+def test_a_folder_that_cannot_be_locked_is_named_in_the_warning(tmp_path, caplog):
+    """`tputrain eval` locks model_dir/eval: a lock file that cannot be made said "model_dir
+    is not locked against a second run", naming neither the folder nor the right run."""
+    folder = tmp_path / "run" / "eval"
+    folder.mkdir(parents=True)
+    (folder / LOCK_FILE).mkdir()  # a lock "file" that is a folder cannot be opened
+    with caplog.at_level("WARNING"):
+        lock_model_dir(str(folder))
+    said = [r.getMessage() for r in caplog.records if "not locked" in r.getMessage()]
+    assert len(said) == 1 and f"{folder} is not locked against a second process" in said[0], said

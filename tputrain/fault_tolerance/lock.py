@@ -57,8 +57,8 @@ def lock_model_dir(model_dir: str) -> None:
         os.makedirs(key, exist_ok=True)
         handle = open(path, "a+", encoding="utf-8")
     except OSError as error:  # unwritable, a file, ...: pre-flight names those
-        logging.warning("tputrain: cannot create %s (%s): model_dir is not locked against "
-                        "a second run", path, error)
+        logging.warning("tputrain: cannot create %s (%s): %s is not locked against a "
+                        "second process", path, error, key)
         return
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -483,6 +483,26 @@ def test_an_optimizer_argument_its_config_lacks_is_refused_in_one_line():
     assert fresh.scale == 10.0
 
 
+class WarmupAdam(keras.optimizers.Adam):
+    """A user's optimizer that keeps its peak rate: the copy's comes from the config's
+    learning_rate, read back from its float32 variable (0.05000000074505806)."""
+
+    def __init__(self, learning_rate=0.001, **kwargs):
+        super().__init__(learning_rate=learning_rate, **kwargs)
+        self.peak_learning_rate = learning_rate
+
+
+def test_an_attribute_equal_at_the_rates_float32_precision_is_not_refused():
+    """`peak_learning_rate=0.05 (copy: 0.05000000074505806)` was refused: a float equal
+    at float32 precision is the same value (the copy trains the same)."""
+    fresh = rebuilt_task(WarmupAdam(learning_rate=0.05)).build_optimizer()
+    assert fresh.peak_learning_rate == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="peak_learning_rate"):  # a real difference still is
+        optimizer = WarmupAdam(learning_rate=0.05)
+        optimizer.peak_learning_rate = 0.5
+        rebuilt_task(optimizer).build_optimizer()
+
+
 def test_a_metric_argument_its_config_lacks_is_refused_in_one_line():
     """AboveThreshold(threshold=0.9) was evaluated as threshold=0.5 under its own name."""
     with pytest.raises(ValueError) as caught:

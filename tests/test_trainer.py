@@ -480,14 +480,18 @@ def _corrupt_eval_data(tmp_path) -> tuple[str, tputrain.Task]:
 
 
 def test_a_corrupt_eval_record_past_the_first_batch_fails_before_training(tmp_path):
-    """The eval set is counted to its end at start-up (the count its first evaluation
-    needs anyway): a record past its first batch was a DataLossError traceback at the
-    first evaluation, naming no file, the steps since the last checkpoint lost."""
+    """The eval set is counted to its end before the first step (the count its first
+    evaluation needs anyway): a record past its first batch was a DataLossError
+    traceback at the first evaluation, naming no file, the steps since the last
+    checkpoint lost. Building the Trainer reads no eval set to its end: diagnose,
+    predict and export, which evaluate nothing, do not pay for the count."""
     eval_file, task = _corrupt_eval_data(tmp_path)
+    trainer = make_trainer(tmp_path, task=task)  # reads one eval batch, not the rest
     with pytest.raises(tputrain.data.CorruptRecordError) as caught:
-        make_trainer(tmp_path, task=task)
-    message = str(caught.value).splitlines()[0]  # (gin adds the configurable below it)
+        trainer.train()
+    message = str(caught.value).splitlines()[0]
     assert eval_file in message and "skip_corrupt=True" in message, message
+    assert trainer.current_step == 0
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

@@ -492,7 +492,9 @@ def rebuilt(original: Any, kind: str) -> Any:
         raise ValueError(f"KerasTask: the {kind} {name} rebuilt from its config differs "
                          f"from the one compiled: {shown}; tputrain runs a fresh copy, "
                          f"{name}.from_config(<its get_config()>): return {', '.join(lost)} "
-                         f"from {name}.get_config()")
+                         f"from {name}.get_config() (and take {'them' if len(lost) > 1 else 'it'} "
+                         f"in {name}.__init__), or set {'them' if len(lost) > 1 else 'it'} "
+                         "from the arguments __init__ takes")
     return fresh
 
 
@@ -520,11 +522,13 @@ def _is_plain(value: Any) -> bool:
 
 def _equal(a: Any, b: Any) -> bool:
     """Plain values alike: a tuple equals the list a config gives back, a float NaN
-    equals NaN (a default some configs hold)."""
+    equals NaN (a default some configs hold), and floats equal at float32 precision
+    are equal (a config's learning_rate is read back from its float32 variable: an
+    attribute set from the rate given is 0.05, the copy's 0.05000000074505806)."""
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
-        return True
+    if isinstance(a, float) and isinstance(b, float):
+        return (a != a and b != b) or bool(np.float32(a) == np.float32(b))
     try:
         return bool(a == b)
     except (TypeError, ValueError):

@@ -309,8 +309,8 @@ class Trainer(RunKnobs, TrainableSet):
             keras.utils.set_random_seed(self.seed)
             compile_cache.report()  # set when tputrain was imported
             self.inputs = _build_inputs(task, self.strategy, self.plan)
-            first = check_splits(self.inputs, self.eval_splits, self.eval_steps)
-            self._eval_counts = self.startup.mark("data", self._count_eval_sets())
+            first = self.startup.mark("data", check_splits(self.inputs, self.eval_splits,
+                                                           self.eval_steps))
             self._first_train_batch = first.get("train")  # the plan trial's stand-in batch
             state = self._build_model(guard, first)
             self._build_checkpointer()
@@ -468,6 +468,7 @@ class Trainer(RunKnobs, TrainableSet):
                          self.model_dir, step, self.train_steps)
             return Controller(self, self._actions()).complete(step)
         self.plan.check_resume_step(step, self.model_dir)
+        self._count_eval_sets()  # a corrupt eval record fails now, not at an evaluation
         _position_input(self, step)
         logging.info("tputrain: training from step %d to %d", step, until)
         self._until = until

@@ -80,11 +80,6 @@ class ReadOnlyTrainer(Trainer):
     def _preflight(self) -> None:
         self.checkpointer.check_compatible()  # reads the latest index only
 
-    def _count_eval_sets(self) -> dict[str, int]:
-        """Nothing at start-up: predict and export read no eval set; an evaluation counts
-        its set first (a corrupt record there is the same one line)."""
-        return {}
-
     def train(self, num_steps: int | None = None) -> Metrics:
         raise TypeError("a ReadOnlyTrainer only evaluates (it does not own model_dir): "
                         "build a tputrain.Trainer to train")

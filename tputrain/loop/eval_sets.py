@@ -49,12 +49,9 @@ class EvalSets:
 
     def __init__(self, task: Task, model: keras.Model, metrics: Sequence[keras.metrics.Metric],
                  inputs: Inputs, eval_steps: int | None, max_over_hosts: Callable[[int], int],
-                 splits: Sequence[str], counted: Mapping[str, int] | None = None):
-        # `counted`: a set's steps on this host, when counted already (at start-up)
+                 splits: Sequence[str]):
         self.evaluators = {split: Evaluator(task, model, metrics, inputs, eval_steps,
-                                            max_over_hosts, split=split,
-                                            counted=(counted or {}).get(split))
-                           for split in splits}
+                                            max_over_hosts, split=split) for split in splits}
 
     def evaluate(self, extra: Extra | None = None) -> dict[str, tuple[dict[str, float], int]]:
         """Each set's (logs, eval steps run), in the order of `eval_splits`; `extra`

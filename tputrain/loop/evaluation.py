@@ -90,7 +90,7 @@ class Evaluator:
 
     def __init__(self, task: Task, model: keras.Model, metrics: Sequence[keras.metrics.Metric],
                  inputs: Inputs, eval_steps: int | None, max_over_hosts: Callable[[int], int],
-                 split: str = "eval", counted: int | None = None):
+                 split: str = "eval"):
         self.task, self.model, self.metrics = task, model, list(metrics)
         self.inputs, self.split = inputs, split  # an eval set's name (Trainer.eval_splits)
         self.dataset = inputs.dataset(split)
@@ -99,19 +99,23 @@ class Evaluator:
         self._loop: Callable | None = None
         self._iterator = None
         self._batches = 0
-        self._local = counted  # this host's steps (`local_steps`), if counted already
+        self._local: int | None = None  # this host's steps (`local_steps`), once counted
 
     @tracing.step_code
     def _replica_step(self, batch: Any) -> dict[str, tf.Tensor]:
         return tracing.user_call(self.task.eval_step, batch, self.model, self.metrics,
                                  self.inputs.plan.batch.global_batch_size)
 
+    def count(self) -> None:
+        """Counts this host's steps of the split now (`local_steps`), if not counted yet."""
+        if self._local is None:
+            self._local = local_steps(self.inputs, self.split, self.eval_steps)
+
     def _build(self) -> None:
         """Agrees on the eval step count across hosts; builds the eval iterator and loop."""
         inputs = self.inputs
         weighted = is_padded(inputs, self.dataset)
-        if self._local is None:
-            self._local = local_steps(inputs, self.split, self.eval_steps)
+        self.count()
         self._batches = batches = self.max_over_hosts(self._local)
 
         def prepare(dataset: tf.data.Dataset, replicas: int) -> tf.data.Dataset:

@@ -31,7 +31,6 @@ from tputrain.checkpointing.recovery import UNREADABLE_ERRORS
 from tputrain.optim.ema import build_average
 from tputrain.runtime.keras_clone import has_lora
 from tputrain.loop.eval_sets import EvalSets
-from tputrain.loop.evaluation import local_steps
 from tputrain.runtime.model_state import _BUILT_FOR, ModelState
 from tputrain.runtime.validate import reading_input
 from tputrain.precision import wrap_optimizer_for_policy
@@ -111,26 +110,22 @@ class TrainableSet:
 
     _adopted = False  # a changed set was adopted: a pre-change checkpoint cannot be read
     _evaluator: Any
-    _eval_counts: dict[str, int]  # each eval set's steps on this host, counted at start-up
-
     def _build_evaluator(self) -> None:
         """The eval sets, traced for the model as it is."""
         self._evaluator = EvalSets(self.task, self.model, self.eval_metrics, self.inputs,
-                                   self.eval_steps, self.agree, self.eval_splits,
-                                   self._eval_counts)
+                                   self.eval_steps, self.agree, self.eval_splits)
 
-    def _count_eval_sets(self) -> dict[str, int]:
-        """Reads each eval set to its end now, for the step count its first evaluation
-        needs ({split: this host's steps}, handed to the evaluators): a corrupt record
-        past the first batch (which `check_splits` reads) fails at start-up, before
-        anything is written, not at the first evaluation with the steps since the last
-        checkpoint lost. With `eval_steps` nothing more is read. `sidecar.ReadOnlyTrainer`
-        leaves it to its first evaluation (predict and export read no eval set)."""
-        counts = {}
-        for split in self.eval_splits:
+    def _count_eval_sets(self) -> None:
+        """Reads each eval set not counted yet to its end now, for the step count its
+        first evaluation needs (kept by its evaluator): called when `train()` is about
+        to take its first step, so a corrupt record past the first batch (which
+        `check_splits` reads) fails then, not at the first evaluation with the steps
+        since the last checkpoint lost; a Trainer built and never trained (diagnose,
+        predict, export) reads no eval set to its end. With `eval_steps` nothing more
+        is read."""
+        for split, evaluator in self._evaluator.evaluators.items():
             with reading_input(split, "before training"):
-                counts[split] = local_steps(self.inputs, split, self.eval_steps)
-        return counts
+                evaluator.count()
 
     def _adopt_trainable_change(self) -> bool:
         """LoRA enabled (or layers frozen) on self.model since the optimizer was built: a

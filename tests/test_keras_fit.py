@@ -1054,6 +1054,28 @@ def test_a_continued_fit_gives_the_callbacks_each_epoch_end_once(tmp_path):
     assert ends == ["end0", "end1", "end2", "end3"], events.events
 
 
+def test_a_continued_fit_keeps_the_rate_a_callback_set_at_the_last_evaluation(tmp_path):
+    """ReduceLROnPlateau halves the rate at each evaluation after the first (evaluations
+    at 10, 20, 30). A second call continuing the run restored the rate of the checkpoint
+    at step 20, written before the evaluation there: the cut made at 20 was lost, and
+    steps 21-30 trained at 0.1 (the run ended at 0.05, not 0.025)."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(128, 4)).astype(np.float32), (rng.normal(size=128) > 0).astype(np.int64)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+    cut = keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=0,
+                                            min_delta=10.0)  # no evaluation improves enough
+    strategy = strategy_for(1)  # the same arguments: the run continues
+    rates = []
+    for steps in (20, 30):
+        tputrain.fit(model, (x, y), (x, y), model_dir=str(tmp_path / "run"), steps=steps,
+                     batch_size=32, eval_every=10, callbacks=[cut], strategy=strategy,
+                     report_mfu=False, jit_compile=False)
+        rates.append(float(model.optimizer.learning_rate.numpy()))
+    assert rates == pytest.approx([0.05, 0.025]), rates
+
+
 def test_a_mixed_float16_run_saved_without_loss_scaling_still_resumes(tmp_path, caplog):
     """A run saved before tputrain.fit took a built model's mixed_float16 (no loss
     scaling in its checkpoints, as with precision="float32") was refused on resume as

@@ -26,7 +26,9 @@ stopped the run are saved inside every checkpoint and set back after
 comes after the last save; a kill can fall between an evaluation and its save) is
 given to them again by the Controller (`eval_recorded`); one it has seen is not.
 A rerun of a finished run replays the end (`on_train_end`) from that state, so
-e.g. EarlyStopping's best weights come back into the model again.
+e.g. EarlyStopping's best weights come back into the model again. A call continuing
+the run in the same process (`tputrain.fit` again) takes the state the callbacks
+ended with instead, and the learning rate they set at the final evaluation.
 """
 
 from __future__ import annotations
@@ -135,7 +137,8 @@ class KerasCallbacks(Action):
         self._stopped_at: int | None = None  # the step at which one stopped the run
         self._state = CheckpointedState(self._gather)
         self.weights_changed = False  # by the callbacks' on_train_end (see on_train_end)
-        self._ended: tuple[int, dict[str, Any]] | None = None  # (step, state) at the last end
+        # (step, state, learning rate) at the last end: newer than that step's checkpoint
+        self._ended: tuple[int, dict[str, Any], float | None] | None = None
 
     def checkpoint_state(self) -> CheckpointedState:
         return self._state
@@ -162,7 +165,11 @@ class KerasCallbacks(Action):
             self.callbacks, model=self._model, verbose=0, steps=every,
             epochs=-(-context.plan.train_steps // every))
         self._metric_names = {"loss", *(m.name for m in context.train_metrics)}
+        ended_rate = self._ended[2] if self._ended is not None and self._ended[0] == step \
+            else None
         states = self._restored(step)
+        if ended_rate is not None and self.owns_learning_rate:
+            _set_rate(context.optimizer, ended_rate, step)
         kept = [before_train_begin(c, s) for c, s in zip(self.callbacks, states)]
         self._list.on_train_begin()
         for callback, state, keep in zip(self.callbacks, states, kept):
@@ -244,7 +251,7 @@ class KerasCallbacks(Action):
         (EarlyStopping's `restore_best_weights`): they then differ from the last step's."""
         if self._list is None:
             return
-        self._ended = (step, self._gather())  # newer than the last checkpoint's (see _restored)
+        self._ended = (step, self._gather(), _rate(context.optimizer))  # see _restored
         before = context.model.get_weights()
         self._list.on_train_end(dict(logs))
         self._list = None
@@ -256,3 +263,24 @@ class KerasCallbacks(Action):
             if self._stopped_at is None:
                 self._stopped_at = context.step
             context.stop()
+
+
+def _rate_variable(optimizer: Any) -> Any:
+    """The optimizer's learning-rate variable (None for a schedule, which no callback sets)."""
+    return next((v for v in optimizer.variables if v.name == "learning_rate"), None)
+
+
+def _rate(optimizer: Any) -> float | None:
+    variable = _rate_variable(optimizer)
+    return None if variable is None else float(np.asarray(variable.numpy()))
+
+
+def _set_rate(optimizer: Any, rate: float, step: int) -> None:
+    """A call continuing this run in this process: the rate the callbacks ended the last
+    call with (a cut made at its final evaluation), not the rate of the checkpoint at
+    `step`, which was written before that evaluation."""
+    variable = _rate_variable(optimizer)
+    if variable is not None and float(np.asarray(variable.numpy())) != rate:
+        variable.assign(rate)
+        logging.info("tputrain: Keras callbacks: the learning rate is %g, as the callbacks "
+                     "set it at the evaluation of step %d (after its checkpoint)", rate, step)

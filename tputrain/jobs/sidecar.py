@@ -33,12 +33,10 @@ process died or hangs) raises `NoNewCheckpointError`, holding the results so far
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import time
-import uuid
 from typing import Callable
 
 import tensorflow as tf
@@ -51,9 +49,11 @@ from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.recovery import UNREADABLE_ERRORS, read_newest
 from tputrain.checkpointing.run_directory import ModelDirError, RunDirectory
 from tputrain.core.checks import check_int
+from tputrain.data.file_cache import file_stamp
 from tputrain.fault_tolerance.lock import ModelDirInUseError, lock_model_dir, release_model_dir
 from tputrain.jobs.predict import Outputs, predict_weights
 from tputrain.runtime.run_view import RunView, view_of
+from tputrain.runtime.validate import write_failure, write_probe
 from tputrain.trainer import Trainer  # ReadOnlyTrainer is one
 
 EVAL_DIR = RunDirectory.EVAL
@@ -188,16 +188,16 @@ class EvalRecord:
 
 
 def checkpoint_stamp(path: str) -> str:
-    """A digest of the names, sizes and modification times of checkpoint `path`'s
-    files ("" when it has none): another value is another write of that step."""
+    """A digest of checkpoint `path`'s files, each by name and `file_stamp` (size,
+    modification time, first bytes; "" when it has none): another value is another
+    write of that step."""
     try:
         files = sorted(tf.io.gfile.glob(f"{path}.*"))
-        stats = [(os.path.basename(name), tf.io.gfile.stat(name)) for name in files]
     except tf.errors.OpError:  # gone while looked at
         return ""
-    if not stats:
+    if not files:
         return ""
-    text = repr([(name, stat.length, stat.mtime_nsec) for name, stat in stats])
+    text = json.dumps([[os.path.basename(name), *file_stamp(name).values()] for name in files])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -250,21 +250,15 @@ def _check_writable(eval_dir: str) -> None:
     """eval/ takes the summaries and the record: one that takes no writes (a read-only
     model_dir) is a `ModelDirError` before any evaluation, not a failure of the
     summary writer's thread after the first."""
-    probe = f"{eval_dir.rstrip('/')}/.tputrain-write-test-{uuid.uuid4().hex[:8]}"
     try:
         tf.io.gfile.makedirs(eval_dir)
-        with tf.io.gfile.GFile(probe, "wb") as f:
-            f.write(b"\0")
-        tf.io.gfile.remove(probe)
+        write_probe(eval_dir)
     except (tf.errors.OpError, OSError) as error:
-        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        if getattr(error, "errno", None) == errno.ENOTDIR or "not a directory" in text.lower():
-            what, fix = "is not a directory", "move that file away"
-        elif getattr(error, "errno", None) == errno.ENOSPC or "no space left" in text.lower():
-            what, fix = "is full", "free some space"
-        else:
-            what, fix = "is not writable", ("fix its permissions, or evaluate a copy of the run "
-                                            "in a writable folder")
+        kind, text = write_failure(error)
+        what, fix = {"not a directory": ("is not a directory", "move that file away"),
+                     "full": ("is full", "free some space")}.get(
+            kind, ("is not writable", "fix its permissions, or evaluate a copy of the run "
+                                      "in a writable folder"))
         raise ModelDirError(f"{eval_dir} {what} ({text}): tputrain eval writes its summaries "
                             f"and {RECORD_FILE} there; {fix}") from None
 

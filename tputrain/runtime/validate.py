@@ -279,26 +279,45 @@ def check_model_dir(model_dir: str, checkpoint_bytes: int = 0, keep: int = 2,
 
 
 def _write_probe(directory: str, checkpoint_bytes: int) -> None:
+    write_probe(directory, min(max(checkpoint_bytes, 1), _MIB))
+
+
+def write_probe(directory: str, size: int = 1) -> None:
+    """Writes and deletes a probe file of `size` bytes in `directory` (raises the store's
+    error: `write_failure` says which kind)."""
     probe = f"{directory.rstrip('/')}/.tputrain-write-test-{uuid.uuid4().hex[:8]}"
     with tf.io.gfile.GFile(probe, "wb") as f:
-        f.write(b"\0" * min(max(checkpoint_bytes, 1), _MIB))
+        f.write(b"\0" * size)
     tf.io.gfile.remove(probe)
 
 
-def _explain_write_error(model_dir: str, error: Exception) -> str:
+def write_failure(error: Exception) -> tuple[str, str]:
+    """(kind, first line) of a failed write: "full", "not writable", "not a directory"
+    or "other"."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     code = getattr(error, "errno", None)
     lowered = text.lower()
     if code == errno.ENOSPC or "no space left" in lowered:
-        return (f"model_dir {model_dir} is full ({text}): free some space or "
-                              "choose a --model_dir on a larger disk")
+        return "full", text
     if (code in (errno.EROFS, errno.EACCES, errno.EPERM)
             or isinstance(error, (tf.errors.PermissionDeniedError, PermissionError))
             or "read-only" in lowered or "permission" in lowered):
-        return (f"model_dir {model_dir} is not writable ({text}): choose a "
-                              "writable --model_dir or fix its permissions")
+        return "not writable", text
     if code == errno.ENOTDIR or "not a directory" in lowered:
+        return "not a directory", text
+    return "other", text
+
+
+def _explain_write_error(model_dir: str, error: Exception) -> str:
+    kind, text = write_failure(error)
+    if kind == "full":
+        return (f"model_dir {model_dir} is full ({text}): free some space or "
+                "choose a --model_dir on a larger disk")
+    if kind == "not writable":
+        return (f"model_dir {model_dir} is not writable ({text}): choose a "
+                "writable --model_dir or fix its permissions")
+    if kind == "not a directory":
         return (f"model_dir {model_dir} is inside a file, not a directory "
                 f"({text}): choose another --model_dir")
     return (f"cannot write to model_dir {model_dir} ({type(error).__name__}: "
-                               f"{text}): choose a writable --model_dir")
+            f"{text}): choose a writable --model_dir")

@@ -16,6 +16,7 @@ import sys
 import tensorflow as tf
 from absl import flags, logging
 
+from tputrain.checkpointing.files import first_line
 from tputrain.cli.common import list_in_help, reject_arguments, run_command
 from tputrain.data import write_tfrecords
 from tputrain.data.manifest import manifest_path
@@ -70,7 +71,7 @@ def main(argv: list[str]) -> None:
 def _one_line(error: Exception, prefix: str) -> str:
     """The error in one line; a full disk (TensorFlow's ResourceExhaustedError or
     OSError ENOSPC) with the fix. The write removed its temp shards either way."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = first_line(error)
     if getattr(error, "errno", None) == errno.ENOSPC or "no space left" in text.lower():
         return (f"the disk is full writing {prefix}-* ({text}): free some space or choose "
                 "an --output_prefix on a larger disk (nothing was written: the temporary "

@@ -58,6 +58,7 @@ import tensorflow as tf
 from absl import logging
 
 from tputrain.checkpointing.atomic import atomic_path, write_atomically
+from tputrain.checkpointing.files import first_line
 from tputrain.checkpointing.run_directory import ModelDirError, RunDirectory
 from tputrain.checkpointing.seeds import seed_generator_states
 from tputrain.core.cache_dir import cache_root
@@ -220,7 +221,7 @@ class PlanRecord:
         """A record that cannot be read is none for a run with no checkpoint yet (it
         chooses and records a plan); a resumed run stops: taken for none, the resume
         ran another plan than its steps so far, no longer bitwise, without a word."""
-        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        text = first_line(error)
         if resumed:
             raise ModelDirError(
                 f"{self.path} is damaged or unreadable ({text}): it holds the XLA plan this "

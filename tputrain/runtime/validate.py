@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tputrain.checkpointing.files import readable_sizes
+from tputrain.checkpointing.files import first_line, readable_sizes
 from tputrain.checkpointing.run_directory import ModelDirError, RunDirectory  # noqa: F401  (ModelDirError: its old place)
 from tputrain.data import (FeatureSpecError, InputStateError, explain_data_loss,
                            explain_parse_error)
@@ -294,7 +294,7 @@ def write_probe(directory: str, size: int = 1) -> None:
 def write_failure(error: Exception) -> tuple[str, str]:
     """(kind, first line) of a failed write: "full", "not writable", "not a directory"
     or "other"."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = first_line(error)
     code = getattr(error, "errno", None)
     lowered = text.lower()
     if code == errno.ENOSPC or "no space left" in lowered:

@@ -45,7 +45,7 @@ from tputrain.core import tracing
 from tputrain.actions.best import BestCheckpoint, best_record
 from tputrain import _compat
 from tputrain.checkpointing.atomic import TEMP_MARK, atomic_path, left_by_dead_writer
-from tputrain.checkpointing.files import list_checkpoints, step_of
+from tputrain.checkpointing.files import first_line, list_checkpoints, step_of
 from tputrain.checkpointing.model_variables import model_trackables
 from tputrain.checkpointing.recovery import UNREADABLE_ERRORS, read_newest
 from tputrain.checkpointing.run_directory import RunDirectory
@@ -356,7 +356,7 @@ EXPORT_DIR_FLAG = "--export_dir=DIR"
 def export_folder_message(error: BaseException, setting: str) -> str:
     """`error`'s first line, naming `setting` instead of `EXPORT_DIR_FLAG` as the way to
     choose the export folder (for a caller that has no such flag: `tputrain run`)."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = first_line(error)
     return text.replace(EXPORT_DIR_FLAG, setting)
 
 
@@ -401,7 +401,7 @@ def write_saved_model(model: keras.Model, inputs: Any, spec: Any, path: str,
 
 def _write_error(path: str, error: BaseException) -> OSError:
     """One line: why the export could not be written, and what to do."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = first_line(error)
     lowered, code = text.lower(), getattr(error, "errno", None)
     if code == errno.ENOSPC or "no space left" in lowered:
         return OSError(f"no room to export to {path} ({text}): free some space, or export to "
